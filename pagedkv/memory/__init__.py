@@ -1,0 +1,22 @@
+"""The paging itself: blocks, block tables, prefix cache. Pure Python, no torch import."""
+
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.block_table import BlockTable, blocks_for
+from pagedkv.memory.errors import PoolExhaustedError
+from pagedkv.memory.manager import KVCacheManager, KVUsage
+from pagedkv.memory.prefix_cache import ROOT, PrefixCache
+from pagedkv.memory.spec import GPT_STYLE_7B, KVSpec, parse_bytes
+
+__all__ = [
+    "GPT_STYLE_7B",
+    "ROOT",
+    "BlockPool",
+    "BlockTable",
+    "KVCacheManager",
+    "KVSpec",
+    "KVUsage",
+    "PoolExhaustedError",
+    "PrefixCache",
+    "blocks_for",
+    "parse_bytes",
+]

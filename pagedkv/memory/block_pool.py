@@ -1,0 +1,155 @@
+"""The physical KV blocks: who holds each one, which are free, which are cached.
+
+Three disjoint states cover every block at all times:
+
+* in use -- refcount > 0, held by one or more block tables;
+* free -- refcount 0 and holding nothing worth keeping (a stack: O(1) pop and push);
+* cached-free -- refcount 0 but its contents are registered in the prefix cache, so a later
+  request with the same prefix can take it back without recomputing. These sit in an LRU queue
+  (an ``OrderedDict``: O(1) push, pop and removal by id) and are evicted, oldest first, only when
+  the plain free stack is empty.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from pagedkv.memory.errors import PoolExhaustedError
+from pagedkv.memory.prefix_cache import PrefixCache
+
+
+class BlockPool:
+    """A fixed number of physical blocks of ``block_size`` token slots each."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"BlockPool.num_blocks must be a positive integer, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"BlockPool.block_size must be a positive integer, got {block_size!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._refcount = [0] * num_blocks
+        # Reversed so that a fresh pool hands out block 0, 1, 2, ... (easier to read in plots).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.prefix_cache = PrefixCache()
+        self.num_evictions = 0
+
+    # -- counts -----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take right now: plain free plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose contents are registered in the prefix cache, held or not."""
+        return len(self.prefix_cache)
+
+    def refcount(self, block_id: int) -> int:
+        return self._refcount[block_id]
+
+    def is_cached_free(self, block_id: int) -> bool:
+        return block_id in self._evictable
+
+    def free_block_ids(self) -> list[int]:
+        """Plain free blocks (for invariant checks and plots; O(free))."""
+        return list(self._free)
+
+    def cached_free_block_ids(self) -> list[int]:
+        return list(self._evictable)
+
+    # -- allocation -------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` blocks with refcount 1, all or nothing.
+
+        Plain free blocks go first; only then are cached-free blocks evicted, least recently
+        used first.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if n > self.num_free_blocks:
+            raise PoolExhaustedError(n, self.num_free_blocks, self.num_blocks)
+        blocks = []
+        for _ in range(n):
+            if not self._free:
+                victim, _ = self._evictable.popitem(last=False)
+                self._forget(victim)
+                self.num_evictions += 1
+            block = self._free.pop()
+            self._refcount[block] = 1
+            blocks.append(block)
+        return blocks
+
+    def incref(self, block_id: int) -> None:
+        """Add a holder. A cached-free block comes back into use; a plain free one cannot."""
+        if self._refcount[block_id] == 0:
+            if block_id not in self._evictable:
+                raise ValueError(f"block {block_id} is free and holds no cached data; it cannot be shared")
+            del self._evictable[block_id]
+        self._refcount[block_id] += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference to each block; those reaching zero become free or cached-free.
+
+        Freed cached blocks join the LRU queue at the young end, in the order given: callers
+        pass a table's blocks tail first, so a sequence's last blocks are evicted before the
+        prefix blocks that other requests are more likely to share.
+        """
+        for block in block_ids:
+            count = self._refcount[block]
+            if count <= 0:
+                raise ValueError(f"double free of block {block}: its refcount is already 0")
+            self._refcount[block] = count - 1
+            if count == 1:
+                if block in self.prefix_cache:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+
+    # -- prefix caching ---------------------------------------------------------------------
+    def cache_block(self, block_id: int, parent: int, token_ids: Sequence[int]) -> bool:
+        """Register a full, computed, held block's contents. False if already cached elsewhere."""
+        if self._refcount[block_id] <= 0:
+            raise ValueError(f"block {block_id} is not in use; only held blocks can be cached")
+        if len(token_ids) != self.block_size:
+            raise ValueError(f"only full blocks are cached: got {len(token_ids)} of {self.block_size} tokens")
+        return self.prefix_cache.insert(block_id, parent, token_ids)
+
+    def match_prefix(self, token_ids: Sequence[int], max_blocks: int) -> list[int]:
+        """Cached blocks covering the longest prefix of ``token_ids`` (no side effects)."""
+        return self.prefix_cache.match(token_ids, self.block_size, max_blocks)
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Mark cached-free blocks as recently used (moves them to the young end of the LRU)."""
+        for block in block_ids:
+            if block in self._evictable:
+                self._evictable.move_to_end(block)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block; cached-free blocks become plain free. Returns how many."""
+        forgotten = 0
+        for block in list(self.prefix_cache.blocks()):
+            if block in self.prefix_cache:
+                forgotten += len(self._forget(block))
+        return forgotten
+
+    def _forget(self, block_id: int) -> list[int]:
+        """Drop ``block_id`` and its cached descendants from the cache; free the unheld ones."""
+        forgotten = self.prefix_cache.remove(block_id)
+        for block in forgotten:
+            if block in self._evictable:
+                del self._evictable[block]
+                self._free.append(block)
+            elif block == block_id and self._refcount[block] == 0:
+                self._free.append(block)
+        return forgotten

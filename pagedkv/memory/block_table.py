@@ -1,0 +1,111 @@
+"""One sequence's map from logical blocks (its token positions) to physical blocks.
+
+Like a page table: the sequence sees positions 0..n-1 in order; the physical blocks behind them
+can sit anywhere in the pool and can be shared with other sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.errors import PoolExhaustedError
+
+CopyPair = tuple[int, int]
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens: the real length rounded up to a block."""
+    return -(-num_tokens // block_size)
+
+
+class BlockTable:
+    """A sequence's blocks and token count. Holds one reference to each of its blocks."""
+
+    def __init__(self, pool: BlockPool, block_ids: Sequence[int] = (), num_tokens: int = 0) -> None:
+        """Wrap blocks the caller already holds a reference to (e.g. prefix-cache hits)."""
+        if num_tokens > len(block_ids) * pool.block_size:
+            raise ValueError(f"{num_tokens} tokens do not fit in {len(block_ids)} blocks")
+        self.pool = pool
+        self.block_ids: list[int] = list(block_ids)
+        self.num_tokens = num_tokens
+        #: Leading blocks already registered in the prefix cache (the manager advances it).
+        self.num_cached_blocks = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def capacity(self) -> int:
+        """Token slots held: the waste is ``capacity - num_tokens`` (< one block)."""
+        return len(self.block_ids) * self.block_size
+
+    def _last_block_is_shared_partial(self) -> bool:
+        return (
+            self.num_tokens % self.block_size != 0
+            and self.num_tokens > 0
+            and self.pool.refcount(self.block_ids[-1]) > 1
+        )
+
+    def blocks_needed(self, n: int) -> int:
+        """New blocks ``append_slots(n)`` would take, a copy-on-write copy included."""
+        if n <= 0:
+            return 0
+        grow = blocks_for(self.num_tokens + n, self.block_size) - len(self.block_ids)
+        return max(grow, 0) + int(self._last_block_is_shared_partial())
+
+    def append_slots(self, n: int) -> list[CopyPair]:
+        """Make room for ``n`` more tokens; return the (source, destination) block copies due.
+
+        Blocks are taken only on block boundaries. If the last block is partially filled and
+        shared (after a fork), it is copied first -- copy-on-write -- and only that block: the
+        caller must copy the data of each returned pair before writing. All or nothing: if the
+        pool is short, :class:`PoolExhaustedError` is raised and nothing changes.
+        """
+        if n < 0:
+            raise ValueError(f"cannot append a negative number of slots ({n})")
+        needed = self.blocks_needed(n)
+        if needed > self.pool.num_free_blocks:
+            raise PoolExhaustedError(needed, self.pool.num_free_blocks, self.pool.num_blocks)
+        copies: list[CopyPair] = []
+        if needed and self._last_block_is_shared_partial():
+            shared = self.block_ids[-1]
+            (private,) = self.pool.allocate(1)
+            self.pool.free([shared])
+            self.block_ids[-1] = private
+            copies.append((shared, private))
+        grow = blocks_for(self.num_tokens + n, self.block_size) - len(self.block_ids)
+        if grow > 0:
+            self.block_ids.extend(self.pool.allocate(grow))
+        self.num_tokens += n
+        return copies
+
+    def fork(self) -> BlockTable:
+        """A child that shares every block (refcount + 1); writes diverge by copy-on-write."""
+        for block in self.block_ids:
+            self.pool.incref(block)
+        child = BlockTable(self.pool, self.block_ids, self.num_tokens)
+        child.num_cached_blocks = self.num_cached_blocks
+        return child
+
+    def free(self) -> None:
+        """Drop this table's references, tail first (see :meth:`BlockPool.free`)."""
+        self.pool.free(reversed(self.block_ids))
+        self.block_ids = []
+        self.num_tokens = 0
+        self.num_cached_blocks = 0
+
+    def slot(self, position: int) -> int:
+        """Physical slot (block_id * block_size + offset) of logical token ``position``."""
+        if not 0 <= position < self.capacity:
+            raise IndexError(f"position {position} outside the table's {self.capacity} slots")
+        block, offset = divmod(position, self.block_size)
+        return self.block_ids[block] * self.block_size + offset
+
+    def slots(self, start: int, end: int) -> list[int]:
+        """Physical slots of logical positions ``start..end-1``."""
+        bs = self.block_size
+        if not 0 <= start <= end <= self.capacity:
+            raise IndexError(f"positions {start}..{end} outside the table's {self.capacity} slots")
+        return [self.block_ids[p // bs] * bs + p % bs for p in range(start, end)]

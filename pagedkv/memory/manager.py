@@ -1,0 +1,184 @@
+"""The narrow API the scheduler uses: sequences in, block tables and slots out.
+
+The scheduler never touches a block; it asks this manager whether a sequence fits, to allocate
+its prompt (reusing cached prefix blocks), to grow it by a token, to fork it, and to free it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.block_table import BlockTable, CopyPair, blocks_for
+from pagedkv.memory.errors import PoolExhaustedError
+from pagedkv.memory.prefix_cache import ROOT
+
+SeqId = Hashable
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """A snapshot of the pool, in blocks. ``utilization`` is in-use blocks / total."""
+
+    total_blocks: int
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    cached_free_blocks: int
+    block_size: int
+
+    @property
+    def utilization(self) -> float:
+        return self.used_blocks / self.total_blocks
+
+
+class KVCacheManager:
+    """Owns the block pool and one :class:`BlockTable` per live sequence."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+    ) -> None:
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.pool = BlockPool(num_blocks, block_size)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        #: Blocks kept free at admission so running sequences can still grow a little.
+        self.watermark_blocks = int(watermark * num_blocks)
+        self._tables: dict[SeqId, BlockTable] = {}
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def __contains__(self, seq_id: SeqId) -> bool:
+        return seq_id in self._tables
+
+    def table(self, seq_id: SeqId) -> BlockTable:
+        try:
+            return self._tables[seq_id]
+        except KeyError:
+            raise KeyError(f"sequence {seq_id!r} holds no KV blocks") from None
+
+    def block_ids(self, seq_id: SeqId) -> list[int]:
+        return self.table(seq_id).block_ids
+
+    # -- admission --------------------------------------------------------------------------
+    def _cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        # Never cover the prompt's last token: its logits must come out of this step.
+        return self.pool.match_prefix(token_ids, (len(token_ids) - 1) // self.block_size)
+
+    def blocks_to_allocate(self, token_ids: Sequence[int]) -> int:
+        """New blocks a prompt would take after its cache hits (hits still count as used)."""
+        hits = self._cached_prefix(token_ids)
+        revived = sum(1 for b in hits if self.pool.refcount(b) == 0)
+        return blocks_for(len(token_ids), self.block_size) - len(hits) + revived
+
+    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+        needed = self.blocks_to_allocate(token_ids)
+        return needed <= self.pool.num_free_blocks - self.watermark_blocks
+
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
+        """Give ``seq_id`` blocks for its whole prompt; return how many tokens were cached.
+
+        Cached prefix blocks are shared (refcount + 1) instead of allocated; the caller skips
+        computing those tokens.
+        """
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already holds KV blocks")
+        hits = self._cached_prefix(token_ids)
+        needed = blocks_for(len(token_ids), self.block_size) - len(hits)
+        needed += sum(1 for b in hits if self.pool.refcount(b) == 0)
+        if needed > self.pool.num_free_blocks:
+            raise PoolExhaustedError(needed, self.pool.num_free_blocks, self.num_blocks)
+        for block in hits:
+            self.pool.incref(block)
+        table = BlockTable(self.pool, hits, len(hits) * self.block_size)
+        table.num_cached_blocks = len(hits)
+        table.append_slots(len(token_ids) - table.num_tokens)
+        self._tables[seq_id] = table
+        cached_tokens = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_query_tokens += len(token_ids)
+            self.prefix_hit_tokens += cached_tokens
+        return cached_tokens
+
+    # -- growth, sharing, release -----------------------------------------------------------
+    def can_append(self, seq_id: SeqId, n: int = 1) -> bool:
+        return self.table(seq_id).blocks_needed(n) <= self.pool.num_free_blocks
+
+    def append_slots(self, seq_id: SeqId, n: int = 1) -> list[CopyPair]:
+        """Grow ``seq_id`` by ``n`` tokens; returns copy-on-write block copies to perform."""
+        return self.table(seq_id).append_slots(n)
+
+    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+        """``child_id`` shares every block of ``parent_id`` (parallel samples, beams)."""
+        if child_id in self._tables:
+            raise ValueError(f"sequence {child_id!r} already holds KV blocks")
+        self._tables[child_id] = self.table(parent_id).fork()
+
+    def free(self, seq_id: SeqId) -> None:
+        """Release ``seq_id``'s blocks; cached ones stay reusable until evicted. Idempotent."""
+        table = self._tables.pop(seq_id, None)
+        if table is not None:
+            table.free()
+
+    def cache_computed_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_computed: int) -> None:
+        """Register ``seq_id``'s full blocks whose keys/values are now computed.
+
+        Called after a step, so a block is only ever offered to other requests once its data
+        is really in the cache.
+        """
+        if not self.enable_prefix_caching:
+            return
+        table = self.table(seq_id)
+        full = min(num_computed, len(token_ids), table.num_tokens) // self.block_size
+        bs = self.block_size
+        cache = self.pool.prefix_cache
+        done = table.num_cached_blocks
+        if done and table.block_ids[done - 1] not in cache:
+            done = 0  # a reset forgot this chain: register it again from the start
+        for i in range(done, full):
+            parent = table.block_ids[i - 1] if i else ROOT
+            block, tokens = table.block_ids[i], token_ids[i * bs : (i + 1) * bs]
+            twin = cache.lookup(parent, tokens)
+            if twin is None:
+                if block not in cache:
+                    self.pool.cache_block(block, parent, tokens)
+            elif twin != block:
+                # Another sequence computed the same prefix first: share its block, drop ours.
+                self.pool.incref(twin)
+                self.pool.free([block])
+                table.block_ids[i] = twin
+        table.num_cached_blocks = max(done, full)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached contents (e.g. after weights change). Returns blocks forgotten."""
+        return self.pool.reset_prefix_cache()
+
+    # -- reporting --------------------------------------------------------------------------
+    def usage(self) -> KVUsage:
+        return KVUsage(
+            total_blocks=self.pool.num_blocks,
+            used_blocks=self.pool.num_used_blocks,
+            free_blocks=self.pool.num_free_blocks,
+            cached_blocks=self.pool.num_cached_blocks,
+            cached_free_blocks=self.pool.num_cached_free_blocks,
+            block_size=self.block_size,
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self._tables)
+
+    def seq_ids(self) -> list[SeqId]:
+        return list(self._tables)
