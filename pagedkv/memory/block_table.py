@@ -63,6 +63,11 @@ class BlockTable:
         caller must copy the data of each returned pair before writing. All or nothing: if the
         pool is short, :class:`PoolExhaustedError` is raised and nothing changes.
         """
+        # Fast path, taken by 15 of 16 decode steps: the token fits in a private last block.
+        if 0 < n <= len(self.block_ids) * self.pool.block_size - self.num_tokens:
+            if self.pool.refcount(self.block_ids[-1]) == 1:
+                self.num_tokens += n
+                return []
         if n < 0:
             raise ValueError(f"cannot append a negative number of slots ({n})")
         needed = self.blocks_needed(n)
