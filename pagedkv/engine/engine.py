@@ -1,0 +1,278 @@
+"""LLMEngine: requests in, tokens out, one scheduler step at a time.
+
+The engine owns the model, the paged KV cache and the scheduler. ``step()`` schedules, runs the
+model once over every scheduled token, samples, detokenizes, applies stop conditions and frees
+the blocks of whatever finished. The offline ``LLM`` and the HTTP server both drive it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedkv.attention import KVCache
+from pagedkv.engine.model_runner import ModelRunner
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.sampler import Sampler, make_generator
+from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.sequence import Request, Sequence
+from pagedkv.memory import KVCacheManager, blocks_for, parse_bytes
+from pagedkv.models import ModelConfig, builtin_model_path, load_model, load_tokenizer
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never be served as asked (too long, too big for the cache, ...)."""
+
+
+@dataclass
+class EngineConfig:
+    """Everything that sizes the engine. ``model=None`` means the built-in random-weight Llama."""
+
+    model: str | Path | None = None
+    dtype: str | torch.dtype | None = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: str | int = "256MiB"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
+    attention_backend: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        config = config or EngineConfig(**overrides)
+        self.config = config
+        path = Path(config.model) if config.model is not None else builtin_model_path()
+        self.model_path = path
+        self.is_builtin = config.model is None
+        self.model_config = ModelConfig.from_pretrained(path)
+        self.tokenizer = load_tokenizer(path)
+        self.model = load_model(path, config.dtype, config.device, config.attention_backend)
+        dtype = next(self.model.parameters()).dtype
+        spec = self.model_config.kv_spec()
+        if config.num_kv_blocks is not None:
+            self.kv_cache = KVCache(spec, config.num_kv_blocks, config.block_size, dtype, config.device)
+        else:
+            memory = parse_bytes(config.kv_cache_memory)
+            self.kv_cache = KVCache.from_memory(spec, memory, config.block_size, dtype, config.device)
+        limit = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
+        self.max_model_len = config.max_model_len or limit
+        self.kv = KVCacheManager(
+            self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching, config.watermark
+        )
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+        self.sampler = Sampler(sorted(eos))
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
+        self.requests: dict[str, Request] = {}
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Request:
+        """Validate and queue a request; raises :class:`InvalidRequestError` with the reason."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(token_ids, params)
+        request = Request(request_id, text, token_ids, params, arrival_time=time.monotonic())
+        seq = Sequence(request, 0, list(token_ids), make_generator(params.seed, 0))
+        seq.detokenizer = self.tokenizer.detokenizer(token_ids)
+        request.seqs.append(seq)
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        return request
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request "
+                f"asks for {total} ({len(token_ids)} in the prompt + {params.max_tokens} max_tokens)"
+            )
+        usable = self.kv.num_blocks - self.kv.watermark_blocks
+        needed = blocks_for(total, self.kv.block_size)
+        if needed > usable:
+            raise InvalidRequestError(
+                f"the request can never fit in the KV cache: {total} tokens need {needed} blocks of "
+                f"{self.kv.block_size} tokens, but only {usable} of {self.kv.num_blocks} blocks are usable"
+            )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is (queued or running); its blocks return at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One forward pass; the outputs of every request that produced a token or finished."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if self.scheduler.has_work:
+                raise RuntimeError("scheduler made no progress with requests waiting (a bug)")
+            return []
+        logits = self.runner.run(plan)
+        now = time.monotonic()
+        rows: list[Sequence] = []  # sequences to sample, forked samples included
+        row_logits: list[int] = []  # the logits row each of them samples from
+        num_sampled = 0
+        for item in plan.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens = item.end
+            if item.samples:
+                if seq.num_output_tokens == 0:
+                    self.num_prompt_tokens += seq.num_tokens
+                group = self._fork(seq) if seq.request.needs_fork else [seq]
+                row_logits.extend([num_sampled] * len(group))
+                rows.extend(group)
+                num_sampled += 1
+        touched: dict[str, Request] = {}
+        if rows:
+            sampled = self.sampler(
+                logits[row_logits],
+                [s.request.params for s in rows],
+                [s.generator for s in rows],
+                [s.output_token_ids for s in rows],
+                [s.request.prompt_token_ids for s in rows],
+            )
+            for seq, token, logprobs in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
+                self._append_token(seq, token, logprobs)
+                if seq.request.first_token_time is None:
+                    seq.request.first_token_time = now
+                touched[seq.request.request_id] = seq.request
+        for seq in {item.seq for item in plan.scheduled} | set(rows):
+            self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        for seq in rows:
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+        outputs = [self._output(request) for request in touched.values()]
+        for request in touched.values():
+            if request.is_finished:
+                self.requests.pop(request.request_id, None)
+        return outputs
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Turn a just-computed prompt into ``n`` samples sharing its blocks (copy-on-write)."""
+        request = parent.request
+        group = [parent]
+        for index in range(len(request.seqs), request.params.n):
+            child = Sequence(
+                request, index, list(parent.token_ids), make_generator(request.params.seed, index)
+            )
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids)
+            self.kv.fork(parent.seq_id, child.seq_id)
+            self.scheduler.add_running(child)
+            request.seqs.append(child)
+            group.append(child)
+        return group
+
+    def _append_token(self, seq: Sequence, token: int, logprobs) -> None:
+        params = seq.request.params
+        seq.token_ids.append(token)
+        self.num_generated_tokens += 1
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs.logprob
+        seq.text += seq.detokenizer.push(token)
+        if token in self.eos_token_ids and not params.ignore_eos:
+            seq.finish_reason = "stop"
+        elif token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif params.stop and self._truncate_at_stop(seq):
+            return
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            seq.text += seq.detokenizer.flush()
+            if params.stop:
+                self._truncate_at_stop(seq)
+
+    @staticmethod
+    def _truncate_at_stop(seq: Sequence) -> bool:
+        """End ``seq`` at the first stop string in its text, cutting the text before it."""
+        hits = [(seq.text.find(stop), stop) for stop in seq.request.params.stop]
+        hits = [(at, stop) for at, stop in hits if at >= 0]
+        if not hits:
+            return False
+        at, stop = min(hits)
+        seq.text = seq.text[:at]
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        return True
+
+    def _output(self, request: Request) -> RequestOutput:
+        params = request.params
+        completions = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in request.seqs
+        ]
+        metrics = {"arrival_time": request.arrival_time}
+        if request.first_token_time is not None:
+            metrics["time_to_first_token"] = request.first_token_time - request.arrival_time
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=completions,
+            finished=request.is_finished,
+            num_cached_tokens=request.num_cached_tokens,
+            metrics=metrics,
+        )
+
+    # -- statistics -------------------------------------------------------------------------
+    def kv_stats(self) -> dict[str, float | int]:
+        """Blocks total / used / cached, utilization, preemptions and prefix-cache hits."""
+        usage = self.kv.usage()
+        queries, hits = self.kv.prefix_query_tokens, self.kv.prefix_hit_tokens
+        return {
+            "block_size": usage.block_size,
+            "blocks_total": usage.total_blocks,
+            "blocks_used": usage.used_blocks,
+            "blocks_free": usage.free_blocks,
+            "blocks_cached": usage.cached_blocks,
+            "utilization": usage.utilization,
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries_tokens": queries,
+            "prefix_cache_hits_tokens": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+        }

@@ -1,0 +1,282 @@
+"""Turn one step's logits into one token per sequence, each row by its own request's rules.
+
+Processing order (vLLM v1 / transformers): repetition penalty (prompt and output tokens),
+frequency and presence penalties (output tokens), the ``min_tokens`` ban on stop tokens; then
+a greedy row takes the argmax, and any other row is divided by its temperature, filtered by
+``min_p``, ``top_k`` and ``top_p``, and drawn from the softmax of what is left.
+
+Reproducibility: a seeded row draws with its own ``torch.Generator`` and nothing else, through
+the exponential race ``argmax(p / E)`` with ``E ~ Exp(1)`` drawn from that generator (which picks
+token i with probability p_i). The draw consumes the same amount of the generator every step,
+so a request's tokens depend on its seed and its logits only, never on its row index or on
+which other requests share the batch. Unseeded rows share one draw from the global RNG.
+
+Logprobs are those of the raw model output, ``log_softmax(logits)`` before any penalty,
+temperature or filter: vLLM v1's default, and the only choice under which a greedy row
+(temperature 0) still has a distribution to report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.engine.sampling_params import SamplingParams
+
+
+def make_generator(
+    seed: int | None, sample_index: int = 0, device: str | torch.device = "cpu"
+) -> torch.Generator | None:
+    """The private RNG of one sequence: None (use the global RNG) when ``seed`` is None.
+
+    Sample ``i`` of an ``n > 1`` request uses ``seed + i`` (vLLM's convention), so the samples
+    differ from each other and each stays reproducible. Make it on the logits' device.
+    """
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed((seed + sample_index) % 2**64)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The logprob of a sampled token and, when asked for, the top of the distribution."""
+
+    token_id: int
+    logprob: float
+    #: 1 + the number of tokens strictly more likely than the sampled one.
+    rank: int
+    #: ``(token_id, logprob)`` of the most likely tokens, most likely first.
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One sampled token per row, and its logprobs for the rows whose request asked."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+    prompt_token_ids: list[list[int]],
+) -> None:
+    """Repetition (HF), then frequency and presence (OpenAI) penalties, in place.
+
+    Repetition: a logit of a token seen in the prompt or output is divided by the penalty
+    when positive and multiplied by it when negative. Frequency and presence: ``logit -=
+    frequency * count + presence * (count > 0)`` over the output tokens. Only rows with a
+    penalty are touched, so the [rows, V] count tensors stay as small as the need.
+    """
+    rows = [
+        i
+        for i, p in enumerate(params)
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    ]
+    if not rows:
+        return
+    device = logits.device
+    sub = logits[rows]
+    counts = torch.zeros_like(sub)
+    out_r, out_t = _flatten([output_token_ids[i] for i in rows], device)
+    counts.index_put_((out_r, out_t), torch.ones_like(out_t, dtype=sub.dtype), accumulate=True)
+    seen = counts > 0
+    prompt_r, prompt_t = _flatten([prompt_token_ids[i] for i in rows], device)
+    seen[prompt_r, prompt_t] = True
+
+    def column(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(params[i], name) for i in rows], dtype=sub.dtype, device=device)[:, None]
+
+    rep = column("repetition_penalty")
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub -= column("frequency_penalty") * counts + column("presence_penalty") * (counts > 0)
+    logits[rows] = sub
+
+
+def ban_stop_tokens(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+    eos_token_ids: tuple[int, ...],
+) -> None:
+    """Below ``min_tokens`` generated, EOS (unless ignored) and stop tokens get -inf, in place."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    for i, p in enumerate(params):
+        if len(output_token_ids[i]) < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            rows += [i] * len(banned)
+            tokens += sorted(banned)
+    if rows:
+        logits[
+            torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)
+        ] = -torch.inf
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than ``min_p`` times the row's most likely token."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, -torch.inf)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the ``top_k`` most likely tokens, then the smallest prefix of mass >= ``top_p``.
+
+    ``top_k`` holds the vocabulary size for rows without a limit. One stable descending sort
+    serves both filters; on ties the lower id ranks first, so ``top_k=1`` and a tiny ``top_p``
+    both keep exactly the token greedy decoding would pick.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(logits.shape[-1], device=logits.device)
+    drop = positions[None, :] >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, -torch.inf)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Rows at top_p = 1 keep everything: rounding can bring the running mass to 1 early.
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, -torch.inf)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row: ``argmax(p / E)``, ``E = -log(U) ~ Exp(1)`` from the row's generator.
+
+    Rows without a generator share one draw from the global RNG; each seeded row draws its own
+    noise, of the same size every step, on its generator's device. ``-log(U)`` rather than
+    ``Tensor.exponential_``: the same law, three times cheaper on CPU; U = 0 gives E = inf,
+    which only makes that one token lose, never a NaN.
+    """
+    uniform = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        uniform[unseeded] = torch.rand_like(probs[unseeded])
+    for i, g in enumerate(generators):
+        if g is not None:
+            row = torch.rand(probs.shape[-1], generator=g, dtype=probs.dtype, device=g.device)
+            uniform[i] = row.to(probs.device)
+    return (probs / uniform.log_().neg_()).argmax(dim=-1)
+
+
+class Sampler:
+    """The sampling step of the engine: logits [B, V] in, one token per row out."""
+
+    def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
+        #: Banned (with the request's stop tokens) until a request reaches its ``min_tokens``.
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        output_token_ids: list[list[int]],
+        prompt_token_ids: list[list[int]],
+    ) -> SamplerOutput:
+        """Sample row i of ``logits`` by ``params[i]`` with ``generators[i]``; see the module doc."""
+        _check_batch(logits, params, generators, output_token_ids, prompt_token_ids)
+        logits = logits.to(torch.float32, copy=True)
+        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
+
+        apply_penalties(logits, params, output_token_ids, prompt_token_ids)
+        ban_stop_tokens(logits, params, output_token_ids, self.eos_token_ids)
+
+        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1)
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        if drawn:
+            tokens[drawn] = self._draw(
+                logits[drawn], [params[i] for i in drawn], [generators[i] for i in drawn]
+            )
+
+        token_ids = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(params)
+        if raw_logprobs is not None:
+            chosen = [token_ids[i] for i in want_logprobs]
+            entries = _gather_logprobs(raw_logprobs, chosen, params, want_logprobs)
+            for i, entry in zip(want_logprobs, entries, strict=True):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    @staticmethod
+    def _draw(
+        logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        """Temperature, min_p, top_k, top_p, then the draw, for the non-greedy rows."""
+        device, vocab = logits.device, logits.shape[-1]
+
+        def column(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=logits.dtype, device=device)
+
+        logits = logits / column([p.temperature for p in params])[:, None]
+        if any(p.min_p > 0 for p in params):
+            logits = apply_min_p(logits, column([p.min_p for p in params]))
+        # The sort behind top_k / top_p is the costliest step: only the rows that filter pay it.
+        filtered = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
+        if filtered:
+            ks = [params[j].top_k if 0 < params[j].top_k < vocab else vocab for j in filtered]
+            top_k = torch.tensor(ks, device=device)
+            top_p = column([params[j].top_p for j in filtered])
+            logits[filtered] = apply_top_k_top_p(logits[filtered], top_k, top_p)
+        return exponential_race(logits.softmax(dim=-1), generators)
+
+
+def _gather_logprobs(
+    raw_logprobs: torch.Tensor, chosen: list[int], params: list[SamplingParams], rows: list[int]
+) -> list[TokenLogprobs]:
+    """Sampled token's logprob and rank, and each row's requested top-k, with one ``tolist``."""
+    chosen_t = torch.tensor(chosen, device=raw_logprobs.device)[:, None]
+    chosen_lp = raw_logprobs.gather(-1, chosen_t)
+    ranks = (raw_logprobs > chosen_lp).sum(dim=-1) + 1
+    k_max = max(params[i].logprobs for i in rows)
+    top_lp, top_ids = raw_logprobs.topk(k_max, dim=-1)
+    chosen_lp, ranks, top_lp, top_ids = (t.tolist() for t in (chosen_lp, ranks, top_lp, top_ids))
+    return [
+        TokenLogprobs(
+            token_id=chosen[j],
+            logprob=chosen_lp[j][0],
+            rank=ranks[j],
+            top=list(zip(top_ids[j][: params[i].logprobs], top_lp[j][: params[i].logprobs], strict=True)),
+        )
+        for j, i in enumerate(rows)
+    ]
+
+
+def _flatten(token_lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index, token id) pairs of ragged token lists, for one vectorised ``index_put_``."""
+    rows = [r for r, tokens in enumerate(token_lists) for _ in tokens]
+    tokens = [t for ts in token_lists for t in ts]
+    return (
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(tokens, dtype=torch.long, device=device),
+    )
+
+
+def _check_batch(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    output_token_ids: list[list[int]],
+    prompt_token_ids: list[list[int]],
+) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"Sampler expects logits of shape [batch, vocab], got {tuple(logits.shape)}")
+    lengths = {
+        "params": len(params),
+        "generators": len(generators),
+        "output_token_ids": len(output_token_ids),
+        "prompt_token_ids": len(prompt_token_ids),
+    }
+    wrong = {name: n for name, n in lengths.items() if n != logits.shape[0]}
+    if wrong:
+        raise ValueError(
+            f"Sampler got logits for {logits.shape[0]} rows but per-row inputs of lengths {wrong}"
+        )

@@ -1,0 +1,158 @@
+"""How one request wants its tokens chosen, checked once when the request is made.
+
+The names and meanings follow vLLM's ``SamplingParams`` (and through it the OpenAI API), so a
+caller who knows either knows this one. Every field is validated in ``__post_init__``: a bad
+value fails at the API boundary with a message naming the field and the value, instead of as
+a NaN or an index error deep inside a batched sampling step where the request is anonymous.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+#: Below this temperature a request is greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by a
+#: near-zero temperature would overflow, and the limit of the distribution is the argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
+
+#: The most top-logprobs a request may ask for per token (the OpenAI API's ``top_logprobs`` cap).
+MAX_LOGPROBS = 20
+
+#: The seeds ``torch.Generator.manual_seed`` accepts: a signed or unsigned 64-bit integer.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def _fail(name: str, requirement: str, value: object) -> ValueError:
+    return ValueError(f"SamplingParams.{name} must be {requirement}, got {value!r}")
+
+
+def _as_int(name: str, value: object, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as an int in [low, high]; booleans are refused, they are not counts."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _fail(name, "an integer", value)
+    value = int(value)
+    if low is not None and value < low:
+        raise _fail(name, f">= {low}", value)
+    if high is not None and value > high:
+        raise _fail(name, f"<= {high}", value)
+    return value
+
+
+def _as_float(
+    name: str,
+    value: object,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """``value`` as a finite float within the bounds; ints are fine (``temperature=0``), bools not.
+
+    The error quotes the value as the caller wrote it (``got -1``, not ``got -1.0``).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(name, "a number", value)
+    number = float(value)
+    if not math.isfinite(number):
+        raise _fail(name, "finite", value)
+    above = number > low if low_open else number >= low
+    below = number < high if high_open else number <= high
+    if not (above and below):
+        if math.isinf(high):
+            requirement = f"{'>' if low_open else '>='} {low}"
+        else:
+            requirement = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise _fail(name, requirement, value)
+    return number
+
+
+@dataclass
+class SamplingParams:
+    """Decoding settings of one request; see the module docstring for the conventions.
+
+    Normalisations done at construction: ``stop`` becomes a list of strings, ``stop_token_ids``
+    a list of ints (both empty when not given), ``top_k`` of 0 becomes -1 (both mean "off"),
+    and numeric fields become plain ``int`` / ``float``.
+    """
+
+    #: Independent samples for the prompt; they share its KV blocks (fork, copy-on-write).
+    n: int = 1
+    #: Most tokens to generate per sample.
+    max_tokens: int = 16
+    #: Softmax temperature; 0 means greedy (argmax, the lowest id on ties).
+    temperature: float = 1.0
+    #: Nucleus sampling: keep the most likely tokens whose probabilities sum to ``top_p``.
+    top_p: float = 1.0
+    #: Keep only the ``top_k`` most likely tokens; -1 or 0 turns it off.
+    top_k: int = -1
+    #: Drop tokens whose probability is below ``min_p`` times the most likely token's.
+    min_p: float = 0.0
+    #: Per-request seed: the same seed gives the same tokens whatever else is in the batch.
+    seed: int | None = None
+    #: Strings that end generation when they appear in the output text (not included in it).
+    stop: str | list[str] | None = None
+    #: Token ids that end generation (besides EOS).
+    stop_token_ids: list[int] | None = None
+    #: Keep generating past EOS (benchmarks that need a fixed output length).
+    ignore_eos: bool = False
+    #: Top logprobs to return per generated token besides the sampled token's own; None: none.
+    logprobs: int | None = None
+    #: OpenAI presence penalty: subtracted once from every token already generated.
+    presence_penalty: float = 0.0
+    #: OpenAI frequency penalty: subtracted once per earlier occurrence in the output.
+    frequency_penalty: float = 0.0
+    #: HF/CTRL repetition penalty over prompt and output tokens (> 1 discourages repeats).
+    repetition_penalty: float = 1.0
+    #: EOS and stop tokens cannot be sampled before this many tokens are generated.
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.n = _as_int("n", self.n, low=1)
+        self.max_tokens = _as_int("max_tokens", self.max_tokens, low=1)
+        self.temperature = _as_float("temperature", self.temperature, low=0)
+        self.top_p = _as_float("top_p", self.top_p, low=0, high=1, low_open=True)
+        self.top_k = _as_int("top_k", self.top_k, low=-1)
+        if self.top_k == 0:
+            self.top_k = -1
+        self.min_p = _as_float("min_p", self.min_p, low=0, high=1)
+        if self.seed is not None:
+            self.seed = _as_int("seed", self.seed, low=SEED_RANGE[0], high=SEED_RANGE[1])
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            raise _fail("ignore_eos", "a bool", self.ignore_eos)
+        if self.logprobs is not None:
+            self.logprobs = _as_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        self.presence_penalty = _as_float("presence_penalty", self.presence_penalty, low=-2, high=2)
+        self.frequency_penalty = _as_float("frequency_penalty", self.frequency_penalty, low=-2, high=2)
+        self.repetition_penalty = _as_float(
+            "repetition_penalty", self.repetition_penalty, low=0, low_open=True
+        )
+        self.min_tokens = _as_int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise _fail("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+
+    @staticmethod
+    def _normalise_stop(stop: object) -> list[str]:
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+            raise _fail("stop", "a string or a list of strings", stop)
+        if any(s == "" for s in items):
+            raise _fail("stop", "made of non-empty strings", stop)
+        return list(items)
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: object) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise _fail("stop_token_ids", "a list of integers", ids)
+        return [_as_int("stop_token_ids", i, low=0) for i in ids]
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax instead of drawing (temperature ~ 0)."""
+        return self.temperature < GREEDY_TEMPERATURE

@@ -1,0 +1,174 @@
+"""Continuous batching: which sequences run this step, and how many tokens each computes.
+
+Every step the scheduler first serves the running sequences (decodes, then unfinished prompt
+chunks), then admits waiting ones while the token budget, the sequence budget and the KV cache
+allow. New requests join and finished ones leave at every step. A long prompt is computed in
+chunks so it never stalls the running decodes for a whole prompt's worth of compute.
+
+When a running sequence needs a block and the pool is empty, the most recently admitted
+running sequence is preempted by recompute: its blocks go back to the pool and it returns to
+the front of the waiting queue; when readmitted, prefix caching usually finds its blocks again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedkv.engine.sequence import Sequence, SequenceStatus
+from pagedkv.memory import KVCacheManager
+
+logger = logging.getLogger("pagedkv.scheduler")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """A sequence and the slice ``start:end`` of its tokens this step computes.
+
+    Fixed when scheduled: the sequence itself moves on after the step.
+    """
+
+    seq: Sequence
+    start: int
+    end: int
+
+    @classmethod
+    def next_chunk(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
+        return cls(seq, seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the sequence's last token, so its logits are sampled."""
+        return self.end == len(self.seq.token_ids) and self.seq.finish_reason is None
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    #: Copy-on-write block copies to perform before the forward pass.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+    ) -> None:
+        if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_seqs and max_num_batched_tokens must be positive, "
+                f"got {max_num_seqs} and {max_num_batched_tokens}"
+            )
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        #: In admission order: the last one is the first to be preempted.
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sample: it already holds (shared) blocks and joins the running set."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove ``seq`` from whichever queue holds it and return its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        self.kv.free(seq.seq_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        # Decodes first: they are cheap and keep inter-token latency steady.
+        for seq in sorted(self.running, key=lambda s: s.in_prefill):
+            budget = self.max_num_batched_tokens - out.num_tokens
+            if seq not in self.running or budget == 0:
+                continue  # preempted while making room for an earlier one
+            if seq.in_prefill:
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            else:
+                if not self._make_room(seq, out):
+                    continue
+                out.block_copies.extend(self.kv.append_slots(seq.seq_id, 1))
+                n = 1
+            out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
+
+        budget = self.max_num_batched_tokens - out.num_tokens
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.kv.can_allocate(seq.token_ids):
+                break
+            self.waiting.popleft()
+            cached = self.kv.allocate(seq.seq_id, seq.token_ids)
+            seq.num_computed_tokens = cached
+            if seq.num_output_tokens == 0:
+                seq.request.num_cached_tokens = cached
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - cached, budget)
+            out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
+            budget -= n
+        return out
+
+    def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Preempt the newest running sequences until ``seq`` can grow by one token.
+
+        Returns False if ``seq`` itself had to be preempted.
+        """
+        while not self.kv.can_append(seq.seq_id, 1):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        lost = seq.num_computed_tokens
+        self.running.remove(seq)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        logger.warning(
+            "preempted request %s (sample %d) by recompute: %d computed tokens dropped, "
+            "%d KV blocks free of %d",
+            seq.request.request_id,
+            seq.index,
+            lost,
+            self.kv.usage().free_blocks,
+            self.kv.num_blocks,
+        )

@@ -1,0 +1,99 @@
+"""The state of one generated sequence and of the request that owns it.
+
+A request with ``n > 1`` starts as one sequence; when its prompt is computed it forks into ``n``
+sequences that share the prompt's KV blocks (copy-on-write). Each sequence is scheduled on its
+own from then on.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv.engine.sampler import TokenLogprobs
+from pagedkv.engine.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Tokens, progress and KV bookkeeping of one sequence.
+
+    ``num_computed_tokens`` counts tokens whose keys/values are in the cache; the tokens from
+    there to ``num_tokens`` are what the next steps compute. A decoding sequence has exactly
+    one: the token it sampled last.
+    """
+
+    request: Request
+    index: int
+    token_ids: list[int]
+    generator: torch.Generator | None
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    #: How often this sequence lost its KV blocks and had to recompute them.
+    num_preemptions: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    detokenizer: object | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than one token still to compute (a prompt, or a recomputation after preemption)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+
+@dataclass(eq=False)
+class Request:
+    """One call of ``add_request``: a prompt, its sampling parameters and its sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[Sequence] = field(default_factory=list)
+    first_token_time: float | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def needs_fork(self) -> bool:
+        """True until the ``n`` samples exist (they fork when the prompt is computed)."""
+        return len(self.seqs) < self.params.n
