@@ -1,0 +1,272 @@
+"""A normalised view of a Hugging Face ``config.json`` for the Llama family.
+
+Checkpoints in the wild were written by two generations of ``transformers``: 4.x spells RoPE as
+``rope_theta`` + ``rope_scaling`` and the dtype as ``torch_dtype``; 5.x writes one
+``rope_parameters`` dict and ``dtype``. Every other part of pagedkv reads this dataclass only, so
+that difference (and each architecture's defaults) is settled here, once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedkv.memory.spec import KVSpec
+
+#: The architectures (``config.json`` ``architectures[0]``) this package can run.
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+#: RoPE scalings implemented in :mod:`pagedkv.models.rope`.
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+
+#: dtype names accepted in config.json and by :func:`pagedkv.models.load_model`.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    # The values transformers' own config classes default to when config.json omits a key.
+    "LlamaForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
+    "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 128},
+}
+
+
+def unsupported_architecture(arch: str) -> ValueError:
+    return ValueError(f"unsupported architecture {arch!r}; pagedkv supports {list(SUPPORTED_ARCHITECTURES)}")
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, default: torch.dtype = torch.float32) -> torch.dtype:
+    """A torch dtype from a torch dtype, a name ('bfloat16', 'torch.float16') or None (-> default)."""
+    if dtype is None:
+        return default
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; choose one of {list(DTYPES)}")
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {list(DTYPES)}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32: the spelling KVSpec and config.json use."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE: base ``theta``, scaling ``type`` and that scaling's parameters (``factor``, ...)."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the model, the KV cache and the engine need to know about a checkpoint."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    #: bias on q/k/v projections (Qwen2, or Llama's ``attention_bias``).
+    attention_bias: bool = False
+    #: bias on o_proj (Llama/Qwen3 ``attention_bias`` covers it; Qwen2 never has one).
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    #: per-head RMSNorm on queries and keys before RoPE (Qwen3).
+    qk_norm: bool = False
+    #: sliding-window size for the layers marked sliding in ``layer_types``; None: full attention.
+    sliding_window: int | None = None
+    #: per layer, "full_attention" or "sliding_attention".
+    layer_types: tuple[str, ...] = ()
+    dtype: torch.dtype = torch.float32
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise unsupported_architecture(self.architecture)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"config {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope.type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported RoPE scaling {self.rope.type!r}; pagedkv supports {list(SUPPORTED_ROPE_TYPES)}"
+            )
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        unknown = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(
+                f"unsupported layer_types {unknown}; expected full_attention or sliding_attention"
+            )
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or self.sliding_window <= 0
+        ):
+            raise ValueError(
+                f"sliding_window must be a positive integer or null, got {self.sliding_window!r}"
+            )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """config.json's eos_token_id as a tuple (it may be an int, a list or absent)."""
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window layer ``layer`` attends over, None for full causal attention."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def kv_spec(self, dtype: torch.dtype | str | None = None) -> KVSpec:
+        """The KV cache shape of this model; the cache dtype defaults to the model's dtype."""
+        kv_dtype = resolve_dtype(dtype, default=self.dtype)
+        return KVSpec(self.num_layers, self.num_kv_heads, self.head_dim, dtype_name(kv_dtype))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """Read ``path/config.json`` (a folder or the file itself)."""
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no config.json in {path}: expected a Hugging Face model folder")
+        with open(file, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Normalise a config.json dict written by transformers 4.x or 5.x."""
+        architectures = raw.get("architectures") or []
+        if len(architectures) != 1:
+            raise ValueError(
+                f"config.json must name exactly one architecture, got {architectures!r}; "
+                f"pagedkv supports {list(SUPPORTED_ARCHITECTURES)}"
+            )
+        arch = architectures[0]
+        if arch not in _ARCH_DEFAULTS:
+            raise unsupported_architecture(arch)
+        defaults = _ARCH_DEFAULTS[arch]
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; the Llama family uses 'silu'")
+
+        num_layers = _required(raw, "num_hidden_layers")
+        num_heads = _required(raw, "num_attention_heads")
+        hidden = _required(raw, "hidden_size")
+        head_dim = raw.get("head_dim") or defaults.get("head_dim") or hidden // num_heads
+        bias = bool(raw.get("attention_bias", False))
+        max_pos = raw.get("max_position_embeddings", defaults["max_position_embeddings"])
+        sliding_window, layer_types = _sliding(raw, arch, num_layers)
+        return cls(
+            architecture=arch,
+            vocab_size=_required(raw, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_required(raw, "intermediate_size"),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", defaults["rms_norm_eps"])),
+            rope=_rope(raw, max_pos),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bias or arch == "Qwen2ForCausalLM",
+            o_proj_bias=bias and arch != "Qwen2ForCausalLM",
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=sliding_window,
+            layer_types=layer_types,
+            dtype=resolve_dtype(raw.get("dtype") or raw.get("torch_dtype")),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=raw.get("eos_token_id"),
+        )
+
+
+def _required(raw: dict[str, Any], key: str) -> Any:
+    if key not in raw:
+        raise ValueError(f"config.json lacks the required key {key!r}")
+    return raw[key]
+
+
+def _rope(raw: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
+    """RoPE from 5.x ``rope_parameters`` or from 4.x ``rope_theta`` + ``rope_scaling``."""
+    params = dict(raw.get("rope_parameters") or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"per-layer-type RoPE parameters are not supported: {sorted(params)}")
+    if not params:
+        params = dict(raw.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} is not supported (only full rotary embeddings)")
+    if rope_type == "llama3":
+        params.setdefault("original_max_position_embeddings", max_position_embeddings)
+    return RopeConfig(theta=float(theta), type=rope_type, params=params)
+
+
+def _sliding(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """The sliding window and which layers use it, as transformers decides per architecture.
+
+    Mistral slides every layer when ``sliding_window`` is set. Qwen2/Qwen3 slide only with
+    ``use_sliding_window`` and only layers from ``max_window_layers`` on (5.x also writes the
+    resulting ``layer_types``). Llama never slides.
+    """
+    window = raw.get("sliding_window")
+    if arch == "LlamaForCausalLM":
+        window = None
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return None, ("full_attention",) * num_layers
+    if arch == "MistralForCausalLM":
+        return window, ("sliding_attention",) * num_layers
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        first = raw.get("max_window_layers", 28)
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return window, tuple(layer_types)

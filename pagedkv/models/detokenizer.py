@@ -1,0 +1,58 @@
+"""Streaming detokenization: text deltas for tokens that arrive one at a time.
+
+Decoding token by token and joining the pieces is wrong for two reasons: byte-level BPE can
+split one UTF-8 character over several tokens (each alone decodes to U+FFFD), and some decoders
+(SentencePiece's leading-space rule) decode a token differently at the start of a string. So,
+like vLLM, each step decodes a short window twice -- from ``prefix_offset`` up to the tokens
+already emitted, and up to the newest -- and emits the difference, holding it back while it
+ends in U+FFFD (an unfinished character). Cost per token is O(window), not O(sequence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+#: Prompt tokens kept as left context so the first generated token decodes as it would mid-text.
+PROMPT_CONTEXT = 5
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Feed token ids with :meth:`push`; the joined deltas plus :meth:`flush` equal
+    ``decode(generated ids)`` (for byte-level BPE; for other decoders, the generated text as it
+    reads after the prompt)."""
+
+    def __init__(
+        self,
+        decode: Callable[..., str],
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._decode = decode
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:]) if prompt_ids else []
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def _text(self, ids: list[int]) -> str:
+        return self._decode(ids, skip_special_tokens=self._skip)
+
+    def push(self, token_ids: int | Sequence[int]) -> str:
+        """Add generated token(s); return the text they complete (possibly '')."""
+        self._ids.extend([token_ids] if isinstance(token_ids, int) else token_ids)
+        prefix_text = self._text(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._text(self._ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        # Drop ids left of the new window so memory stays bounded on long generations.
+        del self._ids[: self._read_offset]
+        self._prefix_offset, self._read_offset = 0, len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """The text still held back (an unfinished character ends as U+FFFD, as decode gives)."""
+        prefix_text = self._text(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._text(self._ids[self._prefix_offset :])
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return new_text[len(prefix_text) :]

@@ -1,0 +1,180 @@
+"""One compact decoder for the whole Llama family: Llama, Mistral, Qwen2 and Qwen3.
+
+They differ only in switches read from :class:`ModelConfig`: q/k/v bias (Qwen2), per-head q/k
+RMSNorm (Qwen3), a sliding window (Mistral, optionally Qwen), tied embeddings, an explicit
+``head_dim``. Module and parameter names mirror transformers' so a checkpoint's tensor names
+are this module's ``state_dict`` keys. Unlike transformers the forward pass takes *packed*
+tokens of many sequences (no batch or padding dimension) and reads/writes keys and values only
+through :func:`pagedkv.attention.paged_attention`. Op order mirrors transformers (RMSNorm in
+float32 then cast back, weight applied after the cast) so fp32 logits agree to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv.attention import AttentionMetadata, KVCache, paged_attention
+from pagedkv.models.config import ModelConfig
+from pagedkv.models.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` without random init: the loader overwrites every weight, and initialising
+    a billion parameters only to discard them costs seconds."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Module):
+    """Token embedding without ``nn.Embedding``'s random init (see :class:`Linear`)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.layer_sliding_window(layer)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        backend: str | None,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(
+            q,
+            k,
+            v,
+            kv_cache.layers[self.layer],
+            metadata,
+            self.scale,
+            sliding_window=self.sliding_window,
+            backend=backend,
+        )
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        backend: str | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus the LM head; ``forward`` returns final hidden states, not logits, so the
+    engine can project only the rows it samples from (:meth:`compute_logits`)."""
+
+    def __init__(self, cfg: ModelConfig, attention_backend: str | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        #: attention backend name passed to every paged_attention call (None: the default).
+        self.attention_backend = attention_backend
+        self.model = LlamaModel(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head when the checkpoint ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` for packed ``input_ids``/``positions`` ``[T]``."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and positions must be 1-D and equally long, got {tuple(input_ids.shape)} "
+                f"and {tuple(positions.shape)}"
+            )
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv_cache, metadata, self.attention_backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, vocab]`` for hidden states ``[N, hidden]``."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,104 @@
+"""Build a model from a Hugging Face folder: config.json plus one or sharded *.safetensors.
+
+The model is created uninitialised (no random init of weights about to be overwritten) directly
+in the target dtype and on the target device, then filled tensor by tensor with safetensors'
+``safe_open`` so at most one tensor is held twice in memory. Every parameter must be filled
+exactly once: a missing or unexpected tensor is an error naming it, never a silent random weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pagedkv.models.config import ModelConfig, resolve_dtype
+from pagedkv.models.llama import LlamaForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+#: Tensors some checkpoints carry that the model recomputes instead of loading.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a folder: the index's shards, else model.safetensors, else all."""
+    folder = Path(path)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map")
+        if not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+    elif (folder / SINGLE_FILE).is_file():
+        files = [folder / SINGLE_FILE]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{INDEX_FILE} in {folder} lists shards that do not exist: {missing}")
+    return files
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device = "cpu",
+    attention_backend: str | None = None,
+) -> LlamaForCausalLM:
+    """The model of folder ``path`` in eval mode, weights cast to ``dtype`` (default: the
+    checkpoint's own dtype) on ``device``."""
+    cfg = ModelConfig.from_pretrained(path)
+    dtype = resolve_dtype(dtype, default=cfg.dtype)
+    cfg = dataclasses.replace(cfg, dtype=dtype)  # model.config describes the model as loaded
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg, attention_backend=attention_backend)
+    finally:
+        torch.set_default_dtype(previous)
+    model.tie_weights()
+    load_weights(model, weight_files(path))
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
+    """Copy every tensor of ``files`` into the same-named parameter of ``model``."""
+    params = dict(model.named_parameters())  # tied weights appear once, under the embedding's name
+    tied = model.config.tie_word_embeddings
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                param = params.get(name)
+                if param is None:
+                    unexpected.append(name)
+                    continue
+                tensor = f.get_tensor(name)
+                if tensor.shape != param.shape:
+                    raise ValueError(
+                        f"weight {name} in {file.name} has shape {tuple(tensor.shape)}, "
+                        f"but the config implies {tuple(param.shape)}"
+                    )
+                param.data.copy_(tensor)
+                loaded.add(name)
+    if unexpected:
+        raise ValueError(
+            f"the checkpoint has {len(unexpected)} weights this {model.config.architecture} does not use "
+            f"(config.json may not match the weights): {sorted(unexpected)[:8]}"
+        )
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} weights: {missing[:8]}")

@@ -1,0 +1,82 @@
+"""Rotary position embeddings, computed exactly as transformers computes them.
+
+Logits only match a reference to 1e-4 if every rounding matches too, so the inverse
+frequencies are built in float32 with transformers' formulas (default, linear, llama3), the
+angles are ``position * inv_freq`` in float32, and queries/keys rotate with the
+``rotate_half`` convention (first half of the head paired with the second half), with cos/sin
+cast to the activations' dtype first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedkv.models.config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """``[head_dim // 2]`` float32 inverse frequencies, on the CPU."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.type == "default":
+        return inv_freq
+    if rope.type == "linear":
+        return inv_freq / _param(rope, "factor")
+    if rope.type == "llama3":
+        return _llama3(inv_freq, rope)
+    raise ValueError(f"unsupported RoPE scaling {rope.type!r}")
+
+
+def _param(rope: RopeConfig, key: str) -> float:
+    if key not in rope.params:
+        raise ValueError(f"RoPE scaling {rope.type!r} needs {key!r} in its parameters, got {rope.params}")
+    return rope.params[key]
+
+
+def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by ``factor``, interpolate between."""
+    factor = _param(rope, "factor")
+    low_freq_factor = _param(rope, "low_freq_factor")
+    high_freq_factor = _param(rope, "high_freq_factor")
+    old_context_len = _param(rope, "original_max_position_embeddings")
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for arbitrary (packed, non-contiguous) positions.
+
+    Not an ``nn.Module``: it has no weights, and keeping ``inv_freq`` outside the module tree
+    keeps it in float32 on the CPU whatever dtype and device the model is built with.
+    """
+
+    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+        self.inv_freq = inverse_frequencies(rope, head_dim)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, head_dim]`` cos and sin for ``positions [T]``, cast to ``dtype``."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by ``cos/sin [T, head_dim]``."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return (x * cos) + (rotate_half(x) * sin)

@@ -1,0 +1,58 @@
+"""Paged batches for model tests: contiguous block assignment, built by hand.
+
+The engine's model runner builds the real thing from block tables the KV cache manager hands
+out; these tests only need *some* valid layout, so each sequence gets its own run of blocks.
+Sequences are deliberately not block-aligned and blocks are small, so every test crosses block
+boundaries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.attention import AttentionMetadata, KVCache
+from pagedkv.models import LlamaForCausalLM
+
+BLOCK_SIZE = 4
+
+
+class PagedBatch:
+    """Sequences that live in one KV cache; ``prefill`` then ``decode`` steps, packed."""
+
+    def __init__(
+        self, model: LlamaForCausalLM, max_len: int, num_seqs: int, block_size: int = BLOCK_SIZE
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.blocks_per_seq = -(-max_len // block_size)
+        num_blocks = num_seqs * self.blocks_per_seq
+        self.kv_cache = KVCache(model.config.kv_spec(), num_blocks, block_size)
+        self.tables = torch.arange(num_blocks, dtype=torch.int32).reshape(num_seqs, self.blocks_per_seq)
+        self.lens = [0] * num_seqs
+
+    def _slot(self, seq: int, pos: int) -> int:
+        return int(self.tables[seq, pos // self.block_size]) * self.block_size + pos % self.block_size
+
+    def step(self, new_tokens: list[list[int]]) -> list[torch.Tensor]:
+        """Run one packed forward over each sequence's ``new_tokens``; return each sequence's
+        float32 logits ``[len(new), vocab]``."""
+        ids, positions, slots, cu = [], [], [], [0]
+        for seq, tokens in enumerate(new_tokens):
+            start = self.lens[seq]
+            for offset, token in enumerate(tokens):
+                ids.append(token)
+                positions.append(start + offset)
+                slots.append(self._slot(seq, start + offset))
+            self.lens[seq] += len(tokens)
+            cu.append(cu[-1] + len(tokens))
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=self.tables,
+            context_lens=torch.tensor(self.lens, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            max_query_len=max(len(t) for t in new_tokens),
+        )
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_cache, metadata)
+            logits = self.model.compute_logits(hidden)
+        return [logits[cu[i] : cu[i + 1]] for i in range(len(new_tokens))]
