@@ -44,7 +44,9 @@ def run_live_batch(
     vocab = engine.model_config.vocab_size
     for i in range(num_requests):
         prompt = [rng.randrange(4, vocab) for _ in range(rng.randint(8, 120))]
-        params = SamplingParams(max_tokens=rng.randint(8, 64), temperature=0.8, seed=seed + i, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=rng.randint(8, 64), temperature=0.8, seed=seed + i, ignore_eos=True
+        )
         engine.add_request(f"demo-{i}", prompt, params)
     per_request = blocks_for(max_model_len, engine.kv.block_size)
     steps = peak_running = peak_used = peak_contiguous = generated = 0
