@@ -44,6 +44,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01
     attention_backend: str | None = None
+    #: "paged", or "contiguous" / "contiguous-oracle" to measure the reservation it replaces.
+    kv_policy: str = "paged"
 
 
 class LLMEngine:
@@ -67,10 +69,16 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
         self.max_model_len = config.max_model_len or limit
-        self.kv = KVCacheManager(
-            self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching, config.watermark
+        # A contiguous reservation never shares, so it never reuses a cached prefix either.
+        caching = config.enable_prefix_caching and config.kv_policy == "paged"
+        self.kv = KVCacheManager(self.kv_cache.num_blocks, config.block_size, caching, config.watermark)
+        self.scheduler = Scheduler(
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.kv_policy,
+            self.max_model_len,
         )
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.sampler = Sampler(sorted(eos))
@@ -112,10 +120,11 @@ class LLMEngine:
                 f"asks for {total} ({len(token_ids)} in the prompt + {params.max_tokens} max_tokens)"
             )
         usable = self.kv.num_blocks - self.kv.watermark_blocks
-        needed = blocks_for(total, self.kv.block_size)
+        reserved = self.max_model_len if self.scheduler.kv_policy == "contiguous" else total
+        needed = blocks_for(reserved, self.kv.block_size)
         if needed > usable:
             raise InvalidRequestError(
-                f"the request can never fit in the KV cache: {total} tokens need {needed} blocks of "
+                f"the request can never fit in the KV cache: {reserved} tokens need {needed} blocks of "
                 f"{self.kv.block_size} tokens, but only {usable} of {self.kv.num_blocks} blocks are usable"
             )
 
@@ -191,7 +200,8 @@ class LLMEngine:
             )
             child.num_computed_tokens = parent.num_computed_tokens
             child.detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids)
-            self.kv.fork(parent.seq_id, child.seq_id)
+            copies = self.kv.fork(parent.seq_id, child.seq_id, share=self.scheduler.shares_blocks)
+            self.scheduler.pending_copies.extend(copies)
             self.scheduler.add_running(child)
             request.seqs.append(child)
             group.append(child)

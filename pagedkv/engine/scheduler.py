@@ -5,6 +5,13 @@ chunks), then admits waiting ones while the token budget, the sequence budget an
 allow. New requests join and finished ones leave at every step. A long prompt is computed in
 chunks so it never stalls the running decodes for a whole prompt's worth of compute.
 
+The KV policy decides what admission reserves. ``paged`` (the default) takes blocks for the
+prompt only and one more block whenever a sequence crosses a block boundary. The two
+``contiguous`` policies behave like the systems PagedAttention replaced, on the same pool and
+kernels, so that only the allocation policy differs when they are compared: ``contiguous``
+reserves ``max_model_len`` slots per sequence at admission, ``contiguous-oracle`` exactly
+prompt + ``max_tokens`` (the oracle of the PagedAttention paper); neither ever shares a block.
+
 When a running sequence needs a block and the pool is empty, the most recently admitted
 running sequence is preempted by recompute: its blocks go back to the pool and it returns to
 the front of the waiting queue; when readmitted, prefix caching usually finds its blocks again.
@@ -63,13 +70,20 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+KV_POLICIES = ("paged", "contiguous", "contiguous-oracle")
+
+
 class Scheduler:
     def __init__(
         self,
         kv: KVCacheManager,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
+        kv_policy: str = "paged",
+        max_model_len: int = 2048,
     ) -> None:
+        if kv_policy not in KV_POLICIES:
+            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_seqs and max_num_batched_tokens must be positive, "
@@ -82,11 +96,27 @@ class Scheduler:
         #: In admission order: the last one is the first to be preempted.
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.kv_policy = kv_policy
+        self.max_model_len = max_model_len
+        #: Block copies requested between steps (a non-sharing fork) for the next step.
+        self.pending_copies: list[tuple[int, int]] = []
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+
+    @property
+    def shares_blocks(self) -> bool:
+        return self.kv_policy == "paged"
+
+    def reserve_tokens(self, seq: Sequence) -> int:
+        """Slots to hold for ``seq`` at admission, beyond its current tokens."""
+        if self.kv_policy == "contiguous":
+            return self.max_model_len
+        if self.kv_policy == "contiguous-oracle":
+            return seq.prompt_len + seq.request.params.max_tokens
+        return 0
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sample: it already holds (shared) blocks and joins the running set."""
@@ -108,7 +138,8 @@ class Scheduler:
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(block_copies=self.pending_copies)
+        self.pending_copies = []
         # Decodes first: they are cheap and keep inter-token latency steady.
         for seq in sorted(self.running, key=lambda s: s.in_prefill):
             budget = self.max_num_batched_tokens - out.num_tokens
@@ -126,10 +157,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens - out.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.kv.can_allocate(seq.token_ids):
+            reserve = self.reserve_tokens(seq)
+            if not self.kv.can_allocate(seq.token_ids, reserve):
                 break
             self.waiting.popleft()
-            cached = self.kv.allocate(seq.seq_id, seq.token_ids)
+            cached = self.kv.allocate(seq.seq_id, seq.token_ids, reserve)
             seq.num_computed_tokens = cached
             if seq.num_output_tokens == 0:
                 seq.request.num_cached_tokens = cached

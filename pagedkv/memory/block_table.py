@@ -86,6 +86,15 @@ class BlockTable:
         self.num_tokens += n
         return copies
 
+    def reserve(self, num_tokens: int) -> None:
+        """Hold blocks for ``num_tokens`` slots now, as a contiguous allocator would.
+
+        Only the capacity grows; appends then fill the reserved blocks without allocating.
+        """
+        missing = blocks_for(num_tokens, self.block_size) - len(self.block_ids)
+        if missing > 0:
+            self.block_ids.extend(self.pool.allocate(missing))
+
     def fork(self) -> BlockTable:
         """A child that shares every block (refcount + 1); writes diverge by copy-on-write."""
         for block in self.block_ids:

@@ -77,27 +77,30 @@ class KVCacheManager:
         # Never cover the prompt's last token: its logits must come out of this step.
         return self.pool.match_prefix(token_ids, (len(token_ids) - 1) // self.block_size)
 
-    def blocks_to_allocate(self, token_ids: Sequence[int]) -> int:
-        """New blocks a prompt would take after its cache hits (hits still count as used)."""
+    def blocks_to_allocate(self, token_ids: Sequence[int], reserve_tokens: int = 0) -> int:
+        """New blocks a prompt would take after its cache hits (hits still count as used).
+
+        ``reserve_tokens`` asks for slots beyond the prompt up front (contiguous reservation).
+        """
         hits = self._cached_prefix(token_ids)
         revived = sum(1 for b in hits if self.pool.refcount(b) == 0)
-        return blocks_for(len(token_ids), self.block_size) - len(hits) + revived
+        total = max(len(token_ids), reserve_tokens)
+        return blocks_for(total, self.block_size) - len(hits) + revived
 
-    def can_allocate(self, token_ids: Sequence[int]) -> bool:
-        needed = self.blocks_to_allocate(token_ids)
+    def can_allocate(self, token_ids: Sequence[int], reserve_tokens: int = 0) -> bool:
+        needed = self.blocks_to_allocate(token_ids, reserve_tokens)
         return needed <= self.pool.num_free_blocks - self.watermark_blocks
 
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int]) -> int:
+    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], reserve_tokens: int = 0) -> int:
         """Give ``seq_id`` blocks for its whole prompt; return how many tokens were cached.
 
         Cached prefix blocks are shared (refcount + 1) instead of allocated; the caller skips
-        computing those tokens.
+        computing those tokens. ``reserve_tokens`` holds slots for later tokens too.
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds KV blocks")
         hits = self._cached_prefix(token_ids)
-        needed = blocks_for(len(token_ids), self.block_size) - len(hits)
-        needed += sum(1 for b in hits if self.pool.refcount(b) == 0)
+        needed = self.blocks_to_allocate(token_ids, reserve_tokens)
         if needed > self.pool.num_free_blocks:
             raise PoolExhaustedError(needed, self.pool.num_free_blocks, self.num_blocks)
         for block in hits:
@@ -105,6 +108,7 @@ class KVCacheManager:
         table = BlockTable(self.pool, hits, len(hits) * self.block_size)
         table.num_cached_blocks = len(hits)
         table.append_slots(len(token_ids) - table.num_tokens)
+        table.reserve(reserve_tokens)
         self._tables[seq_id] = table
         cached_tokens = len(hits) * self.block_size
         if self.enable_prefix_caching:
@@ -120,11 +124,23 @@ class KVCacheManager:
         """Grow ``seq_id`` by ``n`` tokens; returns copy-on-write block copies to perform."""
         return self.table(seq_id).append_slots(n)
 
-    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
-        """``child_id`` shares every block of ``parent_id`` (parallel samples, beams)."""
+    def fork(self, parent_id: SeqId, child_id: SeqId, share: bool = True) -> list[CopyPair]:
+        """``child_id`` gets ``parent_id``'s tokens: shared blocks (parallel samples, beams), or,
+        with ``share=False``, private blocks of the same capacity and the copies to fill them."""
         if child_id in self._tables:
             raise ValueError(f"sequence {child_id!r} already holds KV blocks")
-        self._tables[child_id] = self.table(parent_id).fork()
+        parent = self.table(parent_id)
+        if share:
+            self._tables[child_id] = parent.fork()
+            return []
+        if len(parent.block_ids) > self.pool.num_free_blocks:
+            raise PoolExhaustedError(len(parent.block_ids), self.pool.num_free_blocks, self.num_blocks)
+        child = BlockTable(self.pool)
+        child.append_slots(parent.num_tokens)
+        child.reserve(parent.capacity)
+        self._tables[child_id] = child
+        written = blocks_for(parent.num_tokens, self.block_size)
+        return list(zip(parent.block_ids[:written], child.block_ids[:written], strict=True))
 
     def free(self, seq_id: SeqId) -> None:
         """Release ``seq_id``'s blocks; cached ones stay reusable until evicted. Idempotent."""

@@ -113,3 +113,24 @@ def test_errors_name_the_sequence():
     kv.allocate("a", [1])
     with pytest.raises(ValueError, match="already"):
         kv.allocate("a", [1])
+
+
+def test_reservation_holds_blocks_up_front_and_appends_fill_them():
+    kv = KVCacheManager(20, block_size=4, enable_prefix_caching=False, watermark=0.0)
+    assert kv.blocks_to_allocate(list(range(5)), reserve_tokens=32) == 8
+    kv.allocate("a", list(range(5)), reserve_tokens=32)
+    assert kv.usage().used_blocks == 8 and kv.table("a").num_tokens == 5
+    for _ in range(27):
+        assert kv.append_slots("a") == []
+    assert kv.usage().used_blocks == 8
+    assert not kv.can_allocate([1], reserve_tokens=64)
+
+
+def test_fork_without_sharing_copies_every_written_block():
+    kv = KVCacheManager(20, block_size=4, enable_prefix_caching=False)
+    kv.allocate("p", list(range(6)), reserve_tokens=12)
+    copies = kv.fork("p", "c", share=False)
+    parent, child = kv.block_ids("p"), kv.block_ids("c")
+    assert copies == [(parent[0], child[0]), (parent[1], child[1])]
+    assert not set(parent) & set(child) and len(child) == 3
+    assert kv.table("c").num_tokens == 6
