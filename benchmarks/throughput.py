@@ -50,7 +50,9 @@ def run_hf_static(path: str, prompts, max_tokens: int) -> tuple[float, list[list
     with torch.no_grad():
         model.generate(ids[:2, :8], max_new_tokens=4, do_sample=False)  # warm-up
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False
+        )
         elapsed = time.perf_counter() - start
     return elapsed, out[:, ids.shape[1] :].tolist()
 
@@ -86,21 +88,27 @@ def main() -> None:
     vocab = ModelConfig.from_pretrained(path).vocab_size
     prompts = workload(args.prompts, args.prompt_len, vocab, args.seed)
     generated = args.prompts * args.max_tokens
-    print(f"workload: {args.prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} new tokens each, "
-          f"greedy, fp32, {torch.get_num_threads()} threads")
+    print(
+        f"workload: {args.prompts} prompts x {args.prompt_len} tokens, {args.max_tokens} new tokens each, "
+        f"greedy, fp32, {torch.get_num_threads()} threads"
+    )
 
     results = {}
     results["pagedkv"] = run_pagedkv(path, prompts, args.max_tokens, torch.get_num_threads())
     results["transformers generate (static batch)"] = run_hf_static(path, prompts, args.max_tokens)
     if not args.skip_continuous:
-        results["transformers generate_batch (continuous)"] = run_hf_continuous(path, prompts, args.max_tokens)
+        results["transformers generate_batch (continuous)"] = run_hf_continuous(
+            path, prompts, args.max_tokens
+        )
 
     ours_s, ours_tokens = results["pagedkv"]
     print(f"\n{'engine':45s} {'seconds':>8s} {'tok/s':>9s} {'pagedkv x':>10s} {'same tokens':>12s}")
     for name, (seconds, tokens) in results.items():
         same = sum(a == b for a, b in zip(tokens, ours_tokens, strict=True))
-        print(f"{name:45s} {seconds:8.2f} {generated / seconds:9.1f} {seconds / ours_s:10.2f} "
-              f"{same:>5d}/{len(tokens):<6d}")
+        print(
+            f"{name:45s} {seconds:8.2f} {generated / seconds:9.1f} {seconds / ours_s:10.2f} "
+            f"{same:>5d}/{len(tokens):<6d}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,28 @@
-"""pagedkv: an LLM inference engine built around a paged KV cache (PagedAttention)."""
+"""pagedkv: an LLM inference engine built around a paged KV cache (PagedAttention).
 
-from pagedkv.engine import RequestOutput, SamplingParams
-from pagedkv.llm import LLM
+``LLM`` and ``SamplingParams`` are imported on first use, so ``pagedkv simulate`` and
+``pagedkv --help`` start without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedkv.engine import RequestOutput, SamplingParams
+    from pagedkv.llm import LLM
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from pagedkv.llm import LLM
+
+        return LLM
+    if name in ("SamplingParams", "RequestOutput"):
+        import pagedkv.engine
+
+        return getattr(pagedkv.engine, name)
+    raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")

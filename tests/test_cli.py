@@ -1,0 +1,120 @@
+"""The ``pagedkv`` command line: simulate (tables, --json, plots) and demo."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+
+from pagedkv.cli import build_parser, main
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+DESIGN_FIELDS = {"kv_bytes_per_token", "example", "batches", "block_sizes", "prefix_sharing", "capacity"}
+
+
+def run_json(capsys, *args):
+    assert main(["simulate", "--json", "--no-plots", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_simulate_json_is_one_document_with_the_fields(capsys):
+    doc = run_json(capsys)
+    assert DESIGN_FIELDS <= set(doc)
+    assert (doc["example"]["paged_slots"], doc["example"]["naive_slots"]) == (96, 6144)
+    assert all(row["paged"]["utilization"] >= 0.98 for row in doc["batches"])
+    assert all(0.20 <= row["naive"]["utilization"] <= 0.30 for row in doc["batches"])
+    assert doc["capacity"]["ratio"] >= 3
+    assert doc["plots"] == []
+
+
+def test_same_seed_same_json(capsys):
+    first = run_json(capsys, "--seed", "3", "--workload", "sharegpt")
+    second = run_json(capsys, "--seed", "3", "--workload", "sharegpt")
+    assert first == second
+    assert first["config"]["workload"] == "sharegpt" and first["config"]["seed"] == 3
+
+
+def test_options_reach_the_simulation(capsys):
+    doc = run_json(
+        capsys,
+        "--block-size",
+        "32",
+        "--max-seq-len",
+        "1024",
+        "--gpu-memory",
+        "24GiB",
+        "--weights-memory",
+        "14GB",
+    )
+    assert doc["config"]["kv_memory_bytes"] == 24 * 2**30 - 14 * 10**9
+    assert (
+        doc["example"]["naive_slots"] == 3 * 1024 and doc["example"]["paged_slots"] == 128
+    )  # 2+2+1 blocks of 32
+    assert (
+        doc["capacity"]["naive_requests"]
+        == doc["config"]["kv_memory_bytes"] // doc["kv_bytes_per_token"] // 1024
+    )
+
+
+def test_simulate_prints_tables(capsys, tmp_path):
+    assert main(["simulate", "--no-plots", "--out", str(tmp_path / "unused")]) == 0
+    text = capsys.readouterr().out
+    assert "6,144" in text and "96 slots paged" in text and "naive (Max)" in text and "Capacity" in text
+    assert "Plots written" not in text and not (tmp_path / "unused").exists()
+
+
+def test_json_lists_the_plots_it_wrote_as_valid_pngs(capsys, tmp_path):
+    assert main(["simulate", "--json", "--out", str(tmp_path)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    names = {Path(p).name for p in doc["plots"]}
+    assert names >= {
+        "utilization_vs_batch.png",
+        "waste_breakdown.png",
+        "block_size_tradeoff.png",
+        "memory_map.png",
+    }
+    for path in map(Path, doc["plots"]):
+        assert path.parent == tmp_path and path.read_bytes()[:8] == PNG_SIGNATURE
+        assert imread(path).ndim == 3
+
+
+def test_demo_writes_the_report(capsys, tmp_path):
+    assert main(["demo", "--out", str(tmp_path / "pagedkv-report")]) == 0
+    text = capsys.readouterr().out
+    assert "pagedkv demo" in text and str(tmp_path / "pagedkv-report") in text
+    assert len(list((tmp_path / "pagedkv-report").glob("*.png"))) == 5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["simulate", "--gpu-memory", "80XB"], "cannot parse a byte size"),
+        (["simulate", "--gpu-memory", "8GB"], "no memory left for the KV cache"),
+        (["simulate", "--workload", "chat"], "invalid choice"),
+        (["simulate", "--block-size", "0"], "block_size must be a positive integer"),
+        (["simulate", "--max-seq-len", "512", "--prefix-len", "600"], "prefix_len"),
+        ([], "required"),
+    ],
+)
+def test_bad_arguments_are_usage_errors(capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_subcommands_are_registered():
+    actions = [a for a in build_parser()._actions if a.dest == "command"]
+    assert set(actions[0].choices) >= {"simulate", "demo"}
+
+
+def test_module_entry_point():
+    done = subprocess.run(
+        [sys.executable, "-m", "pagedkv.cli", "simulate", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "--workload" in done.stdout and "--json" in done.stdout
