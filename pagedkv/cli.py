@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_demo(subparsers)
     _add_simulate(subparsers)
+    _add_generate(subparsers)
     return parser
 
 
@@ -147,6 +148,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
         help="folder for the report (default: %(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    parser.add_argument("--no-engine", action="store_true", help="skip the live-engine part")
     parser.set_defaults(run=_run_demo, parser=parser)
 
 
@@ -160,6 +162,78 @@ def _run_demo(args: argparse.Namespace) -> int:
     result = simulate(config, progress=sys.stderr.isatty())
     print_report(result, console)
     _print_plots(console, _write_plots(result, args.out))
+    if not args.no_engine:
+        from pagedkv.live_demo import print_live_batch, run_live_batch
+
+        console.print("\n[bold]Now the same idea in the live engine.[/]")
+        max_model_len = 1024
+        figures = run_live_batch(max_model_len=max_model_len, seed=args.seed)
+        print_live_batch(figures, console, max_model_len)
+    return 0
+
+
+# -- generate ------------------------------------------------------------------------------------
+def _add_generate(subparsers: argparse._SubParsersAction) -> None:
+    from pagedkv.engine.options import add_engine_options
+
+    parser = subparsers.add_parser(
+        "generate",
+        help="generate text for prompts with the paged engine",
+        description="Generate completions for the given prompts in one continuous batch.",
+    )
+    parser.add_argument("prompts", nargs="*", default=["The paged KV cache"], help="prompt texts")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=32)
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--top-k", type=int, default=-1)
+    sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument("-n", type=int, default=1, help="samples per prompt (share the prompt's blocks)")
+    add_engine_options(parser)
+    parser.set_defaults(run=_run_generate, parser=parser)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from pagedkv.engine import InvalidRequestError, SamplingParams
+    from pagedkv.engine.options import engine_config
+    from pagedkv.llm import LLM
+    from pagedkv.models import BUILTIN_NOTE
+
+    console = Console()
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            n=args.n,
+        )
+    except ValueError as err:
+        args.parser.error(str(err))
+    config = engine_config(args)
+    llm = LLM(**{**config.__dict__})
+    if llm.engine.is_builtin:
+        console.print(f"[yellow]note:[/] {BUILTIN_NOTE}")
+    prompts = args.prompts
+    if args.chat:
+        prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    try:
+        outputs = llm.generate(prompts, params)
+    except InvalidRequestError as err:
+        console.print(f"[red]error:[/] {err}")
+        return 1
+    for prompt, out in zip(args.prompts, outputs, strict=True):
+        console.rule(repr(prompt))
+        for completion in out.outputs:
+            console.print(f"[{completion.index}] {completion.text!r}  ({completion.finish_reason})")
+    stats = llm.kv_stats()
+    hits, queries = stats["prefix_cache_hits_tokens"], stats["prefix_cache_queries_tokens"]
+    console.print(
+        f"KV: {stats['blocks_total']} blocks of {stats['block_size']} tokens, "
+        f"prefix-cache hits {hits}/{queries} tokens, preemptions {stats['preemptions']}"
+    )
     return 0
 
 

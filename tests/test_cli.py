@@ -85,6 +85,30 @@ def test_demo_writes_the_report(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "pagedkv demo" in text and str(tmp_path / "pagedkv-report") in text
     assert len(list((tmp_path / "pagedkv-report").glob("*.png"))) == 5
+    # The live engine part says its weights are random and gives every block back.
+    assert "RANDOM weights" in text
+    held_after = [line for line in text.splitlines() if "blocks still held after the batch" in line]
+    assert held_after and held_after[0].split()[-2] == "0"
+
+
+def test_generate_with_the_builtin_model(capsys):
+    assert main(["generate", "Hello", "Paged attention", "--max-tokens", "6", "-n", "2", "--seed", "3",
+                 "--temperature", "0.7", "--num-kv-blocks", "64"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "RANDOM weights" in text
+    assert text.count("(length)") == 4
+
+
+def test_generate_reports_an_impossible_request(capsys):
+    assert main(["generate", "Hello", "--max-tokens", "100", "--num-kv-blocks", "4"]) == 1
+    assert "can never fit in the KV cache" in capsys.readouterr().out
+
+
+def test_generate_rejects_bad_sampling_values(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "Hello", "--temperature", "-1"])
+    assert exit_info.value.code == 2
+    assert "temperature" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
