@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tqdm.auto import tqdm
 
-from pagedkv.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from pagedkv.engine import BeamSearchParams, EngineConfig, LLMEngine, RequestOutput, SamplingParams
 
 
 class LLM:
@@ -28,29 +28,41 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt (text or token ids) to completion; outputs in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = self._as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        ids = []
+        ids = self._submit(
+            [
+                lambda rid, p=p, sp=sp: self.engine.add_request(rid, p, sp)
+                for p, sp in zip(prompts, params, strict=True)
+            ]
+        )
+        return self._run(ids, use_tqdm)
+
+    @staticmethod
+    def _as_prompt_list(prompts) -> list[str | list[int]]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return [p if isinstance(p, str) else list(p) for p in prompts]
+
+    def _submit(self, adds: list[Callable[[str], object]]) -> list[str]:
+        """Queue every request or none: if one is rejected, the ones queued before it are aborted."""
+        ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for add in adds:
                 request_id = str(self._next_id)
                 self._next_id += 1
-                self.engine.add_request(
-                    request_id, list(prompt) if not isinstance(prompt, str) else prompt, p
-                )
+                add(request_id)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:
                 self.engine.abort(request_id)
             raise
-        return self._run(ids, use_tqdm)
+        return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -70,6 +82,20 @@ class LLM:
         finally:
             bar.close()
         return [finished[request_id] for request_id in ids]
+
+    def beam_search(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: BeamSearchParams,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Beam search for each prompt; each output's completions are its beams, best first.
+
+        Beams are forked block tables: they share every block they have in common.
+        """
+        prompts = self._as_prompt_list(prompts)
+        ids = self._submit([lambda rid, p=p: self.engine.add_beam_request(rid, p, params) for p in prompts])
+        return self._run(ids, use_tqdm)
 
     def kv_stats(self) -> dict[str, float | int]:
         return self.engine.kv_stats()

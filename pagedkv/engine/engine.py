@@ -14,6 +14,14 @@ from pathlib import Path
 import torch
 
 from pagedkv.attention import KVCache
+from pagedkv.engine.beam_search import (
+    BeamSearchParams,
+    BeamState,
+    Candidate,
+    Hypothesis,
+    best_hypotheses,
+    rank_candidates,
+)
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampler import Sampler, make_generator
@@ -155,12 +163,18 @@ class LLMEngine:
         rows: list[Sequence] = []  # sequences to sample, forked samples included
         row_logits: list[int] = []  # the logits row each of them samples from
         num_sampled = 0
+        beam_requests: dict[str, Request] = {}
         for item in plan.scheduled:
             seq = item.seq
             seq.num_computed_tokens = item.end
             if item.samples:
                 if seq.num_output_tokens == 0:
                     self.num_prompt_tokens += seq.num_tokens
+                if seq.request.beam is not None:
+                    seq.pending_logprobs = logits[num_sampled].log_softmax(dim=-1)
+                    beam_requests[seq.request.request_id] = seq.request
+                    num_sampled += 1
+                    continue
                 group = self._fork(seq) if seq.request.needs_fork else [seq]
                 row_logits.extend([num_sampled] * len(group))
                 rows.extend(group)
@@ -181,6 +195,9 @@ class LLMEngine:
                 touched[seq.request.request_id] = seq.request
         for seq in {item.seq for item in plan.scheduled} | set(rows):
             self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        for request in beam_requests.values():
+            if self._advance_beams(request, now):
+                touched[request.request_id] = request
         for seq in rows:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
@@ -189,6 +206,62 @@ class LLMEngine:
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
         return outputs
+
+    def add_beam_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> Request:
+        """Queue a beam search; its result arrives as one RequestOutput, beams best first."""
+        sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos)
+        request = self.add_request(request_id, prompt, sampling)
+        request.beam = BeamState(params, self.eos_token_ids)
+        return request
+
+    def _advance_beams(self, request: Request, now: float) -> bool:
+        """Rank the candidates once every live beam has its log-probs; True when it finished."""
+        beams = [s for s in request.seqs if not s.is_finished]
+        if not all(s.pending_logprobs is not None and s.num_computed_tokens == s.num_tokens for s in beams):
+            return False
+        state = request.beam
+        survivors, ended = rank_candidates(
+            [s.pending_logprobs for s in beams], [s.cumulative_logprob for s in beams], state
+        )
+        for c in ended:
+            tokens = beams[c.parent].output_token_ids + [c.token]
+            state.finished.append(Hypothesis(tokens, c.score, ended_with_eos=True))
+        if request.first_token_time is None:
+            request.first_token_time = now
+        children: dict[int, list[Candidate]] = {}
+        for c in survivors:
+            children.setdefault(c.parent, []).append(c)
+        next_beams: list[Sequence] = []
+        for index, parent in enumerate(beams):
+            parent.pending_logprobs = None
+            chosen = children.get(index, [])
+            if not chosen:
+                self.scheduler.finish(parent)  # a dropped beam frees its private blocks now
+                continue
+            for c in chosen[1:]:
+                child = Sequence(request, 0, list(parent.token_ids), None)
+                child.num_computed_tokens = parent.num_computed_tokens
+                copies = self.kv.fork(parent.seq_id, child.seq_id, share=self.scheduler.shares_blocks)
+                self.scheduler.pending_copies.extend(copies)
+                self.scheduler.add_running(child)
+                self._extend_beam(child, c)
+                next_beams.append(child)
+            self._extend_beam(parent, chosen[0])
+            next_beams.append(parent)
+        request.seqs = next_beams
+        done = not next_beams or next_beams[0].num_output_tokens >= state.params.max_tokens
+        done = done or next_beams[0].num_tokens >= self.max_model_len
+        if done:
+            live = [Hypothesis(s.output_token_ids, s.cumulative_logprob) for s in next_beams]
+            for seq in next_beams:
+                self.scheduler.finish(seq)
+            state.results = best_hypotheses(state, live)
+        return done
+
+    def _extend_beam(self, seq: Sequence, candidate: Candidate) -> None:
+        seq.token_ids.append(candidate.token)
+        seq.cumulative_logprob = candidate.score
+        self.num_generated_tokens += 1
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Turn a just-computed prompt into ``n`` samples sharing its blocks (copy-on-write)."""
@@ -241,19 +314,10 @@ class LLMEngine:
         return True
 
     def _output(self, request: Request) -> RequestOutput:
-        params = request.params
-        completions = [
-            CompletionOutput(
-                index=seq.index,
-                text=seq.text,
-                token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if params.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for seq in request.seqs
-        ]
+        if request.beam is not None:
+            completions = self._beam_completions(request)
+        else:
+            completions = self._completions(request)
         metrics = {"arrival_time": request.arrival_time}
         if request.first_token_time is not None:
             metrics["time_to_first_token"] = request.first_token_time - request.arrival_time
@@ -266,6 +330,34 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             metrics=metrics,
         )
+
+    def _beam_completions(self, request: Request) -> list[CompletionOutput]:
+        """Beams best first (only once the search is over; nothing streams before)."""
+        return [
+            CompletionOutput(
+                index=i,
+                text=self.tokenizer.decode(h.token_ids),
+                token_ids=list(h.token_ids),
+                cumulative_logprob=h.cumulative_logprob,
+                finish_reason="stop" if h.ended_with_eos else "length",
+            )
+            for i, h in enumerate(request.beam.results)
+        ]
+
+    def _completions(self, request: Request) -> list[CompletionOutput]:
+        params = request.params
+        return [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
+                logprobs=list(seq.logprobs) if params.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in request.seqs
+        ]
 
     # -- statistics -------------------------------------------------------------------------
     def kv_stats(self) -> dict[str, float | int]:

@@ -24,7 +24,9 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 def _fail(name: str, requirement: str, value: object) -> ValueError:
-    return ValueError(f"SamplingParams.{name} must be {requirement}, got {value!r}")
+    """``name`` is the field, qualified by its class unless it already is."""
+    qualified = name if "." in name else f"SamplingParams.{name}"
+    return ValueError(f"{qualified} must be {requirement}, got {value!r}")
 
 
 def _as_int(name: str, value: object, low: int | None = None, high: int | None = None) -> int:

@@ -145,6 +145,8 @@ class Scheduler:
             budget = self.max_num_batched_tokens - out.num_tokens
             if seq not in self.running or budget == 0:
                 continue  # preempted while making room for an earlier one
+            if seq.num_computed_tokens == seq.num_tokens:
+                continue  # a beam waiting for its siblings: nothing to compute
             if seq.in_prefill:
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             else:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.engine.beam_search import BeamState
 from pagedkv.engine.sampler import TokenLogprobs
 from pagedkv.engine.sampling_params import SamplingParams
 
@@ -49,6 +50,8 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detokenizer: object | None = None
+    #: Beam search: this step's next-token log-probabilities, kept until every beam has its own.
+    pending_logprobs: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +89,8 @@ class Request:
     params: SamplingParams
     arrival_time: float
     seqs: list[Sequence] = field(default_factory=list)
+    #: Set for beam search requests; their live beams are ``seqs``.
+    beam: BeamState | None = None
     first_token_time: float | None = None
     num_cached_tokens: int = 0
 

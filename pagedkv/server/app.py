@@ -1,0 +1,160 @@
+"""The FastAPI application: routes, error handlers and middleware around one engine.
+
+``create_app`` builds everything one server needs -- the engine (or takes a ready one), its
+worker thread, a metrics registry -- and nothing global, so tests and the benchmark can run
+several servers in one process. uvicorn (``pagedkv serve``) or any ASGI server runs the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from pagedkv import __version__
+from pagedkv.engine import EngineConfig, LLMEngine
+from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.errors import APIError, ClientGoneError
+from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pagedkv.server.serving import ServingContext, create_chat_completion, create_completion
+
+#: Request bodies above this many bytes get 413 (a 1 MiB JSON body is ~250k tokens of text).
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+#: Requests allowed to wait for a slot before new ones get 503.
+DEFAULT_MAX_WAITING = 1024
+#: The model name the built-in random-weight model is served under.
+BUILTIN_MODEL_NAME = "pagedkv-builtin"
+
+#: How many validation problems a 400 message lists (a bad union field reports one per member).
+_MAX_LISTED_ERRORS = 3
+
+
+def default_model_name(engine: LLMEngine) -> str:
+    """The model folder's name, or :data:`BUILTIN_MODEL_NAME` for the built-in model."""
+    return BUILTIN_MODEL_NAME if engine.is_builtin else Path(engine.model_path).name
+
+
+def _validation_error(err: RequestValidationError) -> APIError:
+    """A 400 that says what is wrong with the body: malformed JSON, or which field and why."""
+    problems = err.errors()
+    for problem in problems:
+        if problem.get("type") == "json_invalid":
+            detail = (problem.get("ctx") or {}).get("error", "invalid JSON")
+            return APIError.bad_request(f"the request body is not valid JSON: {detail}")
+    listed = []
+    for problem in problems[:_MAX_LISTED_ERRORS]:
+        field = ".".join(str(part) for part in problem["loc"][1:]) or "body"
+        listed.append(f"{field}: {problem['msg']}")
+    more = f" (and {len(problems) - _MAX_LISTED_ERRORS} more)" if len(problems) > _MAX_LISTED_ERRORS else ""
+    first = problems[0]["loc"][1:] if problems else ()
+    return APIError.bad_request(
+        "invalid request: " + "; ".join(listed) + more, param=".".join(map(str, first)) or None
+    )
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, err: RequestValidationError) -> JSONResponse:
+        return _validation_error(err).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, err: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if err.status_code == HTTPStatus.NOT_FOUND else "invalid_request_error"
+        return APIError(err.status_code, str(err.detail), type=kind).response()
+
+    @app.exception_handler(ClientGoneError)
+    async def client_gone(_: Request, err: ClientGoneError) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, err: Exception) -> JSONResponse:
+        return APIError(
+            HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {err!r}", type="server_error"
+        ).response()
+
+
+def create_app(
+    engine: LLMEngine | EngineConfig | None = None,
+    *,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_waiting: int | None = DEFAULT_MAX_WAITING,
+) -> FastAPI:
+    """An OpenAI-compatible app over ``engine`` (a ready ``LLMEngine``, or the config to build one).
+
+    ``api_key``: when set, every ``/v1`` route needs ``Authorization: Bearer <api_key>``.
+    ``max_waiting``: requests arriving while this many wait get 503 (None: no limit).
+    The engine's worker thread starts now and stops when the app's lifespan ends.
+    """
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key must not be empty (pass None for no key)")
+    if max_body_bytes <= 0:
+        raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+    if not isinstance(engine, LLMEngine):
+        engine = LLMEngine(engine or EngineConfig())
+    model_name = served_model_name or default_model_name(engine)
+    metrics = ServerMetrics(model_name)
+    async_engine = AsyncEngine(engine, metrics, max_waiting)
+    metrics.watch(lambda: async_engine.stats)
+    kv = engine.kv
+    ctx = ServingContext(
+        engine=async_engine,
+        tokenizer=engine.tokenizer,
+        model_name=model_name,
+        max_model_len=engine.max_model_len,
+        max_request_tokens=(kv.num_blocks - kv.watermark_blocks) * kv.block_size,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(title="pagedkv", version=__version__, lifespan=lifespan)
+    app.state.engine = async_engine
+    app.state.context = ctx
+    app.state.metrics = metrics
+    _install_error_handlers(app)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(body, request, ctx)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(body, request, ctx)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=model_name, root=str(engine.model_path), max_model_len=engine.max_model_len)
+        return ModelList(data=[card])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if async_engine.is_alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine stopped"}, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # The last added runs first: the key check comes before reading any body.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app

@@ -1,0 +1,234 @@
+"""One worker thread owns the engine; HTTP handlers talk to it through queues.
+
+``LLMEngine`` is not thread-safe, and it should not be: continuous batching wants every live
+request in the same ``step()``. So a single worker thread drains a command queue (add, abort),
+runs ``step()`` while any request is unfinished, and hands each output to the asyncio queue of
+the HTTP request that asked for it (``loop.call_soon_threadsafe``). When there is nothing to do
+it sleeps on a condition variable: an idle server costs no CPU.
+
+Handlers never touch the engine. ``add`` waits for the worker to accept or refuse the request
+(a too-long prompt, a full queue) so the HTTP status can still say so; ``abort`` is
+fire-and-forget and returns every block of the request to the pool on the next loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedkv.engine import LLMEngine, RequestOutput, SamplingParams
+from pagedkv.server.errors import QueueFullError
+from pagedkv.server.metrics import ServerMetrics
+
+logger = logging.getLogger("pagedkv.server")
+
+
+class Aborted(Exception):
+    """Put on a stream whose request the server aborted (shutdown, an engine failure)."""
+
+
+class Stream:
+    """Where the worker sends one HTTP request's outputs: an asyncio queue on its event loop.
+
+    Several engine requests (the prompts of one batch) may share a stream; ``tag`` says which
+    one an item belongs to. Items are ``(tag, RequestOutput | Exception)``.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[object, RequestOutput | BaseException]] = asyncio.Queue()
+
+    def put(self, tag: object, item: RequestOutput | BaseException) -> None:
+        """Thread-safe: called by the worker. A closed loop has no reader left to tell."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (tag, item))
+
+    async def get(self) -> tuple[object, RequestOutput | BaseException]:
+        return await self.queue.get()
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    stream: Stream
+    tag: object
+    accepted: asyncio.Future
+    submitted: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Live:
+    """The worker's view of an accepted request: where its outputs go and its timings."""
+
+    stream: Stream
+    tag: object
+    submitted: float
+    last_token: float | None = None
+    num_tokens: int = 0
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    """Resolve ``future`` on its own loop unless its waiter already gave up."""
+
+    def settle() -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
+        future.get_loop().call_soon_threadsafe(settle)
+
+
+class AsyncEngine:
+    """The engine behind a worker thread. Create it inside no particular loop; it starts at once."""
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, max_waiting: int | None = None) -> None:
+        if max_waiting is not None and max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting}")
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self._commands: deque[_Add | _Abort] = deque()
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._live: dict[str, _Live] = {}
+        self._peak_utilization = 0.0
+        self._publish_stats()
+        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+        self._thread.start()
+
+    # -- called from the event loop ---------------------------------------------------------
+    async def add(
+        self, request_id: str, prompt: list[int], params: SamplingParams, stream: Stream, tag
+    ) -> None:
+        """Queue a request; returns once accepted, raises ``InvalidRequestError`` / ``QueueFullError``."""
+        accepted = asyncio.get_running_loop().create_future()
+        self._send(_Add(request_id, prompt, params, stream, tag, accepted))
+        await accepted
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; harmless if it already finished."""
+        self._send(_Abort(request_id))
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """The latest engine statistics (a snapshot the worker replaces after every loop)."""
+        return self._stats
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the worker; requests still running end with :class:`Aborted`."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        self._thread.join(timeout)
+
+    def _send(self, command: _Add | _Abort) -> None:
+        with self._wakeup:
+            self._commands.append(command)
+            self._wakeup.notify()
+
+    # -- the worker thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._wakeup:
+                while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
+                    self._wakeup.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+                if self._stopping:
+                    break
+            for command in commands:
+                if isinstance(command, _Add):
+                    self._add(command)
+                else:
+                    self._abort(command.request_id)
+            if self.engine.has_unfinished_requests():
+                self._step()
+            self._publish_stats()
+        for command in commands:
+            if isinstance(command, _Add):
+                _settle(command.accepted, Aborted("the server is shutting down"))
+        for request_id in list(self._live):
+            self._abort(request_id, Aborted("the server is shutting down"))
+        self._publish_stats()
+
+    def _add(self, command: _Add) -> None:
+        waiting = len(self.engine.scheduler.waiting)
+        if self.max_waiting is not None and waiting >= self.max_waiting:
+            _settle(command.accepted, QueueFullError(waiting, self.max_waiting))
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params)
+        except ValueError as err:  # InvalidRequestError: the handler turns it into a 400
+            _settle(command.accepted, err)
+            return
+        self._live[command.request_id] = _Live(command.stream, command.tag, command.submitted)
+        _settle(command.accepted, None)
+
+    def _abort(self, request_id: str, reason: BaseException | None = None) -> None:
+        live = self._live.pop(request_id, None)
+        if self.engine.abort(request_id) and live is not None:
+            self.metrics.observe_finished(time.monotonic() - live.submitted, "abort")
+        if live is not None and reason is not None:
+            live.stream.put(live.tag, reason)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as err:  # a bug: fail the requests in flight, keep the server up
+            logger.exception("engine step failed; aborting %d requests", len(self._live))
+            for request_id in list(self._live):
+                self._abort(request_id, Aborted(f"the engine failed: {err!r}"))
+            return
+        now = time.monotonic()
+        for output in outputs:
+            live = self._live.get(output.request_id)
+            if live is None:
+                continue
+            self._observe(live, output, now)
+            live.stream.put(live.tag, output)
+            if output.finished:
+                del self._live[output.request_id]
+                reasons = {c.finish_reason for c in output.outputs}
+                self.metrics.observe_finished(
+                    now - live.submitted, "length" if "length" in reasons else "stop"
+                )
+
+    def _observe(self, live: _Live, output: RequestOutput, now: float) -> None:
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if num_tokens == live.num_tokens:
+            return
+        if live.last_token is None:
+            self.metrics.observe_ttft(now - live.submitted)
+        else:
+            self.metrics.observe_itl(now - live.last_token)
+        live.last_token, live.num_tokens = now, num_tokens
+
+    def _publish_stats(self) -> None:
+        stats = self.engine.kv_stats()
+        self._peak_utilization = max(self._peak_utilization, stats["utilization"])
+        self._stats = {
+            **stats,
+            "peak_utilization": self._peak_utilization,
+            "prompt_tokens": self.engine.num_prompt_tokens,
+            "generation_tokens": self.engine.num_generated_tokens,
+        }

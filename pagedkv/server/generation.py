@@ -1,0 +1,157 @@
+"""One HTTP request's generation: its engine requests and the text deltas they produce.
+
+A completions request may carry a batch of prompts, each with ``n`` samples; every prompt is
+its own engine request, all sharing one output stream. The engine reports the full text of a
+sample so far; :class:`Generation` turns that into deltas per choice (``index = prompt * n +
+sample``), which both the streaming (SSE) and the plain JSON responses are built from.
+
+Stop strings: the engine cuts a sample's text where a stop string completes, which may be in
+text an earlier step already showed. So while a sample with stop strings runs, its last
+``len(longest stop) - 1`` characters are held back (as vLLM does); the held text can never be
+cut, since a stop string that ends after it must start inside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagedkv.engine import CompletionOutput, RequestOutput, SamplingParams
+from pagedkv.engine.sampler import TokenLogprobs
+from pagedkv.server.async_engine import AsyncEngine, Stream
+from pagedkv.server.errors import ClientGoneError
+from pagedkv.server.protocol import Usage
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice gained since the last delta; ``finish_reason`` is set on its last one."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None
+
+
+class _ChoiceState:
+    """How much of a sample's text and tokens has been handed out."""
+
+    def __init__(self, holdback: int) -> None:
+        self.holdback = holdback
+        self.sent_chars = 0
+        self.sent_tokens = 0
+        self.done = False
+
+    def advance(self, index: int, output: CompletionOutput) -> ChoiceDelta | None:
+        if self.done:
+            return None
+        finished = output.finish_reason is not None
+        end = len(output.text) if finished else len(output.text) - self.holdback
+        end = max(end, self.sent_chars)
+        text = output.text[self.sent_chars : end]
+        token_ids = output.token_ids[self.sent_tokens :]
+        logprobs = output.logprobs[self.sent_tokens :] if output.logprobs is not None else None
+        self.sent_chars, self.sent_tokens, self.done = end, len(output.token_ids), finished
+        if not (text or token_ids or finished):
+            return None
+        return ChoiceDelta(index, text, token_ids, logprobs, output.finish_reason)
+
+
+class Generation:
+    """Submit with :meth:`start`, read with :meth:`deltas`, and always :meth:`close` at the end."""
+
+    def __init__(
+        self, engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.usage = Usage()
+        self._submitted: list[str] = []
+        self._unfinished: set[int] = set()
+        self._stream: Stream | None = None
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._choices = [_ChoiceState(holdback) for _ in range(len(prompts) * params.n)]
+
+    def _engine_id(self, prompt_index: int) -> str:
+        return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{prompt_index}"
+
+    async def start(self) -> None:
+        """Queue every prompt; if one is refused, withdraw the others and re-raise its error."""
+        self._stream = Stream()
+        try:
+            for i, prompt in enumerate(self.prompts):
+                self._submitted.append(self._engine_id(i))
+                self._unfinished.add(i)
+                await self.engine.add(self._submitted[i], prompt, self.params, self._stream, i)
+                self.usage.prompt_tokens += len(prompt)
+        except BaseException:
+            self.close()
+            raise
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Deltas in the order the engine produced them, until every choice has finished.
+
+        Raises :class:`~pagedkv.server.async_engine.Aborted` if the server aborted the request.
+        """
+        assert self._stream is not None, "start() first"
+        while self._unfinished:
+            prompt_index, item = await self._stream.get()
+            if isinstance(item, BaseException):
+                raise item
+            for delta in self._advance(prompt_index, item):
+                self.usage.completion_tokens += len(delta.token_ids)
+                yield delta
+            if item.finished:
+                self._unfinished.discard(prompt_index)
+        self.usage.total_tokens = self.usage.prompt_tokens + self.usage.completion_tokens
+
+    def _advance(self, prompt_index: int, output: RequestOutput) -> list[ChoiceDelta]:
+        deltas = []
+        for sample in output.outputs:
+            index = prompt_index * self.params.n + sample.index
+            delta = self._choices[index].advance(index, sample)
+            if delta is not None:
+                deltas.append(delta)
+        return deltas
+
+    @property
+    def num_choices(self) -> int:
+        return len(self._choices)
+
+    def close(self) -> None:
+        """Abort whatever has not finished: the client left, or a response failed midway."""
+        for i in sorted(self._unfinished):
+            self.engine.abort(self._submitted[i])
+        self._unfinished.clear()
+
+
+async def collect(generation: Generation) -> list[list[ChoiceDelta]]:
+    """Every delta of every choice (for non-streaming responses), indexed by choice."""
+    per_choice: list[list[ChoiceDelta]] = [[] for _ in range(generation.num_choices)]
+    async for delta in generation.deltas():
+        per_choice[delta.index].append(delta)
+    return per_choice
+
+
+async def until_disconnect(receive) -> None:
+    """Return when the ASGI server reports that the client went away."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def collect_unless_disconnected(generation: Generation, receive) -> list[list[ChoiceDelta]]:
+    """:func:`collect`, or :class:`ClientGoneError` as soon as the client disconnects."""
+    collecting = asyncio.ensure_future(collect(generation))
+    watching = asyncio.ensure_future(until_disconnect(receive))
+    try:
+        await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        collecting.cancel()
+        watching.cancel()
+    if not collecting.cancelled() and collecting.done():
+        return collecting.result()
+    raise ClientGoneError(generation.request_id)

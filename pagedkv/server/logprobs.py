@@ -1,0 +1,66 @@
+"""Token logprobs in the two OpenAI shapes: legacy completions and chat.
+
+Token strings are the single-token decodes (special tokens kept), so a byte-level BPE token
+that is half of a UTF-8 character reads as U+FFFD, as with OpenAI's own API; chat's ``bytes``
+field carries the UTF-8 of that string.
+"""
+
+from __future__ import annotations
+
+from pagedkv.engine.sampler import TokenLogprobs
+from pagedkv.models import Tokenizer
+from pagedkv.server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+
+
+class LogprobFormatter:
+    """Formats the logprobs of one response; remembers each choice's text offset across deltas."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._strings: dict[int, str] = {}
+        self._offsets: dict[int, int] = {}
+
+    def token(self, token_id: int) -> str:
+        text = self._strings.get(token_id)
+        if text is None:
+            text = self._strings[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def completion(self, choice: int, logprobs: list[TokenLogprobs]) -> CompletionLogprobs:
+        """Parallel lists; ``top_logprobs`` also holds the sampled token (up to ``logprobs + 1``)."""
+        out = CompletionLogprobs()
+        offset = self._offsets.get(choice, 0)
+        for entry in logprobs:
+            token = self.token(entry.token_id)
+            top = {self.token(t): lp for t, lp in entry.top}
+            top.setdefault(token, entry.logprob)
+            out.tokens.append(token)
+            out.token_logprobs.append(entry.logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(offset)
+            offset += len(token)
+        self._offsets[choice] = offset
+        return out
+
+    @staticmethod
+    def merge(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for part in parts:
+            out.tokens += part.tokens
+            out.token_logprobs += part.token_logprobs
+            out.top_logprobs += part.top_logprobs
+            out.text_offset += part.text_offset
+        return out
+
+    def chat(self, logprobs: list[TokenLogprobs]) -> list[TokenLogprob]:
+        return [
+            TokenLogprob(
+                **self._top(entry.token_id, entry.logprob).model_dump(),
+                top_logprobs=[self._top(t, lp) for t, lp in entry.top],
+            )
+            for entry in logprobs
+        ]
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        token = self.token(token_id)
+        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))

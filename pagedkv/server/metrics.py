@@ -1,0 +1,129 @@
+"""Prometheus metrics under vLLM's names, so existing vLLM dashboards read a pagedkv server.
+
+Gauges and counters that the engine already keeps (KV usage, queue lengths, preemptions,
+prefix-cache tokens, token counts) are read from the worker's latest statistics snapshot when
+``/metrics`` is scraped: nothing is copied per step. Latencies (time to first token, inter-token
+latency, end-to-end) are histograms the worker observes as tokens arrive. Each app has its own
+``CollectorRegistry``, so several servers in one process (tests, the benchmark) never mix.
+
+``pagedkv:kv_cache_usage_peak_perc`` (highest usage since start) has no vLLM counterpart; it
+lets ``pagedkv bench serve`` report the peak without depending on its polling rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# vLLM's bucket boundaries (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+#: (name, help, key in the stats snapshot) of the gauges read at scrape time.
+GAUGES = (
+    (
+        "vllm:kv_cache_usage_perc",
+        "KV-cache usage: the fraction of KV blocks in use (1 = full).",
+        "utilization",
+    ),
+    ("vllm:num_requests_running", "Sequences in the running batch.", "running"),
+    ("vllm:num_requests_waiting", "Sequences waiting to be scheduled.", "waiting"),
+    (
+        "pagedkv:kv_cache_usage_peak_perc",
+        "Highest KV-cache usage since the server started.",
+        "peak_utilization",
+    ),
+    ("pagedkv:kv_cache_blocks_total", "KV blocks in the pool.", "blocks_total"),
+    ("pagedkv:kv_cache_blocks_used", "KV blocks held by requests.", "blocks_used"),
+)
+#: (name without _total, help, key) of the counters read at scrape time.
+COUNTERS = (
+    ("vllm:num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks.", "preemptions"),
+    (
+        "vllm:prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache.",
+        "prefix_cache_queries_tokens",
+    ),
+    ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits_tokens"),
+    ("vllm:prompt_tokens", "Prompt tokens processed.", "prompt_tokens"),
+    ("vllm:generation_tokens", "Tokens generated.", "generation_tokens"),
+)
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges and counters straight from the engine's statistics snapshot."""
+
+    def __init__(self, model_name: str, stats: Callable[[], Mapping[str, float]]) -> None:
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        for name, documentation, key in GAUGES:
+            gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            gauge.add_metric([self.model_name], stats[key])
+            yield gauge
+        for name, documentation, key in COUNTERS:
+            counter = CounterMetricFamily(name, documentation, labels=["model_name"])
+            counter.add_metric([self.model_name], stats[key])
+            yield counter
+
+
+class ServerMetrics:
+    """The registry of one server; the worker calls ``observe_*``, ``/metrics`` calls ``render``."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from receiving a request to its first generated token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self._itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between successive outputs of a request.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self._e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from receiving a request to its end.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self._finished = Counter(
+            "vllm:request_success",
+            "Requests ended, by finish reason (stop, length, abort).",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+
+    def watch(self, stats: Callable[[], Mapping[str, float]]) -> None:
+        """Expose the gauges and counters of ``stats()`` (the engine's snapshot) on every scrape."""
+        self.registry.register(_EngineStatsCollector(self.model_name, stats))
+
+    def observe_ttft(self, seconds: float) -> None:
+        self._ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def observe_finished(self, seconds: float, reason: str) -> None:
+        self._e2e.observe(seconds)
+        self._finished.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

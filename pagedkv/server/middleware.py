@@ -1,0 +1,93 @@
+"""ASGI middleware that runs before any route: the API key check and the body size limit.
+
+Both are plain ASGI (not ``BaseHTTPMiddleware``) so they never buffer or wrap streaming
+responses; they only look at the request and answer early when it is refused.
+"""
+
+from __future__ import annotations
+
+import hmac
+from http import HTTPStatus
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedkv.server.errors import APIError
+
+
+class APIKeyMiddleware:
+    """Every ``/v1`` route requires ``Authorization: Bearer <key>``; others (health, metrics) not.
+
+    The comparison is constant-time (``hmac.compare_digest``) so response timing does not leak
+    how much of a guessed key was right.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(header, self._expected):
+                error = APIError(
+                    HTTPStatus.UNAUTHORIZED,
+                    "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """Refuse request bodies over ``max_bytes`` with 413 before any handler parses them.
+
+    A declared ``Content-Length`` over the limit is refused unread; a chunked body is read up to
+    the limit. The body read here is replayed to the app, and later ``receive`` calls (the wait
+    for a client disconnect) go to the server as usual.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(int(declared), scope, receive, send)
+            return
+        body, more, received = bytearray(), True, 0
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # disconnected while sending the body
+                return
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                await self._refuse(received, scope, receive, send, at_least=True)
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(
+        self, size: int, scope: Scope, receive: Receive, send: Send, at_least: bool = False
+    ) -> None:
+        error = APIError(
+            HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+            f"the request body is {'at least ' if at_least else ''}{size} bytes; "
+            f"the limit is {self.max_bytes}",
+            code="request_too_large",
+        )
+        await error.response()(scope, receive, send)

@@ -1,0 +1,267 @@
+"""The OpenAI request and response shapes the server speaks (pydantic models).
+
+Request models accept what the official clients send -- unknown fields are ignored, as OpenAI
+does -- and map onto :class:`~pagedkv.engine.SamplingParams`, whose own validation then names
+any bad value. Fields that would change the meaning of a request but are not implemented
+(``echo``, ``suffix``, ``logit_bias``, tools, ...) are refused with a 400 rather than silently
+dropped. vLLM's extra sampling fields (``top_k``, ``min_p``, ``ignore_eos``, ...) are accepted.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from pagedkv.engine import SamplingParams
+from pagedkv.server.errors import APIError
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """The fields completions and chat share."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    # Not implemented; refused when set (see _refuse_unsupported).
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    # vLLM's extra sampling parameters.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def _refuse_unsupported(self, **extra: object) -> None:
+        if self.logit_bias:
+            raise APIError.bad_request("logit_bias is not supported by this server", param="logit_bias")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError.bad_request(
+                f"best_of ({self.best_of}) different from n ({self.n}) is not supported", param="best_of"
+            )
+        for name, value in extra.items():
+            if value:
+                raise APIError.bad_request(f"{name} is not supported by this server", param=name)
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; a bad value becomes a 400 naming the field."""
+        options: dict[str, Any] = {
+            "n": self.n,
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+        }
+        # None means "the default": leave it to SamplingParams (logprobs/seed/stop take None).
+        keep_none = {"logprobs", "seed", "stop", "stop_token_ids"}
+        options = {k: v for k, v in options.items() if v is not None or k in keep_none}
+        try:
+            return SamplingParams(**options)
+        except ValueError as err:
+            raise APIError.from_value_error(err) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``: one prompt or a batch (text or token ids)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch as a list: a string or a list of ints is one prompt."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise APIError.bad_request("prompt must not be empty", param="prompt")
+        return list(prompt)
+
+    def sampling_params(self) -> SamplingParams:
+        self._refuse_unsupported(echo=self.echo, suffix=self.suffix)
+        return self._sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+
+
+class TextPart(BaseModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        """The message as chat templates expect it: text content only."""
+        content = self.content
+        if isinstance(content, list):
+            kinds = sorted({part.type for part in content if part.type != "text"})
+            if kinds:
+                raise APIError.bad_request(
+                    f"only text content parts are supported, got {', '.join(kinds)}", param="messages"
+                )
+            content = "".join(part.text or "" for part in content)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``: a conversation rendered by the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """``default_max_tokens`` applies when neither max token field is given (the rest of the
+        context, as in vLLM)."""
+        kind = (self.response_format or {}).get("type", "text")
+        self._refuse_unsupported(tools=self.tools, tool_choice=self.tool_choice)
+        if kind != "text":
+            raise APIError.bad_request(f"response_format {kind!r} is not supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError.bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(default_max_tokens if max_tokens is None else max_tokens, logprobs)
+
+
+# -- responses -------------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedkv"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,234 @@
+"""The two generation endpoints: requests to engine prompts, deltas to OpenAI responses.
+
+Both endpoints validate everything (model name, sampling values, prompt length, cache fit,
+queue room) *before* the response starts, so a refused request gets a real HTTP status rather
+than a 200 stream with an error inside. Once streaming, the response is server-sent events,
+one ``data: {chunk}`` per choice delta, an optional usage chunk, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from http import HTTPStatus
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from pagedkv.engine import SamplingParams
+from pagedkv.models import Tokenizer
+from pagedkv.server.async_engine import Aborted, AsyncEngine
+from pagedkv.server.errors import APIError
+from pagedkv.server.generation import ChoiceDelta, Generation, collect_unless_disconnected
+from pagedkv.server.logprobs import LogprobFormatter
+from pagedkv.server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+)
+
+
+@dataclass
+class ServingContext:
+    """What the handlers need besides the request: shared by every request of one app."""
+
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    #: Most tokens (prompt + output) one request can ever hold in the KV cache.
+    max_request_tokens: int
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError.bad_request(
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}", param="model"
+            )
+
+
+def _json(body: BaseModel) -> Response:
+    """pydantic's JSON (a -inf logprob becomes null, where ``json.dumps`` would refuse it)."""
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _sse(chunk: BaseModel | dict) -> str:
+    body = chunk.model_dump_json() if isinstance(chunk, BaseModel) else json.dumps(chunk)
+    return f"data: {body}\n\n"
+
+
+async def _start(ctx: ServingContext, request_id: str, prompts: list[list[int]], params: SamplingParams):
+    generation = Generation(ctx.engine, request_id, prompts, params)
+    try:
+        await generation.start()
+    except APIError:
+        raise
+    except Aborted as err:
+        raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(err), type="server_error") from None
+    except ValueError as err:  # InvalidRequestError: too long, never fits, bad token ids
+        raise APIError.from_value_error(err) from None
+    return generation
+
+
+async def _sse_events(generation: Generation, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Frame the chunks, end with ``[DONE]``; abort the generation if the client goes away."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Aborted as err:
+        yield _sse(APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(err), type="server_error").body())
+    finally:
+        generation.close()
+    yield "data: [DONE]\n\n"
+
+
+async def _respond(request: Request, generation: Generation) -> list[list[ChoiceDelta]]:
+    try:
+        return await collect_unless_disconnected(generation, request.receive)
+    except Aborted as err:
+        raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(err), type="server_error") from None
+    finally:
+        generation.close()
+
+
+# -- /v1/completions ---------------------------------------------------------------------------
+async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext):
+    ctx.check_model(body.model)
+    params = body.sampling_params()
+    prompts = [ctx.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    generation = await _start(ctx, request_id, prompts, params)
+    formatter = LogprobFormatter(ctx.tokenizer)
+    wants_logprobs = params.logprobs is not None
+
+    def choice(delta: ChoiceDelta) -> CompletionChoice:
+        logprobs = formatter.completion(delta.index, delta.logprobs) if wants_logprobs else None
+        return CompletionChoice(
+            index=delta.index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason
+        )
+
+    created = int(time.time())
+    if body.stream:
+
+        async def chunks() -> AsyncIterator[str]:
+            async for delta in generation.deltas():
+                yield _sse(
+                    CompletionResponse(
+                        id=request_id, created=created, model=ctx.model_name, choices=[choice(delta)]
+                    )
+                )
+            if body.include_usage:
+                yield _sse(
+                    CompletionResponse(
+                        id=request_id,
+                        created=created,
+                        model=ctx.model_name,
+                        choices=[],
+                        usage=generation.usage,
+                    )
+                )
+
+        return StreamingResponse(_sse_events(generation, chunks()), media_type="text/event-stream")
+
+    per_choice = await _respond(request, generation)
+    choices = []
+    for deltas in per_choice:
+        merged = [choice(d) for d in deltas]
+        text = "".join(c.text for c in merged)
+        logprobs = formatter.merge([c.logprobs for c in merged]) if wants_logprobs else None
+        choices.append(
+            CompletionChoice(
+                index=deltas[-1].index, text=text, logprobs=logprobs, finish_reason=deltas[-1].finish_reason
+            )
+        )
+    return _json(
+        CompletionResponse(
+            id=request_id, created=created, model=ctx.model_name, choices=choices, usage=generation.usage
+        )
+    )
+
+
+# -- /v1/chat/completions ----------------------------------------------------------------------
+def _chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+    messages = [m.as_template_dict() for m in body.messages]
+    try:
+        return ctx.tokenizer.encode_chat(messages)
+    except (ValueError, jinja2.TemplateError) as err:
+        raise APIError.bad_request(
+            f"the chat template failed on these messages: {err}", param="messages"
+        ) from None
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServingContext):
+    ctx.check_model(body.model)
+    prompt = _chat_prompt(ctx, body)
+    room = min(ctx.max_model_len, ctx.max_request_tokens) - len(prompt)
+    params = body.sampling_params(default_max_tokens=max(room, 1))
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    generation = await _start(ctx, request_id, [prompt], params)
+    formatter = LogprobFormatter(ctx.tokenizer)
+    wants_logprobs = params.logprobs is not None
+
+    def logprobs(delta: ChoiceDelta) -> ChatLogprobs | None:
+        return ChatLogprobs(content=formatter.chat(delta.logprobs)) if wants_logprobs else None
+
+    created = int(time.time())
+    if body.stream:
+
+        def chunk(choice: ChatStreamChoice | None, usage=None) -> str:
+            return _sse(
+                ChatCompletionChunk(
+                    id=request_id,
+                    created=created,
+                    model=ctx.model_name,
+                    choices=[choice] if choice else [],
+                    usage=usage,
+                )
+            )
+
+        async def chunks() -> AsyncIterator[str]:
+            for index in range(generation.num_choices):
+                yield chunk(ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content="")))
+            async for delta in generation.deltas():
+                yield chunk(
+                    ChatStreamChoice(
+                        index=delta.index,
+                        delta=ChatDelta(content=delta.text),
+                        logprobs=logprobs(delta),
+                        finish_reason=delta.finish_reason,
+                    )
+                )
+            if body.include_usage:
+                yield chunk(None, usage=generation.usage)
+
+        return StreamingResponse(_sse_events(generation, chunks()), media_type="text/event-stream")
+
+    per_choice = await _respond(request, generation)
+    choices = []
+    for deltas in per_choice:
+        content = [token for d in deltas for token in formatter.chat(d.logprobs)] if wants_logprobs else None
+        choices.append(
+            ChatChoice(
+                index=deltas[-1].index,
+                message=ChatResponseMessage(content="".join(d.text for d in deltas)),
+                logprobs=ChatLogprobs(content=content) if content is not None else None,
+                finish_reason=deltas[-1].finish_reason,
+            )
+        )
+    return _json(
+        ChatCompletionResponse(
+            id=request_id, created=created, model=ctx.model_name, choices=choices, usage=generation.usage
+        )
+    )
