@@ -15,22 +15,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pagedkv.memory.spec import parse_bytes
+from pagedkv.cli_args import add_engine_options, byte_size, engine_config
+from pagedkv.server.cli import add_bench_serve_parser, add_serve_parser
 from pagedkv.sim import WORKLOAD_NAMES, SimConfig, SimResult, simulate
 from pagedkv.sim.report import print_report
 
 DEFAULT_REPORT_DIR = "pagedkv-report"
-
-
-def _byte_size(text: str) -> int:
-    """argparse type for '80GB', '13GiB', ...: keeps parse_bytes' message on bad input."""
-    try:
-        value = parse_bytes(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"a memory size must be positive, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(subparsers)
     _add_simulate(subparsers)
     _add_generate(subparsers)
+    add_serve_parser(subparsers)
+    _add_bench(subparsers)
     return parser
 
 
@@ -66,11 +58,11 @@ def _add_simulation_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     group.add_argument("--max-seq-len", type=int, default=2048, help="context length (default: 2048)")
     group.add_argument(
-        "--gpu-memory", type=_byte_size, default="80GB", help="GPU memory, e.g. 80GB, 24GiB (default: 80GB)"
+        "--gpu-memory", type=byte_size, default="80GB", help="GPU memory, e.g. 80GB, 24GiB (default: 80GB)"
     )
     group.add_argument(
         "--weights-memory",
-        type=_byte_size,
+        type=byte_size,
         default="13GiB",
         help="memory taken by the weights; the rest holds the KV cache (default: 13GiB, a 7B model in fp16)",
     )
@@ -174,8 +166,6 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 # -- generate ------------------------------------------------------------------------------------
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
-    from pagedkv.engine.options import add_engine_options
-
     parser = subparsers.add_parser(
         "generate",
         help="generate text for prompts with the paged engine",
@@ -196,7 +186,6 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from pagedkv.engine import InvalidRequestError, SamplingParams
-    from pagedkv.engine.options import engine_config
     from pagedkv.llm import LLM
     from pagedkv.models import BUILTIN_NOTE
 
@@ -235,6 +224,17 @@ def _run_generate(args: argparse.Namespace) -> int:
         f"prefix-cache hits {hits}/{queries} tokens, preemptions {stats['preemptions']}"
     )
     return 0
+
+
+# -- bench ---------------------------------------------------------------------------------------
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="benchmarks that run pagedkv and a baseline side by side",
+        description="Benchmarks of the live engine, each against its baseline in the same run.",
+    )
+    benches = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    add_bench_serve_parser(benches)
 
 
 # -- shared helpers ------------------------------------------------------------------------------

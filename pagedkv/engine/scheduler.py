@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.engine.sequence import Sequence, SequenceStatus
 from pagedkv.memory import KVCacheManager
+from pagedkv.memory.manager import KV_POLICIES
 
 logger = logging.getLogger("pagedkv.scheduler")
 
@@ -68,9 +69,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-KV_POLICIES = ("paged", "contiguous", "contiguous-oracle")
 
 
 class Scheduler:

@@ -50,6 +50,8 @@ def _validation_error(err: RequestValidationError) -> APIError:
         if problem.get("type") == "json_invalid":
             detail = (problem.get("ctx") or {}).get("error", "invalid JSON")
             return APIError.bad_request(f"the request body is not valid JSON: {detail}")
+    if problems and problems[0]["type"] == "missing" and tuple(problems[0]["loc"]) == ("body",):
+        return APIError.bad_request("the request body is empty: a JSON object is expected")
     listed = []
     for problem in problems[:_MAX_LISTED_ERRORS]:
         field = ".".join(str(part) for part in problem["loc"][1:]) or "body"

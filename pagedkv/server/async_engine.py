@@ -106,6 +106,8 @@ class AsyncEngine:
         self._commands: deque[_Add | _Abort] = deque()
         self._wakeup = threading.Condition()
         self._stopping = False
+        #: Set (to the reason) once the worker has stopped; later requests fail at once.
+        self._closed: str | None = None
         self._live: dict[str, _Live] = {}
         self._peak_utilization = 0.0
         self._publish_stats()
@@ -143,19 +145,46 @@ class AsyncEngine:
 
     def _send(self, command: _Add | _Abort) -> None:
         with self._wakeup:
+            if self._closed is not None:
+                if isinstance(command, _Add):
+                    raise Aborted(self._closed)
+                return  # nothing is running any more: nothing to abort
             self._commands.append(command)
             self._wakeup.notify()
 
     # -- the worker thread ------------------------------------------------------------------
     def _run(self) -> None:
+        reason = "the server is shutting down"
+        try:
+            self._serve()
+        except BaseException as err:  # a bug outside step(): do not leave anyone waiting
+            logger.exception("the engine worker crashed")
+            reason = f"the engine worker crashed: {err!r}"
+        finally:
+            with self._wakeup:
+                self._closed = reason
+                commands = list(self._commands)
+                self._commands.clear()
+            for command in commands:
+                if isinstance(command, _Add):
+                    _settle(command.accepted, Aborted(reason))
+            for request_id, live in self._live.items():
+                live.stream.put(live.tag, Aborted(reason))
+                with contextlib.suppress(Exception):  # return its blocks if the engine still can
+                    self.engine.abort(request_id)
+            self._live.clear()
+            with contextlib.suppress(Exception):
+                self._publish_stats()
+
+    def _serve(self) -> None:
         while True:
             with self._wakeup:
                 while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
                     self._wakeup.wait()
+                if self._stopping:
+                    return
                 commands = list(self._commands)
                 self._commands.clear()
-                if self._stopping:
-                    break
             for command in commands:
                 if isinstance(command, _Add):
                     self._add(command)
@@ -164,12 +193,6 @@ class AsyncEngine:
             if self.engine.has_unfinished_requests():
                 self._step()
             self._publish_stats()
-        for command in commands:
-            if isinstance(command, _Add):
-                _settle(command.accepted, Aborted("the server is shutting down"))
-        for request_id in list(self._live):
-            self._abort(request_id, Aborted("the server is shutting down"))
-        self._publish_stats()
 
     def _add(self, command: _Add) -> None:
         waiting = len(self.engine.scheduler.waiting)
@@ -179,6 +202,10 @@ class AsyncEngine:
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params)
         except ValueError as err:  # InvalidRequestError: the handler turns it into a 400
+            _settle(command.accepted, err)
+            return
+        except Exception as err:  # a bug: that request fails (500), the others go on
+            logger.exception("add_request failed for %s", command.request_id)
             _settle(command.accepted, err)
             return
         self._live[command.request_id] = _Live(command.stream, command.tag, command.submitted)

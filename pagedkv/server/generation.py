@@ -17,6 +17,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from starlette.types import Receive
+
 from pagedkv.engine import CompletionOutput, RequestOutput, SamplingParams
 from pagedkv.engine.sampler import TokenLogprobs
 from pagedkv.server.async_engine import AsyncEngine, Stream
@@ -137,13 +139,13 @@ async def collect(generation: Generation) -> list[list[ChoiceDelta]]:
     return per_choice
 
 
-async def until_disconnect(receive) -> None:
+async def until_disconnect(receive: Receive) -> None:
     """Return when the ASGI server reports that the client went away."""
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
-async def collect_unless_disconnected(generation: Generation, receive) -> list[list[ChoiceDelta]]:
+async def collect_unless_disconnected(generation: Generation, receive: Receive) -> list[list[ChoiceDelta]]:
     """:func:`collect`, or :class:`ClientGoneError` as soon as the client disconnects."""
     collecting = asyncio.ensure_future(collect(generation))
     watching = asyncio.ensure_future(until_disconnect(receive))
@@ -152,6 +154,6 @@ async def collect_unless_disconnected(generation: Generation, receive) -> list[l
     finally:
         collecting.cancel()
         watching.cancel()
-    if not collecting.cancelled() and collecting.done():
+    if collecting.done() and not collecting.cancelled():
         return collecting.result()
     raise ClientGoneError(generation.request_id)

@@ -10,49 +10,55 @@ dropped. vLLM's extra sampling fields (``top_k``, ``min_p``, ``ignore_eos``, ...
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, Strict
 
 from pagedkv.engine import SamplingParams
 from pagedkv.server.errors import APIError
 
+# Strict scalars: JSON ``true`` is not the number 1, ``"0.5"`` is not a float, ``2.0`` is not a count.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class _SamplingRequest(BaseModel):
     """The fields completions and chat share."""
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
+    seed: Int | None = None
+    stream: Bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
     user: str | None = None
     # Not implemented; refused when set (see _refuse_unsupported).
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
     # vLLM's extra sampling parameters.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    min_tokens: Int | None = 0
+    ignore_eos: Bool | None = False
+    stop_token_ids: list[Int] | None = None
 
     def _refuse_unsupported(self, **extra: object) -> None:
         if self.logit_bias:
             raise APIError.bad_request("logit_bias is not supported by this server", param="logit_bias")
-        if self.best_of is not None and self.best_of != self.n:
+        n = 1 if self.n is None else self.n
+        if self.best_of is not None and self.best_of != n:
             raise APIError.bad_request(
-                f"best_of ({self.best_of}) different from n ({self.n}) is not supported", param="best_of"
+                f"best_of ({self.best_of}) different from n ({n}) is not supported", param="best_of"
             )
         for name, value in extra.items():
             if value:
@@ -77,7 +83,8 @@ class _SamplingRequest(BaseModel):
             "repetition_penalty": self.repetition_penalty,
             "min_tokens": self.min_tokens,
         }
-        # None means "the default": leave it to SamplingParams (logprobs/seed/stop take None).
+        # None (absent or JSON null) means "the default": SamplingParams' own, except for the
+        # fields where None itself is the value (no logprobs, no seed, no stops).
         keep_none = {"logprobs", "seed", "stop", "stop_token_ids"}
         options = {k: v for k, v in options.items() if v is not None or k in keep_none}
         try:
@@ -93,10 +100,10 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``: one prompt or a batch (text or token ids)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None
+    echo: Bool | None = False
     suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -143,10 +150,10 @@ class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``: a conversation rendered by the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: Bool | None = False
+    top_logprobs: Int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None

@@ -69,12 +69,18 @@ def _sse(chunk: BaseModel | dict) -> str:
     return f"data: {body}\n\n"
 
 
-async def _start(ctx: ServingContext, request_id: str, prompts: list[list[int]], params: SamplingParams):
+def _shows(delta: ChoiceDelta, wants_logprobs: bool) -> bool:
+    """Whether a delta is worth a chunk: tokens whose text is held back (half a UTF-8
+    character, a possible stop string) carry nothing to show unless logprobs were asked for."""
+    return bool(delta.text) or delta.finish_reason is not None or (wants_logprobs and bool(delta.token_ids))
+
+
+async def _start(
+    ctx: ServingContext, request_id: str, prompts: list[list[int]], params: SamplingParams
+) -> Generation:
     generation = Generation(ctx.engine, request_id, prompts, params)
     try:
-        await generation.start()
-    except APIError:
-        raise
+        await generation.start()  # an APIError (a full queue) passes through as it is
     except Aborted as err:
         raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(err), type="server_error") from None
     except ValueError as err:  # InvalidRequestError: too long, never fits, bad token ids
@@ -104,7 +110,7 @@ async def _respond(request: Request, generation: Generation) -> list[list[Choice
 
 
 # -- /v1/completions ---------------------------------------------------------------------------
-async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext):
+async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext) -> Response:
     ctx.check_model(body.model)
     params = body.sampling_params()
     prompts = [ctx.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
@@ -124,6 +130,8 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
 
         async def chunks() -> AsyncIterator[str]:
             async for delta in generation.deltas():
+                if not _shows(delta, wants_logprobs):
+                    continue
                 yield _sse(
                     CompletionResponse(
                         id=request_id, created=created, model=ctx.model_name, choices=[choice(delta)]
@@ -171,7 +179,9 @@ def _chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
         ) from None
 
 
-async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServingContext):
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, ctx: ServingContext
+) -> Response:
     ctx.check_model(body.model)
     prompt = _chat_prompt(ctx, body)
     room = min(ctx.max_model_len, ctx.max_request_tokens) - len(prompt)
@@ -202,6 +212,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             for index in range(generation.num_choices):
                 yield chunk(ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content="")))
             async for delta in generation.deltas():
+                if not _shows(delta, wants_logprobs):
+                    continue
                 yield chunk(
                     ChatStreamChoice(
                         index=delta.index,

@@ -1,0 +1,74 @@
+"""Shared pieces of the server tests: engine options, prompts, /metrics reading, leak checks."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedkv.engine import LLMEngine
+
+API_KEY = "test-key"
+MODEL = "pagedkv-builtin"
+#: The main test server's engine (and the reference LLM's, so the numerics match).
+ENGINE_OPTIONS = dict(num_kv_blocks=512, block_size=16, max_model_len=256, max_num_seqs=32)
+
+_WORDS = "paged attention keeps the cache in blocks so that many requests share one pool".split()
+
+
+def prompts(count: int, seed: int, words: int = 6) -> list[str]:
+    rng = random.Random(seed)
+    return [
+        f"request {seed}-{i}: " + " ".join(rng.choice(_WORDS) for _ in range(words)) for i in range(count)
+    ]
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """Every /metrics sample, by name and labels, e.g. ``vllm:num_requests_running``."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            extra = {k: v for k, v in sample.labels.items() if k not in ("model_name", "le")}
+            key = sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(extra.items()))
+            if "le" not in sample.labels:
+                samples[key] = sample.value
+    return samples
+
+
+def wait_until(predicate, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def wait_idle(base_url: str, timeout: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits and no KV block is held; return the metrics."""
+
+    def idle():
+        m = scrape(base_url)
+        quiet = m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
+        return m if quiet and m["pagedkv:kv_cache_blocks_used"] == 0 else None
+
+    metrics = wait_until(idle, timeout, "the server to go idle with every block back in the pool")
+    assert metrics["vllm:kv_cache_usage_perc"] == 0.0
+    assert httpx.get(f"{base_url}/health").status_code == 200
+    return metrics
+
+
+def assert_pool_whole(engine: LLMEngine) -> None:
+    """White-box check once idle: no request, block table or block reference is left behind."""
+    assert not engine.requests
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.kv.num_seqs == 0
+    pool = engine.kv.pool
+    assert all(pool.refcount(b) == 0 for b in range(pool.num_blocks))
+    assert pool.num_free_blocks == pool.num_blocks
+    assert sorted(pool.free_block_ids() + pool.cached_free_block_ids()) == list(range(pool.num_blocks))

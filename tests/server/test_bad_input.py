@@ -1,0 +1,196 @@
+"""Every bad input the README's table lists, sent over raw HTTP: its status and OpenAI error body.
+
+``BAD_INPUTS`` *is* the table: one row per case, each run as its own test. After each, the
+server must still be healthy with the pool whole (a refused request must not hold a block).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+
+from pagedkv.engine import EngineConfig
+from pagedkv.server import ServerThread, create_app
+from tests.server.conftest import MAX_BODY_BYTES
+from tests.server.helpers import API_KEY, MODEL, assert_pool_whole, scrape, wait_idle, wait_until
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+JSON = {"Content-Type": "application/json"}
+#: The tight server: a 40-block (640-token) cache under a 1024-token context, one sequence at a
+#: time and at most one waiting request.
+TIGHT = dict(num_kv_blocks=40, block_size=16, max_model_len=1024, max_num_seqs=1)
+
+
+def _completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "hello", "max_tokens": 4, **fields}
+
+
+def _chat(**fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **fields}
+
+
+def _chunked(data: bytes, size: int = 4096):
+    """A body sent with chunked transfer encoding: no Content-Length to refuse it by."""
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
+
+
+@dataclass(frozen=True)
+class BadInput:
+    what: str
+    status: int
+    body: dict | bytes | None = None
+    path: str = "/v1/completions"
+    headers: dict = field(default_factory=lambda: {**AUTH, **JSON})
+    #: a fragment of the error message, and the ``param`` it must name
+    says: str = ""
+    param: str | None = None
+    chunked: bool = False
+
+
+BAD_INPUTS = [
+    BadInput("no `Authorization` header on a `/v1` route", 401, _completion(), headers=JSON, says="API key"),
+    BadInput(
+        "wrong API key", 401, _completion(), headers={"Authorization": "Bearer nope", **JSON}, says="API key"
+    ),
+    BadInput("API key without the `Bearer` scheme", 401, _completion(), headers={"Authorization": API_KEY}),
+    BadInput("malformed JSON", 400, b'{"prompt": "hi",', says="not valid JSON"),
+    BadInput("empty body", 400, b"", says="empty"),
+    BadInput("JSON that is not an object", 400, b"[1, 2]", says="valid dictionary"),
+    BadInput("missing `prompt`", 400, {"model": MODEL}, says="prompt: Field required", param="prompt"),
+    BadInput("`prompt` of the wrong type", 400, _completion(prompt=5), param="prompt.str"),
+    BadInput("empty prompt list", 400, _completion(prompt=[]), says="must not be empty", param="prompt"),
+    BadInput(
+        "prompt token id outside the vocabulary", 400, _completion(prompt=[5, 99999]), says="vocabulary"
+    ),
+    BadInput(
+        "prompt longer than the model allows", 400, _completion(prompt=[5] * 300), says="maximum context"
+    ),
+    BadInput(
+        "prompt + `max_tokens` over the context", 400, _completion(max_tokens=300), says="maximum context"
+    ),
+    BadInput("unknown model name", 400, _completion(model="gpt-4"), says="does not exist", param="model"),
+    BadInput("`temperature` < 0", 400, _completion(temperature=-1), says=">= 0", param="temperature"),
+    BadInput("`temperature` as a string", 400, _completion(temperature="hot"), param="temperature"),
+    BadInput("`top_p` = 0", 400, _completion(top_p=0), says="(0, 1]", param="top_p"),
+    BadInput("`top_p` > 1", 400, _completion(top_p=1.5), says="(0, 1]", param="top_p"),
+    BadInput("`max_tokens` = 0", 400, _completion(max_tokens=0), says=">= 1", param="max_tokens"),
+    BadInput("`n` = 0", 400, _completion(n=0), says=">= 1", param="n"),
+    BadInput("`n` not an integer", 400, _completion(n=1.5), param="n"),
+    BadInput("`logprobs` > 20", 400, _completion(logprobs=21), says="<= 20", param="logprobs"),
+    BadInput("`seed` beyond 64 bits", 400, _completion(seed=2**64), says="seed", param="seed"),
+    BadInput("empty stop string", 400, _completion(stop=[""]), says="non-empty", param="stop"),
+    BadInput("`stream` not a boolean", 400, _completion(stream="yes"), param="stream"),
+    BadInput("`echo` (not supported)", 400, _completion(echo=True), says="not supported", param="echo"),
+    BadInput("`logit_bias` (not supported)", 400, _completion(logit_bias={"5": 1}), param="logit_bias"),
+    BadInput("chat: no messages", 400, _chat(messages=[]), path="/v1/chat/completions", param="messages"),
+    BadInput(
+        "chat: message without a role",
+        400,
+        _chat(messages=[{"content": "hi"}]),
+        path="/v1/chat/completions",
+        param="messages.0.role",
+    ),
+    BadInput(
+        "chat: image content",
+        400,
+        _chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+        path="/v1/chat/completions",
+        says="only text",
+        param="messages",
+    ),
+    BadInput(
+        "chat: `top_logprobs` without `logprobs`",
+        400,
+        _chat(top_logprobs=2),
+        path="/v1/chat/completions",
+        param="top_logprobs",
+    ),
+    BadInput(
+        "chat: tools (not supported)", 400, _chat(tools=[{"type": "function"}]), path="/v1/chat/completions"
+    ),
+    BadInput(
+        f"body over the size limit ({MAX_BODY_BYTES} bytes here)",
+        413,
+        _completion(prompt="x" * MAX_BODY_BYTES),
+        says="limit",
+    ),
+    BadInput(
+        "chunked body over the size limit",
+        413,
+        b'{"prompt": "' + b"x" * MAX_BODY_BYTES + b'"}',
+        chunked=True,
+        says="limit",
+    ),
+    BadInput("unknown route", 404, None, path="/v1/embeddings"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c.what for c in BAD_INPUTS])
+def test_bad_input_gets_its_status_and_an_openai_error(case: BadInput, base_url, engine):
+    content = case.body if isinstance(case.body, bytes) else None
+    if case.chunked:
+        content = _chunked(case.body)
+    response = httpx.post(
+        f"{base_url}{case.path}",
+        content=content,
+        json=case.body if isinstance(case.body, dict) else None,
+        headers=case.headers,
+        timeout=30,
+    )
+    assert response.status_code == case.status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert case.says in error["message"]
+    if case.param is not None:
+        assert error["param"] == case.param
+    wait_idle(base_url)
+    assert_pool_whole(engine)
+
+
+# -- cases that need a server sized for them -------------------------------------------------------
+@pytest.fixture(scope="module")
+def tight_server():
+    app = create_app(EngineConfig(**TIGHT), max_waiting=1)
+    with ServerThread(app) as server:
+        yield server
+
+
+def test_a_request_that_can_never_fit_in_the_cache_gets_400(tight_server):
+    body = _completion(max_tokens=700)  # within the 1024-token context, over the 640-token cache
+    response = httpx.post(f"{tight_server.base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400
+    assert "can never fit in the KV cache" in response.json()["error"]["message"]
+    wait_idle(tight_server.base_url)
+
+
+def test_a_full_waiting_queue_gets_503_and_recovers(tight_server):
+    base_url = tight_server.base_url
+    long = _completion(max_tokens=600, ignore_eos=True, stream=True)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            running = client.stream("POST", "/v1/completions", json=long)
+            assert (await running.__aenter__()).status_code == 200
+            await asyncio.to_thread(
+                wait_until, lambda: scrape(base_url)["vllm:num_requests_running"] == 1, 10, "A running"
+            )
+            waiting = client.stream("POST", "/v1/completions", json=long)
+            assert (await waiting.__aenter__()).status_code == 200
+            await asyncio.to_thread(
+                wait_until, lambda: scrape(base_url)["vllm:num_requests_waiting"] == 1, 10, "B waiting"
+            )
+            refused = await client.post("/v1/completions", json=_completion())
+            for stream in (waiting, running):
+                await stream.__aexit__(None, None, None)
+            return refused
+
+    refused = asyncio.run(run())
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "queue_full"
+    wait_idle(base_url)
+    assert httpx.post(f"{base_url}/v1/completions", json=_completion(), timeout=30).status_code == 200
+    assert_pool_whole(tight_server.app.state.engine.engine)

@@ -1,0 +1,169 @@
+"""The official ``openai`` client against a real server: completions, chat, streaming, options.
+
+Every generated text is compared with ``LLM.generate`` on the same prompt and parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import openai
+import pytest
+
+from pagedkv import SamplingParams
+from tests.server.helpers import API_KEY, MODEL, assert_pool_whole, prompts, wait_idle
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def _leaves_server_idle(base_url, engine):
+    yield
+    wait_idle(base_url)
+    assert_pool_whole(engine)
+
+
+def _generate(reference, prompt, **params):
+    return reference.generate([prompt], SamplingParams(**params), use_tqdm=False)[0]
+
+
+def test_models_lists_the_served_model(client, engine):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].model_extra["max_model_len"] == engine.max_model_len
+
+
+def test_completion_equals_llm_generate_with_seed(client, reference):
+    prompt = prompts(1, seed=1)[0]
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.8, seed=7)
+    expected = _generate(reference, prompt, max_tokens=12, temperature=0.8, seed=7)
+    [choice] = response.choices
+    assert choice.text == expected.outputs[0].text
+    assert choice.finish_reason == expected.outputs[0].finish_reason
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+    assert response.model == MODEL and response.object == "text_completion"
+
+
+def test_n_samples_and_a_batch_of_prompts(client, reference):
+    batch = prompts(2, seed=2)
+    response = client.completions.create(
+        model=MODEL, prompt=batch, max_tokens=8, n=2, seed=3, extra_body={"ignore_eos": True}
+    )
+    params = SamplingParams(max_tokens=8, n=2, seed=3, ignore_eos=True)
+    expected = reference.generate(batch, params, use_tqdm=False)
+    texts = [c.text for c in sorted(response.choices, key=lambda c: c.index)]
+    assert texts == [s.text for out in expected for s in out.outputs]
+    assert response.usage.completion_tokens == 2 * 2 * 8
+
+
+def test_completion_logprobs_match_the_engine(client, reference):
+    prompt = prompts(1, seed=4)[0]
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, logprobs=3, temperature=0)
+    expected = _generate(reference, prompt, max_tokens=6, logprobs=3, temperature=0).outputs[0]
+    logprobs = response.choices[0].logprobs
+    assert logprobs.token_logprobs == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-4)
+    assert "".join(logprobs.tokens) == response.choices[0].text
+    assert logprobs.text_offset == [sum(len(t) for t in logprobs.tokens[:i]) for i in range(6)]
+    for top, entry in zip(logprobs.top_logprobs, expected.logprobs, strict=True):
+        assert 3 <= len(top) <= 4  # the top 3 plus the sampled token
+        assert max(top.values()) == pytest.approx(entry.top[0][1], abs=1e-4)
+
+
+def test_chat_uses_the_model_chat_template(client, reference):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is a block?"}]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, seed=5)
+    ids = reference.tokenizer.encode_chat(messages)
+    expected = _generate(reference, ids, max_tokens=10, seed=5)
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.outputs[0].text
+    assert response.usage.prompt_tokens == len(ids)
+
+
+def test_chat_without_max_tokens_runs_to_the_context_or_eos(client):
+    messages = [{"role": "user", "content": "hi"}]
+    response = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, seed=0)
+    usage = response.usage
+    assert response.choices[0].finish_reason in ("stop", "length")
+    if response.choices[0].finish_reason == "length":
+        assert usage.total_tokens == 256  # max_model_len
+    assert usage.completion_tokens >= 1
+
+
+def test_chat_logprobs(client):
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "tokens"}],
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        temperature=0,
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == 5
+    for token in content:
+        assert len(token.top_logprobs) == 2
+        assert token.logprob <= 0 and not math.isnan(token.logprob)
+        # greedy: the sampled token is the most likely one
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob, abs=1e-5)
+        assert bytes(token.bytes).decode() == token.token
+
+
+def test_streamed_completion_equals_the_whole_one(client, reference):
+    prompt = prompts(1, seed=6)[0]
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=14, seed=9, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    expected = _generate(reference, prompt, max_tokens=14, seed=9).outputs[0]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+    assert len(chunks) > 2  # really streamed, not one blob
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_streamed_chat_with_n(client, reference):
+    messages = [{"role": "user", "content": "stream two answers"}]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        n=2,
+        seed=11,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    texts, roles, finish = ["", ""], set(), {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.delta.role:
+                roles.add((choice.index, choice.delta.role))
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    expected = _generate(
+        reference, reference.tokenizer.encode_chat(messages), max_tokens=8, n=2, seed=11, ignore_eos=True
+    )
+    assert texts == [s.text for s in expected.outputs]
+    assert roles == {(0, "assistant"), (1, "assistant")}
+    assert finish == {0: "length", 1: "length"}
+
+
+def test_stop_string_cuts_streamed_and_whole_text_alike(client, reference):
+    prompt = prompts(1, seed=8)[0]
+    free = _generate(reference, prompt, max_tokens=16, seed=1, ignore_eos=True).outputs[0].text
+    stop = free[len(free) // 2 : len(free) // 2 + 3]  # certainly generated, mid-way
+    options = dict(
+        model=MODEL, prompt=prompt, max_tokens=16, seed=1, stop=[stop], extra_body={"ignore_eos": True}
+    )
+    whole = client.completions.create(**options)
+    streamed = client.completions.create(**options, stream=True)
+    streamed_text = "".join(c.choices[0].text for c in streamed)
+    expected = free[: free.find(stop)]
+    assert whole.choices[0].text == streamed_text == expected
+    assert whole.choices[0].finish_reason == "stop"
