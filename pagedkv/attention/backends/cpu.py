@@ -1,0 +1,199 @@
+"""The ``cpu`` backend: the default on CPU.
+
+Decode, and every query run of a prefill step up to ``NATIVE_MAX_QUERY_LEN`` tokens (decode
+rows in a mixed batch, chunks, prompts), go through the native kernel
+(:mod:`pagedkv.attention.backends.native`), which reads keys and values straight out of the
+block pool. Longer prefill runs gather one sequence's context at a time and call
+``scaled_dot_product_attention``: their cost is quadratic in the query length, so one
+linear-size gather is noise next to it. Soft-capped attention always takes the kernel (SDPA
+has no soft-cap).
+Without a C compiler the kernel's share falls back to the ``torch`` reference, with a warning.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.attention.backends import native, reference
+from pagedkv.attention.kv_cache import LayerKV
+
+#: query runs at most this long use the native kernel, longer ones gather + SDPA. Measured with
+#: `benchmarks/attention.py --prefill` (context 1024, fp32, 2 cores): the kernel was faster at
+#: every chunk length up to the whole 1024-token prompt (299 ms vs 631 ms). Longer prompts keep
+#: SDPA, whose tiling stays in cache where the row kernel re-reads the context once per token.
+NATIVE_MAX_QUERY_LEN = 1024
+#: bounds on the positions one kernel task covers (flash-decoding split of long contexts)
+MIN_CHUNK, MAX_CHUNK = 64, 2048
+#: multiply-adds per pass below which the kernel runs on one thread (about 0.3 ms of work)
+PARALLEL_MIN_WORK = 1 << 22
+
+_warned = False
+
+
+def _kernel() -> native.NativeKernel | None:
+    global _warned
+    kernel = native.load()
+    if isinstance(kernel, str):
+        if not _warned:
+            warnings.warn(f"pagedkv cpu attention: {kernel}; using the slow torch reference", stacklevel=3)
+            _warned = True
+        return None
+    return kernel
+
+
+def attend_rows(
+    q: torch.Tensor,
+    layer: LayerKV,
+    block_tables: torch.Tensor,
+    row_seq: torch.Tensor,
+    row_pos: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor | None:
+    """Each query row ``q[r]`` of sequence ``row_seq[r]`` at position ``row_pos[r]`` attends its
+    sequence's keys up to that position; ``None`` when the native kernel is unavailable or
+    cannot take these tensors."""
+    if q.device.type != "cpu":
+        raise ValueError(
+            f"the cpu attention backend needs CPU tensors, got {q.device}; use 'triton' or 'torch'"
+        )
+    kernel = _kernel()
+    num_heads = q.shape[1]
+    entry = kernel.fn(q.dtype) if kernel is not None else None
+    if entry is None or num_heads // layer.num_kv_heads > native.MAX_GROUP:
+        return None
+    key, value = layer.key, layer.value
+    if not (key.is_contiguous() and value.is_contiguous()):
+        key, value = key.contiguous(), value.contiguous()
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    row_seq = row_seq.to(torch.int32).contiguous()
+    row_pos = row_pos.to(torch.int32).contiguous()
+    window = sliding_window or 0
+    lengths = row_pos.long() + 1
+    if window:
+        lengths = lengths.clamp(max=window)
+    total = int(lengths.sum())
+    # Like torch's own grain size: small work stays on one thread, where a fork/join costs more
+    # than it saves (and a thread descheduled on a busy machine stalls the whole region).
+    threads = torch.get_num_threads() if total * num_heads * layer.head_dim >= PARALLEL_MIN_WORK else 1
+    per_task = math.ceil(total / (4 * threads))
+    chunk = min(MAX_CHUNK, max(MIN_CHUNK, per_task))
+    out = torch.empty_like(q)
+    status = entry(
+        q.data_ptr(),
+        key.data_ptr(),
+        value.data_ptr(),
+        tables.data_ptr(),
+        row_seq.data_ptr(),
+        row_pos.data_ptr(),
+        out.data_ptr(),
+        q.shape[0],
+        num_heads,
+        layer.num_kv_heads,
+        layer.head_dim,
+        layer.block_size,
+        tables.shape[1],
+        scale,
+        window,
+        soft_cap or 0.0,
+        chunk,
+        threads,
+    )
+    if status != 0:
+        raise MemoryError("the native paged-attention kernel could not allocate its workspace")
+    return out
+
+
+def decode(
+    q: torch.Tensor,
+    layer: LayerKV,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    row_seq = torch.arange(q.shape[0], dtype=torch.int32)
+    out = attend_rows(q, layer, block_tables, row_seq, context_lens - 1, scale, sliding_window, soft_cap)
+    if out is None:
+        return reference.decode(q, layer, block_tables, context_lens, scale, sliding_window, soft_cap)
+    return out
+
+
+def _sdpa_sequence(
+    q: torch.Tensor,
+    layer: LayerKV,
+    table_row: torch.Tensor,
+    context_len: int,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """One sequence's query run ``q [n, Hq, D]`` (its last ``n`` positions) via SDPA."""
+    n = q.shape[0]
+    key, value = reference.gather_context(layer, table_row, context_len)
+    mask = None
+    if n != context_len or window is not None:
+        q_pos = torch.arange(context_len - n, context_len)
+        mask = reference.allowed_mask(q_pos, torch.arange(context_len), window)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        key.transpose(0, 1),
+        value.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)
+
+
+def prefill(
+    q: torch.Tensor,
+    layer: LayerKV,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    if q.device.type != "cpu":
+        raise ValueError(
+            f"the cpu attention backend needs CPU tensors, got {q.device}; use 'triton' or 'torch'"
+        )
+    cu = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    out = torch.empty_like(q)
+    short: list[int] = []  # sequences whose rows go to the native kernel
+    for b, context_len in enumerate(lens):
+        start, end = cu[b], cu[b + 1]
+        if end - start > NATIVE_MAX_QUERY_LEN and soft_cap is None:
+            out[start:end] = _sdpa_sequence(
+                q[start:end], layer, block_tables[b], context_len, scale, sliding_window
+            )
+        elif end > start:
+            short.append(b)
+    if not short:
+        return out
+    rows = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in short])
+    row_seq = torch.cat([torch.full((cu[b + 1] - cu[b],), b, dtype=torch.int32) for b in short])
+    row_pos = torch.cat(
+        [torch.arange(lens[b] - (cu[b + 1] - cu[b]), lens[b], dtype=torch.int32) for b in short]
+    )
+    result = attend_rows(q[rows], layer, block_tables, row_seq, row_pos, scale, sliding_window, soft_cap)
+    if result is None:
+        for b in short:
+            sub = torch.tensor([0, cu[b + 1] - cu[b]], dtype=torch.int32)
+            out[cu[b] : cu[b + 1]] = reference.prefill(
+                q[cu[b] : cu[b + 1]], layer, block_tables[b : b + 1], sub, context_lens[b : b + 1],
+                scale, sliding_window, soft_cap,
+            )  # fmt: skip
+        return out
+    out[rows] = result
+    return out

@@ -1,0 +1,261 @@
+/*
+ * Paged attention on the CPU, reading keys and values in place from the block pool.
+ *
+ * Work is split into pieces: a piece is a run of at most `chunk` consecutive context positions
+ * of one query row, all heads at once. Walking a piece token by token reads each token's keys
+ * (all KV heads: one contiguous Hkv * D run), so every block is read as one sequential stream
+ * and no gathered copy of the context is ever made. Every piece produces an un-normalised
+ * partial (running max, sum of exponentials, weighted sum of values per query head); a second
+ * parallel loop merges a row's pieces with log-sum-exp rescaling (flash-decoding), so long rows
+ * keep every core busy even at batch 1. A row reads only positions [first, pos] of its own
+ * sequence: slots past a sequence's length are never touched. Arithmetic is float32 for every
+ * storage dtype.
+ *
+ * Layouts (contiguous): q/out [R, Hq, D]; key/value pools [num_blocks, bs, Hkv, D];
+ * block_tables [num_seqs, max_blocks] int32; row_seq/row_pos [R] int32: the row's sequence and
+ * absolute position. A row attends keys at positions <= pos, and > pos - window when window > 0.
+ * Query head j uses KV head j / (Hq / Hkv).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define VL 16
+#elif defined(__AVX__)
+#define VL 8
+#else
+#define VL 4
+#endif
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(VL * 2)));
+
+#define TOKENS 4 /* tokens scored together: independent FMA chains, one q load for four keys */
+_Static_assert(TOKENS == 4, "hsum4 reduces exactly four accumulators");
+
+/* Loads of VL elements (vector) or one element (scalar) into float32; scalar stores back. */
+static inline vf vload_f32(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
+static inline vf vload_bf16(const uint16_t *p) {
+    vu16 x;
+    memcpy(&x, p, sizeof x);
+    return (vf)(__builtin_convertvector(x, vi) << 16);
+}
+static inline float load_f32(const float *p) { return *p; }
+static inline float load_bf16(const uint16_t *p) {
+    uint32_t u = (uint32_t)*p << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline void store_f32(float *p, float x) { *p = x; }
+/* float16 needs the compiler's _Float16 (GCC >= 12, recent clang); PAGEDKV_NO_F16 leaves it out. */
+#ifndef PAGEDKV_NO_F16
+typedef _Float16 vh __attribute__((vector_size(VL * 2)));
+static inline vf vload_f16(const _Float16 *p) { vh x; memcpy(&x, p, sizeof x); return __builtin_convertvector(x, vf); }
+static inline float load_f16(const _Float16 *p) { return (float)*p; }
+static inline void store_f16(_Float16 *p, float x) { *p = (_Float16)x; }
+#endif
+static inline void store_bf16(uint16_t *p, float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if (isnan(x)) { *p = 0x7FC0; return; }
+    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
+    *p = (uint16_t)(u >> 16);
+}
+static inline void vstore(float *p, vf x) { memcpy(p, &x, sizeof x); }
+
+/* The lane sums of four vectors at once (a transposing tree: 13 shuffles/adds instead of 4
+ * separate horizontal sums); sums[] receives sum(a), sum(b), sum(c), sum(d). */
+static inline void hsum4(vf a, vf b, vf c, vf d, float sums[4]) {
+    const int q = VL / 4;
+    vi lo1, hi1, lo2, hi2, lane;
+    for (int i = 0; i < VL; i++) {
+        lane[i] = i;
+        lo1[i] = i < VL / 2 ? i : VL + i - VL / 2;
+        hi1[i] = lo1[i] + VL / 2;
+        const int g = i / q;
+        lo2[i] = (g % 2 ? VL : 0) + (g / 2 ? VL / 2 : 0) + i % q;
+        hi2[i] = lo2[i] + q;
+    }
+    const vf ab = __builtin_shuffle(a, b, lo1) + __builtin_shuffle(a, b, hi1);
+    const vf cd = __builtin_shuffle(c, d, lo1) + __builtin_shuffle(c, d, hi1);
+    vf x = __builtin_shuffle(ab, cd, lo2) + __builtin_shuffle(ab, cd, hi2); /* groups: a c b d */
+    for (int k = q / 2; k > 0; k /= 2) x += __builtin_shuffle(x, lane ^ k);
+    sums[0] = x[0];
+    sums[1] = x[2 * q];
+    sums[2] = x[q];
+    sums[3] = x[3 * q];
+}
+
+/* exp(x) for x <= 0 (a score minus its row's max), Cephes-style: 2^n * p(r), |r| <= ln2 / 2,
+ * about 1 ulp; inputs below -87 (results under 1.7e-38) flush to 0. */
+static inline vf vexp(vf x) {
+    const vi tiny = x < -87.0f;
+    x = (vf)(((vi)x & ~tiny) | ((vi)((vf){0} - 87.0f) & tiny));
+    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf y = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    const vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
+    return (vf)((vi)(y * (vf)scale) & ~tiny);
+}
+
+typedef struct {
+    int64_t num_heads, kv_heads, head_dim, block_size;
+    float scale, soft_cap;
+} Shape;
+
+#define DEFINE_PAGED_ATTENTION(SUFFIX, T)                                                          \
+static inline const T *token_##SUFFIX(const Shape *s, const T *pool, const int32_t *table, int64_t t) { \
+    return pool + ((int64_t)table[t / s->block_size] * s->block_size + t % s->block_size)          \
+                  * s->kv_heads * s->head_dim;                                                     \
+}                                                                                                  \
+                                                                                                   \
+/* One piece: positions [t0, t1] of one row; writes its partial max/sum/acc for every head. */    \
+static void attend_piece_##SUFFIX(const Shape *s, const float *qf, const T *key, const T *value,  \
+                                  const int32_t *table, int64_t t0, int64_t t1, float *scores,     \
+                                  float *maxs, float *sums, float *acc) {                          \
+    const int64_t H = s->num_heads, D = s->head_dim, n = t1 - t0 + 1;                              \
+    const int64_t group = H / s->kv_heads, vec_d = D - D % VL, vec_h = H - H % VL;                 \
+    for (int64_t j = 0; j < H; j++) { maxs[j] = -INFINITY; sums[j] = 0.0f; }                       \
+    /* pass 1: scores[i * H + j] for position t0 + i, TOKENS positions at a time */                \
+    for (int64_t i0 = 0; i0 < n; i0 += TOKENS) {                                                   \
+        const T *k[TOKENS];                                                                        \
+        for (int u = 0; u < TOKENS; u++)                                                           \
+            k[u] = token_##SUFFIX(s, key, table, t0 + (i0 + u < n ? i0 + u : n - 1));              \
+        for (int64_t j = 0; j < H; j++) {                                                          \
+            const float *qj = qf + j * D;                                                          \
+            const int64_t off = (j / group) * D;                                                   \
+            vf acc_t[TOKENS] = {{0}};                                                              \
+            for (int64_t d = 0; d < vec_d; d += VL) {                                              \
+                const vf qv = vload_f32(qj + d);                                                   \
+                for (int u = 0; u < TOKENS; u++) acc_t[u] += qv * vload_##SUFFIX(k[u] + off + d);  \
+            }                                                                                      \
+            float dots[TOKENS];                                                                    \
+            hsum4(acc_t[0], acc_t[1], acc_t[2], acc_t[3], dots);                                   \
+            for (int u = 0; u < TOKENS && i0 + u < n; u++) {                                       \
+                for (int64_t d = vec_d; d < D; d++) dots[u] += qj[d] * load_##SUFFIX(k[u] + off + d); \
+                scores[(i0 + u) * H + j] = dots[u];                                                \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    /* scale, soft-cap and the per-head max, vectorised across heads */                            \
+    for (int64_t i = 0; i < n; i++) {                                                              \
+        float *row = scores + i * H;                                                               \
+        for (int64_t j = 0; j < H; j++) row[j] *= s->scale;                                        \
+        if (s->soft_cap > 0.0f)                                                                    \
+            for (int64_t j = 0; j < H; j++) row[j] = s->soft_cap * tanhf(row[j] / s->soft_cap);    \
+        for (int64_t j = 0; j < H; j++) maxs[j] = row[j] > maxs[j] ? row[j] : maxs[j];             \
+    }                                                                                              \
+    /* softmax numerators, vectorised across heads */                                              \
+    for (int64_t i = 0; i < n; i++) {                                                              \
+        float *row = scores + i * H;                                                               \
+        for (int64_t j = 0; j < vec_h; j += VL) {                                                  \
+            const vf p = vexp(vload_f32(row + j) - vload_f32(maxs + j));                           \
+            vstore(row + j, p);                                                                    \
+            vstore(sums + j, vload_f32(sums + j) + p);                                             \
+        }                                                                                          \
+        for (int64_t j = vec_h; j < H; j++) {                                                      \
+            row[j] = expf(row[j] - maxs[j]);                                                       \
+            sums[j] += row[j];                                                                     \
+        }                                                                                          \
+    }                                                                                              \
+    /* pass 2: acc[j] = sum_i p[i, j] * v[t0 + i], TOKENS positions per accumulator update */      \
+    memset(acc, 0, sizeof(float) * H * D);                                                         \
+    for (int64_t i0 = 0; i0 < n; i0 += TOKENS) {                                                   \
+        const int m = n - i0 < TOKENS ? (int)(n - i0) : TOKENS;                                    \
+        const T *v[TOKENS];                                                                        \
+        for (int u = 0; u < m; u++) v[u] = token_##SUFFIX(s, value, table, t0 + i0 + u);           \
+        for (int64_t j = 0; j < H; j++) {                                                          \
+            const int64_t off = (j / group) * D;                                                   \
+            float *a = acc + j * D;                                                                \
+            const float *p = scores + i0 * H + j;                                                  \
+            for (int64_t d = 0; d < vec_d; d += VL) {                                              \
+                vf av = vload_f32(a + d);                                                          \
+                for (int u = 0; u < m; u++) av += p[u * H] * vload_##SUFFIX(v[u] + off + d);       \
+                vstore(a + d, av);                                                                 \
+            }                                                                                      \
+            for (int64_t d = vec_d; d < D; d++)                                                    \
+                for (int u = 0; u < m; u++) a[d] += p[u * H] * load_##SUFFIX(v[u] + off + d);      \
+        }                                                                                          \
+    }                                                                                              \
+}                                                                                                  \
+                                                                                                   \
+int paged_attention_rows_##SUFFIX(                                                                 \
+    const T *q, const T *key, const T *value, const int32_t *block_tables,                         \
+    const int32_t *row_seq, const int32_t *row_pos, T *out, int64_t num_rows, int64_t num_heads,   \
+    int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,       \
+    int64_t window, float soft_cap, int64_t chunk, int num_threads) {                              \
+    const Shape s = {num_heads, kv_heads, head_dim, block_size, scale, soft_cap};                  \
+    const int64_t H = num_heads, D = head_dim, stride = H * (D + 2);                               \
+    int64_t *piece_start = malloc(sizeof(int64_t) * (num_rows + 1));                               \
+    if (!piece_start) return 1;                                                                    \
+    piece_start[0] = 0;                                                                            \
+    for (int64_t r = 0; r < num_rows; r++) {                                                       \
+        const int64_t last = row_pos[r];                                                           \
+        const int64_t first = (window > 0 && last + 1 > window) ? last + 1 - window : 0;           \
+        piece_start[r + 1] = piece_start[r] + (last - first + chunk) / chunk;                      \
+    }                                                                                              \
+    const int64_t num_pieces = piece_start[num_rows];                                              \
+    float *part = malloc(sizeof(float) * num_pieces * stride);                                     \
+    int64_t *piece_row = malloc(sizeof(int64_t) * num_pieces);                                     \
+    int failed = part == NULL || piece_row == NULL;                                                \
+    for (int64_t r = 0; r < num_rows && !failed; r++)                                              \
+        for (int64_t p = piece_start[r]; p < piece_start[r + 1]; p++) piece_row[p] = r;            \
+    _Pragma("omp parallel num_threads(num_threads) if(!failed)")                                   \
+    {                                                                                              \
+        float *qf = malloc(sizeof(float) * H * D);                                                 \
+        float *scores = malloc(sizeof(float) * chunk * H);                                         \
+        if (!qf || !scores) failed = 1;                                                            \
+        _Pragma("omp for schedule(dynamic, 1)")                                                    \
+        for (int64_t p = 0; p < num_pieces; p++) {                                                 \
+            if (failed) continue;                                                                  \
+            const int64_t r = piece_row[p], last = row_pos[r];                                     \
+            const int64_t first = (window > 0 && last + 1 > window) ? last + 1 - window : 0;       \
+            const int64_t t0 = first + (p - piece_start[r]) * chunk;                               \
+            const int64_t t1 = t0 + chunk - 1 < last ? t0 + chunk - 1 : last;                      \
+            for (int64_t i = 0; i < H * D; i++) qf[i] = load_##SUFFIX(q + r * H * D + i);          \
+            float *pm = part + p * stride;                                                         \
+            attend_piece_##SUFFIX(&s, qf, key, value, block_tables + (int64_t)row_seq[r] * max_blocks, \
+                                  t0, t1, scores, pm, pm + H, pm + 2 * H);                         \
+        }                                                                                          \
+        /* merge a row's pieces, each rescaled by exp(its max - the row's max) */                  \
+        _Pragma("omp for schedule(static)")                                                        \
+        for (int64_t r = 0; r < num_rows; r++) {                                                   \
+            if (failed) continue;                                                                  \
+            for (int64_t j = 0; j < H; j++) {                                                      \
+                float m = -INFINITY, l = 0.0f;                                                     \
+                for (int64_t p = piece_start[r]; p < piece_start[r + 1]; p++)                      \
+                    m = part[p * stride + j] > m ? part[p * stride + j] : m;                       \
+                float *o = qf; /* reused as one head's float32 accumulator */                      \
+                memset(o, 0, sizeof(float) * D);                                                   \
+                for (int64_t p = piece_start[r]; p < piece_start[r + 1]; p++) {                    \
+                    const float *pm = part + p * stride;                                           \
+                    const float w = expf(pm[j] - m);                                               \
+                    l += w * pm[H + j];                                                            \
+                    for (int64_t d = 0; d < D; d++) o[d] += w * pm[2 * H + j * D + d];             \
+                }                                                                                  \
+                for (int64_t d = 0; d < D; d++) store_##SUFFIX(out + (r * H + j) * D + d, o[d] / l); \
+            }                                                                                      \
+        }                                                                                          \
+        free(scores);                                                                              \
+        free(qf);                                                                                  \
+    }                                                                                              \
+    free(part);                                                                                    \
+    free(piece_row);                                                                               \
+    free(piece_start);                                                                             \
+    return failed;                                                                                 \
+}
+
+DEFINE_PAGED_ATTENTION(f32, float)
+DEFINE_PAGED_ATTENTION(bf16, uint16_t)
+#ifndef PAGEDKV_NO_F16
+DEFINE_PAGED_ATTENTION(f16, _Float16)
+#endif

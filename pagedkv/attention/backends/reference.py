@@ -1,0 +1,93 @@
+"""The ``torch`` backend: the readable ground truth.
+
+Per sequence it gathers exactly the context's keys and values out of the block pool (dropping
+the unwritten tail of the last block before any arithmetic), then computes attention the
+textbook way in float32: scores, optional soft-cap, causal/sliding-window mask, softmax,
+weighted sum. Slow and obviously right; every other backend is tested against it and against
+contiguous ``scaled_dot_product_attention``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.attention.kv_cache import LayerKV
+
+
+def gather_context(
+    layer: LayerKV, table_row: torch.Tensor, context_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``context_len`` keys and values of one sequence, ``[context_len, kv_heads, head_dim]``."""
+    num_blocks = -(-context_len // layer.block_size)
+    blocks = table_row[:num_blocks].long()
+    shape = (-1, layer.num_kv_heads, layer.head_dim)
+    key = layer.key.index_select(0, blocks).reshape(shape)[:context_len]
+    value = layer.value.index_select(0, blocks).reshape(shape)[:context_len]
+    return key, value
+
+
+def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """``[Lq, Lk]`` bool: causal, and within the last ``sliding_window`` positions (Mistral/HF)."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    return allowed
+
+
+def attend(
+    q: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    """Attention of ``q [Lq, Hq, D]`` over ``key/value [Lk, Hkv, D]`` in float32; ``q_pos`` are
+    the queries' absolute positions (keys sit at positions ``0..Lk-1``)."""
+    num_q, num_heads, head_dim = q.shape
+    kv_heads = key.shape[1]
+    qf = q.float().reshape(num_q, kv_heads, num_heads // kv_heads, head_dim)
+    scores = torch.einsum("qhgd,khd->hgqk", qf, key.float()) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    k_pos = torch.arange(key.shape[0], device=q.device)
+    scores = scores.masked_fill(~allowed_mask(q_pos, k_pos, sliding_window), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hgqk,khd->qhgd", probs, value.float())
+    return out.reshape(num_q, num_heads, head_dim).to(q.dtype)
+
+
+def prefill(
+    q: torch.Tensor,
+    layer: LayerKV,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    for b, context_len in enumerate(context_lens.tolist()):
+        start, end = cu[b], cu[b + 1]
+        if end == start:
+            continue
+        key, value = gather_context(layer, block_tables[b], context_len)
+        q_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
+        out[start:end] = attend(q[start:end], key, value, q_pos, scale, sliding_window, soft_cap)
+    return out
+
+
+def decode(
+    q: torch.Tensor,
+    layer: LayerKV,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32)
+    return prefill(q, layer, block_tables, cu_seqlens_q, context_lens, scale, sliding_window, soft_cap)

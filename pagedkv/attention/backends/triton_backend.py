@@ -1,0 +1,154 @@
+"""The ``triton`` backend: the default for CUDA tensors.
+
+On a GPU the kernel in :mod:`pagedkv.attention.backends.triton_kernels` is compiled by Triton;
+for CPU tensors it runs in Triton's interpreter, which is how the test suite checks the very
+same kernel code without a GPU (slow: use small shapes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from pagedkv.attention.kv_cache import LayerKV
+
+#: a split covers at least this many positions (a multiple of every BLOCK_N below)
+MIN_SPLIT_LEN = 512
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _num_splits(q: torch.Tensor, programs: int, longest: int, interpret: bool) -> int:
+    """Decode only: enough splits of the context to give the GPU ~2 programs per SM (the
+    interpreter splits every long context, so the tests exercise the merge)."""
+    most = _cdiv(longest, MIN_SPLIT_LEN)
+    if interpret:
+        return most
+    wanted = _cdiv(2 * torch.cuda.get_device_properties(q.device).multi_processor_count, programs)
+    return max(1, min(most, wanted))
+
+
+def _launch(
+    q: torch.Tensor,
+    layer: LayerKV,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    try:
+        from pagedkv.attention.backends import triton_kernels
+    except ImportError as exc:  # pragma: no cover - triton is a declared test dependency
+        raise RuntimeError("the triton attention backend needs `pip install triton`") from exc
+    interpret = q.device.type != "cuda"
+    kernel = triton_kernels.kernel_for(interpret)
+    num_seqs, num_tokens, num_heads = block_tables.shape[0], q.shape[0], q.shape[1]
+    group = num_heads // layer.num_kv_heads
+    block_g = _next_pow2(group)
+    # a tile of at least 16 query rows (tl.dot's minimum), up to 64 for prefill. The interpreter
+    # pays per operation, not per element, so it gets the largest tiles.
+    rows = 16 if max_query_len == 1 else (128 if interpret else 64)
+    block_m = max(1, rows // block_g)
+    block_d = max(16, _next_pow2(layer.head_dim))
+    block_n = 256 if interpret else (64 if layer.head_dim <= 128 else 32)
+    key, value = layer.key, layer.value
+    if key.stride() != value.stride() or key.stride(-1) != 1:
+        raise ValueError("the triton backend needs key and value pools with the same contiguous layout")
+    q = q.contiguous()
+    m_tiles = _cdiv(max_query_len, block_m)
+    splits, split_len = 1, 2**31 - 1
+    if max_query_len == 1:
+        longest = int(context_lens.max())
+        splits = _num_splits(q, m_tiles * num_seqs * layer.num_kv_heads, longest, interpret)
+        if splits > 1:
+            split_len = _cdiv(_cdiv(longest, splits), MIN_SPLIT_LEN) * MIN_SPLIT_LEN
+            splits = _cdiv(longest, split_len)  # rounding the length up may leave fewer splits
+    if splits > 1:
+        out = torch.empty(
+            (splits, num_tokens, num_heads, layer.head_dim), dtype=torch.float32, device=q.device
+        )
+        maxima = torch.empty((splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
+        sums = torch.empty_like(maxima)
+    else:
+        out = torch.empty_like(q)
+        maxima = sums = out  # unused
+    grid = (m_tiles * splits, num_seqs, layer.num_kv_heads)
+    scope = triton_kernels.interpreted_device_calls() if interpret else contextlib.nullcontext()
+    with scope:
+        kernel[grid](
+            q,
+            key,
+            value,
+            out,
+            maxima,
+            sums,
+            block_tables.to(torch.int32).contiguous(),
+            cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous(),
+            context_lens.to(torch.int32).contiguous(),
+            scale,
+            float(soft_cap or 1.0),
+            int(sliding_window or 0),
+            splits,
+            split_len,
+            q.stride(0),
+            q.stride(1),
+            key.stride(0),
+            key.stride(1),
+            key.stride(2),
+            block_tables.shape[1],
+            num_tokens,
+            GROUP=group,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=layer.head_dim,
+            BLOCK_SIZE=layer.block_size,
+            BLOCK_M=block_m,
+            BLOCK_G=block_g,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            USE_WINDOW=sliding_window is not None,
+            USE_SOFT_CAP=soft_cap is not None,
+            DOT_FP32=q.dtype == torch.float32 or (interpret and q.dtype == torch.bfloat16),
+            SPLIT=splits > 1,
+        )
+    if splits > 1:
+        return triton_kernels.merge_splits(out, maxima, sums, q.dtype)
+    return out
+
+
+def decode(
+    q: torch.Tensor,
+    layer: LayerKV,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return _launch(q, layer, block_tables, cu_seqlens_q, context_lens, 1, scale, sliding_window, soft_cap)
+
+
+def prefill(
+    q: torch.Tensor,
+    layer: LayerKV,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> torch.Tensor:
+    max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    return _launch(
+        q, layer, block_tables, cu_seqlens_q, context_lens, max_query_len, scale, sliding_window, soft_cap
+    )

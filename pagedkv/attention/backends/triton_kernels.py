@@ -1,0 +1,195 @@
+"""The Triton paged-attention kernel (one kernel for decode and prefill).
+
+A program owns ``BLOCK_M`` consecutive query positions of one sequence and the ``G = Hq / Hkv``
+query heads that share one KV head: its tile of ``BLOCK_M * BLOCK_G`` query rows is multiplied
+against tiles of ``BLOCK_N`` context positions whose keys and values are loaded *through the
+block table* (physical block = table[pos // block_size], slot = pos % block_size), with an
+online softmax (flash-attention style) in float32. Loads are masked to the positions a query
+may see (causal, sliding window, inside the context), so slots never written are never read.
+Decode is the case ``BLOCK_M = 1`` with one query per sequence.
+
+Split context (flash-decoding): with ``num_splits > 1`` the programs of one query tile each take
+``split_len`` consecutive positions and write an un-normalised partial (running max, sum of
+exponentials, weighted values) instead of the output; :func:`merge_splits` combines them. A
+decode batch of a few long sequences then fills the GPU instead of launching B * Hkv programs.
+
+``DOT_FP32`` makes both matrix products exact float32 (no TF32): always for float32 caches,
+whose results must match SDPA to 1e-5, and for bfloat16 under the interpreter, whose ``tl.dot``
+mishandles bfloat16.
+
+This module imports triton; :mod:`pagedkv.attention.backends.triton_backend` imports it lazily.
+The kernel body is a plain function, decorated at first use: for CUDA tensors with
+``triton.jit``, for CPU tensors with Triton's interpreter (what ``TRITON_INTERPRET=1`` does),
+whatever the environment said when triton was imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+
+def paged_attention_kernel(
+    q_ptr,  # [T, Hq, D]
+    k_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_ptr,
+    out_ptr,  # [T, Hq, D], or [num_splits, T, Hq, D] float32 partial sums when SPLIT
+    max_ptr,  # [num_splits, T, Hq] float32 partial maxima (SPLIT only)
+    sum_ptr,  # [num_splits, T, Hq] float32 partial sums of exponentials (SPLIT only)
+    block_tables_ptr,  # [B, max_blocks] int32
+    cu_seqlens_ptr,  # [B + 1] int32
+    context_lens_ptr,  # [B] int32
+    scale,
+    soft_cap,
+    window,
+    num_splits,
+    split_len,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_table,
+    num_tokens,
+    GROUP: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    m_tile = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    if m_tile * BLOCK_M >= q_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M * BLOCK_G)
+    m_idx = m_tile * BLOCK_M + rows // BLOCK_G  # query index inside the sequence
+    g_idx = rows % BLOCK_G
+    row_valid = (m_idx < q_len) & (g_idx < GROUP)
+    q_pos = context_len - q_len + m_idx  # absolute position of each row's query
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+
+    head = kv_head * GROUP + g_idx
+    q_offs = (q_start + m_idx).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+
+    # the context range any row of this tile may see, cut to this program's split
+    last_pos = tl.minimum(context_len - q_len + m_tile * BLOCK_M + BLOCK_M, context_len) - 1
+    first_pos = 0
+    if USE_WINDOW:
+        first_pos = tl.maximum(context_len - q_len + m_tile * BLOCK_M - window + 1, 0)
+    lo = tl.maximum((first_pos // BLOCK_N) * BLOCK_N, split * split_len)
+    hi = tl.minimum(last_pos + 1, (split + 1) * split_len)
+
+    m_i = tl.full([BLOCK_M * BLOCK_G], -1.0e30, dtype=tl.float32)
+    l_i = tl.full([BLOCK_M * BLOCK_G], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M * BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_table
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_valid = (pos < hi) & (pos >= first_pos)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+        kv_offs = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+        kv_mask = pos_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_ptr + kv_offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        if USE_SOFT_CAP:
+            # cap * tanh(s / cap), with tanh(x) = 1 - 2 / (exp(2x) + 1)
+            s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
+        allowed = pos_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + kv_offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # output rows [T, Hq] (times the split's [T, Hq] slab when SPLIT)
+    row_offs = (split * num_tokens + q_start + m_idx).to(tl.int64) * NUM_HEADS + head
+    out_mask = row_valid[:, None] & d_valid[None, :]
+    if SPLIT:
+        tl.store(max_ptr + row_offs, m_i, mask=row_valid)
+        tl.store(sum_ptr + row_offs, l_i, mask=row_valid)
+        tl.store(out_ptr + row_offs[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_offs = row_offs[:, None] * HEAD_DIM + d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def merge_splits(
+    acc: torch.Tensor, maxima: torch.Tensor, sums: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Combine per-split partials ``acc [S, T, Hq, D]``, ``maxima/sums [S, T, Hq]``: each split
+    is rescaled by ``exp(its max - the overall max)`` (log-sum-exp), then normalised."""
+    weights = torch.exp(maxima - maxima.amax(dim=0, keepdim=True))
+    total = (weights * sums).sum(dim=0)
+    return ((weights[..., None] * acc).sum(dim=0) / total[..., None]).to(dtype)
+
+
+_compiled: dict[bool, object] = {}
+
+
+def kernel_for(interpret: bool):
+    """The kernel, jitted for a GPU or wrapped in Triton's CPU interpreter."""
+    if interpret not in _compiled:
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            _compiled[interpret] = InterpretedFunction(paged_attention_kernel)
+        else:
+            _compiled[interpret] = triton.jit(paged_attention_kernel)
+    return _compiled[interpret]
+
+
+@contextlib.contextmanager
+def interpreted_device_calls():
+    """Let an interpreted kernel call ``triton.language``'s own ``@jit`` helpers (``tl.max``,
+    ``tl.sum``, ...). Triton decides at import time whether those helpers are compiled or
+    interpreted (``TRITON_INTERPRET``); when triton was imported without it, this routes their
+    calls through the interpreter for the duration of one launch, which is what importing
+    under ``TRITON_INTERPRET=1`` would have done. A no-op when they are interpreted already."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.__call__
+    wrapped: dict[int, InterpretedFunction] = {}
+
+    def call(self, *args, **kwargs):
+        if id(self) not in wrapped:
+            wrapped[id(self)] = InterpretedFunction(self.fn)
+        return wrapped[id(self)](*args, **kwargs)
+
+    JITFunction.__call__ = call
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original

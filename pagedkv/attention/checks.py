@@ -1,0 +1,126 @@
+"""Input validation shared by every attention backend.
+
+A paged kernel given a block id past the pool or a context longer than its block table would
+silently read another sequence's keys (or crash a GPU). The public wrappers call these checks
+first, so bad input raises a :class:`ValueError` naming the offending values instead of
+producing a wrong answer. Backends may then assume their inputs are consistent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedkv.attention.kv_cache import LayerKV
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def check_layer_matches(name: str, x: torch.Tensor, layer: LayerKV, heads_multiple: bool) -> None:
+    """``x`` is ``[T, heads, head_dim]`` with the cache's dtype, device and head layout."""
+    if x.dim() != 3:
+        raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
+    if x.dtype != layer.key.dtype:
+        raise ValueError(f"{name} dtype {x.dtype} does not match the KV cache dtype {layer.key.dtype}")
+    if x.device.type != layer.key.device.type:
+        raise ValueError(f"{name} is on {x.device} but the KV cache is on {layer.key.device}")
+    if x.shape[2] != layer.head_dim:
+        raise ValueError(f"{name} head_dim {x.shape[2]} does not match the cache head_dim {layer.head_dim}")
+    heads, kv_heads = x.shape[1], layer.num_kv_heads
+    if heads_multiple and (heads % kv_heads != 0):
+        raise ValueError(
+            f"{name} has {heads} heads, which is not a multiple of the cache's {kv_heads} KV heads"
+        )
+    if not heads_multiple and heads != kv_heads:
+        raise ValueError(f"{name} has {heads} heads but the KV cache has {kv_heads} KV heads")
+
+
+def check_options(scale: float, sliding_window: int | None, soft_cap: float | None) -> None:
+    if not math.isfinite(float(scale)) or float(scale) <= 0:
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+        raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
+    if soft_cap is not None and (not math.isfinite(float(soft_cap)) or float(soft_cap) <= 0):
+        raise ValueError(f"soft_cap must be a positive finite number or None, got {soft_cap!r}")
+
+
+def check_tables(layer: LayerKV, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+    """Block tables cover every context, and every block a context uses lies in the pool."""
+    if block_tables.dim() != 2 or block_tables.dtype not in _INT_DTYPES:
+        raise ValueError(
+            f"block_tables must be a 2-D int32/int64 tensor, got {block_tables.dtype} "
+            f"{tuple(block_tables.shape)}"
+        )
+    if context_lens.dim() != 1 or context_lens.dtype not in _INT_DTYPES:
+        raise ValueError(
+            f"context_lens must be a 1-D int32/int64 tensor, got {context_lens.dtype} "
+            f"{tuple(context_lens.shape)}"
+        )
+    num_seqs, max_blocks = block_tables.shape
+    if context_lens.shape[0] != num_seqs:
+        raise ValueError(
+            f"context_lens has {context_lens.shape[0]} entries but block_tables has {num_seqs} rows"
+        )
+    for t, name in ((block_tables, "block_tables"), (context_lens, "context_lens")):
+        if t.device.type != layer.key.device.type:
+            raise ValueError(f"{name} is on {t.device} but the KV cache is on {layer.key.device}")
+    if num_seqs == 0:
+        return
+    # Fast path first (two reductions), the offending entry is only searched for on failure.
+    shortest, longest = (int(v) for v in torch.aminmax(context_lens))
+    capacity = max_blocks * layer.block_size
+    if shortest < 1:
+        b = int(torch.argmin(context_lens))
+        raise ValueError(f"context_lens[{b}] = {shortest}: every sequence needs at least one token")
+    if longest > capacity:
+        b = int(torch.argmax(context_lens))
+        raise ValueError(
+            f"context_lens[{b}] = {longest} exceeds the block table's capacity of {capacity} tokens "
+            f"({max_blocks} blocks of {layer.block_size})"
+        )
+    low, high = (int(v) for v in torch.aminmax(block_tables))
+    if low >= 0 and high < layer.num_blocks:
+        return
+    # Some entry lies outside the pool: an error only if a sequence actually uses it.
+    used_blocks = (context_lens.long() + layer.block_size - 1) // layer.block_size
+    used = torch.arange(max_blocks, device=block_tables.device)[None, :] < used_blocks[:, None]
+    outside = used & ((block_tables < 0) | (block_tables >= layer.num_blocks))
+    bad = torch.nonzero(outside)
+    if bad.numel():
+        b, j = (int(v) for v in bad[0])
+        raise ValueError(
+            f"block_tables[{b}, {j}] = {int(block_tables[b, j])} points outside the pool of "
+            f"{layer.num_blocks} blocks"
+        )
+
+
+def check_cu_seqlens(cu_seqlens_q: torch.Tensor, num_tokens: int, context_lens: torch.Tensor) -> None:
+    """``cu_seqlens_q`` runs from 0 to at most ``num_tokens`` (rows past its end are padding),
+    never decreases, and no sequence queries more tokens than its context holds."""
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.dtype not in _INT_DTYPES:
+        raise ValueError(
+            f"cu_seqlens_q must be a 1-D int32/int64 tensor, got {cu_seqlens_q.dtype} "
+            f"{tuple(cu_seqlens_q.shape)}"
+        )
+    if cu_seqlens_q.shape[0] != context_lens.shape[0] + 1:
+        raise ValueError(
+            f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries; expected num_seqs + 1 = "
+            f"{context_lens.shape[0] + 1}"
+        )
+    cu = cu_seqlens_q.long()
+    if int(cu[0]) != 0 or int(cu[-1]) > num_tokens:
+        raise ValueError(
+            f"cu_seqlens_q must start at 0 and end at most at the number of query tokens {num_tokens}, "
+            f"got {int(cu[0])} .. {int(cu[-1])}"
+        )
+    q_lens = cu[1:] - cu[:-1]
+    bad = torch.nonzero(q_lens < 0).flatten()
+    if bad.numel():
+        raise ValueError(f"cu_seqlens_q must be non-decreasing, it falls at index {int(bad[0]) + 1}")
+    bad = torch.nonzero(q_lens > context_lens.long().to(q_lens.device)).flatten()
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(
+            f"sequence {b} has {int(q_lens[b])} query tokens but a context of only {int(context_lens[b])}"
+        )

@@ -1,0 +1,139 @@
+"""The KV cache tensors: one pool of fixed-size blocks per layer.
+
+PagedAttention only changes *where* keys and values live. Every layer gets a key pool and a
+value pool of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``; a block id means the
+same thing in every layer, so one block table serves the whole model. All layers live in one
+allocation so that copy-on-write (:func:`pagedkv.attention.copy_blocks`) is one indexed copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.memory.spec import KVSpec
+
+#: KVSpec dtype names that map onto a torch dtype the attention kernels compute in.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's key and value pools, ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.key.shape[0])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.key.shape[1])
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.key.shape[2])
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.key.shape[3])
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def resolve_dtype(spec: KVSpec, dtype: torch.dtype | None) -> torch.dtype:
+    """The tensor dtype: the explicit one, else the spec's (which must be a float type)."""
+    if dtype is not None:
+        if dtype not in TORCH_DTYPES.values():
+            raise ValueError(f"KV cache dtype must be one of {list(TORCH_DTYPES.values())}, got {dtype}")
+        return dtype
+    if spec.dtype not in TORCH_DTYPES:
+        raise ValueError(
+            f"KVSpec dtype {spec.dtype!r} has no attention kernel; use one of {list(TORCH_DTYPES)}"
+        )
+    return TORCH_DTYPES[spec.dtype]
+
+
+class KVCache:
+    """Per-layer key/value block pools for a model described by a :class:`KVSpec`.
+
+    The pools start zeroed, so even a kernel bug that read an unwritten slot would read finite
+    numbers; the kernels themselves never read a slot past a sequence's context length.
+    ``dtype`` (the model's dtype) decides the tensors' element type; when it is ``None`` the
+    spec's dtype name is used.
+    """
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = resolve_dtype(spec, dtype)
+        self.device = torch.device(device)
+        shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        #: [num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]
+        self.data = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.layers: list[LayerKV] = [LayerKV(kv[0], kv[1]) for kv in self.data]
+
+    @staticmethod
+    def block_bytes(spec: KVSpec, block_size: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes one block takes across all layers, keys and values, in the tensors' dtype."""
+        element = torch.empty((), dtype=resolve_dtype(spec, dtype)).element_size()
+        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element * block_size
+
+    @classmethod
+    def from_memory(
+        cls,
+        spec: KVSpec,
+        memory_bytes: int,
+        block_size: int,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+    ) -> KVCache:
+        """As many whole blocks as fit in ``memory_bytes``; an error when not even one fits."""
+        per_block = cls.block_bytes(spec, block_size, dtype)
+        num_blocks = int(memory_bytes) // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"a KV memory budget of {memory_bytes} bytes holds no block of {block_size} tokens "
+                f"({per_block} bytes each)"
+            )
+        return cls(spec, num_blocks, block_size, dtype, device)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCache(layers={self.num_layers}, blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"kv_heads={self.spec.num_kv_heads}, head_dim={self.spec.head_dim}, dtype={self.dtype}, "
+            f"device={self.device}, bytes={self.nbytes})"
+        )

@@ -1,0 +1,100 @@
+"""The native CPU kernel: how it is built and cached, and the fallbacks around it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.attention import paged_decode_attention, paged_prefill_attention
+from pagedkv.attention.backends import cpu, native
+
+from .cases import contiguous_attention, make_case
+
+
+def test_kernel_builds_into_the_cache_dir_and_is_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE", str(tmp_path))
+    native.load.cache_clear()
+    try:
+        kernel = native.load()
+        assert isinstance(kernel, native.NativeKernel), kernel
+        assert kernel.path.parent == tmp_path and kernel.path.exists()
+        native.load.cache_clear()
+        again = native.load()
+        assert again.path == kernel.path  # same source, flags and CPU: the cached build is loaded
+        assert len(list(tmp_path.iterdir())) == 1  # and no temporary file is left behind
+    finally:
+        native.load.cache_clear()
+
+
+def test_without_a_compiler_the_cpu_backend_warns_and_stays_correct(monkeypatch):
+    monkeypatch.setattr(native, "load", lambda: "no C compiler found (set $CC)")
+    monkeypatch.setattr(cpu, "_warned", False)
+    case = make_case([3, 20], 8, 2, 16, device="cpu")
+    q = torch.randn(2, 4, 16)
+    with pytest.warns(UserWarning, match="no C compiler found"):
+        out = paged_decode_attention(q, case.layer, case.block_tables, case.context_lens, 0.25, backend="cpu")
+    expected = torch.stack(
+        [contiguous_attention(q[b : b + 1], case.keys[b], case.values[b], 0.25)[0] for b in range(2)]
+    )
+    torch.testing.assert_close(out, expected)
+    q = torch.randn(23, 4, 16)  # prefill rows also fall back (no second warning)
+    cu = torch.tensor([0, 3, 23], dtype=torch.int32)
+    out = paged_prefill_attention(
+        q, case.layer, case.block_tables, cu, case.context_lens, 0.25, backend="cpu"
+    )
+    torch.testing.assert_close(out[3:], contiguous_attention(q[3:], case.keys[1], case.values[1], 0.25))
+
+
+def test_more_query_heads_per_kv_head_than_the_kernel_holds():
+    group = native.MAX_GROUP * 2
+    case = make_case([9, 33], 16, 1, 16, device="cpu")
+    q = torch.randn(2, group, 16)
+    out = paged_decode_attention(q, case.layer, case.block_tables, case.context_lens, 0.25, backend="cpu")
+    expected = torch.stack(
+        [contiguous_attention(q[b : b + 1], case.keys[b], case.values[b], 0.25)[0] for b in range(2)]
+    )
+    torch.testing.assert_close(out, expected)
+
+
+def test_long_rows_split_into_pieces_merge_exactly():
+    """A single long sequence is split across threads (flash-decoding); the merge is exact."""
+    case = make_case([cpu.MAX_CHUNK * 2 + 5], 16, 2, 64, seed=7, device="cpu")
+    q = torch.randn(1, 8, 64)
+    out = paged_decode_attention(q, case.layer, case.block_tables, case.context_lens, 0.125, backend="cpu")
+    torch.testing.assert_close(
+        out, contiguous_attention(q, case.keys[0], case.values[0], 0.125), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_cpu_backend_refuses_tensors_off_the_cpu():
+    case = make_case([4], 4, 1, 16, device="cpu")
+    with pytest.raises(ValueError, match="needs CPU tensors"):
+        cpu.attend_rows(
+            torch.randn(1, 1, 16, device="meta"),
+            case.layer,
+            case.block_tables,
+            torch.zeros(1),
+            torch.zeros(1),
+            1.0,
+            None,
+            None,
+        )
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_long_prefill_runs_take_the_sdpa_path(monkeypatch, window):
+    """Above NATIVE_MAX_QUERY_LEN new tokens a sequence is gathered and handed to SDPA (with a
+    cached prefix and a window: a bottom-right-aligned mask); shorter ones in the same step
+    still take the kernel."""
+    monkeypatch.setattr(cpu, "NATIVE_MAX_QUERY_LEN", 8)
+    case = make_case([30, 12, 4], 4, 2, 32, seed=5, device="cpu")
+    q_lens = [20, 12, 2]  # prefix hit + SDPA, whole prompt + SDPA (is_causal), kernel
+    q = torch.randn(sum(q_lens), 8, 32)
+    cu = torch.tensor([0, 20, 32, 34], dtype=torch.int32)
+    out = paged_prefill_attention(
+        q, case.layer, case.block_tables, cu, case.context_lens, 0.2, window, backend="cpu"
+    )
+    for b in range(3):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        expected = contiguous_attention(q[rows], case.keys[b], case.values[b], 0.2, window)
+        torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
