@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from pagedkv.bench.sharing_cli import add_bench_sharing_parser
 from pagedkv.cli_args import add_engine_options, byte_size, engine_config
 from pagedkv.server.cli import add_bench_serve_parser, add_serve_parser
 from pagedkv.sim import WORKLOAD_NAMES, SimConfig, SimResult, simulate
@@ -234,6 +235,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         description="Benchmarks of the live engine, each against its baseline in the same run.",
     )
     benches = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    add_bench_sharing_parser(benches)
     add_bench_serve_parser(benches)
 
 

@@ -195,7 +195,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         out.preempted.append(seq)
-        logger.warning(
+        # The first preemption is worth a warning (the pool is too small for the load); every
+        # one is logged, at INFO after that, so a busy server does not flood its stderr.
+        log = logger.warning if self.num_preemptions == 1 else logger.info
+        log(
             "preempted request %s (sample %d) by recompute: %d computed tokens dropped, "
             "%d KV blocks free of %d",
             seq.request.request_id,
