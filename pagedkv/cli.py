@@ -15,7 +15,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pagedkv.bench.sharing_cli import add_bench_sharing_parser
+from pagedkv.bench.sharing_cli import add_bench_sharing_parser, run_sharing_demo
 from pagedkv.cli_args import add_engine_options, byte_size, engine_config
 from pagedkv.server.cli import add_bench_serve_parser, add_serve_parser
 from pagedkv.sim import WORKLOAD_NAMES, SimConfig, SimResult, simulate
@@ -131,7 +131,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo",
-        help="a guided tour: the simulator's tables and plots on the built-in defaults",
+        help="a guided tour: the simulator, then the live engine on the built-in model",
         description="Run the naive-vs-paged simulator on its defaults and write its plots.",
     )
     parser.add_argument(
@@ -162,6 +162,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         max_model_len = 1024
         figures = run_live_batch(max_model_len=max_model_len, seed=args.seed)
         print_live_batch(figures, console, max_model_len)
+        console.print("\n[bold]Sharing blocks: a common system prompt, parallel samples, beams.[/]")
+        run_sharing_demo(console, args.out, args.seed)
     return 0
 
 

@@ -139,22 +139,26 @@ class Scheduler:
         out = SchedulerOutput(block_copies=self.pending_copies)
         self.pending_copies = []
         # Decodes first: they are cheap and keep inter-token latency steady.
+        budget = self.max_num_batched_tokens
         for seq in sorted(self.running, key=lambda s: s.in_prefill):
-            budget = self.max_num_batched_tokens - out.num_tokens
-            if seq not in self.running or budget == 0:
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue  # preempted while making room for an earlier one
             if seq.num_computed_tokens == seq.num_tokens:
                 continue  # a beam waiting for its siblings: nothing to compute
             if seq.in_prefill:
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             else:
-                if not self._make_room(seq, out):
+                preempted = len(out.preempted)
+                fits = self._make_room(seq, out)
+                if len(out.preempted) != preempted:
+                    budget = self.max_num_batched_tokens - out.num_tokens  # victims gave theirs back
+                if not fits:
                     continue
                 out.block_copies.extend(self.kv.append_slots(seq.seq_id, 1))
                 n = 1
             out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
+            budget -= n
 
-        budget = self.max_num_batched_tokens - out.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             reserve = self.reserve_tokens(seq)

@@ -28,8 +28,8 @@ from pagedkv.attention.kv_cache import LayerKV
 NATIVE_MAX_QUERY_LEN = 1024
 #: bounds on the positions one kernel task covers (flash-decoding split of long contexts)
 MIN_CHUNK, MAX_CHUNK = 64, 2048
-#: multiply-adds per pass below which the kernel runs on one thread (about 0.3 ms of work)
-PARALLEL_MIN_WORK = 1 << 22
+#: multiply-adds per pass below which the kernel runs on one thread (about 0.1 ms of work)
+PARALLEL_MIN_WORK = 1 << 20
 
 _warned = False
 
