@@ -84,7 +84,9 @@ def test_demo_writes_the_report(capsys, tmp_path):
     assert main(["demo", "--out", str(tmp_path / "pagedkv-report")]) == 0
     text = capsys.readouterr().out
     assert "pagedkv demo" in text and str(tmp_path / "pagedkv-report") in text
-    assert len(list((tmp_path / "pagedkv-report").glob("*.png"))) == 5
+    plots = {p.name for p in (tmp_path / "pagedkv-report").glob("*.png")}
+    assert {"memory_map.png", "waste_breakdown.png", "sharing_prefix.png", "sharing_fork.png"} <= plots
+    assert len(plots) == 7
     # The live engine part says its weights are random and gives every block back.
     assert "RANDOM weights" in text
     held_after = [line for line in text.splitlines() if "blocks still held after the batch" in line]
