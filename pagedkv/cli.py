@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from pagedkv.bench.capacity import add_bench_capacity_parser, run_capacity_demo
 from pagedkv.bench.sharing_cli import add_bench_sharing_parser, run_sharing_demo
 from pagedkv.cli_args import add_engine_options, byte_size, engine_config
 from pagedkv.server.cli import add_bench_serve_parser, add_serve_parser
@@ -164,6 +165,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         print_live_batch(figures, console, max_model_len)
         console.print("\n[bold]Sharing blocks: a common system prompt, parallel samples, beams.[/]")
         run_sharing_demo(console, args.out, args.seed)
+        console.print("\n[bold]Paged vs contiguous reservation, same pool, same kernels.[/]")
+        run_capacity_demo(console, args.out, args.seed)
     return 0
 
 
@@ -237,6 +240,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         description="Benchmarks of the live engine, each against its baseline in the same run.",
     )
     benches = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    add_bench_capacity_parser(benches)
     add_bench_sharing_parser(benches)
     add_bench_serve_parser(benches)
 

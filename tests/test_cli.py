@@ -86,7 +86,8 @@ def test_demo_writes_the_report(capsys, tmp_path):
     assert "pagedkv demo" in text and str(tmp_path / "pagedkv-report") in text
     plots = {p.name for p in (tmp_path / "pagedkv-report").glob("*.png")}
     assert {"memory_map.png", "waste_breakdown.png", "sharing_prefix.png", "sharing_fork.png"} <= plots
-    assert len(plots) == 7
+    assert {"capacity_utilization.png", "capacity_concurrency.png"} <= plots
+    assert len(plots) == 9
     # The live engine part says its weights are random and gives every block back.
     assert "RANDOM weights" in text
     held_after = [line for line in text.splitlines() if "blocks still held after the batch" in line]

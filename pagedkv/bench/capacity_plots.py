@@ -1,0 +1,82 @@
+"""The capacity benchmark as PNG figures: KV utilization and concurrency over time, per policy.
+
+Built on :class:`matplotlib.figure.Figure` with the Agg canvas, as the simulator's plots are, so
+nothing touches pyplot's global state or needs a display. The x axis is each policy's own clock.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from pagedkv.bench.capacity import CapacityResult, PolicyRun
+
+POLICY_COLORS = {"paged": "#2ca02c", "contiguous": "#d62728", "contiguous-oracle": "#9467bd"}
+UTILIZATION_TARGET = 0.95
+
+
+def write_capacity_plots(result: CapacityResult, out_dir: str | Path) -> list[Path]:
+    """Write both figures into ``out_dir`` (created if needed); return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return [
+        plot_utilization(result, out / "capacity_utilization.png"),
+        plot_concurrency(result, out / "capacity_concurrency.png"),
+    ]
+
+
+def _axes(result: CapacityResult, title: str, ylabel: str):
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    config = result.config
+    ax.set_title(
+        f"{title}\n{config.num_requests} '{config.workload}' requests at t=0, "
+        f"{config.num_kv_blocks} blocks x {config.run_block_size} tokens, "
+        f"max_model_len {config.run_max_model_len}",
+        fontsize=10,
+    )
+    ax.set_xlabel("time (s, each policy's own clock)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def _once_full(value: float, fmt: str) -> str:
+    return f"once full: {fmt.format(value)}" if math.isfinite(value) else "never full"
+
+
+def _times(run: PolicyRun) -> list[float]:
+    return [s.elapsed for s in run.samples]
+
+
+def plot_utilization(result: CapacityResult, path: Path) -> Path:
+    fig, ax = _axes(result, "KV utilization: token slots holding a token / slots held", "utilization (%)")
+    for policy, run in result.runs.items():
+        points = [(s.elapsed, 100 * run.utilization(s)) for s in run.samples if s.used_blocks]
+        label = f"{policy} ({_once_full(run.utilization_full, '{:.1%}')})"
+        ax.plot(*zip(*points, strict=True), color=POLICY_COLORS[policy], label=label, linewidth=1.5)
+    ax.axhline(100 * UTILIZATION_TARGET, color="gray", linestyle=":", linewidth=1, label="95%")
+    ax.set_ylim(0, 105)
+    fig.legend(loc="outside lower center", ncols=2, fontsize=9)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_concurrency(result: CapacityResult, path: Path) -> Path:
+    fig, ax = _axes(result, "Concurrent running requests", "running requests")
+    for policy, run in result.runs.items():
+        color = POLICY_COLORS[policy]
+        label = f"{policy} (peak {run.peak_running}, mean {_once_full(run.mean_running_full, '{:.1f}')})"
+        ax.plot(_times(run), [s.running for s in run.samples], color=color, label=label, linewidth=1.5)
+        ax.axhline(result.predicted[policy], color=color, linestyle="--", linewidth=1, alpha=0.8)
+        ax.axhline(result.length_biased[policy], color=color, linestyle=":", linewidth=1.2, alpha=0.9)
+    ax.plot([], [], color="gray", linestyle="--", label="simulator prediction (same colour)")
+    ax.plot([], [], color="gray", linestyle=":", label="length-biased prediction (same colour)")
+    ax.set_ylim(bottom=0)
+    fig.legend(loc="outside lower center", ncols=2, fontsize=9)
+    fig.savefig(path, dpi=120)
+    return path

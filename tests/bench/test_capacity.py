@@ -1,0 +1,182 @@
+"""``pagedkv bench capacity`` at 1/8 scale: paged serves far more requests at once in the same
+budget, keeps its blocks full, and every policy hands every block back."""
+
+import argparse
+import json
+import math
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from pagedkv.bench.capacity import (
+    KV_POLICIES,
+    CapacityConfig,
+    PolicyRun,
+    StepSample,
+    add_bench_capacity_parser,
+    length_biased_prediction,
+    run_capacity_demo,
+)
+from pagedkv.engine import scheduler
+from pagedkv.sim.workloads import Workload
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("capacity")
+    console = Console(record=True, width=160)
+    result = run_capacity_demo(console, out, seed=0)
+    return result, console.export_text(), out
+
+
+def test_paged_runs_far_more_requests_at_once(demo):
+    result, _, _ = demo
+    config, runs = result.config, result.runs
+    assert runs["contiguous"].peak_running == config.kv_tokens // config.max_model_len
+    assert runs["paged"].peak_running >= 2 * runs["contiguous"].peak_running
+    assert runs["paged"].mean_running_full >= 2 * runs["contiguous"].mean_running_full
+    assert (
+        runs["contiguous"].peak_running < runs["contiguous-oracle"].peak_running < runs["paged"].peak_running
+    )
+
+
+def test_paged_keeps_its_blocks_full_and_contiguous_does_not(demo):
+    result, _, _ = demo
+    assert result.runs["paged"].utilization_full >= 0.95
+    assert result.runs["contiguous"].utilization_full < 0.5
+
+
+def test_every_policy_serves_everything_and_returns_every_block(demo):
+    result, _, _ = demo
+    requests = result.config.requests(2048)
+    expected_tokens = sum(max_tokens for _, max_tokens in requests)
+    for run in result.runs.values():
+        assert run.blocks_returned, run.policy
+        assert run.generated_tokens == expected_tokens
+        assert len(run.ttft) == len(requests)
+        assert 0 < run.ttft_mean <= run.ttft_p99 <= run.wall_s
+        assert (run.preemptions > 0) == (run.recomputed_tokens > 0)
+
+
+def test_report_and_plots(demo):
+    result, text, out = demo
+    blocks = result.config.num_kv_blocks
+    for needle in ("paged/contig.", "predicted vs live engine", f"{blocks}/{blocks}"):
+        assert needle in text
+    assert "NOT met" not in text.split("every block back")[-1].splitlines()[0]
+    assert sorted(p.name for p in out.iterdir()) == ["capacity_concurrency.png", "capacity_utilization.png"]
+    assert all(p.stat().st_size > 10_000 for p in result.plots)
+    assert result.predicted["contiguous"] == result.config.kv_tokens // result.config.max_model_len
+    assert result.predicted["paged"] > 2 * result.predicted["contiguous"]
+    assert result.length_biased["contiguous"] == result.config.kv_tokens // result.config.max_model_len
+
+
+def _sample(running: int, waiting: int, blocked: bool, stored: int = 30) -> StepSample:
+    return StepSample(0.0, running, waiting, used_blocks=4, stored_tokens=stored, memory_blocked=blocked)
+
+
+def _run(samples: list[StepSample]) -> PolicyRun:
+    return PolicyRun("paged", 8, 16, samples, [1.0], 10, 0, 0, 0, 0)
+
+
+def test_full_window_runs_from_memory_blocked_until_nothing_waits():
+    samples = [
+        _sample(2, 5, False),
+        _sample(4, 3, True, stored=32),
+        _sample(4, 3, False, stored=16),
+        _sample(5, 0, False),
+        _sample(5, 1, True),
+    ]
+    run = _run(samples)
+    assert run.full_window == samples[1:3]
+    assert run.mean_running_full == 4
+    assert run.utilization_full == pytest.approx((1.0 + 0.5) / 2)
+    assert run.peak_running == 5
+
+
+def test_a_batch_that_never_fills_memory_has_no_full_window():
+    run = _run([_sample(3, 2, False), _sample(5, 0, False)])
+    assert run.full_window == []
+    assert math.isnan(run.mean_running_full)
+    assert run.mean_running == 4
+
+
+def test_length_biased_prediction_weights_each_request_by_its_output():
+    config = CapacityConfig(kv_tokens=4096, max_model_len=2048, block_size=16)
+    # 16 + (0, 1) tokens hold 1, 2 blocks; 32 + (0..5) hold 2, 3, 3, 3, 3, 3: 20 blocks over 8 steps
+    predicted = length_biased_prediction(config, [([0] * 16, 2), ([0] * 32, 6)])
+    assert predicted["paged"] == pytest.approx(4096 / (20 * 16 / 8))
+    # the oracle holds 2 and 3 blocks for 2 and 6 steps
+    assert predicted["contiguous-oracle"] == pytest.approx(4096 / ((2 * 2 + 6 * 3) * 16 / 8))
+    assert predicted["contiguous"] == 2
+
+
+def test_the_policies_are_the_engines():
+    assert KV_POLICIES == scheduler.KV_POLICIES
+
+
+def test_requests_are_the_simulators_lengths_divided_by_scale():
+    lengths = Workload("sharegpt", 2048).sample(np.random.default_rng(7), 20)
+    full = CapacityConfig(workload="sharegpt", num_requests=20, seed=7).requests(2048)
+    assert [(len(p), m) for p, m in full] == [(r.prompt_len, r.output_len) for r in lengths]
+    scaled = CapacityConfig(workload="sharegpt", num_requests=20, seed=7, scale=8).requests(2048)
+    assert all(len(p) + m <= 256 for p, m in scaled)
+    assert [len(p) for p, _ in scaled] == [max(1, r.prompt_len // 8) for r in lengths]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"kv_tokens": 1024}, "cannot hold even one contiguous reservation"),
+        ({"scale": 3}, "scale 3 must divide max_model_len"),
+        ({"workload": "shared-prefix"}, "workload must be one of"),
+        ({"num_requests": 0}, "num_requests must be a positive integer, got 0"),
+        ({"kv_tokens": 4100}, "whole number of 16-token blocks"),
+    ],
+)
+def test_bad_configs_are_rejected(options, message):
+    with pytest.raises(ValueError, match=message):
+        CapacityConfig(**options)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedkv bench")
+    add_bench_capacity_parser(parser.add_subparsers(dest="bench", required=True))
+    return parser
+
+
+def test_cli_prints_json_and_writes_plots(tmp_path, capsys):
+    args = _parser().parse_args(
+        [
+            "capacity",
+            "--scale",
+            "16",
+            "--num-requests",
+            "12",
+            "--kv-tokens",
+            "4096",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--json",
+        ]
+    )
+    assert args.run(args) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert set(document["policies"]) == {"paged", "contiguous", "contiguous-oracle"}
+    assert document["engine"] == {"max_model_len": 128, "block_size": 1, "num_kv_blocks": 256}
+    assert document["policies"]["contiguous"]["peak_running"] == 2
+    assert all(p["blocks_returned"] for p in document["policies"].values())
+    assert len(document["plots"]) == 2 and all(
+        (tmp_path / p.split("/")[-1]).exists() for p in document["plots"]
+    )
+
+
+def test_cli_rejects_a_bad_budget(capsys):
+    args = _parser().parse_args(["capacity", "--kv-tokens", "100"])
+    with pytest.raises(SystemExit) as exit_info:
+        args.run(args)
+    assert exit_info.value.code == 2
+    assert "cannot hold even one contiguous reservation" in capsys.readouterr().err
