@@ -2,12 +2,13 @@
 
 They differ only in switches read from :class:`ModelConfig`: q/k/v bias (Qwen2), per-head q/k
 RMSNorm (Qwen3), a sliding window (Mistral, optionally Qwen), tied embeddings, an explicit
-``head_dim``. Module and parameter names mirror transformers' so a checkpoint's tensor names
-are this module's ``state_dict`` keys. Unlike transformers the forward pass takes *packed*
-tokens of many sequences (no batch or padding dimension) and reads/writes keys and values only
-through :func:`pagedkv.attention.paged_attention`. Op order mirrors transformers (RMSNorm in
-float32 then cast back, weight applied after the cast) so fp32 logits agree to ~1e-6.
-"""
+``head_dim``. Module and parameter names mirror transformers', except that, as in vLLM, the
+q/k/v projections are packed into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (one
+GEMM each); the loader maps the checkpoint's ``q_proj``... tensors onto their row slices. Unlike
+transformers the forward pass takes *packed* tokens of many sequences (no batch or padding
+dimension) and reads/writes keys and values only through
+:func:`pagedkv.attention.paged_attention`. Op order mirrors transformers (RMSNorm in float32 then
+cast back, weight applied after the cast) so fp32 logits agree to ~1e-6."""
 
 from __future__ import annotations
 
@@ -21,16 +22,24 @@ from pagedkv.models.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
+    """transformers' ``LlamaRMSNorm``: normalise in float32, cast back, then scale.
+
+    ``F.rms_norm`` runs the same ops in the same order (pow, mean, add eps, rsqrt, mul) in one
+    call instead of five Python-dispatched ones, so it is used directly in float32, where the
+    cast back is a no-op and the weight may be folded in; in half precision the weight must
+    multiply *after* the cast, as transformers does, so it stays outside.
+    """
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.shape = (size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
 
 
 class Linear(nn.Linear):
@@ -39,6 +48,31 @@ class Linear(nn.Linear):
 
     def reset_parameters(self) -> None:
         pass
+
+
+class PackedLinear(Linear):
+    """Several projections of the same input as one GEMM, their output rows concatenated in
+    ``shards`` order (vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear``).
+
+    A layer makes five matrix multiplies instead of seven: two dispatches and two fork/joins of
+    the BLAS threads fewer per layer and step. ``shards`` maps each checkpoint projection name
+    (``q_proj``...) to its row count; the loader fills those row slices. The packed product
+    equals the separate ones bit for bit on the built-in and test shapes; for some shapes the
+    BLAS picks another kernel for the wider matrix and the last bits differ (~1e-6 relative,
+    seen at hidden 896).
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shards = dict(shards)
+
+    def shard_rows(self) -> dict[str, tuple[int, int]]:
+        """``name -> (first row, row count)`` of each shard inside the packed weight."""
+        rows, start = {}, 0
+        for name, size in self.shards.items():
+            rows[name] = (start, size)
+            start += size
+        return rows
 
 
 class Embedding(nn.Module):
@@ -61,10 +95,15 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.layer_sliding_window(layer)
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = PackedLinear(
+            cfg.hidden_size,
+            {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+            bias=cfg.attention_bias,
+        )
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -79,12 +118,14 @@ class Attention(nn.Module):
         backend: str | None,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qk, v = self.qkv_proj(x).split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        qk = qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # separate weights for query and key heads
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # one rotation for the query and key heads together
+        q, k = apply_rotary(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = paged_attention(
             q,
             k,
@@ -101,12 +142,17 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = PackedLinear(
+            cfg.hidden_size,
+            {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size},
+            bias=cfg.mlp_bias,
+        )
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: silu's output is ours
 
 
 class DecoderLayer(nn.Module):
@@ -126,8 +172,10 @@ class DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
         backend: str | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # Residual adds in place into the sublayer's fresh output (x + h == h + x exactly): one
+        # buffer fewer per add, and on CPU every new buffer is cold cache.
+        x = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, backend).add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class LlamaModel(nn.Module):

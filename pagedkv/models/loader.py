@@ -2,8 +2,11 @@
 
 The model is created uninitialised (no random init of weights about to be overwritten) directly
 in the target dtype and on the target device, then filled tensor by tensor with safetensors'
-``safe_open`` so at most one tensor is held twice in memory. Every parameter must be filled
-exactly once: a missing or unexpected tensor is an error naming it, never a silent random weight.
+``safe_open`` so at most one tensor is held twice in memory. Checkpoint tensors keep their
+Hugging Face names; the model packs some of them (``q_proj``/``k_proj``/``v_proj`` into
+``qkv_proj``, ``gate_proj``/``up_proj`` into ``gate_up_proj``), so each name maps to a parameter
+or to a row slice of one (:func:`checkpoint_targets`). Every target must be filled exactly once:
+a missing or unexpected tensor is an error naming it, never a silent random weight.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from pagedkv.models.config import ModelConfig, resolve_dtype
-from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.llama import LlamaForCausalLM, PackedLinear
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -71,9 +74,26 @@ def load_model(
     return model.eval()
 
 
+def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+    """Checkpoint tensor name -> the tensor it fills: a parameter, or for a packed projection
+    (:class:`~pagedkv.models.llama.PackedLinear`) the row slice of that projection's shard,
+    named as the checkpoint names it (``model.layers.0.self_attn.q_proj.weight``)."""
+    # tied weights appear once, under the embedding's name
+    targets = {name: param.data for name, param in model.named_parameters()}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, PackedLinear):
+            continue
+        parent = module_name.rpartition(".")[0]
+        for param_name, param in module.named_parameters(recurse=False):
+            del targets[f"{module_name}.{param_name}"]
+            for shard, (start, rows) in module.shard_rows().items():
+                targets[f"{parent}.{shard}.{param_name}"] = param.data.narrow(0, start, rows)
+    return targets
+
+
 def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
-    """Copy every tensor of ``files`` into the same-named parameter of ``model``."""
-    params = dict(model.named_parameters())  # tied weights appear once, under the embedding's name
+    """Copy every tensor of ``files`` into the parameter (or packed row slice) it names."""
+    targets = checkpoint_targets(model)
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -82,23 +102,23 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
-                param = params.get(name)
-                if param is None:
+                target = targets.get(name)
+                if target is None:
                     unexpected.append(name)
                     continue
                 tensor = f.get_tensor(name)
-                if tensor.shape != param.shape:
+                if tensor.shape != target.shape:
                     raise ValueError(
                         f"weight {name} in {file.name} has shape {tuple(tensor.shape)}, "
-                        f"but the config implies {tuple(param.shape)}"
+                        f"but the config implies {tuple(target.shape)}"
                     )
-                param.data.copy_(tensor)
+                target.copy_(tensor)
                 loaded.add(name)
     if unexpected:
         raise ValueError(
             f"the checkpoint has {len(unexpected)} weights this {model.config.architecture} does not use "
             f"(config.json may not match the weights): {sorted(unexpected)[:8]}"
         )
-    missing = sorted(set(params) - loaded)
+    missing = sorted(set(targets) - loaded)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weights: {missing[:8]}")

@@ -5,6 +5,12 @@ frequencies are built in float32 with transformers' formulas (default, linear, l
 angles are ``position * inv_freq`` in float32, and queries/keys rotate with the
 ``rotate_half`` convention (first half of the head paired with the second half), with cos/sin
 cast to the activations' dtype first.
+
+transformers computes ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``.
+We fold the minus sign into the sin table instead (``[-sin, sin]``) and swap the halves with one
+``torch.roll``: ``x2 * -s`` and ``-x2 * s`` are the same float, so the result is bit-identical
+with fewer kernels (roll, mul, mul, add instead of neg, cat, mul, mul, add), and queries and keys
+rotate together in one call.
 """
 
 from __future__ import annotations
@@ -63,20 +69,18 @@ class RotaryEmbedding:
         self.inv_freq = inverse_frequencies(rope, head_dim)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, head_dim]`` cos and sin for ``positions [T]``, cast to ``dtype``."""
+        """``cos`` and sign-folded ``sin`` (first half negated), ``[T, 1, head_dim]`` in ``dtype``
+        for ``positions [T]``, ready to broadcast over the heads of :func:`apply_rotary`."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        half = freqs.shape[-1]
+        sin = emb.sin().to(dtype)
+        sin[..., :half].neg_()
+        return emb.cos().to(dtype), sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` by ``cos/sin [T, head_dim]``."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return (x * cos) + (rotate_half(x) * sin)
+    """Rotate ``x [T, heads, head_dim]`` by :meth:`RotaryEmbedding.cos_sin`'s tables."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin

@@ -118,7 +118,7 @@ def test_half_precision_load_tracks_float32(tmp_path, dtype):
     path = make_checkpoint(tmp_path, "qwen3", tie_word_embeddings=True)
     full = load_model(path, dtype="float32", attention_backend="torch")
     half = load_model(path, dtype=dtype, attention_backend="torch")
-    assert half.model.layers[0].self_attn.q_proj.weight.dtype == dtype
+    assert half.model.layers[0].self_attn.qkv_proj.weight.dtype == dtype
     seqs = prompts(seed=3)
     want = PagedBatch(full, max(PROMPT_LENS), len(seqs)).step(seqs)
     got = PagedBatch(half, max(PROMPT_LENS), len(seqs)).step(seqs)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedkv.models import load_model
-from pagedkv.models.loader import weight_files
+from pagedkv.models.loader import checkpoint_targets, weight_files
 from tests.checkpoints import make_checkpoint
 
 
@@ -30,11 +30,27 @@ def test_weights_equal_the_files_and_model_is_frozen(tmp_path):
     tensors = load_file(path / "model.safetensors")
     model = load_model(path, dtype="bfloat16")
     assert not model.training
-    params = dict(model.named_parameters())
-    assert params.keys() == tensors.keys()  # HF names are our names, nothing extra, nothing missing
+    assert not any(p.requires_grad for p in model.parameters())
+    targets = checkpoint_targets(model)
+    assert targets.keys() == tensors.keys()  # every HF name has one target, nothing extra
     for name, tensor in tensors.items():
-        assert params[name].dtype == torch.bfloat16 and not params[name].requires_grad
-        assert torch.equal(params[name], tensor.to(torch.bfloat16))
+        assert targets[name].dtype == torch.bfloat16
+        assert torch.equal(targets[name], tensor.to(torch.bfloat16))
+
+
+def test_packed_projections_hold_the_shards_in_order(tmp_path):
+    """q|k|v rows (and biases) in qkv_proj, gate|up rows in gate_up_proj, nothing else packed."""
+    path = make_checkpoint(tmp_path, "qwen2")  # q/k/v biases
+    tensors = load_file(path / "model.safetensors")
+    model = load_model(path)
+    p = "model.layers.1."
+    for kind in ("weight", "bias"):
+        want = torch.cat([tensors[f"{p}self_attn.{n}_proj.{kind}"] for n in "qkv"])
+        assert torch.equal(getattr(model.model.layers[1].self_attn.qkv_proj, kind), want)
+    want = torch.cat([tensors[f"{p}mlp.{n}_proj.weight"] for n in ("gate", "up")])
+    assert torch.equal(model.model.layers[1].mlp.gate_up_proj.weight, want)
+    names = {name for name, _ in model.named_parameters()}
+    assert f"{p}self_attn.qkv_proj.bias" in names and f"{p}self_attn.q_proj.weight" not in names
 
 
 def test_tied_embeddings_share_one_tensor(tmp_path):
@@ -67,6 +83,20 @@ def test_missing_weight_is_named(tmp_path):
         load_model(path)
 
 
+def test_missing_packed_shard_is_named_by_its_checkpoint_name(tmp_path):
+    path = make_checkpoint(tmp_path, "qwen2")
+
+    def drop(tensors: dict) -> None:
+        del tensors["model.layers.0.self_attn.q_proj.weight"], tensors["model.layers.1.self_attn.v_proj.bias"]
+
+    _rewrite(path, drop)
+    with pytest.raises(
+        ValueError,
+        match=r"lacks 2 weights.*layers\.0\.self_attn\.q_proj\.weight.*layers\.1\.self_attn\.v_proj\.bias",
+    ):
+        load_model(path)
+
+
 def test_unexpected_weight_is_named(tmp_path):
     path = make_checkpoint(tmp_path, "llama")
     _rewrite(path, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(16)}))
@@ -79,6 +109,18 @@ def test_shape_mismatch_is_named(tmp_path):
     raw = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**raw, "intermediate_size": 96}))
     with pytest.raises(ValueError, match=r"mlp\.\w+_proj\.weight.*has shape.*implies"):
+        load_model(path)
+
+
+def test_packed_shard_shape_mismatch_is_named(tmp_path):
+    """Four KV heads in config.json, two in the weights: k_proj's rows of qkv_proj are too many."""
+    path = make_checkpoint(tmp_path, "llama")
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "num_key_value_heads": 4}))
+    with pytest.raises(
+        ValueError,
+        match=r"weight \S+\.self_attn\.[kv]_proj\.weight .* shape \(32, 64\), .* implies \(64, 64\)",
+    ):
         load_model(path)
 
 
