@@ -15,14 +15,13 @@ from pathlib import Path
 
 from rich.console import Console
 
+from pagedkv.bench import DEFAULT_OUT
 from pagedkv.bench.capacity import add_bench_capacity_parser, run_capacity_demo
 from pagedkv.bench.sharing_cli import add_bench_sharing_parser, run_sharing_demo
-from pagedkv.cli_args import add_engine_options, byte_size, engine_config
+from pagedkv.cli_args import add_engine_options, add_report_options, byte_size, engine_config
 from pagedkv.server.cli import add_bench_serve_parser, add_serve_parser
 from pagedkv.sim import WORKLOAD_NAMES, SimConfig, SimResult, simulate
 from pagedkv.sim.report import print_report
-
-DEFAULT_REPORT_DIR = "pagedkv-report"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,15 +93,7 @@ def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
         "size, a dynamic trace, the block-size trade-off, prefix sharing, capacity and a worked example.",
     )
     _add_simulation_options(parser)
-    output = parser.add_argument_group("output")
-    output.add_argument(
-        "--out",
-        type=Path,
-        default=Path(DEFAULT_REPORT_DIR),
-        help="folder for the PNG plots (default: %(default)s)",
-    )
-    output.add_argument("--no-plots", action="store_true", help="do not write plots")
-    output.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    add_report_options(parser)
     parser.set_defaults(run=_run_simulate, parser=parser)
 
 
@@ -138,7 +129,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path(DEFAULT_REPORT_DIR),
+        default=Path(DEFAULT_OUT),
         help="folder for the report (default: %(default)s)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")

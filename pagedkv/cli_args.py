@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from pagedkv.bench import DEFAULT_OUT
 from pagedkv.memory.manager import KV_POLICIES
 from pagedkv.memory.spec import parse_bytes
 
@@ -32,6 +34,16 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
+
+
+def add_report_options(parser: argparse.ArgumentParser) -> None:
+    """``--out``, ``--no-plots`` and ``--json``: how a command that measures shows its figures."""
+    output = parser.add_argument_group("output")
+    output.add_argument(
+        "--out", type=Path, default=Path(DEFAULT_OUT), help="folder for the PNG plots (default: %(default)s)"
+    )
+    output.add_argument("--no-plots", action="store_true", help="do not write plots")
+    output.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:

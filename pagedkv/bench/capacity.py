@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
 
-from pagedkv.bench import DEFAULT_OUT
+from pagedkv.cli_args import add_report_options
 from pagedkv.memory import blocks_for
 from pagedkv.sim.experiments import capacity
 from pagedkv.sim.workloads import Workload
@@ -595,12 +595,7 @@ def add_bench_capacity_parser(bench_subparsers: argparse._SubParsersAction) -> a
     engine.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)"
     )
-    output = parser.add_argument_group("output")
-    output.add_argument(
-        "--out", type=Path, default=Path(DEFAULT_OUT), help="folder for the plots (default: %(default)s)"
-    )
-    output.add_argument("--no-plots", action="store_true", help="do not write plots")
-    output.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    add_report_options(parser)
     parser.set_defaults(run=_run_bench_capacity, parser=parser)
     return parser
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pagedkv.bench import DEFAULT_OUT, MIXES
+from pagedkv.bench import MIXES
+from pagedkv.cli_args import add_report_options
 
 # -- command line --------------------------------------------------------------------------------
 PARTS = ("all", "prefix", "fork")
@@ -73,12 +74,7 @@ def add_bench_sharing_parser(bench_subparsers: argparse._SubParsersAction) -> ar
         "--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default: 2048)"
     )
     engine.add_argument("--attention-backend", default=None, help="torch, cpu or triton (default: by device)")
-    output = parser.add_argument_group("output")
-    output.add_argument(
-        "--out", type=Path, default=Path(DEFAULT_OUT), help="folder for the plots (default: %(default)s)"
-    )
-    output.add_argument("--no-plots", action="store_true", help="do not write plots")
-    output.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    add_report_options(parser)
     parser.set_defaults(run=_run_bench_sharing, parser=parser)
     return parser
 
