@@ -49,41 +49,42 @@ def print_sharing(result: SharingResult, console: Console) -> None:
 def print_prefix(result: SharingResult, console: Console) -> None:
     first = result.prefix[0]
     config = result.prefix_config
-    table = Table(
-        title=f"Shared system prompt: N requests of S common + {first.user_len} unique prompt tokens, "
+    title = (
+        f"Shared system prompt: N requests of S common + {first.user_len} unique prompt tokens, "
         f"{first.output_len} greedy output tokens, all submitted at once"
         + (" after one warm-up request" if config is not None and config.warm else "")
-        + "; prefix caching on vs off",
+        + "; prefix caching on / off"
+    )
+    # Two narrow tables rather than one wide one: they must read in an 80-column terminal.
+    memory = Table(title=title + " -- KV blocks held")
+    compute = Table(
+        title="... and the prefill work",
         caption="cold: requests that computed the prefix themselves; TTFT: each engine's own clock",
     )
-    for name in ("S", "N"):
-        table.add_column(name, justify="right")
-    for name in ("peak blocks on", "off", "saved", "mean blocks on", "off"):
-        table.add_column(name, justify="right")
-    for name in ("prefill computed on", "off", "skipped on", "cold"):
-        table.add_column(name, justify="right")
-    for name in ("TTFT on (s)", "off (s)", "off / on", "same output"):
-        table.add_column(name, justify="right")
+    for name in ("S", "N", "peak on/off", "saved", "mean on/off"):
+        memory.add_column(name, justify="right")
+    for name in ("S", "N", "computed on/off", "skipped", "cold", "TTFT on/off (s)", "same output"):
+        compute.add_column(name, justify="right")
     for p in result.prefix:
         on, off = p.on, p.off
-        table.add_row(
+        memory.add_row(
             str(p.prefix_len),
             str(p.num_requests),
-            str(on.peak_blocks),
-            str(off.peak_blocks),
+            f"{on.peak_blocks}/{off.peak_blocks}",
             _pct(p.blocks_saved),
-            f"{on.mean_blocks:.0f}",
-            f"{off.mean_blocks:.0f}",
-            str(on.prefill_computed),
-            str(off.prefill_computed),
+            f"{on.mean_blocks:.0f}/{off.mean_blocks:.0f}",
+        )
+        compute.add_row(
+            str(p.prefix_len),
+            str(p.num_requests),
+            f"{on.prefill_computed}/{off.prefill_computed}",
             str(on.prefill_skipped),
             f"{p.cold_requests}/{p.num_requests}",
-            f"{on.ttft_mean:.2f}",
-            f"{off.ttft_mean:.2f}",
-            f"{off.ttft_mean / on.ttft_mean:.1f}x",
+            f"{on.ttft_mean:.2f}/{off.ttft_mean:.2f}",
             "yes" if p.outputs_identical else "[red]NO[/]",
         )
-    console.print(table)
+    console.print(memory)
+    console.print(compute)
     if config is not None and config.warm:
         console.print(
             "A warm-up request with the same system prompt ran first (not counted): every measured "
@@ -112,21 +113,19 @@ def print_forks(result: SharingResult, console: Console) -> None:
         title=f"Parallel sampling and beam search: {config.num_prompts} '{config.mix}' prompts (mean "
         f"{prompt_mean:.0f} prompt + {output_mean:.0f} output tokens), KV blocks shared (copy-on-write) "
         "vs each sample or beam a private copy",
-        caption="saved = 1 - blocks held / blocks without sharing; time-averaged over engine steps",
+        caption="saved = 1 - blocks held / blocks without sharing, time-averaged over engine steps; "
+        "once done: parallel samples at their final lengths; paper: the PagedAttention paper's range",
     )
-    for name in ("mode", "width", "peak blocks shared", "private", "saved", "saved at peak"):
+    for name in ("mode", "n/width", "peak shared/private", "saved", "at peak", "once done", "paper"):
         table.add_column(name, justify="left" if name == "mode" else "right")
-    table.add_column("parallel once done", justify="right")
-    table.add_column(f"paper ({config.mix})", justify="right")
     for run in result.forks:
         figures = run.figures()
         low, high = paper[run.kind]
         once_done = parallel_saving_once_done(lengths, bs, run.width) if run.kind == "parallel" else math.nan
         table.add_row(
-            "parallel sampling (n)" if run.kind == "parallel" else "beam search (width)",
+            "samples" if run.kind == "parallel" else "beams",
             str(run.width),
-            str(figures["peak_blocks"]),
-            str(figures["peak_blocks_without_sharing"]),
+            f"{figures['peak_blocks']}/{figures['peak_blocks_without_sharing']}",
             _pct(run.saving),
             _pct(run.peak_saving),
             _pct(once_done),

@@ -114,7 +114,7 @@ def test_scaled_run_report_and_plots(scaled_run, tmp_path):
     out = io.StringIO()
     print_sharing(scaled_run, Console(file=out, width=240))
     text = out.getvalue()
-    assert "Shared system prompt" in text and "beam search (width)" in text
+    assert "Shared system prompt" in text and "beams" in text
     assert "NOT met" not in text
     document = json.loads(json.dumps(scaled_run.to_json()))
     assert document["outputs_identical"] and len(document["forks"]) == 4
