@@ -48,7 +48,7 @@ def run_live_batch(
             max_tokens=rng.randint(8, 64), temperature=0.8, seed=seed + i, ignore_eos=True
         )
         engine.add_request(f"demo-{i}", prompt, params)
-    per_request = blocks_for(max_model_len, engine.kv.block_size)
+    per_request = blocks_for(max_model_len, engine.kv_manager.block_size)
     steps = peak_running = peak_used = peak_contiguous = generated = 0
     utilizations = []
     sample_text = ""
@@ -58,13 +58,13 @@ def run_live_batch(
                 sample_text = out.outputs[0].text
         steps += 1
         running = engine.scheduler.running
-        used = engine.kv.usage().used_blocks
+        used = engine.kv_manager.usage().used_blocks
         peak_running = max(peak_running, len(running))
         peak_used = max(peak_used, used)
         peak_contiguous = max(peak_contiguous, len(running) * per_request)
         if used:
-            stored = sum(engine.kv.table(s.seq_id).num_tokens for s in running)
-            utilizations.append(stored / (used * engine.kv.block_size))
+            stored = sum(engine.kv_manager.table(s.seq_id).num_tokens for s in running)
+            utilizations.append(stored / (used * engine.kv_manager.block_size))
     generated = engine.num_generated_tokens
     return LiveKVFigures(
         steps=steps,
@@ -74,7 +74,7 @@ def run_live_batch(
         mean_token_utilization=sum(utilizations) / max(len(utilizations), 1),
         generated_tokens=generated,
         preemptions=engine.scheduler.num_preemptions,
-        blocks_used_after=engine.kv.usage().used_blocks,
+        blocks_used_after=engine.kv_manager.usage().used_blocks,
         sample_text=sample_text,
     )
 

@@ -324,7 +324,7 @@ class _PolicyDriver:
         return sum(out.finished for out in outputs)
 
     def _sample(self) -> StepSample:
-        scheduler, kv = self.engine.scheduler, self.engine.kv
+        scheduler, kv = self.engine.scheduler, self.engine.kv_manager
         # A preempted sequence must compute all its tokens again; it may be back in the batch already.
         for seq in itertools.chain(scheduler.waiting, scheduler.running):
             if seq.num_preemptions > self._preemptions_seen.get(seq.seq_id, 0):
@@ -344,7 +344,7 @@ class _PolicyDriver:
         )
 
     def result(self) -> PolicyRun:
-        usage = self.engine.kv.usage()
+        usage = self.engine.kv_manager.usage()
         return PolicyRun(
             policy=self.policy,
             block_size=usage.block_size,
@@ -353,9 +353,9 @@ class _PolicyDriver:
             ttft=list(self.first_token.values()),
             generated_tokens=self.engine.num_generated_tokens,
             preemptions=self.engine.scheduler.num_preemptions,
-            recomputed_tokens=self.discarded_tokens - self.engine.kv.prefix_hit_tokens,
+            recomputed_tokens=self.discarded_tokens - self.engine.kv_manager.prefix_hit_tokens,
             blocks_used_after=usage.used_blocks,
-            seqs_after=self.engine.kv.num_seqs,
+            seqs_after=self.engine.kv_manager.num_seqs,
         )
 
 

@@ -232,10 +232,10 @@ class MeasuredEngine:
         self.engine.add_request("prime", [FIRST_TOKEN_ID], params)
         while self.engine.has_unfinished_requests():
             self.engine.step()
-        self.engine.kv.reset_prefix_cache()
+        self.engine.kv_manager.reset_prefix_cache()
 
     def _sample(self, plan: SchedulerOutput) -> KVSample:
-        kv = self.engine.kv
+        kv = self.engine.kv_manager
         tables = sum(len(kv.block_ids(seq_id)) for seq_id in kv.seq_ids())
         return KVSample(kv.usage().used_blocks, tables, _prefill_tokens(plan))
 
@@ -269,7 +269,7 @@ class MeasuredEngine:
         return [self.first_token[r] - self.arrival[r] for r in request_ids]
 
 
-def _mean(values: list[float] | list[int]) -> float:
+def mean(values: list[float] | list[int]) -> float:
     return float(np.mean(values)) if values else math.nan
 
 
@@ -295,7 +295,7 @@ class PrefixRun:
 
     @property
     def mean_blocks(self) -> float:
-        return _mean([s.used_blocks for s in self.samples])
+        return mean([s.used_blocks for s in self.samples])
 
     @property
     def prefill_computed(self) -> int:
@@ -307,7 +307,7 @@ class PrefixRun:
 
     @property
     def ttft_mean(self) -> float:
-        return _mean(self.ttft)
+        return mean(self.ttft)
 
     def figures(self) -> dict[str, float | int]:
         return {
@@ -373,12 +373,12 @@ def _prefix_run(
         caching=engine.config.enable_prefix_caching,
         samples=driver.samples[first_sample:],
         prompt_tokens=prompt_tokens,
-        prefix_hit_tokens=engine.kv.prefix_hit_tokens - hits_before,
+        prefix_hit_tokens=engine.kv_manager.prefix_hit_tokens - hits_before,
         ttft=driver.ttft(ids),
         outputs={r: driver.outputs[r] for r in ids},
         cached_tokens=[driver.cached_tokens[r] for r in ids],
         preemptions=engine.scheduler.num_preemptions,
-        blocks_used_after=engine.kv.usage().used_blocks,
+        blocks_used_after=engine.kv_manager.usage().used_blocks,
     )
 
 
@@ -403,7 +403,7 @@ def run_prefix_point(
         if warm:
             driver.submit("warm-up", prompts[-1], params)
             driver.drain()
-        marks.append((len(driver.samples), driver.engine.kv.prefix_hit_tokens))
+        marks.append((len(driver.samples), driver.engine.kv_manager.prefix_hit_tokens))
     ids = [f"req-{i}" for i in range(num_requests)]
     for driver in drivers:
         for request_id, prompt in zip(ids, prompts[:num_requests], strict=True):
@@ -485,7 +485,7 @@ def run_fork(config: ForkConfig, options: EngineOptions, kind: str, width: int) 
     driver.drain()
     engine = driver.engine
     return ForkRun(
-        kind, width, driver.samples, engine.scheduler.num_preemptions, engine.kv.usage().used_blocks
+        kind, width, driver.samples, engine.scheduler.num_preemptions, engine.kv_manager.usage().used_blocks
     )
 
 

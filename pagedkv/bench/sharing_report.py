@@ -7,7 +7,7 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from pagedkv.bench.sharing import PAPER_SAVING, SharingResult, _mean, parallel_saving_once_done
+from pagedkv.bench.sharing import PAPER_SAVING, SharingResult, mean, parallel_saving_once_done
 from pagedkv.memory import blocks_for
 from pagedkv.models import BUILTIN_NOTE
 
@@ -106,8 +106,8 @@ def print_forks(result: SharingResult, console: Console) -> None:
     config, options = result.fork_config, result.options
     lengths = config.lengths(options.scale)
     bs = options.run_block_size
-    prompt_mean = _mean([p for p, _ in lengths])
-    output_mean = _mean([o for _, o in lengths])
+    prompt_mean = mean([p for p, _ in lengths])
+    output_mean = mean([o for _, o in lengths])
     paper = PAPER_SAVING[config.mix]
     table = Table(
         title=f"Parallel sampling and beam search: {config.num_prompts} '{config.mix}' prompts (mean "
@@ -157,8 +157,8 @@ def _fork_explanation(
     paper = PAPER_SAVING[config.mix]
     parallel = [r.saving for r in result.forks if r.kind == "parallel"]
     beam = [r.saving for r in result.forks if r.kind == "beam"]
-    full = _mean([p // bs for p, _ in lengths])
-    blocks = _mean([blocks_for(p + o, bs) for p, o in lengths])
+    full = mean([p // bs for p, _ in lengths])
+    blocks = mean([blocks_for(p + o, bs) for p, o in lengths])
     text = (
         f"Parallel samples share only their prompt's full blocks: the partial last block is copied on "
         f"the first write and every generated token is private. Here a prompt has {full:.1f} full "

@@ -1,9 +1,8 @@
 """Requests in, tokens out: sampling parameters, scheduler, model runner, sampler, engine."""
 
-from pagedkv.engine.beam_search import BeamSearchParams
 from pagedkv.engine.engine import EngineConfig, InvalidRequestError, LLMEngine
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 
 __all__ = [
     "BeamSearchParams",

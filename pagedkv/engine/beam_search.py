@@ -19,22 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.engine.sampling_params import _as_float, _as_int
-
-
-@dataclass
-class BeamSearchParams:
-    beam_width: int
-    max_tokens: int
-    length_penalty: float = 1.0
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        self.beam_width = _as_int("BeamSearchParams.beam_width", self.beam_width, low=1)
-        self.max_tokens = _as_int("BeamSearchParams.max_tokens", self.max_tokens, low=1)
-        self.length_penalty = _as_float("BeamSearchParams.length_penalty", self.length_penalty)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"BeamSearchParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+from pagedkv.engine.sampling_params import BeamSearchParams
 
 
 @dataclass

@@ -57,6 +57,12 @@ class EngineConfig:
 
 
 class LLMEngine:
+    """Requests in, tokens out: the loop that the offline ``LLM`` and the HTTP server drive.
+
+    ``add_request`` validates and queues; each ``step()`` runs one scheduler step over every
+    live request and returns the outputs that moved. Not thread-safe: one thread owns it.
+    """
+
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
         self.config = config
@@ -79,9 +85,10 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or limit
         # A contiguous reservation never shares, so it never reuses a cached prefix either.
         caching = config.enable_prefix_caching and config.kv_policy == "paged"
-        self.kv = KVCacheManager(self.kv_cache.num_blocks, config.block_size, caching, config.watermark)
+        num_blocks = self.kv_cache.num_blocks
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size, caching, config.watermark)
         self.scheduler = Scheduler(
-            self.kv,
+            self.kv_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.kv_policy,
@@ -90,7 +97,7 @@ class LLMEngine:
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.sampler = Sampler(sorted(eos))
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager)
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
@@ -127,13 +134,14 @@ class LLMEngine:
                 f"this model's maximum context length is {self.max_model_len} tokens, but the request "
                 f"asks for {total} ({len(token_ids)} in the prompt + {params.max_tokens} max_tokens)"
             )
-        usable = self.kv.num_blocks - self.kv.watermark_blocks
+        kv = self.kv_manager
+        usable = kv.num_blocks - kv.watermark_blocks
         reserved = self.max_model_len if self.scheduler.kv_policy == "contiguous" else total
-        needed = blocks_for(reserved, self.kv.block_size)
+        needed = blocks_for(reserved, self.kv_manager.block_size)
         if needed > usable:
             raise InvalidRequestError(
                 f"the request can never fit in the KV cache: {reserved} tokens need {needed} blocks of "
-                f"{self.kv.block_size} tokens, but only {usable} of {self.kv.num_blocks} blocks are usable"
+                f"{kv.block_size} tokens, but only {usable} of {kv.num_blocks} blocks are usable"
             )
 
     def abort(self, request_id: str) -> bool:
@@ -167,7 +175,7 @@ class LLMEngine:
         for item in plan.scheduled:
             seq = item.seq
             seq.num_computed_tokens = item.end
-            if item.samples:
+            if item.needs_logits:
                 if seq.num_output_tokens == 0:
                     self.num_prompt_tokens += seq.num_tokens
                 if seq.request.beam is not None:
@@ -194,7 +202,7 @@ class LLMEngine:
                     seq.request.first_token_time = now
                 touched[seq.request.request_id] = seq.request
         for seq in {item.seq for item in plan.scheduled} | set(rows):
-            self.kv.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            self.kv_manager.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         for request in beam_requests.values():
             if self._advance_beams(request, now):
                 touched[request.request_id] = request
@@ -241,7 +249,7 @@ class LLMEngine:
             for c in chosen[1:]:
                 child = Sequence(request, 0, list(parent.token_ids), None)
                 child.num_computed_tokens = parent.num_computed_tokens
-                copies = self.kv.fork(parent.seq_id, child.seq_id, share=self.scheduler.shares_blocks)
+                copies = self.kv_manager.fork(parent.seq_id, child.seq_id, share=self.scheduler.shares_blocks)
                 self.scheduler.pending_copies.extend(copies)
                 self.scheduler.add_running(child)
                 self._extend_beam(child, c)
@@ -273,7 +281,7 @@ class LLMEngine:
             )
             child.num_computed_tokens = parent.num_computed_tokens
             child.detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids)
-            copies = self.kv.fork(parent.seq_id, child.seq_id, share=self.scheduler.shares_blocks)
+            copies = self.kv_manager.fork(parent.seq_id, child.seq_id, share=self.scheduler.shares_blocks)
             self.scheduler.pending_copies.extend(copies)
             self.scheduler.add_running(child)
             request.seqs.append(child)
@@ -362,8 +370,8 @@ class LLMEngine:
     # -- statistics -------------------------------------------------------------------------
     def kv_stats(self) -> dict[str, float | int]:
         """Blocks total / used / cached, utilization, preemptions and prefix-cache hits."""
-        usage = self.kv.usage()
-        queries, hits = self.kv.prefix_query_tokens, self.kv.prefix_hit_tokens
+        usage = self.kv_manager.usage()
+        queries, hits = self.kv_manager.prefix_query_tokens, self.kv_manager.prefix_hit_tokens
         return {
             "block_size": usage.block_size,
             "blocks_total": usage.total_blocks,

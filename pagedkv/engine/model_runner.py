@@ -26,10 +26,12 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, kv: KVCacheManager) -> None:
+    """Owns the model and its KV cache tensors; ``run`` performs one step's forward pass."""
+
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, kv_manager: KVCacheManager) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.kv = kv
+        self.kv_manager = kv_manager
         self.device = kv_cache.device
 
     def prepare(self, step: SchedulerOutput) -> StepInputs:
@@ -42,14 +44,14 @@ class ModelRunner:
         logits_indices: list[int] = []
         for item in step.scheduled:
             seq, start, end = item.seq, item.start, item.end
-            table = self.kv.table(seq.seq_id)
+            table = self.kv_manager.table(seq.seq_id)
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table.slots(start, end))
             tables.append(table.block_ids)
             context_lens.append(end)
             cu_seqlens.append(cu_seqlens[-1] + item.num_new_tokens)
-            if item.samples:
+            if item.needs_logits:
                 logits_indices.append(cu_seqlens[-1] - 1)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]

@@ -50,13 +50,17 @@ class ScheduledSeq:
         return self.end - self.start
 
     @property
-    def samples(self) -> bool:
+    def needs_logits(self) -> bool:
         """The step reaches the sequence's last token, so its logits are sampled."""
         return self.end == len(self.seq.token_ids) and self.seq.finish_reason is None
 
 
 @dataclass
 class SchedulerOutput:
+    """One step's work as the scheduler decided it: the token slices to compute (with the block
+    copies due before them) and the sequences preempted to make room. The engine turns it into
+    the executor's plan and, after the forward pass, samples the slices that need logits."""
+
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     #: Copy-on-write block copies to perform before the forward pass.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -72,9 +76,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    """Continuous batching over one KV pool (see the module docstring).
+
+    It owns the waiting and running queues and is the only caller of the
+    :class:`~pagedkv.memory.KVCacheManager` during a step: admission, growth, preemption, forks
+    and frees all go through it, so the queues and the block tables never disagree.
+    """
+
     def __init__(
         self,
-        kv: KVCacheManager,
+        kv_manager: KVCacheManager,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         kv_policy: str = "paged",
@@ -87,7 +98,7 @@ class Scheduler:
                 f"max_num_seqs and max_num_batched_tokens must be positive, "
                 f"got {max_num_seqs} and {max_num_batched_tokens}"
             )
-        self.kv = kv
+        self.kv_manager = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -128,7 +139,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.kv.free(seq.seq_id)
+        self.kv_manager.free(seq.seq_id)
 
     @property
     def has_work(self) -> bool:
@@ -154,7 +165,7 @@ class Scheduler:
                     budget = self.max_num_batched_tokens - out.num_tokens  # victims gave theirs back
                 if not fits:
                     continue
-                out.block_copies.extend(self.kv.append_slots(seq.seq_id, 1))
+                out.block_copies.extend(self.kv_manager.append_slots(seq.seq_id, 1))
                 n = 1
             out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
             budget -= n
@@ -162,10 +173,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             reserve = self.reserve_tokens(seq)
-            if not self.kv.can_allocate(seq.token_ids, reserve):
+            if not self.kv_manager.can_allocate(seq.token_ids, reserve):
                 break
             self.waiting.popleft()
-            cached = self.kv.allocate(seq.seq_id, seq.token_ids, reserve)
+            cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids, reserve)
             seq.num_computed_tokens = cached
             if seq.num_output_tokens == 0:
                 seq.request.num_cached_tokens = cached
@@ -181,7 +192,7 @@ class Scheduler:
 
         Returns False if ``seq`` itself had to be preempted.
         """
-        while not self.kv.can_append(seq.seq_id, 1):
+        while not self.kv_manager.can_append(seq.seq_id, 1):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is seq:
@@ -192,7 +203,7 @@ class Scheduler:
         lost = seq.num_computed_tokens
         self.running.remove(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
-        self.kv.free(seq.seq_id)
+        self.kv_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
@@ -208,6 +219,6 @@ class Scheduler:
             seq.request.request_id,
             seq.index,
             lost,
-            self.kv.usage().free_blocks,
-            self.kv.num_blocks,
+            self.kv_manager.usage().free_blocks,
+            self.kv_manager.num_blocks,
         )

@@ -16,6 +16,7 @@ import torch
 from pagedkv.engine.beam_search import BeamState
 from pagedkv.engine.sampler import TokenLogprobs
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.models.detokenizer import IncrementalDetokenizer
 
 _seq_ids = itertools.count()
 
@@ -49,7 +50,8 @@ class Sequence:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    detokenizer: object | None = None
+    #: Streams the text of the generated tokens; None for beams, decoded once the search ends.
+    detokenizer: IncrementalDetokenizer | None = None
     #: Beam search: this step's next-token log-probabilities, kept until every beam has its own.
     pending_logprobs: torch.Tensor | None = None
 

@@ -58,9 +58,6 @@ class BlockPool:
     def refcount(self, block_id: int) -> int:
         return self._refcount[block_id]
 
-    def is_cached_free(self, block_id: int) -> bool:
-        return block_id in self._evictable
-
     def free_block_ids(self) -> list[int]:
         """Plain free blocks (for invariant checks and plots; O(free))."""
         return list(self._free)

@@ -112,13 +112,13 @@ def create_app(
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, metrics, max_waiting)
     metrics.watch(lambda: async_engine.stats)
-    kv = engine.kv
+    kv_manager = engine.kv_manager
     ctx = ServingContext(
         engine=async_engine,
         tokenizer=engine.tokenizer,
         model_name=model_name,
         max_model_len=engine.max_model_len,
-        max_request_tokens=(kv.num_blocks - kv.watermark_blocks) * kv.block_size,
+        max_request_tokens=(kv_manager.num_blocks - kv_manager.watermark_blocks) * kv_manager.block_size,
     )
 
     @asynccontextmanager

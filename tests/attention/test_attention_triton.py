@@ -15,7 +15,7 @@ def test_long_decode_splits_the_context_and_merges_exactly():
     case = make_case(lens, 16, 2, 64, seed=11)
     q = torch.randn(3, 8, 64).to(DEVICE)
     if DEVICE.type == "cpu":  # the interpreter splits every context longer than one split
-        assert triton_backend._num_splits(q, 6, max(lens), interpret=True) == 3
+        assert triton_backend.num_splits(q, 6, max(lens), interpret=True) == 3
     for window in (None, 600):  # with a window, the splits before it are empty
         out = paged_decode_attention(
             q, case.layer, case.block_tables, case.context_lens, 0.125, window, backend="triton"

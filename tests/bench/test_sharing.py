@@ -50,7 +50,7 @@ def test_second_identical_request_computes_only_the_tokens_after_the_last_cached
     engine.submit("first", prompt, params)
     engine.drain()
     assert sum(s.prefill_tokens for s in engine.samples) == prompt_len  # nothing was cached yet
-    kv = engine.engine.kv
+    kv = engine.engine.kv_manager
     mark, queries, hits = len(engine.samples), kv.prefix_query_tokens, kv.prefix_hit_tokens
 
     engine.submit("second", prompt, params)

@@ -66,14 +66,14 @@ def test_beams_share_blocks_and_dropped_beams_free_theirs(model_path):
     while engine.has_unfinished_requests():
         engine.step()
         live = [s for s in engine.requests["b"].seqs if not s.is_finished] if "b" in engine.requests else []
-        used = engine.kv.usage().used_blocks
+        used = engine.kv_manager.usage().used_blocks
         peak = max(peak, used)
         # Every block in use is held by a live beam: dropped beams returned theirs at once.
-        held = {b for s in live for b in engine.kv.block_ids(s.seq_id)}
+        held = {b for s in live for b in engine.kv_manager.block_ids(s.seq_id)}
         assert used == len(held)
     unshared = 4 * -(-(39 + 8) // 4)
     assert peak < unshared / 2
-    assert engine.kv.usage().used_blocks == 0
+    assert engine.kv_manager.usage().used_blocks == 0
 
 
 def test_beam_search_survives_preemption(model_path):

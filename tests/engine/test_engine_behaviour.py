@@ -64,10 +64,10 @@ def test_parallel_samples_hold_the_prompt_once(model_path):
     engine.step()  # the prompt
     engine.step()  # every sample writes its first token into a new block
     # 4 prompt blocks shared + one private block per sample, not 4 x 5.
-    assert engine.kv.usage().used_blocks == 4 + 4
+    assert engine.kv_manager.usage().used_blocks == 4 + 4
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.kv.usage().used_blocks == 0
+    assert engine.kv_manager.usage().used_blocks == 0
 
 
 def test_stop_strings_token_ids_and_length(model_path):
@@ -145,8 +145,8 @@ def test_abort_returns_every_block(model_path):
     engine.add_request("queued", _prompt(30, 2), SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine.kv.usage().used_blocks > 0
+    assert engine.kv_manager.usage().used_blocks > 0
     assert engine.abort("running") and engine.abort("queued")
     assert not engine.abort("unknown")
-    assert engine.kv.usage().used_blocks == 0
+    assert engine.kv_manager.usage().used_blocks == 0
     assert not engine.has_unfinished_requests() and not engine.scheduler.has_work

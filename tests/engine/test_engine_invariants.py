@@ -55,17 +55,17 @@ actions = st.lists(
 
 
 def check(engine):
-    pool = engine.kv.pool
+    pool = engine.kv_manager.pool
     holders = Counter()
-    for seq_id in engine.kv.seq_ids():
-        holders.update(engine.kv.block_ids(seq_id))
+    for seq_id in engine.kv_manager.seq_ids():
+        holders.update(engine.kv_manager.block_ids(seq_id))
     for block in range(pool.num_blocks):
         assert pool.refcount(block) == holders.get(block, 0)
     running = {s.seq_id for s in engine.scheduler.running}
-    assert set(engine.kv.seq_ids()) == running
+    assert set(engine.kv_manager.seq_ids()) == running
     for seq in engine.scheduler.running:
         assert seq.status is SequenceStatus.RUNNING
-    usage = engine.kv.usage()
+    usage = engine.kv_manager.usage()
     assert usage.used_blocks + usage.free_blocks == usage.total_blocks
 
 
@@ -101,5 +101,5 @@ def test_random_request_mixes_keep_the_pool_whole(engine_factory, actions):
         check(engine)
         steps += 1
         assert steps < 500, "the engine stopped making progress"
-    assert engine.kv.usage().used_blocks == 0
-    assert not engine.kv.seq_ids() and not engine.scheduler.has_work
+    assert engine.kv_manager.usage().used_blocks == 0
+    assert not engine.kv_manager.seq_ids() and not engine.scheduler.has_work

@@ -36,13 +36,13 @@ def test_contiguous_reserves_max_model_len_up_front(model_path):
     engine = llm.engine
     engine.add_request("a", _prompts()[0], SamplingParams(max_tokens=4))
     engine.step()
-    assert engine.kv.usage().used_blocks == 128 // 8
+    assert engine.kv_manager.usage().used_blocks == 128 // 8
     oracle = LLM(
         str(model_path), num_kv_blocks=64, block_size=8, max_model_len=128, kv_policy="contiguous-oracle"
     )
     oracle.engine.add_request("a", _prompts()[0], SamplingParams(max_tokens=20))
     oracle.engine.step()
-    assert oracle.engine.kv.usage().used_blocks == -(-(5 + 20) // 8)
+    assert oracle.engine.kv_manager.usage().used_blocks == -(-(5 + 20) // 8)
 
 
 def test_contiguous_rejects_what_it_cannot_reserve(model_path):

@@ -67,8 +67,8 @@ def assert_pool_whole(engine: LLMEngine) -> None:
     """White-box check once idle: no request, block table or block reference is left behind."""
     assert not engine.requests
     assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.kv.num_seqs == 0
-    pool = engine.kv.pool
+    assert engine.kv_manager.num_seqs == 0
+    pool = engine.kv_manager.pool
     assert all(pool.refcount(b) == 0 for b in range(pool.num_blocks))
     assert pool.num_free_blocks == pool.num_blocks
     assert sorted(pool.free_block_ids() + pool.cached_free_block_ids()) == list(range(pool.num_blocks))

@@ -25,7 +25,7 @@ def worker(engine):
     async_engine = AsyncEngine(engine, ServerMetrics("test"))
     yield async_engine
     async_engine.shutdown()
-    assert not engine.requests and engine.kv.num_seqs == 0
+    assert not engine.requests and engine.kv_manager.num_seqs == 0
 
 
 def _cpu_seconds(async_engine: AsyncEngine) -> float:

@@ -19,7 +19,7 @@ ENV_VAR = "PAGEDKV_ATTENTION_BACKEND"
 
 #: backend name -> module implementing ``decode(...)`` and ``prefill(...)``
 BACKEND_MODULES: dict[str, str] = {
-    "torch": "pagedkv.attention.backends.reference",
+    "torch": "pagedkv.attention.backends.torch_backend",
     "cpu": "pagedkv.attention.backends.cpu",
     "triton": "pagedkv.attention.backends.triton_backend",
 }

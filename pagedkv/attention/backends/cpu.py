@@ -18,7 +18,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from pagedkv.attention.backends import native, reference
+from pagedkv.attention.backends import native, torch_backend
 from pagedkv.attention.kv_cache import LayerKV
 
 #: query runs at most this long use the native kernel, longer ones gather + SDPA. Measured with
@@ -122,7 +122,7 @@ def decode(
     row_seq = torch.arange(q.shape[0], dtype=torch.int32)
     out = attend_rows(q, layer, block_tables, row_seq, context_lens - 1, scale, sliding_window, soft_cap)
     if out is None:
-        return reference.decode(q, layer, block_tables, context_lens, scale, sliding_window, soft_cap)
+        return torch_backend.decode(q, layer, block_tables, context_lens, scale, sliding_window, soft_cap)
     return out
 
 
@@ -136,11 +136,11 @@ def _sdpa_sequence(
 ) -> torch.Tensor:
     """One sequence's query run ``q [n, Hq, D]`` (its last ``n`` positions) via SDPA."""
     n = q.shape[0]
-    key, value = reference.gather_context(layer, table_row, context_len)
+    key, value = torch_backend.gather_context(layer, table_row, context_len)
     mask = None
     if n != context_len or window is not None:
         q_pos = torch.arange(context_len - n, context_len)
-        mask = reference.allowed_mask(q_pos, torch.arange(context_len), window)
+        mask = torch_backend.allowed_mask(q_pos, torch.arange(context_len), window)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),
         key.transpose(0, 1),
@@ -190,7 +190,7 @@ def prefill(
     if result is None:
         for b in short:
             sub = torch.tensor([0, cu[b + 1] - cu[b]], dtype=torch.int32)
-            out[cu[b] : cu[b + 1]] = reference.prefill(
+            out[cu[b] : cu[b + 1]] = torch_backend.prefill(
                 q[cu[b] : cu[b + 1]], layer, block_tables[b : b + 1], sub, context_lens[b : b + 1],
                 scale, sliding_window, soft_cap,
             )  # fmt: skip

@@ -25,7 +25,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _num_splits(q: torch.Tensor, programs: int, longest: int, interpret: bool) -> int:
+def num_splits(q: torch.Tensor, programs: int, longest: int, interpret: bool) -> int:
     """Decode only: enough splits of the context to give the GPU ~2 programs per SM (the
     interpreter splits every long context, so the tests exercise the merge)."""
     most = _cdiv(longest, MIN_SPLIT_LEN)
@@ -69,7 +69,7 @@ def _launch(
     splits, split_len = 1, 2**31 - 1
     if max_query_len == 1:
         longest = int(context_lens.max())
-        splits = _num_splits(q, m_tiles * num_seqs * layer.num_kv_heads, longest, interpret)
+        splits = num_splits(q, m_tiles * num_seqs * layer.num_kv_heads, longest, interpret)
         if splits > 1:
             split_len = _cdiv(_cdiv(longest, splits), MIN_SPLIT_LEN) * MIN_SPLIT_LEN
             splits = _cdiv(longest, split_len)  # rounding the length up may leave fewer splits
