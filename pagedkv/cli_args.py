@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from pagedkv.bench import DEFAULT_OUT
-from pagedkv.memory.manager import KV_POLICIES
+from pagedkv.engine.kv_policy import POLICY_NAMES
 from pagedkv.memory.spec import parse_bytes
 
 
@@ -91,7 +91,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     group.add_argument(
         "--kv-policy",
-        choices=KV_POLICIES,
+        choices=POLICY_NAMES,
         default="paged",
         help="paged, or a contiguous reservation to compare with (default: %(default)s)",
     )

@@ -39,7 +39,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from pagedkv.cli_args import add_report_options
-from pagedkv.memory import blocks_for
+from pagedkv.engine.kv_policy import CONTIGUOUS, CONTIGUOUS_ORACLE, KV_POLICIES, PAGED, KVPolicy
 from pagedkv.sim.experiments import capacity
 from pagedkv.sim.workloads import Workload
 
@@ -48,13 +48,10 @@ if TYPE_CHECKING:
 
 # The engine, and so torch, is imported only when a run starts: building the CLI parser stays fast.
 
-#: The engine's KV policies (pagedkv.engine.scheduler.KV_POLICIES), in table order.
-KV_POLICIES = ("paged", "contiguous", "contiguous-oracle")
-
 #: Workloads without shared prefixes: with sharing, "tokens stored" would count a block twice.
 WORKLOADS = ("normal", "sharegpt")
-#: The simulator's name for each engine policy.
-SIM_NAMES = {"paged": "paged", "contiguous": "max", "contiguous-oracle": "oracle"}
+#: The simulator's allocator that models each engine policy.
+SIM_ALLOCATORS = {PAGED: "paged", CONTIGUOUS: "max", CONTIGUOUS_ORACLE: "oracle"}
 #: The simulator's capacity figure is one random snapshot; its prediction averages this many.
 SIM_DRAWS = 16
 
@@ -118,7 +115,7 @@ class CapacityConfig:
     def num_kv_blocks(self) -> int:
         return self.kv_tokens // self.scale // self.run_block_size
 
-    def engine_config(self, policy: str) -> EngineConfig:
+    def engine_config(self, policy: KVPolicy) -> EngineConfig:
         from pagedkv.engine import EngineConfig
 
         # No watermark: the budget is exactly kv_tokens for every policy, so contiguous-max
@@ -270,8 +267,8 @@ class CapacityResult:
     length_biased: dict[str, float]
     plots: list[Path] = field(default_factory=list)
 
-    def ratio(self, figure: str, policy: str = "paged", baseline: str = "contiguous") -> float:
-        return getattr(self.runs[policy], figure) / getattr(self.runs[baseline], figure)
+    def ratio(self, figure: str, policy: KVPolicy = PAGED, baseline: KVPolicy = CONTIGUOUS) -> float:
+        return getattr(self.runs[policy.name], figure) / getattr(self.runs[baseline.name], figure)
 
     def to_json(self) -> dict:
         return {
@@ -291,8 +288,8 @@ class CapacityResult:
 class _PolicyDriver:
     """One engine under one policy: steps it on its own clock and samples its state."""
 
-    def __init__(self, policy: str, config: CapacityConfig) -> None:
-        self.policy = policy
+    def __init__(self, policy: KVPolicy, config: CapacityConfig) -> None:
+        self.policy = policy.name
         from pagedkv.engine import LLMEngine
 
         self.engine = LLMEngine(config.engine_config(policy))
@@ -387,7 +384,7 @@ def simulator_prediction(config: CapacityConfig, draws: int = SIM_DRAWS) -> dict
         capacity(workload, config.kv_tokens, config.block_size, rng)
         for rng in np.random.default_rng(config.seed).spawn(draws)
     ]
-    return {policy: _mean([s[SIM_NAMES[policy]] for s in snapshots]) for policy in KV_POLICIES}
+    return {p.name: _mean([s[SIM_ALLOCATORS[p]] for s in snapshots]) for p in KV_POLICIES}
 
 
 def length_biased_prediction(
@@ -406,12 +403,12 @@ def length_biased_prediction(
     for prompt_ids, output in requests:
         prompt = len(prompt_ids)
         stored = prompt + np.arange(output)  # tokens held at each of its decode steps
-        held["paged"] += int((-(-stored // bs)).sum()) * bs
-        held["contiguous-oracle"] += output * blocks_for(prompt + output, bs) * bs
-        held["contiguous"] += output * blocks_for(config.run_max_model_len, bs) * bs
+        for policy in KV_POLICIES:
+            reserved = policy.reserved_tokens(prompt, output, config.run_max_model_len)
+            held[policy] += int((-(-np.maximum(stored, reserved) // bs)).sum()) * bs
         steps += output
     budget = config.num_kv_blocks * bs
-    return {policy: budget * steps / held[policy] for policy in KV_POLICIES}
+    return {policy.name: budget * steps / held[policy] for policy in KV_POLICIES}
 
 
 def _warm_up(config: CapacityConfig) -> None:
@@ -420,7 +417,7 @@ def _warm_up(config: CapacityConfig) -> None:
     prefill path, and the request decodes a few tokens."""
     from pagedkv.engine import LLMEngine, SamplingParams
 
-    engine = LLMEngine(config.engine_config("paged"))
+    engine = LLMEngine(config.engine_config(PAGED))
     prompt = list(range(min(64, config.run_max_model_len // 2)))
     engine.add_request("warm-up", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished_requests():
@@ -473,7 +470,7 @@ def print_capacity(result: CapacityResult, console: Console) -> None:
     table = Table(title="paged vs contiguous reservation, same model, pool and kernels")
     table.add_column("figure")
     for policy in KV_POLICIES:
-        table.add_column(policy, justify="right")
+        table.add_column(policy.name, justify="right")
     table.add_column("paged/contig.", justify="right")
     rows = [
         ("running, peak", "peak_running", "{:.0f}", True),
@@ -490,7 +487,7 @@ def print_capacity(result: CapacityResult, console: Console) -> None:
         ("wall time (s)", "wall_s", "{:.1f}", False),
     ]
     for label, key, fmt, with_ratio in rows:
-        values = [getattr(runs[p], key) for p in KV_POLICIES]
+        values = [getattr(runs[p.name], key) for p in KV_POLICIES]
         ratio = _ratio(values[0] / values[1]) if with_ratio and values[1] else ""
         table.add_row(label, *(_show(fmt, v) for v in values), ratio)
     table.add_row(
@@ -513,8 +510,8 @@ def _print_prediction(result: CapacityResult, console: Console) -> None:
         {p: r.mean_running_full for p, r in result.runs.items()},
     )
     for policy in KV_POLICIES:
-        table.add_row(policy, *(_show("{:.1f}", figures[policy]) for figures in columns))
-    table.add_row("paged/contig.", *(_ratio(f["paged"] / f["contiguous"]) for f in columns))
+        table.add_row(policy.name, *(_show("{:.1f}", figures[policy.name]) for figures in columns))
+    table.add_row("paged/contig.", *(_ratio(f[PAGED.name] / f[CONTIGUOUS.name]) for f in columns))
     console.print(table)
     console.print(
         "simulator: requests at uniformly random progress, each equally likely (its capacity "
@@ -524,7 +521,7 @@ def _print_prediction(result: CapacityResult, console: Console) -> None:
 
 
 def _print_targets(result: CapacityResult, console: Console) -> None:
-    paged = result.runs["paged"]
+    paged = result.runs[PAGED.name]
     checks = [
         (
             "paged >= 2x contiguous concurrent requests (mean once full)",

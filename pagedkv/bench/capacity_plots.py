@@ -13,8 +13,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from pagedkv.bench.capacity import CapacityResult, PolicyRun
+from pagedkv.engine.kv_policy import CONTIGUOUS, CONTIGUOUS_ORACLE, PAGED
 
-POLICY_COLORS = {"paged": "#2ca02c", "contiguous": "#d62728", "contiguous-oracle": "#9467bd"}
+POLICY_COLORS = {PAGED.name: "#2ca02c", CONTIGUOUS.name: "#d62728", CONTIGUOUS_ORACLE.name: "#9467bd"}
 UTILIZATION_TARGET = 0.95
 
 

@@ -22,6 +22,7 @@ from pagedkv.engine.beam_search import (
     best_hypotheses,
     rank_candidates,
 )
+from pagedkv.engine.kv_policy import KVPolicy
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampler import Sampler, make_generator
@@ -53,7 +54,7 @@ class EngineConfig:
     watermark: float = 0.01
     attention_backend: str | None = None
     #: "paged", or "contiguous" / "contiguous-oracle" to measure the reservation it replaces.
-    kv_policy: str = "paged"
+    kv_policy: str | KVPolicy = "paged"
 
 
 class LLMEngine:
@@ -66,6 +67,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
         self.config = config
+        self.kv_policy = KVPolicy.named(config.kv_policy)
         path = Path(config.model) if config.model is not None else builtin_model_path()
         self.model_path = path
         self.is_builtin = config.model is None
@@ -83,15 +85,14 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
         self.max_model_len = config.max_model_len or limit
-        # A contiguous reservation never shares, so it never reuses a cached prefix either.
-        caching = config.enable_prefix_caching and config.kv_policy == "paged"
+        caching = config.enable_prefix_caching and self.kv_policy.allows_prefix_caching
         num_blocks = self.kv_cache.num_blocks
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, caching, config.watermark)
         self.scheduler = Scheduler(
             self.kv_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
-            config.kv_policy,
+            self.kv_policy,
             self.max_model_len,
         )
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
@@ -136,7 +137,7 @@ class LLMEngine:
             )
         kv = self.kv_manager
         usable = kv.num_blocks - kv.watermark_blocks
-        reserved = self.max_model_len if self.scheduler.kv_policy == "contiguous" else total
+        reserved = self.kv_policy.peak_tokens(len(token_ids), params.max_tokens, self.max_model_len)
         needed = blocks_for(reserved, self.kv_manager.block_size)
         if needed > usable:
             raise InvalidRequestError(
@@ -249,7 +250,7 @@ class LLMEngine:
             for c in chosen[1:]:
                 child = Sequence(request, 0, list(parent.token_ids), None)
                 child.num_computed_tokens = parent.num_computed_tokens
-                copies = self.kv_manager.fork(parent.seq_id, child.seq_id, share=self.scheduler.shares_blocks)
+                copies = self.kv_manager.fork(parent.seq_id, child.seq_id, share=self.kv_policy.shares_blocks)
                 self.scheduler.pending_copies.extend(copies)
                 self.scheduler.add_running(child)
                 self._extend_beam(child, c)
@@ -281,7 +282,7 @@ class LLMEngine:
             )
             child.num_computed_tokens = parent.num_computed_tokens
             child.detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids)
-            copies = self.kv_manager.fork(parent.seq_id, child.seq_id, share=self.scheduler.shares_blocks)
+            copies = self.kv_manager.fork(parent.seq_id, child.seq_id, share=self.kv_policy.shares_blocks)
             self.scheduler.pending_copies.extend(copies)
             self.scheduler.add_running(child)
             request.seqs.append(child)

@@ -5,12 +5,8 @@ chunks), then admits waiting ones while the token budget, the sequence budget an
 allow. New requests join and finished ones leave at every step. A long prompt is computed in
 chunks so it never stalls the running decodes for a whole prompt's worth of compute.
 
-The KV policy decides what admission reserves. ``paged`` (the default) takes blocks for the
-prompt only and one more block whenever a sequence crosses a block boundary. The two
-``contiguous`` policies behave like the systems PagedAttention replaced, on the same pool and
-kernels, so that only the allocation policy differs when they are compared: ``contiguous``
-reserves ``max_model_len`` slots per sequence at admission, ``contiguous-oracle`` exactly
-prompt + ``max_tokens`` (the oracle of the PagedAttention paper); neither ever shares a block.
+The KV policy (:mod:`pagedkv.engine.kv_policy`) decides what admission reserves: ``paged`` the
+prompt's blocks only, the contiguous policies a whole reservation up front.
 
 When a running sequence needs a block and the pool is empty, the most recently admitted
 running sequence is preempted by recompute: its blocks go back to the pool and it returns to
@@ -23,9 +19,9 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedkv.engine.kv_policy import PAGED, KVPolicy
 from pagedkv.engine.sequence import Sequence, SequenceStatus
 from pagedkv.memory import KVCacheManager
-from pagedkv.memory.manager import KV_POLICIES
 
 logger = logging.getLogger("pagedkv.scheduler")
 
@@ -88,11 +84,9 @@ class Scheduler:
         kv_manager: KVCacheManager,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
-        kv_policy: str = "paged",
+        kv_policy: KVPolicy = PAGED,
         max_model_len: int = 2048,
     ) -> None:
-        if kv_policy not in KV_POLICIES:
-            raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {kv_policy!r}")
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_seqs and max_num_batched_tokens must be positive, "
@@ -115,17 +109,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    @property
-    def shares_blocks(self) -> bool:
-        return self.kv_policy == "paged"
-
     def reserve_tokens(self, seq: Sequence) -> int:
         """Slots to hold for ``seq`` at admission, beyond its current tokens."""
-        if self.kv_policy == "contiguous":
-            return self.max_model_len
-        if self.kv_policy == "contiguous-oracle":
-            return seq.prompt_len + seq.request.params.max_tokens
-        return 0
+        return self.kv_policy.reserved_tokens(
+            seq.prompt_len, seq.request.params.max_tokens, self.max_model_len
+        )
 
     def add_running(self, seq: Sequence) -> None:
         """A forked sample: it already holds (shared) blocks and joins the running set."""

@@ -16,11 +16,6 @@ from pagedkv.memory.prefix_cache import ROOT
 
 SeqId = Hashable
 
-#: How admission reserves KV memory: "paged" takes blocks on demand; the contiguous policies
-#: reserve a sequence's ``max_model_len`` ("contiguous") or prompt + ``max_tokens``
-#: ("contiguous-oracle") up front, like the systems PagedAttention replaced.
-KV_POLICIES = ("paged", "contiguous", "contiguous-oracle")
-
 
 @dataclass(frozen=True)
 class KVUsage:

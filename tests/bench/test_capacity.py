@@ -18,7 +18,7 @@ from pagedkv.bench.capacity import (
     length_biased_prediction,
     run_capacity_demo,
 )
-from pagedkv.engine import scheduler
+from pagedkv.engine import kv_policy
 from pagedkv.sim.workloads import Workload
 
 
@@ -113,7 +113,8 @@ def test_length_biased_prediction_weights_each_request_by_its_output():
 
 
 def test_the_policies_are_the_engines():
-    assert KV_POLICIES == scheduler.KV_POLICIES
+    assert [p.name for p in KV_POLICIES] == ["paged", "contiguous", "contiguous-oracle"]
+    assert KV_POLICIES is kv_policy.KV_POLICIES
 
 
 def test_requests_are_the_simulators_lengths_divided_by_scale():

@@ -6,6 +6,14 @@ import pytest
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine import InvalidRequestError
+from pagedkv.engine.kv_policy import (
+    CONTIGUOUS,
+    CONTIGUOUS_ORACLE,
+    KV_POLICIES,
+    PAGED,
+    POLICY_NAMES,
+    KVPolicy,
+)
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 
 
@@ -54,3 +62,14 @@ def test_contiguous_rejects_what_it_cannot_reserve(model_path):
 def test_unknown_policy_is_rejected(model_path):
     with pytest.raises(ValueError, match="kv_policy must be one of"):
         LLM(str(model_path), num_kv_blocks=8, kv_policy="virtual")
+
+
+def test_each_policy_is_one_object_with_its_reservation():
+    paged, contiguous, oracle = (KVPolicy.named(name) for name in POLICY_NAMES)
+    assert (paged, contiguous, oracle) == (PAGED, CONTIGUOUS, CONTIGUOUS_ORACLE)
+    assert KVPolicy.named(CONTIGUOUS) is CONTIGUOUS
+    # prompt 5, max_tokens 20, max_model_len 128
+    assert [p.reserved_tokens(5, 20, 128) for p in KV_POLICIES] == [0, 128, 25]
+    assert [p.peak_tokens(5, 20, 128) for p in KV_POLICIES] == [25, 128, 25]
+    assert [p.shares_blocks for p in KV_POLICIES] == [True, False, False]
+    assert [p.allows_prefix_caching for p in KV_POLICIES] == [True, False, False]
