@@ -10,7 +10,7 @@ per sequence) with:
   that is often faster on CPU);
 * ``gather+sdpa`` (with ``--gather``): the naive paged baseline, copying every sequence's blocks
   into contiguous tensors and then calling SDPA (what the native CPU kernel avoids);
-* ``paged:<backend>``: :func:`pagedkv.attention.paged_decode_attention`, wrapper checks included.
+* ``paged:<backend>``: :func:`pagedkv.attention.paged_decode_attention` (no per-call checks).
 
 Ratios are paged time over the *faster* SDPA variant. Times are medians over interleaved
 repeats (each repeat runs every method once), so a noisy machine slows all methods alike; a
@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedkv.attention import KVCache, paged_decode_attention
+from pagedkv.attention import AttentionOptions, KVCache, paged_decode_attention
 from pagedkv.attention.backends import cpu
 from pagedkv.memory.spec import KVSpec
 
@@ -157,9 +157,9 @@ def run_prefill(args: argparse.Namespace, context: int = 1024) -> None:
         row_pos = torch.arange(context - n, context, dtype=torch.int32)
         methods = {
             "native": lambda q=q, s=row_seq, p=row_pos: cpu.attend_rows(
-                q, layer, table, s, p, scale, None, None
+                q, layer, table, s, p, AttentionOptions(scale)
             ),
-            "sdpa": lambda q=q: cpu._sdpa_sequence(q, layer, table[0], context, scale, None),
+            "sdpa": lambda q=q: cpu.sdpa_sequence(q, layer, table[0], context, scale, None),
         }
         samples: dict[str, list[float]] = {name: [] for name in methods}
         for _ in range(args.repeats):

@@ -1,9 +1,10 @@
 """The only code that touches KV tensors: the paged cache and the kernels that read it."""
 
 from pagedkv.attention.backends import ENV_VAR as BACKEND_ENV_VAR
-from pagedkv.attention.backends import available_backends
+from pagedkv.attention.backends import Backend, available_backends, resolve_backend
+from pagedkv.attention.checks import CHECK_ENV_VAR, check_step, per_call_checks, set_per_call_checks
 from pagedkv.attention.kv_cache import KVCache, LayerKV
-from pagedkv.attention.metadata import AttentionMetadata
+from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
 from pagedkv.attention.ops import (
     copy_blocks,
     paged_attention,
@@ -14,13 +15,20 @@ from pagedkv.attention.ops import (
 
 __all__ = [
     "BACKEND_ENV_VAR",
+    "CHECK_ENV_VAR",
     "AttentionMetadata",
+    "AttentionOptions",
+    "Backend",
     "KVCache",
     "LayerKV",
     "available_backends",
+    "check_step",
     "copy_blocks",
     "paged_attention",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "per_call_checks",
+    "resolve_backend",
+    "set_per_call_checks",
     "write_kv",
 ]

@@ -1,20 +1,43 @@
 """Input validation shared by every attention backend.
 
 A paged kernel given a block id past the pool or a context longer than its block table would
-silently read another sequence's keys (or crash a GPU). The public wrappers call these checks
-first, so bad input raises a :class:`ValueError` naming the offending values instead of
-producing a wrong answer. Backends may then assume their inputs are consistent.
+silently read another sequence's keys (or crash a GPU). So bad input must raise a
+:class:`ValueError` naming the offending values instead of producing a wrong answer; backends
+may then assume their inputs are consistent.
+
+Where it happens: the model runner checks each step's inputs once, when it builds them
+(:func:`check_step`): every layer of the step reads the same tables. The per-call checks in
+:mod:`pagedkv.attention.ops` -- every call of every layer, with reductions that are host syncs
+on CUDA -- run only when ``$PAGEDKV_CHECK_EVERY_CALL`` is set (or after
+:func:`set_per_call_checks`); the attention tests turn them on.
 """
 
 from __future__ import annotations
 
-import math
+import os
 
 import torch
 
 from pagedkv.attention.kv_cache import LayerKV
+from pagedkv.attention.metadata import AttentionMetadata
 
 _INT_DTYPES = (torch.int32, torch.int64)
+
+#: Set to 1 to validate the inputs of every attention call (a debugging aid; slow on CUDA).
+CHECK_ENV_VAR = "PAGEDKV_CHECK_EVERY_CALL"
+_per_call = os.environ.get(CHECK_ENV_VAR, "0") not in ("", "0")
+
+
+def per_call_checks() -> bool:
+    """Whether every attention call validates its inputs (see the module docstring)."""
+    return _per_call
+
+
+def set_per_call_checks(enabled: bool) -> bool:
+    """Turn the per-call checks on or off; returns the previous setting."""
+    global _per_call
+    previous, _per_call = _per_call, bool(enabled)
+    return previous
 
 
 def check_layer_matches(name: str, x: torch.Tensor, layer: LayerKV, heads_multiple: bool) -> None:
@@ -34,15 +57,6 @@ def check_layer_matches(name: str, x: torch.Tensor, layer: LayerKV, heads_multip
         )
     if not heads_multiple and heads != kv_heads:
         raise ValueError(f"{name} has {heads} heads but the KV cache has {kv_heads} KV heads")
-
-
-def check_options(scale: float, sliding_window: int | None, soft_cap: float | None) -> None:
-    if not math.isfinite(float(scale)) or float(scale) <= 0:
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
-        raise ValueError(f"sliding_window must be a positive integer or None, got {sliding_window!r}")
-    if soft_cap is not None and (not math.isfinite(float(soft_cap)) or float(soft_cap) <= 0):
-        raise ValueError(f"soft_cap must be a positive finite number or None, got {soft_cap!r}")
 
 
 def check_tables(layer: LayerKV, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
@@ -95,9 +109,12 @@ def check_tables(layer: LayerKV, block_tables: torch.Tensor, context_lens: torch
         )
 
 
-def check_cu_seqlens(cu_seqlens_q: torch.Tensor, num_tokens: int, context_lens: torch.Tensor) -> None:
+def check_cu_seqlens(
+    cu_seqlens_q: torch.Tensor, num_tokens: int, context_lens: torch.Tensor, max_query_len: int | None = None
+) -> None:
     """``cu_seqlens_q`` runs from 0 to at most ``num_tokens`` (rows past its end are padding),
-    never decreases, and no sequence queries more tokens than its context holds."""
+    never decreases, no sequence queries more tokens than its context holds, and the longest
+    query run is ``max_query_len`` (when given)."""
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.dtype not in _INT_DTYPES:
         raise ValueError(
             f"cu_seqlens_q must be a 1-D int32/int64 tensor, got {cu_seqlens_q.dtype} "
@@ -124,3 +141,28 @@ def check_cu_seqlens(cu_seqlens_q: torch.Tensor, num_tokens: int, context_lens: 
         raise ValueError(
             f"sequence {b} has {int(q_lens[b])} query tokens but a context of only {int(context_lens[b])}"
         )
+    if max_query_len is not None and q_lens.numel() and int(q_lens.max()) != max_query_len:
+        raise ValueError(f"max_query_len is {max_query_len} but the longest query run is {int(q_lens.max())}")
+
+
+def check_slots(layer: LayerKV, slot_mapping: torch.Tensor, num_tokens: int) -> None:
+    """One int slot per token, each inside the pool or negative (padding: not written)."""
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != num_tokens:
+        raise ValueError(
+            f"slot_mapping must be [{num_tokens}] (one slot per token), got {tuple(slot_mapping.shape)}"
+        )
+    if slot_mapping.dtype not in _INT_DTYPES:
+        raise ValueError(f"slot_mapping must be int32/int64, got {slot_mapping.dtype}")
+    if num_tokens and int(slot_mapping.max()) >= layer.num_slots:
+        raise ValueError(
+            f"slot {int(slot_mapping.max())} is past the pool's {layer.num_slots} slots "
+            f"({layer.num_blocks} blocks of {layer.block_size})"
+        )
+
+
+def check_step(layer: LayerKV, metadata: AttentionMetadata, num_tokens: int) -> None:
+    """Everything the step's tensors must satisfy, checked once per step for all layers (they
+    share the block size, the pool size and the tables)."""
+    check_slots(layer, metadata.slot_mapping, num_tokens)
+    check_tables(layer, metadata.block_tables, metadata.context_lens)
+    check_cu_seqlens(metadata.cu_seqlens_q, num_tokens, metadata.context_lens, metadata.max_query_len)

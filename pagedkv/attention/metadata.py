@@ -1,15 +1,41 @@
-"""What one forward step tells the attention layers about the batch it carries.
+"""What one forward step tells the attention layers about the batch it carries, and what a
+layer tells the kernels about itself.
 
-The model runner builds one of these per step from the scheduler's output; every attention
-layer reads it. It is the whole contract between the engine (requests, block tables) and the
-attention kernels (tensors): nothing about requests crosses it.
+The model runner builds one :class:`AttentionMetadata` per step from the executor's plan; every
+attention layer reads it. It is the whole contract between the engine (requests, block tables)
+and the attention kernels (tensors): nothing about requests crosses it. :class:`AttentionOptions`
+is fixed per layer when the model is built.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """A layer's attention arithmetic: softmax scale, optional sliding window and logit soft-cap.
+
+    Checked once, here, when the layer is built (or a standalone op is called).
+    """
+
+    scale: float
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(float(self.scale)) or float(self.scale) <= 0:
+            raise ValueError(f"scale must be a positive finite number, got {self.scale!r}")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or window <= 0):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {window!r}")
+        cap = self.soft_cap
+        if cap is not None and (not math.isfinite(float(cap)) or float(cap) <= 0):
+            raise ValueError(f"soft_cap must be a positive finite number or None, got {cap!r}")
+        object.__setattr__(self, "scale", float(self.scale))
 
 
 @dataclass
@@ -19,7 +45,8 @@ class AttentionMetadata:
     ``context_lens[b]`` tokens (cached prefix + tokens computed this step).
 
     slot_mapping: [T] int64, physical slot (block_id * block_size + offset) that each new token's
-        key/value is written to; a negative slot means "do not write" (padding).
+        key/value is written to; a negative slot means "do not write" (padding). Empty when a
+        standalone attention call writes nothing.
     block_tables: [B, max_blocks] int32, logical -> physical block ids per sequence (padded
         with any valid id; entries past a sequence's length are never read).
     context_lens: [B] int32, tokens each sequence attends over after this step's writes.
@@ -32,6 +59,22 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
     max_query_len: int
+
+    @classmethod
+    def for_attention_only(
+        cls, block_tables: torch.Tensor, context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor | None = None
+    ) -> AttentionMetadata:
+        """Metadata for a standalone attention call (no write): decode when ``cu_seqlens_q`` is
+        None (one query row per sequence), else prefill."""
+        device = block_tables.device
+        if cu_seqlens_q is None:
+            cu_seqlens_q = torch.arange(block_tables.shape[0] + 1, dtype=torch.int32, device=device)
+            max_query_len = 1
+        else:
+            lengths = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+            max_query_len = int(lengths.max()) if lengths.numel() else 0
+        empty = torch.empty(0, dtype=torch.int64, device=device)
+        return cls(empty, block_tables, context_lens, cu_seqlens_q, max_query_len)
 
     @property
     def is_decode_only(self) -> bool:

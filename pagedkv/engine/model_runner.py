@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.attention import AttentionMetadata, KVCache, copy_blocks
+from pagedkv.attention import AttentionMetadata, KVCache, check_step, copy_blocks
 from pagedkv.engine.scheduler import SchedulerOutput
 from pagedkv.memory import KVCacheManager
 
@@ -66,6 +66,8 @@ class ModelRunner:
             cu_seqlens_q=tensor(cu_seqlens, torch.int32),
             max_query_len=max(item.num_new_tokens for item in step.scheduled),
         )
+        # Once per step, for every layer: they all read these tables (see attention/checks.py).
+        check_step(self.kv_cache.layers[0], metadata, len(input_ids))
         return StepInputs(
             input_ids=tensor(input_ids, torch.int64),
             positions=tensor(positions, torch.int64),

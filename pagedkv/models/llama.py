@@ -12,11 +12,13 @@ cast back, weight applied after the cast) so fp32 logits agree to ~1e-6."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.attention import AttentionMetadata, KVCache, paged_attention
+from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache, paged_attention
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.rope import RotaryEmbedding, apply_rotary
 
@@ -86,15 +88,27 @@ class Embedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
+@dataclass(frozen=True)
+class ForwardBatch:
+    """What every layer of one forward pass shares: the rotary ``cos``/``sin`` of the step's
+    positions, the KV cache and the step's attention metadata (SGLang's ``ForwardBatch``)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv_cache: KVCache
+    metadata: AttentionMetadata
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, backend: Backend) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
-        self.sliding_window = cfg.layer_sliding_window(layer)
+        self.options = AttentionOptions(cfg.head_dim**-0.5, cfg.layer_sliding_window(layer))
+        #: resolved once when the model is built; every step calls its kernels directly
+        self.backend = backend
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = PackedLinear(
@@ -108,15 +122,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: KVCache,
-        metadata: AttentionMetadata,
-        backend: str | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split((self.q_size + self.kv_size, self.kv_size), dim=-1)
         qk = qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -124,18 +130,10 @@ class Attention(nn.Module):
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # one rotation for the query and key heads together
-        q, k = apply_rotary(qk, cos, sin).split((self.num_heads, self.num_kv_heads), dim=1)
+        q, k = apply_rotary(qk, batch.cos, batch.sin).split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(
-            q,
-            k,
-            v,
-            kv_cache.layers[self.layer],
-            metadata,
-            self.scale,
-            sliding_window=self.sliding_window,
-            backend=backend,
-        )
+        layer_kv = batch.kv_cache.layers[self.layer]
+        out = paged_attention(q, k, v, layer_kv, batch.metadata, self.options, self.backend)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
@@ -156,33 +154,25 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, backend: Backend) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, backend)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: KVCache,
-        metadata: AttentionMetadata,
-        backend: str | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # Residual adds in place into the sublayer's fresh output (x + h == h + x exactly): one
         # buffer fewer per add, and on CPU every new buffer is cold cache.
-        x = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, metadata, backend).add_(x)
+        x = self.self_attn(self.input_layernorm(x), batch).add_(x)
         return self.mlp(self.post_attention_layernorm(x)).add_(x)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, backend: Backend) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -190,12 +180,12 @@ class LlamaForCausalLM(nn.Module):
     """The decoder plus the LM head; ``forward`` returns final hidden states, not logits, so the
     engine can project only the rows it samples from (:meth:`compute_logits`)."""
 
-    def __init__(self, cfg: ModelConfig, attention_backend: str | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, attention_backend: Backend) -> None:
         super().__init__()
         self.config = cfg
-        #: attention backend name passed to every paged_attention call (None: the default).
+        #: the attention kernels every layer calls (see ``pagedkv.attention.resolve_backend``)
         self.attention_backend = attention_backend
-        self.model = LlamaModel(cfg)
+        self.model = LlamaModel(cfg, attention_backend)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
 
@@ -218,9 +208,9 @@ class LlamaForCausalLM(nn.Module):
                 f"and {tuple(positions.shape)}"
             )
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        batch = ForwardBatch(*self.rotary.cos_sin(positions, x.dtype), kv_cache, metadata)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, kv_cache, metadata, self.attention_backend)
+            x = layer(x, batch)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

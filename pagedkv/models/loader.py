@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pagedkv.attention import resolve_backend
 from pagedkv.models.config import ModelConfig, resolve_dtype
 from pagedkv.models.llama import LlamaForCausalLM, PackedLinear
 
@@ -57,7 +58,9 @@ def load_model(
     attention_backend: str | None = None,
 ) -> LlamaForCausalLM:
     """The model of folder ``path`` in eval mode, weights cast to ``dtype`` (default: the
-    checkpoint's own dtype) on ``device``."""
+    checkpoint's own dtype) on ``device``, its attention kernels those of ``attention_backend``
+    (default: the device's, see :mod:`pagedkv.attention.backends`)."""
+    backend = resolve_backend(attention_backend, torch.device(device))
     cfg = ModelConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, default=cfg.dtype)
     cfg = dataclasses.replace(cfg, dtype=dtype)  # model.config describes the model as loaded
@@ -65,7 +68,7 @@ def load_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, attention_backend=attention_backend)
+            model = LlamaForCausalLM(cfg, attention_backend=backend)
     finally:
         torch.set_default_dtype(previous)
     model.tie_weights()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.attention import paged_decode_attention, paged_prefill_attention
+from pagedkv.attention import AttentionOptions, paged_decode_attention, paged_prefill_attention
 from pagedkv.attention.backends import cpu, native
 
 from .cases import contiguous_attention, make_case
@@ -75,9 +75,7 @@ def test_cpu_backend_refuses_tensors_off_the_cpu():
             case.block_tables,
             torch.zeros(1),
             torch.zeros(1),
-            1.0,
-            None,
-            None,
+            AttentionOptions(1.0),
         )
 
 

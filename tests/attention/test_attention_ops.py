@@ -11,11 +11,14 @@ import torch
 from pagedkv.attention import (
     BACKEND_ENV_VAR,
     AttentionMetadata,
+    AttentionOptions,
     KVCache,
+    check_step,
     copy_blocks,
     paged_attention,
     paged_decode_attention,
     paged_prefill_attention,
+    set_per_call_checks,
     write_kv,
 )
 from pagedkv.memory.spec import KVSpec
@@ -115,7 +118,8 @@ def test_paged_attention_decode_and_prefill_steps(backend):
         cu_seqlens_q=torch.tensor([0, 6, 9], dtype=torch.int32),
         max_query_len=6,
     )
-    out = paged_attention(q_all[:10], k_all[:10], v_all[:10], layer, meta, dim**-0.5, backend=backend)
+    options = AttentionOptions(dim**-0.5)
+    out = paged_attention(q_all[:10], k_all[:10], v_all[:10], layer, meta, options, backend)
     assert (out[9] == 0).all()  # the padding row
     torch.testing.assert_close(out[:6], contiguous_attention(q_all[:6], k_all[:6], v_all[:6], dim**-0.5))
     torch.testing.assert_close(out[6:9], contiguous_attention(q_all[6:9], k_all[6:9], v_all[6:9], dim**-0.5))
@@ -128,7 +132,7 @@ def test_paged_attention_decode_and_prefill_steps(backend):
         max_query_len=1,
     )
     q, k, v = q_all[[0, 10]], k_all[[0, 10]], v_all[[0, 10]]
-    out = paged_attention(q, k, v, layer, meta, dim**-0.5, backend=backend)
+    out = paged_attention(q, k, v, layer, meta, options, backend)
     keys0, vals0 = torch.cat([k_all[:6], k[:1]]), torch.cat([v_all[:6], v[:1]])
     keys1, vals1 = torch.cat([k_all[6:9], k[1:]]), torch.cat([v_all[6:9], v[1:]])
     torch.testing.assert_close(out[0:1], contiguous_attention(q[:1], keys0, vals0, dim**-0.5))
@@ -201,3 +205,21 @@ def test_backend_choice_and_unknown_names(monkeypatch):
     torch.testing.assert_close(paged_decode_attention(**args), expected)
     monkeypatch.delenv(BACKEND_ENV_VAR)
     torch.testing.assert_close(paged_decode_attention(**args), expected)  # default on CPU: the cpu path
+
+
+def test_a_step_is_checked_once_for_every_layer():
+    """The runner's per-step check catches what the per-call checks would, with them off."""
+    set_per_call_checks(False)
+    cache = KVCache(SPEC, 4, 4, torch.float32)
+
+    def step(slots, tables, lens, cu, max_len) -> AttentionMetadata:
+        as_int = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+        return AttentionMetadata(torch.tensor(slots), as_int(tables), as_int(lens), as_int(cu), max_len)
+
+    check_step(cache.layers[0], step([0, 1, 5], [[0, 1]], [3], [0, 3], 3), 3)  # valid
+    with pytest.raises(ValueError, match="slot 16 is past"):
+        check_step(cache.layers[0], step([0, 1, 16], [[0, 1]], [3], [0, 3], 3), 3)
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 4 points outside the pool"):
+        check_step(cache.layers[0], step([0, 1, 5], [[0, 4]], [6], [0, 3], 3), 3)
+    with pytest.raises(ValueError, match="max_query_len is 2 but the longest query run is 3"):
+        check_step(cache.layers[0], step([0, 1, 5], [[0, 1]], [3], [0, 3], 2), 3)

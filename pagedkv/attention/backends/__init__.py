@@ -1,39 +1,46 @@
 """Attention backends and how one is chosen.
 
 Each backend computes the same paged decode and prefill attention; they differ only in speed.
-``backend=None`` picks ``triton`` for CUDA tensors and ``cpu`` otherwise; the environment
-variable ``PAGEDKV_ATTENTION_BACKEND`` overrides that default, and an explicit ``backend=``
-argument overrides both. Backends are imported lazily, so importing pagedkv never imports triton.
+``None`` picks ``triton`` for CUDA tensors and ``cpu`` otherwise; the environment variable
+``PAGEDKV_ATTENTION_BACKEND`` overrides that default, and an explicit name overrides both. The
+model resolves its backend once, when it is built (:func:`resolve_backend`), and every layer
+calls that :class:`Backend`'s functions directly. Importing a backend module is cheap: the
+``triton`` backend imports triton only when it first launches its kernel.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from pagedkv.attention.backends import cpu, torch_backend, triton_backend
+from pagedkv.attention.kv_cache import LayerKV
+from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
+
 ENV_VAR = "PAGEDKV_ATTENTION_BACKEND"
 
-#: backend name -> module implementing ``decode(...)`` and ``prefill(...)``
-BACKEND_MODULES: dict[str, str] = {
-    "torch": "pagedkv.attention.backends.torch_backend",
-    "cpu": "pagedkv.attention.backends.cpu",
-    "triton": "pagedkv.attention.backends.triton_backend",
-}
+#: ``(q, layer, metadata, options) -> out``: every backend's decode and prefill.
+Kernel = Callable[[torch.Tensor, LayerKV, AttentionMetadata, AttentionOptions], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class Backend:
     name: str
-    decode: Callable[..., torch.Tensor]
-    prefill: Callable[..., torch.Tensor]
+    decode: Kernel
+    prefill: Kernel
+
+
+BACKENDS: dict[str, Backend] = {
+    module_name: Backend(module_name, module.decode, module.prefill)
+    for module_name, module in (("torch", torch_backend), ("cpu", cpu), ("triton", triton_backend))
+}
 
 
 def available_backends() -> list[str]:
-    return list(BACKEND_MODULES)
+    return list(BACKENDS)
 
 
 def default_backend_name(device: torch.device) -> str:
@@ -43,11 +50,13 @@ def default_backend_name(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "cpu"
 
 
-def get_backend(name: str | None, device: torch.device) -> Backend:
-    """The backend called ``name`` (or the default for ``device``); a clear error if unknown."""
-    name = default_backend_name(device) if name is None else name
-    if name not in BACKEND_MODULES:
+def resolve_backend(backend: str | Backend | None, device: torch.device) -> Backend:
+    """The backend called ``backend`` (or the default for ``device``); a clear error if unknown.
+    A :class:`Backend` passes through, so a layer holding one pays nothing per call."""
+    if isinstance(backend, Backend):
+        return backend
+    name = default_backend_name(device) if backend is None else backend
+    if name not in BACKENDS:
         source = f" (from ${ENV_VAR})" if os.environ.get(ENV_VAR) == name else ""
         raise ValueError(f"unknown attention backend {name!r}{source}; choose one of {available_backends()}")
-    module = importlib.import_module(BACKEND_MODULES[name])
-    return Backend(name=name, decode=module.decode, prefill=module.prefill)
+    return BACKENDS[name]

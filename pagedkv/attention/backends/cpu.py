@@ -17,9 +17,11 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from pagedkv.attention.backends import native, torch_backend
 from pagedkv.attention.kv_cache import LayerKV
+from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
 
 #: query runs at most this long use the native kernel, longer ones gather + SDPA. Measured with
 #: `benchmarks/attention.py --prefill` (context 1024, fp32, 2 cores): the kernel was faster at
@@ -46,15 +48,13 @@ def _kernel() -> native.NativeKernel | None:
 
 
 def attend_rows(
-    q: torch.Tensor,
+    q: Tensor,
     layer: LayerKV,
-    block_tables: torch.Tensor,
-    row_seq: torch.Tensor,
-    row_pos: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-) -> torch.Tensor | None:
+    block_tables: Tensor,
+    row_seq: Tensor,
+    row_pos: Tensor,
+    options: AttentionOptions,
+) -> Tensor | None:
     """Each query row ``q[r]`` of sequence ``row_seq[r]`` at position ``row_pos[r]`` attends its
     sequence's keys up to that position; ``None`` when the native kernel is unavailable or
     cannot take these tensors."""
@@ -74,7 +74,7 @@ def attend_rows(
     tables = block_tables.to(torch.int32).contiguous()
     row_seq = row_seq.to(torch.int32).contiguous()
     row_pos = row_pos.to(torch.int32).contiguous()
-    window = sliding_window or 0
+    window = options.sliding_window or 0
     lengths = row_pos.long() + 1
     if window:
         lengths = lengths.clamp(max=window)
@@ -99,9 +99,9 @@ def attend_rows(
         layer.head_dim,
         layer.block_size,
         tables.shape[1],
-        scale,
+        options.scale,
         window,
-        soft_cap or 0.0,
+        options.soft_cap or 0.0,
         chunk,
         threads,
     )
@@ -110,30 +110,18 @@ def attend_rows(
     return out
 
 
-def decode(
-    q: torch.Tensor,
-    layer: LayerKV,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-) -> torch.Tensor:
+def decode(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: AttentionOptions) -> Tensor:
     row_seq = torch.arange(q.shape[0], dtype=torch.int32)
-    out = attend_rows(q, layer, block_tables, row_seq, context_lens - 1, scale, sliding_window, soft_cap)
+    positions = metadata.context_lens - 1
+    out = attend_rows(q, layer, metadata.block_tables, row_seq, positions, options)
     if out is None:
-        return torch_backend.decode(q, layer, block_tables, context_lens, scale, sliding_window, soft_cap)
+        return torch_backend.decode(q, layer, metadata, options)
     return out
 
 
-def _sdpa_sequence(
-    q: torch.Tensor,
-    layer: LayerKV,
-    table_row: torch.Tensor,
-    context_len: int,
-    scale: float,
-    window: int | None,
-) -> torch.Tensor:
+def sdpa_sequence(
+    q: Tensor, layer: LayerKV, table_row: Tensor, context_len: int, scale: float, window: int | None
+) -> Tensor:
     """One sequence's query run ``q [n, Hq, D]`` (its last ``n`` positions) via SDPA."""
     n = q.shape[0]
     key, value = torch_backend.gather_context(layer, table_row, context_len)
@@ -153,30 +141,21 @@ def _sdpa_sequence(
     return out.transpose(0, 1)
 
 
-def prefill(
-    q: torch.Tensor,
-    layer: LayerKV,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-) -> torch.Tensor:
+def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: AttentionOptions) -> Tensor:
     if q.device.type != "cpu":
         raise ValueError(
             f"the cpu attention backend needs CPU tensors, got {q.device}; use 'triton' or 'torch'"
         )
-    cu = cu_seqlens_q.tolist()
-    lens = context_lens.tolist()
+    cu = metadata.cu_seqlens_q.tolist()
+    lens = metadata.context_lens.tolist()
+    tables = metadata.block_tables
     out = torch.empty_like(q)
     short: list[int] = []  # sequences whose rows go to the native kernel
     for b, context_len in enumerate(lens):
         start, end = cu[b], cu[b + 1]
-        if end - start > NATIVE_MAX_QUERY_LEN and soft_cap is None:
-            out[start:end] = _sdpa_sequence(
-                q[start:end], layer, block_tables[b], context_len, scale, sliding_window
-            )
+        if end - start > NATIVE_MAX_QUERY_LEN and options.soft_cap is None:
+            window = options.sliding_window
+            out[start:end] = sdpa_sequence(q[start:end], layer, tables[b], context_len, options.scale, window)
         elif end > start:
             short.append(b)
     if not short:
@@ -186,14 +165,13 @@ def prefill(
     row_pos = torch.cat(
         [torch.arange(lens[b] - (cu[b + 1] - cu[b]), lens[b], dtype=torch.int32) for b in short]
     )
-    result = attend_rows(q[rows], layer, block_tables, row_seq, row_pos, scale, sliding_window, soft_cap)
+    result = attend_rows(q[rows], layer, tables, row_seq, row_pos, options)
     if result is None:
         for b in short:
-            sub = torch.tensor([0, cu[b + 1] - cu[b]], dtype=torch.int32)
-            out[cu[b] : cu[b + 1]] = torch_backend.prefill(
-                q[cu[b] : cu[b + 1]], layer, block_tables[b : b + 1], sub, context_lens[b : b + 1],
-                scale, sliding_window, soft_cap,
-            )  # fmt: skip
+            single = AttentionMetadata.for_attention_only(
+                tables[b : b + 1], metadata.context_lens[b : b + 1], torch.tensor([0, cu[b + 1] - cu[b]])
+            )
+            out[cu[b] : cu[b + 1]] = torch_backend.prefill(q[cu[b] : cu[b + 1]], layer, single, options)
         return out
     out[rows] = result
     return out

@@ -10,8 +10,10 @@ contiguous ``scaled_dot_product_attention``.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from pagedkv.attention.kv_cache import LayerKV
+from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
 
 
 def gather_context(
@@ -34,60 +36,34 @@ def allowed_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int |
     return allowed
 
 
-def attend(
-    q: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    q_pos: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-) -> torch.Tensor:
+def attend(q: Tensor, key: Tensor, value: Tensor, q_pos: Tensor, options: AttentionOptions) -> Tensor:
     """Attention of ``q [Lq, Hq, D]`` over ``key/value [Lk, Hkv, D]`` in float32; ``q_pos`` are
     the queries' absolute positions (keys sit at positions ``0..Lk-1``)."""
     num_q, num_heads, head_dim = q.shape
     kv_heads = key.shape[1]
     qf = q.float().reshape(num_q, kv_heads, num_heads // kv_heads, head_dim)
-    scores = torch.einsum("qhgd,khd->hgqk", qf, key.float()) * scale
-    if soft_cap is not None:
-        scores = soft_cap * torch.tanh(scores / soft_cap)
+    scores = torch.einsum("qhgd,khd->hgqk", qf, key.float()) * options.scale
+    if options.soft_cap is not None:
+        scores = options.soft_cap * torch.tanh(scores / options.soft_cap)
     k_pos = torch.arange(key.shape[0], device=q.device)
-    scores = scores.masked_fill(~allowed_mask(q_pos, k_pos, sliding_window), float("-inf"))
+    scores = scores.masked_fill(~allowed_mask(q_pos, k_pos, options.sliding_window), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hgqk,khd->qhgd", probs, value.float())
     return out.reshape(num_q, num_heads, head_dim).to(q.dtype)
 
 
-def prefill(
-    q: torch.Tensor,
-    layer: LayerKV,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-) -> torch.Tensor:
+def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: AttentionOptions) -> Tensor:
     out = torch.empty_like(q)
-    cu = cu_seqlens_q.tolist()
-    for b, context_len in enumerate(context_lens.tolist()):
+    cu = metadata.cu_seqlens_q.tolist()
+    for b, context_len in enumerate(metadata.context_lens.tolist()):
         start, end = cu[b], cu[b + 1]
         if end == start:
             continue
-        key, value = gather_context(layer, block_tables[b], context_len)
+        key, value = gather_context(layer, metadata.block_tables[b], context_len)
         q_pos = torch.arange(context_len - (end - start), context_len, device=q.device)
-        out[start:end] = attend(q[start:end], key, value, q_pos, scale, sliding_window, soft_cap)
+        out[start:end] = attend(q[start:end], key, value, q_pos, options)
     return out
 
 
-def decode(
-    q: torch.Tensor,
-    layer: LayerKV,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-) -> torch.Tensor:
-    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return prefill(q, layer, block_tables, cu_seqlens_q, context_lens, scale, sliding_window, soft_cap)
+#: A decode step is a prefill step whose query runs are one token long.
+decode = prefill

@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch import Tensor
 
 from pagedkv.attention.kv_cache import LayerKV
+from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
 
 #: a split covers at least this many positions (a multiple of every BLOCK_N below)
 MIN_SPLIT_LEN = 512
@@ -35,22 +37,15 @@ def num_splits(q: torch.Tensor, programs: int, longest: int, interpret: bool) ->
     return max(1, min(most, wanted))
 
 
-def _launch(
-    q: torch.Tensor,
-    layer: LayerKV,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_query_len: int,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-) -> torch.Tensor:
+def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: AttentionOptions) -> Tensor:
     try:
         from pagedkv.attention.backends import triton_kernels
     except ImportError as exc:  # pragma: no cover - triton is a declared test dependency
         raise RuntimeError("the triton attention backend needs `pip install triton`") from exc
     interpret = q.device.type != "cuda"
+    block_tables, context_lens = metadata.block_tables, metadata.context_lens
+    max_query_len = metadata.max_query_len
+    sliding_window, soft_cap = options.sliding_window, options.soft_cap
     kernel = triton_kernels.kernel_for(interpret)
     num_seqs, num_tokens, num_heads = block_tables.shape[0], q.shape[0], q.shape[1]
     group = num_heads // layer.num_kv_heads
@@ -93,9 +88,9 @@ def _launch(
             maxima,
             sums,
             block_tables.to(torch.int32).contiguous(),
-            cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous(),
+            metadata.cu_seqlens_q.to(device=q.device, dtype=torch.int32).contiguous(),
             context_lens.to(torch.int32).contiguous(),
-            scale,
+            options.scale,
             float(soft_cap or 1.0),
             int(sliding_window or 0),
             splits,
@@ -125,30 +120,5 @@ def _launch(
     return out
 
 
-def decode(
-    q: torch.Tensor,
-    layer: LayerKV,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-) -> torch.Tensor:
-    cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return _launch(q, layer, block_tables, cu_seqlens_q, context_lens, 1, scale, sliding_window, soft_cap)
-
-
-def prefill(
-    q: torch.Tensor,
-    layer: LayerKV,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-) -> torch.Tensor:
-    max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    return _launch(
-        q, layer, block_tables, cu_seqlens_q, context_lens, max_query_len, scale, sliding_window, soft_cap
-    )
+#: One kernel serves both: a decode step is a prefill step whose query runs are one token long.
+decode = prefill
