@@ -215,14 +215,16 @@ class MeasuredEngine:
         self.first_token: dict[str, float] = {}
         self.outputs: dict[str, list[list[int]]] = {}
         self.cached_tokens: dict[str, int] = {}
-        run = self.engine.runner.run
+        schedule = self.engine.scheduler.schedule
 
-        def sampled_run(plan: SchedulerOutput):
-            self.samples.append(self._sample(plan))
-            return run(plan)
+        def sampled_schedule() -> SchedulerOutput:
+            plan = schedule()
+            if not plan.is_empty:
+                self.samples.append(self._sample(plan))
+            return plan
 
         # The one moment where the step's blocks are all allocated and none yet released.
-        self.engine.runner.run = sampled_run
+        self.engine.scheduler.schedule = sampled_schedule
 
     def _prime(self) -> None:
         """Run one one-token request and forget its cached blocks: the first forward passes of

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 EXPORTS = {
     "BeamSearchParams": "pagedkv.engine.sampling_params",
     "CompletionOutput": "pagedkv.engine.outputs",
-    "EngineConfig": "pagedkv.engine.engine",
+    "EngineConfig": "pagedkv.engine.config",
     "InvalidRequestError": "pagedkv.engine.engine",
     "LLMEngine": "pagedkv.engine.engine",
     "RequestOutput": "pagedkv.engine.outputs",

@@ -8,12 +8,8 @@ the blocks of whatever finished. The offline ``LLM`` and the HTTP server both dr
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from pagedkv.attention import KVCache
 from pagedkv.engine.beam_search import (
     BeamSearchParams,
     BeamState,
@@ -22,39 +18,20 @@ from pagedkv.engine.beam_search import (
     best_hypotheses,
     rank_candidates,
 )
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.executor import Executor, InProcessExecutor
 from pagedkv.engine.kv_policy import KVPolicy
-from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import Request, Sequence
-from pagedkv.memory import KVCacheManager, blocks_for, parse_bytes
-from pagedkv.models import ModelConfig, builtin_model_path, load_model, load_tokenizer
+from pagedkv.memory import KVCacheManager, blocks_for
+from pagedkv.models import ModelConfig, builtin_model_path, load_tokenizer
 
 
 class InvalidRequestError(ValueError):
     """A request that can never be served as asked (too long, too big for the cache, ...)."""
-
-
-@dataclass
-class EngineConfig:
-    """Everything that sizes the engine. ``model=None`` means the built-in random-weight Llama."""
-
-    model: str | Path | None = None
-    dtype: str | torch.dtype | None = "float32"
-    device: str = "cpu"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: str | int = "256MiB"
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    watermark: float = 0.01
-    attention_backend: str | None = None
-    #: "paged", or "contiguous" / "contiguous-oracle" to measure the reservation it replaces.
-    kv_policy: str | KVPolicy = "paged"
 
 
 class LLMEngine:
@@ -73,20 +50,13 @@ class LLMEngine:
         self.is_builtin = config.model is None
         self.model_config = ModelConfig.from_pretrained(path)
         self.tokenizer = load_tokenizer(path)
-        self.model = load_model(path, config.dtype, config.device, config.attention_backend)
-        dtype = next(self.model.parameters()).dtype
-        spec = self.model_config.kv_spec()
-        if config.num_kv_blocks is not None:
-            self.kv_cache = KVCache(spec, config.num_kv_blocks, config.block_size, dtype, config.device)
-        else:
-            memory = parse_bytes(config.kv_cache_memory)
-            self.kv_cache = KVCache.from_memory(spec, memory, config.block_size, dtype, config.device)
+        self.executor: Executor = InProcessExecutor(config, path, self.model_config)
         limit = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
         self.max_model_len = config.max_model_len or limit
         caching = config.enable_prefix_caching and self.kv_policy.allows_prefix_caching
-        num_blocks = self.kv_cache.num_blocks
+        num_blocks = self.executor.num_kv_blocks
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, caching, config.watermark)
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -98,7 +68,6 @@ class LLMEngine:
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.sampler = Sampler(sorted(eos))
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv_manager)
         self.requests: dict[str, Request] = {}
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
@@ -167,7 +136,7 @@ class LLMEngine:
             if self.scheduler.has_work:
                 raise RuntimeError("scheduler made no progress with requests waiting (a bug)")
             return []
-        logits = self.runner.run(plan)
+        logits = self.executor.execute(plan.plan(self.kv_manager))
         now = time.monotonic()
         rows: list[Sequence] = []  # sequences to sample, forked samples included
         row_logits: list[int] = []  # the logits row each of them samples from

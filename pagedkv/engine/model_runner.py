@@ -1,8 +1,9 @@
-"""Turns a scheduled step into tensors, runs the model, and returns the logits to sample.
+"""Turns one step's plan into tensors, runs the model, and returns the logits to sample.
 
-This is the only place where the engine's block tables become tensors: the packed token ids
-and positions, the slot each new key/value is written to, the padded block tables and the
-context lengths that the attention kernels follow.
+This is the only place where block tables become tensors: the packed token ids and positions,
+the slot each new key/value is written to, the padded block tables and the context lengths that
+the attention kernels follow. It reads nothing but the plan, so a worker process that received
+the plan builds exactly the same step.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.attention import AttentionMetadata, KVCache, check_step, copy_blocks
-from pagedkv.engine.scheduler import SchedulerOutput
-from pagedkv.memory import KVCacheManager
+from pagedkv.engine.executor.plan import StepPlan
 
 
 @dataclass
@@ -26,35 +26,32 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the model and its KV cache tensors; ``run`` performs one step's forward pass."""
+    """Owns the model and its KV cache tensors; :meth:`execute` performs one step's forward pass."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, kv_manager: KVCacheManager) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.kv_manager = kv_manager
         self.device = kv_cache.device
 
-    def prepare(self, step: SchedulerOutput) -> StepInputs:
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        bs = self.kv_cache.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        tables: list[list[int]] = []
         context_lens: list[int] = []
         cu_seqlens = [0]
         logits_indices: list[int] = []
-        for item in step.scheduled:
-            seq, start, end = item.seq, item.start, item.end
-            table = self.kv_manager.table(seq.seq_id)
-            input_ids.extend(seq.token_ids[start:end])
+        for piece in plan.slices:
+            table, start, end = piece.block_table, piece.start, piece.end
+            input_ids.extend(piece.token_ids)
             positions.extend(range(start, end))
-            slots.extend(table.slots(start, end))
-            tables.append(table.block_ids)
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             context_lens.append(end)
-            cu_seqlens.append(cu_seqlens[-1] + item.num_new_tokens)
-            if item.needs_logits:
+            cu_seqlens.append(cu_seqlens[-1] + end - start)
+            if piece.needs_logits:
                 logits_indices.append(cu_seqlens[-1] - 1)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        width = max(len(piece.block_table) for piece in plan.slices)
+        padded = [piece.block_table + [0] * (width - len(piece.block_table)) for piece in plan.slices]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
@@ -64,7 +61,7 @@ class ModelRunner:
             block_tables=tensor(padded, torch.int32),
             context_lens=tensor(context_lens, torch.int32),
             cu_seqlens_q=tensor(cu_seqlens, torch.int32),
-            max_query_len=max(item.num_new_tokens for item in step.scheduled),
+            max_query_len=max(len(piece.token_ids) for piece in plan.slices),
         )
         # Once per step, for every layer: they all read these tables (see attention/checks.py).
         check_step(self.kv_cache.layers[0], metadata, len(input_ids))
@@ -76,10 +73,10 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run(self, step: SchedulerOutput) -> torch.Tensor:
+    def execute(self, plan: StepPlan) -> torch.Tensor:
         """Copy-on-write copies, then the forward pass; float32 logits of the sampled rows."""
-        if step.block_copies:
-            copy_blocks(self.kv_cache, step.block_copies)
-        inputs = self.prepare(step)
+        if plan.block_copies:
+            copy_blocks(self.kv_cache, plan.block_copies)
+        inputs = self.prepare(plan)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
         return self.model.compute_logits(hidden[inputs.logits_indices])

@@ -19,6 +19,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedkv.engine.executor.plan import SeqSlice, StepPlan
 from pagedkv.engine.kv_policy import PAGED, KVPolicy
 from pagedkv.engine.sequence import Sequence, SequenceStatus
 from pagedkv.memory import KVCacheManager
@@ -36,19 +37,18 @@ class ScheduledSeq:
     seq: Sequence
     start: int
     end: int
+    #: The slice reaches the sequence's last token, so its logits are sampled.
+    needs_logits: bool
 
     @classmethod
     def next_chunk(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
-        return cls(seq, seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens)
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        return cls(seq, start, end, end == seq.num_tokens and seq.finish_reason is None)
 
     @property
     def num_new_tokens(self) -> int:
         return self.end - self.start
-
-    @property
-    def needs_logits(self) -> bool:
-        """The step reaches the sequence's last token, so its logits are sampled."""
-        return self.end == len(self.seq.token_ids) and self.seq.finish_reason is None
 
 
 @dataclass
@@ -69,6 +69,20 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def plan(self, kv_manager: KVCacheManager) -> StepPlan:
+        """The executor's record of this step: token slices, block tables (copied: the tables
+        move on) and the block copies, as plain data."""
+        slices = [
+            SeqSlice(
+                token_ids=item.seq.token_ids[item.start : item.end],
+                start=item.start,
+                block_table=list(kv_manager.block_ids(item.seq.seq_id)),
+                needs_logits=item.needs_logits,
+            )
+            for item in self.scheduled
+        ]
+        return StepPlan(slices, list(self.block_copies))
 
 
 class Scheduler:

@@ -1,0 +1,39 @@
+"""The seam between the engine and the model: whatever runs forward passes implements this.
+
+The engine schedules, samples and keeps every block table; an executor owns the model and the
+KV cache tensors and turns one :class:`~pagedkv.engine.executor.plan.StepPlan` into the logits
+of the rows that need them. Today one executor runs the model in the engine's own process
+(:class:`~pagedkv.engine.executor.in_process.InProcessExecutor`); a tensor-parallel executor
+sends the same plan to one worker process per rank and returns rank 0's gathered logits.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from pagedkv.engine.executor.plan import StepPlan
+
+
+class ExecutorError(RuntimeError):
+    """The executor can no longer run steps (shut down, or a worker failed); says why."""
+
+
+class Executor(ABC):
+    #: Physical KV blocks every rank holds (the engine's block pool has exactly these).
+    num_kv_blocks: int
+
+    @abstractmethod
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Copy-on-write copies, then one forward pass: float32 logits ``[plan.num_logits, vocab]``
+        of the slices that need them, in plan order."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Raise :class:`ExecutorError` if steps can no longer run. Cheap and thread-safe: the
+        server's ``/health`` calls it from its own thread while steps run."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the model, the KV cache and any worker; idempotent."""

@@ -1,0 +1,44 @@
+"""The executor that runs the model in the engine's own process, on one device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pagedkv.attention import KVCache
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.executor.base import Executor, ExecutorError
+from pagedkv.engine.executor.plan import StepPlan
+from pagedkv.engine.model_runner import ModelRunner
+from pagedkv.memory import parse_bytes
+from pagedkv.models import ModelConfig, load_model
+
+
+class InProcessExecutor(Executor):
+    """Loads the model and allocates the KV cache (``num_kv_blocks`` blocks, or as many as
+    ``kv_cache_memory`` holds) on ``config.device``; runs each step on the calling thread."""
+
+    def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig) -> None:
+        model = load_model(model_path, config.dtype, config.device, config.attention_backend)
+        dtype = next(model.parameters()).dtype
+        spec = model_config.kv_spec()
+        if config.num_kv_blocks is not None:
+            kv_cache = KVCache(spec, config.num_kv_blocks, config.block_size, dtype, config.device)
+        else:
+            memory = parse_bytes(config.kv_cache_memory)
+            kv_cache = KVCache.from_memory(spec, memory, config.block_size, dtype, config.device)
+        self.num_kv_blocks = kv_cache.num_blocks
+        self.runner: ModelRunner | None = ModelRunner(model, kv_cache)
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        if self.runner is None:
+            raise ExecutorError("the executor was shut down")
+        return self.runner.execute(plan)
+
+    def check_health(self) -> None:
+        if self.runner is None:
+            raise ExecutorError("the executor was shut down")
+
+    def shutdown(self) -> None:
+        self.runner = None  # the model and the KV cache go with it
