@@ -1,8 +1,9 @@
 """The live half of ``pagedkv demo``: a batch through the real engine, with its KV figures.
 
-While the engine runs, every step records the blocks the paged cache really holds and the
-blocks a contiguous allocator would have reserved for the same running requests (each one's
-whole ``max_model_len`` up front, as the systems before PagedAttention did).
+After every step the engine's statistics record (``LLMEngine.last_step``) gives the blocks the
+paged cache really holds; next to them, the blocks a contiguous allocator would have reserved
+for the same running requests (each one's whole ``max_model_len`` up front, as the systems
+before PagedAttention did).
 """
 
 from __future__ import annotations
@@ -48,33 +49,31 @@ def run_live_batch(
             max_tokens=rng.randint(8, 64), temperature=0.8, seed=seed + i, ignore_eos=True
         )
         engine.add_request(f"demo-{i}", prompt, params)
-    per_request = blocks_for(max_model_len, engine.kv_manager.block_size)
-    steps = peak_running = peak_used = peak_contiguous = generated = 0
+    per_request = blocks_for(max_model_len, engine.config.block_size)
+    steps = peak_running = peak_used = peak_contiguous = 0
     utilizations = []
     sample_text = ""
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished and not sample_text:
                 sample_text = out.outputs[0].text
+        step = engine.last_step
         steps += 1
-        running = engine.scheduler.running
-        used = engine.kv_manager.usage().used_blocks
-        peak_running = max(peak_running, len(running))
-        peak_used = max(peak_used, used)
-        peak_contiguous = max(peak_contiguous, len(running) * per_request)
-        if used:
-            stored = sum(engine.kv_manager.table(s.seq_id).num_tokens for s in running)
-            utilizations.append(stored / (used * engine.kv_manager.block_size))
-    generated = engine.num_generated_tokens
+        peak_running = max(peak_running, step.running)
+        peak_used = max(peak_used, step.kv_blocks_used)
+        peak_contiguous = max(peak_contiguous, step.running * per_request)
+        if step.kv_blocks_used:
+            utilizations.append(step.kv_utilization)
+    stats = engine.stats()
     return LiveKVFigures(
         steps=steps,
         peak_running=peak_running,
         peak_blocks_used=peak_used,
         peak_blocks_contiguous=peak_contiguous,
         mean_token_utilization=sum(utilizations) / max(len(utilizations), 1),
-        generated_tokens=generated,
-        preemptions=engine.scheduler.num_preemptions,
-        blocks_used_after=engine.kv_manager.usage().used_blocks,
+        generated_tokens=stats.generated_tokens,
+        preemptions=stats.preemptions,
+        blocks_used_after=stats.kv.used_blocks,
         sample_text=sample_text,
     )
 

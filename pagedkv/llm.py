@@ -101,4 +101,4 @@ class LLM:
         return self.engine.kv_stats()
 
     def reset_prefix_cache(self) -> int:
-        return self.engine.kv_manager.reset_prefix_cache()
+        return self.engine.reset_prefix_cache()

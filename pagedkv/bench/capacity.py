@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import logging
 import math
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -296,8 +294,6 @@ class _PolicyDriver:
         self.clock = 0.0
         self.samples: list[StepSample] = []
         self.first_token: dict[str, float] = {}
-        self.discarded_tokens = 0  # tokens of preempted sequences, to be computed again
-        self._preemptions_seen: dict[int, int] = {}
 
     def submit(self, requests: list[tuple[list[int], int]]) -> None:
         from pagedkv.engine import SamplingParams
@@ -312,47 +308,36 @@ class _PolicyDriver:
 
     def step(self) -> int:
         """One engine step; returns how many requests finished in it."""
-        start = time.perf_counter()
         outputs = self.engine.step()
-        self.clock += time.perf_counter() - start
+        stats = self.engine.last_step
+        self.clock += stats.step_time_s
         for out in outputs:  # a request's first output carries its first token
             self.first_token.setdefault(out.request_id, self.clock)
-        self.samples.append(self._sample())
-        return sum(out.finished for out in outputs)
-
-    def _sample(self) -> StepSample:
-        scheduler, kv = self.engine.scheduler, self.engine.kv_manager
-        # A preempted sequence must compute all its tokens again; it may be back in the batch already.
-        for seq in itertools.chain(scheduler.waiting, scheduler.running):
-            if seq.num_preemptions > self._preemptions_seen.get(seq.seq_id, 0):
-                self._preemptions_seen[seq.seq_id] = seq.num_preemptions
-                self.discarded_tokens += seq.num_tokens
-        blocked = False
-        if scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs:
-            head = scheduler.waiting[0]
-            blocked = not kv.can_allocate(head.token_ids, scheduler.reserve_tokens(head))
-        return StepSample(
-            elapsed=self.clock,
-            running=len(scheduler.running),
-            waiting=len(scheduler.waiting),
-            used_blocks=kv.usage().used_blocks,
-            stored_tokens=sum(kv.table(s.seq_id).num_tokens for s in scheduler.running),
-            memory_blocked=blocked,
+        self.samples.append(
+            StepSample(
+                elapsed=self.clock,
+                running=stats.running,
+                waiting=stats.waiting,
+                used_blocks=stats.kv_blocks_used,
+                stored_tokens=stats.kv_tokens_stored,
+                memory_blocked=stats.admission_blocked_by_kv,
+            )
         )
+        return stats.finished_requests
 
     def result(self) -> PolicyRun:
-        usage = self.engine.kv_manager.usage()
+        stats = self.engine.stats()
         return PolicyRun(
             policy=self.policy,
-            block_size=usage.block_size,
-            total_blocks=usage.total_blocks,
+            block_size=stats.kv.block_size,
+            total_blocks=stats.kv.total_blocks,
             samples=self.samples,
             ttft=list(self.first_token.values()),
-            generated_tokens=self.engine.num_generated_tokens,
-            preemptions=self.engine.scheduler.num_preemptions,
-            recomputed_tokens=self.discarded_tokens - self.engine.kv_manager.prefix_hit_tokens,
-            blocks_used_after=usage.used_blocks,
-            seqs_after=self.engine.kv_manager.num_seqs,
+            generated_tokens=stats.generated_tokens,
+            preemptions=stats.preemptions,
+            recomputed_tokens=stats.dropped_tokens - stats.prefix_cache_hits,
+            blocks_used_after=stats.kv.used_blocks,
+            seqs_after=stats.kv_sequences,
         )
 
 

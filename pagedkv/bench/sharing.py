@@ -35,7 +35,6 @@ from tqdm.auto import tqdm
 
 from pagedkv.bench import FORK_KINDS, MIXES
 from pagedkv.engine import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
-from pagedkv.engine.scheduler import SchedulerOutput
 from pagedkv.memory import blocks_for
 from pagedkv.sim.workloads import Workload
 
@@ -194,10 +193,6 @@ class KVSample:
     prefill_tokens: int  # prompt tokens this step computes
 
 
-def _prefill_tokens(plan: SchedulerOutput) -> int:
-    return sum(max(0, min(item.end, item.seq.prompt_len) - item.start) for item in plan.scheduled)
-
-
 class MeasuredEngine:
     """An engine on its own clock that samples its KV cache at every forward pass.
 
@@ -215,16 +210,6 @@ class MeasuredEngine:
         self.first_token: dict[str, float] = {}
         self.outputs: dict[str, list[list[int]]] = {}
         self.cached_tokens: dict[str, int] = {}
-        schedule = self.engine.scheduler.schedule
-
-        def sampled_schedule() -> SchedulerOutput:
-            plan = schedule()
-            if not plan.is_empty:
-                self.samples.append(self._sample(plan))
-            return plan
-
-        # The one moment where the step's blocks are all allocated and none yet released.
-        self.engine.scheduler.schedule = sampled_schedule
 
     def _prime(self) -> None:
         """Run one one-token request and forget its cached blocks: the first forward passes of
@@ -234,12 +219,7 @@ class MeasuredEngine:
         self.engine.add_request("prime", [FIRST_TOKEN_ID], params)
         while self.engine.has_unfinished_requests():
             self.engine.step()
-        self.engine.kv_manager.reset_prefix_cache()
-
-    def _sample(self, plan: SchedulerOutput) -> KVSample:
-        kv = self.engine.kv_manager
-        tables = sum(len(kv.block_ids(seq_id)) for seq_id in kv.seq_ids())
-        return KVSample(kv.usage().used_blocks, tables, _prefill_tokens(plan))
+        self.engine.reset_prefix_cache()
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams | BeamSearchParams) -> None:
         if isinstance(params, BeamSearchParams):
@@ -254,9 +234,13 @@ class MeasuredEngine:
 
     def step(self) -> None:
         """One engine step, timed on this engine's clock."""
-        start = time.perf_counter()
         outputs = self.engine.step()
-        self.clock += time.perf_counter() - start
+        stats = self.engine.last_step
+        self.clock += stats.step_time_s
+        # KV use while the forward pass ran: the step's blocks all allocated, none yet released.
+        self.samples.append(
+            KVSample(stats.kv_blocks_at_forward, stats.kv_table_blocks_at_forward, stats.prefill_tokens)
+        )
         for out in outputs:  # a request's first output carries its first token
             self.first_token.setdefault(out.request_id, self.clock)
             if out.finished:
@@ -371,16 +355,17 @@ def _prefix_run(
     driver: MeasuredEngine, ids: list[str], prompt_tokens: int, first_sample: int, hits_before: int
 ) -> PrefixRun:
     engine = driver.engine
+    stats = engine.stats()
     return PrefixRun(
         caching=engine.config.enable_prefix_caching,
         samples=driver.samples[first_sample:],
         prompt_tokens=prompt_tokens,
-        prefix_hit_tokens=engine.kv_manager.prefix_hit_tokens - hits_before,
+        prefix_hit_tokens=stats.prefix_cache_hits - hits_before,
         ttft=driver.ttft(ids),
         outputs={r: driver.outputs[r] for r in ids},
         cached_tokens=[driver.cached_tokens[r] for r in ids],
-        preemptions=engine.scheduler.num_preemptions,
-        blocks_used_after=engine.kv_manager.usage().used_blocks,
+        preemptions=stats.preemptions,
+        blocks_used_after=stats.kv.used_blocks,
     )
 
 
@@ -405,7 +390,7 @@ def run_prefix_point(
         if warm:
             driver.submit("warm-up", prompts[-1], params)
             driver.drain()
-        marks.append((len(driver.samples), driver.engine.kv_manager.prefix_hit_tokens))
+        marks.append((len(driver.samples), driver.engine.stats().prefix_cache_hits))
     ids = [f"req-{i}" for i in range(num_requests)]
     for driver in drivers:
         for request_id, prompt in zip(ids, prompts[:num_requests], strict=True):
@@ -485,10 +470,8 @@ def run_fork(config: ForkConfig, options: EngineOptions, kind: str, width: int) 
             params = BeamSearchParams(beam_width=width, max_tokens=output_len, ignore_eos=True)
         driver.submit(f"{kind}-{i}", prompt, params)
     driver.drain()
-    engine = driver.engine
-    return ForkRun(
-        kind, width, driver.samples, engine.scheduler.num_preemptions, engine.kv_manager.usage().used_blocks
-    )
+    stats = driver.engine.stats()
+    return ForkRun(kind, width, driver.samples, stats.preemptions, stats.kv.used_blocks)
 
 
 def run_forks(config: ForkConfig, options: EngineOptions, progress: bool = False) -> list[ForkRun]:

@@ -11,15 +11,17 @@ from typing import TYPE_CHECKING
 from pagedkv.lazy_exports import lazy_exports
 
 if TYPE_CHECKING:
-    from pagedkv.engine.engine import EngineConfig, InvalidRequestError, LLMEngine  # noqa: F401
+    from pagedkv.engine.config import EngineConfig  # noqa: F401
+    from pagedkv.engine.engine import LLMEngine  # noqa: F401
     from pagedkv.engine.outputs import CompletionOutput, RequestOutput  # noqa: F401
     from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams  # noqa: F401
+    from pagedkv.engine.validation import InvalidRequestError  # noqa: F401
 
 EXPORTS = {
     "BeamSearchParams": "pagedkv.engine.sampling_params",
     "CompletionOutput": "pagedkv.engine.outputs",
     "EngineConfig": "pagedkv.engine.config",
-    "InvalidRequestError": "pagedkv.engine.engine",
+    "InvalidRequestError": "pagedkv.engine.validation",
     "LLMEngine": "pagedkv.engine.engine",
     "RequestOutput": "pagedkv.engine.outputs",
     "SamplingParams": "pagedkv.engine.sampling_params",

@@ -15,35 +15,17 @@ length_penalty``, where ``length`` counts generated tokens, a final EOS excluded
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from pagedkv.engine.sampling_params import BeamSearchParams
+from pagedkv.engine.sequence import BeamState, Hypothesis, Request, Sequence
 
+if TYPE_CHECKING:
+    from pagedkv.engine.scheduler import Scheduler
 
-@dataclass
-class Hypothesis:
-    """A finished or surviving beam: its generated tokens and their summed log-probability."""
-
-    token_ids: list[int]
-    cumulative_logprob: float
-    ended_with_eos: bool = False
-
-    def score(self, length_penalty: float) -> float:
-        length = len(self.token_ids) - int(self.ended_with_eos)
-        return self.cumulative_logprob / max(length, 1) ** length_penalty
-
-
-@dataclass
-class BeamState:
-    """Per-request beam search bookkeeping; the live beams are the request's sequences."""
-
-    params: BeamSearchParams
-    eos_token_ids: frozenset[int]
-    finished: list[Hypothesis] = field(default_factory=list)
-    #: The best ``beam_width`` hypotheses, set when the search ends.
-    results: list[Hypothesis] = field(default_factory=list)
+__all__ = ["BeamState", "Candidate", "Hypothesis", "advance_beams", "best_hypotheses", "rank_candidates"]
 
 
 @dataclass(frozen=True)
@@ -73,3 +55,48 @@ def best_hypotheses(state: BeamState, live: list[Hypothesis]) -> list[Hypothesis
     penalty = state.params.length_penalty
     ranked = sorted(state.finished + live, key=lambda h: h.score(penalty), reverse=True)
     return ranked[: state.params.beam_width]
+
+
+def advance_beams(request: Request, scheduler: Scheduler, max_model_len: int) -> int | None:
+    """Rank the candidates once every live beam has its log-probs; fork the chosen beams, finish
+    the others (and the whole search once it is over). Returns the tokens appended, or None
+    while a beam is still catching up (nothing ranked)."""
+    beams = [s for s in request.seqs if not s.is_finished]
+    if not all(s.pending_logprobs is not None and s.num_computed_tokens == s.num_tokens for s in beams):
+        return None
+    state = request.beam
+    survivors, ended = rank_candidates(
+        [s.pending_logprobs for s in beams], [s.cumulative_logprob for s in beams], state
+    )
+    for c in ended:
+        tokens = beams[c.parent].output_token_ids + [c.token]
+        state.finished.append(Hypothesis(tokens, c.score, ended_with_eos=True))
+    children: dict[int, list[Candidate]] = {}
+    for c in survivors:
+        children.setdefault(c.parent, []).append(c)
+    next_beams: list[Sequence] = []
+    for index, parent in enumerate(beams):
+        parent.pending_logprobs = None
+        chosen = children.get(index, [])
+        if not chosen:
+            scheduler.finish(parent)  # a dropped beam frees its private blocks now
+            continue
+        for c in chosen[1:]:
+            child = parent.fork(index=0, generator=None)
+            scheduler.fork(parent, child)
+            next_beams.append(_extend(child, c))
+        next_beams.append(_extend(parent, chosen[0]))
+    request.seqs = next_beams
+    done = not next_beams or next_beams[0].num_output_tokens >= state.params.max_tokens
+    if done or next_beams[0].num_tokens >= max_model_len:
+        live = [Hypothesis(s.output_token_ids, s.cumulative_logprob) for s in next_beams]
+        for seq in next_beams:
+            scheduler.finish(seq)
+        state.results = best_hypotheses(state, live)
+    return len(next_beams)
+
+
+def _extend(beam: Sequence, candidate: Candidate) -> Sequence:
+    beam.token_ids.append(candidate.token)
+    beam.cumulative_logprob = candidate.score
+    return beam

@@ -1,8 +1,18 @@
 """LLMEngine: requests in, tokens out, one scheduler step at a time.
 
-The engine owns the model, the paged KV cache and the scheduler. ``step()`` schedules, runs the
-model once over every scheduled token, samples, detokenizes, applies stop conditions and frees
-the blocks of whatever finished. The offline ``LLM`` and the HTTP server both drive it.
+``step()`` is four calls, each stage in its own module:
+
+1. schedule -- :mod:`pagedkv.engine.scheduler` picks the token slices to compute and allocates
+   their KV blocks;
+2. execute -- an executor (:mod:`pagedkv.engine.executor`) runs the model over the step's plan
+   and returns the logits of the slices that end a sequence;
+3. sample -- :mod:`pagedkv.engine.sampler` draws one token per sequence (a finished prompt
+   first forks into its ``n`` samples); beams keep their log-probabilities;
+4. process outputs -- :mod:`pagedkv.engine.output_processor` appends, detokenizes, stops,
+   advances beam searches, frees what finished and builds the ``RequestOutput``s.
+
+After each step the engine publishes a :class:`~pagedkv.engine.stats.StepStats`. The offline
+``LLM`` and the HTTP server both drive it.
 """
 
 from __future__ import annotations
@@ -10,28 +20,23 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from pagedkv.engine.beam_search import (
-    BeamSearchParams,
-    BeamState,
-    Candidate,
-    Hypothesis,
-    best_hypotheses,
-    rank_candidates,
-)
+import torch
+
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor import Executor, InProcessExecutor
 from pagedkv.engine.kv_policy import KVPolicy
-from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.output_processor import OutputProcessor, ProcessedStep, SampledStep
+from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sampler import Sampler, make_generator
-from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler import Scheduler
-from pagedkv.engine.sequence import Request, Sequence
-from pagedkv.memory import KVCacheManager, blocks_for
+from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
+from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
+from pagedkv.engine.sequence import BeamState, Request, Sequence
+from pagedkv.engine.stats import EngineStats, KVSnapshot, StatsCollector, StepStats
+from pagedkv.engine.validation import InvalidRequestError, RequestValidator
+from pagedkv.memory import KVCacheManager
 from pagedkv.models import ModelConfig, builtin_model_path, load_tokenizer
 
-
-class InvalidRequestError(ValueError):
-    """A request that can never be served as asked (too long, too big for the cache, ...)."""
+__all__ = ["EngineConfig", "InvalidRequestError", "LLMEngine"]
 
 
 class LLMEngine:
@@ -49,12 +54,12 @@ class LLMEngine:
         self.model_path = path
         self.is_builtin = config.model is None
         self.model_config = ModelConfig.from_pretrained(path)
-        self.tokenizer = load_tokenizer(path)
-        self.executor: Executor = InProcessExecutor(config, path, self.model_config)
         limit = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
         self.max_model_len = config.max_model_len or limit
+        self.tokenizer = load_tokenizer(path)
+        self.executor: Executor = InProcessExecutor(config, path, self.model_config)
         caching = config.enable_prefix_caching and self.kv_policy.allows_prefix_caching
         num_blocks = self.executor.num_kv_blocks
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, caching, config.watermark)
@@ -65,12 +70,20 @@ class LLMEngine:
             self.kv_policy,
             self.max_model_len,
         )
+        self.validator = RequestValidator(
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+            kv_policy=self.kv_policy,
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            usable_blocks=num_blocks - self.kv_manager.watermark_blocks,
+        )
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.sampler = Sampler(sorted(eos))
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.stats_collector = StatsCollector(self.scheduler)
         self.requests: dict[str, Request] = {}
-        self.num_generated_tokens = 0
-        self.num_prompt_tokens = 0
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -82,7 +95,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(token_ids, params)
+        self.validator.check(token_ids, params)
         request = Request(request_id, text, token_ids, params, arrival_time=time.monotonic())
         seq = Sequence(request, 0, list(token_ids), make_generator(params.seed, 0))
         seq.detokenizer = self.tokenizer.detokenizer(token_ids)
@@ -91,28 +104,12 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty: at least one token is needed")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the request "
-                f"asks for {total} ({len(token_ids)} in the prompt + {params.max_tokens} max_tokens)"
-            )
-        kv = self.kv_manager
-        usable = kv.num_blocks - kv.watermark_blocks
-        reserved = self.kv_policy.peak_tokens(len(token_ids), params.max_tokens, self.max_model_len)
-        needed = blocks_for(reserved, self.kv_manager.block_size)
-        if needed > usable:
-            raise InvalidRequestError(
-                f"the request can never fit in the KV cache: {reserved} tokens need {needed} blocks of "
-                f"{kv.block_size} tokens, but only {usable} of {kv.num_blocks} blocks are usable"
-            )
+    def add_beam_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> Request:
+        """Queue a beam search; its result arrives as one RequestOutput, beams best first."""
+        sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos)
+        request = self.add_request(request_id, prompt, sampling)
+        request.beam = BeamState(params, self.eos_token_ids)
+        return request
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (queued or running); its blocks return at once."""
@@ -131,228 +128,103 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One forward pass; the outputs of every request that produced a token or finished."""
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
+        started = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
             if self.scheduler.has_work:
                 raise RuntimeError("scheduler made no progress with requests waiting (a bug)")
             return []
-        logits = self.executor.execute(plan.plan(self.kv_manager))
-        now = time.monotonic()
-        rows: list[Sequence] = []  # sequences to sample, forked samples included
-        row_logits: list[int] = []  # the logits row each of them samples from
-        num_sampled = 0
-        beam_requests: dict[str, Request] = {}
-        for item in plan.scheduled:
+        logits = self.executor.execute(scheduled.plan(self.kv_manager))
+        computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
+        sampled = self._sample(scheduled, logits)
+        processed = self.output_processor.process(sampled, self.scheduler, computed_at)
+        self._publish(scheduled, sampled, processed, started)
+        return processed.outputs
+
+    def _publish(
+        self, scheduled: SchedulerOutput, sampled: SampledStep, processed: ProcessedStep, started: float
+    ) -> None:
+        """Forget the finished requests and record the step's statistics."""
+        finished = [output.request_id for output in processed.outputs if output.finished]
+        for request_id in finished:
+            self.requests.pop(request_id, None)
+        elapsed = time.perf_counter() - started
+        generated = processed.generated_tokens
+        self.stats_collector.record_step(scheduled, sampled.prompt_tokens, generated, len(finished), elapsed)
+
+    def _sample(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> SampledStep:
+        """One token per sequence whose slice ended at its last token (``logits`` row ``i`` is
+        the ``i``-th such slice). A request's first sample forks its ``n - 1`` siblings here;
+        beams only keep their log-probabilities, ranked once all of a request's beams have them."""
+        for item in scheduled.scheduled:
+            item.seq.num_computed_tokens = item.end
+        seqs: list[Sequence] = []  # sequences to sample, forked samples included
+        rows: list[int] = []  # the logits row each of them samples from
+        beams: dict[str, Request] = {}
+        prompt_tokens = 0
+        sampled_items = [item for item in scheduled.scheduled if item.needs_logits]
+        for row, item in enumerate(sampled_items):
             seq = item.seq
-            seq.num_computed_tokens = item.end
-            if item.needs_logits:
-                if seq.num_output_tokens == 0:
-                    self.num_prompt_tokens += seq.num_tokens
-                if seq.request.beam is not None:
-                    seq.pending_logprobs = logits[num_sampled].log_softmax(dim=-1)
-                    beam_requests[seq.request.request_id] = seq.request
-                    num_sampled += 1
-                    continue
-                group = self._fork(seq) if seq.request.needs_fork else [seq]
-                row_logits.extend([num_sampled] * len(group))
-                rows.extend(group)
-                num_sampled += 1
-        touched: dict[str, Request] = {}
-        if rows:
-            sampled = self.sampler(
-                logits[row_logits],
-                [s.request.params for s in rows],
-                [s.generator for s in rows],
-                [s.output_token_ids for s in rows],
-                [s.request.prompt_token_ids for s in rows],
-            )
-            for seq, token, logprobs in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
-                self._append_token(seq, token, logprobs)
-                if seq.request.first_token_time is None:
-                    seq.request.first_token_time = now
-                touched[seq.request.request_id] = seq.request
-        for seq in {item.seq for item in plan.scheduled} | set(rows):
-            self.kv_manager.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        for request in beam_requests.values():
-            if self._advance_beams(request, now):
-                touched[request.request_id] = request
-        for seq in rows:
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-        outputs = [self._output(request) for request in touched.values()]
-        for request in touched.values():
-            if request.is_finished:
-                self.requests.pop(request.request_id, None)
-        return outputs
-
-    def add_beam_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> Request:
-        """Queue a beam search; its result arrives as one RequestOutput, beams best first."""
-        sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos)
-        request = self.add_request(request_id, prompt, sampling)
-        request.beam = BeamState(params, self.eos_token_ids)
-        return request
-
-    def _advance_beams(self, request: Request, now: float) -> bool:
-        """Rank the candidates once every live beam has its log-probs; True when it finished."""
-        beams = [s for s in request.seqs if not s.is_finished]
-        if not all(s.pending_logprobs is not None and s.num_computed_tokens == s.num_tokens for s in beams):
-            return False
-        state = request.beam
-        survivors, ended = rank_candidates(
-            [s.pending_logprobs for s in beams], [s.cumulative_logprob for s in beams], state
-        )
-        for c in ended:
-            tokens = beams[c.parent].output_token_ids + [c.token]
-            state.finished.append(Hypothesis(tokens, c.score, ended_with_eos=True))
-        if request.first_token_time is None:
-            request.first_token_time = now
-        children: dict[int, list[Candidate]] = {}
-        for c in survivors:
-            children.setdefault(c.parent, []).append(c)
-        next_beams: list[Sequence] = []
-        for index, parent in enumerate(beams):
-            parent.pending_logprobs = None
-            chosen = children.get(index, [])
-            if not chosen:
-                self.scheduler.finish(parent)  # a dropped beam frees its private blocks now
+            if seq.num_output_tokens == 0:
+                prompt_tokens += seq.num_tokens
+            if seq.request.beam is not None:
+                seq.pending_logprobs = logits[row].log_softmax(dim=-1)
+                beams[seq.request.request_id] = seq.request
                 continue
-            for c in chosen[1:]:
-                child = Sequence(request, 0, list(parent.token_ids), None)
-                child.num_computed_tokens = parent.num_computed_tokens
-                copies = self.kv_manager.fork(parent.seq_id, child.seq_id, share=self.kv_policy.shares_blocks)
-                self.scheduler.pending_copies.extend(copies)
-                self.scheduler.add_running(child)
-                self._extend_beam(child, c)
-                next_beams.append(child)
-            self._extend_beam(parent, chosen[0])
-            next_beams.append(parent)
-        request.seqs = next_beams
-        done = not next_beams or next_beams[0].num_output_tokens >= state.params.max_tokens
-        done = done or next_beams[0].num_tokens >= self.max_model_len
-        if done:
-            live = [Hypothesis(s.output_token_ids, s.cumulative_logprob) for s in next_beams]
-            for seq in next_beams:
-                self.scheduler.finish(seq)
-            state.results = best_hypotheses(state, live)
-        return done
+            group = self._fork_samples(seq) if seq.request.needs_fork else [seq]
+            rows.extend([row] * len(group))
+            seqs.extend(group)
+        token_ids, logprobs = [], []
+        if seqs:
+            result = self.sampler(
+                logits[rows],
+                [s.request.params for s in seqs],
+                [s.generator for s in seqs],
+                [s.output_token_ids for s in seqs],
+                [s.request.prompt_token_ids for s in seqs],
+            )
+            token_ids, logprobs = result.token_ids, result.logprobs
+        self.scheduler.cache_computed_blocks({item.seq for item in scheduled.scheduled} | set(seqs))
+        return SampledStep(seqs, token_ids, logprobs, list(beams.values()), prompt_tokens)
 
-    def _extend_beam(self, seq: Sequence, candidate: Candidate) -> None:
-        seq.token_ids.append(candidate.token)
-        seq.cumulative_logprob = candidate.score
-        self.num_generated_tokens += 1
-
-    def _fork(self, parent: Sequence) -> list[Sequence]:
+    def _fork_samples(self, parent: Sequence) -> list[Sequence]:
         """Turn a just-computed prompt into ``n`` samples sharing its blocks (copy-on-write)."""
         request = parent.request
         group = [parent]
         for index in range(len(request.seqs), request.params.n):
-            child = Sequence(
-                request, index, list(parent.token_ids), make_generator(request.params.seed, index)
-            )
-            child.num_computed_tokens = parent.num_computed_tokens
+            child = parent.fork(index, make_generator(request.params.seed, index))
             child.detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids)
-            copies = self.kv_manager.fork(parent.seq_id, child.seq_id, share=self.kv_policy.shares_blocks)
-            self.scheduler.pending_copies.extend(copies)
-            self.scheduler.add_running(child)
+            self.scheduler.fork(parent, child)
             request.seqs.append(child)
             group.append(child)
         return group
 
-    def _append_token(self, seq: Sequence, token: int, logprobs) -> None:
-        params = seq.request.params
-        seq.token_ids.append(token)
-        self.num_generated_tokens += 1
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
-            seq.cumulative_logprob += logprobs.logprob
-        seq.text += seq.detokenizer.push(token)
-        if token in self.eos_token_ids and not params.ignore_eos:
-            seq.finish_reason = "stop"
-        elif token in params.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif params.stop and self._truncate_at_stop(seq):
-            return
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            seq.text += seq.detokenizer.flush()
-            if params.stop:
-                self._truncate_at_stop(seq)
+    # -- what the engine publishes ----------------------------------------------------------
+    @property
+    def last_step(self) -> StepStats | None:
+        """The record of the latest step (None before the first)."""
+        return self.stats_collector.last_step
 
-    @staticmethod
-    def _truncate_at_stop(seq: Sequence) -> bool:
-        """End ``seq`` at the first stop string in its text, cutting the text before it."""
-        hits = [(seq.text.find(stop), stop) for stop in seq.request.params.stop]
-        hits = [(at, stop) for at, stop in hits if at >= 0]
-        if not hits:
-            return False
-        at, stop = min(hits)
-        seq.text = seq.text[:at]
-        seq.finish_reason, seq.stop_reason = "stop", stop
-        return True
+    def stats(self) -> EngineStats:
+        """Counters since the engine started, and the KV pool and queues now."""
+        return self.stats_collector.engine_stats()
 
-    def _output(self, request: Request) -> RequestOutput:
-        if request.beam is not None:
-            completions = self._beam_completions(request)
-        else:
-            completions = self._completions(request)
-        metrics = {"arrival_time": request.arrival_time}
-        if request.first_token_time is not None:
-            metrics["time_to_first_token"] = request.first_token_time - request.arrival_time
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=completions,
-            finished=request.is_finished,
-            num_cached_tokens=request.num_cached_tokens,
-            metrics=metrics,
-        )
-
-    def _beam_completions(self, request: Request) -> list[CompletionOutput]:
-        """Beams best first (only once the search is over; nothing streams before)."""
-        return [
-            CompletionOutput(
-                index=i,
-                text=self.tokenizer.decode(h.token_ids),
-                token_ids=list(h.token_ids),
-                cumulative_logprob=h.cumulative_logprob,
-                finish_reason="stop" if h.ended_with_eos else "length",
-            )
-            for i, h in enumerate(request.beam.results)
-        ]
-
-    def _completions(self, request: Request) -> list[CompletionOutput]:
-        params = request.params
-        return [
-            CompletionOutput(
-                index=seq.index,
-                text=seq.text,
-                token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if params.logprobs is not None else None,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for seq in request.seqs
-        ]
-
-    # -- statistics -------------------------------------------------------------------------
     def kv_stats(self) -> dict[str, float | int]:
         """Blocks total / used / cached, utilization, preemptions and prefix-cache hits."""
-        usage = self.kv_manager.usage()
-        queries, hits = self.kv_manager.prefix_query_tokens, self.kv_manager.prefix_hit_tokens
-        return {
-            "block_size": usage.block_size,
-            "blocks_total": usage.total_blocks,
-            "blocks_used": usage.used_blocks,
-            "blocks_free": usage.free_blocks,
-            "blocks_cached": usage.cached_blocks,
-            "utilization": usage.utilization,
-            "preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries_tokens": queries,
-            "prefix_cache_hits_tokens": hits,
-            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-        }
+        return self.stats().kv_stats()
+
+    def kv_snapshot(self) -> KVSnapshot:
+        """The block map: every physical block's refcount, cache state and owners."""
+        return self.stats_collector.kv_snapshot()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (e.g. after the weights change); returns how many."""
+        return self.kv_manager.reset_prefix_cache()
+
+    def check_health(self) -> None:
+        """Raise :class:`~pagedkv.engine.executor.ExecutorError` if steps can no longer run."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Release the model and the KV cache (and any worker process); idempotent."""
+        self.executor.shutdown()

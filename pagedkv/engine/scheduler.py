@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedkv.engine.executor.plan import SeqSlice, StepPlan
@@ -61,6 +62,16 @@ class SchedulerOutput:
     #: Copy-on-write block copies to perform before the forward pass.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    #: Computed tokens the preempted sequences lost: they compute them again.
+    dropped_tokens: int = 0
+    #: Prompt tokens looked up in, and served by, the prefix cache at this step's admissions.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    #: Blocks held once the step's slots and copies are allocated: what its forward pass needs.
+    kv_blocks_used: int = 0
+    #: Blocks the live block tables reference then, a shared block once per holder (what the
+    #: same sequences would hold without sharing).
+    kv_table_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -112,7 +123,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         #: In admission order: the last one is the first to be preempted.
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
+        self._preempted_before = False
         self.kv_policy = kv_policy
         self.max_model_len = max_model_len
         #: Block copies requested between steps (a non-sharing fork) for the next step.
@@ -125,14 +136,16 @@ class Scheduler:
 
     def reserve_tokens(self, seq: Sequence) -> int:
         """Slots to hold for ``seq`` at admission, beyond its current tokens."""
-        return self.kv_policy.reserved_tokens(
-            seq.prompt_len, seq.request.params.max_tokens, self.max_model_len
-        )
+        max_tokens = seq.request.params.max_tokens
+        return self.kv_policy.reserved_tokens(seq.prompt_len, max_tokens, self.max_model_len)
 
-    def add_running(self, seq: Sequence) -> None:
-        """A forked sample: it already holds (shared) blocks and joins the running set."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` (a new sample or beam of ``parent``'s request) gets ``parent``'s blocks --
+        shared, or copied at the next step when the policy does not share -- and runs."""
+        share = self.kv_policy.shares_blocks
+        self.pending_copies.extend(self.kv_manager.fork(parent.seq_id, child.seq_id, share=share))
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
 
     def finish(self, seq: Sequence) -> None:
         """Remove ``seq`` from whichever queue holds it and return its blocks."""
@@ -143,15 +156,40 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self.kv_manager.free(seq.seq_id)
 
+    def cache_computed_blocks(self, seqs: Iterable[Sequence]) -> None:
+        """Offer the full blocks these sequences computed this step to the prefix cache (only
+        now that their keys and values are really in the cache)."""
+        for seq in seqs:
+            self.kv_manager.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def admission_blocked_by_kv(self) -> bool:
+        """A request waits, the sequence budget has room, and its blocks do not fit: the KV
+        pool, not the batch size, is what keeps it waiting."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        head = self.waiting[0]
+        return not self.kv_manager.can_allocate(head.token_ids, self.reserve_tokens(head))
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(block_copies=self.pending_copies)
         self.pending_copies = []
-        # Decodes first: they are cheap and keep inter-token latency steady.
+        queries, hits = self.kv_manager.prefix_query_tokens, self.kv_manager.prefix_hit_tokens
+        budget = self._schedule_running(out)
+        self._admit_waiting(out, budget)
+        out.prefix_cache_queries = self.kv_manager.prefix_query_tokens - queries
+        out.prefix_cache_hits = self.kv_manager.prefix_hit_tokens - hits
+        out.kv_blocks_used = self.kv_manager.usage().used_blocks
+        out.kv_table_blocks = self.kv_manager.num_table_blocks()
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> int:
+        """Decodes first (they are cheap and keep inter-token latency steady), then unfinished
+        prompt chunks; returns the token budget left."""
         budget = self.max_num_batched_tokens
         for seq in sorted(self.running, key=lambda s: s.in_prefill):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
@@ -171,7 +209,10 @@ class Scheduler:
                 n = 1
             out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
             budget -= n
+        return budget
 
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in order while the budgets and the KV pool allow."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             reserve = self.reserve_tokens(seq)
@@ -187,7 +228,6 @@ class Scheduler:
             n = min(seq.num_tokens - cached, budget)
             out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
             budget -= n
-        return out
 
     def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Preempt the newest running sequences until ``seq`` can grow by one token.
@@ -210,11 +250,12 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
         out.preempted.append(seq)
+        out.dropped_tokens += lost
         # The first preemption is worth a warning (the pool is too small for the load); every
         # one is logged, at INFO after that, so a busy server does not flood its stderr.
-        log = logger.warning if self.num_preemptions == 1 else logger.info
+        log = logger.info if self._preempted_before else logger.warning
+        self._preempted_before = True
         log(
             "preempted request %s (sample %d) by recompute: %d computed tokens dropped, "
             "%d KV blocks free of %d",

@@ -2,7 +2,8 @@
 
 A request with ``n > 1`` starts as one sequence; when its prompt is computed it forks into ``n``
 sequences that share the prompt's KV blocks (copy-on-write). Each sequence is scheduled on its
-own from then on.
+own from then on. A beam search request keeps its search state (:class:`BeamState`) here too;
+the search itself is in :mod:`pagedkv.engine.beam_search`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.engine.beam_search import BeamState
 from pagedkv.engine.sampler import TokenLogprobs
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.models.detokenizer import IncrementalDetokenizer
 
 _seq_ids = itertools.count()
@@ -55,6 +55,13 @@ class Sequence:
     #: Beam search: this step's next-token log-probabilities, kept until every beam has its own.
     pending_logprobs: torch.Tensor | None = None
 
+    def fork(self, index: int, generator: torch.Generator | None) -> Sequence:
+        """A new sequence of the same request with this one's tokens and progress; the scheduler
+        gives it this one's KV blocks (:meth:`~pagedkv.engine.scheduler.Scheduler.fork`)."""
+        child = Sequence(self.request, index, list(self.token_ids), generator)
+        child.num_computed_tokens = self.num_computed_tokens
+        return child
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
@@ -79,6 +86,30 @@ class Sequence:
     def in_prefill(self) -> bool:
         """More than one token still to compute (a prompt, or a recomputation after preemption)."""
         return self.num_tokens - self.num_computed_tokens > 1
+
+
+@dataclass
+class Hypothesis:
+    """A finished or surviving beam: its generated tokens and their summed log-probability."""
+
+    token_ids: list[int]
+    cumulative_logprob: float
+    ended_with_eos: bool = False
+
+    def score(self, length_penalty: float) -> float:
+        length = len(self.token_ids) - int(self.ended_with_eos)
+        return self.cumulative_logprob / max(length, 1) ** length_penalty
+
+
+@dataclass
+class BeamState:
+    """Per-request beam search bookkeeping; the live beams are the request's sequences."""
+
+    params: BeamSearchParams
+    eos_token_ids: frozenset[int]
+    finished: list[Hypothesis] = field(default_factory=list)
+    #: The best ``beam_width`` hypotheses, set when the search ends.
+    results: list[Hypothesis] = field(default_factory=list)
 
 
 @dataclass(eq=False)

@@ -3,7 +3,7 @@
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.block_table import BlockTable, blocks_for
 from pagedkv.memory.errors import PoolExhaustedError
-from pagedkv.memory.manager import KVCacheManager, KVUsage
+from pagedkv.memory.manager import KVCacheManager, KVUsage, PoolSnapshot, TableSnapshot
 from pagedkv.memory.prefix_cache import ROOT, PrefixCache
 from pagedkv.memory.spec import GPT_STYLE_7B, KVSpec, parse_bytes
 
@@ -16,7 +16,9 @@ __all__ = [
     "KVSpec",
     "KVUsage",
     "PoolExhaustedError",
+    "PoolSnapshot",
     "PrefixCache",
+    "TableSnapshot",
     "blocks_for",
     "parse_bytes",
 ]

@@ -18,6 +18,23 @@ SeqId = Hashable
 
 
 @dataclass(frozen=True)
+class TableSnapshot:
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """Every block's refcount, the blocks whose contents the prefix cache holds, and every
+    table: a copy, safe to keep while the pool moves on."""
+
+    block_size: int
+    refcounts: tuple[int, ...]
+    cached: frozenset[int]
+    tables: dict[SeqId, TableSnapshot]
+
+
+@dataclass(frozen=True)
 class KVUsage:
     """A snapshot of the pool, in blocks. ``utilization`` is in-use blocks / total."""
 
@@ -195,6 +212,20 @@ class KVCacheManager:
     @property
     def num_seqs(self) -> int:
         return len(self._tables)
+
+    def snapshot(self) -> PoolSnapshot:
+        tables = {seq: TableSnapshot(tuple(t.block_ids), t.num_tokens) for seq, t in self._tables.items()}
+        pool = self.pool
+        refcounts = tuple(pool.refcount(block) for block in range(pool.num_blocks))
+        return PoolSnapshot(self.block_size, refcounts, frozenset(pool.prefix_cache.blocks()), tables)
+
+    def num_table_blocks(self) -> int:
+        """Blocks the tables reference, a shared block once per holder (the sum of refcounts)."""
+        return sum(len(table.block_ids) for table in self._tables.values())
+
+    def num_stored_tokens(self) -> int:
+        """Tokens the tables hold, a shared token once per holder."""
+        return sum(table.num_tokens for table in self._tables.values())
 
     def seq_ids(self) -> list[SeqId]:
         return list(self._tables)

@@ -106,25 +106,27 @@ def create_app(
         raise ValueError("api_key must not be empty (pass None for no key)")
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
-    if not isinstance(engine, LLMEngine):
+    owns_engine = not isinstance(engine, LLMEngine)
+    if owns_engine:
         engine = LLMEngine(engine or EngineConfig())
     model_name = served_model_name or default_model_name(engine)
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, metrics, max_waiting)
     metrics.watch(lambda: async_engine.stats)
-    kv_manager = engine.kv_manager
     ctx = ServingContext(
         engine=async_engine,
         tokenizer=engine.tokenizer,
         model_name=model_name,
         max_model_len=engine.max_model_len,
-        max_request_tokens=(kv_manager.num_blocks - kv_manager.watermark_blocks) * kv_manager.block_size,
+        max_request_tokens=engine.validator.max_kv_tokens,
     )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         await asyncio.to_thread(async_engine.shutdown)
+        if owns_engine:  # an engine passed in belongs to the caller, who may reuse it
+            engine.shutdown()
 
     app = FastAPI(title="pagedkv", version=__version__, lifespan=lifespan)
     app.state.engine = async_engine
@@ -147,9 +149,10 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if async_engine.is_alive:
+        problem = async_engine.health()
+        if problem is None:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "engine stopped"}, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+        return JSONResponse({"status": problem}, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -136,6 +136,16 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    def health(self) -> str | None:
+        """None while requests can be served, else why not (``/health``)."""
+        if not self._thread.is_alive():
+            return "engine stopped"
+        try:
+            self.engine.check_health()
+        except Exception as err:  # the executor's own words: a worker rank gone, ...
+            return f"engine unhealthy: {err}"
+        return None
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the worker; requests still running end with :class:`Aborted`."""
         with self._wakeup:
@@ -195,7 +205,7 @@ class AsyncEngine:
             self._publish_stats()
 
     def _add(self, command: _Add) -> None:
-        waiting = len(self.engine.scheduler.waiting)
+        waiting = self.engine.stats().waiting
         if self.max_waiting is not None and waiting >= self.max_waiting:
             _settle(command.accepted, QueueFullError(waiting, self.max_waiting))
             return
@@ -251,11 +261,12 @@ class AsyncEngine:
         live.last_token, live.num_tokens = now, num_tokens
 
     def _publish_stats(self) -> None:
-        stats = self.engine.kv_stats()
-        self._peak_utilization = max(self._peak_utilization, stats["utilization"])
+        stats = self.engine.stats()
+        kv_stats = stats.kv_stats()
+        self._peak_utilization = max(self._peak_utilization, kv_stats["utilization"])
         self._stats = {
-            **stats,
+            **kv_stats,
             "peak_utilization": self._peak_utilization,
-            "prompt_tokens": self.engine.num_prompt_tokens,
-            "generation_tokens": self.engine.num_generated_tokens,
+            "prompt_tokens": stats.prompt_tokens,
+            "generation_tokens": stats.generated_tokens,
         }

@@ -67,6 +67,10 @@ def check(engine):
         assert seq.status is SequenceStatus.RUNNING
     usage = engine.kv_manager.usage()
     assert usage.used_blocks + usage.free_blocks == usage.total_blocks
+    # the published block map says the same as the pool
+    snapshot = engine.kv_snapshot()
+    assert [b.refcount for b in snapshot.blocks] == [pool.refcount(b) for b in range(pool.num_blocks)]
+    assert Counter(b for seq in snapshot.sequences for b in seq.block_ids) == +holders
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -77,7 +77,7 @@ def test_a_crashed_worker_fails_its_callers_instead_of_hanging(worker, engine, m
     async def run():
         stream = Stream()
         await worker.add("victim", [5, 6, 7], LONG, stream, 0)
-        monkeypatch.setattr(engine, "kv_stats", lambda: 1 / 0)  # outside step(): kills the loop
+        monkeypatch.setattr(engine, "stats", lambda: 1 / 0)  # outside step(): kills the loop
         while isinstance(item := (await stream.get())[1], RequestOutput):
             pass
         assert isinstance(item, Aborted) and "crashed" in str(item)

@@ -1,0 +1,232 @@
+"""What the engine publishes about itself, as plain records: read them, never its internals.
+
+* :class:`StepStats` -- one record per step (``LLMEngine.last_step``): what was scheduled, what
+  preemption threw away, what the prefix cache served, the KV pool while the forward pass ran
+  and after the step, the queues, the wall time.
+* :class:`EngineStats` -- the engine now (``LLMEngine.stats()``): counters since it started plus
+  the pool and the queues at this moment; ``kv_stats()`` is its ``LLM.kv_stats`` dictionary.
+* :class:`KVSnapshot` -- the block map (``LLMEngine.kv_snapshot()``): per physical block its
+  refcount, whether the prefix cache holds its contents and which requests hold it, and each
+  live sequence's block table.
+
+``LLM.kv_stats()``, the server's ``/metrics``, ``live_demo`` and every benchmark read these;
+they are built from the scheduler's and the KV manager's counters by
+:class:`StatsCollector`, the one place that looks inside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagedkv.memory import KVUsage
+
+if TYPE_CHECKING:
+    from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
+    from pagedkv.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One engine step. Counts are of this step; KV and queue figures are after it, except the
+    ``*_at_forward`` ones, taken when the step's blocks were all allocated and none yet freed."""
+
+    #: 1 for the engine's first step.
+    step: int
+    scheduled_seqs: int
+    #: Prompt tokens computed (a recomputation after preemption included).
+    prefill_tokens: int
+    #: The other computed tokens: generated tokens fed back (decodes, recomputed outputs).
+    decode_tokens: int
+    #: Prompt tokens of the requests whose prompt finished computing this step.
+    prompt_tokens: int
+    #: Tokens appended to sequences (samples and beams).
+    generated_tokens: int
+    finished_requests: int
+    preemptions: int
+    #: Computed tokens preemption threw away (they are computed again).
+    dropped_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    kv_blocks_total: int
+    kv_blocks_at_forward: int
+    #: Blocks the live tables referenced at the forward pass, a shared block once per holder.
+    kv_table_blocks_at_forward: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    #: Blocks whose contents the prefix cache holds (in use or not).
+    kv_blocks_cached: int
+    #: Blocks the live tables reference, a shared block once per holder (what the same
+    #: sequences would hold without sharing), and the tokens they hold, counted the same way.
+    kv_table_blocks: int
+    kv_tokens_stored: int
+    block_size: int
+    running: int
+    waiting: int
+    #: A request waits although the batch has room: it does not fit in the free KV blocks.
+    admission_blocked_by_kv: bool
+    step_time_s: float
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prefill_tokens + self.decode_tokens
+
+    @property
+    def kv_utilization(self) -> float:
+        """Token slots holding a token / slots in the live tables: 1 - internal fragmentation
+        (only each table's partly filled last block wastes slots). 1.0 when no table is live."""
+        slots = self.kv_table_blocks * self.block_size
+        return self.kv_tokens_stored / slots if slots else 1.0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine now: counters since it started, the KV pool and the queues."""
+
+    steps: int
+    kv: KVUsage
+    #: Sequences holding a block table (0 once every block is back).
+    kv_sequences: int
+    running: int
+    waiting: int
+    preemptions: int
+    dropped_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens: int
+    generated_tokens: int
+
+    def kv_stats(self) -> dict[str, float | int]:
+        """Blocks total / used / free / cached, utilization, preemptions, prefix-cache tokens,
+        queues: the dictionary ``LLM.kv_stats()`` returns."""
+        queries, hits = self.prefix_cache_queries, self.prefix_cache_hits
+        return {
+            "block_size": self.kv.block_size,
+            "blocks_total": self.kv.total_blocks,
+            "blocks_used": self.kv.used_blocks,
+            "blocks_free": self.kv.free_blocks,
+            "blocks_cached": self.kv.cached_blocks,
+            "utilization": self.kv.utilization,
+            "preemptions": self.preemptions,
+            "prefix_cache_queries_tokens": queries,
+            "prefix_cache_hits_tokens": hits,
+            "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "running": self.running,
+            "waiting": self.waiting,
+        }
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """One physical block: free (refcount 0, not cached), cached-free (refcount 0, cached) or
+    in use by ``owners`` (request ids; a block shared by two samples of one request lists it
+    once, ``refcount`` counts both)."""
+
+    block_id: int
+    refcount: int
+    cached: bool
+    owners: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SequenceBlocks:
+    """One live sequence's block table: logical block ``i`` is physical ``block_ids[i]``."""
+
+    request_id: str
+    #: The sample (``n > 1``) or beam index within its request.
+    index: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    block_size: int
+    blocks: list[BlockInfo]
+    sequences: list[SequenceBlocks]
+
+
+@dataclass
+class StatsCollector:
+    """Builds the records above from the scheduler and its KV manager; keeps the totals."""
+
+    scheduler: Scheduler
+    steps: int = 0
+    preemptions: int = 0
+    dropped_tokens: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    last_step: StepStats | None = field(default=None)
+
+    def record_step(
+        self, out: SchedulerOutput, prompt_tokens: int, generated: int, finished: int, seconds: float
+    ) -> StepStats:
+        scheduler, kv_manager = self.scheduler, self.scheduler.kv_manager
+        prefill = sum(max(0, min(i.end, i.seq.prompt_len) - i.start) for i in out.scheduled)
+        usage = kv_manager.usage()
+        self.steps += 1
+        self.preemptions += len(out.preempted)
+        self.dropped_tokens += out.dropped_tokens
+        self.prompt_tokens += prompt_tokens
+        self.generated_tokens += generated
+        self.last_step = StepStats(
+            step=self.steps,
+            scheduled_seqs=len(out.scheduled),
+            prefill_tokens=prefill,
+            decode_tokens=out.num_tokens - prefill,
+            prompt_tokens=prompt_tokens,
+            generated_tokens=generated,
+            finished_requests=finished,
+            preemptions=len(out.preempted),
+            dropped_tokens=out.dropped_tokens,
+            prefix_cache_queries=out.prefix_cache_queries,
+            prefix_cache_hits=out.prefix_cache_hits,
+            kv_blocks_total=usage.total_blocks,
+            kv_blocks_at_forward=out.kv_blocks_used,
+            kv_table_blocks_at_forward=out.kv_table_blocks,
+            kv_blocks_used=usage.used_blocks,
+            kv_blocks_free=usage.free_blocks,
+            kv_blocks_cached=usage.cached_blocks,
+            kv_table_blocks=kv_manager.num_table_blocks(),
+            kv_tokens_stored=kv_manager.num_stored_tokens(),
+            block_size=usage.block_size,
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            admission_blocked_by_kv=scheduler.admission_blocked_by_kv(),
+            step_time_s=seconds,
+        )
+        return self.last_step
+
+    def engine_stats(self) -> EngineStats:
+        kv_manager = self.scheduler.kv_manager
+        return EngineStats(
+            steps=self.steps,
+            kv=kv_manager.usage(),
+            kv_sequences=kv_manager.num_seqs,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            preemptions=self.preemptions,
+            dropped_tokens=self.dropped_tokens,
+            prefix_cache_queries=kv_manager.prefix_query_tokens,
+            prefix_cache_hits=kv_manager.prefix_hit_tokens,
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated_tokens,
+        )
+
+    def kv_snapshot(self) -> KVSnapshot:
+        pool = self.scheduler.kv_manager.snapshot()
+        live: list[Sequence] = [s for s in self.scheduler.running if s.seq_id in pool.tables]
+        owners: list[list[str]] = [[] for _ in pool.refcounts]
+        sequences = []
+        for seq in live:
+            table = pool.tables[seq.seq_id]
+            request_id = seq.request.request_id
+            for block in table.block_ids:
+                if request_id not in owners[block]:
+                    owners[block].append(request_id)
+            sequences.append(SequenceBlocks(request_id, seq.index, table.block_ids, table.num_tokens))
+        blocks = [
+            BlockInfo(block, refcount, block in pool.cached, tuple(owners[block]))
+            for block, refcount in enumerate(pool.refcounts)
+        ]
+        return KVSnapshot(pool.block_size, blocks, sequences)
