@@ -6,20 +6,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from pagedkv.lazy_exports import lazy_exports
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagedkv.engine import BeamSearchParams, RequestOutput, SamplingParams  # noqa: F401
-    from pagedkv.llm import LLM  # noqa: F401
+    from pagedkv.engine import BeamSearchParams, RequestOutput, SamplingParams
+    from pagedkv.llm import LLM
 
+__all__ = ["LLM", "BeamSearchParams", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
-EXPORTS = {
-    "LLM": "pagedkv.llm",
-    "BeamSearchParams": "pagedkv.engine.sampling_params",
-    "RequestOutput": "pagedkv.engine.outputs",
-    "SamplingParams": "pagedkv.engine.sampling_params",
-}
-__all__ = list(EXPORTS)
-__getattr__ = lazy_exports(__name__, EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from pagedkv.llm import LLM
+
+        return LLM
+    if name in ("SamplingParams", "RequestOutput", "BeamSearchParams"):
+        import pagedkv.engine
+
+        return getattr(pagedkv.engine, name)
+    raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")

@@ -8,20 +8,31 @@ subcommand is one more ``_add_`` function and one line in :func:`build_parser`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
 
-from pagedkv.bench import DEFAULT_OUT
-from pagedkv.bench.capacity import add_bench_capacity_parser, run_capacity_demo
+from pagedkv.bench.capacity_cli import add_bench_capacity_parser, run_capacity_demo
+from pagedkv.bench.serve_cli import add_bench_serve_parser
 from pagedkv.bench.sharing_cli import add_bench_sharing_parser, run_sharing_demo
-from pagedkv.cli_args import add_engine_options, add_report_options, byte_size, engine_config
-from pagedkv.server.cli import add_bench_serve_parser, add_serve_parser
+from pagedkv.cli_args import (
+    DEFAULT_OUT,
+    ReportOptions,
+    add_command,
+    add_engine_options,
+    add_report_options,
+    byte_size,
+    config_from_args,
+    engine_config,
+    show_report,
+)
+from pagedkv.server.cli import add_serve_parser
 from pagedkv.sim import WORKLOAD_NAMES, SimConfig, SimResult, simulate
 from pagedkv.sim.report import print_report
+
+BENCH_HELP = "benchmarks that run pagedkv and a baseline side by side"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,56 +87,33 @@ def _add_simulation_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _config(args: argparse.Namespace, **options) -> SimConfig:
-    """The SimConfig of ``options``; a bad combination becomes a usage error (exit status 2)."""
-    try:
-        return SimConfig(**options)
-    except ValueError as err:
-        args.parser.error(str(err))
-
-
 def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "simulate",
-        help="naive vs paged KV memory on seeded workloads (tables, plots, --json)",
-        description="Compare contiguous KV allocation (Max, Pow2, Oracle reservations) with paged "
-        "allocation (the real BlockPool/BlockTable) on the same seeded workload: utilization per batch "
-        "size, a dynamic trace, the block-size trade-off, prefix sharing, capacity and a worked example.",
-    )
+    """naive vs paged KV memory on seeded workloads (tables, plots, --json)
+
+    Compare contiguous KV allocation (Max, Pow2, Oracle reservations) with paged allocation (the
+    real BlockPool/BlockTable) on the same seeded workload: utilization per batch size, a dynamic
+    trace, the block-size trade-off, prefix sharing, capacity and a worked example.
+    """
+    parser = add_command(subparsers, "simulate", _run_simulate, _add_simulate.__doc__)
     _add_simulation_options(parser)
     add_report_options(parser)
-    parser.set_defaults(run=_run_simulate, parser=parser)
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
-    config = _config(
-        args,
-        workload=args.workload,
-        seed=args.seed,
-        block_size=args.block_size,
-        max_seq_len=args.max_seq_len,
-        gpu_memory=args.gpu_memory,
-        weights_memory=args.weights_memory,
-        prefix_len=args.prefix_len,
-    )
+    config = config_from_args(SimConfig, args)
     result = simulate(config, progress=sys.stderr.isatty())
-    plots = [] if args.no_plots else _write_plots(result, args.out)
-    if args.json:
-        print(json.dumps(result.to_json() | {"plots": [str(p) for p in plots]}, indent=2))
-        return 0
-    console = Console()
-    print_report(result, console)
-    _print_plots(console, plots)
+    show_report(args, result, _write_plots, print_report)
     return 0
 
 
 # -- demo ----------------------------------------------------------------------------------------
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "demo",
-        help="a guided tour: the simulator, then the live engine on the built-in model",
-        description="Run the naive-vs-paged simulator on its defaults and write its plots.",
-    )
+    """a guided tour: the simulator, then the live engine on the built-in model
+
+    Run the naive-vs-paged simulator on its defaults and write its plots, then the live engine:
+    a batch's KV use, block sharing, and paged vs contiguous reservation.
+    """
+    parser = add_command(subparsers, "demo", _run_demo, _add_demo.__doc__)
     parser.add_argument(
         "--out",
         type=Path,
@@ -134,19 +122,17 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     parser.add_argument("--no-engine", action="store_true", help="skip the live-engine part")
-    parser.set_defaults(run=_run_demo, parser=parser)
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    config = _config(args, seed=args.seed)
+    config = config_from_args(SimConfig, args)
     console = Console()
     console.print(
         "[bold]pagedkv demo[/]: how much KV-cache memory does paging save? The same seeded requests are "
         "placed in contiguous reservations and in the real paged block pool."
     )
     result = simulate(config, progress=sys.stderr.isatty())
-    print_report(result, console)
-    _print_plots(console, _write_plots(result, args.out))
+    show_report(ReportOptions(args.out), result, _write_plots, print_report, console)
     if not args.no_engine:
         from pagedkv.live_demo import print_live_batch, run_live_batch
 
@@ -163,11 +149,11 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 # -- generate ------------------------------------------------------------------------------------
 def _add_generate(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "generate",
-        help="generate text for prompts with the paged engine",
-        description="Generate completions for the given prompts in one continuous batch.",
-    )
+    """generate text for prompts with the paged engine
+
+    Generate completions for the given prompts in one continuous batch.
+    """
+    parser = add_command(subparsers, "generate", _run_generate, _add_generate.__doc__)
     parser.add_argument("prompts", nargs="*", default=["The paged KV cache"], help="prompt texts")
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     sampling = parser.add_argument_group("sampling")
@@ -178,7 +164,6 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     sampling.add_argument("--seed", type=int, default=None)
     sampling.add_argument("-n", type=int, default=1, help="samples per prompt (share the prompt's blocks)")
     add_engine_options(parser)
-    parser.set_defaults(run=_run_generate, parser=parser)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -187,17 +172,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     from pagedkv.models import BUILTIN_NOTE
 
     console = Console()
-    try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            seed=args.seed,
-            n=args.n,
-        )
-    except ValueError as err:
-        args.parser.error(str(err))
+    params = config_from_args(SamplingParams, args)
     config = engine_config(args)
     llm = LLM(**{**config.__dict__})
     if llm.engine.is_builtin:
@@ -226,9 +201,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 # -- bench ---------------------------------------------------------------------------------------
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "bench",
-        help="benchmarks that run pagedkv and a baseline side by side",
-        description="Benchmarks of the live engine, each against its baseline in the same run.",
+        "bench", help=BENCH_HELP, description="Every benchmark measures pagedkv and its baseline in one run."
     )
     benches = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     add_bench_capacity_parser(benches)
@@ -241,13 +214,6 @@ def _write_plots(result: SimResult, out: Path) -> list[Path]:
     from pagedkv.sim.plots import write_plots  # matplotlib: only paid for when plotting
 
     return write_plots(result, out)
-
-
-def _print_plots(console: Console, plots: list[Path]) -> None:
-    if plots:
-        console.print(f"\nPlots written to [bold]{plots[0].parent}/[/]:")
-        for path in plots:
-            console.print(f"  {path}")
 
 
 if __name__ == "__main__":

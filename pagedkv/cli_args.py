@@ -1,4 +1,10 @@
-"""Command-line pieces shared by every subcommand: argument types and the engine's options.
+"""Command-line pieces shared by every subcommand: argument types, report options and the
+engine's options.
+
+Engine options are declared once, in :data:`ENGINE_OPTIONS`, with their defaults read from
+:class:`~pagedkv.engine.config.EngineConfig`; a command takes all of them or the few it lets
+users change (a benchmark fixes the rest), and may give a default of its own where it must
+differ (the capacity benchmark lets the KV pool, not the sequence budget, limit admission).
 
 Nothing here imports torch or FastAPI, so building the parser (and ``pagedkv --help``) stays
 fast; the engine is imported only when a command builds one.
@@ -7,12 +13,24 @@ fast; the engine is imported only when a command builds one.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import inspect
+import json
 import sys
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
-from pagedkv.bench import DEFAULT_OUT
+from rich.console import Console
+
+from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.kv_policy import POLICY_NAMES
 from pagedkv.memory.spec import parse_bytes
+
+#: Where plots and reports go unless ``--out`` says otherwise (``pagedkv demo`` writes there too).
+DEFAULT_OUT = "pagedkv-report"
 
 
 def byte_size(text: str) -> int:
@@ -36,6 +54,19 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_command(
+    subparsers: argparse._SubParsersAction, name: str, run: Callable[[argparse.Namespace], int], doc: str
+) -> argparse.ArgumentParser:
+    """Register the subcommand ``name``: its help is the first paragraph of ``doc`` (the
+    registering function's docstring), its description the rest; ``args.run(args)`` (also
+    ``args.func``) carries it out and ``args.parser`` reports usage errors."""
+    summary, _, details = inspect.cleandoc(doc).partition("\n\n")
+    summary = " ".join(summary.split())
+    parser = subparsers.add_parser(name, help=summary, description=" ".join(details.split()) or summary)
+    parser.set_defaults(run=run, func=run, parser=parser)
+    return parser
+
+
 def add_report_options(parser: argparse.ArgumentParser) -> None:
     """``--out``, ``--no-plots`` and ``--json``: how a command that measures shows its figures."""
     output = parser.add_argument_group("output")
@@ -46,77 +77,123 @@ def add_report_options(parser: argparse.ArgumentParser) -> None:
     output.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
+@dataclass(frozen=True)
+class ReportOptions:
+    """What ``--out``, ``--no-plots`` and ``--json`` say, for a report shown without a parser
+    (the sections of ``pagedkv demo``)."""
+
+    out: Path
+    no_plots: bool = False
+    json: bool = False
+
+
+class Report(Protocol):
+    def to_json(self) -> dict: ...
+
+
+R = TypeVar("R", bound=Report)
+
+
+def show_report(
+    options: argparse.Namespace | ReportOptions,
+    result: R,
+    write_plots: Callable[[R, Path], list[Path]],
+    print_report: Callable[[R, Console], None],
+    console: Console | None = None,
+) -> list[Path]:
+    """How every measuring command ends: its plots (unless ``--no-plots``), then one JSON
+    document (``--json``) or its tables and where the plots went. Returns the plots written."""
+    plots = [] if options.no_plots else write_plots(result, Path(options.out))
+    if options.json:
+        print(json.dumps(result.to_json() | {"plots": [str(p) for p in plots]}, indent=2))
+        return plots
+    console = console or Console()
+    print_report(result, console)
+    if plots:
+        console.print(f"\nPlots written to [bold]{plots[0].parent}/[/]:")
+        for path in plots:
+            console.print(f"  {path}")
+    return plots
+
+
+@contextlib.contextmanager
+def usage_errors(args: argparse.Namespace) -> Iterator[None]:
+    """A ValueError while a command builds its configuration is a usage error (exit status 2)."""
+    try:
+        yield
+    except ValueError as err:
+        args.parser.error(str(err))
+
+
+C = TypeVar("C")
+
+
+def config_from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
+    """The dataclass ``cls`` from the parsed options named like its fields, and ``overrides``;
+    an invalid value is a usage error (exit status 2) with the class's own message."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    given = {name: value for name, value in vars(args).items() if name in names}
+    with usage_errors(args):
+        return cls(**(given | overrides))
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One engine option: the EngineConfig field it sets (``--the-field-name`` unless ``flag``
+    says otherwise) and how argparse reads it."""
+
+    field: str
+    help: str
+    type: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    flag: str | None = None
+    #: "store_false" for a switch that turns a default-on field off
+    action: str | None = None
+
+    def add_to(self, group: argparse._ArgumentGroup, default: Any) -> None:
+        flag = self.flag or "--" + self.field.replace("_", "-")
+        keywords = {"action": self.action} if self.action else {"type": self.type, "choices": self.choices}
+        group.add_argument(flag, dest=self.field, default=default, help=self.help, **keywords)
+
+
+DEFAULT = "(default: %(default)s)"
+#: Every engine option; defaults come from EngineConfig.
+ENGINE_OPTIONS = (
+    EngineOption("model", "Hugging Face model folder (default: the built-in tiny Llama, random weights)"),
+    EngineOption("dtype", DEFAULT, choices=("float32", "bfloat16", "float16")),
+    EngineOption("device", f"torch device {DEFAULT}"),
+    EngineOption("block_size", f"tokens per KV block {DEFAULT}", positive_int),
+    EngineOption("num_kv_blocks", "KV blocks in the pool (default: from --kv-cache-memory)", positive_int),
+    EngineOption("kv_cache_memory", "KV cache memory when --num-kv-blocks is not given (256MiB)", byte_size),
+    EngineOption("max_model_len", "context length (default: the model's)", positive_int),
+    EngineOption("max_num_seqs", f"most sequences per step {DEFAULT}", positive_int),
+    EngineOption("max_num_batched_tokens", f"most tokens per step {DEFAULT}", positive_int),
+    EngineOption(
+        "enable_prefix_caching", "turn prefix caching off", flag="--no-prefix-caching", action="store_false"
+    ),
+    EngineOption("kv_policy", f"paged or a contiguous reservation {DEFAULT}", choices=POLICY_NAMES),
+    EngineOption("attention_backend", "torch, cpu or triton (default: triton on CUDA, else cpu)"),
+)
+
+
+def add_engine_options(
+    parser: argparse.ArgumentParser, only: Iterable[str] | None = None, **defaults: Any
+) -> None:
+    """Add the engine options named in ``only`` (default: all) to ``parser``; ``defaults``
+    overrides EngineConfig's default of a field."""
     group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--model",
-        default=None,
-        help="Hugging Face model folder (config.json, *.safetensors, tokenizer); "
-        "default: the built-in tiny Llama with random weights",
-    )
-    group.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="(default: %(default)s)",
-    )
-    group.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
-    group.add_argument(
-        "--block-size", type=positive_int, default=16, help="tokens per KV block (default: 16)"
-    )
-    group.add_argument(
-        "--num-kv-blocks",
-        type=positive_int,
-        default=None,
-        help="KV blocks in the pool (default: from memory)",
-    )
-    group.add_argument(
-        "--kv-cache-memory",
-        type=byte_size,
-        default="256MiB",
-        help="memory for the KV cache when --num-kv-blocks is not given (default: %(default)s)",
-    )
-    group.add_argument(
-        "--max-model-len", type=positive_int, default=None, help="context length (default: the model's)"
-    )
-    group.add_argument(
-        "--max-num-seqs", type=positive_int, default=64, help="most sequences per step (default: 64)"
-    )
-    group.add_argument(
-        "--max-num-batched-tokens",
-        type=positive_int,
-        default=2048,
-        help="most tokens per step (default: 2048)",
-    )
-    group.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    group.add_argument(
-        "--kv-policy",
-        choices=POLICY_NAMES,
-        default="paged",
-        help="paged, or a contiguous reservation to compare with (default: %(default)s)",
-    )
-    group.add_argument(
-        "--attention-backend", default=None, help="torch, cpu or triton (default: triton on CUDA, else cpu)"
-    )
+    chosen = ENGINE_OPTIONS if only is None else [o for o in ENGINE_OPTIONS if o.field in set(only)]
+    for option in chosen:
+        option.add_to(group, defaults.get(option.field, getattr(EngineConfig, option.field)))
 
 
-def engine_config(args: argparse.Namespace):
-    from pagedkv.engine import EngineConfig
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields among the parsed options."""
+    return {o.field: getattr(args, o.field) for o in ENGINE_OPTIONS if hasattr(args, o.field)}
 
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching,
-        kv_policy=args.kv_policy,
-        attention_backend=args.attention_backend,
-    )
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**engine_options(args))
 
 
 def build_engine(args: argparse.Namespace):

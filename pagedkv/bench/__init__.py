@@ -1,11 +1,10 @@
-"""Benchmarks of the live engine that ship with the package (``pagedkv bench ...``).
+"""Every benchmark of pagedkv (``pagedkv bench ...``), each against its baseline in one run.
 
-Each one measures its baseline and pagedkv in the same process, on the same model and inputs,
-and prints the ratio: a figure is only meaningful next to the thing it is compared with.
+A figure is only meaningful next to the thing it is compared with, so each benchmark measures
+its baseline and pagedkv in the same process, on the same model and inputs, and prints the
+ratio. ``driver`` holds what the live-engine benchmarks share (engine options, an engine on its
+own clock); ``capacity_*`` and ``sharing_*`` are the KV benchmarks (config, run, prediction,
+report, plots, command line); ``serve*`` the online one against an OpenAI-compatible server;
+``throughput``, ``attention`` and ``allocator`` compare with transformers, contiguous SDPA and a
+bare list. Plots share :mod:`pagedkv.plotting`, command lines :mod:`pagedkv.cli_args`.
 """
-
-#: Where benchmark plots go unless ``--out`` says otherwise (``pagedkv demo`` writes there too).
-DEFAULT_OUT = "pagedkv-report"
-#: Length mixes of the sharing benchmark's samples-and-beams experiment.
-MIXES = ("alpaca", "sharegpt")
-FORK_KINDS = ("parallel", "beam")

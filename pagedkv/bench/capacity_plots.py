@@ -1,7 +1,6 @@
 """The capacity benchmark as PNG figures: KV utilization and concurrency over time, per policy.
 
-Built on :class:`matplotlib.figure.Figure` with the Agg canvas, as the simulator's plots are, so
-nothing touches pyplot's global state or needs a display. The x axis is each policy's own clock.
+The x axis is each policy's own clock. (Figures as everywhere: :mod:`pagedkv.plotting`.)
 """
 
 from __future__ import annotations
@@ -9,11 +8,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 from pagedkv.bench.capacity import CapacityResult, PolicyRun
 from pagedkv.engine.kv_policy import CONTIGUOUS, CONTIGUOUS_ORACLE, PAGED
+from pagedkv.plotting import new_figure, save, write_figures
 
 POLICY_COLORS = {PAGED.name: "#2ca02c", CONTIGUOUS.name: "#d62728", CONTIGUOUS_ORACLE.name: "#9467bd"}
 UTILIZATION_TARGET = 0.95
@@ -21,17 +18,12 @@ UTILIZATION_TARGET = 0.95
 
 def write_capacity_plots(result: CapacityResult, out_dir: str | Path) -> list[Path]:
     """Write both figures into ``out_dir`` (created if needed); return their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    return [
-        plot_utilization(result, out / "capacity_utilization.png"),
-        plot_concurrency(result, out / "capacity_concurrency.png"),
-    ]
+    figures = {"capacity_utilization.png": plot_utilization, "capacity_concurrency.png": plot_concurrency}
+    return write_figures(result, out_dir, figures)
 
 
 def _axes(result: CapacityResult, title: str, ylabel: str):
-    fig = Figure(figsize=(8, 5), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = new_figure(8, 5)
     ax = fig.add_subplot()
     config = result.config
     ax.set_title(
@@ -63,8 +55,7 @@ def plot_utilization(result: CapacityResult, path: Path) -> Path:
     ax.axhline(100 * UTILIZATION_TARGET, color="gray", linestyle=":", linewidth=1, label="95%")
     ax.set_ylim(0, 105)
     fig.legend(loc="outside lower center", ncols=2, fontsize=9)
-    fig.savefig(path, dpi=120)
-    return path
+    return save(fig, path)
 
 
 def plot_concurrency(result: CapacityResult, path: Path) -> Path:
@@ -79,5 +70,4 @@ def plot_concurrency(result: CapacityResult, path: Path) -> Path:
     ax.plot([], [], color="gray", linestyle=":", label="length-biased prediction (same colour)")
     ax.set_ylim(bottom=0)
     fig.legend(loc="outside lower center", ncols=2, fontsize=9)
-    fig.savefig(path, dpi=120)
-    return path
+    return save(fig, path)

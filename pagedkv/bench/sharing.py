@@ -4,7 +4,7 @@ Two experiments on the same model and kernels:
 
 * **Shared system prompt.** ``N`` requests = one common ``S``-token prefix + a unique user part,
   all submitted at once, through two engines that differ only in prefix caching. The engines are
-  stepped in turn and each keeps its own clock (the sum of its own step times), so background
+  stepped in turn and each keeps its own clock (:mod:`pagedkv.bench.driver`), so background
   load hits both alike; every request arrives at its engine's clock when submitted, so time to
   first token (TTFT) is that clock when the token came out minus the arrival. Greedy outputs must
   be identical with caching on and off. With every request submitted at once, the requests that
@@ -17,10 +17,12 @@ Two experiments on the same model and kernels:
   request fork one block table (copy-on-write); "without sharing" is what the same sequences
   would hold if each had a private copy of every block in its table.
 
-KV use is sampled while each forward pass runs -- after the scheduler has allocated the step's
-slots and copy-on-write blocks, before anything is freed or deduplicated -- by wrapping the
-engine's model runner: that is the memory the step really needs. Averages over time are per
-engine step (a forward pass counts once), so they are reproducible.
+KV use is what each step's statistics record (``StepStats``) says the forward pass held -- after
+the scheduler allocated the step's slots and copy-on-write blocks, before anything was freed or
+deduplicated: the memory the step really needs. Averages over time are per engine step (a
+forward pass counts once), so they are reproducible. The experiments' configurations are in
+:mod:`~pagedkv.bench.sharing_config`; tables, plots and the command line in ``sharing_report``,
+``sharing_plots`` and ``sharing_cli``.
 """
 
 from __future__ import annotations
@@ -30,233 +32,29 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 from tqdm.auto import tqdm
 
-from pagedkv.bench import FORK_KINDS, MIXES
-from pagedkv.engine import BeamSearchParams, EngineConfig, LLMEngine, SamplingParams
+from pagedkv.bench.driver import EngineOptions, MeasuredEngine, mean, run_settings, step_in_turn
+from pagedkv.bench.sharing_config import FORK_KINDS, PAPER_SAVING, ForkConfig, PrefixConfig
+from pagedkv.engine import BeamSearchParams, SamplingParams
 from pagedkv.memory import blocks_for
-from pagedkv.sim.workloads import Workload
-
-#: First token id drawn for prompts: ids below it are the built-in tokenizer's special tokens.
-FIRST_TOKEN_ID = 4
-#: Means of the PagedAttention paper's Alpaca trace (Fig. 11: ShareGPT has 8.4x longer prompts
-#: and 5.8x longer outputs, 161 and 338 tokens on average). Log-normal spreads are our choice.
-ALPACA_PROMPT_MEAN, ALPACA_OUTPUT_MEAN, ALPACA_SIGMA = 19.3, 58.5, 0.5
-#: Memory saved by sharing in the paper (Fig. 15 and Sec. 6.3), OPT-13B, widths 2, 4 and 6.
-PAPER_SAVING = {
-    "alpaca": {"parallel": (0.061, 0.098), "beam": (0.376, 0.552)},
-    "sharegpt": {"parallel": (0.162, 0.305), "beam": (0.443, 0.663)},
-}
 
 
-# -- configuration -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class EngineOptions:
-    """What every engine of the benchmark shares. ``scale`` divides the block size and the
-    per-step token budget, as the experiments' configs divide their lengths."""
-
-    model: str | None = None
-    dtype: str = "float32"
-    attention_backend: str | None = None
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    scale: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_batched_tokens", "scale"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-    @property
-    def run_block_size(self) -> int:
-        return max(1, self.block_size // self.scale)
-
-    def engine_config(
-        self, num_kv_blocks: int, max_model_len: int, max_num_seqs: int, caching: bool
-    ) -> EngineConfig:
-        # No watermark: both engines of a comparison hold exactly the blocks they need.
-        return EngineConfig(
-            model=self.model,
-            dtype=self.dtype,
-            attention_backend=self.attention_backend,
-            block_size=self.run_block_size,
-            num_kv_blocks=num_kv_blocks,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max(1, self.max_num_batched_tokens // self.scale),
-            enable_prefix_caching=caching,
-            watermark=0.0,
-        )
-
-
-def _positive_ints(name: str, values: tuple[int, ...]) -> None:
-    if not values or any(not isinstance(v, int) or v <= 0 for v in values):
-        raise ValueError(f"{name} must be a non-empty list of positive integers, got {values!r}")
-
-
-@dataclass(frozen=True)
-class PrefixConfig:
-    """Shared system prompt: for each prefix length ``S`` and request count ``N``, ``N`` requests
-    of ``S`` common + ``user_len`` unique prompt tokens, ``output_len`` greedy tokens each.
-    Lengths are divided by the engine options' ``scale``."""
-
-    prefix_lens: tuple[int, ...] = (256, 1024)
-    num_requests: tuple[int, ...] = (1, 4, 16, 64)
-    user_len: int = 32
-    output_len: int = 16
-    warm: bool = False
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        _positive_ints("prefix_lens", self.prefix_lens)
-        _positive_ints("num_requests", self.num_requests)
-        for name in ("user_len", "output_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-    def lengths(self, prefix_len: int, scale: int) -> tuple[int, int, int]:
-        """(prefix, user part, output) lengths of a run at ``scale``."""
-        if prefix_len % scale:
-            raise ValueError(f"scale {scale} must divide every prefix length, got {prefix_len}")
-        return prefix_len // scale, max(1, self.user_len // scale), max(1, self.output_len // scale)
-
-    def prompts(self, prefix_len: int, user_len: int, count: int, vocab_size: int) -> list[list[int]]:
-        """``count`` prompts: one common prefix, then unique user parts (seeded per prefix length)."""
-        rng = np.random.default_rng([self.seed, prefix_len])
-        prefix = rng.integers(FIRST_TOKEN_ID, vocab_size, prefix_len).tolist()
-        users = rng.integers(FIRST_TOKEN_ID, vocab_size, (count, user_len)).tolist()
-        return [prefix + user for user in users]
-
-
-@dataclass(frozen=True)
-class ForkConfig:
-    """Parallel sampling and beam search: ``num_prompts`` prompts from the ``mix``, each decoded
-    with every width in ``widths`` as ``n`` samples and as that many beams."""
-
-    mix: str = "alpaca"
-    num_prompts: int = 16
-    widths: tuple[int, ...] = (2, 4, 6)
-    max_model_len: int = 2048
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.mix not in MIXES:
-            raise ValueError(f"mix must be one of {MIXES}, got {self.mix!r}")
-        _positive_ints("widths", self.widths)
-        if not isinstance(self.num_prompts, int) or self.num_prompts <= 0:
-            raise ValueError(f"num_prompts must be a positive integer, got {self.num_prompts!r}")
-        if not isinstance(self.max_model_len, int) or self.max_model_len < 4:
-            raise ValueError(f"max_model_len must be an integer >= 4, got {self.max_model_len!r}")
-
-    def lengths(self, scale: int = 1) -> list[tuple[int, int]]:
-        """(prompt, output) length per prompt, divided by ``scale``.
-
-        ``alpaca``: log-normal prompts and outputs with the paper's Alpaca means (19.3 and 58.5
-        tokens); ``sharegpt``: the simulator's ShareGPT mix (means ~160 and ~340).
-        """
-        rng = np.random.default_rng([self.seed, 7])
-        if self.mix == "alpaca":
-            prompt = _lognormal(rng, ALPACA_PROMPT_MEAN, ALPACA_SIGMA, self.num_prompts)
-            output = _lognormal(rng, ALPACA_OUTPUT_MEAN, ALPACA_SIGMA, self.num_prompts)
-            pairs = list(zip(np.rint(prompt).astype(int), np.rint(output).astype(int), strict=True))
-        else:
-            sampled = Workload("sharegpt", self.max_model_len).sample(rng, self.num_prompts)
-            pairs = [(r.prompt_len, r.output_len) for r in sampled]
-        limit = self.max_model_len // scale
-        lengths = []
-        for p, o in pairs:
-            p = min(max(1, int(p) // scale), limit - 1)
-            lengths.append((p, min(max(1, int(o) // scale), limit - p)))
-        return lengths
-
-    def requests(self, vocab_size: int, scale: int = 1) -> list[tuple[list[int], int]]:
-        """(prompt token ids, output length) per prompt; token ids seeded apart from lengths."""
-        rng = np.random.default_rng([self.seed, 8])
-        return [(rng.integers(FIRST_TOKEN_ID, vocab_size, p).tolist(), o) for p, o in self.lengths(scale)]
-
-
-def _lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int) -> np.ndarray:
-    """Log-normal samples with the given mean (not median)."""
-    return rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, n)
-
-
-# -- measuring a live engine ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class KVSample:
-    """The KV cache while one forward pass runs."""
+    """The KV cache while one forward pass ran."""
 
     used_blocks: int  # physical blocks held (a shared block counts once)
     table_blocks: int  # sum of the live sequences' block-table lengths: each a private copy
-    prefill_tokens: int  # prompt tokens this step computes
+    prefill_tokens: int  # prompt tokens this step computed
 
 
-class MeasuredEngine:
-    """An engine on its own clock that samples its KV cache at every forward pass.
-
-    ``samples`` has one :class:`KVSample` per forward pass; per request id, ``arrival`` and
-    ``first_token`` are clock readings, ``outputs`` the finished token ids (one list per sample
-    or beam) and ``cached_tokens`` the prompt tokens the prefix cache served.
-    """
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
-        self._prime()
-        self.clock = 0.0
-        self.samples: list[KVSample] = []
-        self.arrival: dict[str, float] = {}
-        self.first_token: dict[str, float] = {}
-        self.outputs: dict[str, list[list[int]]] = {}
-        self.cached_tokens: dict[str, int] = {}
-
-    def _prime(self) -> None:
-        """Run one one-token request and forget its cached blocks: the first forward passes of
-        an engine pay one-off costs (thread pools, allocator growth) that would otherwise land
-        on whichever engine of a comparison steps first."""
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        self.engine.add_request("prime", [FIRST_TOKEN_ID], params)
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
-        self.engine.reset_prefix_cache()
-
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams | BeamSearchParams) -> None:
-        if isinstance(params, BeamSearchParams):
-            self.engine.add_beam_request(request_id, prompt, params)
-        else:
-            self.engine.add_request(request_id, prompt, params)
-        self.arrival[request_id] = self.clock
-
-    @property
-    def done(self) -> bool:
-        return not self.engine.has_unfinished_requests()
-
-    def step(self) -> None:
-        """One engine step, timed on this engine's clock."""
-        outputs = self.engine.step()
-        stats = self.engine.last_step
-        self.clock += stats.step_time_s
-        # KV use while the forward pass ran: the step's blocks all allocated, none yet released.
-        self.samples.append(
-            KVSample(stats.kv_blocks_at_forward, stats.kv_table_blocks_at_forward, stats.prefill_tokens)
-        )
-        for out in outputs:  # a request's first output carries its first token
-            self.first_token.setdefault(out.request_id, self.clock)
-            if out.finished:
-                self.outputs[out.request_id] = [c.token_ids for c in out.outputs]
-                self.cached_tokens[out.request_id] = out.num_cached_tokens
-
-    def drain(self) -> None:
-        while not self.done:
-            self.step()
-
-    def ttft(self, request_ids: list[str]) -> list[float]:
-        return [self.first_token[r] - self.arrival[r] for r in request_ids]
-
-
-def mean(values: list[float] | list[int]) -> float:
-    return float(np.mean(values)) if values else math.nan
+def kv_samples(measured: MeasuredEngine, first_step: int = 0) -> list[KVSample]:
+    """One sample per step of ``measured`` from ``first_step`` on, from its statistics records."""
+    return [
+        KVSample(s.kv_blocks_at_forward, s.kv_table_blocks_at_forward, s.prefill_tokens)
+        for s in measured.steps[first_step:]
+    ]
 
 
 # -- shared system prompt ------------------------------------------------------------------------
@@ -352,13 +150,13 @@ class PrefixPoint:
 
 
 def _prefix_run(
-    driver: MeasuredEngine, ids: list[str], prompt_tokens: int, first_sample: int, hits_before: int
+    driver: MeasuredEngine, ids: list[str], prompt_tokens: int, first_step: int, hits_before: int
 ) -> PrefixRun:
     engine = driver.engine
     stats = engine.stats()
     return PrefixRun(
         caching=engine.config.enable_prefix_caching,
-        samples=driver.samples[first_sample:],
+        samples=kv_samples(driver, first_step),
         prompt_tokens=prompt_tokens,
         prefix_hit_tokens=stats.prefix_cache_hits - hits_before,
         ttft=driver.ttft(ids),
@@ -379,7 +177,9 @@ def run_prefix_point(
     # Room for every request (and the warm-up) with nothing shared: no preemption either way.
     num_kv_blocks = (num_requests + warm) * blocks_for(s + user + out, bs)
     drivers = [
-        MeasuredEngine(options.engine_config(num_kv_blocks, s + user + out, num_requests + warm, caching))
+        MeasuredEngine.start(
+            options.engine_config(num_kv_blocks, s + user + out, num_requests + warm, caching)
+        )
         for caching in (True, False)
     ]
     vocab = drivers[0].engine.model_config.vocab_size
@@ -390,15 +190,13 @@ def run_prefix_point(
         if warm:
             driver.submit("warm-up", prompts[-1], params)
             driver.drain()
-        marks.append((len(driver.samples), driver.engine.stats().prefix_cache_hits))
+        marks.append((len(driver.steps), driver.engine.stats().prefix_cache_hits))
     ids = [f"req-{i}" for i in range(num_requests)]
     for driver in drivers:
         for request_id, prompt in zip(ids, prompts[:num_requests], strict=True):
             driver.submit(request_id, prompt, params)
-    while not all(d.done for d in drivers):
-        for driver in drivers:
-            if not driver.done:
-                driver.step()
+    for _ in step_in_turn(drivers):
+        pass
     runs = [
         _prefix_run(driver, ids, num_requests * (s + user), *mark)
         for driver, mark in zip(drivers, marks, strict=True)
@@ -459,7 +257,7 @@ def run_fork(config: ForkConfig, options: EngineOptions, kind: str, width: int) 
     # Every sequence with a private copy of its whole table fits: no preemption.
     num_kv_blocks = sum(width * blocks_for(p + o, bs) for p, o in lengths) + width
     max_len = max(p + o for p, o in lengths)
-    driver = MeasuredEngine(options.engine_config(num_kv_blocks, max_len, width * len(lengths), False))
+    driver = MeasuredEngine.start(options.engine_config(num_kv_blocks, max_len, width * len(lengths), False))
     requests = config.requests(driver.engine.model_config.vocab_size, options.scale)
     for i, (prompt, output_len) in enumerate(requests):
         if kind == "parallel":
@@ -471,7 +269,7 @@ def run_fork(config: ForkConfig, options: EngineOptions, kind: str, width: int) 
         driver.submit(f"{kind}-{i}", prompt, params)
     driver.drain()
     stats = driver.engine.stats()
-    return ForkRun(kind, width, driver.samples, stats.preemptions, stats.kv.used_blocks)
+    return ForkRun(kind, width, kv_samples(driver), stats.preemptions, stats.kv.used_blocks)
 
 
 def run_forks(config: ForkConfig, options: EngineOptions, progress: bool = False) -> list[ForkRun]:
@@ -526,17 +324,18 @@ class SharingResult:
 
 def run_sharing(
     options: EngineOptions,
-    prefix_config: PrefixConfig | None = PrefixConfig(),
-    fork_config: ForkConfig | None = ForkConfig(),
+    prefix_config: PrefixConfig | None,
+    fork_config: ForkConfig | None,
     progress: bool = False,
 ) -> SharingResult:
     """Run the experiments that are given (None skips one)."""
     start = time.perf_counter()
     result = SharingResult(options, prefix_config, fork_config)
-    if prefix_config is not None:
-        result.prefix = run_prefix(prefix_config, options, progress)
-    if fork_config is not None:
-        result.forks = run_forks(fork_config, options, progress)
+    with run_settings(options.threads):
+        if prefix_config is not None:
+            result.prefix = run_prefix(prefix_config, options, progress)
+        if fork_config is not None:
+            result.forks = run_forks(fork_config, options, progress)
     result.wall_s = time.perf_counter() - start
     return result
 
@@ -547,6 +346,3 @@ def parallel_saving_once_done(lengths: list[tuple[int, int]], block_size: int, w
     shared = sum((width - 1) * (p // block_size) for p, _ in lengths)
     private = sum(width * blocks_for(p + o, block_size) for p, o in lengths)
     return shared / private
-
-
-# -- report --------------------------------------------------------------------------------------

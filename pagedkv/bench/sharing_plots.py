@@ -1,18 +1,16 @@
-"""The sharing benchmark as PNG figures: prefix caching on vs off, and fork sharing vs private copies.
-
-Built on :class:`matplotlib.figure.Figure` with the Agg canvas, as the other plots of the package
-are, so nothing touches pyplot's global state or needs a display.
-"""
+"""The sharing benchmark as PNG figures: prefix caching on vs off, and fork sharing vs private
+copies (figures as everywhere: :mod:`pagedkv.plotting`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter
 
-from pagedkv.bench.sharing import PAPER_SAVING, PrefixPoint, SharingResult
+from pagedkv.bench.sharing import PrefixPoint, SharingResult
+from pagedkv.bench.sharing_config import PAPER_SAVING
+from pagedkv.plotting import new_figure, save, write_figures
 
 PREFIX_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"]
 KIND_COLORS = {"parallel": "#1f77b4", "beam": "#ff7f0e"}
@@ -21,19 +19,16 @@ KIND_LABELS = {"parallel": "parallel sampling", "beam": "beam search"}
 
 def write_sharing_plots(result: SharingResult, out_dir: str | Path) -> list[Path]:
     """Write the figures of the experiments that ran into ``out_dir``; return their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
+    figures = {}
     if result.prefix:
-        paths.append(plot_prefix(result, out / "sharing_prefix.png"))
+        figures["sharing_prefix.png"] = plot_prefix
     if result.forks:
-        paths.append(plot_forks(result, out / "sharing_fork.png"))
-    return paths
+        figures["sharing_fork.png"] = plot_forks
+    return write_figures(result, out_dir, figures)
 
 
 def _figure(columns: int, title: str) -> tuple[Figure, list]:
-    fig = Figure(figsize=(5 * columns, 4.5), layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = new_figure(5 * columns, 4.5)
     fig.suptitle(title, fontsize=11)
     return fig, list(fig.subplots(1, columns))
 
@@ -74,8 +69,7 @@ def plot_prefix(result: SharingResult, path: Path) -> Path:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=8)
-    fig.savefig(path, dpi=110)
-    return path
+    return save(fig, path, dpi=110)
 
 
 def plot_forks(result: SharingResult, path: Path) -> Path:
@@ -123,5 +117,4 @@ def plot_forks(result: SharingResult, path: Path) -> Path:
     timeline.set_ylim(bottom=0)
     timeline.legend(fontsize=8)
     timeline.grid(alpha=0.3)
-    fig.savefig(path, dpi=110)
-    return path
+    return save(fig, path, dpi=110)

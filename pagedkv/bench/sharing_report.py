@@ -7,7 +7,9 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from pagedkv.bench.sharing import PAPER_SAVING, SharingResult, mean, parallel_saving_once_done
+from pagedkv.bench.driver import mean
+from pagedkv.bench.sharing import SharingResult, parallel_saving_once_done
+from pagedkv.bench.sharing_config import PAPER_SAVING
 from pagedkv.memory import blocks_for
 from pagedkv.models import BUILTIN_NOTE
 

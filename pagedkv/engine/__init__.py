@@ -1,30 +1,37 @@
 """Requests in, tokens out: sampling parameters, scheduler, executor, sampler, engine.
 
-Names are imported on first use (:mod:`pagedkv.lazy_exports`), so the torch-free modules of
-this package (``config``, ``kv_policy``) load without torch.
+Everything here but ``LLMEngine`` is torch-free, so the command line can read the engine's
+options, KV policies and request types without importing torch; ``LLMEngine`` (torch and the
+model code) is imported on first use.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from pagedkv.lazy_exports import lazy_exports
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
+from pagedkv.engine.validation import InvalidRequestError
 
 if TYPE_CHECKING:
-    from pagedkv.engine.config import EngineConfig  # noqa: F401
-    from pagedkv.engine.engine import LLMEngine  # noqa: F401
-    from pagedkv.engine.outputs import CompletionOutput, RequestOutput  # noqa: F401
-    from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams  # noqa: F401
-    from pagedkv.engine.validation import InvalidRequestError  # noqa: F401
+    from pagedkv.engine.engine import LLMEngine
 
-EXPORTS = {
-    "BeamSearchParams": "pagedkv.engine.sampling_params",
-    "CompletionOutput": "pagedkv.engine.outputs",
-    "EngineConfig": "pagedkv.engine.config",
-    "InvalidRequestError": "pagedkv.engine.validation",
-    "LLMEngine": "pagedkv.engine.engine",
-    "RequestOutput": "pagedkv.engine.outputs",
-    "SamplingParams": "pagedkv.engine.sampling_params",
-}
-__all__ = list(EXPORTS)
-__getattr__ = lazy_exports(__name__, EXPORTS)
+__all__ = [
+    "BeamSearchParams",
+    "CompletionOutput",
+    "EngineConfig",
+    "InvalidRequestError",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprobs",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLMEngine":
+        from pagedkv.engine.engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(f"module 'pagedkv.engine' has no attribute {name!r}")

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedkv.engine.beam_search import advance_beams
-from pagedkv.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.engine.sampler import TokenLogprobs
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedkv.engine.sequence import Request, Sequence
 from pagedkv.models import Tokenizer
 

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedkv.engine.sampler import TokenLogprobs
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The logprob of a sampled token and, when asked for, the top of the distribution."""
+
+    token_id: int
+    logprob: float
+    #: 1 + the number of tokens strictly more likely than the sampled one.
+    rank: int
+    #: ``(token_id, logprob)`` of the most likely tokens, most likely first.
+    top: list[tuple[int, float]]
 
 
 @dataclass

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sampling_params import SamplingParams
 
 
@@ -37,18 +38,6 @@ def make_generator(
     if seed is None:
         return None
     return torch.Generator(device=device).manual_seed((seed + sample_index) % 2**64)
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """The logprob of a sampled token and, when asked for, the top of the distribution."""
-
-    token_id: int
-    logprob: float
-    #: 1 + the number of tokens strictly more likely than the sampled one.
-    rank: int
-    #: ``(token_id, logprob)`` of the most likely tokens, most likely first.
-    top: list[tuple[int, float]]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.engine.sampler import TokenLogprobs
+from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.models.detokenizer import IncrementalDetokenizer
 

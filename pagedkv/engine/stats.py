@@ -16,7 +16,7 @@ they are built from the scheduler's and the KV manager's counters by
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedkv.memory import KVUsage
@@ -146,17 +146,17 @@ class KVSnapshot:
     sequences: list[SequenceBlocks]
 
 
-@dataclass
+#: The counts of a step that :class:`EngineStats` sums over every step.
+SUMMED = ("preemptions", "dropped_tokens", "prompt_tokens", "generated_tokens")
+
+
 class StatsCollector:
     """Builds the records above from the scheduler and its KV manager; keeps the totals."""
 
-    scheduler: Scheduler
-    steps: int = 0
-    preemptions: int = 0
-    dropped_tokens: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    last_step: StepStats | None = field(default=None)
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.last_step: StepStats | None = None
+        self.totals = dict.fromkeys(("steps", *SUMMED), 0)
 
     def record_step(
         self, out: SchedulerOutput, prompt_tokens: int, generated: int, finished: int, seconds: float
@@ -164,13 +164,8 @@ class StatsCollector:
         scheduler, kv_manager = self.scheduler, self.scheduler.kv_manager
         prefill = sum(max(0, min(i.end, i.seq.prompt_len) - i.start) for i in out.scheduled)
         usage = kv_manager.usage()
-        self.steps += 1
-        self.preemptions += len(out.preempted)
-        self.dropped_tokens += out.dropped_tokens
-        self.prompt_tokens += prompt_tokens
-        self.generated_tokens += generated
-        self.last_step = StepStats(
-            step=self.steps,
+        step = StepStats(
+            step=self.totals["steps"] + 1,
             scheduled_seqs=len(out.scheduled),
             prefill_tokens=prefill,
             decode_tokens=out.num_tokens - prefill,
@@ -195,22 +190,25 @@ class StatsCollector:
             admission_blocked_by_kv=scheduler.admission_blocked_by_kv(),
             step_time_s=seconds,
         )
-        return self.last_step
+        self.totals["steps"] = step.step
+        for name in SUMMED:
+            self.totals[name] += getattr(step, name)
+        self.last_step = step
+        return step
 
     def engine_stats(self) -> EngineStats:
-        kv_manager = self.scheduler.kv_manager
+        kv_manager, queues = self.scheduler.kv_manager, self.scheduler
+        prefix = {
+            "prefix_cache_queries": kv_manager.prefix_query_tokens,
+            "prefix_cache_hits": kv_manager.prefix_hit_tokens,
+        }
         return EngineStats(
-            steps=self.steps,
             kv=kv_manager.usage(),
             kv_sequences=kv_manager.num_seqs,
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            preemptions=self.preemptions,
-            dropped_tokens=self.dropped_tokens,
-            prefix_cache_queries=kv_manager.prefix_query_tokens,
-            prefix_cache_hits=kv_manager.prefix_hit_tokens,
-            prompt_tokens=self.prompt_tokens,
-            generated_tokens=self.generated_tokens,
+            running=len(queues.running),
+            waiting=len(queues.waiting),
+            **prefix,
+            **self.totals,
         )
 
     def kv_snapshot(self) -> KVSnapshot:

@@ -1,44 +1,31 @@
-"""``pagedkv serve`` and ``pagedkv bench serve``: their options and what they run.
+"""``pagedkv serve``: its options and what it runs.
 
-``pagedkv/cli.py`` wires them in with :func:`add_serve_parser` and :func:`add_bench_serve_parser`;
-each sets ``func`` (and ``run``, the name the main CLI dispatches on) to a function taking the
-parsed arguments and returning an exit status. Heavy imports (FastAPI, uvicorn, torch) happen
-only when a command runs, so ``pagedkv --help`` stays fast.
+``pagedkv/cli.py`` wires it in with :func:`add_serve_parser`, which sets ``func`` (and ``run``,
+the name the main CLI dispatches on) to a function taking the parsed arguments and returning an
+exit status. Heavy imports (FastAPI, uvicorn, torch) happen only when the command runs, so
+``pagedkv --help`` stays fast. ``pagedkv bench serve`` is in :mod:`pagedkv.bench.serve_cli`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 
-from pagedkv.cli_args import add_engine_options, build_engine, byte_size, positive_int
+from pagedkv.cli_args import add_command, add_engine_options, build_engine, byte_size
 
 #: Read when ``--api-key`` is not given, so the key need not appear in the process list.
 API_KEY_ENV = "PAGEDKV_API_KEY"
 
 
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'inf', got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"the request rate must be > 0 (or inf), got {text!r}")
-    return value
-
-
-# -- serve ------------------------------------------------------------------------------------------
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "serve",
-        help="an OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)",
-        description="Serve a model over the OpenAI API: POST /v1/completions and /v1/chat/completions "
-        "(stream: true gives server-sent events), GET /v1/models, /health and Prometheus /metrics. "
-        "Every HTTP client shares one engine step loop (continuous batching).",
-    )
+    """an OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)
+
+    Serve a model over the OpenAI API: POST /v1/completions and /v1/chat/completions (stream: true
+    gives server-sent events), GET /v1/models, /health and Prometheus /metrics. Every HTTP client
+    shares one engine step loop (continuous batching).
+    """
+    parser = add_command(subparsers, "serve", run_serve, add_serve_parser.__doc__)
     add_engine_options(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -64,7 +51,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="requests arriving while this many wait get 503 (default: %(default)s)",
     )
     server.add_argument("--log-level", default="info", help="uvicorn log level (default: %(default)s)")
-    parser.set_defaults(func=run_serve, run=run_serve, parser=parser)
     return parser
 
 
@@ -93,90 +79,3 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
-
-
-# -- bench serve ------------------------------------------------------------------------------------
-def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = bench_subparsers.add_parser(
-        "serve",
-        help="serving benchmark: a seeded workload at a Poisson rate against an OpenAI server",
-        description="Send --num-prompts streaming completions, arriving at --request-rate per second "
-        "(Poisson; inf = all at once), to --base-url, or to a server started in this process when no "
-        "URL is given. Reports request and token throughput, TTFT and inter-token latency percentiles, "
-        "and the server's peak KV-cache usage.",
-    )
-    target = parser.add_argument_group("target")
-    target.add_argument(
-        "--base-url", default=None, help="a running server, e.g. http://127.0.0.1:8000 (default: start one)"
-    )
-    target.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), help=f"default: ${API_KEY_ENV}")
-    target.add_argument(
-        "--served-model-name", default=None, help="model name to request (default: the server's first)"
-    )
-    workload = parser.add_argument_group("workload")
-    workload.add_argument("--num-prompts", type=positive_int, default=100, help="requests (default: 100)")
-    workload.add_argument(
-        "--request-rate", type=_rate, default=math.inf, help="requests per second, or inf (default: inf)"
-    )
-    workload.add_argument(
-        "--max-concurrency",
-        type=positive_int,
-        default=None,
-        help="most requests in flight (default: no cap)",
-    )
-    workload.add_argument(
-        "--input-len", type=positive_int, default=64, help="prompt length in words (default: 64)"
-    )
-    workload.add_argument(
-        "--output-len", type=positive_int, default=32, help="tokens to generate per request (default: 32)"
-    )
-    workload.add_argument(
-        "--range-ratio",
-        type=float,
-        default=0.0,
-        help="lengths vary uniformly within +-ratio of --input-len/--output-len (default: 0)",
-    )
-    workload.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
-    add_engine_options(parser)
-    parser.set_defaults(func=run_bench_serve, run=run_bench_serve, parser=parser)
-    return parser
-
-
-def run_bench_serve(args: argparse.Namespace) -> int:
-    import httpx
-
-    from pagedkv.server.bench import BenchConfig, print_report, run_benchmark
-
-    try:
-        config = BenchConfig(
-            num_prompts=args.num_prompts,
-            request_rate=args.request_rate,
-            max_concurrency=args.max_concurrency,
-            input_len=args.input_len,
-            output_len=args.output_len,
-            range_ratio=args.range_ratio,
-            seed=args.seed,
-            model=args.served_model_name,
-            api_key=args.api_key,
-        )
-    except ValueError as err:
-        args.parser.error(str(err))
-    if args.base_url is not None:
-        try:
-            result = run_benchmark(args.base_url, config)
-        except httpx.HTTPError as err:
-            print(f"error: the server at {args.base_url} failed: {err}", file=sys.stderr)
-            return 1
-    else:
-        from pagedkv.server.app import create_app
-        from pagedkv.server.runner import ServerThread
-
-        app = create_app(build_engine(args), api_key=args.api_key, max_waiting=None)
-        with ServerThread(app) as server:
-            result = run_benchmark(server.base_url, config)
-    if args.json:
-        print(json.dumps(result.to_json(), indent=2))
-    else:
-        print_report(result)
-    return 0 if result.failed == 0 else 1

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from starlette.types import Receive
 
 from pagedkv.engine import CompletionOutput, RequestOutput, SamplingParams
-from pagedkv.engine.sampler import TokenLogprobs
+from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.server.async_engine import AsyncEngine, Stream
 from pagedkv.server.errors import ClientGoneError
 from pagedkv.server.protocol import Usage

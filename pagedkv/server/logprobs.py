@@ -7,7 +7,7 @@ field carries the UTF-8 of that string.
 
 from __future__ import annotations
 
-from pagedkv.engine.sampler import TokenLogprobs
+from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.models import Tokenizer
 from pagedkv.server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
 

@@ -1,17 +1,13 @@
-"""The simulator's results as PNG figures (matplotlib, Agg canvas: no display needed).
-
-Figures are built on :class:`matplotlib.figure.Figure` directly rather than through pyplot, so
-nothing here touches pyplot's global state or the user's interactive backend.
-"""
+"""The simulator's results as PNG figures (matplotlib, Agg canvas: no display needed; see
+:mod:`pagedkv.plotting`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from pagedkv.plotting import new_figure, save, write_figures
 from pagedkv.sim.report import CATEGORY_LABELS, LABELS
 from pagedkv.sim.simulate import SimResult
 from pagedkv.sim.snapshot import ALLOCATORS
@@ -27,32 +23,20 @@ CATEGORY_COLORS = {
 REQUEST_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
 
 
-def _figure(width: float, height: float) -> Figure:
-    fig = Figure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
-def _save(fig: Figure, path: Path) -> Path:
-    fig.savefig(path, dpi=120)
-    return path
-
-
 def write_plots(result: SimResult, out_dir: str | Path) -> list[Path]:
     """Write every figure into ``out_dir`` (created if needed); return their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    return [
-        plot_utilization(result, out / "utilization_vs_batch.png"),
-        plot_waste_breakdown(result, out / "waste_breakdown.png"),
-        plot_block_sizes(result, out / "block_size_tradeoff.png"),
-        plot_memory_map(result, out / "memory_map.png"),
-        plot_trace(result, out / "dynamic_trace.png"),
-    ]
+    figures = {
+        "utilization_vs_batch.png": plot_utilization,
+        "waste_breakdown.png": plot_waste_breakdown,
+        "block_size_tradeoff.png": plot_block_sizes,
+        "memory_map.png": plot_memory_map,
+        "dynamic_trace.png": plot_trace,
+    }
+    return write_figures(result, out_dir, figures)
 
 
 def plot_utilization(result: SimResult, path: Path) -> Path:
-    fig = _figure(7, 4.2)
+    fig = new_figure(7, 4.2)
     ax = fig.add_subplot()
     sizes = [s.batch_size for s in result.snapshots]
     for name in ALLOCATORS:
@@ -66,7 +50,7 @@ def plot_utilization(result: SimResult, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(loc="center left", bbox_to_anchor=(0.0, 0.72))
     ax.set_title(f"Token states / reserved memory -- workload '{result.config.workload}'")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _stacked(ax, names: list[str], fractions: list[dict[str, float]], categories: list[str]) -> None:
@@ -85,7 +69,7 @@ def _stacked(ax, names: list[str], fractions: list[dict[str, float]], categories
 
 
 def plot_waste_breakdown(result: SimResult, path: Path) -> Path:
-    fig = _figure(11, 4.6)
+    fig = new_figure(11, 4.6)
     left, right = fig.subplots(1, 2)
     n = result.config.sweep_batch_size
     snap = next((s for s in result.snapshots if s.batch_size == n), result.snapshots[-1])
@@ -100,11 +84,11 @@ def plot_waste_breakdown(result: SimResult, path: Path) -> Path:
     _stacked(right, names, [result.trace[a].breakdown.fractions() for a in ALLOCATORS], list(CATEGORY_COLORS))
     right.set_title("(b) dynamic trace: time-averaged share of the KV memory")
     right.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_block_sizes(result: SimResult, path: Path) -> Path:
-    fig = _figure(7, 4.2)
+    fig = new_figure(7, 4.2)
     ax = fig.add_subplot()
     rows = result.block_sizes
     sizes = [r.block_size for r in rows]
@@ -131,14 +115,14 @@ def plot_block_sizes(result: SimResult, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(handles=waste + entries, loc="upper center")
     ax.set_title(f"Block size trade-off, {result.config.sweep_batch_size} requests in flight")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_memory_map(result: SimResult, path: Path) -> Path:
     """Which request owns each slot: contiguous reservations vs paged blocks (worked example)."""
     ex = result.example
     bs = ex.block_size
-    fig = _figure(11, 5.6)
+    fig = new_figure(11, 5.6)
     top, middle, bottom = fig.subplots(3, 1, height_ratios=[1, 1, 2.6])
     names = [chr(ord("A") + i) for i in range(len(ex.lengths))]
     colors = [REQUEST_COLORS[i % len(REQUEST_COLORS)] for i in range(len(ex.lengths))]
@@ -200,11 +184,11 @@ def plot_memory_map(result: SimResult, path: Path) -> Path:
         bbox_to_anchor=(1.0, 0.5),
         fontsize=8,
     )
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_trace(result: SimResult, path: Path) -> Path:
-    fig = _figure(9, 4.2)
+    fig = new_figure(9, 4.2)
     ax = fig.add_subplot()
     for name, run in result.trace.items():
         ax.plot(
@@ -219,4 +203,4 @@ def plot_trace(result: SimResult, path: Path) -> Path:
     )
     ax.grid(alpha=0.3)
     ax.legend(loc="lower center", ncol=2)
-    return _save(fig, path)
+    return save(fig, path)

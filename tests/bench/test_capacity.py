@@ -9,16 +9,12 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from pagedkv.bench.capacity import (
-    KV_POLICIES,
-    CapacityConfig,
-    PolicyRun,
-    StepSample,
-    add_bench_capacity_parser,
-    length_biased_prediction,
-    run_capacity_demo,
-)
-from pagedkv.engine import kv_policy
+from pagedkv.bench.capacity import PolicyRun, StepSample
+from pagedkv.bench.capacity_cli import add_bench_capacity_parser, run_capacity_demo
+from pagedkv.bench.capacity_config import CapacityConfig
+from pagedkv.bench.capacity_prediction import length_biased_prediction
+from pagedkv.bench.driver import EngineOptions
+from pagedkv.engine.kv_policy import KV_POLICIES
 from pagedkv.sim.workloads import Workload
 
 
@@ -103,7 +99,7 @@ def test_a_batch_that_never_fills_memory_has_no_full_window():
 
 
 def test_length_biased_prediction_weights_each_request_by_its_output():
-    config = CapacityConfig(kv_tokens=4096, max_model_len=2048, block_size=16)
+    config = CapacityConfig(kv_tokens=4096, max_model_len=2048, engine=EngineOptions(block_size=16))
     # 16 + (0, 1) tokens hold 1, 2 blocks; 32 + (0..5) hold 2, 3, 3, 3, 3, 3: 20 blocks over 8 steps
     predicted = length_biased_prediction(config, [([0] * 16, 2), ([0] * 32, 6)])
     assert predicted["paged"] == pytest.approx(4096 / (20 * 16 / 8))
@@ -112,16 +108,17 @@ def test_length_biased_prediction_weights_each_request_by_its_output():
     assert predicted["contiguous"] == 2
 
 
-def test_the_policies_are_the_engines():
-    assert [p.name for p in KV_POLICIES] == ["paged", "contiguous", "contiguous-oracle"]
-    assert KV_POLICIES is kv_policy.KV_POLICIES
+def test_every_engine_policy_runs_in_table_order(demo):
+    result, _, _ = demo
+    assert list(result.runs) == [p.name for p in KV_POLICIES] == ["paged", "contiguous", "contiguous-oracle"]
 
 
 def test_requests_are_the_simulators_lengths_divided_by_scale():
     lengths = Workload("sharegpt", 2048).sample(np.random.default_rng(7), 20)
     full = CapacityConfig(workload="sharegpt", num_requests=20, seed=7).requests(2048)
     assert [(len(p), m) for p, m in full] == [(r.prompt_len, r.output_len) for r in lengths]
-    scaled = CapacityConfig(workload="sharegpt", num_requests=20, seed=7, scale=8).requests(2048)
+    scaled = CapacityConfig(workload="sharegpt", num_requests=20, seed=7, engine=EngineOptions(scale=8))
+    scaled = scaled.requests(2048)
     assert all(len(p) + m <= 256 for p, m in scaled)
     assert [len(p) for p, _ in scaled] == [max(1, r.prompt_len // 8) for r in lengths]
 
@@ -130,7 +127,7 @@ def test_requests_are_the_simulators_lengths_divided_by_scale():
     ("options", "message"),
     [
         ({"kv_tokens": 1024}, "cannot hold even one contiguous reservation"),
-        ({"scale": 3}, "scale 3 must divide max_model_len"),
+        ({"engine": EngineOptions(scale=3)}, "scale 3 must divide max_model_len"),
         ({"workload": "shared-prefix"}, "workload must be one of"),
         ({"num_requests": 0}, "num_requests must be a positive integer, got 0"),
         ({"kv_tokens": 4100}, "whole number of 16-token blocks"),

@@ -14,16 +14,10 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from pagedkv.bench.sharing import (
-    EngineOptions,
-    ForkConfig,
-    MeasuredEngine,
-    PrefixConfig,
-    parallel_saving_once_done,
-    run_prefix_point,
-    run_sharing,
-)
+from pagedkv.bench.driver import EngineOptions, MeasuredEngine
+from pagedkv.bench.sharing import parallel_saving_once_done, run_prefix_point, run_sharing
 from pagedkv.bench.sharing_cli import add_bench_sharing_parser
+from pagedkv.bench.sharing_config import ForkConfig, PrefixConfig
 from pagedkv.bench.sharing_plots import write_sharing_plots
 from pagedkv.bench.sharing_report import print_sharing
 from pagedkv.engine import SamplingParams
@@ -33,8 +27,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def _engine() -> MeasuredEngine:
     options = EngineOptions()
-    return MeasuredEngine(
-        options.engine_config(num_kv_blocks=32, max_model_len=128, max_num_seqs=4, caching=True)
+    return MeasuredEngine.start(
+        options.engine_config(num_kv_blocks=32, max_model_len=128, max_num_seqs=4, enable_prefix_caching=True)
     )
 
 
@@ -49,19 +43,19 @@ def test_second_identical_request_computes_only_the_tokens_after_the_last_cached
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     engine.submit("first", prompt, params)
     engine.drain()
-    assert sum(s.prefill_tokens for s in engine.samples) == prompt_len  # nothing was cached yet
-    kv = engine.engine.kv_manager
-    mark, queries, hits = len(engine.samples), kv.prefix_query_tokens, kv.prefix_hit_tokens
+    assert sum(s.prefill_tokens for s in engine.steps) == prompt_len  # nothing was cached yet
+    mark = len(engine.steps)
 
     engine.submit("second", prompt, params)
     engine.drain()
 
     expected = SECOND_REQUEST_COMPUTES[prompt_len]
-    assert sum(s.prefill_tokens for s in engine.samples[mark:]) == expected
-    assert (kv.prefix_query_tokens - queries) - (kv.prefix_hit_tokens - hits) == expected
+    second = engine.steps[mark:]
+    assert sum(s.prefill_tokens for s in second) == expected
+    assert sum(s.prefix_cache_queries for s in second) - sum(s.prefix_cache_hits for s in second) == expected
     assert engine.cached_tokens["second"] == prompt_len - expected
     assert engine.outputs["second"] == engine.outputs["first"]
-    assert kv.usage().used_blocks == 0
+    assert engine.engine.stats().kv.used_blocks == 0
 
 
 @pytest.mark.parametrize("warm", [False, True])

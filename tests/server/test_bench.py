@@ -1,4 +1,5 @@
-"""``pagedkv bench serve`` against the test server: a short seeded run, its figures consistent."""
+"""``pagedkv bench serve`` (pagedkv/bench/serve.py) against the test server: a short seeded run, its
+figures consistent. It lives with the server tests, whose fixtures start the server."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import math
 
 import pytest
 
-from pagedkv.server.bench import BenchConfig, make_workload, print_report, run_benchmark
-from pagedkv.server.cli import add_bench_serve_parser
+from pagedkv.bench.serve import BenchConfig, make_workload, print_report, run_benchmark
+from pagedkv.bench.serve_cli import add_bench_serve_parser
 from tests.server.helpers import API_KEY, wait_idle
 
 

@@ -1,4 +1,4 @@
-"""A serving benchmark in the style of vLLM's ``benchmark_serving``.
+"""``pagedkv bench serve``: a serving benchmark in the style of vLLM's ``benchmark_serving``.
 
 A seeded workload (prompts of random corpus words, fixed output lengths with ``ignore_eos``)
 is sent as streaming completions whose arrival times follow a Poisson process at
