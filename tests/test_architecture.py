@@ -1,0 +1,120 @@
+"""The package's shape, read from its source: imports point one way, layers stay apart.
+
+Every ``import`` counts -- module level, under ``TYPE_CHECKING`` and deferred inside functions --
+and ``from pkg import name`` counts as importing the module ``pkg.name`` when there is one.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "pagedkv"
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.update(
+                f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                for a in node.names
+            )
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _layer(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                cycles.append(sorted([v, *component]))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_the_graph_is_read_and_a_cycle_would_show():
+    assert "pagedkv.engine.executor.plan" in GRAPH["pagedkv.engine.model_runner"]
+    assert len(MODULES) > 80
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_itself_back():
+    assert _cycles(GRAPH) == []
+
+
+def test_no_two_layers_import_each_other():
+    layers: dict[str, set[str]] = {}
+    for module, targets in GRAPH.items():
+        layers.setdefault(_layer(module), set()).update(
+            _layer(t) for t in targets if _layer(t) != _layer(module)
+        )
+    assert _cycles(layers) == []
+
+
+@pytest.mark.parametrize(
+    ("layer", "forbidden"),
+    [
+        # memory/ is pure Python: no tensors, no requests
+        ("pagedkv.memory", {"pagedkv.attention", "pagedkv.engine", "pagedkv.models", "pagedkv.server"}),
+        # attention/ knows nothing of requests
+        ("pagedkv.attention", {"pagedkv.engine", "pagedkv.models", "pagedkv.server", "pagedkv.bench"}),
+        ("pagedkv.models", {"pagedkv.engine", "pagedkv.server", "pagedkv.bench"}),
+        ("pagedkv.engine", {"pagedkv.server", "pagedkv.bench", "pagedkv.cli", "pagedkv.cli_args"}),
+    ],
+)
+def test_lower_layers_never_import_upper_ones(layer, forbidden):
+    imported = {_layer(t) for m, targets in GRAPH.items() if _layer(m) == layer for t in targets}
+    assert not imported & forbidden
+
+
+def test_the_engine_reaches_the_model_only_through_the_executor():
+    """Only the executor and the model runner it owns import the model and KV tensor code."""
+    touching = {
+        m
+        for m, targets in GRAPH.items()
+        if m.startswith("pagedkv.engine")
+        and any(t.startswith(("pagedkv.attention", "pagedkv.models.loader")) for t in targets)
+    }
+    assert touching <= {"pagedkv.engine.executor.in_process", "pagedkv.engine.model_runner"}
