@@ -6,6 +6,7 @@ returns to the pool, and /health stays green.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import httpx
@@ -57,6 +58,14 @@ async def _read_then_leave(client: httpx.AsyncClient, body: dict, events: int) -
     return seen
 
 
+async def _open_stream(client: httpx.AsyncClient, prompt: str):
+    """A streaming request whose response has started; the caller closes it (``__aexit__``)."""
+    stream = client.stream("POST", "/v1/completions", json=_body(prompt, stream=True), headers=AUTH)
+    response = await stream.__aenter__()
+    assert response.status_code == 200
+    return stream
+
+
 def test_clients_disconnecting_mid_stream_are_aborted_and_others_finish(base_url, engine, reference):
     rng = random.Random(0)
     leaving = [(_body(p), rng.randint(0, 6)) for p in prompts(12, seed=21)]
@@ -88,20 +97,11 @@ def test_requests_aborted_while_queued_leave_the_queue_at_once(base_url, engine)
 
     async def run():
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
-
-            async def open_stream(prompt):
-                stream = client.stream(
-                    "POST", "/v1/completions", json=_body(prompt, stream=True), headers=AUTH
-                )
-                response = await stream.__aenter__()
-                assert response.status_code == 200
-                return stream
-
-            running = [await open_stream(p) for p in prompts(slots, seed=31)]
+            running = [await _open_stream(client, p) for p in prompts(slots, seed=31)]
             await asyncio.to_thread(
                 wait_until, lambda: scrape(base_url)["vllm:num_requests_running"] == slots, 20, "full batch"
             )
-            queued = [await open_stream(p) for p in prompts(8, seed=32)]
+            queued = [await _open_stream(client, p) for p in prompts(8, seed=32)]
             await asyncio.to_thread(
                 wait_until, lambda: scrape(base_url)["vllm:num_requests_waiting"] == 8, 20, "8 queued"
             )
@@ -128,12 +128,35 @@ def test_requests_aborted_while_queued_leave_the_queue_at_once(base_url, engine)
 
 
 def test_non_streaming_client_that_gives_up_is_aborted(base_url, engine):
+    """The client gives up while its request waits behind a full batch: the test waits on the
+    server's queue, never on how fast the engine is (it used to race a 0.3 s client timeout)."""
+    slots = ENGINE_OPTIONS["max_num_seqs"]
     before = scrape(base_url)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base_url}/v1/completions", json=_body("wait for me"), headers=AUTH, timeout=0.3)
-    after = wait_idle(base_url, timeout=10)
+
+    def metric_is(name: str, value: int, what: str):
+        return asyncio.to_thread(wait_until, lambda: scrape(base_url)[name] == value, 20, what)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            running = [await _open_stream(client, p) for p in prompts(slots, seed=41)]
+            await metric_is("vllm:num_requests_running", slots, "a full batch")
+            leaving = httpx.AsyncClient(base_url=base_url, timeout=60)
+            waiting = asyncio.ensure_future(
+                leaving.post("/v1/completions", json=_body("wait for me"), headers=AUTH)
+            )
+            await metric_is("vllm:num_requests_waiting", 1, "the request to queue")
+            waiting.cancel()  # the client gives up: its connection closes
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            await leaving.aclose()
+            await metric_is("vllm:num_requests_waiting", 0, "the request to leave the queue")
+            for stream in running:
+                await stream.__aexit__(None, None, None)
+
+    asyncio.run(run())
+    after = wait_idle(base_url, timeout=15)
     assert_pool_whole(engine)
-    assert after[ABORTS] - before[ABORTS] == 1
+    assert after[ABORTS] - before[ABORTS] == slots + 1
 
 
 def test_malformed_requests_among_valid_ones(base_url, engine, reference):
