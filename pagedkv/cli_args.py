@@ -98,6 +98,28 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--attention-backend", default=None, help="torch, cpu or triton (default: triton on CUDA, else cpu)"
     )
+    limits = parser.add_argument_group("request limits (over a limit: refused, naming it)")
+    limits.add_argument(
+        "--max-n", type=positive_int, default=None, help="most samples per prompt (default: 128)"
+    )
+    limits.add_argument(
+        "--max-beam-width", type=positive_int, default=None, help="most beams of a beam search (default: 32)"
+    )
+    limits.add_argument(
+        "--max-request-tokens",
+        type=positive_int,
+        default=None,
+        help="most tokens one request may ask for: samples x (prompt + max_tokens), summed over its "
+        "prompts (default: 262144)",
+    )
+
+
+def request_limits(args: argparse.Namespace):
+    """The engine's ``RequestLimits``: its defaults, with the limits given on the command line."""
+    from pagedkv.engine import RequestLimits
+
+    names = ("max_n", "max_beam_width", "max_request_tokens")
+    return RequestLimits(**{name: getattr(args, name) for name in names if getattr(args, name) is not None})
 
 
 def engine_config(args: argparse.Namespace):
@@ -116,6 +138,7 @@ def engine_config(args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching,
         kv_policy=args.kv_policy,
         attention_backend=args.attention_backend,
+        limits=request_limits(args),
     )
 
 

@@ -1,9 +1,10 @@
 """Requests in, tokens out: sampling parameters, scheduler, model runner, sampler, engine."""
 
 from pagedkv.engine.beam_search import BeamSearchParams
-from pagedkv.engine.engine import EngineConfig, InvalidRequestError, LLMEngine
+from pagedkv.engine.engine import EngineConfig, LLMEngine
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.validation import InvalidRequestError, RequestLimits
 
 __all__ = [
     "BeamSearchParams",
@@ -11,6 +12,7 @@ __all__ = [
     "EngineConfig",
     "InvalidRequestError",
     "LLMEngine",
+    "RequestLimits",
     "RequestOutput",
     "SamplingParams",
 ]

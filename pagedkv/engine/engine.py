@@ -8,7 +8,7 @@ the blocks of whatever finished. The offline ``LLM`` and the HTTP server both dr
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,18 +22,23 @@ from pagedkv.engine.beam_search import (
     best_hypotheses,
     rank_candidates,
 )
+from pagedkv.engine.fault_isolation import error_message, sample_rows
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.sequence import Request, Sequence
-from pagedkv.memory import KVCacheManager, blocks_for, parse_bytes
+from pagedkv.engine.validation import (
+    InvalidRequestError,
+    RequestLimits,
+    check_context,
+    check_fits_cache,
+    check_text,
+    check_token_ids,
+)
+from pagedkv.memory import KVCacheManager, parse_bytes
 from pagedkv.models import ModelConfig, builtin_model_path, load_model, load_tokenizer
-
-
-class InvalidRequestError(ValueError):
-    """A request that can never be served as asked (too long, too big for the cache, ...)."""
 
 
 @dataclass
@@ -54,6 +59,8 @@ class EngineConfig:
     attention_backend: str | None = None
     #: "paged", or "contiguous" / "contiguous-oracle" to measure the reservation it replaces.
     kv_policy: str = "paged"
+    #: The most one request may ask for (samples, beams, tokens).
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 class LLMEngine:
@@ -101,11 +108,20 @@ class LLMEngine:
     ) -> Request:
         """Validate and queue a request; raises :class:`InvalidRequestError` with the reason."""
         params = params or SamplingParams()
+        self.config.limits.check_n(params.n)
+        return self._queue(request_id, prompt, params, params.n)
+
+    def _queue(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, samples: int
+    ) -> Request:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(token_ids, params)
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        self._validate(token_ids, params, samples)
         request = Request(request_id, text, token_ids, params, arrival_time=time.monotonic())
         seq = Sequence(request, 0, list(token_ids), make_generator(params.seed, 0))
         seq.detokenizer = self.tokenizer.detokenizer(token_ids)
@@ -114,27 +130,17 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty: at least one token is needed")
+    def _validate(self, token_ids: list[int], params: SamplingParams, samples: int) -> None:
         vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        check_token_ids(token_ids, vocab, "prompt")
+        check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
+        check_context(len(token_ids), params.max_tokens, self.max_model_len)
         total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the request "
-                f"asks for {total} ({len(token_ids)} in the prompt + {params.max_tokens} max_tokens)"
-            )
-        usable = self.kv.num_blocks - self.kv.watermark_blocks
+        self.config.limits.check_tokens(
+            samples * total, f"{samples} x ({len(token_ids)} prompt + {params.max_tokens} max_tokens)"
+        )
         reserved = self.max_model_len if self.scheduler.kv_policy == "contiguous" else total
-        needed = blocks_for(reserved, self.kv.block_size)
-        if needed > usable:
-            raise InvalidRequestError(
-                f"the request can never fit in the KV cache: {reserved} tokens need {needed} blocks of "
-                f"{self.kv.block_size} tokens, but only {usable} of {self.kv.num_blocks} blocks are usable"
-            )
+        check_fits_cache(reserved, self.kv.block_size, self.kv.num_blocks, self.kv.watermark_blocks)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (queued or running); its blocks return at once."""
@@ -180,15 +186,13 @@ class LLMEngine:
                 rows.extend(group)
                 num_sampled += 1
         touched: dict[str, Request] = {}
+        failures: dict[str, BaseException] = {}
         if rows:
-            sampled = self.sampler(
-                logits[row_logits],
-                [s.request.params for s in rows],
-                [s.generator for s in rows],
-                [s.output_token_ids for s in rows],
-                [s.request.prompt_token_ids for s in rows],
-            )
+            sampled = sample_rows(self.sampler, logits[row_logits], rows)
+            failures = sampled.failures
             for seq, token, logprobs in zip(rows, sampled.token_ids, sampled.logprobs, strict=True):
+                if token is None:  # its request failed: finished below
+                    continue
                 self._append_token(seq, token, logprobs)
                 if seq.request.first_token_time is None:
                     seq.request.first_token_time = now
@@ -201,16 +205,28 @@ class LLMEngine:
         for seq in rows:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
+        for request_id, error in failures.items():
+            touched[request_id] = self._fail(self.requests[request_id], error)
         outputs = [self._output(request) for request in touched.values()]
         for request in touched.values():
             if request.is_finished:
                 self.requests.pop(request.request_id, None)
         return outputs
 
+    def _fail(self, request: Request, error: BaseException) -> Request:
+        """End every sequence of ``request`` with ``finish_reason="error"``; its blocks return now."""
+        request.error = error_message(request, error)
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "error"
+        return request
+
     def add_beam_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> Request:
         """Queue a beam search; its result arrives as one RequestOutput, beams best first."""
+        self.config.limits.check_beam_width(params.beam_width)
         sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos)
-        request = self.add_request(request_id, prompt, sampling)
+        request = self._queue(request_id, prompt, sampling, params.beam_width)
         request.beam = BeamState(params, self.eos_token_ids)
         return request
 
@@ -329,6 +345,7 @@ class LLMEngine:
             finished=request.is_finished,
             num_cached_tokens=request.num_cached_tokens,
             metrics=metrics,
+            error=request.error,
         )
 
     def _beam_completions(self, request: Request) -> list[CompletionOutput]:

@@ -12,6 +12,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from pagedkv.engine.validation import unpaired_surrogate_at
+
 #: Below this temperature a request is greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by a
 #: near-zero temperature would overflow, and the limit of the distribution is the argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -144,6 +146,8 @@ class SamplingParams:
             raise _fail("stop", "a string or a list of strings", stop)
         if any(s == "" for s in items):
             raise _fail("stop", "made of non-empty strings", stop)
+        if any(unpaired_surrogate_at(s) is not None for s in items):
+            raise _fail("stop", "valid Unicode text (no unpaired surrogate)", stop)
         return list(items)
 
     @staticmethod

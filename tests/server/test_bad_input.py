@@ -15,7 +15,7 @@ import pytest
 from pagedkv.engine import EngineConfig
 from pagedkv.server import ServerThread, create_app
 from tests.server.conftest import MAX_BODY_BYTES
-from tests.server.helpers import API_KEY, MODEL, assert_pool_whole, scrape, wait_idle, wait_until
+from tests.server.helpers import API_KEY, MODEL, EngineGate, assert_pool_whole, scrape, wait_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 JSON = {"Content-Type": "application/json"}
@@ -168,6 +168,7 @@ def test_a_request_that_can_never_fit_in_the_cache_gets_400(tight_server):
 
 
 def test_a_full_waiting_queue_gets_503_and_recovers(tight_server):
+    """A runs (held after its first token), B waits: C finds the one waiting slot taken."""
     base_url = tight_server.base_url
     long = _completion(max_tokens=600, ignore_eos=True, stream=True)
 
@@ -175,22 +176,22 @@ def test_a_full_waiting_queue_gets_503_and_recovers(tight_server):
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
             running = client.stream("POST", "/v1/completions", json=long)
             assert (await running.__aenter__()).status_code == 200
-            await asyncio.to_thread(
-                wait_until, lambda: scrape(base_url)["vllm:num_requests_running"] == 1, 10, "A running"
-            )
+            gate.open_until(lambda outputs: bool(outputs))
+            await asyncio.to_thread(gate.holding.wait, 30)
             waiting = client.stream("POST", "/v1/completions", json=long)
             assert (await waiting.__aenter__()).status_code == 200
-            await asyncio.to_thread(
-                wait_until, lambda: scrape(base_url)["vllm:num_requests_waiting"] == 1, 10, "B waiting"
-            )
+            metrics = scrape(base_url)
+            assert metrics["vllm:num_requests_running"] == 1 and metrics["vllm:num_requests_waiting"] == 1
             refused = await client.post("/v1/completions", json=_completion())
             for stream in (waiting, running):
                 await stream.__aexit__(None, None, None)
             return refused
 
-    refused = asyncio.run(run())
+    with EngineGate(tight_server.app.state.engine.engine) as gate:
+        gate.close()
+        refused = asyncio.run(run())
+        wait_idle(base_url)
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "queue_full"
-    wait_idle(base_url)
     assert httpx.post(f"{base_url}/v1/completions", json=_completion(), timeout=30).status_code == 200
     assert_pool_whole(tight_server.app.state.engine.engine)

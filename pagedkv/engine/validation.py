@@ -1,0 +1,132 @@
+"""Checks a request must pass before it takes any engine state, and the limits a deployer sets.
+
+``SamplingParams`` checks each field on its own. What is checked here needs the model or the
+deployment: token ids against the vocabulary, the context length, and :class:`RequestLimits`,
+which bound what one request may ask for. Without them one request could ask for a million
+samples (the process grows until the kernel kills it) or a stop token the logits do not have (an
+index error inside a batched step, where it would take other requests down with it). A refusal is
+an :class:`InvalidRequestError` that names the field (``param``) and, for a limit, its value.
+
+Text is checked for unpaired UTF-16 surrogates (``"\\ud800"``): JSON can carry them, Python
+strings can hold them, but they are not Unicode text and the tokenizer refuses them.
+"""
+
+from __future__ import annotations
+
+import numbers
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedkv.memory import blocks_for
+
+#: A surrogate code point standing alone (a valid pair is one code point in a Python str).
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never be served as asked; ``param`` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The most one request may ask for; the defaults keep one request from exhausting a host.
+
+    ``max_request_tokens`` bounds samples x (prompt + ``max_tokens``) of one engine request (the
+    server also applies it to the sum over a batch of prompts): the tokens a request may make the
+    engine hold and compute, whatever ``n`` and the lengths are.
+    """
+
+    #: Most parallel samples (``n``) per prompt; OpenAI's own API caps ``n`` at 128.
+    max_n: int = 128
+    #: Most beams of a beam search.
+    max_beam_width: int = 32
+    #: Most tokens one request may ask for: samples x (prompt + max_tokens), over its prompts.
+    max_request_tokens: int = 1 << 18
+
+    def __post_init__(self) -> None:
+        for name in ("max_n", "max_beam_width", "max_request_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RequestLimits.{name} must be a positive integer, got {value!r}")
+
+    def check_n(self, n: int) -> None:
+        if n > self.max_n:
+            raise InvalidRequestError(f"n = {n} is over the limit max_n = {self.max_n} (--max-n)", param="n")
+
+    def check_beam_width(self, beam_width: int) -> None:
+        if beam_width > self.max_beam_width:
+            raise InvalidRequestError(
+                f"beam_width = {beam_width} is over the limit max_beam_width = {self.max_beam_width} "
+                "(--max-beam-width)",
+                param="beam_width",
+            )
+
+    def check_tokens(self, requested: int, detail: str) -> None:
+        """``requested``: samples x (prompt + max_tokens), summed over prompts; ``detail`` says how."""
+        if requested > self.max_request_tokens:
+            raise InvalidRequestError(
+                f"the request asks for up to {requested} tokens ({detail}), over the limit "
+                f"max_request_tokens = {self.max_request_tokens} (--max-request-tokens)",
+                param="max_tokens",
+            )
+
+
+def unpaired_surrogate_at(text: str) -> int | None:
+    """Index of the first unpaired surrogate in ``text``, or None if it is valid Unicode."""
+    match = _SURROGATE.search(text)
+    return match.start() if match else None
+
+
+def check_text(text: str, param: str) -> None:
+    """Refuse text the tokenizer cannot take: an unpaired surrogate is not a character."""
+    at = unpaired_surrogate_at(text)
+    if at is not None:
+        raise InvalidRequestError(
+            f"{param} holds an unpaired UTF-16 surrogate {text[at]!a} at character {at}: it is not "
+            "valid Unicode text",
+            param=param,
+        )
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """Every id must index a row of the model's logits: ``0 <= id < vocab_size``."""
+    bad = [
+        t
+        for t in token_ids
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size
+    ]
+    if bad:
+        raise InvalidRequestError(
+            f"{param} holds {bad[:5]!r}, which are not token ids of the vocabulary [0, {vocab_size})",
+            param=param,
+        )
+
+
+def check_context(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
+    """Prompt and output must fit in the model's context; ``param`` says which one is too long."""
+    if prompt_len == 0:
+        raise InvalidRequestError("the prompt is empty: at least one token is needed", param="prompt")
+    total = prompt_len + max_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {max_model_len} tokens, but the request asks for "
+            f"{total} ({prompt_len} in the prompt + {max_tokens} max_tokens)",
+            param="prompt" if prompt_len >= max_model_len else "max_tokens",
+        )
+
+
+def check_fits_cache(tokens: int, block_size: int, num_blocks: int, watermark_blocks: int) -> None:
+    """A request whose ``tokens`` need more blocks than the pool can ever give would wait forever."""
+    usable = num_blocks - watermark_blocks
+    needed = blocks_for(tokens, block_size)
+    if needed > usable:
+        raise InvalidRequestError(
+            f"the request can never fit in the KV cache: {tokens} tokens need {needed} blocks of "
+            f"{block_size} tokens, but only {usable} of {num_blocks} blocks are usable",
+            param="max_tokens",
+        )
