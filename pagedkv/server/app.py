@@ -27,6 +27,7 @@ from pagedkv.server.errors import APIError, ClientGoneError
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from pagedkv.server.openapi import error_responses, event_stream_or, install_openapi
+from pagedkv.server.prompts import PromptEncoder
 from pagedkv.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -146,6 +147,7 @@ def create_app(
     ctx = ServingContext(
         engine=async_engine,
         tokenizer=engine.tokenizer,
+        encoder=PromptEncoder(engine.tokenizer, engine.max_model_len),
         model_name=model_name,
         max_model_len=engine.max_model_len,
         kv_capacity_tokens=(kv.num_blocks - kv.watermark_blocks) * kv.block_size,

@@ -28,7 +28,7 @@ from pagedkv.server.async_engine import Aborted, AsyncEngine
 from pagedkv.server.errors import APIError, EngineRequestError
 from pagedkv.server.generation import ChoiceDelta, Generation, collect_unless_disconnected
 from pagedkv.server.logprobs import LogprobFormatter
-from pagedkv.server.prompts import encode_chat, encode_prompt
+from pagedkv.server.prompts import PromptEncoder
 from pagedkv.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -52,6 +52,7 @@ class ServingContext:
 
     engine: AsyncEngine
     tokenizer: Tokenizer
+    encoder: PromptEncoder
     model_name: str
     max_model_len: int
     #: Most tokens (prompt + output) one request can ever hold in the KV cache.
@@ -176,7 +177,10 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     params = body.sampling_params()
     texts = body.prompts()
     ctx.check_size(len(texts), params)
-    prompts = [encode_prompt(ctx.tokenizer, p) for p in texts]
+    try:
+        prompts = [ctx.encoder.encode(p, params.max_tokens) for p in texts]
+    except InvalidRequestError as err:
+        raise APIError.from_value_error(err) from None
     ctx.check_tokens(prompts, params)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     generation = await _start(ctx, request_id, prompts, params)
@@ -236,7 +240,9 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
 def _chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
     messages = [m.as_template_dict() for m in body.messages]
     try:
-        return encode_chat(ctx.tokenizer, messages)
+        return ctx.encoder.encode_chat(messages, body.max_completion_tokens or body.max_tokens or 1)
+    except InvalidRequestError as err:  # provably longer than the context
+        raise APIError.from_value_error(err) from None
     except (ValueError, jinja2.TemplateError) as err:
         raise APIError.bad_request(
             f"the chat template failed on these messages: {err}", param="messages"
