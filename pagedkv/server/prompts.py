@@ -83,12 +83,12 @@ class PromptEncoder:
         length = len(normalizer.normalize_str(text)) if normalizer is not None else len(text)
         return -(-length // self.chars_per_token)
 
-    def _refuse_hopeless(self, text: str, max_tokens: int) -> None:
-        room = self.max_model_len - max_tokens
-        if self.chars_per_token is None or len(text) <= room * self.chars_per_token:
+    def _refuse_hopeless(self, text: str) -> None:
+        """Refuse a text whose tokens alone fill the context (the rest is checked on its ids)."""
+        if self.chars_per_token is None or len(text) < self.max_model_len * self.chars_per_token:
             return  # no bound to apply, or the text may fit (a normalizer that grew it: tokenized)
         at_least = self.min_tokens(text)
-        if at_least + max_tokens > self.max_model_len:
+        if at_least >= self.max_model_len:
             raise InvalidRequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
                 f"alone has at least {at_least} ({len(text)} characters; no token of this tokenizer "
@@ -96,15 +96,15 @@ class PromptEncoder:
                 param="prompt",
             )
 
-    def encode(self, prompt: str | list[int], max_tokens: int) -> list[int]:
+    def encode(self, prompt: str | list[int]) -> list[int]:
         """Text is tokenized (special tokens added, as ``LLM.generate`` does); ids pass through."""
         if isinstance(prompt, str):
-            self._refuse_hopeless(prompt, max_tokens)
+            self._refuse_hopeless(prompt)
             return _released_after(self.tokenizer.encode(prompt))
         return list(prompt)
 
-    def encode_chat(self, messages: list[dict[str, Any]], max_tokens: int) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         """The conversation through the model's chat template, then tokenized."""
         text = self.tokenizer.apply_chat_template(messages)
-        self._refuse_hopeless(text, max_tokens)
+        self._refuse_hopeless(text)
         return _released_after(self.tokenizer.encode(text, add_special_tokens=False))

@@ -178,7 +178,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     texts = body.prompts()
     ctx.check_size(len(texts), params)
     try:
-        prompts = [ctx.encoder.encode(p, params.max_tokens) for p in texts]
+        prompts = [ctx.encoder.encode(p) for p in texts]
     except InvalidRequestError as err:
         raise APIError.from_value_error(err) from None
     ctx.check_tokens(prompts, params)
@@ -240,7 +240,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
 def _chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
     messages = [m.as_template_dict() for m in body.messages]
     try:
-        return ctx.encoder.encode_chat(messages, body.max_completion_tokens or body.max_tokens or 1)
+        return ctx.encoder.encode_chat(messages)
     except InvalidRequestError as err:  # provably longer than the context
         raise APIError.from_value_error(err) from None
     except (ValueError, jinja2.TemplateError) as err:

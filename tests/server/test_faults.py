@@ -175,6 +175,10 @@ def test_malformed_requests_among_valid_ones(base_url, engine, reference):
         b'{"model": "pagedkv-builtin", "prompt": "x", "temperature": -1}',
         b'{"model": "pagedkv-builtin", "prompt": "x", "max_tokens": 1000}',
         b'{"model": "gpt-4", "prompt": "x"}',
+        # The issue's reproductions: each used to take the engine step (and these streams) down.
+        b'{"prompt": "hi", "max_tokens": 5, "min_tokens": 1, "stop_token_ids": [2048]}',
+        b'{"prompt": "hello", "n": 1000000, "max_tokens": 3}',
+        b'{"prompt": "a\\ud800b", "max_tokens": 3}',
     ]
 
     async def run():
@@ -205,7 +209,7 @@ def test_malformed_requests_among_valid_ones(base_url, engine, reference):
         valid, [SamplingParams(max_tokens=10, seed=i) for i in range(10)], use_tqdm=False
     )
     assert results[:10] == [out.outputs[0].text for out in expected]
-    assert results[10:] == [400, 400, 400, 400, 200]
+    assert results[10:] == [400] * len(bad) + [200]
     wait_idle(base_url)
     assert_pool_whole(engine)
 
@@ -258,3 +262,34 @@ def test_an_engine_failure_fails_its_requests_but_not_the_server(small_cache_ser
     assert_pool_whole(engine)
     again = httpx.post(f"{base_url}/v1/completions", json=_body("fine now", max_tokens=4), timeout=30)
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4
+
+
+def _sse_events(response: httpx.Response) -> list[dict | str]:
+    return [
+        line[6:] if line == "data: [DONE]" else httpx.Response(200, content=line[6:]).json()
+        for line in response.text.splitlines()
+        if line.startswith("data: ")
+    ]
+
+
+def test_a_stream_the_engine_aborts_still_ends_every_choice(small_cache_server):
+    """A failing step aborts the streams in flight: each choice gets its finish_reason first."""
+    base_url = small_cache_server.base_url
+    engine = small_cache_server.app.state.engine.engine
+    real_step = engine.step
+
+    def failing_step():
+        engine.step = real_step
+        raise RuntimeError("injected fault")
+
+    engine.step = failing_step
+    body = _body("fail my stream", max_tokens=4, n=2, stream=True)
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200  # the stream had started
+    *chunks, error, done = _sse_events(response)
+    assert sorted(c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]) == [0, 1]
+    assert {c["choices"][0]["finish_reason"] for c in chunks} == {"abort"}
+    assert error["error"]["code"] == "aborted" and "request id cmpl-" in error["error"]["message"]
+    assert done == "[DONE]"
+    wait_idle(base_url)
+    assert_pool_whole(engine)
