@@ -172,11 +172,11 @@ async def _respond(request: Request, generation: Generation) -> list[list[Choice
 
 # -- /v1/completions ---------------------------------------------------------------------------
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext) -> Response:
-    body.check_text()
     ctx.check_model(body.model)
     params = body.sampling_params()
     texts = body.prompts()
-    ctx.check_size(len(texts), params)
+    ctx.check_size(len(texts), params)  # first: a 200k-prompt list is refused before it is read
+    body.check_text()
     try:
         prompts = [ctx.encoder.encode(p) for p in texts]
     except InvalidRequestError as err:
