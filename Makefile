@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q "$(TORCH_PIN)" -e ".[test,server]"
+	$(PY) -m pip install -q "$(TORCH_PIN)" -e ".[test]"
 	touch $@
 
 install: $(VENV)/.installed

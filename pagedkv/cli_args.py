@@ -2,7 +2,8 @@
 engine's options.
 
 Engine options are declared once, in :data:`ENGINE_OPTIONS`, with their defaults read from
-:class:`~pagedkv.engine.config.EngineConfig`; a command takes all of them or the few it lets
+:class:`~pagedkv.engine.config.EngineConfig` (the request limits' from its ``limits``, a
+:class:`~pagedkv.engine.validation.RequestLimits`); a command takes all of them or the few it lets
 users change (a benchmark fixes the rest), and may give a default of its own where it must
 differ (the capacity benchmark lets the KV pool, not the sequence budget, limit admission).
 
@@ -27,6 +28,7 @@ from rich.console import Console
 
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.kv_policy import POLICY_NAMES
+from pagedkv.engine.validation import RequestLimits
 from pagedkv.memory.spec import parse_bytes
 
 #: Where plots and reports go unless ``--out`` says otherwise (``pagedkv demo`` writes there too).
@@ -137,10 +139,15 @@ def config_from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -
         return cls(**(given | overrides))
 
 
+ENGINE_GROUP = "engine"
+LIMITS_GROUP = "request limits (over a limit: refused, naming it)"
+
+
 @dataclass(frozen=True)
 class EngineOption:
     """One engine option: the EngineConfig field it sets (``--the-field-name`` unless ``flag``
-    says otherwise) and how argparse reads it."""
+    says otherwise) and how argparse reads it. A request limit sets the field of
+    ``EngineConfig.limits`` (a :class:`RequestLimits`) instead."""
 
     field: str
     help: str
@@ -149,6 +156,11 @@ class EngineOption:
     flag: str | None = None
     #: "store_false" for a switch that turns a default-on field off
     action: str | None = None
+    is_limit: bool = False
+
+    @property
+    def default(self) -> Any:
+        return getattr(RequestLimits if self.is_limit else EngineConfig, self.field)
 
     def add_to(self, group: argparse._ArgumentGroup, default: Any) -> None:
         flag = self.flag or "--" + self.field.replace("_", "-")
@@ -173,6 +185,15 @@ ENGINE_OPTIONS = (
     ),
     EngineOption("kv_policy", f"paged or a contiguous reservation {DEFAULT}", choices=POLICY_NAMES),
     EngineOption("attention_backend", "torch, cpu or triton (default: triton on CUDA, else cpu)"),
+    EngineOption("max_n", f"most samples per prompt {DEFAULT}", positive_int, is_limit=True),
+    EngineOption("max_beam_width", f"most beams of a beam search {DEFAULT}", positive_int, is_limit=True),
+    EngineOption(
+        "max_request_tokens",
+        f"most tokens one request may ask for: samples x (prompt + max_tokens), summed over its prompts "
+        f"{DEFAULT}",
+        positive_int,
+        is_limit=True,
+    ),
 )
 
 
@@ -181,15 +202,26 @@ def add_engine_options(
 ) -> None:
     """Add the engine options named in ``only`` (default: all) to ``parser``; ``defaults``
     overrides EngineConfig's default of a field."""
-    group = parser.add_argument_group("engine")
     chosen = ENGINE_OPTIONS if only is None else [o for o in ENGINE_OPTIONS if o.field in set(only)]
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for option in chosen:
-        option.add_to(group, defaults.get(option.field, getattr(EngineConfig, option.field)))
+        title = LIMITS_GROUP if option.is_limit else ENGINE_GROUP
+        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
+        option.add_to(group, defaults.get(option.field, option.default))
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    """The engine's ``RequestLimits``: its defaults, with the limits given on the command line."""
+    given = {o.field: getattr(args, o.field) for o in ENGINE_OPTIONS if o.is_limit and hasattr(args, o.field)}
+    return RequestLimits(**given)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig fields among the parsed options."""
-    return {o.field: getattr(args, o.field) for o in ENGINE_OPTIONS if hasattr(args, o.field)}
+    """The EngineConfig fields among the parsed options (the request limits as ``limits``)."""
+    fields = {
+        o.field: getattr(args, o.field) for o in ENGINE_OPTIONS if not o.is_limit and hasattr(args, o.field)
+    }
+    return fields | {"limits": request_limits(args)}
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
-from pagedkv.engine.validation import InvalidRequestError
+from pagedkv.engine.validation import InvalidRequestError, RequestLimits
 
 if TYPE_CHECKING:
     from pagedkv.engine.engine import LLMEngine
@@ -23,6 +23,7 @@ __all__ = [
     "EngineConfig",
     "InvalidRequestError",
     "LLMEngine",
+    "RequestLimits",
     "RequestOutput",
     "SamplingParams",
     "TokenLogprobs",

@@ -6,11 +6,12 @@ defaults from here, so this module imports neither torch nor the model code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagedkv.engine.kv_policy import KVPolicy
+from pagedkv.engine.validation import RequestLimits
 
 if TYPE_CHECKING:
     import torch
@@ -38,3 +39,5 @@ class EngineConfig:
     attention_backend: str | None = None
     #: "paged", or "contiguous" / "contiguous-oracle" to measure the reservation it replaces.
     kv_policy: str | KVPolicy = "paged"
+    #: The most one request may ask for (samples, beams, tokens).
+    limits: RequestLimits = field(default_factory=RequestLimits)

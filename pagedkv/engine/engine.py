@@ -7,9 +7,11 @@
 2. execute -- an executor (:mod:`pagedkv.engine.executor`) runs the model over the step's plan
    and returns the logits of the slices that end a sequence;
 3. sample -- :mod:`pagedkv.engine.sampler` draws one token per sequence (a finished prompt
-   first forks into its ``n`` samples); beams keep their log-probabilities;
+   first forks into its ``n`` samples); beams keep their log-probabilities. Through
+   :mod:`pagedkv.engine.fault_isolation`: a request whose sampling raises fails alone;
 4. process outputs -- :mod:`pagedkv.engine.output_processor` appends, detokenizes, stops,
-   advances beam searches, frees what finished and builds the ``RequestOutput``s.
+   advances beam searches, ends failed requests with ``finish_reason="error"``, frees what
+   finished and builds the ``RequestOutput``s.
 
 After each step the engine publishes a :class:`~pagedkv.engine.stats.StepStats`. The offline
 ``LLM`` and the HTTP server both drive it.
@@ -24,6 +26,7 @@ import torch
 
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor import Executor, InProcessExecutor
+from pagedkv.engine.fault_isolation import sample_rows
 from pagedkv.engine.kv_policy import KVPolicy
 from pagedkv.engine.output_processor import OutputProcessor, ProcessedStep, SampledStep
 from pagedkv.engine.outputs import RequestOutput
@@ -77,6 +80,7 @@ class LLMEngine:
             block_size=config.block_size,
             num_blocks=num_blocks,
             usable_blocks=num_blocks - self.kv_manager.watermark_blocks,
+            limits=config.limits,
         )
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
@@ -90,25 +94,34 @@ class LLMEngine:
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
     ) -> Request:
         """Validate and queue a request; raises :class:`InvalidRequestError` with the reason."""
-        params = params or SamplingParams()
+        return self._queue(request_id, prompt, params or SamplingParams())
+
+    def add_beam_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> Request:
+        """Queue a beam search; its result arrives as one RequestOutput, beams best first."""
+        sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos)
+        request = self._queue(request_id, prompt, sampling, params)
+        request.beam = BeamState(params, self.eos_token_ids)
+        return request
+
+    def _queue(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        beam: BeamSearchParams | None = None,
+    ) -> Request:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        samples = self.validator.check_before_encoding(prompt, params, beam)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validator.check(token_ids, params)
+        self.validator.check(token_ids, params, samples)
         request = Request(request_id, text, token_ids, params, arrival_time=time.monotonic())
         seq = Sequence(request, 0, list(token_ids), make_generator(params.seed, 0))
         seq.detokenizer = self.tokenizer.detokenizer(token_ids)
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
-        return request
-
-    def add_beam_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> Request:
-        """Queue a beam search; its result arrives as one RequestOutput, beams best first."""
-        sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos)
-        request = self.add_request(request_id, prompt, sampling)
-        request.beam = BeamState(params, self.eos_token_ids)
         return request
 
     def abort(self, request_id: str) -> bool:
@@ -174,18 +187,11 @@ class LLMEngine:
             group = self._fork_samples(seq) if seq.request.needs_fork else [seq]
             rows.extend([row] * len(group))
             seqs.extend(group)
-        token_ids, logprobs = [], []
-        if seqs:
-            result = self.sampler(
-                logits[rows],
-                [s.request.params for s in seqs],
-                [s.generator for s in seqs],
-                [s.output_token_ids for s in seqs],
-                [s.request.prompt_token_ids for s in seqs],
-            )
-            token_ids, logprobs = result.token_ids, result.logprobs
+        result = sample_rows(self.sampler, logits[rows], seqs)
         self.scheduler.cache_computed_blocks({item.seq for item in scheduled.scheduled} | set(seqs))
-        return SampledStep(seqs, token_ids, logprobs, list(beams.values()), prompt_tokens)
+        return SampledStep(
+            seqs, result.token_ids, result.logprobs, list(beams.values()), prompt_tokens, result.failures
+        )
 
     def _fork_samples(self, parent: Sequence) -> list[Sequence]:
         """Turn a just-computed prompt into ``n`` samples sharing its blocks (copy-on-write)."""

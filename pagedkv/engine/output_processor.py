@@ -8,10 +8,11 @@ outputs of every request that moved (vLLM's output processor, nano-vllm's ``post
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedkv.engine.beam_search import advance_beams
+from pagedkv.engine.fault_isolation import error_message
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedkv.engine.sequence import Request, Sequence
 from pagedkv.models import Tokenizer
@@ -22,15 +23,18 @@ if TYPE_CHECKING:
 
 @dataclass
 class SampledStep:
-    """What the sample stage hands over: one token per sampled sequence, and the beam searches
-    whose beams got their log-probabilities this step."""
+    """What the sample stage hands over: one token per sampled sequence (None for the
+    sequences of a request whose sampling failed), and the beam searches whose beams got their
+    log-probabilities this step."""
 
     seqs: list[Sequence]
-    token_ids: list[int]
+    token_ids: list[int | None]
     logprobs: list[TokenLogprobs | None]
     beam_requests: list[Request]
     #: Prompt tokens of the sequences whose prompt finished computing this step.
     prompt_tokens: int
+    #: The requests whose sampling raised (by request id), with what they raised.
+    failures: dict[str, BaseException] = field(default_factory=dict)
 
 
 @dataclass
@@ -49,14 +53,10 @@ class OutputProcessor:
         self.max_model_len = max_model_len
 
     def process(self, sampled: SampledStep, scheduler: Scheduler, now: float) -> ProcessedStep:
-        """Append, detokenize and stop; advance beams; finish what ended; build the outputs."""
+        """Append, detokenize and stop; advance beams; end failed requests; finish what ended;
+        build the outputs."""
         touched: dict[str, Request] = {}
-        for seq, token, logprobs in zip(sampled.seqs, sampled.token_ids, sampled.logprobs, strict=True):
-            self.append_token(seq, token, logprobs)
-            if seq.request.first_token_time is None:
-                seq.request.first_token_time = now
-            touched[seq.request.request_id] = seq.request
-        generated = len(sampled.seqs)
+        generated = self._append_samples(sampled, now, touched)
         for request in sampled.beam_requests:
             appended = advance_beams(request, scheduler, self.max_model_len)
             if appended is None:
@@ -69,7 +69,32 @@ class OutputProcessor:
         for seq in sampled.seqs:
             if seq.finish_reason is not None:
                 scheduler.finish(seq)
+        for request_id, error in sampled.failures.items():
+            self._fail(touched[request_id], error, scheduler)
         return ProcessedStep([self.make_output(r) for r in touched.values()], generated)
+
+    def _append_samples(self, sampled: SampledStep, now: float, touched: dict[str, Request]) -> int:
+        """Append each sampled token (a failed request's rows have none); note every request
+        that moved in ``touched``. Returns the tokens appended."""
+        generated = 0
+        for seq, token, logprobs in zip(sampled.seqs, sampled.token_ids, sampled.logprobs, strict=True):
+            touched[seq.request.request_id] = seq.request
+            if token is None:  # its request failed: ended in process()
+                continue
+            self.append_token(seq, token, logprobs)
+            generated += 1
+            if seq.request.first_token_time is None:
+                seq.request.first_token_time = now
+        return generated
+
+    @staticmethod
+    def _fail(request: Request, error: BaseException, scheduler: Scheduler) -> None:
+        """End every sequence of ``request`` with ``finish_reason="error"``; its blocks return now."""
+        request.error = error_message(request, error)
+        for seq in request.seqs:
+            if not seq.is_finished:
+                scheduler.finish(seq)
+                seq.finish_reason = "error"
 
     def append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
         params = seq.request.params
@@ -119,6 +144,7 @@ class OutputProcessor:
             finished=request.is_finished,
             num_cached_tokens=request.num_cached_tokens,
             metrics=metrics,
+            error=request.error,
         )
 
     def _beam_completions(self, request: Request) -> list[CompletionOutput]:

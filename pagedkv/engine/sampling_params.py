@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from dataclasses import dataclass
 
 #: Below this temperature a request is greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by a
@@ -21,6 +22,20 @@ MAX_LOGPROBS = 20
 
 #: The seeds ``torch.Generator.manual_seed`` accepts: a signed or unsigned 64-bit integer.
 SEED_RANGE = (-(2**63), 2**64 - 1)
+
+#: A surrogate code point standing alone (a valid pair is one code point in a Python str).
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def unpaired_surrogate_at(text: str) -> int | None:
+    """Index of the first unpaired UTF-16 surrogate in ``text``, or None if it is valid Unicode.
+
+    JSON can carry ``"\\ud800"`` and a Python str can hold it, but it is not text: the tokenizer
+    refuses it. Stop strings are checked here, prompts and every field of an HTTP request by
+    :mod:`pagedkv.engine.validation` and the server.
+    """
+    match = _SURROGATE.search(text)
+    return match.start() if match else None
 
 
 def _fail(name: str, requirement: str, value: object) -> ValueError:
@@ -144,6 +159,8 @@ class SamplingParams:
             raise _fail("stop", "a string or a list of strings", stop)
         if any(s == "" for s in items):
             raise _fail("stop", "made of non-empty strings", stop)
+        if any(unpaired_surrogate_at(s) is not None for s in items):
+            raise _fail("stop", "valid Unicode text (no unpaired surrogate)", stop)
         return list(items)
 
     @staticmethod

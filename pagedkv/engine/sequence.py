@@ -126,6 +126,8 @@ class Request:
     beam: BeamState | None = None
     first_token_time: float | None = None
     num_cached_tokens: int = 0
+    #: Why the request failed inside the engine, if it did (see ``fault_isolation``).
+    error: str | None = None
 
     @property
     def is_finished(self) -> bool:

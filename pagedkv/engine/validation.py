@@ -1,26 +1,121 @@
-"""Checks a request must pass before it is queued: it can be served as asked, or it fails now.
+"""Checks a request must pass before it takes any engine state, and the limits a deployer sets.
 
-A request that could never run -- an empty prompt, token ids outside the vocabulary, more tokens
-than the context holds, more KV than the whole pool under the KV policy -- is refused at
-``add_request`` with the numbers, instead of waiting forever or failing inside a step where
-other requests would share its fate.
+``SamplingParams`` checks each field on its own. What is checked here needs the model or the
+deployment: text against unpaired surrogates, token ids against the vocabulary, the context
+length, the KV pool under the KV policy, and :class:`RequestLimits`, which bound what one request
+may ask for. A request that could never run is refused at ``add_request`` with the numbers,
+instead of waiting forever or failing inside a batched step where it would take other requests
+down with it; without the limits one request could ask for a million samples (the process grows
+until the kernel kills it). A refusal is an :class:`InvalidRequestError` that names the field
+(``param``) and, for a limit, its value.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from pagedkv.engine.kv_policy import KVPolicy
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams, unpaired_surrogate_at
 from pagedkv.memory import blocks_for
 
 
 class InvalidRequestError(ValueError):
-    """A request that can never be served as asked (too long, too big for the cache, ...)."""
+    """A request that can never be served as asked; ``param`` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The most one request may ask for; the defaults keep one request from exhausting a host.
+
+    ``max_request_tokens`` bounds samples x (prompt + ``max_tokens``) of one engine request (the
+    server also applies it to the sum over a batch of prompts): the tokens a request may make the
+    engine hold and compute, whatever ``n`` and the lengths are.
+    """
+
+    #: Most parallel samples (``n``) per prompt; OpenAI's own API caps ``n`` at 128.
+    max_n: int = 128
+    #: Most beams of a beam search.
+    max_beam_width: int = 32
+    #: Most tokens one request may ask for: samples x (prompt + max_tokens), over its prompts.
+    max_request_tokens: int = 1 << 18
+
+    def __post_init__(self) -> None:
+        for name in ("max_n", "max_beam_width", "max_request_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RequestLimits.{name} must be a positive integer, got {value!r}")
+
+    def check_n(self, n: int) -> None:
+        if n > self.max_n:
+            raise InvalidRequestError(f"n = {n} is over the limit max_n = {self.max_n} (--max-n)", param="n")
+
+    def check_beam_width(self, beam_width: int) -> None:
+        if beam_width > self.max_beam_width:
+            raise InvalidRequestError(
+                f"beam_width = {beam_width} is over the limit max_beam_width = {self.max_beam_width} "
+                "(--max-beam-width)",
+                param="beam_width",
+            )
+
+    def check_tokens(self, requested: int, detail: str) -> None:
+        """``requested``: samples x (prompt + max_tokens), summed over prompts; ``detail`` says how."""
+        if requested > self.max_request_tokens:
+            raise InvalidRequestError(
+                f"the request asks for up to {requested} tokens ({detail}), over the limit "
+                f"max_request_tokens = {self.max_request_tokens} (--max-request-tokens)",
+                param="max_tokens",
+            )
+
+
+def check_text(text: str, param: str) -> None:
+    """Refuse text the tokenizer cannot take: an unpaired surrogate is not a character."""
+    at = unpaired_surrogate_at(text)
+    if at is not None:
+        raise InvalidRequestError(
+            f"{param} holds an unpaired UTF-16 surrogate {text[at]!a} at character {at}: it is not "
+            "valid Unicode text",
+            param=param,
+        )
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """Every id must index a row of the model's logits: ``0 <= id < vocab_size``."""
+    bad = [
+        t
+        for t in token_ids
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size
+    ]
+    if bad:
+        raise InvalidRequestError(
+            f"{param} holds {bad[:5]!r}, which are not token ids of the vocabulary [0, {vocab_size})",
+            param=param,
+        )
+
+
+def check_context(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
+    """Prompt and output must fit in the model's context; ``param`` says which one is too long."""
+    if prompt_len == 0:
+        raise InvalidRequestError("the prompt is empty: at least one token is needed", param="prompt")
+    total = prompt_len + max_tokens
+    if total > max_model_len:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {max_model_len} tokens, but the request asks for "
+            f"{total} ({prompt_len} in the prompt + {max_tokens} max_tokens)",
+            param="prompt" if prompt_len >= max_model_len else "max_tokens",
+        )
 
 
 @dataclass(frozen=True)
 class RequestValidator:
+    """The engine's checks, with the numbers they need: the model's vocabulary and context, the
+    KV pool and policy, and the deployer's limits."""
+
     vocab_size: int
     max_model_len: int
     kv_policy: KVPolicy
@@ -28,31 +123,42 @@ class RequestValidator:
     num_blocks: int
     #: Blocks a single request may take: the pool minus the admission watermark.
     usable_blocks: int
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     @property
     def max_kv_tokens(self) -> int:
         """The most tokens one request may hold in the KV cache."""
         return self.usable_blocks * self.block_size
 
-    def check(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Raise :class:`InvalidRequestError` naming what is wrong, or return."""
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty: at least one token is needed")
-        vocab = self.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    def check_before_encoding(
+        self, prompt: str | list[int], params: SamplingParams, beam: BeamSearchParams | None = None
+    ) -> int:
+        """The checks that need no token ids (cheap, so they come first): the sample or beam
+        count against its limit and text against surrogates. Returns the number of samples."""
+        if beam is not None:
+            self.limits.check_beam_width(beam.beam_width)
+        else:
+            self.limits.check_n(params.n)
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")
+        return params.n if beam is None else beam.beam_width
+
+    def check(self, token_ids: list[int], params: SamplingParams, samples: int = 1) -> None:
+        """Raise :class:`InvalidRequestError` naming what is wrong, or return. ``samples``:
+        the sequences the request will run (``n``, or the beam width)."""
+        check_token_ids(token_ids, self.vocab_size, "prompt")
+        check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
+        check_context(len(token_ids), params.max_tokens, self.max_model_len)
         total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the request "
-                f"asks for {total} ({len(token_ids)} in the prompt + {params.max_tokens} max_tokens)"
-            )
+        self.limits.check_tokens(
+            samples * total, f"{samples} x ({len(token_ids)} prompt + {params.max_tokens} max_tokens)"
+        )
         reserved = self.kv_policy.peak_tokens(len(token_ids), params.max_tokens, self.max_model_len)
         needed = blocks_for(reserved, self.block_size)
         if needed > self.usable_blocks:
             raise InvalidRequestError(
                 f"the request can never fit in the KV cache: {reserved} tokens need {needed} blocks of "
                 f"{self.block_size} tokens, but only {self.usable_blocks} of {self.num_blocks} blocks "
-                "are usable"
+                "are usable",
+                param="max_tokens",
             )

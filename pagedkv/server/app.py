@@ -8,6 +8,8 @@ several servers in one process. uvicorn (``pagedkv serve``) or any ASGI server r
 from __future__ import annotations
 
 import asyncio
+import logging
+import uuid
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from pathlib import Path
@@ -24,18 +26,36 @@ from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.errors import APIError, ClientGoneError
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from pagedkv.server.openapi import error_responses, event_stream_or, install_openapi
+from pagedkv.server.prompts import PromptEncoder
+from pagedkv.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    HealthStatus,
+    ModelCard,
+    ModelList,
+)
 from pagedkv.server.serving import ServingContext, create_chat_completion, create_completion
+
+logger = logging.getLogger("pagedkv.server")
 
 #: Request bodies above this many bytes get 413 (a 1 MiB JSON body is ~250k tokens of text).
 DEFAULT_MAX_BODY_BYTES = 1 << 20
-#: Requests allowed to wait for a slot before new ones get 503.
+#: Requests (prompts) allowed to wait for a slot before new ones get 503.
 DEFAULT_MAX_WAITING = 1024
+#: Prompts one completions request may carry (each is an engine request).
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
 #: The model name the built-in random-weight model is served under.
 BUILTIN_MODEL_NAME = "pagedkv-builtin"
 
 #: How many validation problems a 400 message lists (a bad union field reports one per member).
 _MAX_LISTED_ERRORS = 3
+
+
+class PrometheusResponse(Response):
+    media_type = CONTENT_TYPE_LATEST
 
 
 def default_model_name(engine: LLMEngine) -> str:
@@ -75,16 +95,22 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, err: HTTPException) -> JSONResponse:
         kind = "not_found_error" if err.status_code == HTTPStatus.NOT_FOUND else "invalid_request_error"
-        return APIError(err.status_code, str(err.detail), type=kind).response()
+        response = APIError(err.status_code, str(err.detail), type=kind).response()
+        response.headers.update(err.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(ClientGoneError)
     async def client_gone(_: Request, err: ClientGoneError) -> Response:
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     @app.exception_handler(Exception)
-    async def server_error(_: Request, err: Exception) -> JSONResponse:
+    async def server_error(request: Request, err: Exception) -> JSONResponse:
+        """A bug: the client gets a plain message and an id; the log gets the exception."""
+        error_id = f"err-{uuid.uuid4().hex[:16]}"
+        logger.error("internal error %s on %s %s", error_id, request.method, request.url.path, exc_info=err)
+        message = f"internal server error (request id {error_id}); the details are in the server log"
         return APIError(
-            HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {err!r}", type="server_error"
+            HTTPStatus.INTERNAL_SERVER_ERROR, message, type="server_error", code="internal_error"
         ).response()
 
 
@@ -95,17 +121,22 @@ def create_app(
     served_model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_waiting: int | None = DEFAULT_MAX_WAITING,
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
 ) -> FastAPI:
     """An OpenAI-compatible app over ``engine`` (a ready ``LLMEngine``, or the config to build one).
 
     ``api_key``: when set, every ``/v1`` route needs ``Authorization: Bearer <api_key>``.
-    ``max_waiting``: requests arriving while this many wait get 503 (None: no limit).
+    ``max_waiting``: a request whose prompts would make more than this many wait gets 503 (None:
+    no limit). ``max_prompts_per_request``: more prompts in one request get 400. The engine's
+    ``RequestLimits`` (n, beams, tokens per request) apply to each request as a whole.
     The engine's worker thread starts now and stops when the app's lifespan ends.
     """
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key must not be empty (pass None for no key)")
     if max_body_bytes <= 0:
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
+    if max_prompts_per_request < 1:
+        raise ValueError(f"max_prompts_per_request must be positive, got {max_prompts_per_request}")
     owns_engine = not isinstance(engine, LLMEngine)
     if owns_engine:
         engine = LLMEngine(engine or EngineConfig())
@@ -116,9 +147,12 @@ def create_app(
     ctx = ServingContext(
         engine=async_engine,
         tokenizer=engine.tokenizer,
+        encoder=PromptEncoder(engine.tokenizer, engine.max_model_len),
         model_name=model_name,
         max_model_len=engine.max_model_len,
-        max_request_tokens=engine.validator.max_kv_tokens,
+        kv_capacity_tokens=engine.validator.max_kv_tokens,
+        limits=engine.validator.limits,
+        max_prompts_per_request=max_prompts_per_request,
     )
 
     @asynccontextmanager
@@ -133,30 +167,41 @@ def create_app(
     app.state.context = ctx
     app.state.metrics = metrics
     _install_error_handlers(app)
+    install_openapi(app)
+    generation_errors = error_responses(400, 401, 413, 500, 503)
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses={**event_stream_or(CompletionResponse), **generation_errors},
+    )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(body, request, ctx)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={**event_stream_or(ChatCompletionResponse), **generation_errors},
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, ctx)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models() -> ModelList:
         card = ModelCard(id=model_name, root=str(engine.model_path), max_model_len=engine.max_model_len)
         return ModelList(data=[card])
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
     async def health() -> JSONResponse:
         problem = async_engine.health()
         if problem is None:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": problem}, status_code=HTTPStatus.SERVICE_UNAVAILABLE)
 
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    @app.get("/metrics", response_class=PrometheusResponse)
+    async def prometheus_metrics() -> PrometheusResponse:
+        """Prometheus text exposition format."""
+        return PrometheusResponse(metrics.render())
 
     # The last added runs first: the key check comes before reading any body.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)

@@ -8,7 +8,9 @@ it sleeps on a condition variable: an idle server costs no CPU.
 
 Handlers never touch the engine. ``add`` waits for the worker to accept or refuse the request
 (a too-long prompt, a full queue) so the HTTP status can still say so; ``abort`` is
-fire-and-forget and returns every block of the request to the pool on the next loop.
+fire-and-forget and returns every block of the request to the pool on the next loop. The prompts
+of one HTTP request travel as one command: they are admitted (and counted against the waiting
+limit) together or refused together, and one abort withdraws them all, queued ones included.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagedkv.engine import LLMEngine, RequestOutput, SamplingParams
+from pagedkv.engine import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
 from pagedkv.server.errors import QueueFullError
 from pagedkv.server.metrics import ServerMetrics
 
@@ -35,8 +37,8 @@ class Aborted(Exception):
 class Stream:
     """Where the worker sends one HTTP request's outputs: an asyncio queue on its event loop.
 
-    Several engine requests (the prompts of one batch) may share a stream; ``tag`` says which
-    one an item belongs to. Items are ``(tag, RequestOutput | Exception)``.
+    Several engine requests (the prompts of one batch) share a stream; an item's tag is the index
+    of its prompt. Items are ``(tag, RequestOutput | Exception)``.
     """
 
     def __init__(self) -> None:
@@ -54,18 +56,19 @@ class Stream:
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: list[int]
+    """The prompts of one HTTP request, engine request ``request_ids[i]`` for ``prompts[i]``."""
+
+    request_ids: list[str]
+    prompts: list[list[int]]
     params: SamplingParams
     stream: Stream
-    tag: object
     accepted: asyncio.Future
     submitted: float = field(default_factory=time.monotonic)
 
 
 @dataclass
 class _Abort:
-    request_id: str
+    request_ids: list[str]
 
 
 @dataclass
@@ -94,6 +97,12 @@ def _settle(future: asyncio.Future, error: BaseException | None) -> None:
         future.get_loop().call_soon_threadsafe(settle)
 
 
+def _finish_reason(output: RequestOutput) -> str:
+    """The request's finish reason for the metrics: error, else length if any sample hit it."""
+    reasons = {c.finish_reason for c in output.outputs}
+    return "error" if output.error is not None else "length" if "length" in reasons else "stop"
+
+
 class AsyncEngine:
     """The engine behind a worker thread. Create it inside no particular loop; it starts at once."""
 
@@ -116,16 +125,19 @@ class AsyncEngine:
 
     # -- called from the event loop ---------------------------------------------------------
     async def add(
-        self, request_id: str, prompt: list[int], params: SamplingParams, stream: Stream, tag
+        self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams, stream: Stream
     ) -> None:
-        """Queue a request; returns once accepted, raises ``InvalidRequestError`` / ``QueueFullError``."""
+        """Queue every prompt or none; returns once accepted, raises ``InvalidRequestError`` /
+        ``QueueFullError``. Outputs of ``prompts[i]`` arrive on ``stream`` tagged ``i``."""
+        if len(request_ids) != len(prompts):
+            raise ValueError(f"got {len(request_ids)} request ids for {len(prompts)} prompts")
         accepted = asyncio.get_running_loop().create_future()
-        self._send(_Add(request_id, prompt, params, stream, tag, accepted))
+        self._send(_Add(request_ids, prompts, params, stream, accepted))
         await accepted
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is; harmless if it already finished."""
-        self._send(_Abort(request_id))
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop requests wherever they are (queued or running); harmless if they already finished."""
+        self._send(_Abort(request_ids))
 
     @property
     def stats(self) -> dict[str, float]:
@@ -168,8 +180,8 @@ class AsyncEngine:
         try:
             self._serve()
         except BaseException as err:  # a bug outside step(): do not leave anyone waiting
-            logger.exception("the engine worker crashed")
-            reason = f"the engine worker crashed: {err!r}"
+            logger.exception("the engine worker crashed (%r); failing %d requests", err, len(self._live))
+            reason = "the engine worker crashed; the details are in the server log"
         finally:
             with self._wakeup:
                 self._closed = reason
@@ -199,26 +211,38 @@ class AsyncEngine:
                 if isinstance(command, _Add):
                     self._add(command)
                 else:
-                    self._abort(command.request_id)
+                    for request_id in command.request_ids:
+                        self._abort(request_id)
             if self.engine.has_unfinished_requests():
                 self._step()
-            self._publish_stats()
+            else:
+                self._publish_stats()
 
     def _add(self, command: _Add) -> None:
-        waiting = self.engine.stats().waiting
-        if self.max_waiting is not None and waiting >= self.max_waiting:
-            _settle(command.accepted, QueueFullError(waiting, self.max_waiting))
+        """Admit every prompt of the command, or none (a refused one withdraws the others)."""
+        waiting, arriving = self.engine.stats().waiting, len(command.prompts)
+        if self.max_waiting is not None and waiting + arriving > self.max_waiting:
+            _settle(command.accepted, QueueFullError(waiting, arriving, self.max_waiting))
             return
-        try:
-            self.engine.add_request(command.request_id, command.prompt, command.params)
-        except ValueError as err:  # InvalidRequestError: the handler turns it into a 400
-            _settle(command.accepted, err)
-            return
-        except Exception as err:  # a bug: that request fails (500), the others go on
-            logger.exception("add_request failed for %s", command.request_id)
-            _settle(command.accepted, err)
-            return
-        self._live[command.request_id] = _Live(command.stream, command.tag, command.submitted)
+        added: list[str] = []
+        error: Exception | None = None
+        for index, (request_id, prompt) in enumerate(zip(command.request_ids, command.prompts, strict=True)):
+            try:
+                self.engine.add_request(request_id, prompt, command.params)
+            except InvalidRequestError as err:  # the handler turns it into a 400
+                error = err if arriving == 1 else InvalidRequestError(f"prompt {index}: {err}", err.param)
+            except Exception as err:  # a bug: this request fails (500), the others go on
+                logger.exception("add_request failed for %s", request_id)
+                error = err
+            if error is not None:
+                for added_id in added:
+                    self.engine.abort(added_id)
+                _settle(command.accepted, error)
+                return
+            added.append(request_id)
+        for index, request_id in enumerate(added):
+            self._live[request_id] = _Live(command.stream, index, command.submitted)
+        self._publish_stats()  # a client that was admitted sees itself in /metrics
         _settle(command.accepted, None)
 
     def _abort(self, request_id: str, reason: BaseException | None = None) -> None:
@@ -231,24 +255,22 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as err:  # a bug: fail the requests in flight, keep the server up
-            logger.exception("engine step failed; aborting %d requests", len(self._live))
+        except Exception:  # a bug outside sampling: fail the requests in flight, keep the server up
+            logger.exception("the engine step failed; aborting requests %s", sorted(self._live))
             for request_id in list(self._live):
-                self._abort(request_id, Aborted(f"the engine failed: {err!r}"))
-            return
+                self._abort(request_id, Aborted("the engine failed while running this request"))
+            outputs = []
+        self._publish_stats()  # before any client sees this step's tokens
         now = time.monotonic()
         for output in outputs:
             live = self._live.get(output.request_id)
             if live is None:
                 continue
             self._observe(live, output, now)
-            live.stream.put(live.tag, output)
-            if output.finished:
+            if output.finished:  # counted before the client can see its end
                 del self._live[output.request_id]
-                reasons = {c.finish_reason for c in output.outputs}
-                self.metrics.observe_finished(
-                    now - live.submitted, "length" if "length" in reasons else "stop"
-                )
+                self.metrics.observe_finished(now - live.submitted, _finish_reason(output))
+            live.stream.put(live.tag, output)
 
     def _observe(self, live: _Live, output: RequestOutput, now: float) -> None:
         num_tokens = sum(len(c.token_ids) for c in output.outputs)

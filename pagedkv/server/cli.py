@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from pagedkv.cli_args import add_command, add_engine_options, build_engine, byte_size
+from pagedkv.cli_args import add_command, add_engine_options, build_engine, byte_size, positive_int
 
 #: Read when ``--api-key`` is not given, so the key need not appear in the process list.
 API_KEY_ENV = "PAGEDKV_API_KEY"
@@ -48,7 +48,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "--max-waiting-requests",
         type=int,
         default=1024,
-        help="requests arriving while this many wait get 503 (default: %(default)s)",
+        help="a request whose prompts would make more than this many wait gets 503 (default: %(default)s)",
+    )
+    server.add_argument(
+        "--max-prompts-per-request",
+        type=positive_int,
+        default=256,
+        help="most prompts in one completions request (default: %(default)s)",
     )
     server.add_argument("--log-level", default="info", help="uvicorn log level (default: %(default)s)")
     return parser
@@ -70,6 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         max_body_bytes=args.max_body_size,
         max_waiting=args.max_waiting_requests,
+        max_prompts_per_request=args.max_prompts_per_request,
     )
     name = app.state.context.model_name
     auth = "API key required" if args.api_key else "no API key"

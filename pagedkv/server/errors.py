@@ -41,8 +41,10 @@ class APIError(Exception):
     @classmethod
     def from_value_error(cls, err: ValueError) -> APIError:
         """A 400 for a refused ``SamplingParams`` / engine request, naming the field if known."""
-        match = _SAMPLING_FIELD.search(str(err))
-        return cls.bad_request(str(err), param=match.group(1) if match else None)
+        param = getattr(err, "param", None)  # InvalidRequestError names it
+        if param is None and (match := _SAMPLING_FIELD.search(str(err))):
+            param = match.group(1)
+        return cls.bad_request(str(err), param=param)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -52,15 +54,24 @@ class APIError(Exception):
 
 
 class QueueFullError(APIError):
-    """The waiting queue is at its limit: come back later (503), the request itself is fine."""
+    """The waiting queue has no room for the request's prompts: come back later (503)."""
 
-    def __init__(self, waiting: int, limit: int) -> None:
+    def __init__(self, waiting: int, arriving: int, limit: int) -> None:
+        brings = f"; this request brings {arriving} prompts" if arriving > 1 else ""
         super().__init__(
             HTTPStatus.SERVICE_UNAVAILABLE,
-            f"the server is overloaded: {waiting} requests are waiting (limit {limit}); retry later",
+            f"the server is overloaded: {waiting} requests are waiting (limit {limit}{brings}); retry later",
             type="server_overloaded",
             code="queue_full",
         )
+
+
+class EngineRequestError(Exception):
+    """The engine ended one request with an error of its own (logged by the engine with its id)."""
+
+    def __init__(self, engine_request_id: str) -> None:
+        super().__init__(f"the engine failed request {engine_request_id}")
+        self.engine_request_id = engine_request_id
 
 
 class ClientGoneError(Exception):

@@ -1,9 +1,12 @@
 """One HTTP request's generation: its engine requests and the text deltas they produce.
 
 A completions request may carry a batch of prompts, each with ``n`` samples; every prompt is
-its own engine request, all sharing one output stream. The engine reports the full text of a
-sample so far; :class:`Generation` turns that into deltas per choice (``index = prompt * n +
-sample``), which both the streaming (SSE) and the plain JSON responses are built from.
+its own engine request, all sharing one output stream, admitted together and withdrawn together.
+The engine reports the full text of a sample so far; :class:`Generation` turns that into deltas
+per choice (``index = prompt * n + sample``), which both the streaming (SSE) and the plain JSON
+responses are built from. Every choice ends with a ``finish_reason``, also when the server aborts
+the request (``"abort"``) or the engine fails it (``"error"``): the last deltas say so, then the
+error is raised for the response to report.
 
 Stop strings: the engine cuts a sample's text where a stop string completes, which may be in
 text an earlier step already showed. So while a sample with stop strings runs, its last
@@ -22,7 +25,7 @@ from starlette.types import Receive
 from pagedkv.engine import CompletionOutput, RequestOutput, SamplingParams
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.server.async_engine import AsyncEngine, Stream
-from pagedkv.server.errors import ClientGoneError
+from pagedkv.server.errors import ClientGoneError, EngineRequestError
 from pagedkv.server.protocol import Usage
 
 
@@ -45,6 +48,13 @@ class _ChoiceState:
         self.sent_chars = 0
         self.sent_tokens = 0
         self.done = False
+
+    def end(self, index: int, reason: str, with_logprobs: bool) -> ChoiceDelta | None:
+        """The closing delta of a choice the engine will not finish: it ends with ``reason``."""
+        if self.done:
+            return None
+        self.done = True
+        return ChoiceDelta(index, "", [], [] if with_logprobs else None, reason)
 
     def advance(self, index: int, output: CompletionOutput) -> ChoiceDelta | None:
         if self.done:
@@ -72,7 +82,7 @@ class Generation:
         self.prompts = prompts
         self.params = params
         self.usage = Usage()
-        self._submitted: list[str] = []
+        self._engine_ids = [self._engine_id(i) for i in range(len(prompts))]
         self._unfinished: set[int] = set()
         self._stream: Stream | None = None
         holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -82,34 +92,45 @@ class Generation:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{prompt_index}"
 
     async def start(self) -> None:
-        """Queue every prompt; if one is refused, withdraw the others and re-raise its error."""
+        """Queue every prompt as one unit; a refusal (of any prompt) is raised, nothing stays queued."""
         self._stream = Stream()
+        self._unfinished = set(range(len(self.prompts)))
         try:
-            for i, prompt in enumerate(self.prompts):
-                self._submitted.append(self._engine_id(i))
-                self._unfinished.add(i)
-                await self.engine.add(self._submitted[i], prompt, self.params, self._stream, i)
-                self.usage.prompt_tokens += len(prompt)
+            await self.engine.add(self._engine_ids, self.prompts, self.params, self._stream)
         except BaseException:
-            self.close()
+            self.close()  # cancelled while waiting: withdraw whatever the worker admits
             raise
+        self.usage.prompt_tokens = sum(len(p) for p in self.prompts)
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Deltas in the order the engine produced them, until every choice has finished.
 
-        Raises :class:`~pagedkv.server.async_engine.Aborted` if the server aborted the request.
+        Raises :class:`~pagedkv.server.async_engine.Aborted` if the server aborted the request and
+        :class:`~pagedkv.server.errors.EngineRequestError` if the engine failed one of its prompts,
+        after closing deltas that end every open choice with ``"abort"`` / ``"error"``.
         """
         assert self._stream is not None, "start() first"
         while self._unfinished:
             prompt_index, item = await self._stream.get()
             if isinstance(item, BaseException):
+                for delta in self._end_open_choices("abort"):
+                    yield delta
                 raise item
             for delta in self._advance(prompt_index, item):
                 self.usage.completion_tokens += len(delta.token_ids)
                 yield delta
             if item.finished:
                 self._unfinished.discard(prompt_index)
+            if item.error is not None:
+                for delta in self._end_open_choices("error"):
+                    yield delta
+                raise EngineRequestError(item.request_id)
         self.usage.total_tokens = self.usage.prompt_tokens + self.usage.completion_tokens
+
+    def _end_open_choices(self, reason: str) -> list[ChoiceDelta]:
+        with_logprobs = self.params.logprobs is not None
+        deltas = (state.end(index, reason, with_logprobs) for index, state in enumerate(self._choices))
+        return [delta for delta in deltas if delta is not None]
 
     def _advance(self, prompt_index: int, output: RequestOutput) -> list[ChoiceDelta]:
         deltas = []
@@ -125,9 +146,10 @@ class Generation:
         return len(self._choices)
 
     def close(self) -> None:
-        """Abort whatever has not finished: the client left, or a response failed midway."""
-        for i in sorted(self._unfinished):
-            self.engine.abort(self._submitted[i])
+        """Abort whatever has not finished, queued prompts included: the client left, or a
+        response failed midway. One command for all of them."""
+        if self._unfinished:
+            self.engine.abort([self._engine_ids[i] for i in sorted(self._unfinished)])
         self._unfinished.clear()
 
 

@@ -26,7 +26,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 #: (name, help, key in the stats snapshot) of the gauges read at scrape time.
 GAUGES = (
@@ -108,7 +108,7 @@ class ServerMetrics:
         ).labels(model_name)
         self._finished = Counter(
             "vllm:request_success",
-            "Requests ended, by finish reason (stop, length, abort).",
+            "Requests ended, by finish reason (stop, length, abort, error).",
             [*labels, "finished_reason"],
             registry=self.registry,
         )

@@ -18,7 +18,8 @@ class APIKeyMiddleware:
     """Every ``/v1`` route requires ``Authorization: Bearer <key>``; others (health, metrics) not.
 
     The comparison is constant-time (``hmac.compare_digest``) so response timing does not leak
-    how much of a guessed key was right.
+    how much of a guessed key was right. A request with several ``Authorization`` headers is
+    refused whatever they hold: proxies and servers disagree on which one counts.
     """
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
@@ -27,15 +28,17 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(header, self._expected):
-                error = APIError(
-                    HTTPStatus.UNAUTHORIZED,
-                    "missing or incorrect API key: send the header 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
-                )
-                await error.response()(scope, receive, send)
+            headers = [value for name, value in scope["headers"] if name.lower() == b"authorization"]
+            if len(headers) > 1:
+                message = f"the request has {len(headers)} Authorization headers; send exactly one"
+            elif not hmac.compare_digest(headers[0] if headers else b"", self._expected):
+                message = "missing or incorrect API key: send the header 'Authorization: Bearer <key>'"
+            else:
+                await self.app(scope, receive, send)
                 return
+            error = APIError(HTTPStatus.UNAUTHORIZED, message, code="invalid_api_key")
+            await error.response()(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 

@@ -15,12 +15,35 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, Strict
 
 from pagedkv.engine import SamplingParams
+from pagedkv.engine.sampling_params import unpaired_surrogate_at
 from pagedkv.server.errors import APIError
 
 # Strict scalars: JSON ``true`` is not the number 1, ``"0.5"`` is not a float, ``2.0`` is not a count.
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
+
+
+def _invalid_text_at(value: object, path: str) -> str | None:
+    """The dotted path of the first string (or key) in ``value`` holding an unpaired surrogate."""
+    if isinstance(value, str):
+        return path if unpaired_surrogate_at(value) is not None else None
+    if isinstance(value, BaseModel):
+        items = ((name, getattr(value, name)) for name in type(value).model_fields)
+    elif isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list) and not (value and isinstance(value[0], int)):  # typed: all ints
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and unpaired_surrogate_at(key) is not None:
+            return where
+        found = _invalid_text_at(item, where)
+        if found is not None:
+            return found
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -51,6 +74,16 @@ class _SamplingRequest(BaseModel):
     min_tokens: Int | None = 0
     ignore_eos: Bool | None = False
     stop_token_ids: list[Int] | None = None
+
+    def check_text(self) -> None:
+        """Refuse any string holding an unpaired surrogate: JSON can carry ``"\\ud800"``, Python
+        holds it, but it is not Unicode text, and the tokenizer would fail on it mid-request."""
+        path = _invalid_text_at(self, "")
+        if path is not None:
+            raise APIError.bad_request(
+                f"{path} holds an unpaired UTF-16 surrogate (U+D800..U+DFFF): it is not valid Unicode text",
+                param=path,
+            )
 
     def _refuse_unsupported(self, **extra: object) -> None:
         if self.logit_bias:
@@ -272,3 +305,22 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server sends has this shape (OpenAI's)."""
+
+    error: ErrorDetail
+
+
+class HealthStatus(BaseModel):
+    """``/health``: "ok" with 200, or why not with 503."""
+
+    status: str

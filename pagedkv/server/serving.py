@@ -9,6 +9,7 @@ one ``data: {chunk}`` per choice delta, an optional usage chunk, then ``data: [D
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,12 +21,14 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from pagedkv.engine import SamplingParams
+from pagedkv.engine import InvalidRequestError, RequestLimits, SamplingParams
+from pagedkv.engine.validation import check_context
 from pagedkv.models import Tokenizer
 from pagedkv.server.async_engine import Aborted, AsyncEngine
-from pagedkv.server.errors import APIError
+from pagedkv.server.errors import APIError, EngineRequestError
 from pagedkv.server.generation import ChoiceDelta, Generation, collect_unless_disconnected
 from pagedkv.server.logprobs import LogprobFormatter
+from pagedkv.server.prompts import PromptEncoder
 from pagedkv.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -40,6 +43,8 @@ from pagedkv.server.protocol import (
     CompletionResponse,
 )
 
+logger = logging.getLogger("pagedkv.server")
+
 
 @dataclass
 class ServingContext:
@@ -47,16 +52,52 @@ class ServingContext:
 
     engine: AsyncEngine
     tokenizer: Tokenizer
+    encoder: PromptEncoder
     model_name: str
     max_model_len: int
     #: Most tokens (prompt + output) one request can ever hold in the KV cache.
-    max_request_tokens: int
+    kv_capacity_tokens: int
+    #: What one request may ask for (the engine's limits, applied here to a batch as a whole).
+    limits: RequestLimits
+    max_prompts_per_request: int
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError.bad_request(
                 f"the model {name!r} does not exist; this server serves {self.model_name!r}", param="model"
             )
+
+    def check_size(self, num_prompts: int, params: SamplingParams) -> None:
+        """The limits that need no tokens, checked before any prompt is tokenized."""
+        if num_prompts > self.max_prompts_per_request:
+            raise APIError.bad_request(
+                f"the request has {num_prompts} prompts, over the limit max_prompts_per_request = "
+                f"{self.max_prompts_per_request} (--max-prompts-per-request)",
+                param="prompt",
+            )
+        try:
+            self.limits.check_n(params.n)
+        except InvalidRequestError as err:
+            raise APIError.from_value_error(err) from None
+
+    def check_tokens(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Each prompt within the context, then samples x (prompt + max_tokens) summed over the
+        prompts (what the whole batch asks for) within the limit; before anything is queued."""
+        prompt_tokens = sum(len(p) for p in prompts)
+        requested = params.n * (prompt_tokens + len(prompts) * params.max_tokens)
+        outputs = f"{len(prompts)} x {params.max_tokens} max_tokens"
+        try:
+            for index, prompt in enumerate(prompts):
+                try:
+                    check_context(len(prompt), params.max_tokens, self.max_model_len)
+                except InvalidRequestError as err:
+                    prefix = f"prompt {index}: " if len(prompts) > 1 else ""
+                    raise InvalidRequestError(f"{prefix}{err}", err.param) from None
+            self.limits.check_tokens(
+                requested, f"n = {params.n} x ({prompt_tokens} prompt tokens + {outputs})"
+            )
+        except InvalidRequestError as err:
+            raise APIError.from_value_error(err) from None
 
 
 def _json(body: BaseModel) -> Response:
@@ -75,6 +116,22 @@ def _shows(delta: ChoiceDelta, wants_logprobs: bool) -> bool:
     return bool(delta.text) or delta.finish_reason is not None or (wants_logprobs and bool(delta.token_ids))
 
 
+def _failure(err: Exception, request_id: str) -> APIError:
+    """What a generation that failed after admission answers: a plain message and the request id
+    (the exception itself is in the server log, under that id)."""
+    if isinstance(err, Aborted):
+        message = f"{err} (request id {request_id})"
+        return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, type="server_error", code="aborted")
+    if not isinstance(err, EngineRequestError):
+        logger.error("request %s failed while streaming", request_id, exc_info=err)
+    return APIError(
+        HTTPStatus.INTERNAL_SERVER_ERROR,
+        f"the server failed on this request (request id {request_id}); the details are in its log",
+        type="server_error",
+        code="internal_error",
+    )
+
+
 async def _start(
     ctx: ServingContext, request_id: str, prompts: list[list[int]], params: SamplingParams
 ) -> Generation:
@@ -82,19 +139,23 @@ async def _start(
     try:
         await generation.start()  # an APIError (a full queue) passes through as it is
     except Aborted as err:
-        raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(err), type="server_error") from None
-    except ValueError as err:  # InvalidRequestError: too long, never fits, bad token ids
+        raise _failure(err, request_id) from None
+    except InvalidRequestError as err:  # too long, never fits, bad token ids, over a limit
         raise APIError.from_value_error(err) from None
     return generation
 
 
 async def _sse_events(generation: Generation, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Frame the chunks, end with ``[DONE]``; abort the generation if the client goes away."""
+    """Frame the chunks, end with ``[DONE]``; abort the generation if the client goes away.
+
+    A failure after the response started can only be told in the stream: an error event (which
+    the OpenAI clients raise as an ``APIError``) after the closing chunks of every open choice.
+    """
     try:
         async for chunk in chunks:
             yield chunk
-    except Aborted as err:
-        yield _sse(APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(err), type="server_error").body())
+    except Exception as err:
+        yield _sse(_failure(err, generation.request_id).body())
     finally:
         generation.close()
     yield "data: [DONE]\n\n"
@@ -103,8 +164,8 @@ async def _sse_events(generation: Generation, chunks: AsyncIterator[str]) -> Asy
 async def _respond(request: Request, generation: Generation) -> list[list[ChoiceDelta]]:
     try:
         return await collect_unless_disconnected(generation, request.receive)
-    except Aborted as err:
-        raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(err), type="server_error") from None
+    except (Aborted, EngineRequestError) as err:
+        raise _failure(err, generation.request_id) from None
     finally:
         generation.close()
 
@@ -113,7 +174,14 @@ async def _respond(request: Request, generation: Generation) -> list[list[Choice
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext) -> Response:
     ctx.check_model(body.model)
     params = body.sampling_params()
-    prompts = [ctx.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+    texts = body.prompts()
+    ctx.check_size(len(texts), params)  # first: a 200k-prompt list is refused before it is read
+    body.check_text()
+    try:
+        prompts = [ctx.encoder.encode(p) for p in texts]
+    except InvalidRequestError as err:
+        raise APIError.from_value_error(err) from None
+    ctx.check_tokens(prompts, params)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     generation = await _start(ctx, request_id, prompts, params)
     formatter = LogprobFormatter(ctx.tokenizer)
@@ -172,7 +240,9 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
 def _chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
     messages = [m.as_template_dict() for m in body.messages]
     try:
-        return ctx.tokenizer.encode_chat(messages)
+        return ctx.encoder.encode_chat(messages)
+    except InvalidRequestError as err:  # provably longer than the context
+        raise APIError.from_value_error(err) from None
     except (ValueError, jinja2.TemplateError) as err:
         raise APIError.bad_request(
             f"the chat template failed on these messages: {err}", param="messages"
@@ -182,10 +252,15 @@ def _chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, ctx: ServingContext
 ) -> Response:
+    body.check_text()
     ctx.check_model(body.model)
     prompt = _chat_prompt(ctx, body)
-    room = min(ctx.max_model_len, ctx.max_request_tokens) - len(prompt)
-    params = body.sampling_params(default_max_tokens=max(room, 1))
+    # Without max_tokens a chat runs to the end of the context (vLLM's default), within the limits.
+    samples = body.n if isinstance(body.n, int) and body.n > 0 else 1
+    ceiling = min(ctx.max_model_len, ctx.kv_capacity_tokens, ctx.limits.max_request_tokens // samples)
+    params = body.sampling_params(default_max_tokens=max(ceiling - len(prompt), 1))
+    ctx.check_size(1, params)
+    ctx.check_tokens([prompt], params)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = await _start(ctx, request_id, [prompt], params)
     formatter = LogprobFormatter(ctx.tokenizer)

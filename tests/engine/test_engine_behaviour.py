@@ -127,7 +127,7 @@ def test_impossible_requests_are_rejected_and_leak_nothing(model_path):
         llm.generate([_prompt(250, 1)], SamplingParams(max_tokens=10), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="can never fit in the KV cache"):
         llm.generate([_prompt(30, 1)], SamplingParams(max_tokens=10), use_tqdm=False)
-    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+    with pytest.raises(InvalidRequestError, match="not token ids of the vocabulary"):
         llm.generate([[TEST_VOCAB_SIZE + 5]], use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.generate([[]], use_tqdm=False)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
+from collections.abc import Callable
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedkv.engine import LLMEngine
+from pagedkv.engine import LLMEngine, RequestOutput
 
 API_KEY = "test-key"
 MODEL = "pagedkv-builtin"
@@ -72,3 +74,53 @@ def assert_pool_whole(engine: LLMEngine) -> None:
     assert all(pool.refcount(b) == 0 for b in range(pool.num_blocks))
     assert pool.num_free_blocks == pool.num_blocks
     assert sorted(pool.free_block_ids() + pool.cached_free_block_ids()) == list(range(pool.num_blocks))
+
+
+class EngineGate:
+    """Holds a live engine between steps, as a stalled engine would, so no test races the model.
+
+    A test that needs a request to still be running when its client leaves (or a batch to be
+    full when the next request arrives) closes the gate instead of hoping the model is slow: while
+    it is closed, ``step()`` returns at once without running, and the server's worker still takes
+    commands -- admissions, aborts, the pool's bookkeeping -- exactly as it does between steps. This
+    is the one place tests replace an engine method (a stalled engine is the fault it injects);
+    leaving the ``with`` block restores the engine's own ``step``.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._open = threading.Event()
+        self._open.set()
+        self._close_after: Callable[[list[RequestOutput]], bool] | None = None
+        #: Set once a step found the gate closed: whatever ran before it is all that will run.
+        self.holding = threading.Event()
+
+    def __enter__(self) -> EngineGate:
+        self.engine.step = self._step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.step
+        self._open.set()
+
+    def close(self) -> None:
+        """No step runs from now on (one in progress finishes)."""
+        self.holding.clear()
+        self._open.clear()
+
+    def open_until(self, predicate: Callable[[list[RequestOutput]], bool]) -> None:
+        """Let steps run until the first whose outputs satisfy ``predicate``; close after it."""
+        self.holding.clear()
+        self._close_after = predicate
+        self._open.set()
+
+    def _step(self) -> list[RequestOutput]:
+        if not self._open.is_set():
+            self.holding.set()
+            time.sleep(0.001)
+            return []
+        outputs = type(self.engine).step(self.engine)
+        if self._close_after is not None and self._close_after(outputs):
+            self._close_after = None
+            self._open.clear()
+        return outputs

@@ -7,10 +7,11 @@ import time
 
 import pytest
 
-from pagedkv.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from pagedkv.engine import EngineConfig, InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
 from pagedkv.server.async_engine import Aborted, AsyncEngine, Stream
 from pagedkv.server.errors import QueueFullError
 from pagedkv.server.metrics import ServerMetrics
+from tests.server.helpers import EngineGate
 
 LONG = SamplingParams(max_tokens=100, ignore_eos=True)
 
@@ -42,11 +43,11 @@ def test_an_idle_worker_sleeps(worker):
 def test_outputs_stream_in_and_the_request_finishes(worker, engine):
     async def run() -> list[RequestOutput]:
         stream = Stream()
-        await worker.add("r", engine.tokenizer.encode("hi"), SamplingParams(max_tokens=5), stream, "tag")
+        await worker.add(["r"], [engine.tokenizer.encode("hi")], SamplingParams(max_tokens=5), stream)
         outputs = []
         while not outputs or not outputs[-1].finished:
             tag, output = await stream.get()
-            assert tag == "tag"
+            assert tag == 0
             outputs.append(output)
         return outputs
 
@@ -58,17 +59,19 @@ def test_outputs_stream_in_and_the_request_finishes(worker, engine):
 def test_shutdown_aborts_running_requests_and_refuses_new_ones(worker, engine):
     async def run():
         stream = Stream()
-        await worker.add("long", engine.tokenizer.encode("go on"), LONG, stream, 0)
+        gate.open_until(lambda outputs: bool(outputs))  # held after the first token: still running
+        await worker.add(["long"], [engine.tokenizer.encode("go on")], LONG, stream)
         _, first = await stream.get()
-        assert isinstance(first, RequestOutput)
+        assert isinstance(first, RequestOutput) and not first.finished
         await asyncio.to_thread(worker.shutdown)
         while isinstance(item := (await stream.get())[1], RequestOutput):
             pass
         assert isinstance(item, Aborted)
         with pytest.raises(Aborted, match="shutting down"):
-            await worker.add("late", [5, 6], LONG, Stream(), 0)
+            await worker.add(["late"], [[5, 6]], LONG, Stream())
 
-    asyncio.run(run())
+    with EngineGate(engine) as gate:
+        asyncio.run(run())
     assert not worker.is_alive
     assert worker.stats["blocks_used"] == 0
 
@@ -76,13 +79,13 @@ def test_shutdown_aborts_running_requests_and_refuses_new_ones(worker, engine):
 def test_a_crashed_worker_fails_its_callers_instead_of_hanging(worker, engine, monkeypatch):
     async def run():
         stream = Stream()
-        await worker.add("victim", [5, 6, 7], LONG, stream, 0)
+        await worker.add(["victim"], [[5, 6, 7]], LONG, stream)
         monkeypatch.setattr(engine, "stats", lambda: 1 / 0)  # outside step(): kills the loop
         while isinstance(item := (await stream.get())[1], RequestOutput):
             pass
         assert isinstance(item, Aborted) and "crashed" in str(item)
         with pytest.raises(Aborted, match="crashed"):
-            await worker.add("next", [5, 6], LONG, Stream(), 0)
+            await worker.add(["next"], [[5, 6]], LONG, Stream())
 
     asyncio.run(run())
     monkeypatch.undo()
@@ -95,10 +98,41 @@ def test_a_full_waiting_queue_refuses_at_once(engine):
 
     async def run():
         with pytest.raises(QueueFullError):
-            await async_engine.add("r", [5, 6], LONG, Stream(), 0)
+            await async_engine.add(["r"], [[5, 6]], LONG, Stream())
 
     try:
         asyncio.run(run())
     finally:
         async_engine.shutdown()
     assert not engine.requests
+
+
+def test_the_prompts_of_a_request_are_admitted_together_and_counted_by_prompt(engine):
+    """Three prompts against room for two: all refused at once; two prompts: admitted in one turn."""
+    async_engine = AsyncEngine(engine, ServerMetrics("test"), max_waiting=2)
+
+    async def run():
+        with pytest.raises(QueueFullError, match="brings 3 prompts"):
+            await async_engine.add(["a", "b", "c"], [[5, 6]] * 3, LONG, Stream())
+        assert not engine.requests
+        stream = Stream()
+        await async_engine.add(["a", "b"], [[5, 6], [7, 8]], LONG, stream)
+        tags = {(await stream.get())[0] for _ in range(2)}  # both produce a first token
+        async_engine.abort(["a", "b"])
+        return tags
+
+    try:
+        assert asyncio.run(run()) == {0, 1}
+    finally:
+        async_engine.shutdown()
+    assert not engine.requests and engine.kv_manager.num_seqs == 0
+
+
+def test_one_invalid_prompt_refuses_the_whole_request(worker, engine):
+    async def run():
+        with pytest.raises(InvalidRequestError, match="prompt 1: .*vocabulary") as info:
+            await worker.add(["ok", "bad"], [[5, 6], [5, 10**6]], LONG, Stream())
+        return info.value.param
+
+    assert asyncio.run(run()) == "prompt"
+    assert not engine.requests and engine.kv_manager.num_seqs == 0

@@ -15,7 +15,7 @@ import pytest
 from pagedkv.engine import EngineConfig
 from pagedkv.server import ServerThread, create_app
 from tests.server.conftest import MAX_BODY_BYTES
-from tests.server.helpers import API_KEY, MODEL, assert_pool_whole, scrape, wait_idle, wait_until
+from tests.server.helpers import API_KEY, MODEL, EngineGate, assert_pool_whole, scrape, wait_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 JSON = {"Content-Type": "application/json"}
@@ -44,7 +44,7 @@ class BadInput:
     status: int
     body: dict | bytes | None = None
     path: str = "/v1/completions"
-    headers: dict = field(default_factory=lambda: {**AUTH, **JSON})
+    headers: dict | list = field(default_factory=lambda: {**AUTH, **JSON})
     #: a fragment of the error message, and the ``param`` it must name
     says: str = ""
     param: str | None = None
@@ -57,6 +57,13 @@ BAD_INPUTS = [
         "wrong API key", 401, _completion(), headers={"Authorization": "Bearer nope", **JSON}, says="API key"
     ),
     BadInput("API key without the `Bearer` scheme", 401, _completion(), headers={"Authorization": API_KEY}),
+    BadInput(
+        "two `Authorization` headers (even if one is right)",
+        401,
+        _completion(),
+        headers=[("Authorization", f"Bearer {API_KEY}"), ("Authorization", "Bearer other"), *JSON.items()],
+        says="2 Authorization headers",
+    ),
     BadInput("malformed JSON", 400, b'{"prompt": "hi",', says="not valid JSON"),
     BadInput("empty body", 400, b"", says="empty"),
     BadInput("JSON that is not an object", 400, b"[1, 2]", says="valid dictionary"),
@@ -64,13 +71,85 @@ BAD_INPUTS = [
     BadInput("`prompt` of the wrong type", 400, _completion(prompt=5), param="prompt.str"),
     BadInput("empty prompt list", 400, _completion(prompt=[]), says="must not be empty", param="prompt"),
     BadInput(
-        "prompt token id outside the vocabulary", 400, _completion(prompt=[5, 99999]), says="vocabulary"
+        "prompt token id outside the vocabulary",
+        400,
+        _completion(prompt=[5, 99999]),
+        says="vocabulary",
+        param="prompt",
     ),
     BadInput(
-        "prompt longer than the model allows", 400, _completion(prompt=[5] * 300), says="maximum context"
+        "`stop_token_ids` outside the vocabulary",
+        400,
+        _completion(min_tokens=1, stop_token_ids=[2048]),
+        says="vocabulary",
+        param="stop_token_ids",
     ),
     BadInput(
-        "prompt + `max_tokens` over the context", 400, _completion(max_tokens=300), says="maximum context"
+        "chat: `stop_token_ids` outside the vocabulary",
+        400,
+        _chat(stop_token_ids=[99999]),
+        path="/v1/chat/completions",
+        says="vocabulary",
+        param="stop_token_ids",
+    ),
+    BadInput(
+        "prompt longer than the model allows",
+        400,
+        _completion(prompt=[5] * 300),
+        says="maximum context",
+        param="prompt",
+    ),
+    BadInput(
+        "prompt + `max_tokens` over the context",
+        400,
+        _completion(max_tokens=300),
+        says="maximum context",
+        param="max_tokens",
+    ),
+    BadInput(
+        "a text prompt that provably cannot fit, refused before tokenizing",
+        400,
+        _completion(prompt="x" * 14_000),
+        says="at least",
+        param="prompt",
+    ),
+    BadInput(
+        "an unpaired surrogate in the prompt",
+        400,
+        b'{"prompt": "a\\ud800b", "max_tokens": 3}',
+        says="unpaired UTF-16 surrogate",
+        param="prompt",
+    ),
+    BadInput(
+        "chat: an unpaired surrogate in `content`",
+        400,
+        b'{"messages": [{"role": "user", "content": "\\ud83d"}]}',
+        path="/v1/chat/completions",
+        says="surrogate",
+        param="messages.0.content",
+    ),
+    BadInput(
+        "chat: an unpaired surrogate in `role`",
+        400,
+        b'{"messages": [{"role": "\\udc00", "content": "hi"}]}',
+        path="/v1/chat/completions",
+        says="surrogate",
+        param="messages.0.role",
+    ),
+    BadInput("`n` over `--max-n` (1,000,000)", 400, _completion(n=1_000_000), says="max_n = 128", param="n"),
+    BadInput(
+        "more prompts than `--max-prompts-per-request`",
+        400,
+        _completion(prompt=["b"] * 300, max_tokens=1),
+        says="max_prompts_per_request = 256",
+        param="prompt",
+    ),
+    BadInput(
+        "prompts x n x (prompt + `max_tokens`) over `--max-request-tokens`",
+        400,
+        _completion(prompt=["hi"] * 200, n=16, max_tokens=100),
+        says="max_request_tokens = 262144",
+        param="max_tokens",
     ),
     BadInput("unknown model name", 400, _completion(model="gpt-4"), says="does not exist", param="model"),
     BadInput("`temperature` < 0", 400, _completion(temperature=-1), says=">= 0", param="temperature"),
@@ -129,6 +208,13 @@ BAD_INPUTS = [
 ]
 
 
+def test_a_wrong_method_gets_405_with_allow(base_url):
+    response = httpx.get(f"{base_url}/v1/completions", headers=AUTH)
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c.what for c in BAD_INPUTS])
 def test_bad_input_gets_its_status_and_an_openai_error(case: BadInput, base_url, engine):
     content = case.body if isinstance(case.body, bytes) else None
@@ -164,10 +250,22 @@ def test_a_request_that_can_never_fit_in_the_cache_gets_400(tight_server):
     response = httpx.post(f"{tight_server.base_url}/v1/completions", json=body, timeout=30)
     assert response.status_code == 400
     assert "can never fit in the KV cache" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == "max_tokens"
     wait_idle(tight_server.base_url)
 
 
+def test_a_batch_counts_against_the_waiting_limit_by_its_prompts(tight_server):
+    """One waiting slot: a request of two prompts can never all wait, even in an empty queue."""
+    body = _completion(prompt=["a", "b"])
+    response = httpx.post(f"{tight_server.base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 503
+    assert "brings 2 prompts" in response.json()["error"]["message"]
+    wait_idle(tight_server.base_url)
+    assert_pool_whole(tight_server.app.state.engine.engine)
+
+
 def test_a_full_waiting_queue_gets_503_and_recovers(tight_server):
+    """A runs (held after its first token), B waits: C finds the one waiting slot taken."""
     base_url = tight_server.base_url
     long = _completion(max_tokens=600, ignore_eos=True, stream=True)
 
@@ -175,22 +273,22 @@ def test_a_full_waiting_queue_gets_503_and_recovers(tight_server):
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
             running = client.stream("POST", "/v1/completions", json=long)
             assert (await running.__aenter__()).status_code == 200
-            await asyncio.to_thread(
-                wait_until, lambda: scrape(base_url)["vllm:num_requests_running"] == 1, 10, "A running"
-            )
+            gate.open_until(lambda outputs: bool(outputs))
+            await asyncio.to_thread(gate.holding.wait, 30)
             waiting = client.stream("POST", "/v1/completions", json=long)
             assert (await waiting.__aenter__()).status_code == 200
-            await asyncio.to_thread(
-                wait_until, lambda: scrape(base_url)["vllm:num_requests_waiting"] == 1, 10, "B waiting"
-            )
+            metrics = scrape(base_url)
+            assert metrics["vllm:num_requests_running"] == 1 and metrics["vllm:num_requests_waiting"] == 1
             refused = await client.post("/v1/completions", json=_completion())
             for stream in (waiting, running):
                 await stream.__aexit__(None, None, None)
             return refused
 
-    refused = asyncio.run(run())
+    with EngineGate(tight_server.app.state.engine.engine) as gate:
+        gate.close()
+        refused = asyncio.run(run())
+        wait_idle(base_url)
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "queue_full"
-    wait_idle(base_url)
     assert httpx.post(f"{base_url}/v1/completions", json=_completion(), timeout=30).status_code == 200
     assert_pool_whole(tight_server.app.state.engine.engine)

@@ -3,28 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import socket
-import subprocess
-import sys
 
 import httpx
 import pytest
 
+from pagedkv.cli_args import request_limits
+from pagedkv.engine import RequestLimits
 from pagedkv.models import BUILTIN_NOTE
 from pagedkv.server.cli import API_KEY_ENV, add_serve_parser
-from tests.server.helpers import MODEL, wait_until
-
-#: ``pagedkv serve`` without pagedkv/cli.py (which wires it in): the same parser and function.
-SERVE = (
-    "import argparse, sys\n"
-    "from pagedkv.server.cli import add_serve_parser\n"
-    "parser = argparse.ArgumentParser()\n"
-    "add_serve_parser(parser.add_subparsers())\n"
-    "args = parser.parse_args(sys.argv[1:])\n"
-    "sys.exit(args.func(args))\n"
-)
+from tests.server.helpers import MODEL
+from tests.server.process import ServeProcess
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,7 +33,23 @@ def test_serve_reads_the_api_key_from_the_environment(monkeypatch):
     assert _parser().parse_args(["serve"]).api_key == "from-env"
 
 
-@pytest.mark.parametrize("option", [["--max-body-size", "lots"], ["--block-size", "0"], ["--port", "x"]])
+def test_serve_takes_the_request_limits():
+    args = _parser().parse_args(["serve", "--max-n", "8", "--max-request-tokens", "4096"])
+    assert request_limits(args) == RequestLimits(max_n=8, max_request_tokens=4096)
+    assert args.max_prompts_per_request == 256
+    assert request_limits(_parser().parse_args(["serve"])) == RequestLimits()
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--max-body-size", "lots"],
+        ["--block-size", "0"],
+        ["--port", "x"],
+        ["--max-n", "0"],
+        ["--max-prompts-per-request", "-1"],
+    ],
+)
 def test_serve_refuses_bad_options(option, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _parser().parse_args(["serve", *option])
@@ -53,38 +57,16 @@ def test_serve_refuses_bad_options(option, capsys):
     assert option[0] in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_serve_process_serves_and_shuts_down_cleanly():
-    port = _free_port()
-    command = [sys.executable, "-c", SERVE, "serve", "--port", str(port), "--api-key", "k",
-               "--num-kv-blocks", "32", "--max-model-len", "128", "--log-level", "warning"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    base_url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert process.poll() is None, process.communicate()
-        try:
-            return httpx.get(f"{base_url}/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    try:
-        wait_until(healthy, 90, "pagedkv serve to start")
+    options = ["--api-key", "k", "--num-kv-blocks", "32", "--max-model-len", "128"]
+    with ServeProcess(*options) as server:
+        base_url = server.base_url
         headers = {"Authorization": "Bearer k"}
         assert httpx.get(f"{base_url}/v1/models", headers=headers).json()["data"][0]["id"] == MODEL
         assert httpx.get(f"{base_url}/v1/models").status_code == 401
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
         completion = httpx.post(f"{base_url}/v1/completions", json=body, headers=headers, timeout=30)
         assert completion.json()["usage"]["completion_tokens"] <= 3
-    finally:
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=30)
-    assert process.returncode == 0
-    assert BUILTIN_NOTE in stderr
-    assert f"http://127.0.0.1:{port}/v1" in stderr
+    assert server.returncode == 0
+    assert BUILTIN_NOTE in server.stderr
+    assert f"http://127.0.0.1:{server.port}/v1" in server.stderr

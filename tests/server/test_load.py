@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import openai
 
 from pagedkv import SamplingParams
-from tests.server.helpers import API_KEY, MODEL, assert_pool_whole, prompts, scrape, wait_idle
+from tests.server.helpers import (
+    API_KEY,
+    ENGINE_OPTIONS,
+    MODEL,
+    EngineGate,
+    assert_pool_whole,
+    prompts,
+    scrape,
+    wait_idle,
+    wait_until,
+)
 
 NUM_CLIENTS = 64
 MAX_TOKENS = 16
@@ -42,19 +51,27 @@ async def _run_clients(base_url: str, batch: list[str]) -> list[tuple[str, str, 
 def test_64_streaming_clients_equal_llm_generate(base_url, engine, reference):
     batch = prompts(NUM_CLIENTS, seed=64)
     before = scrape(base_url)
-    seen_running, done = [0], threading.Event()
+    slots = ENGINE_OPTIONS["max_num_seqs"]
 
-    def watch() -> None:  # the batch sizes the engine ran, as /metrics showed them
-        while not done.is_set():
-            seen_running[0] = max(seen_running[0], scrape(base_url)["vllm:num_requests_running"])
+    async def run():
+        clients = asyncio.ensure_future(_run_clients(base_url, batch))
+        # Every client is queued before the first step (the engine is held), so the first step
+        # takes a full batch whatever the speed of the model or of the clients.
+        await asyncio.to_thread(
+            wait_until, lambda: scrape(base_url)["vllm:num_requests_waiting"] == NUM_CLIENTS, 30, "all queued"
+        )
+        gate.open_until(lambda outputs: True)
+        await asyncio.to_thread(gate.holding.wait, 30)
+        first_step = scrape(base_url)
+        gate.open_until(lambda outputs: False)
+        return await clients, first_step
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        results = asyncio.run(_run_clients(base_url, batch))
-    finally:
-        done.set()
-        watcher.join()
+    with EngineGate(engine) as gate:
+        gate.close()
+        results, first_step = asyncio.run(run())
+    # Continuous batching across HTTP clients: one step served as many as the batch holds.
+    assert first_step["vllm:num_requests_running"] == slots
+    assert first_step["vllm:num_requests_waiting"] == NUM_CLIENTS - slots
     params = [
         SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=100 + i) for i in range(NUM_CLIENTS)
     ]
@@ -65,8 +82,6 @@ def test_64_streaming_clients_equal_llm_generate(base_url, engine, reference):
         assert tokens == len(out.outputs[0].token_ids)
     after = wait_idle(base_url)
     assert_pool_whole(engine)
-    # Continuous batching across HTTP clients: many requests shared each step.
-    assert seen_running[0] >= 8
     generated = sum(len(out.outputs[0].token_ids) for out in expected)
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == generated
     assert after["pagedkv:kv_cache_usage_peak_perc"] > 0

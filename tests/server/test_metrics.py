@@ -6,7 +6,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.helpers import API_KEY, MODEL, scrape, wait_idle
+from tests.server.helpers import API_KEY, MODEL, EngineGate, scrape, wait_idle
 
 EXPECTED_TYPES = {
     "vllm:kv_cache_usage_perc": "gauge",
@@ -66,13 +66,15 @@ def test_prefix_cache_counters_count_tokens(base_url):
     assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] == 32
 
 
-def test_kv_usage_gauge_rises_while_a_request_runs(base_url):
+def test_kv_usage_gauge_rises_while_a_request_runs(base_url, engine):
     body = {"model": MODEL, "prompt": "hold blocks", "max_tokens": 120, "ignore_eos": True, "stream": True}
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers, timeout=30) as r:
-        lines = r.iter_lines()
-        next(line for line in lines if line.startswith("data: "))
-        during = scrape(base_url)
+    with EngineGate(engine) as gate:
+        gate.open_until(lambda outputs: any(o.outputs[0].text for o in outputs))  # held once it shows text
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers, timeout=30) as r:
+            lines = r.iter_lines()  # kept: closing it would close the connection
+            next(line for line in lines if line.startswith("data: "))
+            during = scrape(base_url)
     assert during["vllm:kv_cache_usage_perc"] > 0
     assert during["vllm:num_requests_running"] == 1
     assert (

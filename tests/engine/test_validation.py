@@ -1,0 +1,82 @@
+"""Offline users get the server's checks: vocabulary, text, context and request limits.
+
+Each refusal is an ``InvalidRequestError`` naming the field (``param``) before the request takes
+any engine state; the next request is served as usual.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv import LLM, BeamSearchParams, SamplingParams
+from pagedkv.engine import InvalidRequestError, RequestLimits
+from pagedkv.engine.sampling_params import unpaired_surrogate_at
+from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
+
+LIMITS = RequestLimits(max_n=4, max_beam_width=3, max_request_tokens=200)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> LLM:
+    path = make_checkpoint(tmp_path_factory.mktemp("validation"), "llama")
+    return LLM(str(path), num_kv_blocks=64, block_size=4, max_model_len=128, limits=LIMITS)
+
+
+def _refused(llm: LLM, run) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as info:
+        run()
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.kv_stats()["blocks_used"] == 0
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "prompt, params, param, says",
+    [
+        (
+            [5, 6],
+            SamplingParams(stop_token_ids=[TEST_VOCAB_SIZE]),
+            "stop_token_ids",
+            f"[0, {TEST_VOCAB_SIZE})",
+        ),
+        ([5, TEST_VOCAB_SIZE + 1], SamplingParams(), "prompt", "vocabulary"),
+        ([5, -1], SamplingParams(), "prompt", "vocabulary"),
+        ([5, "6"], SamplingParams(), "prompt", "vocabulary"),
+        ("a\ud800b", SamplingParams(), "prompt", "unpaired UTF-16 surrogate"),
+        ([5] * 120, SamplingParams(max_tokens=20), "max_tokens", "maximum context length is 128"),
+        ([5] * 130, SamplingParams(max_tokens=1), "prompt", "maximum context length is 128"),
+        ([5, 6], SamplingParams(n=5), "n", "max_n = 4"),
+        ([5] * 40, SamplingParams(n=4, max_tokens=20), "max_tokens", "max_request_tokens = 200"),
+    ],
+)
+def test_a_bad_request_is_refused_naming_its_field(llm, prompt, params, param, says):
+    error = _refused(llm, lambda: llm.generate([prompt], params, use_tqdm=False))
+    assert error.param == param
+    assert says in str(error)
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_beam_width_and_beam_tokens_have_limits(llm):
+    wide = _refused(llm, lambda: llm.beam_search([[5, 6]], BeamSearchParams(beam_width=4, max_tokens=4)))
+    assert (wide.param, "max_beam_width = 3" in str(wide)) == ("beam_width", True)
+    long = _refused(llm, lambda: llm.beam_search([[5] * 60], BeamSearchParams(beam_width=3, max_tokens=20)))
+    assert "3 x (60 prompt + 20 max_tokens)" in str(long) and long.param == "max_tokens"
+
+
+def test_sampling_params_refuse_stop_strings_that_are_not_text():
+    with pytest.raises(ValueError, match="SamplingParams.stop must be valid Unicode text"):
+        SamplingParams(stop=["fine", "half \udc00 pair"])
+    assert SamplingParams(stop=["\U0001f600"]).stop == ["\U0001f600"]  # a real pair is one character
+
+
+def test_surrogates_are_found_only_when_unpaired():
+    assert unpaired_surrogate_at("ok \U0001f600") is None
+    assert unpaired_surrogate_at("ab\ud83d") == 2
+    assert unpaired_surrogate_at("\udc00") == 0
+
+
+@pytest.mark.parametrize("field", ["max_n", "max_beam_width", "max_request_tokens"])
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_limits_must_be_positive_integers(field, value):
+    with pytest.raises(ValueError, match=f"RequestLimits.{field}"):
+        RequestLimits(**{field: value})
