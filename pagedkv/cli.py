@@ -21,6 +21,7 @@ from pagedkv.bench.sharing_cli import add_bench_sharing_parser, run_sharing_demo
 from pagedkv.cli_args import add_engine_options, add_report_options, byte_size, engine_config
 from pagedkv.server.cli import add_bench_serve_parser, add_serve_parser
 from pagedkv.sim import WORKLOAD_NAMES, SimConfig, SimResult, simulate
+from pagedkv.sim.html_replay import write_replay
 from pagedkv.sim.report import print_report
 
 
@@ -87,13 +88,21 @@ def _config(args: argparse.Namespace, **options) -> SimConfig:
 def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "simulate",
-        help="naive vs paged KV memory on seeded workloads (tables, plots, --json)",
+        help="naive vs paged KV memory on seeded workloads (tables, plots, --json, --html replay)",
         description="Compare contiguous KV allocation (Max, Pow2, Oracle reservations) with paged "
         "allocation (the real BlockPool/BlockTable) on the same seeded workload: utilization per batch "
         "size, a dynamic trace, the block-size trade-off, prefix sharing, capacity and a worked example.",
     )
     _add_simulation_options(parser)
     add_report_options(parser)
+    parser.add_argument(
+        "--html",
+        type=Path,
+        metavar="DIR",
+        default=None,
+        help="also write the dynamic trace as a replay: one self-contained HTML file in DIR that opens "
+        "from disk (naive vs paged memory maps, a time slider)",
+    )
     parser.set_defaults(run=_run_simulate, parser=parser)
 
 
@@ -110,12 +119,16 @@ def _run_simulate(args: argparse.Namespace) -> int:
     )
     result = simulate(config, progress=sys.stderr.isatty())
     plots = [] if args.no_plots else _write_plots(result, args.out)
+    replay = None if args.html is None else write_replay(result, args.html)
     if args.json:
-        print(json.dumps(result.to_json() | {"plots": [str(p) for p in plots]}, indent=2))
+        extra = {"plots": [str(p) for p in plots], "replay": None if replay is None else str(replay)}
+        print(json.dumps(result.to_json() | extra, indent=2))
         return 0
     console = Console()
     print_report(result, console)
     _print_plots(console, plots)
+    if replay is not None:
+        console.print(f"\nReplay written to [bold]{replay}[/] (open it in a browser)")
     return 0
 
 

@@ -12,11 +12,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from pagedkv.sim.report import CATEGORY_LABELS, LABELS
+from pagedkv.sim.report import ALLOCATOR_COLORS, CATEGORY_LABELS, LABELS
 from pagedkv.sim.simulate import SimResult
 from pagedkv.sim.snapshot import ALLOCATORS
 
-ALLOCATOR_COLORS = {"max": "#d62728", "pow2": "#ff7f0e", "oracle": "#9467bd", "paged": "#2ca02c"}
 CATEGORY_COLORS = {
     "token_states": "#2ca02c",
     "reservation": "#fdae61",
