@@ -5,6 +5,8 @@ frame-by-frame dump of the paged pool (thousands of blocks times hundreds of fra
 the residencies do: one record per admission, from which the page derives the exact layout at
 any step (see :class:`~pagedkv.sim.trace.Residency`). Their columns are packed as base64
 little-endian integer arrays. Only the curves are sampled, at the frames the slider stops at.
+The paged block ids are most of the file (about 90,000 for the default trace); a run that would
+need more than :data:`MAX_BLOCK_IDS` is replayed over its first steps only, and the page says so.
 
 Two scenarios share one format: the worked example (three requests growing token by token) and
 the dynamic trace of :mod:`pagedkv.sim.trace`.
@@ -13,6 +15,7 @@ the dynamic trace of :mod:`pagedkv.sim.trace`.
 from __future__ import annotations
 
 import base64
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -30,6 +33,8 @@ REPLAY_ALLOCATORS = ("max", "oracle", "paged")
 #: Most positions of the time slider (and samples of each curve) per scenario.
 MAX_FRAMES = 500
 SERIES = ("running", "stored", "held", "waiting")
+#: Most paged block ids one replay carries: at most 1.3 MB of base64 (uint32 ids).
+MAX_BLOCK_IDS = 250_000
 
 
 def frame_steps(steps: int, max_frames: int = MAX_FRAMES) -> list[int]:
@@ -165,16 +170,50 @@ def _example_scenario(result: SimResult, max_frames: int) -> dict:
     }
 
 
-def _trace_scenario(result: SimResult, max_frames: int) -> dict:
+def replay_window(paged: Sequence[Residency], steps: int, max_block_ids: int) -> int:
+    """How many leading steps of a run can be replayed with at most ``max_block_ids`` block ids:
+    the residencies admitted before that step hold no more (``paged`` is sorted by admission)."""
+    total = 0
+    for residency in paged:
+        total += len(residency.placement)
+        if total > max_block_ids:
+            return max(residency.admitted, 1)
+    return steps
+
+
+def clip(residencies: Sequence[Residency], window: int, block_size: int | None) -> tuple[Residency, ...]:
+    """The residencies of the first ``window`` steps, as they stood then: those admitted later
+    are dropped, the others leave at ``window`` at the latest and, paged, keep only the blocks
+    they held by then."""
+    clipped = []
+    for r in residencies:
+        if r.admitted >= window:
+            continue
+        left = min(r.left, window)
+        placement = r.placement
+        if block_size is not None:
+            placement = placement[: blocks_for(r.stored_at(left - 1), block_size)]
+        clipped.append(dataclasses.replace(r, left=left, placement=placement))
+    return tuple(clipped)
+
+
+def _trace_scenario(result: SimResult, max_frames: int, max_block_ids: int) -> dict:
     cfg = result.config
-    frames = frame_steps(cfg.trace_steps, max_frames)
+    window = replay_window(result.trace["paged"].residencies, cfg.trace_steps, max_block_ids)
+    frames = frame_steps(window, max_frames)
     memories = []
     for allocator in REPLAY_ALLOCATORS:
         run = result.trace[allocator]
         series = {name: [getattr(run, name)[step] for step in frames] for name in SERIES}
+        residencies = clip(run.residencies, window, cfg.block_size if allocator == "paged" else None)
         memories.append(
-            _memory(allocator, run.capacity_slots, cfg.block_size, cfg.max_seq_len, run.residencies, series)
+            _memory(allocator, run.capacity_slots, cfg.block_size, cfg.max_seq_len, residencies, series)
         )
+    shown = (
+        ""
+        if window == cfg.trace_steps
+        else (f" Replayed: the first {window:,} steps (a replay keeps at most {max_block_ids:,} block ids).")
+    )
     naive, paged = result.trace["max"], result.trace["paged"]
     busiest = next(m for m in memories if m["allocator"] == "paged")["series"]["running"]
     return {
@@ -188,9 +227,9 @@ def _trace_scenario(result: SimResult, max_frames: int) -> dict:
             f"{naive.mean_running:.0f} naive ({paged.mean_running / naive.mean_running:.1f}x) and "
             f"completes {paged.completed:,} against {naive.completed:,}; token states fill "
             f"{paged.breakdown.utilization:.0%} of the memory it uses against "
-            f"{naive.breakdown.utilization:.0%}."
+            f"{naive.breakdown.utilization:.0%}.{shown}"
         ),
-        "steps": cfg.trace_steps,
+        "steps": window,
         "block_size": cfg.block_size,
         "frames": frames,
         "start_frame": busiest.index(max(busiest)),  # the paged pool at its fullest
@@ -198,7 +237,9 @@ def _trace_scenario(result: SimResult, max_frames: int) -> dict:
     }
 
 
-def replay_document(result: SimResult, max_frames: int = MAX_FRAMES) -> dict:
+def replay_document(
+    result: SimResult, max_frames: int = MAX_FRAMES, max_block_ids: int = MAX_BLOCK_IDS
+) -> dict:
     """Everything the replay page shows, as one JSON-able document."""
     cfg = result.config
     return {
@@ -207,5 +248,8 @@ def replay_document(result: SimResult, max_frames: int = MAX_FRAMES) -> dict:
             f"workload {cfg.workload}, seed {cfg.seed}, block size {cfg.block_size}, "
             f"max_seq_len {cfg.max_seq_len:,}, {human_bytes(cfg.kv_spec.bytes_per_token)} of KV per token"
         ),
-        "scenarios": [_example_scenario(result, max_frames), _trace_scenario(result, max_frames)],
+        "scenarios": [
+            _example_scenario(result, max_frames),
+            _trace_scenario(result, max_frames, max_block_ids),
+        ],
     }

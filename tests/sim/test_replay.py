@@ -112,6 +112,25 @@ def test_trace_scenario_packs_the_runs_residencies_and_samples_their_series(smal
     assert trace["start_frame"] == paged["series"]["running"].index(max(paged["series"]["running"]))
 
 
+def test_a_run_with_too_many_block_ids_is_replayed_over_its_first_steps(small_result):
+    paged_run = small_result.trace["paged"]
+    budget = sum(len(r.placement) for r in paged_run.residencies) // 3
+    trace = replay_document(small_result, max_block_ids=budget)["scenarios"][1]
+    window = trace["steps"]
+    assert 0 < window < small_result.config.trace_steps
+    assert f"the first {window:,} steps" in trace["description"]
+    assert trace["frames"] == frame_steps(window)
+    for memory in trace["memories"]:
+        run = small_result.trace[memory["allocator"]]
+        kept = decoded(memory)
+        assert all(r.admitted < window and r.left <= window for r in kept)
+        if memory["kind"] == "paged":
+            assert sum(len(r.placement) for r in kept) <= budget
+        block_size = small_result.config.block_size if memory["kind"] == "paged" else None
+        for step in range(window):  # every step of the window still redraws exactly
+            assert series_at(kept, step, block_size) == series_at(run.residencies, step, block_size)
+
+
 def test_example_scenario_ends_as_the_worked_example(small_result):
     ex = small_result.example
     example = replay_document(small_result)["scenarios"][0]
