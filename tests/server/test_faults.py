@@ -127,12 +127,34 @@ def test_requests_aborted_while_queued_leave_the_queue_at_once(base_url, engine)
     assert after[ttft] - before[ttft] == slots
 
 
-def test_non_streaming_client_that_gives_up_is_aborted(base_url, engine):
+@pytest.fixture(scope="module")
+def long_context_server():
+    """The built-in model's whole 4,096-token context, for a completion that takes seconds."""
+    config = EngineConfig(**{**ENGINE_OPTIONS, "max_model_len": 4096})
+    with ServerThread(create_app(config, api_key=API_KEY)) as server:
+        yield server
+
+
+def test_non_streaming_client_that_gives_up_is_aborted(long_context_server):
+    """The client gives up on an event, not a timer: once the server has produced the first token
+    of a 4,000-token completion (thousands of decode steps still to go), it closes the connection."""
+    base_url = long_context_server.base_url
     before = scrape(base_url)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base_url}/v1/completions", json=_body("wait for me"), headers=AUTH, timeout=0.3)
-    after = wait_idle(base_url, timeout=10)
-    assert_pool_whole(engine)
+    first_tokens = "vllm:time_to_first_token_seconds_count"
+
+    async def give_up():
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+            body = _body("wait for me", max_tokens=4000)
+            post = asyncio.create_task(client.post("/v1/completions", json=body, headers=AUTH))
+            started = lambda: scrape(base_url)[first_tokens] > before[first_tokens]
+            await asyncio.to_thread(wait_until, started, 30, "the first token")
+            post.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await post
+
+    asyncio.run(give_up())
+    after = wait_idle(base_url, timeout=30)
+    assert_pool_whole(long_context_server.app.state.engine.engine)
     assert after[ABORTS] - before[ABORTS] == 1
 
 
