@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # torch is pinned to the CPU wheel for this machine class; the package itself only asks torch>=2.4.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint install install-test clean
+.PHONY: demo test lint install install-test browser clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,20 @@ $(VENV)/.installed-test: $(VENV)/.installed
 
 install: $(VENV)/.installed
 
-install-test: $(VENV)/.installed-test
+# Real-browser tests drive Debian's Chromium through Debian's chromedriver (built from the same
+# source, so their versions always match); installed from apt when missing, as root or via sudo.
+CHROMIUM := /usr/bin/chromium
+CHROMEDRIVER := /usr/bin/chromedriver
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+browser:
+	@if [ ! -x $(CHROMIUM) ] || [ ! -x $(CHROMEDRIVER) ]; then \
+		echo "installing chromium and chromium-driver from apt"; \
+		$(SUDO) apt-get -o DPkg::Lock::Timeout=300 update -q && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -q chromium chromium-driver; \
+	fi
+
+install-test: $(VENV)/.installed-test browser
 
 demo: install
 	$(VENV)/bin/pagedkv demo

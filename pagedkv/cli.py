@@ -30,6 +30,7 @@ from pagedkv.cli_args import (
 )
 from pagedkv.server.cli import add_serve_parser
 from pagedkv.sim import WORKLOAD_NAMES, SimConfig, SimResult, simulate
+from pagedkv.sim.html_replay import write_replay
 from pagedkv.sim.report import print_report
 
 BENCH_HELP = "benchmarks that run pagedkv and a baseline side by side"
@@ -88,7 +89,7 @@ def _add_simulation_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
-    """naive vs paged KV memory on seeded workloads (tables, plots, --json)
+    """naive vs paged KV memory on seeded workloads (tables, plots, --json, --html replay)
 
     Compare contiguous KV allocation (Max, Pow2, Oracle reservations) with paged allocation (the
     real BlockPool/BlockTable) on the same seeded workload: utilization per batch size, a dynamic
@@ -97,12 +98,25 @@ def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
     parser = add_command(subparsers, "simulate", _run_simulate, _add_simulate.__doc__)
     _add_simulation_options(parser)
     add_report_options(parser)
+    parser.add_argument(
+        "--html",
+        type=Path,
+        metavar="DIR",
+        default=None,
+        help="also write the dynamic trace as a replay: one self-contained HTML file in DIR that opens "
+        "from disk (naive vs paged memory maps, a time slider)",
+    )
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
     config = config_from_args(SimConfig, args)
     result = simulate(config, progress=sys.stderr.isatty())
-    show_report(args, result, _write_plots, print_report)
+    replay = None if args.html is None else write_replay(result, args.html)
+    console = Console()
+    extra = {"replay": None if replay is None else str(replay)}
+    show_report(args, result, _write_plots, print_report, console, extra_json=extra)
+    if replay is not None and not args.json:
+        console.print(f"\nReplay written to [bold]{replay}[/] (open it in a browser)")
     return 0
 
 

@@ -102,12 +102,15 @@ def show_report(
     write_plots: Callable[[R, Path], list[Path]],
     print_report: Callable[[R, Console], None],
     console: Console | None = None,
+    extra_json: dict[str, Any] | None = None,
 ) -> list[Path]:
     """How every measuring command ends: its plots (unless ``--no-plots``), then one JSON
-    document (``--json``) or its tables and where the plots went. Returns the plots written."""
+    document (``--json``, with ``extra_json``'s keys: other files the command wrote) or its
+    tables and where the plots went. Returns the plots written."""
     plots = [] if options.no_plots else write_plots(result, Path(options.out))
     if options.json:
-        print(json.dumps(result.to_json() | {"plots": [str(p) for p in plots]}, indent=2))
+        document = result.to_json() | {"plots": [str(p) for p in plots]} | (extra_json or {})
+        print(json.dumps(document, indent=2))
         return plots
     console = console or Console()
     print_report(result, console)

@@ -80,6 +80,16 @@ def test_json_lists_the_plots_it_wrote_as_valid_pngs(capsys, tmp_path):
         assert imread(path).ndim == 3
 
 
+def test_simulate_html_writes_one_small_replay(capsys, tmp_path):
+    doc = run_json(capsys, "--html", str(tmp_path / "replay"))
+    path = Path(doc["replay"])
+    assert [p.name for p in (tmp_path / "replay").iterdir()] == [path.name]
+    assert path.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+    assert path.stat().st_size < 1_000_000  # a few hundred KB for the default 5,000-step trace
+    assert main(["simulate", "--no-plots", "--html", str(tmp_path / "again")]) == 0
+    assert f"Replay written to {tmp_path / 'again' / path.name}" in capsys.readouterr().out.replace("\n", "")
+
+
 def test_demo_writes_the_report(capsys, tmp_path):
     assert main(["demo", "--out", str(tmp_path / "pagedkv-report")]) == 0
     text = capsys.readouterr().out

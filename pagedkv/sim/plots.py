@@ -8,11 +8,10 @@ from pathlib import Path
 from matplotlib.patches import Patch, Rectangle
 
 from pagedkv.plotting import new_figure, save, write_figures
-from pagedkv.sim.report import CATEGORY_LABELS, LABELS
+from pagedkv.sim.report import ALLOCATOR_COLORS, CATEGORY_LABELS, LABELS
 from pagedkv.sim.simulate import SimResult
 from pagedkv.sim.snapshot import ALLOCATORS
 
-ALLOCATOR_COLORS = {"max": "#d62728", "pow2": "#ff7f0e", "oracle": "#9467bd", "paged": "#2ca02c"}
 CATEGORY_COLORS = {
     "token_states": "#2ca02c",
     "reservation": "#fdae61",

@@ -12,6 +12,8 @@ from pagedkv.sim.snapshot import ALLOCATORS
 
 #: How allocators are labelled for people (tables and plots).
 LABELS = {"max": "naive (Max)", "pow2": "Pow2", "oracle": "Oracle", "paged": "paged"}
+#: ... and coloured, in the plots and the HTML replay alike.
+ALLOCATOR_COLORS = {"max": "#d62728", "pow2": "#ff7f0e", "oracle": "#9467bd", "paged": "#2ca02c"}
 CATEGORY_LABELS = {
     "token_states": "token states",
     "reservation": "reservation",

@@ -22,6 +22,9 @@ in one ``append_slots`` call, which takes exactly the blocks that per-token call
 The time-averaged breakdown covers the whole memory: free slots count as external fragmentation
 while a request waits (memory exists but cannot be used) and as free otherwise. Utilization is
 token states over the memory that is not idle (everything but free).
+
+Besides the averages, a run keeps what a replay needs to redraw its memory at any step: per-step
+series (running, stored, held, waiting) and one :class:`Residency` per admission.
 """
 
 from __future__ import annotations
@@ -41,8 +44,32 @@ WATERMARK = 0.01
 
 
 @dataclass(frozen=True)
+class Residency:
+    """One admission of a request: where it sat in memory from step ``admitted`` until ``left``.
+
+    At each step ``admitted <= t < left`` it stores ``tokens + (t - admitted)`` tokens (``left``
+    is the trace's length if it was still running at the end). Contiguous: ``placement`` is the
+    ``(start, size)`` of its region. Paged: its block ids in table order, of which it holds the
+    first ``blocks_for(stored tokens, block_size)`` at each step, because a table only grows, one
+    block at each boundary. A preempted request has one residency per admission.
+    """
+
+    request: int  # index into the arrivals
+    admitted: int
+    left: int
+    tokens: int
+    final_len: int
+    placement: tuple[int, ...]
+
+    def stored_at(self, step: int) -> int:
+        """Tokens stored at ``step`` (a request that has all its tokens keeps them until it leaves)."""
+        return min(self.tokens + step - self.admitted, self.final_len)
+
+
+@dataclass(frozen=True)
 class TraceResult:
-    """One allocator's run: time-averaged slot breakdown and request counts."""
+    """One allocator's run: time-averaged slot breakdown and request counts, and per step what it
+    held (``stored`` token slots, ``held`` slots, ``waiting`` requests) for plots and replays."""
 
     allocator: str
     capacity_slots: int
@@ -51,7 +78,11 @@ class TraceResult:
     mean_running: float
     completed: int
     preemptions: int
-    running: list[int] = field(repr=False)  # requests running at each step (for plots)
+    running: list[int] = field(repr=False)
+    stored: list[int] = field(repr=False)
+    held: list[int] = field(repr=False)
+    waiting: list[int] = field(repr=False)
+    residencies: tuple[Residency, ...] = field(repr=False)
 
     def to_json(self, bytes_per_token: int) -> dict:
         return {
@@ -73,16 +104,23 @@ class _Accounting:
         self.capacity = capacity
         self.sums = [0.0] * 5
         self.running: list[int] = []
+        self.stored: list[int] = []
+        self.held: list[int] = []
+        self.waiting: list[int] = []
+        self.residencies: list[Residency] = []
 
-    def record(self, running: int, tokens: int, reservation: int, reserved: int, waiting: bool) -> None:
+    def record(self, running: int, tokens: int, reservation: int, reserved: int, waiting: int) -> None:
         """One step: ``reserved`` slots are held, of which ``tokens`` are stored and
         ``reservation`` are held for tokens still to come; the rest of the held slots is internal
-        fragmentation."""
+        fragmentation. ``waiting`` requests are queued."""
         free = self.capacity - reserved
         internal = reserved - tokens - reservation
         step = (tokens, reservation, internal, free if waiting else 0, 0 if waiting else free)
         self.sums = [s + v for s, v in zip(self.sums, step, strict=True)]
         self.running.append(running)
+        self.stored.append(tokens)
+        self.held.append(reserved)
+        self.waiting.append(waiting)
 
     def result(self, allocator: str, completed: int, preemptions: int) -> TraceResult:
         steps = len(self.running)
@@ -95,6 +133,10 @@ class _Accounting:
             completed=completed,
             preemptions=preemptions,
             running=self.running,
+            stored=self.stored,
+            held=self.held,
+            waiting=self.waiting,
+            residencies=tuple(sorted(self.residencies, key=lambda r: (r.admitted, r.request))),
         )
 
 
@@ -127,10 +169,18 @@ def run_contiguous(
     finishes: list[tuple[int, int]] = []
     base = 0  # sum over running requests of (prompt_len - admission step): tokens = base + n * t
     completed = 0
+    admitted: dict[int, int] = {}  # running key -> step it was admitted
     books = _Accounting(capacity_slots)
+
+    def residency(key: int, left: int) -> Residency:
+        request = arrivals[key][1]
+        start = admitted.pop(key)
+        return Residency(key, start, left, request.prompt_len, request.final_len, allocator.region(key))
+
     for t in range(steps):
         while finishes and finishes[0][0] == t:
             _, key = heapq.heappop(finishes)
+            books.residencies.append(residency(key, t))
             allocator.free(key)
             base -= arrivals[key][1].prompt_len - (t - arrivals[key][1].output_len)
             completed += 1
@@ -139,10 +189,12 @@ def run_contiguous(
             key = waiting.popleft()
             request = arrivals[key][1]
             heapq.heappush(finishes, (t + request.output_len, key))
+            admitted[key] = t
             base += request.prompt_len - t
         n = allocator.num_live
         tokens = base + n * t
-        books.record(n, tokens, allocator.final_total - tokens, allocator.reserved_slots, bool(waiting))
+        books.record(n, tokens, allocator.final_total - tokens, allocator.reserved_slots, len(waiting))
+    books.residencies.extend(residency(key, steps) for key in list(admitted))
     return books.result(policy, completed, preemptions=0)
 
 
@@ -179,9 +231,13 @@ def run_paged(
         step = seq.admitted + seq.table.capacity + 1 - seq.tokens
         heapq.heappush(boundaries, (step, seq.epoch, key))
 
-    def leave(key: int) -> None:
+    def leave(key: int, step: int) -> None:
         nonlocal base
         seq = running.pop(key)
+        placement = tuple(seq.table.block_ids)
+        books.residencies.append(
+            Residency(key, seq.admitted, step, seq.tokens, arrivals[key][1].final_len, placement)
+        )
         seq.table.free()
         base -= seq.tokens - seq.admitted
         epochs[key] += 1
@@ -190,7 +246,7 @@ def run_paged(
         while finishes and finishes[0][0] == t:
             _, epoch, key = heapq.heappop(finishes)
             if epoch == epochs[key]:
-                leave(key)
+                leave(key, t)
                 completed += 1
         preempted = False
         while boundaries and boundaries[0][0] == t:
@@ -207,7 +263,7 @@ def run_paged(
                 except PoolExhaustedError:
                     victim = next(reversed(running))
                     resume[victim] = running[victim].tokens + t - 1 - running[victim].admitted
-                    leave(victim)
+                    leave(victim, t)
                     waiting.appendleft(victim)
                     preemptions += 1
                     preempted = True
@@ -227,5 +283,7 @@ def run_paged(
             heapq.heappush(finishes, (t + arrivals[key][1].final_len - tokens, epochs[key], key))
             next_boundary(key)
         n = len(running)
-        books.record(n, base + n * t, 0, pool.num_used_blocks * block_size, bool(waiting))
+        books.record(n, base + n * t, 0, pool.num_used_blocks * block_size, len(waiting))
+    for key in list(running):
+        leave(key, steps)
     return books.result("paged", completed, preemptions)

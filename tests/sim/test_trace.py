@@ -5,6 +5,8 @@ from collections import deque
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.memory import BlockPool, BlockTable, PoolExhaustedError, blocks_for
 from pagedkv.sim.allocators import ContiguousAllocator
@@ -94,6 +96,38 @@ def averages(series, capacity):
     )
 
 
+def assert_series_match(result, series):
+    """The per-step series a run keeps are the reference's, step by step."""
+    assert result.running == [s[0] for s in series]
+    assert result.stored == [s[1] for s in series]
+    assert result.held == [s[2] for s in series]
+    assert [w > 0 for w in result.waiting] == [s[3] for s in series]
+
+
+def assert_residencies_replay(result, block_size):
+    """Redrawing memory from the residencies alone gives the run's series at every step, and no
+    slot is ever held by two requests (block_size None: contiguous regions)."""
+    steps = len(result.running)
+    owner = {}  # slot or block -> (residency index, left)
+    for t in range(steps):
+        live = [(i, r) for i, r in enumerate(result.residencies) if r.admitted <= t < r.left]
+        assert len(live) == result.running[t]
+        assert sum(r.stored_at(t) for _, r in live) == result.stored[t]
+        held = 0
+        for i, r in live:
+            if block_size is None:
+                start, size = r.placement
+                units = range(start, start + size)
+                held += size
+            else:
+                units = r.placement[: blocks_for(r.stored_at(t), block_size)]
+                held += len(units) * block_size
+            for unit in units:
+                assert owner.get(unit, (i, 0))[0] == i or owner[unit][1] <= t, f"slot {unit} shared"
+                owner[unit] = (i, r.left)
+        assert held == result.held[t]
+
+
 @pytest.mark.parametrize(("block_size", "num_blocks", "seed"), [(16, 120, 0), (4, 400, 1), (32, 60, 2)])
 def test_paged_trace_matches_token_by_token_reference(block_size, num_blocks, seed):
     """A pool small enough that requests are preempted and recomputed."""
@@ -102,7 +136,8 @@ def test_paged_trace_matches_token_by_token_reference(block_size, num_blocks, se
     series, completed, preemptions = reference_paged(arrivals, num_blocks, block_size, 700)
     assert preemptions > 0  # the scenario exercises preemption
     assert (result.completed, result.preemptions) == (completed, preemptions)
-    assert result.running == [s[0] for s in series]
+    assert_series_match(result, series)
+    assert_residencies_replay(result, block_size)
     b = result.breakdown
     tokens, held, external, free = averages(series, num_blocks * block_size)
     assert b.token_states == pytest.approx(tokens)
@@ -117,12 +152,28 @@ def test_contiguous_trace_matches_token_by_token_reference(policy):
     result = run_contiguous(policy, arrivals, 3000, 512, 800)
     series, completed = reference_contiguous(policy, arrivals, 3000, 512, 800)
     assert result.completed == completed and result.preemptions == 0
-    assert result.running == [s[0] for s in series]
+    assert_series_match(result, series)
+    assert_residencies_replay(result, None)
     tokens, held, external, free = averages(series, 3000)
     b = result.breakdown
     assert b.token_states == pytest.approx(tokens)
     assert b.reserved - b.external_fragmentation == pytest.approx(held)
     assert b.external_fragmentation == pytest.approx(external) and b.free == pytest.approx(free)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    block_size=st.sampled_from([1, 4, 16]),
+    slots=st.integers(256, 1200),
+    rate=st.floats(0.02, 0.3),
+)
+def test_residencies_redraw_every_step_of_any_run(seed, block_size, slots, rate):
+    """Whatever the load (preemptions included), the residencies alone give each step's memory
+    and never put two requests in one block or slot."""
+    arrivals = make_arrivals(Workload(max_seq_len=128), rate, 150, seed)
+    assert_residencies_replay(run_paged(arrivals, slots // block_size, block_size, 128, 150), block_size)
+    assert_residencies_replay(run_contiguous("oracle", arrivals, slots, 128, 150), None)
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,30 @@
+"""Fixtures shared by every test folder: the real headless browser (see ``tests/browser.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.browser import WINDOW, BrowserMissingError, console_errors, start_chromium
+
+
+@pytest.fixture(scope="session")
+def browser_session(tmp_path_factory):
+    """One headless Chromium for the whole session (starting one takes seconds)."""
+    try:
+        driver = start_chromium(tmp_path_factory.mktemp("chromium-profile"))
+    except BrowserMissingError as err:
+        pytest.fail(str(err), pytrace=False)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def browser(browser_session):
+    """The session's browser on a blank page at the default window size; after the test, the
+    pages it opened must not have logged a JavaScript error or an uncaught exception."""
+    browser_session.set_window_size(*WINDOW)
+    browser_session.get("about:blank")
+    console_errors(browser_session)  # drop what earlier tests left
+    yield browser_session
+    errors = console_errors(browser_session)
+    assert not errors, f"the page logged JavaScript errors: {errors}"
