@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import httpx
 import openai
@@ -127,7 +128,10 @@ def test_requests_aborted_while_queued_leave_the_queue_at_once(base_url, engine)
     assert after[ttft] - before[ttft] == slots
 
 
-def test_non_streaming_client_that_gives_up_is_aborted(base_url, engine):
+def test_non_streaming_client_that_gives_up_is_aborted(base_url, engine, monkeypatch):
+    """The engine is held still (its step does nothing) until the abort lands, so the request
+    cannot finish before the client gives up, however fast the model is."""
+    monkeypatch.setattr(engine, "step", lambda: time.sleep(0.001) or [])
     before = scrape(base_url)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base_url}/v1/completions", json=_body("wait for me"), headers=AUTH, timeout=0.3)
