@@ -52,7 +52,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         help="Hugging Face model folder (config.json, *.safetensors, tokenizer); "
-        "default: the built-in tiny Llama with random weights",
+        "default: the built-in tiny Llama trained on the Python standard library",
     )
     group.add_argument(
         "--dtype",
