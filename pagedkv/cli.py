@@ -168,7 +168,13 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
     Generate completions for the given prompts in one continuous batch.
     """
     parser = add_command(subparsers, "generate", _run_generate, _add_generate.__doc__)
-    parser.add_argument("prompts", nargs="*", default=["The paged KV cache"], help="prompt texts")
+    parser.add_argument(
+        "prompts",
+        nargs="*",
+        # the built-in model learned Python: start it inside a docstring it can finish
+        default=['def read_config(path):\n    """'],
+        help="prompt texts",
+    )
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=32)

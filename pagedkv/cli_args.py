@@ -174,7 +174,10 @@ class EngineOption:
 DEFAULT = "(default: %(default)s)"
 #: Every engine option; defaults come from EngineConfig.
 ENGINE_OPTIONS = (
-    EngineOption("model", "Hugging Face model folder (default: the built-in tiny Llama, random weights)"),
+    EngineOption(
+        "model",
+        "Hugging Face model folder (default: the built-in tiny Llama trained on the Python standard library)",
+    ),
     EngineOption("dtype", DEFAULT, choices=("float32", "bfloat16", "float16")),
     EngineOption("device", f"torch device {DEFAULT}"),
     EngineOption("block_size", f"tokens per KV block {DEFAULT}", positive_int),

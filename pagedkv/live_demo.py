@@ -3,7 +3,8 @@
 After every step the engine's statistics record (``LLMEngine.last_step``) gives the blocks the
 paged cache really holds; next to them, the blocks a contiguous allocator would have reserved
 for the same running requests (each one's whole ``max_model_len`` up front, as the systems
-before PagedAttention did).
+before PagedAttention did). The prompts are pieces of the standard library's held-out source
+files (never trained on), so the built-in model continues real Python.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from rich.table import Table
 
 from pagedkv.engine import EngineConfig, LLMEngine, SamplingParams
 from pagedkv.memory import blocks_for
-from pagedkv.models import BUILTIN_NOTE
+from pagedkv.models import BUILTIN_NOTE, Tokenizer
+from pagedkv.models.training import stdlib_text
 
 
 @dataclass
@@ -36,15 +38,28 @@ class LiveKVFigures:
         return self.peak_blocks_contiguous / max(self.peak_blocks_used, 1)
 
 
+def heldout_prompts(tokenizer: Tokenizer, num: int, rng: random.Random) -> list[list[int]]:
+    """``num`` prompts of 8-120 tokens, each cut at a random place from a held-out source file."""
+    _, heldout = stdlib_text.split_files()
+    documents = [
+        tokenizer.encode(text, add_special_tokens=False) for text in stdlib_text.read_sources(heldout[:8])
+    ]
+    prompts = []
+    for _ in range(num):
+        ids = rng.choice(documents)
+        length = rng.randint(8, 120)
+        start = rng.randrange(0, max(1, len(ids) - length))
+        prompts.append(ids[start : start + length])
+    return prompts
+
+
 def run_live_batch(
     num_requests: int = 24, max_model_len: int = 1024, seed: int = 0, model: str | None = None
 ) -> LiveKVFigures:
     """Run ``num_requests`` prompts of mixed lengths through the engine and measure its KV use."""
     engine = LLMEngine(EngineConfig(model=model, max_model_len=max_model_len, num_kv_blocks=1024))
     rng = random.Random(seed)
-    vocab = engine.model_config.vocab_size
-    for i in range(num_requests):
-        prompt = [rng.randrange(4, vocab) for _ in range(rng.randint(8, 120))]
+    for i, prompt in enumerate(heldout_prompts(engine.tokenizer, num_requests, rng)):
         params = SamplingParams(
             max_tokens=rng.randint(8, 64), temperature=0.8, seed=seed + i, ignore_eos=True
         )
@@ -55,7 +70,7 @@ def run_live_batch(
     sample_text = ""
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.finished and not sample_text:
+            if out.finished and len(out.outputs[0].text) > len(sample_text):
                 sample_text = out.outputs[0].text
         step = engine.last_step
         steps += 1
@@ -96,4 +111,5 @@ def print_live_batch(figures: LiveKVFigures, console: Console, max_model_len: in
     table.add_row("preemptions", str(figures.preemptions))
     table.add_row("blocks still held after the batch", str(figures.blocks_used_after))
     console.print(table)
-    console.print(f"first finished output (random weights, so gibberish): {figures.sample_text[:80]!r}")
+    console.print("longest output (the continuation of a piece of a held-out source file):")
+    console.print(figures.sample_text[:240], markup=False, highlight=False)

@@ -12,7 +12,7 @@ from pagedkv.engine import BeamSearchParams, EngineConfig, LLMEngine, RequestOut
 class LLM:
     """Load a model once and generate for batches of prompts with continuous batching.
 
-    ``LLM(model=None)`` loads the built-in tiny Llama with random weights (no download).
+    ``LLM(model=None)`` loads the built-in tiny Llama trained on Python source (shipped, no download).
     Keyword arguments are :class:`EngineConfig` fields.
     """
 

@@ -98,8 +98,8 @@ def test_demo_writes_the_report(capsys, tmp_path):
     assert {"memory_map.png", "waste_breakdown.png", "sharing_prefix.png", "sharing_fork.png"} <= plots
     assert {"capacity_utilization.png", "capacity_concurrency.png"} <= plots
     assert len(plots) == 9
-    # The live engine part says its weights are random and gives every block back.
-    assert "RANDOM weights" in text
+    # The live engine part names its model and gives every block back.
+    assert "built-in tiny Llama" in text
     held_after = [line for line in text.splitlines() if "blocks still held after the batch" in line]
     assert held_after and held_after[0].split()[-2] == "0"
 
@@ -108,7 +108,7 @@ def test_generate_with_the_builtin_model(capsys):
     assert main(["generate", "Hello", "Paged attention", "--max-tokens", "6", "-n", "2", "--seed", "3",
                  "--temperature", "0.7", "--num-kv-blocks", "64"]) == 0  # fmt: skip
     text = capsys.readouterr().out
-    assert "RANDOM weights" in text
+    assert "built-in tiny Llama" in text
     assert text.count("(length)") == 4
 
 

@@ -181,10 +181,10 @@ def _fork_explanation(
             f"; beam search {_span(beam)}, {_compare(beam, *paper['beam'])} "
             f"its {paper['beam'][0]:.1%}-{paper['beam'][1]:.1%}."
         )
-    weights = "random" if result.options.model is None else "these"
+    weights = "the built-in model's" if result.options.model is None else "these"
     text += (
         f" The paper measured OPT-13B serving a stream of {config.mix}-length requests; here one batch "
-        f"of {config.num_prompts} prompts runs with ignore_eos and {weights} weights, prompts averaging "
+        f"of {config.num_prompts} prompts runs with ignore_eos on {weights} weights, prompts averaging "
         f"{prompt_mean:.0f} and outputs {output_mean:.0f} tokens. The mechanism is the same: parallel "
         "sampling saves more the larger the prompt's share of each sequence (a short prompt or a long "
         "output leaves little to share), and beam search the longer its beams keep a common history, "

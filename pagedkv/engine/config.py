@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class EngineConfig:
-    """Everything that sizes the engine. ``model=None`` means the built-in random-weight Llama."""
+    """Everything that sizes the engine. ``model=None`` means the built-in trained tiny Llama."""
 
     model: str | Path | None = None
     dtype: str | torch.dtype | None = "float32"

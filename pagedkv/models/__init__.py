@@ -2,7 +2,8 @@
 
 ``load_model`` builds the network from config.json and *.safetensors, ``load_tokenizer`` the
 tokenizer and chat template from tokenizer.json/tokenizer_config.json, and
-``builtin_model_path`` a tiny random-weight Llama for demos that need no download.
+``builtin_model_path`` the small trained Llama shipped in the package, for demos that need no
+download.
 """
 
 from pagedkv.models.builtin import BUILTIN_NOTE, builtin_model_path

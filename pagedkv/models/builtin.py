@@ -1,17 +1,22 @@
-"""The built-in model: a tiny Llama with seeded random weights, so the demo needs no download.
+"""The built-in models: a small trained Llama shipped in the package, and random-weight builders.
 
-It is written once to a cache folder as an ordinary Hugging Face checkpoint (config.json,
-model.safetensors in HF weight names, tokenizer.json, tokenizer_config.json with a chat
-template) and then loaded through the same loader as any real model, so the demo exercises the
-real path end to end. transformers is not needed: weights come from torch, the tokenizer is a
-byte-level BPE trained with the ``tokenizers`` library on :data:`pagedkv.models.corpus.CORPUS`.
-Its weights are random: it produces fluent-looking gibberish, never meaningful text.
+:func:`builtin_model_path` is the model ``LLM()`` and the CLI use when no ``--model`` is given:
+a 4-layer Llama of about a million parameters trained on the Python standard library's source
+by ``python -m pagedkv.models.training`` (see :mod:`pagedkv.models.training`), stored as an
+ordinary Hugging Face folder inside the package. It is shipped rather than trained at install
+because training takes minutes and is not bit-reproducible across CPUs and BLAS builds, while
+the folder is 2 MB.
+
+The random-weight builders stay for the places that need a model without a trained one:
+:func:`random_model_path` writes (once, atomically, into a cache folder) the earlier built-in
+model -- 4 layers, hidden 256, seeded random weights, a tokenizer trained on
+:data:`pagedkv.models.corpus.CORPUS` -- on which the older benchmark figures in the README were
+measured; :func:`write_tokenizer` gives test checkpoints of any vocabulary a real tokenizer.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import shutil
 import tempfile
@@ -20,36 +25,30 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
+from pagedkv.models.bpe import BOS_ID, EOS_TOKEN_IDS, train_bpe, write_json, write_tokenizer_files
 from pagedkv.models.corpus import CORPUS
 
-#: Bump when the recipe changes, so an old cached copy is not reused.
-BUILTIN_NAME = "builtin-tiny-llama-v1"
-BUILTIN_SEED = 0
+#: The trained built-in model's folder, package data beside this module.
+BUILTIN_MODEL_DIR = Path(__file__).resolve().parent / "builtin_model"
 
 #: What to tell users whenever the built-in model is in use.
 BUILTIN_NOTE = (
-    "built-in tiny Llama (4 layers, hidden 256) with RANDOM weights: its text is gibberish; "
-    "pass --model PATH for a real Hugging Face checkpoint"
+    "built-in tiny Llama (4 layers, hidden 128, ~1M parameters) trained for minutes on the Python "
+    "standard library: it writes Python-looking code, not answers; pass --model PATH for a real "
+    "Hugging Face checkpoint"
 )
 
-BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END]  # ids 0..3, in this order
+#: Cache folder name of the random-weight model; bump when its recipe changes.
+RANDOM_MODEL_NAME = "builtin-tiny-llama-v1"
+RANDOM_MODEL_SEED = 0
 
-#: ChatML turns; like Llama 3's template it starts with the BOS token itself.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
+#: Vocabulary of the tokenizer trained on :data:`CORPUS`.
 VOCAB_SIZE = 2048
 
-#: The built-in model's config.json, as transformers 4.x writes a LlamaConfig.
-BUILTIN_CONFIG: dict[str, Any] = {
+#: The random-weight model's config.json, as transformers 4.x writes a LlamaConfig.
+RANDOM_MODEL_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "vocab_size": VOCAB_SIZE,
@@ -69,58 +68,36 @@ BUILTIN_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": True,
     "initializer_range": 0.02,
     "torch_dtype": "float32",
-    "bos_token_id": 0,
-    "eos_token_id": [1, 3],
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_TOKEN_IDS,
     "use_cache": True,
-    "pagedkv_note": BUILTIN_NOTE,
 }
 
 
+def builtin_model_path() -> Path:
+    """The trained built-in model's folder (shipped in the package)."""
+    if not (BUILTIN_MODEL_DIR / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"the built-in model is missing from {BUILTIN_MODEL_DIR}; reinstall pagedkv, or recreate it "
+            "with `python -m pagedkv.models.training --out <that folder>`"
+        )
+    return BUILTIN_MODEL_DIR
+
+
 @functools.lru_cache(maxsize=4)
-def _trained_tokenizer_json(vocab_size: int) -> str:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([CORPUS], trainer)
-    if tok.get_vocab_size() != vocab_size:
-        raise ValueError(f"the corpus yields only {tok.get_vocab_size()} tokens, fewer than {vocab_size}")
-    tok.post_processor = processors.Sequence(
-        [
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(
-                single=f"{BOS} $A", pair=f"{BOS} $A {BOS}:1 $B:1", special_tokens=[(BOS, 0)]
-            ),
-        ]
-    )
-    return tok.to_str()
+def _corpus_tokenizer_json(vocab_size: int) -> str:
+    return train_bpe([CORPUS], vocab_size).to_str()
 
 
 def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> Tokenizer:
-    """A byte-level BPE of exactly ``vocab_size`` tokens (special tokens 0..3), the same on
-    every run: BPE training on fixed text is deterministic."""
-    return Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
+    """A byte-level BPE of exactly ``vocab_size`` tokens (special tokens 0..3) trained on
+    :data:`CORPUS`, the same on every run."""
+    return Tokenizer.from_str(_corpus_tokenizer_json(vocab_size))
 
 
 def write_tokenizer(folder: str | Path, vocab_size: int = VOCAB_SIZE) -> None:
-    """tokenizer.json and tokenizer_config.json (special tokens, chat template) into ``folder``."""
-    folder = Path(folder)
-    (folder / "tokenizer.json").write_text(_trained_tokenizer_json(vocab_size), encoding="utf-8")
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": EOS,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": BUILTIN_CONFIG["max_position_embeddings"],
-    }
-    _write_json(folder / "tokenizer_config.json", config)
+    """The :data:`CORPUS` tokenizer's tokenizer.json and tokenizer_config.json into ``folder``."""
+    write_tokenizer_files(folder, train_tokenizer(vocab_size), RANDOM_MODEL_CONFIG["max_position_embeddings"])
 
 
 def random_llama_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
@@ -155,20 +132,17 @@ def random_llama_weights(config: dict[str, Any], seed: int) -> dict[str, torch.T
     return weights
 
 
-def write_builtin(folder: str | Path) -> None:
-    """Write the complete built-in checkpoint into an existing, empty ``folder``."""
+def write_random_model(folder: str | Path) -> None:
+    """Write the complete random-weight checkpoint into an existing, empty ``folder``."""
     folder = Path(folder)
     save_file(
-        random_llama_weights(BUILTIN_CONFIG, BUILTIN_SEED),
+        random_llama_weights(RANDOM_MODEL_CONFIG, RANDOM_MODEL_SEED),
         str(folder / "model.safetensors"),
         metadata={"format": "pt"},
     )
-    _write_json(folder / "config.json", BUILTIN_CONFIG)
-    _write_json(
-        folder / "generation_config.json",
-        {"bos_token_id": BUILTIN_CONFIG["bos_token_id"], "eos_token_id": BUILTIN_CONFIG["eos_token_id"]},
-    )
-    write_tokenizer(folder, BUILTIN_CONFIG["vocab_size"])
+    write_json(folder / "config.json", RANDOM_MODEL_CONFIG)
+    write_json(folder / "generation_config.json", {"bos_token_id": BOS_ID, "eos_token_id": EOS_TOKEN_IDS})
+    write_tokenizer(folder, VOCAB_SIZE)
 
 
 def default_cache_dir() -> Path:
@@ -177,21 +151,21 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "pagedkv"
 
 
-def builtin_model_path(cache_dir: str | Path | None = None) -> Path:
-    """The built-in model's folder, created on first use.
+def random_model_path(cache_dir: str | Path | None = None) -> Path:
+    """The random-weight model's folder, created on first use.
 
     Creation is atomic: the files are written to a temporary folder beside the target, which is
     then renamed into place, so a crash or a concurrent first use never leaves a half-written
     model behind (the loser of a race simply discards its copy).
     """
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / BUILTIN_NAME
+    target = root / RANDOM_MODEL_NAME
     if target.is_dir():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{BUILTIN_NAME}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{RANDOM_MODEL_NAME}-", dir=root))
     try:
-        write_builtin(tmp)
+        write_random_model(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -200,7 +174,3 @@ def builtin_model_path(cache_dir: str | Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def _write_json(file: Path, data: dict[str, Any]) -> None:
-    file.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -47,7 +47,7 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_WAITING = 1024
 #: Prompts one completions request may carry (each is an engine request).
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 256
-#: The model name the built-in random-weight model is served under.
+#: The model name the built-in model is served under.
 BUILTIN_MODEL_NAME = "pagedkv-builtin"
 
 #: How many validation problems a 400 message lists (a bad union field reports one per member).

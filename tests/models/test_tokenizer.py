@@ -9,8 +9,8 @@ import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.models import builtin_model_path, load_tokenizer
-from pagedkv.models.builtin import VOCAB_SIZE, train_tokenizer
+from pagedkv.models import ModelConfig, builtin_model_path, load_tokenizer
+from pagedkv.models.builtin import train_tokenizer
 from pagedkv.models.detokenizer import IncrementalDetokenizer
 from pagedkv.models.tokenizer import Tokenizer
 
@@ -30,9 +30,13 @@ CHAT = [
 ]
 
 
+#: The built-in model's vocabulary: the tokenizer these tests read is the one it ships.
+VOCAB_SIZE = ModelConfig.from_pretrained(builtin_model_path()).vocab_size
+
+
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return builtin_model_path(tmp_path_factory.mktemp("cache"))
+def folder():
+    return builtin_model_path()
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import pytest
 
 from pagedkv.bench.serve import BenchConfig, make_workload, print_report, run_benchmark
 from pagedkv.bench.serve_cli import add_bench_serve_parser
+from pagedkv.models import BUILTIN_NOTE
 from tests.server.helpers import API_KEY, wait_idle
 
 
@@ -107,4 +108,4 @@ def test_bench_serve_starts_its_own_server_without_a_base_url(capsys):
     captured = capsys.readouterr()
     report = json.loads(captured.out)
     assert report["model"] == "pagedkv-builtin" and report["completed"] == 3
-    assert "RANDOM weights" in captured.err  # the built-in model's note
+    assert BUILTIN_NOTE in captured.err

@@ -1,0 +1,84 @@
+"""Byte-level BPE tokenizers for pagedkv's own models, written as Hugging Face tokenizer files.
+
+Both models pagedkv makes itself -- the trained built-in model and the random-weight models of
+the tests -- use the same recipe: a byte-level BPE from the ``tokenizers`` library with four
+special tokens (ids 0..3), a post-processor that puts BOS in front of every encoded text, and a
+ChatML template. Only the training text and the vocabulary size differ. BPE training on fixed
+text is deterministic, so the same text always yields the same ``tokenizer.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END]  # ids 0..3, in this order
+BOS_ID, EOS_ID, IM_END_ID = 0, 1, 3
+
+#: Every id that ends generation: EOS ends a document, ``<|im_end|>`` a chat turn.
+EOS_TOKEN_IDS = [EOS_ID, IM_END_ID]
+
+#: ChatML turns; like Llama 3's template it starts with the BOS token itself.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE of exactly ``vocab_size`` tokens trained on ``texts``.
+
+    Every one of the 256 bytes is in the initial alphabet, so any text encodes (characters the
+    training text never had fall back to one token per UTF-8 byte).
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(
+            f"the training text yields only {tok.get_vocab_size()} tokens, fewer than {vocab_size}"
+        )
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS} $A", pair=f"{BOS} $A {BOS}:1 $B:1", special_tokens=[(BOS, BOS_ID)]
+            ),
+        ]
+    )
+    return tok
+
+
+def write_tokenizer_files(folder: str | Path, tokenizer: Tokenizer, model_max_length: int) -> None:
+    """tokenizer.json and tokenizer_config.json (special tokens, chat template) into ``folder``."""
+    folder = Path(folder)
+    (folder / "tokenizer.json").write_text(tokenizer.to_str(), encoding="utf-8")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+    }
+    write_json(folder / "tokenizer_config.json", config)
+
+
+def write_json(file: Path, data: dict[str, Any]) -> None:
+    file.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
