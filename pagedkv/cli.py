@@ -18,6 +18,7 @@ from rich.console import Console
 from pagedkv.bench import DEFAULT_OUT
 from pagedkv.bench.capacity import add_bench_capacity_parser, run_capacity_demo
 from pagedkv.bench.sharing_cli import add_bench_sharing_parser, run_sharing_demo
+from pagedkv.bench.throughput import add_bench_throughput_parser
 from pagedkv.cli_args import add_engine_options, add_report_options, byte_size, engine_config
 from pagedkv.server.cli import add_bench_serve_parser, add_serve_parser
 from pagedkv.sim import WORKLOAD_NAMES, SimConfig, SimResult, simulate
@@ -234,6 +235,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     add_bench_capacity_parser(benches)
     add_bench_sharing_parser(benches)
     add_bench_serve_parser(benches)
+    add_bench_throughput_parser(benches)
 
 
 # -- shared helpers ------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,20 +179,26 @@ def default_cache_dir() -> Path:
 
 
 def builtin_model_path(cache_dir: str | Path | None = None) -> Path:
-    """The built-in model's folder, created on first use.
+    """The built-in model's folder, created on first use (see :func:`cached_checkpoint`)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return cached_checkpoint(root, BUILTIN_NAME, write_builtin)
+
+
+def cached_checkpoint(root: Path, name: str, write: Callable[[Path], None]) -> Path:
+    """``root/name``, made by ``write(folder)`` on first use.
 
     Creation is atomic: the files are written to a temporary folder beside the target, which is
     then renamed into place, so a crash or a concurrent first use never leaves a half-written
     model behind (the loser of a race simply discards its copy).
     """
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / BUILTIN_NAME
+    target = root / name
     if target.is_dir():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{BUILTIN_NAME}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
-        write_builtin(tmp)
+        os.chmod(tmp, 0o755)
+        write(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
