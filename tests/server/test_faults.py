@@ -128,12 +128,44 @@ def test_requests_aborted_while_queued_leave_the_queue_at_once(base_url, engine)
 
 
 def test_non_streaming_client_that_gives_up_is_aborted(base_url, engine):
+    """The client hangs up while its request waits behind a full batch: an event the test sees
+    on /metrics, not a timeout raced against the model (on a fast machine a whole request can
+    finish inside any fixed client timeout)."""
+    slots = ENGINE_OPTIONS["max_num_seqs"]
     before = scrape(base_url)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base_url}/v1/completions", json=_body("wait for me"), headers=AUTH, timeout=0.3)
-    after = wait_idle(base_url, timeout=10)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+            running = []
+            for prompt in prompts(slots, seed=33):
+                stream = client.stream(
+                    "POST", "/v1/completions", json=_body(prompt, stream=True), headers=AUTH
+                )
+                running.append(stream)
+                assert (await stream.__aenter__()).status_code == 200
+            await asyncio.to_thread(
+                wait_until, lambda: scrape(base_url)["vllm:num_requests_running"] == slots, 20, "full batch"
+            )
+            waiting = asyncio.ensure_future(
+                client.post("/v1/completions", json=_body("wait for me"), headers=AUTH)
+            )
+            await asyncio.to_thread(
+                wait_until, lambda: scrape(base_url)["vllm:num_requests_waiting"] == 1, 20, "one queued"
+            )
+            waiting.cancel()  # the client gives up: its connection closes
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await asyncio.to_thread(
+                wait_until, lambda: scrape(base_url)["vllm:num_requests_waiting"] == 0, 5, "it to be aborted"
+            )
+            assert scrape(base_url)["vllm:num_requests_running"] == slots
+            for stream in running:
+                await stream.__aexit__(None, None, None)
+
+    asyncio.run(run())
+    after = wait_idle(base_url, timeout=15)
     assert_pool_whole(engine)
-    assert after[ABORTS] - before[ABORTS] == 1
+    assert after[ABORTS] - before[ABORTS] == slots + 1
 
 
 def test_malformed_requests_among_valid_ones(base_url, engine, reference):
