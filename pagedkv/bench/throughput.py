@@ -83,7 +83,7 @@ def add_bench_throughput_parser(bench_subparsers: argparse._SubParsersAction) ->
         "--out",
         type=Path,
         default=Path(DEFAULT_OUT),
-        help="folder for the model, GGUFs and logs (default: %(default)s)",
+        help="folder for the model, GGUFs, worker logs and throughput.json (default: %(default)s)",
     )
     output.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     parser.set_defaults(run=_run_bench_throughput, parser=parser)
@@ -117,6 +117,10 @@ def _run_bench_throughput(args: argparse.Namespace) -> int:
     if args.model is not None and not (Path(args.model) / "config.json").is_file():
         args.parser.error(f"--model {args.model}: no config.json there")
     result = run_throughput(config)
+    config.out.mkdir(parents=True, exist_ok=True)
+    saved = config.out / "throughput.json"
+    saved.write_text(result.dumps() + "\n", encoding="utf-8")
+    print(f"figures saved to {saved}", file=sys.stderr)
     if args.json:
         print(result.dumps())
     else:

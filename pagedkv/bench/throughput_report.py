@@ -246,3 +246,10 @@ def print_result(result: ThroughputResult, console: Console) -> None:
         f"model: {result.model_path} | roofline: linear layers only, at the faster kernel's measured "
         f"rate | wall time {result.wall_s:.0f} s"
     )
+    load = result.machine_load
+    if load.get("other_cpu_share") is not None:
+        console.print(
+            f"other work on this machine during the run: {load['other_cpu_share']:.0%} of its "
+            f"{load['cpus']} CPUs (1-min load average {load['loadavg_1min_start']:.1f} -> "
+            f"{load['loadavg_1min_end']:.1f})"
+        )

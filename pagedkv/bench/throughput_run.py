@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.bench.machine_load import LoadMeter
 from pagedkv.bench.throughput import DTYPES, ENGINE_NAMES, ENGINE_TITLES
 from pagedkv.bench.throughput_engines import Engine, EngineUnavailable, LoadSpec, start_engine
 from pagedkv.bench.throughput_gemm import GemmTiming, measure_gemm, roofline_seconds
@@ -104,6 +105,8 @@ class ThroughputResult:
     gemm: dict[str, list[GemmTiming]] = field(default_factory=dict)  # dtype ->
     roofline_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (dtype, workload) ->
     wall_s: float = 0.0
+    #: what other processes used of the machine meanwhile (:mod:`pagedkv.bench.machine_load`).
+    machine_load: dict = field(default_factory=dict)
 
     def measurement(self, engine: str, dtype: str, workload: str) -> Measurement | None:
         run = self.runs.get((engine, dtype, workload))
@@ -119,7 +122,7 @@ class ThroughputResult:
         return {
             "config": config,
             "model": {"path": str(self.model_path), "config": self.model_config},
-            "machine": {"torch": torch.__version__, "threads": self.config.threads},
+            "machine": {"torch": torch.__version__, "threads": self.config.threads} | self.machine_load,
             "workloads": [
                 {
                     "name": w.name,
@@ -157,7 +160,7 @@ def _progress(message: str) -> None:
 
 def run_throughput(config: ThroughputConfig) -> ThroughputResult:
     """Run everything the config asks for; progress lines go to stderr."""
-    started = time.perf_counter()
+    meter = LoadMeter()
     torch.set_num_threads(config.threads)
     model_path = Path(config.model) if config.model else bench_model_path(config.out / "models")
     model_config = json.loads((model_path / "config.json").read_text(encoding="utf-8"))
@@ -173,7 +176,8 @@ def run_throughput(config: ThroughputConfig) -> ThroughputResult:
                 result.roofline_s[(dtype, w.name)] = roofline_seconds(
                     model_config, w, rates, config.prefill_chunk
                 )
-    result.wall_s = time.perf_counter() - started
+    result.machine_load = meter.stop()
+    result.wall_s = time.perf_counter() - meter.wall
     return result
 
 
