@@ -3,11 +3,14 @@ transformers end to end with their tokens compared, rivals whose Python is wrong
 "not run" with the reason, and the roofline arithmetic."""
 
 import json
+import os
 import sys
+import time
 
 import pytest
 import torch
 
+from pagedkv.bench.machine_load import LoadMeter
 from pagedkv.bench.throughput_gemm import GemmRates, GemmTiming, linear_shapes, measure_gemm, roofline_seconds
 from pagedkv.bench.throughput_model import BENCH_MODEL_CONFIG, word_tokenizer
 from pagedkv.bench.throughput_workloads import (
@@ -100,6 +103,19 @@ def test_pagedkv_and_transformers_run_end_to_end_and_agree(tiny_run, capsys):
     assert uniform["pagedkv_over"]["transformers"] > 0
     assert {r["engine"] for r in out["latency"]} == {"pagedkv", "transformers"}
     assert out["gemm"] == {} and out["roofline"] == []
+    assert 0.0 <= out["machine"]["other_cpu_share"] <= 1.0
+
+
+def test_the_load_meter_does_not_count_this_process_as_other_work():
+    meter = LoadMeter()
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:  # 0.3 s of our own CPU
+        pass
+    load = meter.stop()
+    assert load["cpus"] == os.cpu_count()
+    busy_wall = time.perf_counter() - meter.wall
+    # our own 0.3 CPU-seconds are not in the share: whatever is left is at most the rest
+    assert 0.0 <= load["other_cpu_share"] <= 1.0 - 0.3 / (busy_wall * load["cpus"]) + 0.05
 
 
 def test_a_rival_with_a_wrong_python_is_reported_not_run(tiny_run, capsys, monkeypatch):
