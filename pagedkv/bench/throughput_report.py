@@ -58,7 +58,10 @@ def latency_rows(result: ThroughputResult) -> list[dict]:
             first = result.measurement(engine, dtype, "single-prefill")
             if full is None or first is None:
                 continue
-            decode = (full.seconds - first.seconds) / steps if steps else None
+            # None when noise made the one-token run the slower: no figure beats a wrong one
+            decode = (
+                (full.seconds - first.seconds) / steps if steps and full.seconds > first.seconds else None
+            )
             rows.append(
                 {
                     "dtype": dtype,
