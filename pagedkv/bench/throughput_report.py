@@ -124,9 +124,9 @@ def _num(value: float | None, fmt: str = ",.0f") -> str:
 def print_throughput(result: ThroughputResult, console: Console) -> None:
     engines = result.config.engines
     reps = result.config.repeats
-    shape = result.config.shape
+    shape, stat = result.config.shape, result.config.statistic
     console.print(
-        f"[bold]Generated tokens/s[/] (median of {reps}; greedy, ignore_eos, {result.config.threads} "
+        f"[bold]Generated tokens/s[/] ({stat} of {reps}; greedy, ignore_eos, {result.config.threads} "
         f"threads; uniform = {shape.num_requests} x ({shape.prompt_len} + {shape.max_tokens}))"
     )
     rows = throughput_rows(result)

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from pagedkv.bench.machine_load import LoadMeter
+from pagedkv.bench.throughput import STATISTICS
 from pagedkv.bench.throughput_gemm import GemmRates, GemmTiming, linear_shapes, measure_gemm, roofline_seconds
 from pagedkv.bench.throughput_model import BENCH_MODEL_CONFIG, word_tokenizer
+from pagedkv.bench.throughput_run import Measurement, ThroughputConfig
 from pagedkv.bench.throughput_workloads import (
     FIRST_PROMPT_ID,
     Workload,
@@ -183,3 +185,13 @@ def make_config_for_gemm() -> dict:
         "vocab_size": 64,
         "num_hidden_layers": 1,
     }
+
+
+def test_median_or_best_of_the_repeats():
+    runs = {
+        stat: Measurement("pagedkv", "float32", "uniform", 100, stat, [2.0, 1.0, 4.0]) for stat in STATISTICS
+    }
+    assert runs["median"].tokens_per_s == 50.0 and runs["best"].tokens_per_s == 100.0
+    assert runs["best"].to_json()["median_s"] == 2.0 and runs["median"].to_json()["best_s"] == 1.0
+    with pytest.raises(ValueError, match="statistic"):
+        ThroughputConfig(statistic="mean")
