@@ -86,6 +86,12 @@ def add_bench_throughput_parser(bench_subparsers: argparse._SubParsersAction) ->
         default=None,
         help="llama.cpp's convert_hf_to_gguf.py, to make the GGUF files on first use",
     )
+    run.add_argument(
+        "--llamacpp-kv",
+        choices=("f16", "model"),
+        default="f16",
+        help="llama.cpp's KV cache: f16 (its default, its fastest here) or the model's dtype (default: f16)",
+    )
     output = parser.add_argument_group("output")
     output.add_argument(
         "--out",
@@ -119,6 +125,7 @@ def _run_bench_throughput(args: argparse.Namespace) -> int:
             vllm_python=args.vllm_python,
             llamacpp_python=args.llamacpp_python,
             llamacpp_convert=args.llamacpp_convert,
+            llamacpp_kv=args.llamacpp_kv,
             gemm=not args.no_gemm,
         )
     except ValueError as err:

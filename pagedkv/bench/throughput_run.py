@@ -40,6 +40,8 @@ class ThroughputConfig:
     vllm_python: str | None = None
     llamacpp_python: str | None = None
     llamacpp_convert: str | None = None
+    #: llama.cpp's KV cache: "f16" (its default) or "model" (the model's dtype).
+    llamacpp_kv: str = "f16"
     gemm: bool = True
     #: how repetitions become one figure: "median", or "best" (the fastest run: on a machine
     #: shared with bursts of other work, the run nothing disturbed).
@@ -212,6 +214,7 @@ def _rival_options(config: ThroughputConfig, model_path: Path, dtype: str) -> di
             "load": {
                 "gguf": str((gguf_dir / f"{model_path.name}-{suffix}.gguf").resolve()),
                 "convert_script": config.llamacpp_convert,
+                "kv_type": config.llamacpp_kv,
             },
         },
     }
