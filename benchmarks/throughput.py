@@ -1,6 +1,11 @@
-"""Thin entry point: the benchmark is :mod:`pagedkv.bench.throughput` (its docstring lists the options)."""
+"""Thin entry point for ``pagedkv bench throughput`` (:mod:`pagedkv.bench.throughput_cli`): the same options.
 
-from pagedkv.bench.throughput import main
+.venv/bin/python benchmarks/throughput.py [--engines ...] [--vllm-python PATH] [--llamacpp-python PATH]
+"""
+
+import sys
+
+from pagedkv.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["bench", "throughput", *sys.argv[1:]]))

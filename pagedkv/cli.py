@@ -17,6 +17,7 @@ from rich.console import Console
 from pagedkv.bench.capacity_cli import add_bench_capacity_parser, run_capacity_demo
 from pagedkv.bench.serve_cli import add_bench_serve_parser
 from pagedkv.bench.sharing_cli import add_bench_sharing_parser, run_sharing_demo
+from pagedkv.bench.throughput_cli import add_bench_throughput_parser
 from pagedkv.cli_args import (
     DEFAULT_OUT,
     ReportOptions,
@@ -227,6 +228,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     add_bench_capacity_parser(benches)
     add_bench_sharing_parser(benches)
     add_bench_serve_parser(benches)
+    add_bench_throughput_parser(benches)
 
 
 # -- shared helpers ------------------------------------------------------------------------------

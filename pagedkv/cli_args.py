@@ -69,13 +69,18 @@ def add_command(
     return parser
 
 
-def add_report_options(parser: argparse.ArgumentParser) -> None:
-    """``--out``, ``--no-plots`` and ``--json``: how a command that measures shows its figures."""
+def add_report_options(
+    parser: argparse.ArgumentParser, plots: bool = True, out_help: str = "folder for the PNG plots"
+) -> None:
+    """``--out``, ``--no-plots`` and ``--json``: how a command that measures shows its figures
+    (``plots=False``: a command that draws none has no ``--no-plots``; ``out_help`` says what
+    else its ``--out`` holds)."""
     output = parser.add_argument_group("output")
     output.add_argument(
-        "--out", type=Path, default=Path(DEFAULT_OUT), help="folder for the PNG plots (default: %(default)s)"
+        "--out", type=Path, default=Path(DEFAULT_OUT), help=f"{out_help} (default: %(default)s)"
     )
-    output.add_argument("--no-plots", action="store_true", help="do not write plots")
+    if plots:
+        output.add_argument("--no-plots", action="store_true", help="do not write plots")
     output.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
 
 
@@ -99,18 +104,22 @@ R = TypeVar("R", bound=Report)
 def show_report(
     options: argparse.Namespace | ReportOptions,
     result: R,
-    write_plots: Callable[[R, Path], list[Path]],
+    write_plots: Callable[[R, Path], list[Path]] | None,
     print_report: Callable[[R, Console], None],
     console: Console | None = None,
     extra_json: dict[str, Any] | None = None,
 ) -> list[Path]:
-    """How every measuring command ends: its plots (unless ``--no-plots``), then one JSON
-    document (``--json``, with ``extra_json``'s keys: other files the command wrote) or its
-    tables and where the plots went. Returns the plots written."""
-    plots = [] if options.no_plots else write_plots(result, Path(options.out))
+    """How every measuring command ends: its plots (unless ``--no-plots``, or ``write_plots``
+    is None for a command that draws none), then one JSON document (``--json``, with
+    ``extra_json``'s keys: other files the command wrote) or its tables and where the plots
+    went. Returns the plots written."""
+    if write_plots is None:
+        plots, listed = [], {}
+    else:
+        plots = [] if options.no_plots else write_plots(result, Path(options.out))
+        listed = {"plots": [str(p) for p in plots]}
     if options.json:
-        document = result.to_json() | {"plots": [str(p) for p in plots]} | (extra_json or {})
-        print(json.dumps(document, indent=2))
+        print(json.dumps(result.to_json() | listed | (extra_json or {}), indent=2))
         return plots
     console = console or Console()
     print_report(result, console)

