@@ -136,7 +136,14 @@ class ReplicaSet:
     def start_replica(self, index: int) -> None:
         """Start (or restart) replica ``index`` on its port and KV-event socket."""
         spec = self.specs[index]
-        command = [sys.executable, "-m", "pagedkv.server.replicas"]
+        # The labels only make the process list readable; the settings come on stdin.
+        command = [
+            sys.executable,
+            "-m",
+            "pagedkv.server.replicas",
+            f"--replica={index}",
+            f"--port={spec.port}",
+        ]
         with self._lock:
             self.replicas[index] = self._spawn(command, pickle.dumps(spec))
 
@@ -192,6 +199,17 @@ class ReplicaSet:
                     print(f"replica {index} exited ({process.returncode}); restarting it", file=sys.stderr)
                     self.start_replica(index)
         return 0
+
+    def restart_router(self, policy: str, timeout: float = 120.0) -> None:
+        """Stop the router and start a fresh one (empty index) with ``policy``; replicas keep running."""
+        if policy not in ROUTER_POLICIES:
+            raise ValueError(f"unknown router policy {policy!r}; choose one of {', '.join(ROUTER_POLICIES)}")
+        if self.router is not None:
+            self.router.terminate()
+            self.router.wait(_STOP_GRACE_S)
+        self.policy = policy
+        self.router = self._spawn(self.router_command())
+        self.wait_healthy(self.url, self.router, timeout, "vllm-router")
 
     def stop(self) -> None:
         """SIGTERM every child (the router first), wait, then SIGKILL whatever is left."""
