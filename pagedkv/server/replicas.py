@@ -245,6 +245,8 @@ def serve_replicas(replicas: ReplicaSet) -> int:
             f"replicas: {urls}",
             file=sys.stderr,
         )
+        for index, spec in enumerate(replicas.specs):
+            print(f"replica {index}: {spec.url}, KV events on {spec.kv_events_endpoint}", file=sys.stderr)
         return replicas.supervise()
     except KeyboardInterrupt:
         return 0
