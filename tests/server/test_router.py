@@ -22,6 +22,7 @@ import openai
 import pytest
 import zmq
 
+from pagedkv.bench.router import RouterWorkload, run_workload
 from pagedkv.server.replicas import free_port
 from tests.server.helpers import MODEL, scrape, wait_until
 from tests.server.process import SERVE
@@ -202,3 +203,12 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=5).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_bench_router_reads_hit_rate_and_split_off_the_replicas(launch):
+    """``pagedkv bench router``'s measurement against the running pair (the full bench is a
+    benchmark, not a test): every request is counted once and shared prefixes hit."""
+    workload = RouterWorkload(num_systems=2, users_per_system=4, system_words=40, concurrency=2)
+    run = run_workload("bench check", launch.url, launch.replicas, workload)
+    assert sum(run.requests_per_replica) == 8
+    assert 0 < run.hit_rate < 1 and run.ttft_median_s > 0
