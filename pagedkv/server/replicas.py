@@ -16,6 +16,7 @@ settings as a pickled :class:`ReplicaSpec` on stdin (``python -m pagedkv.server.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import pickle
 import signal
 import socket
@@ -99,6 +100,8 @@ class ReplicaSet:
             raise ValueError(f"--data-parallel-size must be at least 1, got {num_replicas}")
         if policy not in ROUTER_POLICIES:
             raise ValueError(f"unknown router policy {policy!r}; choose one of {', '.join(ROUTER_POLICIES)}")
+        if importlib.util.find_spec("vllm_router") is None:
+            raise ValueError("replicas need vllm-router, not installed here: pip install 'pagedkv[router]'")
         self.policy = policy
         self.host = host
         self.port = port or free_port()
@@ -250,6 +253,9 @@ def serve_replicas(replicas: ReplicaSet) -> int:
         return replicas.supervise()
     except KeyboardInterrupt:
         return 0
+    except (RuntimeError, TimeoutError) as err:  # a replica or the router did not come up
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     finally:
         replicas.stop()
         signal.signal(signal.SIGTERM, previous)

@@ -212,3 +212,12 @@ def test_bench_router_reads_hit_rate_and_split_off_the_replicas(launch):
     run = run_workload("bench check", launch.url, launch.replicas, workload)
     assert sum(run.requests_per_replica) == 8
     assert 0 < run.hit_rate < 1 and run.ttft_median_s > 0
+
+
+def test_a_replica_that_cannot_start_stops_the_launch_with_its_reason(tmp_path):
+    command = [sys.executable, "-c", SERVE, "serve", "--data-parallel-size", "2", "--port", str(free_port())]
+    command += ["--model", str(tmp_path / "no-such-model")]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1
+    assert "no-such-model" in done.stderr and "before it was ready" in done.stderr
