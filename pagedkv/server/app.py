@@ -149,7 +149,7 @@ def create_app(
     publisher = None
     if kv_events is not None and kv_events.enabled:
         publisher = ZmqKVEventPublisher(kv_events, engine.config.block_size)
-        engine.kv_manager.pool.listener = publisher  # before the worker thread starts
+        engine.kv_manager.set_listener(publisher)  # before the worker thread starts
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, metrics, max_waiting)
     metrics.watch(lambda: async_engine.stats)
@@ -169,7 +169,7 @@ def create_app(
         yield
         await asyncio.to_thread(async_engine.shutdown)
         if publisher is not None:
-            engine.kv_manager.pool.listener = None
+            engine.kv_manager.set_listener(None)
             publisher.close()
         if owns_engine:  # an engine passed in belongs to the caller, who may reuse it
             engine.shutdown()

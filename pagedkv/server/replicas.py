@@ -43,6 +43,7 @@ LOCAL_ROUTER_ARGS = (
 )  # fmt: skip
 _PR_SET_PDEATHSIG = 1
 _STOP_GRACE_S = 20.0
+_RESTART_INTERVAL_S = 5.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -113,6 +114,7 @@ class ReplicaSet:
             for _ in range(num_replicas)
         ]
         self.replicas: list[subprocess.Popen | None] = [None] * num_replicas
+        self._started_at = [0.0] * num_replicas
         self.router: subprocess.Popen | None = None
         self.stopping = threading.Event()
         self._lock = threading.Lock()
@@ -149,6 +151,7 @@ class ReplicaSet:
         ]
         with self._lock:
             self.replicas[index] = self._spawn(command, pickle.dumps(spec))
+            self._started_at[index] = time.monotonic()
 
     def router_command(self) -> list[str]:
         model = self.specs[0].app_options.get("served_model_name") or "pagedkv"
@@ -198,7 +201,10 @@ class ReplicaSet:
                 print(f"vllm-router exited with status {self.router.returncode}", file=sys.stderr)
                 return self.router.returncode or 1
             for index, process in enumerate(self.replicas):
-                if process is not None and process.poll() is not None and not self.stopping.is_set():
+                if process is None or process.poll() is None or self.stopping.is_set():
+                    continue
+                # One that keeps failing as it starts is retried every few seconds, not in a spin.
+                if time.monotonic() - self._started_at[index] >= _RESTART_INTERVAL_S:
                     print(f"replica {index} exited ({process.returncode}); restarting it", file=sys.stderr)
                     self.start_replica(index)
         return 0

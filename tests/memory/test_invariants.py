@@ -51,7 +51,7 @@ class MemoryMachine(RuleBasedStateMachine):
         self.block_data: dict[int, list] = {}  # block -> tokens written into it
         self.next_id = 0
         self.mirror = CacheMirror()
-        self.kv.pool.listener = self.mirror
+        self.kv.set_listener(self.mirror)
 
     # -- shadow KV ------------------------------------------------------------------------
     def _write(self, seq, start):
