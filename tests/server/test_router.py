@@ -221,3 +221,17 @@ def test_a_replica_that_cannot_start_stops_the_launch_with_its_reason(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 1
     assert "no-such-model" in done.stderr and "before it was ready" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "options, problem",
+    [
+        (["--router-policy", "fastest"], "unknown router policy 'fastest'"),
+        (["--kv-events-config", "{}"], "give one or the other"),
+    ],
+)
+def test_bad_replica_options_are_usage_errors(options, problem):
+    command = [sys.executable, "-c", SERVE, "serve", "--data-parallel-size", "2", *options]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and problem in done.stderr
