@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from datetime import timedelta
 
 import torch.distributed as dist
 
+from pagedkv.distributed import groups
 from pagedkv.distributed.rendezvous import Rendezvous
 
 INTERVAL = 0.5
@@ -25,12 +25,7 @@ _ERROR = "pagedkv/error/{}"
 
 def connect(rendezvous: Rendezvous) -> dist.TCPStore:
     """A client of the rendezvous store (rank 0's, or torchrun's agent's)."""
-    return dist.TCPStore(
-        rendezvous.master_addr,
-        rendezvous.master_port,
-        is_master=False,
-        timeout=timedelta(seconds=rendezvous.timeout),
-    )
+    return groups.store(rendezvous, None)
 
 
 def start(store: dist.TCPStore, rank: int, parent_pid: int | None) -> threading.Thread:

@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import signal
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -87,6 +88,7 @@ class MultiprocExecutor(Executor):
             raise ValueError("this process is not rank 0: run the worker node (pagedkv.engine.executor.node)")
         self.num_kv_blocks = spec.num_kv_blocks
         self.world_size = spec.rendezvous.world_size
+        self.timeout = timedelta(seconds=spec.rendezvous.timeout)
         self._failure: str | None = None
         self._closed = False
         self._lock = threading.Lock()
@@ -96,7 +98,7 @@ class MultiprocExecutor(Executor):
             self.groups = groups.join(spec.rendezvous, 0, config.device.split(":")[0])
             self.store = heartbeat.connect(spec.rendezvous)
             self.runner, self.tensor_parallel = build_runner(spec, 0, self.groups)
-            torch.distributed.barrier(group=self.groups.compute)
+            torch.distributed.barrier(group=self.groups.control)  # every rank has loaded
         except Exception as err:
             message = self._diagnose(err, "starting")
             self.shutdown()
@@ -110,7 +112,7 @@ class MultiprocExecutor(Executor):
     def execute(self, plan: StepPlan) -> torch.Tensor:
         self.check_health()
         try:
-            groups.send_object(self.groups, plan)
+            groups.send_object(self.groups, plan, self.timeout)
             return self.runner.execute(plan)
         except Exception as err:
             raise ExecutorError(self._fail(self._diagnose(err, "running a step"))) from err
@@ -169,7 +171,7 @@ class MultiprocExecutor(Executor):
             self._closed = True
         if self._failure is None and hasattr(self, "runner"):
             try:  # a clean stop: every worker leaves its loop and exits 0
-                groups.send_object(self.groups, None)
+                groups.send_object(self.groups, None, self.timeout)
             except Exception:
                 pass
         stop(self.workers, grace=5.0 if self._failure is None else 0.0)

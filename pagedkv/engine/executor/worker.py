@@ -76,7 +76,7 @@ def run_rank(spec: RankSpec, rank: int, parent_pid: int | None) -> None:
     try:
         group = groups.join(spec.rendezvous, rank, spec.config.device.split(":")[0])
         runner, _ = build_runner(spec, rank, group)
-        torch.distributed.barrier(group=group.compute)  # loaded: rank 0 may start
+        torch.distributed.barrier(group=group.control)  # loaded: rank 0 may start
         while (plan := groups.receive_object(group)) is not None:
             runner.execute(plan)
         groups.leave()
