@@ -216,6 +216,11 @@ ENGINE_OPTIONS = (
         f"seconds a collective waits for the other ranks before the engine fails {DEFAULT}",
         float,
     ),
+    EngineOption(
+        "threads_per_rank",
+        "torch CPU threads of each rank (default: the process's threads shared by this machine's ranks)",
+        positive_int,
+    ),
     EngineOption("max_n", f"most samples per prompt {DEFAULT}", positive_int, is_limit=True),
     EngineOption("max_beam_width", f"most beams of a beam search {DEFAULT}", positive_int, is_limit=True),
     EngineOption(

@@ -50,3 +50,6 @@ class EngineConfig:
     master_port: int | None = None
     #: Seconds a collective waits for the other ranks before the engine fails, naming them.
     distributed_timeout: float = 60.0
+    #: torch CPU threads of each rank; None: the engine process's threads shared by the
+    #: machine's ranks.
+    threads_per_rank: int | None = None

@@ -50,7 +50,8 @@ def rank_spec(config: EngineConfig, model_path: Path, model_config: ModelConfig)
     """What every rank builds from; the driver checks the split before starting anything."""
     check_divisible(model_config, config.tensor_parallel_size)
     rendezvous = rendezvous_of(config)
-    threads = max(1, torch.get_num_threads() // max(1, len(rendezvous.spawn_ranks) + 1))
+    local_ranks = len(rendezvous.spawn_ranks) + (1 if rendezvous.runs_engine else 0)
+    threads = config.threads_per_rank or max(1, torch.get_num_threads() // max(1, local_ranks))
     return RankSpec(config, model_path, rendezvous, pool_blocks(config, model_config), threads)
 
 
