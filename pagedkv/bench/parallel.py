@@ -51,6 +51,9 @@ class WorkloadResult:
     collective_s: float = 0.0
     parallel_s: float = 0.0
     same_tokens: bool = True
+    #: a step's all-reduces timed alone (see parallel_collectives): rows of the largest step
+    step_rows: int = 0
+    all_reduce_alone_s: float = 0.0
 
     @property
     def speedup(self) -> float:
@@ -75,6 +78,8 @@ class WorkloadResult:
             "collective_ms_per_step": self.collective_ms_per_step,
             "collective_share_of_step": self.collective_share,
             "same_tokens": self.same_tokens,
+            "largest_step_tokens": self.step_rows,
+            "all_reduces_alone_ms_per_step": 1e3 * self.all_reduce_alone_s,
         }
 
 
@@ -128,9 +133,21 @@ def run_parallel(config: ParallelConfig) -> ParallelResult:
         tp = config.tensor_parallel_size
         parallel = MeasuredEngine.start(dataclasses.replace(base, tensor_parallel_size=tp))
         try:
-            return ParallelResult(config, [_measure(config, w, single, parallel) for w in config.workloads])
+            results = [_measure(config, w, single, parallel) for w in config.workloads]
         finally:
             parallel.engine.shutdown()
+        _time_collectives_alone(results, single.engine.model_config, tp)
+        return ParallelResult(config, results)
+
+
+def _time_collectives_alone(results: list[WorkloadResult], model_config, world: int) -> None:
+    """Each workload's largest step: its ``2 * layers + 1`` all-reduces, timed with nothing else."""
+    from pagedkv.bench.parallel_collectives import time_all_reduces
+
+    shapes = [(r.step_rows, model_config.hidden_size) for r in results]
+    per_call = time_all_reduces(shapes, world=world)
+    for result, seconds in zip(results, per_call, strict=True):
+        result.all_reduce_alone_s = (2 * model_config.num_layers + 1) * seconds
 
 
 def _measure(
@@ -151,6 +168,7 @@ def _measure(
             tokens = sum(s.num_tokens for s in measured.steps[first:])
             rates.append(tokens / (measured.clock - start))
         result.steps += len(parallel.steps) - marks[1][0]
+        result.step_rows = max(s.num_tokens for s in parallel.steps[marks[1][0] :])
         result.parallel_s += parallel.clock - marks[1][1]
         result.collective_calls += stats.calls - calls
         result.collective_s += stats.seconds - seconds
@@ -169,7 +187,8 @@ def print_parallel(result: ParallelResult, console) -> None:
     )
     for column in (
         "workload", "requests x prompt + new", "1 rank tok/s", f"{cfg.tensor_parallel_size} ranks tok/s",
-        "speed-up", "collectives/step", "collective ms/step", "share of step", "same tokens",
+        "speed-up", "collectives/step", "collective ms/step", "share of step", "all-reduces alone ms/step",
+        "same tokens",
     ):  # fmt: skip
         table.add_column(column, justify="right")
     for r in result.results:
@@ -183,10 +202,12 @@ def print_parallel(result: ParallelResult, console) -> None:
             f"{r.collective_calls / max(1, r.steps):.0f}",
             f"{r.collective_ms_per_step:.2f}",
             f"{r.collective_share:.0%}",
+            f"{1e3 * r.all_reduce_alone_s:.2f} ({r.step_rows} rows)",
             "yes" if r.same_tokens else "NO",
         )
     console.print(table)
     console.print(
         "tok/s: tokens computed (prompt + generated) per second of engine time. Collective time is "
-        "rank 0's, inside all-reduce and gather, waiting for the other rank included."
+        "rank 0's, inside all-reduce and gather, waiting for the other rank included; 'alone': the "
+        "largest step's all-reduces between two idle ranks, best of 20."
     )

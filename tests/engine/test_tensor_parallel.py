@@ -17,13 +17,10 @@ import torch
 from pagedkv import LLM, BeamSearchParams, SamplingParams
 from pagedkv.engine.executor import SeqSlice, StepPlan
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
+from tests.engine.test_engine_exactness import CASES as EXACTNESS_CASES
 
 CASES = {
-    "llama-gqa-untied": ("llama", {}),
-    "llama-tied-headdim24": ("llama", {"tie_word_embeddings": True, "head_dim": 24}),
-    "mistral-window": ("mistral", {"sliding_window": 24}),
-    "qwen2-bias": ("qwen2", {}),
-    "qwen3-qknorm-tied": ("qwen3", {"tie_word_embeddings": True}),
+    **EXACTNESS_CASES,
     # one KV head for two ranks: replicated; 515 rows: the second rank's vocabulary is padded
     "llama-mqa-odd-vocab": ("llama", {"num_key_value_heads": 1, "vocab_size": 515}),
 }
