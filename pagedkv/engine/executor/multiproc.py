@@ -34,6 +34,9 @@ from pagedkv.engine.executor.worker import RankSpec, build_runner, pool_blocks, 
 from pagedkv.models import ModelConfig
 from pagedkv.models.parallel import check_divisible
 
+#: How long shutdown waits for the workers to take the stop message.
+GOODBYE_TIMEOUT = timedelta(seconds=5)
+
 
 def rendezvous_of(config: EngineConfig) -> Rendezvous:
     return Rendezvous.from_options(
@@ -171,8 +174,9 @@ class MultiprocExecutor(Executor):
                 return
             self._closed = True
         if self._failure is None and hasattr(self, "runner"):
-            try:  # a clean stop: every worker leaves its loop and exits 0
-                groups.send_object(self.groups, None, self.timeout)
+            try:  # a clean stop: every worker leaves its loop and exits 0 (a worker still inside
+                # an interrupted step cannot take it: it is killed after the grace below)
+                groups.send_object(self.groups, None, GOODBYE_TIMEOUT)
             except Exception:
                 pass
         stop(self.workers, grace=5.0 if self._failure is None else 0.0)
