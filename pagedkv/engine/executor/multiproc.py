@@ -141,7 +141,10 @@ class MultiprocExecutor(Executor):
         pid = self.workers[rank].pid if rank in self.workers else None
         said = self._reported(rank)
         where = f"tensor-parallel rank {rank}" + (f" (pid {pid})" if pid else "")
-        what = exit_cause(code) if code is not None else "stopped answering (hung, stopped or unreachable)"
+        if code is not None:
+            what = exit_cause(code)
+        else:
+            what = "failed" if said else "stopped answering (hung, stopped or unreachable)"
         return f"{where} {what}" + (f": {said}" if said else "")
 
     def _reported(self, rank: int) -> str | None:
