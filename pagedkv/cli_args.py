@@ -200,6 +200,27 @@ ENGINE_OPTIONS = (
     ),
     EngineOption("kv_policy", f"paged or a contiguous reservation {DEFAULT}", choices=POLICY_NAMES),
     EngineOption("attention_backend", "torch, cpu or triton (default: triton on CUDA, else cpu)"),
+    EngineOption(
+        "tensor_parallel_size", f"ranks the model is sharded over, one process each {DEFAULT}", positive_int
+    ),
+    EngineOption("nnodes", f"machines the ranks run on (or launch with torchrun) {DEFAULT}", positive_int),
+    EngineOption("node_rank", f"this machine's index; only machine 0 serves {DEFAULT}", int),
+    EngineOption("master_addr", "address of machine 0, where the ranks meet (default: 127.0.0.1)"),
+    EngineOption(
+        "master_port",
+        "port on machine 0 where the ranks meet (default: a free one, 29500 with --nnodes > 1)",
+        positive_int,
+    ),
+    EngineOption(
+        "distributed_timeout",
+        f"seconds a collective waits for the other ranks before the engine fails {DEFAULT}",
+        float,
+    ),
+    EngineOption(
+        "threads_per_rank",
+        "torch CPU threads of each rank (default: the process's threads shared by this machine's ranks)",
+        positive_int,
+    ),
     EngineOption("max_n", f"most samples per prompt {DEFAULT}", positive_int, is_limit=True),
     EngineOption("max_beam_width", f"most beams of a beam search {DEFAULT}", positive_int, is_limit=True),
     EngineOption(
@@ -240,7 +261,18 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**engine_options(args))
+    """The engine's config. On a machine that holds tensor-parallel ranks but not rank 0
+    (``--node-rank`` > 0, or a torchrun process whose RANK is not 0) this runs those ranks
+    until rank 0 stops them and exits: such a machine serves nothing."""
+    config = EngineConfig(**engine_options(args))
+    if config.tensor_parallel_size > 1:
+        from pagedkv.engine.executor.node import is_worker_node, run_worker_node
+
+        with usage_errors(args):
+            worker_node = is_worker_node(config)
+        if worker_node:
+            sys.exit(run_worker_node(config))
+    return config
 
 
 def build_engine(args: argparse.Namespace):

@@ -41,3 +41,15 @@ class EngineConfig:
     kv_policy: str | KVPolicy = "paged"
     #: The most one request may ask for (samples, beams, tokens).
     limits: RequestLimits = field(default_factory=RequestLimits)
+    #: Ranks the model is sharded over (one process each; see pagedkv.models.parallel).
+    tensor_parallel_size: int = 1
+    #: Machines the ranks run on, this machine's index, and where they meet (node 0).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    #: Seconds a collective waits for the other ranks before the engine fails, naming them.
+    distributed_timeout: float = 60.0
+    #: torch CPU threads of each rank; None: the engine process's threads shared by the
+    #: machine's ranks.
+    threads_per_rank: int | None = None

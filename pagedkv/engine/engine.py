@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.executor import Executor, InProcessExecutor
+from pagedkv.engine.executor import Executor
+from pagedkv.engine.executor.factory import make_executor
 from pagedkv.engine.fault_isolation import sample_rows
 from pagedkv.engine.kv_policy import KVPolicy
 from pagedkv.engine.output_processor import OutputProcessor, ProcessedStep, SampledStep
@@ -62,7 +63,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
         self.max_model_len = config.max_model_len or limit
         self.tokenizer = load_tokenizer(path)
-        self.executor: Executor = InProcessExecutor(config, path, self.model_config)
+        self.executor: Executor = make_executor(config, path, self.model_config)
         caching = config.enable_prefix_caching and self.kv_policy.allows_prefix_caching
         num_blocks = self.executor.num_kv_blocks
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, caching, config.watermark)

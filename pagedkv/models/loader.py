@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -21,6 +23,9 @@ from safetensors import safe_open
 from pagedkv.attention import resolve_backend
 from pagedkv.models.config import ModelConfig, resolve_dtype
 from pagedkv.models.llama import LlamaForCausalLM, PackedLinear
+
+if TYPE_CHECKING:
+    from pagedkv.models.parallel import TensorParallel
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -56,10 +61,12 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     attention_backend: str | None = None,
+    tensor_parallel: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """The model of folder ``path`` in eval mode, weights cast to ``dtype`` (default: the
     checkpoint's own dtype) on ``device``, its attention kernels those of ``attention_backend``
-    (default: the device's, see :mod:`pagedkv.attention.backends`)."""
+    (default: the device's, see :mod:`pagedkv.attention.backends`). With ``tensor_parallel``:
+    that rank's shard of the model, each tensor read as the slice it holds."""
     backend = resolve_backend(attention_backend, torch.device(device))
     cfg = ModelConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, default=cfg.dtype)
@@ -68,11 +75,15 @@ def load_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, attention_backend=backend)
+            if tensor_parallel is None:
+                model = LlamaForCausalLM(cfg, attention_backend=backend)
+            else:
+                model = tensor_parallel.build(cfg, backend)
     finally:
         torch.set_default_dtype(previous)
     model.tie_weights()
-    load_weights(model, weight_files(path))
+    read = None if tensor_parallel is None else tensor_parallel.tensor_reader(model)
+    load_weights(model, weight_files(path), read)
     model.requires_grad_(False)
     return model.eval()
 
@@ -94,8 +105,11 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return targets
 
 
-def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
-    """Copy every tensor of ``files`` into the parameter (or packed row slice) it names."""
+def load_weights(
+    model: LlamaForCausalLM, files: list[Path], read: Callable[[str, Any], torch.Tensor] | None = None
+) -> None:
+    """Copy every tensor of ``files`` into the parameter (or packed row slice) it names;
+    ``read(name, file)`` reads a tensor (default: whole; a tensor-parallel rank: its slice)."""
     targets = checkpoint_targets(model)
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
@@ -109,7 +123,7 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
                 if target is None:
                     unexpected.append(name)
                     continue
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(name) if read is None else read(name, f)
                 if tensor.shape != target.shape:
                     raise ValueError(
                         f"weight {name} in {file.name} has shape {tuple(tensor.shape)}, "

@@ -1,0 +1,45 @@
+"""A machine (or a torchrun process) that holds ranks but not the engine.
+
+With ``--nnodes M --node-rank K`` (K > 0) the command only starts this machine's ranks and
+waits for them; under torchrun a process whose ``RANK`` is not 0 is itself that rank. Either
+way the process serves nothing: rank 0's machine runs the engine, the scheduler and the server.
+"""
+
+from __future__ import annotations
+
+import multiprocessing.connection
+from pathlib import Path
+
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.executor.multiproc import exit_cause, rank_spec, rendezvous_of, spawn, stop
+from pagedkv.engine.executor.worker import run_rank
+from pagedkv.models import ModelConfig, builtin_model_path
+
+
+def is_worker_node(config: EngineConfig) -> bool:
+    """True when this process holds ranks other than 0 and must not build an engine."""
+    return config.tensor_parallel_size > 1 and not rendezvous_of(config).runs_engine
+
+
+def run_worker_node(config: EngineConfig) -> int:
+    """Run this machine's ranks until rank 0 stops them; the exit status of the first failure."""
+    path = Path(config.model) if config.model is not None else builtin_model_path()
+    spec = rank_spec(config, path, ModelConfig.from_pretrained(path))
+    if spec.rendezvous.external:
+        run_rank(spec, spec.rendezvous.rank, None)
+        return 0
+    workers = spawn(spec)
+    try:
+        pending = dict(workers)
+        while pending:
+            ready = multiprocessing.connection.wait([p.sentinel for p in pending.values()])
+            for rank, process in list(pending.items()):
+                if process.sentinel in ready:
+                    process.join()
+                    del pending[rank]
+                    if process.exitcode != 0:
+                        print(f"pagedkv: rank {rank} {exit_cause(process.exitcode)}")
+                        return 1
+        return 0
+    finally:
+        stop(workers, grace=0.0)

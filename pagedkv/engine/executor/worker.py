@@ -1,0 +1,86 @@
+"""One tensor-parallel rank: its shard of the model, its share of the KV pool, its step loop.
+
+Rank 0 builds its runner inside the engine's process (:class:`MultiprocExecutor`); every
+other rank runs :func:`run_rank` in a process of its own: join the group, load the shard,
+then run each plan rank 0 sends until it sends ``None``. A rank that fails leaves its error in
+the rendezvous store for rank 0 to report, and exits.
+"""
+
+from __future__ import annotations
+
+import signal
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedkv.attention import KVCache
+from pagedkv.distributed import Rendezvous, groups, heartbeat
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.model_runner import ModelRunner
+from pagedkv.memory import parse_bytes
+from pagedkv.models import ModelConfig, load_model
+from pagedkv.models.config import resolve_dtype
+from pagedkv.models.parallel import TensorParallel
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs to build its part (pickled into each spawned process)."""
+
+    config: EngineConfig
+    model_path: Path
+    rendezvous: Rendezvous
+    num_kv_blocks: int
+    threads: int
+
+
+def pool_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
+    """Blocks of the whole pool: as many as tensor_parallel_size 1 would have (each rank then
+    holds its heads' share of every block, 1/N of the memory)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    dtype = resolve_dtype(config.dtype, default=model_config.dtype)
+    per_block = KVCache.block_bytes(model_config.kv_spec(), config.block_size, dtype)
+    blocks = parse_bytes(config.kv_cache_memory) // per_block
+    if blocks < 1:
+        budget = config.kv_cache_memory
+        raise ValueError(f"a KV memory budget of {budget} holds no block ({per_block} bytes each)")
+    return blocks
+
+
+def device_of(config: EngineConfig, rank: int) -> str:
+    """CUDA: one device per rank on its machine; CPU: the CPU."""
+    if not config.device.startswith("cuda"):
+        return config.device
+    return f"cuda:{rank % max(1, torch.cuda.device_count())}"
+
+
+def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[ModelRunner, TensorParallel]:
+    torch.set_num_threads(spec.threads)
+    device = device_of(spec.config, rank)
+    tp = TensorParallel(rank, spec.rendezvous.world_size, group.compute)
+    model = load_model(spec.model_path, spec.config.dtype, device, spec.config.attention_backend, tp)
+    dtype = next(model.parameters()).dtype
+    kv_cache = KVCache(model.config.kv_spec(), spec.num_kv_blocks, spec.config.block_size, dtype, device)
+    return ModelRunner(model, kv_cache), tp
+
+
+def run_rank(spec: RankSpec, rank: int, parent_pid: int | None) -> None:
+    """A worker rank's whole life (the target of its process)."""
+    if parent_pid is not None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the engine stops every rank
+    store = heartbeat.connect(spec.rendezvous)
+    heartbeat.start(store, rank, parent_pid)
+    try:
+        group = groups.join(spec.rendezvous, rank, spec.config.device.split(":")[0])
+        runner, _ = build_runner(spec, rank, group)
+        torch.distributed.barrier(group=group.control)  # loaded: rank 0 may start
+        while (plan := groups.receive_object(group)) is not None:
+            runner.execute(plan)
+        groups.leave()
+    except BaseException as err:
+        heartbeat.report_error(store, rank, f"{type(err).__name__}: {err}")
+        traceback.print_exc()
+        raise SystemExit(1) from err

@@ -1,0 +1,275 @@
+"""Tensor parallelism, Megatron style as vLLM does it: each rank holds a slice of every layer.
+
+* ``qkv_proj`` and ``gate_up_proj`` are column-parallel: each rank holds *its* query heads, its
+  key/value heads and its gate/up rows (the packed weight is cut per projection, not as one
+  block), so attention and the SiLU gate run on local data with no communication.
+* ``o_proj`` and ``down_proj`` are row-parallel: each rank multiplies its input columns and one
+  all-reduce sums the partial products (two all-reduces per layer).
+* The embedding and the LM head are vocabulary-parallel: each rank holds ``ceil(vocab / N)``
+  rows (the last rank's tail padded with zeros); the embedding masks ids it does not hold and
+  all-reduces, the LM head computes its vocabulary slice of the sampled rows only and gathers
+  them on rank 0.
+
+Every layer is the single-device layer (:class:`Linear`, :class:`PackedLinear`,
+:class:`Embedding`) over the rank's shard, calling the parent's forward, so whatever kernel the
+parent uses the shard uses. The loader fills each shard by reading only its slice of each
+checkpoint tensor (:meth:`TensorParallel.read_tensor`).
+
+KV heads: each rank holds ``num_kv_heads / N`` of them, so its KV pool is 1/N of the whole and
+a block id means the same block on every rank. With fewer KV heads than ranks each KV head is
+replicated on ``N / num_kv_heads`` consecutive ranks, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from pagedkv.attention import Backend
+from pagedkv.models.config import ModelConfig
+from pagedkv.models.llama import Embedding, Linear, LlamaForCausalLM, PackedLinear
+
+
+def check_divisible(cfg: ModelConfig, size: int) -> None:
+    """Raise ValueError naming the numbers when ``cfg`` cannot be split over ``size`` ranks."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
+    problems = []
+    if cfg.num_heads % size:
+        problems.append(f"{cfg.num_heads} attention heads")
+    if cfg.num_kv_heads >= size and cfg.num_kv_heads % size:
+        problems.append(f"{cfg.num_kv_heads} key/value heads")
+    if cfg.num_kv_heads < size and size % cfg.num_kv_heads:
+        problems.append(f"{cfg.num_kv_heads} key/value heads (fewer than the ranks, and not a divisor)")
+    if cfg.intermediate_size % size:
+        problems.append(f"intermediate size {cfg.intermediate_size}")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size {size} cannot split this {cfg.architecture}: "
+            f"{', '.join(problems)} not divisible by {size}"
+        )
+
+
+def kv_heads_per_rank(cfg: ModelConfig, size: int) -> int:
+    """KV heads each rank holds: ``num_kv_heads / size``, at least one (replicated)."""
+    return max(1, cfg.num_kv_heads // size)
+
+
+def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The config of one rank's model: its heads, its intermediate rows, its vocabulary rows."""
+    check_divisible(cfg, size)
+    return dataclasses.replace(
+        cfg,
+        num_heads=cfg.num_heads // size,
+        num_kv_heads=kv_heads_per_rank(cfg, size),
+        intermediate_size=cfg.intermediate_size // size,
+        vocab_size=-(-cfg.vocab_size // size),
+    )
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """The part of a checkpoint tensor one rank holds: ``count`` entries from ``start`` along
+    ``dim``, zero-padded to ``size`` entries; ``zero``: the rank holds zeros (a row-parallel
+    bias is added once, by rank 0)."""
+
+    dim: int
+    start: int
+    count: int
+    size: int
+    zero: bool = False
+
+    def read(self, lazy: Any) -> torch.Tensor:
+        """The slice of a safetensors ``get_slice`` handle (reads only these bytes)."""
+        index: list[slice] = [slice(None)] * len(lazy.get_shape())
+        index[self.dim] = slice(self.start, self.start + self.count)
+        tensor = lazy[tuple(index)]
+        if self.zero:
+            tensor = torch.zeros_like(tensor)
+        if self.size > self.count:
+            pad = [0, 0] * (tensor.dim() - 1 - self.dim) + [0, self.size - self.count]
+            tensor = F.pad(tensor, pad)
+        return tensor
+
+
+@dataclass
+class CollectiveStats:
+    """Time this rank spent inside collectives (waiting for the slowest rank included)."""
+
+    calls: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """One rank's place in a tensor-parallel group; builds and loads that rank's model."""
+
+    rank: int
+    size: int
+    #: the process group of the ranks (None only in tests of the slicing)
+    group: Any = None
+    stats: CollectiveStats = field(default_factory=CollectiveStats)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        dist.all_reduce(tensor, group=self.group)
+        self._count(started)
+        return tensor
+
+    def gather_columns(self, tensor: torch.Tensor, total: int) -> torch.Tensor:
+        """Rank 0: every rank's ``[n, cols]`` side by side, cut to ``total`` columns; other
+        ranks: their own part (unused)."""
+        started = time.perf_counter()
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(tensor, parts, dst=dist.get_global_rank(self.group, 0), group=self.group)
+        self._count(started)
+        return torch.cat(parts, dim=-1)[:, :total] if parts is not None else tensor
+
+    def _count(self, started: float) -> None:
+        self.stats.calls += 1
+        self.stats.seconds += time.perf_counter() - started
+
+    def build(self, cfg: ModelConfig, backend: Backend) -> LlamaForCausalLM:
+        """This rank's model, uninitialised: the single-device model of :func:`shard_config`
+        with its projections, embedding and LM head swapped for their parallel versions."""
+        local = shard_config(cfg, self.size)
+        model = LlamaForCausalLM(local, attention_backend=backend)
+        hd = cfg.head_dim
+        q_start = self.rank * local.num_heads * hd
+        kv_start = self._first_kv_head(cfg) * hd
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            kv = (kv_start, attn.kv_size)
+            qkv = {"q_proj": (q_start, attn.q_size), "k_proj": kv, "v_proj": kv}
+            attn.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv, bias=cfg.attention_bias)
+            attn.o_proj = RowParallelLinear(attn.q_size, cfg.hidden_size, cfg.o_proj_bias, self, q_start)
+            rows = local.intermediate_size
+            mlp.gate_up_proj = ColumnParallelLinear(
+                cfg.hidden_size,
+                {"gate_proj": (self.rank * rows, rows), "up_proj": (self.rank * rows, rows)},
+                bias=cfg.mlp_bias,
+            )
+            mlp.down_proj = RowParallelLinear(rows, cfg.hidden_size, cfg.mlp_bias, self, self.rank * rows)
+        model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self)
+        model.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self)
+        return model
+
+    def _first_kv_head(self, cfg: ModelConfig) -> int:
+        if cfg.num_kv_heads >= self.size:
+            return self.rank * cfg.num_kv_heads // self.size
+        return self.rank // (self.size // cfg.num_kv_heads)  # replicated on consecutive ranks
+
+    def checkpoint_slices(self, model: LlamaForCausalLM) -> dict[str, TensorSlice]:
+        """Checkpoint tensor name -> the slice this rank loads; names absent are replicated."""
+        slices: dict[str, TensorSlice] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, ParallelLayer):
+                slices.update(module.checkpoint_slices(name.rpartition(".")[0], name))
+        return slices
+
+    def tensor_reader(self, model: LlamaForCausalLM):
+        """``read(name, handle)`` for the loader: this rank's slice of checkpoint tensor
+        ``name`` from an open safetensors file, reading only that slice."""
+        slices = self.checkpoint_slices(model)
+
+        def read(name: str, handle: Any) -> torch.Tensor:
+            piece = slices.get(name)
+            return handle.get_tensor(name) if piece is None else piece.read(handle.get_slice(name))
+
+        return read
+
+
+class ParallelLayer:
+    """A layer holding a slice of checkpoint tensors; says which slice of which."""
+
+    def checkpoint_slices(self, parent: str, name: str) -> dict[str, TensorSlice]:
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(PackedLinear, ParallelLayer):
+    """Packed projections, each cut to the rank's rows: ``shards`` maps each checkpoint
+    projection to ``(first row in the checkpoint, rows)``. Its output stays sharded."""
+
+    def __init__(self, in_features: int, shards: dict[str, tuple[int, int]], bias: bool) -> None:
+        super().__init__(in_features, {name: rows for name, (_, rows) in shards.items()}, bias)
+        self.checkpoint_rows = dict(shards)
+
+    def checkpoint_slices(self, parent: str, name: str) -> dict[str, TensorSlice]:
+        params = ["weight"] + (["bias"] if self.bias is not None else [])
+        return {
+            f"{parent}.{shard}.{param}": TensorSlice(0, start, rows, rows)
+            for shard, (start, rows) in self.checkpoint_rows.items()
+            for param in params
+        }
+
+
+class RowParallelLinear(Linear, ParallelLayer):
+    """The rank's input columns; one all-reduce sums the partial products. Rank 0 alone holds
+    the bias, so it is added once."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, first_column: int
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+        self.first_column = first_column
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))
+
+    def checkpoint_slices(self, parent: str, name: str) -> dict[str, TensorSlice]:
+        cols = self.in_features
+        slices = {f"{name}.weight": TensorSlice(1, self.first_column, cols, cols)}
+        if self.bias is not None:
+            rows = self.out_features
+            slices[f"{name}.bias"] = TensorSlice(0, 0, rows, rows, zero=self.tp.rank != 0)
+        return slices
+
+
+def _vocab_slice(vocab_size: int, tp: TensorParallel) -> TensorSlice:
+    rows = -(-vocab_size // tp.size)
+    start = min(tp.rank * rows, vocab_size)
+    return TensorSlice(0, start, min(rows, vocab_size - start), rows)
+
+
+class VocabParallelEmbedding(Embedding, ParallelLayer):
+    """The rank's vocabulary rows; ids it does not hold give zeros, and an all-reduce adds the
+    one rank's row that is not zero (exact: the other terms are zeros)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        self.rows = _vocab_slice(vocab_size, tp)
+        super().__init__(self.rows.size, hidden_size)
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.rows.start
+        outside = (local < 0) | (local >= self.rows.count)
+        out = super().forward(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def checkpoint_slices(self, parent: str, name: str) -> dict[str, TensorSlice]:
+        return {f"{name}.weight": self.rows}
+
+
+class ParallelLMHead(Linear, ParallelLayer):
+    """The rank's vocabulary rows of the LM head; the logits of the rows it is given (the
+    sampled ones) are gathered on rank 0, padding cut off."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        self.rows = _vocab_slice(vocab_size, tp)
+        super().__init__(hidden_size, self.rows.size, bias=False)
+        self.tp = tp
+        self.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.gather_columns(super().forward(x), self.vocab_size)
+
+    def checkpoint_slices(self, parent: str, name: str) -> dict[str, TensorSlice]:
+        return {f"{name}.weight": self.rows}

@@ -1,0 +1,101 @@
+"""tensor_parallel_size 2 (two processes on gloo) gives the tokens tensor_parallel_size 1 gives.
+
+Each rank holds half the heads, half the MLP rows and half the vocabulary; the sums the single
+device does in one GEMM are split in two and added by an all-reduce, so the logits differ in the
+last bits only (within 1e-5 in float32) and greedy tokens are the same -- on every test
+checkpoint (grouped-query, tied, sliding window, biases, q/k norm, fewer KV heads than ranks with
+a vocabulary that does not split evenly), and under preemption, prefix caching, n > 1 and beam
+search. Spawning a rank costs an interpreter and a torch import, so the scenario tests share one
+pair of engines.
+"""
+
+import random
+
+import pytest
+import torch
+
+from pagedkv import LLM, BeamSearchParams, SamplingParams
+from pagedkv.engine.executor import SeqSlice, StepPlan
+from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
+from tests.engine.test_engine_exactness import CASES as EXACTNESS_CASES
+
+CASES = {
+    **EXACTNESS_CASES,
+    # one KV head for two ranks: replicated; 515 rows: the second rank's vocabulary is padded
+    "llama-mqa-odd-vocab": ("llama", {"num_key_value_heads": 1, "vocab_size": 515}),
+}
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    """Mixed lengths, two sharing a 40-token prefix so the prefix cache hits."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(4, TEST_VOCAB_SIZE) for _ in range(40)]
+    prompts = [[rng.randrange(4, TEST_VOCAB_SIZE) for _ in range(n)] for n in (3, 17, 33, 48)]
+    return [*prompts, shared + [5, 6, 7], shared + [9]]
+
+
+def _tokens(outputs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in out.outputs] for out in outputs]
+
+
+def _pair(path, **options) -> tuple[LLM, LLM]:
+    return LLM(str(path), **options), LLM(str(path), tensor_parallel_size=2, **options)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(tmp_path, case):
+    arch, overrides = CASES[case]
+    path = make_checkpoint(tmp_path, arch, **overrides)
+    # a small token budget: longer prompts are prefilled in chunks, interleaved with decodes
+    one, two = _pair(path, block_size=4, num_kv_blocks=128, max_num_batched_tokens=20)
+    try:
+        prompts = _prompts()
+        # the prompts' last-token logits in one step, each prompt in its own blocks (fresh pools)
+        tables = [list(range(16 * i, 16 * i + 16)) for i in range(len(prompts))]
+        plan = StepPlan([SeqSlice(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
+        expected, got = one.engine.executor.execute(plan), two.engine.executor.execute(plan)
+        assert got.shape == expected.shape == (len(prompts), one.engine.model_config.vocab_size)
+        # 1e-5 absolute, or relative where logits are large (the tied checkpoints' reach ~60,
+        # where float32 itself only resolves 4e-6)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert _tokens(two.generate(prompts, GREEDY, use_tqdm=False)) == _tokens(
+            one.generate(prompts, GREEDY, use_tqdm=False)
+        )
+        assert two.kv_stats()["prefix_cache_hits_tokens"] > 0
+        assert two.kv_stats()["blocks_used"] == 0
+    finally:
+        two.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """One engine per size over a pool small enough to preempt (16 blocks of 4 tokens)."""
+    path = make_checkpoint(tmp_path_factory.mktemp("tp"), "llama")
+    one, two = _pair(path, block_size=4, num_kv_blocks=16, watermark=0.0)
+    yield one, two
+    two.engine.shutdown()
+
+
+def test_preemption_and_prefix_caching_change_nothing(pair):
+    one, two = pair
+    expected = _tokens(one.generate(_prompts(), GREEDY, use_tqdm=False))
+    assert _tokens(two.generate(_prompts(), GREEDY, use_tqdm=False)) == expected
+    stats = two.kv_stats()
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hits_tokens"] > 0
+    assert stats["blocks_used"] == 0
+
+
+def test_n_samples_and_beams_are_the_same(pair):
+    one, two = pair
+    prompts = _prompts(1)[:2]  # 3 and 17 tokens: three samples or beams each fit the pool
+    # seeded sampling: the same draws, on logits that agree to 1e-5
+    sampled = SamplingParams(n=3, max_tokens=6, temperature=0.8, seed=7, ignore_eos=True)
+    assert _tokens(two.generate(prompts, sampled, use_tqdm=False)) == _tokens(
+        one.generate(prompts, sampled, use_tqdm=False)
+    )
+    beams = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
+    assert _tokens(two.beam_search(prompts, beams, use_tqdm=False)) == _tokens(
+        one.beam_search(prompts, beams, use_tqdm=False)
+    )
+    assert two.kv_stats()["blocks_used"] == 0

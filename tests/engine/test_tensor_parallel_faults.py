@@ -1,0 +1,140 @@
+"""A tensor-parallel engine whose worker dies or hangs fails naming the rank, and leaves nothing.
+
+Real processes and real signals: SIGKILL a worker, SIGSTOP one (a hang), SIGKILL the engine
+itself, Ctrl-C a server. No test waits on the model's speed: a hang is detected by the
+collective timeout, and every wait below is for a process or an answer, with a generous bound.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.engine.executor import ExecutorError
+from tests.checkpoints import make_checkpoint
+from tests.server.helpers import wait_until
+from tests.server.process import ServeProcess
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("tp-faults"), "llama")
+
+
+def _children(pid: int) -> list[int]:
+    """Live worker ranks of ``pid`` (spawned children; multiprocessing's resource tracker is
+    not one: it leaves with its parent), read from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+            command = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
+def test_a_killed_worker_fails_the_engine_naming_its_rank(model_path):
+    llm = LLM(str(model_path), tensor_parallel_size=2, num_kv_blocks=32, block_size=4)
+    worker = llm.engine.executor.workers[1]
+    assert llm.generate([[5, 6, 7]], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(30)
+    with pytest.raises(ExecutorError, match=r"rank 1 \(pid \d+\) killed by SIGKILL"):
+        llm.generate([[5, 6, 7]], PARAMS, use_tqdm=False)
+    with pytest.raises(ExecutorError, match="rank 1"):
+        llm.engine.check_health()
+    assert llm.kv_stats()["blocks_used"] == 0  # the failed request's blocks came back
+    llm.engine.shutdown()
+    assert _children(os.getpid()) == []
+
+
+def test_a_hung_worker_fails_the_step_within_the_collective_timeout(model_path):
+    llm = LLM(str(model_path), tensor_parallel_size=2, num_kv_blocks=32, block_size=4, distributed_timeout=3)
+    worker = llm.engine.executor.workers[1]
+    os.kill(worker.pid, signal.SIGSTOP)  # alive, holds its sockets, answers nothing
+    try:
+        with pytest.raises(ExecutorError, match=r"rank 1 \(pid \d+\) stopped answering"):
+            llm.generate([[5, 6, 7]], PARAMS, use_tqdm=False)
+        with pytest.raises(ExecutorError, match="rank 1"):
+            llm.engine.check_health()
+    finally:
+        llm.engine.shutdown()  # kills the stopped worker
+    assert _gone(worker.pid)
+
+
+DRIVER = """
+import sys, time
+from pagedkv import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, num_kv_blocks=32, block_size=4)
+print(llm.engine.executor.workers[1].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_end_when_the_engine_is_killed(model_path):
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    engine = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(model_path)], stdout=subprocess.PIPE, env=env
+    )
+    worker_pid = int(engine.stdout.readline())
+    engine.kill()  # no shutdown, no atexit: the worker must notice on its own
+    engine.wait(30)
+    wait_until(lambda: _gone(worker_pid), 60, "the orphaned worker to exit")
+
+
+def test_a_server_whose_worker_dies_answers_503_and_ctrl_c_stops_every_rank(model_path):
+    with ServeProcess(
+        "--model", str(model_path), "--tensor-parallel-size", "2", "--num-kv-blocks", "32"
+    ) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+        first = client.completions.create(
+            model=model_path.name, prompt="def f():", max_tokens=3, temperature=0
+        )
+        assert first.choices[0].text is not None
+        (worker_pid,) = _children(server.process.pid)
+        os.kill(worker_pid, signal.SIGKILL)
+        health = wait_until(
+            lambda: (r := httpx.get(f"{server.base_url}/health")).status_code == 503 and r,
+            60,
+            "/health to turn unhealthy",
+        )
+        assert "rank 1" in health.text and "SIGKILL" in health.text
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.completions.create(model=model_path.name, prompt="def g():", max_tokens=3, temperature=0)
+        assert failed.value.status_code == 503
+        server_pid = server.process.pid
+    assert server.returncode == 0, server.stderr
+    assert _children(server_pid) == []
+
+
+def test_ctrl_c_stops_a_healthy_server_and_its_ranks(model_path):
+    with ServeProcess(
+        "--model", str(model_path), "--tensor-parallel-size", "2", "--num-kv-blocks", "32"
+    ) as server:
+        (worker_pid,) = _children(server.process.pid)
+        started = time.monotonic()
+    assert server.returncode == 0, server.stderr
+    wait_until(lambda: _gone(worker_pid), 30, "the worker rank to exit with the server")
+    assert time.monotonic() - started < 60
