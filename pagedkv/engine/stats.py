@@ -137,6 +137,9 @@ class SequenceBlocks:
     index: int
     block_ids: tuple[int, ...]
     num_tokens: int
+    #: The request's prompt length and the prompt tokens the prefix cache served it.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -218,11 +221,20 @@ class StatsCollector:
         sequences = []
         for seq in live:
             table = pool.tables[seq.seq_id]
-            request_id = seq.request.request_id
+            request = seq.request
             for block in table.block_ids:
-                if request_id not in owners[block]:
-                    owners[block].append(request_id)
-            sequences.append(SequenceBlocks(request_id, seq.index, table.block_ids, table.num_tokens))
+                if request.request_id not in owners[block]:
+                    owners[block].append(request.request_id)
+            sequences.append(
+                SequenceBlocks(
+                    request.request_id,
+                    seq.index,
+                    table.block_ids,
+                    table.num_tokens,
+                    len(request.prompt_token_ids),
+                    request.num_cached_tokens,
+                )
+            )
         blocks = [
             BlockInfo(block, refcount, block in pool.cached, tuple(owners[block]))
             for block, refcount in enumerate(pool.refcounts)
