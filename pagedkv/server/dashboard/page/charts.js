@@ -35,7 +35,10 @@ class Chart {
     ctx.strokeStyle = "#d8d8d4";
     ctx.strokeRect(0.5, 0.5, width - 1, height - 1);
     if (!this.points.length) return;
-    const end = this.points[this.points.length - 1][0], start = end - WINDOW_S;
+    // The last minute, or as much as there is of it, across the whole width.
+    const end = this.points[this.points.length - 1][0];
+    const span = Math.max(1, Math.min(WINDOW_S, end - this.points[0][0]));
+    const start = end - span;
     let top = 1;
     for (const [, values] of this.points) for (const v of values) top = Math.max(top, v);
     this.lines.forEach((line, k) => {
@@ -43,7 +46,7 @@ class Chart {
       ctx.lineWidth = 1.5;
       ctx.beginPath();
       this.points.forEach(([t, values], n) => {
-        const x = ((t - start) / WINDOW_S) * (width - 2) + 1;
+        const x = ((t - start) / span) * (width - 2) + 1;
         const y = height - 2 - (values[k] / top) * (height - 6);
         if (n === 0) ctx.moveTo(x, y); else ctx.lineTo(x, y);
       });
@@ -57,9 +60,11 @@ function format(value) {
 }
 
 /* The five series, fed from each frame's counters (rates from the change since the last frame). */
+const RATE_WINDOW_S = 1;
+
 const Charts = {
   charts: null,
-  previous: null,
+  recent: [],  // the counters of the last RATE_WINDOW_S seconds, for tokens/s
 
   init(parent) {
     this.charts = {
@@ -74,11 +79,14 @@ const Charts = {
 
   reset() {
     for (const chart of Object.values(this.charts)) chart.clear();
-    this.previous = null;
+    this.recent = [];
   },
 
   add(stats, config) {
-    const c = this.charts, before = this.previous;
+    const c = this.charts;
+    this.recent.push(stats);
+    while (this.recent.length > 2 && this.recent[1].t <= stats.t - RATE_WINDOW_S) this.recent.shift();
+    const before = this.recent[0];
     c.kv.push(stats.t, [(100 * stats.used) / config.numBlocks]);
     c.queues.push(stats.t, [stats.running, stats.waiting]);
     c.preemptions.push(stats.t, [stats.preemptions]);
@@ -86,7 +94,6 @@ const Charts = {
     if (before && stats.t > before.t && stats.generated >= before.generated) {
       c.tokens.push(stats.t, [Math.round((stats.generated - before.generated) / (stats.t - before.t))]);
     }
-    this.previous = stats;
     for (const chart of Object.values(c)) chart.draw();
   },
 };

@@ -38,6 +38,15 @@ const Grid = {
       this.keys.push("");
     }
     this.element.dataset.blocks = count;
+    this.fit(count);
+  },
+
+  /* Cells as large as the panel allows for this many blocks (6 to 30 px a side). */
+  fit(count) {
+    const width = this.element.clientWidth || 600, height = 360;
+    const side = Math.max(6, Math.min(30, Math.floor(Math.sqrt((width * height) / count)) - 2));
+    this.element.style.setProperty("--cell", `${side}px`);
+    this.element.classList.toggle("tiny", side < 14);
   },
 
   render(selected) {
@@ -78,24 +87,30 @@ const Grid = {
 
 const RequestList = {
   element: null,
+  items: new Map(),  // request id -> its <li>, kept while the request lives (clicks stay on it)
 
   render(requests, selected, onPick) {
-    const items = [];
+    for (const [id, item] of this.items) {
+      if (!requests.has(id)) { item.remove(); this.items.delete(id); }
+    }
     for (const [id, seqs] of requests) {
-      const item = document.createElement("li");
-      item.dataset.request = id;
+      let item = this.items.get(id);
+      if (!item) {
+        item = document.createElement("li");
+        item.dataset.request = id;
+        item.innerHTML = '<span class="swatch"></span><span class="id"></span><span class="meta"></span>';
+        item.querySelector(".swatch").style.background = colourOf(id);
+        item.querySelector(".id").textContent = id;
+        item.addEventListener("click", () => onPick(id));
+        this.element.appendChild(item);
+        this.items.set(id, item);
+      }
       item.className = id === selected ? "selected" : "";
       const blocks = new Set(seqs.flatMap((s) => s.b)).size;
       const tokens = Math.max(...seqs.map((s) => s.n));
-      item.innerHTML = '<span class="swatch"></span><span class="id"></span><span class="meta"></span>';
-      item.querySelector(".swatch").style.background = colourOf(id);
-      item.querySelector(".id").textContent = id;
       item.querySelector(".meta").textContent =
         `${seqs.length > 1 ? seqs.length + " seqs · " : ""}${tokens} tok · ${blocks} blk`;
-      item.addEventListener("click", () => onPick(id));
-      items.push(item);
     }
-    this.element.replaceChildren(...items);
   },
 };
 
