@@ -17,6 +17,7 @@ they are built from the scheduler's and the KV manager's counters by
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from pagedkv.memory import KVUsage
@@ -144,9 +145,26 @@ class SequenceBlocks:
 
 @dataclass(frozen=True)
 class KVSnapshot:
+    """The pool as two flat records -- every block's refcount, the blocks the prefix cache holds
+    -- and the live block tables; :attr:`blocks` joins them per block on first use (an object
+    per block is the costly part, and a frequent reader such as the dashboard needs none)."""
+
     block_size: int
-    blocks: list[BlockInfo]
+    refcounts: tuple[int, ...]
+    cached: frozenset[int]
     sequences: list[SequenceBlocks]
+
+    @cached_property
+    def blocks(self) -> list[BlockInfo]:
+        owners: list[list[str]] = [[] for _ in self.refcounts]
+        for seq in self.sequences:
+            for block in seq.block_ids:
+                if seq.request_id not in owners[block]:
+                    owners[block].append(seq.request_id)
+        return [
+            BlockInfo(block, refcount, block in self.cached, tuple(owners[block]))
+            for block, refcount in enumerate(self.refcounts)
+        ]
 
 
 #: The counts of a step that :class:`EngineStats` sums over every step.
@@ -217,14 +235,9 @@ class StatsCollector:
     def kv_snapshot(self) -> KVSnapshot:
         pool = self.scheduler.kv_manager.snapshot()
         live: list[Sequence] = [s for s in self.scheduler.running if s.seq_id in pool.tables]
-        owners: list[list[str]] = [[] for _ in pool.refcounts]
         sequences = []
         for seq in live:
-            table = pool.tables[seq.seq_id]
-            request = seq.request
-            for block in table.block_ids:
-                if request.request_id not in owners[block]:
-                    owners[block].append(request.request_id)
+            table, request = pool.tables[seq.seq_id], seq.request
             sequences.append(
                 SequenceBlocks(
                     request.request_id,
@@ -235,8 +248,4 @@ class StatsCollector:
                     request.num_cached_tokens,
                 )
             )
-        blocks = [
-            BlockInfo(block, refcount, block in pool.cached, tuple(owners[block]))
-            for block, refcount in enumerate(pool.refcounts)
-        ]
-        return KVSnapshot(pool.block_size, blocks, sequences)
+        return KVSnapshot(pool.block_size, pool.refcounts, pool.cached, sequences)

@@ -167,7 +167,7 @@ def create_app(
     app.state.engine = async_engine
     app.state.context = ctx
     app.state.metrics = metrics
-    install_dashboard(app, async_engine, model_name, requires_key=api_key is not None)
+    install_dashboard(app, async_engine, metrics, model_name, requires_key=api_key is not None)
     _install_error_handlers(app)
     install_openapi(app)
     generation_errors = error_responses(400, 401, 413, 500, 503)

@@ -91,8 +91,10 @@ class DashboardFeed:
         self._last_sent = -float("inf")
         #: The engine ran since the last frame: an idle worker still owes the pages one.
         self._dirty = False
-        #: Frames published since the server started (for tests and the report).
+        #: Frames published, and the worker's time spent publishing them, since the server
+        #: started: what an open page costs the engine (``/metrics``, the tests).
         self.frames_sent = 0
+        self.publish_seconds = 0.0
 
     # -- the event loop's side --------------------------------------------------------------
     def subscribe(self) -> Subscriber:
@@ -136,6 +138,7 @@ class DashboardFeed:
         now = time.monotonic()
         if now - self._last_sent < self.interval:
             return
+        started = time.perf_counter()
         view = take_view(engine)
         with self._lock:
             joining, self._joining = self._joining, []
@@ -147,6 +150,7 @@ class DashboardFeed:
             self._send(joining, encode(full_frame(view, self.config)))
         self._previous, self._last_sent, self._dirty = view, now, False
         self.frames_sent += 1
+        self.publish_seconds += time.perf_counter() - started
 
     def _send(self, subscribers: list[Subscriber], frame: str) -> None:
         dropped = []

@@ -20,6 +20,8 @@ from pagedkv.engine import LLMEngine
 #: A sequence's fields as the page reads them: request id, sample/beam index, block table,
 #: tokens, prompt tokens, prompt tokens served by the prefix cache.
 _SEQ_FIELDS = ("r", "i", "b", "n", "p", "c")
+#: Blocks compared as one slice when diffing.
+_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,9 @@ class View:
 def take_view(engine: LLMEngine) -> View:
     """Read the engine (worker thread only): every block, every live block table, the counters."""
     snapshot = engine.kv_snapshot()
-    blocks = [info.refcount * 2 + info.cached for info in snapshot.blocks]
+    blocks = [refcount * 2 for refcount in snapshot.refcounts]
+    for block in snapshot.cached:
+        blocks[block] += 1
     seqs = {
         f"{s.request_id}#{s.index}": (
             s.request_id,
@@ -80,10 +84,13 @@ def diff_frame(before: View, after: View) -> dict[str, Any]:
     """What changed from ``before`` to ``after``: blocks as a flat ``[id, code, ...]`` list, new
     sequences in full, changed ones with only their changed fields, ended ones by key."""
     blocks: list[int] = []
-    if len(before.blocks) == len(after.blocks):
-        for block, (old, new) in enumerate(zip(before.blocks, after.blocks, strict=True)):
-            if old != new:
-                blocks += (block, new)
+    # A step changes a few blocks of thousands: compare slices (in C), walk only those that differ.
+    for start in range(0, len(after.blocks), _CHUNK):
+        old, new = before.blocks[start : start + _CHUNK], after.blocks[start : start + _CHUNK]
+        if old != new:
+            for block, (was, now) in enumerate(zip(old, new, strict=True), start):
+                if was != now:
+                    blocks += (block, now)
     seqs: dict[str, dict[str, Any]] = {}
     for key, seq in after.seqs.items():
         old = before.seqs.get(key)

@@ -18,6 +18,8 @@ from fastapi.responses import HTMLResponse, StreamingResponse
 
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.dashboard.feed import DashboardFeed, Subscriber
+from pagedkv.server.dashboard.metrics import DashboardCollector
+from pagedkv.server.metrics import ServerMetrics
 
 PAGE_PATH = "/dashboard"
 STREAM_PATH = "/dashboard/stream"
@@ -56,9 +58,10 @@ async def _events(feed: DashboardFeed, subscriber: Subscriber) -> AsyncIterator[
 
 
 def install_dashboard(
-    app: FastAPI, engine: AsyncEngine, model_name: str, requires_key: bool
+    app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, model_name: str, requires_key: bool
 ) -> DashboardFeed:
-    """Add the two routes to ``app`` and the feed to ``engine``'s observers; return the feed."""
+    """Add the two routes to ``app``, the feed to ``engine``'s observers and its figures to
+    ``metrics``; return the feed."""
     inner = engine.engine
     config = {
         "model": model_name,
@@ -71,6 +74,7 @@ def install_dashboard(
     }
     feed = DashboardFeed(config, engine.wake)
     engine.observers.append(feed)
+    metrics.registry.register(DashboardCollector(feed))
     app.state.dashboard = feed
 
     @app.get(PAGE_PATH, include_in_schema=False)
