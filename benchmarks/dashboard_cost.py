@@ -4,9 +4,9 @@
     [-- SERVE OPTIONS, e.g. --num-kv-blocks 2048]
 
 Starts one ``pagedkv serve`` process and runs the same seeded workload against it in alternating
-rounds, A (no page) then B (``--pages`` readers of ``/dashboard/stream``, each its own process,
-as a browser would be), so both see the same machine load; prints each round's output tokens/s
-and the median B / A, and the share of the B rounds' time the engine worker spent publishing
+rounds, A (no page) and B (``--pages`` readers of ``/dashboard/stream``, each its own process,
+as a browser would be), A first in odd rounds and B first in even ones, so both see the same
+machine load; prints each round's output tokens/s and the median B / A, and the share of the B rounds' time the engine worker spent publishing
 frames (the server's ``pagedkv:dashboard_publish_seconds_total``): the direct cost, which the
 throughput comparison measures only as well as the machine is quiet. A warm-up run goes first
 (the first requests pay one-off costs).
@@ -80,7 +80,7 @@ def main() -> int:
     try:
         run_benchmark(base_url, config)  # warm-up
         for round_ in range(args.rounds):
-            for label in ("A", "B"):
+            for label in ("A", "B") if round_ % 2 == 0 else ("B", "A"):  # no order bias
                 readers = []
                 if label == "B":
                     readers = [

@@ -7,17 +7,23 @@ attributes) and on what the engine reports, never on a sleep.
 
 from __future__ import annotations
 
-import threading
-
 import httpx
 import pytest
+from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from pagedkv.engine import EngineConfig
 from pagedkv.server import ServerThread, create_app
 from tests.browser import console_errors, save_screenshot
-from tests.server.helpers import API_KEY, MODEL, EngineGate, prompts, scrape, wait_idle
+from tests.server.helpers import (
+    API_KEY,
+    EngineGate,
+    complete_in_background,
+    prompts,
+    scrape,
+    wait_idle,
+)
 
 OPTIONS = dict(num_kv_blocks=96, block_size=16, max_model_len=256, max_num_seqs=16)
 #: The page's picture of the pool: per cell its state, refcount and owners.
@@ -69,17 +75,6 @@ def next_frame(driver) -> None:
     wait_for(driver, lambda d: frames(d) > seen, "a new frame")
 
 
-def complete(base_url: str, **body) -> threading.Thread:
-    """POST a completion in the background (the gate decides when it runs)."""
-    thread = threading.Thread(
-        target=httpx.post,
-        args=(f"{base_url}/v1/completions",),
-        kwargs={"json": {"model": MODEL, **body}, "timeout": 120},
-    )
-    thread.start()
-    return thread
-
-
 def hold_after_first_token(gate: EngineGate, engine, request_count: int = 1) -> dict[str, set[int]]:
     """Let the engine run until ``request_count`` requests hold blocks, then hold it; return
     each request's physical blocks as the engine reports them."""
@@ -110,13 +105,22 @@ def test_a_requests_cells_appear_while_it_runs_and_return_when_it_ends(browser, 
     open_dashboard(browser, base_url)
     with EngineGate(engine) as gate:
         gate.close()
-        thread = complete(base_url, prompt=prompts(1, seed=3, words=20)[0], max_tokens=40, ignore_eos=True)
+        prompt = prompts(1, seed=3, words=20)[0]
+        thread = complete_in_background(base_url, prompt=prompt, max_tokens=40, ignore_eos=True)
         held = hold_after_first_token(gate, engine)
         ((request_id, blocks),) = held.items()
         wait_for(browser, lambda d: owned_by(d, request_id) == len(blocks), "the request's cells")
         shown = {i for i, (state, _, owners) in enumerate(cells(browser)) if request_id in owners.split()}
         assert shown == blocks
         assert {cells(browser)[i][0] for i in shown} == {"used"}
+        last = max(blocks, key=lambda b: engine.kv_snapshot().sequences[0].block_ids.index(b))
+        cell = browser.find_element(By.CSS_SELECTOR, f'#grid .cell[data-block="{last}"]')
+        ActionChains(browser).move_to_element(cell).perform()
+        tooltip = browser.find_element(By.ID, "tooltip")
+        seq = engine.kv_snapshot().sequences[0]
+        logical = seq.block_ids.index(last)
+        assert tooltip.is_displayed() and request_id in tooltip.text
+        assert f"tokens {logical * 16}–{seq.num_tokens - 1}" in tooltip.text  # the last block
         browser.find_element(By.CSS_SELECTOR, f'#requests li[data-request="{request_id}"]').click()
         detail = browser.find_element(By.ID, "detail")
         assert detail.get_attribute("data-live") == "true"
@@ -136,7 +140,8 @@ def test_a_forked_request_shows_the_blocks_its_samples_share(browser, dashboard_
     with EngineGate(engine) as gate:
         gate.close()
         prompt = prompts(1, seed=4, words=30)[0]  # several full blocks, shared by the samples
-        thread = complete(base_url, prompt=prompt, max_tokens=30, n=3, temperature=1.0, ignore_eos=True)
+        body = dict(prompt=prompt, max_tokens=30, n=3, temperature=1.0, ignore_eos=True)
+        thread = complete_in_background(base_url, **body)
 
         def forked(_outputs) -> bool:
             return len(engine.kv_snapshot().sequences) == 3
@@ -183,7 +188,7 @@ def test_the_dashboard_under_load(browser, dashboard_server):
         gate.close()
         for k, prompt in enumerate(prompts(10, seed=5, words=8)):
             threads.append(
-                complete(
+                complete_in_background(
                     base_url, prompt=system + prompt, max_tokens=60 + 8 * k, n=1 + k % 3, ignore_eos=True
                 )
             )

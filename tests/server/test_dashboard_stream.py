@@ -15,7 +15,7 @@ import pytest
 
 from pagedkv.engine import EngineConfig
 from pagedkv.server import ServerThread, create_app
-from tests.server.helpers import MODEL, EngineGate, prompts, wait_idle, wait_until
+from tests.server.helpers import MODEL, EngineGate, complete_in_background, prompts, wait_idle, wait_until
 from tests.server.process import ServeProcess
 
 OPTIONS = dict(num_kv_blocks=64, block_size=16, max_model_len=256, max_num_seqs=8)
@@ -78,16 +78,6 @@ class Page:
             self._response.close()
 
 
-def complete(base_url: str, **body) -> threading.Thread:
-    thread = threading.Thread(
-        target=httpx.post,
-        args=(f"{base_url}/v1/completions",),
-        kwargs={"json": {"model": MODEL, **body}, "timeout": 120},
-    )
-    thread.start()
-    return thread
-
-
 def test_the_frames_rebuild_the_engines_block_map_at_most_ten_times_a_second(dashboard_server):
     engine = dashboard_server.app.state.engine.engine
     base_url = dashboard_server.base_url
@@ -97,7 +87,7 @@ def test_the_frames_rebuild_the_engines_block_map_at_most_ten_times_a_second(das
     with EngineGate(engine) as gate:
         gate.close()
         threads = [
-            complete(base_url, prompt=p, max_tokens=40, n=2, ignore_eos=True)
+            complete_in_background(base_url, prompt=p, max_tokens=40, n=2, ignore_eos=True)
             for p in prompts(3, seed=7, words=25)
         ]
         for _ in range(6):  # a few steps, each held until both pages show it exactly
@@ -131,7 +121,7 @@ def test_a_page_that_stops_reading_is_dropped_and_the_engine_goes_on(dashboard_s
         reading = Page(base_url)
         with EngineGate(engine) as gate:
             gate.close()  # the worker loops without stepping: the feed keeps publishing
-            thread = complete(base_url, prompt="stall", max_tokens=20, ignore_eos=True)
+            thread = complete_in_background(base_url, prompt="stall", max_tokens=20, ignore_eos=True)
             while stalled.ended is None:
                 await asyncio.sleep(0.01)
             assert stalled.ended.startswith("dropped") and not stalled.frames
