@@ -6,10 +6,11 @@
 Starts one ``pagedkv serve`` process and runs the same seeded workload against it in alternating
 rounds, A (no page) and B (``--pages`` readers of ``/dashboard/stream``, each its own process,
 as a browser would be), A first in odd rounds and B first in even ones, so both see the same
-machine load; prints each round's output tokens/s and the median B / A, and the share of the B rounds' time the engine worker spent publishing
-frames (the server's ``pagedkv:dashboard_publish_seconds_total``): the direct cost, which the
-throughput comparison measures only as well as the machine is quiet. A warm-up run goes first
-(the first requests pay one-off costs).
+machine load. Prints each round's output tokens/s and the medians, and the share of the B
+rounds' time the engine worker spent publishing frames (the server's
+``pagedkv:dashboard_publish_seconds_total``): the direct cost, which the throughput comparison
+measures only as well as the machine is quiet. A warm-up run goes first (the first requests pay
+one-off costs).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def main() -> int:
                 for reader in readers:
                     reader.kill()
                     reader.wait()
-                assert result.failed == 0, result.errors
+                if result.failed:
+                    print(f"round {round_ + 1} {label}: {result.failed} failed: {result.errors}", flush=True)
                 results[label].append(result.output_throughput)
                 share = f" (publishing: {100 * shares[-1]:.2f} % of the time)" if label == "B" else ""
                 print(f"round {round_ + 1} {label}: {result.output_throughput:.1f} tok/s{share}", flush=True)

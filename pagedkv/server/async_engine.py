@@ -241,8 +241,17 @@ class AsyncEngine:
                 self._step()
             else:
                 self._publish_stats()
-            for observer in self.observers:
+            self._notify_observers()
+
+    def _notify_observers(self) -> None:
+        """A failing observer is a bug in a view of the engine, not in serving: it is logged and
+        removed, and the requests go on."""
+        for observer in list(self.observers):
+            try:
                 observer.observe(self.engine)
+            except Exception:
+                logger.exception("engine observer %r failed; it is detached", observer)
+                self.observers.remove(observer)
 
     def _observers_due_in(self) -> float | None:
         """Seconds until the first observer wants to look again although nothing ran (None: never)."""

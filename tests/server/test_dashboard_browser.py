@@ -65,6 +65,14 @@ def cells(driver) -> list[list]:
     return driver.execute_script(CELLS_JS)
 
 
+def arrows(driver) -> list[list[str]]:
+    """The detail's logical -> physical arrows: (sample, physical block) each, read in one go."""
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#block-table line.arrow')]"
+        ".map(a => [a.dataset.sample, a.dataset.physical])"
+    )
+
+
 def owned_by(driver, request_id: str) -> int:
     return sum(request_id in owners.split() for _, _, owners in cells(driver))
 
@@ -124,8 +132,7 @@ def test_a_requests_cells_appear_while_it_runs_and_return_when_it_ends(browser, 
         browser.find_element(By.CSS_SELECTOR, f'#requests li[data-request="{request_id}"]').click()
         detail = browser.find_element(By.ID, "detail")
         assert detail.get_attribute("data-live") == "true"
-        arrows = browser.find_elements(By.CSS_SELECTOR, "#block-table line.arrow")
-        assert {int(a.get_attribute("data-physical")) for a in arrows} == blocks
+        assert {int(block) for _, block in arrows(browser)} == blocks
     thread.join(120)
     wait_idle(base_url)
     wait_for(browser, lambda d: owned_by(d, request_id) == 0, "the request's cells to return")
@@ -162,8 +169,7 @@ def test_a_forked_request_shows_the_blocks_its_samples_share(browser, dashboard_
         detail = browser.find_element(By.ID, "detail")
         wait_for(browser, lambda d: detail.get_attribute("data-request") == request_id, "the detail")
         assert int(detail.get_attribute("data-fork-shared")) == len(refcounts)
-        rows = {a.get_attribute("data-sample") for a in browser.find_elements(By.CSS_SELECTOR, "line.arrow")}
-        assert rows == {"0", "1", "2"}
+        assert {sample for sample, _ in arrows(browser)} == {"0", "1", "2"}
         # Copy-on-write splits the shared partly filled block on the next steps; the full
         # prompt blocks stay shared until the request ends.
         gate.open_until(lambda outputs: True)
@@ -220,13 +226,7 @@ def test_the_stream_reconnects_after_a_server_restart(browser):
         boot = boot_id(browser)
     wait_for(browser, lambda d: connection(d) == "connecting", "the page to notice the server left")
     with ServerThread(create_app(EngineConfig(**OPTIONS)), port=port):
-        wait_for(
-            browser,
-            lambda d: (
-                connection(d) == "live" and d.find_element(By.ID, "status").get_attribute("data-boot") != boot
-            ),
-            "the page to reconnect to the new server",
-        )
+        wait_for(browser, lambda d: connection(d) == "live" and boot_id(d) != boot, "the new server")
         assert len(cells(browser)) == OPTIONS["num_kv_blocks"]
     # While the server was away the page's fetches failed; nothing else may have gone wrong.
     assert all("/dashboard/stream" in error for error in console_errors(browser))

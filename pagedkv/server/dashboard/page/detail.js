@@ -13,6 +13,8 @@ function svgElement(name, attributes, text) {
 }
 
 const Detail = {
+  signature: null,
+
   render(element, requestId, seqs) {
     element.hidden = !requestId;
     if (!requestId) return;
@@ -23,6 +25,10 @@ const Detail = {
       element.querySelector("h2").textContent = requestId;
       return;
     }
+    // Redrawn only when the request changed: clicks and hovers stay on the same elements.
+    const signature = JSON.stringify([requestId, seqs, seqs.map((s) => s.b.map((b) => Model.refcount(b)))]);
+    if (signature === this.signature && element.dataset.live === "true") return;
+    this.signature = signature;
     element.dataset.live = "true";
     const size = Model.config.blockSize;
     const physical = [...new Set(seqs.flatMap((s) => s.b))].sort((a, b) => a - b);
