@@ -26,24 +26,34 @@ _CHUNK = 256
 
 @dataclass(frozen=True)
 class View:
-    """The engine at one moment: block codes, live sequences by key, counters."""
+    """The engine at one moment: the blocks' refcounts and cached set as the snapshot has them
+    (compared in C when diffing), live sequences by key, counters."""
 
-    blocks: list[int]
+    refcounts: tuple[int, ...]
+    cached: frozenset[int]
     seqs: dict[str, tuple]
     stats: dict[str, float | int]
+
+    def code(self, block: int) -> int:
+        return self.refcounts[block] * 2 + (block in self.cached)
+
+    @property
+    def blocks(self) -> list[int]:
+        """Every block's code (a full frame's; built only for one)."""
+        codes = [refcount * 2 for refcount in self.refcounts]
+        for block in self.cached:
+            codes[block] += 1
+        return codes
 
 
 def take_view(engine: LLMEngine) -> View:
     """Read the engine (worker thread only): every block, every live block table, the counters."""
     snapshot = engine.kv_snapshot()
-    blocks = [refcount * 2 for refcount in snapshot.refcounts]
-    for block in snapshot.cached:
-        blocks[block] += 1
     seqs = {
         f"{s.request_id}#{s.index}": (
             s.request_id,
             s.index,
-            list(s.block_ids),
+            s.block_ids,
             s.num_tokens,
             s.prompt_tokens,
             s.cached_tokens,
@@ -66,7 +76,7 @@ def take_view(engine: LLMEngine) -> View:
         "prefixHits": stats.prefix_cache_hits,
         "stepTime": round(last.step_time_s, 5) if last is not None else 0.0,
     }
-    return View(blocks, seqs, counters)
+    return View(snapshot.refcounts, snapshot.cached, seqs, counters)
 
 
 def full_frame(view: View, config: dict[str, Any]) -> dict[str, Any]:
@@ -83,22 +93,20 @@ def full_frame(view: View, config: dict[str, Any]) -> dict[str, Any]:
 def diff_frame(before: View, after: View) -> dict[str, Any]:
     """What changed from ``before`` to ``after``: blocks as a flat ``[id, code, ...]`` list, new
     sequences in full, changed ones with only their changed fields, ended ones by key."""
-    blocks: list[int] = []
     # A step changes a few blocks of thousands: compare slices (in C), walk only those that differ.
-    for start in range(0, len(after.blocks), _CHUNK):
-        old, new = before.blocks[start : start + _CHUNK], after.blocks[start : start + _CHUNK]
+    changed = set(before.cached ^ after.cached)
+    for start in range(0, len(after.refcounts), _CHUNK):
+        old, new = before.refcounts[start : start + _CHUNK], after.refcounts[start : start + _CHUNK]
         if old != new:
-            for block, (was, now) in enumerate(zip(old, new, strict=True), start):
-                if was != now:
-                    blocks += (block, now)
+            changed.update(start + k for k, (was, now) in enumerate(zip(old, new, strict=True)) if was != now)
+    blocks = [number for block in sorted(changed) for number in (block, after.code(block))]
     seqs: dict[str, dict[str, Any]] = {}
     for key, seq in after.seqs.items():
         old = before.seqs.get(key)
         if old is None:
             seqs[key] = dict(zip(_SEQ_FIELDS, seq, strict=True))
-        elif old != seq:
-            fields = zip(_SEQ_FIELDS, old, seq, strict=True)
-            seqs[key] = {name: new for name, was, new in fields if was != new}
+        elif old != seq:  # only the table, the tokens and the cache hits change
+            seqs[key] = {name: seq[k] for k, name in ((2, "b"), (3, "n"), (5, "c")) if old[k] != seq[k]}
     gone = [key for key in before.seqs if key not in after.seqs]
     return {"kind": "diff", "blocks": blocks, "seqs": seqs, "gone": gone, "stats": after.stats}
 
