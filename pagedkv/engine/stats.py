@@ -17,6 +17,7 @@ they are built from the scheduler's and the KV manager's counters by
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from pagedkv.memory import KVUsage
@@ -137,13 +138,33 @@ class SequenceBlocks:
     index: int
     block_ids: tuple[int, ...]
     num_tokens: int
+    #: The request's prompt length and the prompt tokens the prefix cache served it.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
 class KVSnapshot:
+    """The pool as two flat records -- every block's refcount, the blocks the prefix cache holds
+    -- and the live block tables; :attr:`blocks` joins them per block on first use (an object
+    per block is the costly part, and a frequent reader such as the dashboard needs none)."""
+
     block_size: int
-    blocks: list[BlockInfo]
+    refcounts: tuple[int, ...]
+    cached: frozenset[int]
     sequences: list[SequenceBlocks]
+
+    @cached_property
+    def blocks(self) -> list[BlockInfo]:
+        owners: list[list[str]] = [[] for _ in self.refcounts]
+        for seq in self.sequences:
+            for block in seq.block_ids:
+                if seq.request_id not in owners[block]:
+                    owners[block].append(seq.request_id)
+        return [
+            BlockInfo(block, refcount, block in self.cached, tuple(owners[block]))
+            for block, refcount in enumerate(self.refcounts)
+        ]
 
 
 #: The counts of a step that :class:`EngineStats` sums over every step.
@@ -214,17 +235,17 @@ class StatsCollector:
     def kv_snapshot(self) -> KVSnapshot:
         pool = self.scheduler.kv_manager.snapshot()
         live: list[Sequence] = [s for s in self.scheduler.running if s.seq_id in pool.tables]
-        owners: list[list[str]] = [[] for _ in pool.refcounts]
         sequences = []
         for seq in live:
-            table = pool.tables[seq.seq_id]
-            request_id = seq.request.request_id
-            for block in table.block_ids:
-                if request_id not in owners[block]:
-                    owners[block].append(request_id)
-            sequences.append(SequenceBlocks(request_id, seq.index, table.block_ids, table.num_tokens))
-        blocks = [
-            BlockInfo(block, refcount, block in pool.cached, tuple(owners[block]))
-            for block, refcount in enumerate(pool.refcounts)
-        ]
-        return KVSnapshot(pool.block_size, blocks, sequences)
+            table, request = pool.tables[seq.seq_id], seq.request
+            sequences.append(
+                SequenceBlocks(
+                    request.request_id,
+                    seq.index,
+                    table.block_ids,
+                    table.num_tokens,
+                    len(request.prompt_token_ids),
+                    request.num_cached_tokens,
+                )
+            )
+        return KVSnapshot(pool.block_size, pool.refcounts, pool.cached, sequences)

@@ -79,6 +79,10 @@ class BlockPool:
     def refcount(self, block_id: int) -> int:
         return self._refcount[block_id]
 
+    def refcounts(self) -> tuple[int, ...]:
+        """Every block's refcount, by block id (one copy, for snapshots)."""
+        return tuple(self._refcount)
+
     def free_block_ids(self) -> list[int]:
         """Plain free blocks (for invariant checks and plots; O(free))."""
         return list(self._free)

@@ -220,7 +220,7 @@ class KVCacheManager:
     def snapshot(self) -> PoolSnapshot:
         tables = {seq: TableSnapshot(tuple(t.block_ids), t.num_tokens) for seq, t in self._tables.items()}
         pool = self.pool
-        refcounts = tuple(pool.refcount(block) for block in range(pool.num_blocks))
+        refcounts = pool.refcounts()
         return PoolSnapshot(self.block_size, refcounts, frozenset(pool.prefix_cache.blocks()), tables)
 
     def num_table_blocks(self) -> int:

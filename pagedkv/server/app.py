@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from pagedkv import __version__
 from pagedkv.engine import EngineConfig, LLMEngine
 from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.dashboard import install_dashboard
 from pagedkv.server.errors import APIError, ClientGoneError
 from pagedkv.server.kv_events import KVEventsConfig, ZmqKVEventPublisher
 from pagedkv.server.metrics import ServerMetrics
@@ -179,6 +180,7 @@ def create_app(
     app.state.context = ctx
     app.state.metrics = metrics
     app.state.kv_event_publisher = publisher
+    install_dashboard(app, async_engine, metrics, model_name, requires_key=api_key is not None)
     _install_error_handlers(app)
     install_openapi(app)
     generation_errors = error_responses(400, 401, 413, 500, 503)

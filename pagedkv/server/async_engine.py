@@ -22,12 +22,26 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pagedkv.engine import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
 from pagedkv.server.errors import QueueFullError
 from pagedkv.server.metrics import ServerMetrics
 
 logger = logging.getLogger("pagedkv.server")
+
+
+class EngineObserver(Protocol):
+    """Reads the engine on the worker thread, the only thread that may (the live dashboard).
+
+    ``observe`` runs after every loop of the worker -- a step, or commands while idle -- so it
+    must return quickly; ``due_in`` says how many seconds until it wants to observe even if
+    nothing runs (None: only when something does), so an idle worker still wakes for it.
+    """
+
+    def observe(self, engine: LLMEngine) -> None: ...
+
+    def due_in(self) -> float | None: ...
 
 
 class Aborted(Exception):
@@ -118,6 +132,8 @@ class AsyncEngine:
         #: Set (to the reason) once the worker has stopped; later requests fail at once.
         self._closed: str | None = None
         self._live: dict[str, _Live] = {}
+        #: Called by the worker with the engine after every loop (see :class:`EngineObserver`).
+        self.observers: list[EngineObserver] = []
         self._peak_utilization = 0.0
         self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
@@ -165,6 +181,11 @@ class AsyncEngine:
             self._wakeup.notify()
         self._thread.join(timeout)
 
+    def wake(self) -> None:
+        """Have the worker ask its observers again (one has something to send, e.g. a new page)."""
+        with self._wakeup:
+            self._wakeup.notify()
+
     def _send(self, command: _Add | _Abort) -> None:
         with self._wakeup:
             if self._closed is not None:
@@ -202,7 +223,10 @@ class AsyncEngine:
         while True:
             with self._wakeup:
                 while not (self._commands or self._stopping or self.engine.has_unfinished_requests()):
-                    self._wakeup.wait()
+                    due_in = self._observers_due_in()
+                    if due_in is not None and due_in <= 0:
+                        break  # idle, but an observer wants the engine's state now
+                    self._wakeup.wait(due_in)
                 if self._stopping:
                     return
                 commands = list(self._commands)
@@ -217,6 +241,22 @@ class AsyncEngine:
                 self._step()
             else:
                 self._publish_stats()
+            self._notify_observers()
+
+    def _notify_observers(self) -> None:
+        """A failing observer is a bug in a view of the engine, not in serving: it is logged and
+        removed, and the requests go on."""
+        for observer in list(self.observers):
+            try:
+                observer.observe(self.engine)
+            except Exception:
+                logger.exception("engine observer %r failed; it is detached", observer)
+                self.observers.remove(observer)
+
+    def _observers_due_in(self) -> float | None:
+        """Seconds until the first observer wants to look again although nothing ran (None: never)."""
+        delays = [d for d in (o.due_in() for o in self.observers) if d is not None]
+        return min(delays, default=None)
 
     def _add(self, command: _Add) -> None:
         """Admit every prompt of the command, or none (a refused one withdraws the others)."""

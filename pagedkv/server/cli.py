@@ -9,6 +9,7 @@ exit status. Heavy imports (FastAPI, uvicorn, torch) happen only when the comman
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -118,6 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from pagedkv.server.app import create_app
     from pagedkv.server.kv_events import KVEventsConfig
+    from pagedkv.server.runner import Server
 
     if args.api_key is not None and not args.api_key.strip():
         args.parser.error("--api-key must not be empty")
@@ -148,8 +150,11 @@ def run_serve(args: argparse.Namespace) -> int:
     name = app.state.context.model_name
     auth = "API key required" if args.api_key else "no API key"
     print(
-        f"serving {name!r} at http://{args.host}:{args.port}/v1 ({auth}); metrics at /metrics",
+        f"serving {name!r} at http://{args.host}:{args.port}/v1 ({auth}); metrics at /metrics, "
+        f"the live KV block map at http://{args.host}:{args.port}/dashboard",
         file=sys.stderr,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
+        server.run()
+    return 0 if server.started else 1

@@ -13,9 +13,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.server.errors import APIError
 
+#: Paths under these need the key: the API and the dashboard's data (its page holds none).
+PROTECTED_PREFIXES = ("/v1", "/dashboard/stream")
+
 
 class APIKeyMiddleware:
-    """Every ``/v1`` route requires ``Authorization: Bearer <key>``; others (health, metrics) not.
+    """Every ``/v1`` route and the dashboard's stream require ``Authorization: Bearer <key>``;
+    others (health, metrics, the dashboard's static page) not.
 
     The comparison is constant-time (``hmac.compare_digest``) so response timing does not leak
     how much of a guessed key was right. A request with several ``Authorization`` headers is
@@ -27,7 +31,7 @@ class APIKeyMiddleware:
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
             headers = [value for name, value in scope["headers"] if name.lower() == b"authorization"]
             if len(headers) > 1:
                 message = f"the request has {len(headers)} Authorization headers; send exactly one"

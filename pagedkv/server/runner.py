@@ -14,6 +14,21 @@ import uvicorn
 from fastapi import FastAPI
 
 
+class Server(uvicorn.Server):
+    """uvicorn's server, ending the dashboard's streams when it shuts down.
+
+    On Ctrl-C uvicorn waits for every open response to finish before it stops the app, and a
+    dashboard's event stream never finishes by itself: without this an open page would keep
+    the server from exiting.
+    """
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        dashboard = getattr(getattr(self.config.app, "state", None), "dashboard", None)
+        if dashboard is not None:
+            dashboard.close()
+        await super().shutdown(sockets)
+
+
 class ServerThread:
     """``with ServerThread(app) as server: httpx.get(server.base_url + "/health")``."""
 
@@ -26,7 +41,7 @@ class ServerThread:
         self._socket.bind((host, port))
         self.host, self.port = self._socket.getsockname()[:2]
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        self.server = Server(config)
         self._thread = threading.Thread(target=self._serve, name="pagedkv-uvicorn", daemon=True)
 
     @property

@@ -27,6 +27,18 @@ def prompts(count: int, seed: int, words: int = 6) -> list[str]:
     ]
 
 
+def complete_in_background(base_url: str, **body) -> threading.Thread:
+    """POST a completion (``body`` plus the model) from a thread; an ``EngineGate`` decides when
+    it runs. Join the thread to wait for its answer."""
+    thread = threading.Thread(
+        target=httpx.post,
+        args=(f"{base_url}/v1/completions",),
+        kwargs={"json": {"model": MODEL, **body}, "timeout": 120},
+    )
+    thread.start()
+    return thread
+
+
 def scrape(base_url: str) -> dict[str, float]:
     """Every /metrics sample, by name and labels, e.g. ``vllm:num_requests_running``."""
     text = httpx.get(f"{base_url}/metrics", timeout=10).text

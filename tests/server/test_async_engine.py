@@ -136,3 +136,34 @@ def test_one_invalid_prompt_refuses_the_whole_request(worker, engine):
 
     assert asyncio.run(run()) == "prompt"
     assert not engine.requests and engine.kv_manager.num_seqs == 0
+
+
+class _BrokenObserver:
+    """An observer with a bug: every call raises."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def observe(self, engine: LLMEngine) -> None:
+        self.calls += 1
+        raise RuntimeError("a bug in a view of the engine")
+
+    def due_in(self) -> float | None:
+        return None
+
+
+def test_a_failing_observer_is_detached_and_requests_go_on(worker, engine):
+    broken = _BrokenObserver()
+    worker.observers.append(broken)
+
+    async def run() -> RequestOutput:
+        stream = Stream()
+        await worker.add(["o"], [engine.tokenizer.encode("hi")], SamplingParams(max_tokens=5), stream)
+        while True:
+            _, output = await stream.get()
+            assert isinstance(output, RequestOutput)
+            if output.finished:
+                return output
+
+    assert asyncio.run(run()).outputs[0].finish_reason in ("stop", "length")
+    assert broken.calls == 1 and broken not in worker.observers and worker.is_alive

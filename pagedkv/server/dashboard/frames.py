@@ -1,0 +1,116 @@
+"""The dashboard's view of the engine as plain data, and the compact diffs between two views.
+
+One :class:`View` is taken on the engine's worker thread (the only thread that may read the
+engine) from ``kv_snapshot()`` and ``stats()``; everything else -- the diff against the previous
+view, the JSON -- works on these copies. A block travels as one integer, ``refcount * 2 +
+cached``; who owns it and which tokens it holds the page derives from the block tables, which
+travel per sequence and only when they changed. A frame is therefore a few hundred bytes while
+requests decode (a token count per sequence) and grows only when blocks move.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pagedkv.engine import LLMEngine
+
+#: A sequence's fields as the page reads them: request id, sample/beam index, block table,
+#: tokens, prompt tokens, prompt tokens served by the prefix cache.
+_SEQ_FIELDS = ("r", "i", "b", "n", "p", "c")
+#: Blocks compared as one slice when diffing.
+_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class View:
+    """The engine at one moment: the blocks' refcounts and cached set as the snapshot has them
+    (compared in C when diffing), live sequences by key, counters."""
+
+    refcounts: tuple[int, ...]
+    cached: frozenset[int]
+    seqs: dict[str, tuple]
+    stats: dict[str, float | int]
+
+    def code(self, block: int) -> int:
+        return self.refcounts[block] * 2 + (block in self.cached)
+
+    @property
+    def blocks(self) -> list[int]:
+        """Every block's code (a full frame's; built only for one)."""
+        codes = [refcount * 2 for refcount in self.refcounts]
+        for block in self.cached:
+            codes[block] += 1
+        return codes
+
+
+def take_view(engine: LLMEngine) -> View:
+    """Read the engine (worker thread only): every block, every live block table, the counters."""
+    snapshot = engine.kv_snapshot()
+    seqs = {
+        f"{s.request_id}#{s.index}": (
+            s.request_id,
+            s.index,
+            s.block_ids,
+            s.num_tokens,
+            s.prompt_tokens,
+            s.cached_tokens,
+        )
+        for s in snapshot.sequences
+    }
+    stats = engine.stats()
+    last = engine.last_step
+    counters = {
+        "t": round(time.time(), 3),
+        "step": stats.steps,
+        "running": stats.running,
+        "waiting": stats.waiting,
+        "used": stats.kv.used_blocks,
+        "cached": stats.kv.cached_blocks,
+        "cachedFree": stats.kv.cached_free_blocks,
+        "preemptions": stats.preemptions,
+        "generated": stats.generated_tokens,
+        "prefixQueries": stats.prefix_cache_queries,
+        "prefixHits": stats.prefix_cache_hits,
+        "stepTime": round(last.step_time_s, 5) if last is not None else 0.0,
+    }
+    return View(snapshot.refcounts, snapshot.cached, seqs, counters)
+
+
+def full_frame(view: View, config: dict[str, Any]) -> dict[str, Any]:
+    """Everything a page that just connected needs."""
+    return {
+        "kind": "full",
+        "config": config,
+        "blocks": view.blocks,
+        "seqs": {key: dict(zip(_SEQ_FIELDS, seq, strict=True)) for key, seq in view.seqs.items()},
+        "stats": view.stats,
+    }
+
+
+def diff_frame(before: View, after: View) -> dict[str, Any]:
+    """What changed from ``before`` to ``after``: blocks as a flat ``[id, code, ...]`` list, new
+    sequences in full, changed ones with only their changed fields, ended ones by key."""
+    # A step changes a few blocks of thousands: compare slices (in C), walk only those that differ.
+    changed = set(before.cached ^ after.cached)
+    for start in range(0, len(after.refcounts), _CHUNK):
+        old, new = before.refcounts[start : start + _CHUNK], after.refcounts[start : start + _CHUNK]
+        if old != new:
+            changed.update(start + k for k, (was, now) in enumerate(zip(old, new, strict=True)) if was != now)
+    blocks = [number for block in sorted(changed) for number in (block, after.code(block))]
+    seqs: dict[str, dict[str, Any]] = {}
+    for key, seq in after.seqs.items():
+        old = before.seqs.get(key)
+        if old is None:
+            seqs[key] = dict(zip(_SEQ_FIELDS, seq, strict=True))
+        elif old != seq:  # only the table, the tokens and the cache hits change
+            seqs[key] = {name: seq[k] for k, name in ((2, "b"), (3, "n"), (5, "c")) if old[k] != seq[k]}
+    gone = [key for key in before.seqs if key not in after.seqs]
+    return {"kind": "diff", "blocks": blocks, "seqs": seqs, "gone": gone, "stats": after.stats}
+
+
+def encode(frame: dict[str, Any]) -> str:
+    """One server-sent event carrying ``frame`` as compact JSON."""
+    return f"data: {json.dumps(frame, separators=(',', ':'))}\n\n"

@@ -1,0 +1,71 @@
+"use strict";
+/* model.js: the engine's state as the stream describes it. A block is one integer,
+   refcount * 2 + cached; a sequence is {r: request id, i: sample/beam index, b: block table,
+   n: tokens, p: prompt tokens, c: prompt tokens served by the prefix cache}. A full frame replaces
+   everything, a diff patches blocks and sequences (see pagedkv/server/dashboard/frames.py). */
+
+const Model = {
+  config: null,
+  blocks: [],
+  seqs: new Map(),
+  stats: null,
+  frames: 0,
+
+  apply(frame) {
+    if (frame.kind === "full") {
+      this.config = frame.config;
+      this.blocks = frame.blocks.slice();
+      this.seqs = new Map(Object.entries(frame.seqs));
+    } else {
+      const changed = frame.blocks;
+      for (let k = 0; k < changed.length; k += 2) this.blocks[changed[k]] = changed[k + 1];
+      for (const [key, fields] of Object.entries(frame.seqs)) {
+        const seq = this.seqs.get(key);
+        this.seqs.set(key, seq ? Object.assign(seq, fields) : fields);
+      }
+      for (const key of frame.gone) this.seqs.delete(key);
+    }
+    this.stats = frame.stats;
+    this.frames += 1;
+  },
+
+  refcount(block) { return this.blocks[block] >> 1; },
+  isCached(block) { return (this.blocks[block] & 1) === 1; },
+
+  /* Per physical block, the {seq, logical} entries of the tables that point at it. */
+  holders() {
+    const holders = new Array(this.blocks.length);
+    for (const seq of this.seqs.values()) {
+      seq.b.forEach((block, logical) => { (holders[block] ||= []).push({ seq, logical }); });
+    }
+    return holders;
+  },
+
+  /* Request id -> its live sequences, by index. */
+  requests() {
+    const requests = new Map();
+    for (const seq of this.seqs.values()) {
+      if (!requests.has(seq.r)) requests.set(seq.r, []);
+      requests.get(seq.r).push(seq);
+    }
+    for (const seqs of requests.values()) seqs.sort((a, b) => a.i - b.i);
+    return requests;
+  },
+
+  /* The tokens logical block `logical` of `seq` holds, as [first, last] (inclusive). */
+  tokenRange(seq, logical) {
+    const size = this.config.blockSize;
+    return [logical * size, Math.min((logical + 1) * size, seq.n) - 1];
+  },
+};
+
+/* A stable colour per request id (a hash to a hue). */
+function colourOf(requestId) {
+  let hash = 2166136261;
+  for (let k = 0; k < requestId.length; k++) hash = Math.imul(hash ^ requestId.charCodeAt(k), 16777619);
+  return `hsl(${(hash >>> 0) % 360} 62% 52%)`;
+}
+
+function shortId(requestId) {
+  return requestId.length > 18 ? requestId.slice(0, 9) + "…" + requestId.slice(-6) : requestId;
+}
