@@ -272,11 +272,13 @@ def _run_replica() -> None:
     import uvicorn
 
     from pagedkv.server.app import create_app
+    from pagedkv.server.runner import Server
 
     spec: ReplicaSpec = pickle.load(sys.stdin.buffer)
     kv_events = KVEventsConfig(enable_kv_cache_events=True, endpoint=spec.kv_events_endpoint)
     app = create_app(spec.engine, kv_events=kv_events, **spec.app_options)
-    uvicorn.run(app, host="127.0.0.1", port=spec.port, log_level=spec.log_level)
+    # Server, not uvicorn.run: an open dashboard stream must not keep the replica from stopping
+    Server(uvicorn.Config(app, host="127.0.0.1", port=spec.port, log_level=spec.log_level)).run()
 
 
 if __name__ == "__main__":
