@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import contextlib
 import pickle
 import signal
 import socket
@@ -278,7 +279,9 @@ def _run_replica() -> None:
     kv_events = KVEventsConfig(enable_kv_cache_events=True, endpoint=spec.kv_events_endpoint)
     app = create_app(spec.engine, kv_events=kv_events, **spec.app_options)
     # Server, not uvicorn.run: an open dashboard stream must not keep the replica from stopping
-    Server(uvicorn.Config(app, host="127.0.0.1", port=spec.port, log_level=spec.log_level)).run()
+    server = Server(uvicorn.Config(app, host="127.0.0.1", port=spec.port, log_level=spec.log_level))
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
+        server.run()
 
 
 if __name__ == "__main__":
