@@ -15,9 +15,9 @@ settings as a pickled :class:`ReplicaSpec` on stdin (``python -m pagedkv.server.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
-import contextlib
 import pickle
 import signal
 import socket
