@@ -213,7 +213,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     stats = llm.kv_stats()
     hits, queries = stats["prefix_cache_hits_tokens"], stats["prefix_cache_queries_tokens"]
     console.print(
-        f"KV: {stats['blocks_total']} blocks of {stats['block_size']} tokens, "
+        f"KV: {stats['blocks_total']} blocks of {stats['block_size']} tokens "
+        f"({stats['kv_cache_dtype']}, {stats['bytes_per_token']} bytes per token), "
         f"prefix-cache hits {hits}/{queries} tokens, preemptions {stats['preemptions']}"
     )
     return 0

@@ -15,6 +15,9 @@ from torch import Tensor
 from pagedkv.attention.kv_cache import LayerKV
 from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
 
+#: quantized (fp8/int8) blocks are not read by the Triton kernel yet: the engine refuses them
+#: up front (see ``check_backend_reads``), and :func:`prefill` refuses a quantized layer
+KV_CACHE_DTYPES = ("auto",)
 #: a split covers at least this many positions (a multiple of every BLOCK_N below)
 MIN_SPLIT_LEN = 512
 
@@ -38,6 +41,8 @@ def num_splits(q: torch.Tensor, programs: int, longest: int, interpret: bool) ->
 
 
 def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: AttentionOptions) -> Tensor:
+    if layer.quantized:
+        raise ValueError("the triton attention backend cannot read quantized KV blocks; use 'torch' or 'cpu'")
     try:
         from pagedkv.attention.backends import triton_kernels
     except ImportError as exc:  # pragma: no cover - triton is a declared test dependency
