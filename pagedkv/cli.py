@@ -29,6 +29,7 @@ from pagedkv.cli_args import (
     engine_config,
     show_report,
 )
+from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES
 from pagedkv.server.cli import add_serve_parser
 from pagedkv.sim import WORKLOAD_NAMES, SimConfig, SimResult, simulate
 from pagedkv.sim.html_replay import write_replay
@@ -79,6 +80,13 @@ def _add_simulation_options(parser: argparse.ArgumentParser) -> None:
         type=byte_size,
         default="13GiB",
         help="memory taken by the weights; the rest holds the KV cache (default: 13GiB, a 7B model in fp16)",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPE_NAMES,
+        default="auto",
+        help="KV element type: auto (the model's fp16), fp8 or int8 (one byte plus a float32 scale per "
+        "token and KV head) (default: auto)",
     )
     group.add_argument(
         "--prefix-len",
