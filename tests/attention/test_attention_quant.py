@@ -17,7 +17,7 @@ from pagedkv.attention import (
     paged_prefill_attention,
     write_kv,
 )
-from pagedkv.attention.backends import torch_backend
+from pagedkv.attention.backends import BACKENDS, Backend, torch_backend
 from pagedkv.attention.quant import MIN_SCALE, QMAX, check_kv_cache_dtype, dequantize, quantize
 from pagedkv.memory.spec import KVSpec
 
@@ -101,17 +101,32 @@ def test_cpu_decode_equals_the_reference_on_quantized_blocks(kv_cache_dtype, blo
         torch.testing.assert_close(expected[b].float(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_cpu_prefill_equals_the_reference_on_quantized_blocks(kv_cache_dtype, block_size):
+def test_prefill_equals_the_reference_on_quantized_blocks(backend, kv_cache_dtype, block_size):
     lens = [5, 40, 19]
     case = make_case(lens, block_size, 1, 16, seed=5, kv_cache_dtype=kv_cache_dtype, device="cpu")
     q_lens = [5, 12, 1]  # a whole prompt, a chunk after a cached prefix, one decode row
     cu = torch.tensor([0, 5, 17, 18], dtype=torch.int32)
     q = torch.randn(sum(q_lens), 4, 16)
     args = (q, case.layer, case.block_tables, cu, case.context_lens, 0.3)
-    out = paged_prefill_attention(*args, backend="cpu")
+    out = paged_prefill_attention(*args, backend=backend)
     torch.testing.assert_close(out, paged_prefill_attention(*args, backend="torch"), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_triton_decode_equals_the_reference_on_quantized_blocks(kv_cache_dtype, block_size):
+    """Under Triton's CPU interpreter: GQA, ragged lengths, a window, a soft-cap, and a context
+    long enough to be split (flash-decoding) and merged."""
+    lens = [1, 9, 600]
+    case = make_case(lens, block_size, 2, 16, seed=9, kv_cache_dtype=kv_cache_dtype, device="cpu")
+    q = torch.randn(len(lens), 4, 16)
+    for window, soft_cap in ((None, None), (7, 4.0)):
+        out = _decode_all(case, q, "triton", window=window, soft_cap=soft_cap)
+        expected = _decode_all(case, q, "torch", window=window, soft_cap=soft_cap)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
@@ -151,12 +166,16 @@ def test_sizes_count_the_scales():
     assert KVCache.from_memory(spec, auto.nbytes, 16, torch.float32, kv_cache_dtype="int8").num_blocks == 30
 
 
-def test_bad_kv_cache_dtypes_are_refused_with_the_choices():
+def test_bad_kv_cache_dtypes_are_refused_with_the_choices(monkeypatch):
     with pytest.raises(ValueError, match=r"unknown kv_cache_dtype 'fp4'.*'auto', 'fp8', 'int8'"):
         check_backend_reads(None, "cpu", "fp4")
-    with pytest.raises(ValueError, match=r"'triton' attention backend cannot read kv_cache_dtype='int8'"):
-        check_backend_reads("triton", "cpu", "int8")
-    assert check_backend_reads("cpu", "cpu", "fp8").name == "cpu"
+    for name in ("torch", "cpu", "triton"):
+        assert check_backend_reads(name, "cpu", "fp8").name == name
+    # a backend that reads only unquantized blocks is named, with the ones that would do
+    reference = BACKENDS["torch"]
+    monkeypatch.setitem(BACKENDS, "plain", Backend("plain", reference.decode, reference.prefill, ("auto",)))
+    with pytest.raises(ValueError, match=r"'plain' attention backend cannot read kv_cache_dtype='int8'"):
+        check_backend_reads("plain", "cpu", "int8")
     spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=8)
     with pytest.raises(ValueError, match="unknown kv_cache_dtype"):
         KVCache(spec, 2, 4, torch.float32, kv_cache_dtype="float8")

@@ -13,6 +13,7 @@ import random
 import pytest
 
 from pagedkv import LLM, BeamSearchParams, SamplingParams
+from pagedkv.attention.backends import BACKENDS, Backend
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 
 QUANTIZED = ["fp8", "int8"]
@@ -97,8 +98,11 @@ def test_the_same_memory_holds_more_tokens(model_path):
     assert fp8["kv_cache_bytes"] <= 2**20 and auto["kv_cache_bytes"] <= 2**20
 
 
-def test_bad_kv_cache_dtypes_fail_before_loading(model_path):
+def test_bad_kv_cache_dtypes_fail_before_loading(model_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown kv_cache_dtype 'e5m2'"):
         LLM(str(model_path), kv_cache_dtype="e5m2")
-    with pytest.raises(ValueError, match="'triton' attention backend cannot read kv_cache_dtype='fp8'"):
-        LLM(str(model_path), kv_cache_dtype="fp8", attention_backend="triton")
+    # every shipped backend reads every dtype; one that reads only unquantized blocks is refused
+    reference = BACKENDS["torch"]
+    monkeypatch.setitem(BACKENDS, "plain", Backend("plain", reference.decode, reference.prefill, ("auto",)))
+    with pytest.raises(ValueError, match="'plain' attention backend cannot read kv_cache_dtype='fp8'"):
+        LLM(str(model_path), kv_cache_dtype="fp8", attention_backend="plain")

@@ -15,9 +15,8 @@ from torch import Tensor
 from pagedkv.attention.kv_cache import LayerKV
 from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
 
-#: quantized (fp8/int8) blocks are not read by the Triton kernel yet: the engine refuses them
-#: up front (see ``check_backend_reads``), and :func:`prefill` refuses a quantized layer
-KV_CACHE_DTYPES = ("auto",)
+#: blocks of every cache dtype: the kernel reads quantized ones in place
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 #: a split covers at least this many positions (a multiple of every BLOCK_N below)
 MIN_SPLIT_LEN = 512
 
@@ -41,8 +40,6 @@ def num_splits(q: torch.Tensor, programs: int, longest: int, interpret: bool) ->
 
 
 def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: AttentionOptions) -> Tensor:
-    if layer.quantized:
-        raise ValueError("the triton attention backend cannot read quantized KV blocks; use 'torch' or 'cpu'")
     try:
         from pagedkv.attention.backends import triton_kernels
     except ImportError as exc:  # pragma: no cover - triton is a declared test dependency
@@ -64,6 +61,12 @@ def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: Att
     key, value = layer.key, layer.value
     if key.stride() != value.stride() or key.stride(-1) != 1:
         raise ValueError("the triton backend needs key and value pools with the same contiguous layout")
+    fp8 = key.dtype == torch.float8_e4m3fn
+    key_scale, value_scale = (layer.key_scale, layer.value_scale) if layer.quantized else (key, value)
+    if layer.quantized and not key.is_contiguous():  # the kernel derives scale offsets from element ones
+        raise ValueError("the triton backend needs contiguous quantized pools")
+    if fp8:  # read as raw bytes: the kernel converts them itself, on any GPU and in the interpreter
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
     q = q.contiguous()
     m_tiles = _cdiv(max_query_len, block_m)
     splits, split_len = 1, 2**31 - 1
@@ -89,6 +92,8 @@ def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: Att
             q,
             key,
             value,
+            key_scale,
+            value_scale,
             out,
             maxima,
             sums,
@@ -119,6 +124,8 @@ def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: Att
             USE_SOFT_CAP=soft_cap is not None,
             DOT_FP32=q.dtype == torch.float32 or (interpret and q.dtype == torch.bfloat16),
             SPLIT=splits > 1,
+            QUANT=layer.quantized,
+            FP8=fp8,
         )
     if splits > 1:
         return triton_kernels.merge_splits(out, maxima, sums, q.dtype)
