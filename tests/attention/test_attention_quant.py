@@ -101,6 +101,18 @@ def test_cpu_decode_equals_the_reference_on_quantized_blocks(kv_cache_dtype, blo
         torch.testing.assert_close(expected[b].float(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(3, 3), (6, 2), (12, 2)])
+def test_cpu_decode_with_any_group_size(kv_cache_dtype, heads, kv_heads):
+    """The kernel scores up to four query heads per converted key: groups of 1, 3 and 6 heads
+    (a partial batch of four) give the reference's result too."""
+    case = make_case([5, 37], 16, kv_heads, 24, seed=13, kv_cache_dtype=kv_cache_dtype, device="cpu")
+    q = torch.randn(2, heads, 24)
+    torch.testing.assert_close(
+        _decode_all(case, q, "cpu"), _decode_all(case, q, "torch"), atol=1e-5, rtol=1e-5
+    )
+
+
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
 @pytest.mark.parametrize("block_size", [1, 16])
