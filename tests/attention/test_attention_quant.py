@@ -17,7 +17,7 @@ from pagedkv.attention import (
     paged_prefill_attention,
     write_kv,
 )
-from pagedkv.attention.backends import BACKENDS, Backend, torch_backend
+from pagedkv.attention.backends import BACKENDS, Backend, cpu, torch_backend
 from pagedkv.attention.quant import MIN_SCALE, QMAX, check_kv_cache_dtype, dequantize, quantize
 from pagedkv.memory.spec import KVSpec
 
@@ -139,6 +139,19 @@ def test_triton_decode_equals_the_reference_on_quantized_blocks(kv_cache_dtype, 
         out = _decode_all(case, q, "triton", window=window, soft_cap=soft_cap)
         expected = _decode_all(case, q, "torch", window=window, soft_cap=soft_cap)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_cpu_long_prompt_sdpa_path_dequantizes(kv_cache_dtype):
+    """Query runs longer than the native kernel takes go through gather + SDPA: the gather
+    dequantizes into the query's dtype."""
+    n = cpu.NATIVE_MAX_QUERY_LEN + 8
+    case = make_case([n], 16, 1, 8, seed=2, kv_cache_dtype=kv_cache_dtype, device="cpu")
+    q = torch.randn(n, 2, 8)
+    cu = torch.tensor([0, n], dtype=torch.int32)
+    args = (q, case.layer, case.block_tables, cu, case.context_lens, 0.3)
+    out = paged_prefill_attention(*args, backend="cpu")
+    torch.testing.assert_close(out, paged_prefill_attention(*args, backend="torch"), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
