@@ -21,7 +21,7 @@ from pagedkv.attention.backends import BACKENDS, Backend, cpu, torch_backend
 from pagedkv.attention.quant import MIN_SCALE, QMAX, check_kv_cache_dtype, dequantize, quantize
 from pagedkv.memory.spec import KVSpec
 
-from .cases import contiguous_attention, make_case
+from .cases import DEVICE, contiguous_attention, make_case
 
 QUANTIZED = ["fp8", "int8"]
 FINITE = st.floats(-1e4, 1e4, allow_nan=False, allow_subnormal=False, width=32)
@@ -118,10 +118,11 @@ def test_cpu_decode_with_any_group_size(kv_cache_dtype, heads, kv_heads):
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_prefill_equals_the_reference_on_quantized_blocks(backend, kv_cache_dtype, block_size):
     lens = [5, 40, 19]
-    case = make_case(lens, block_size, 1, 16, seed=5, kv_cache_dtype=kv_cache_dtype, device="cpu")
+    device = DEVICE if backend == "triton" else "cpu"  # benchmarks/gpu_check.sh: triton on the GPU
+    case = make_case(lens, block_size, 1, 16, seed=5, kv_cache_dtype=kv_cache_dtype, device=device)
     q_lens = [5, 12, 1]  # a whole prompt, a chunk after a cached prefix, one decode row
-    cu = torch.tensor([0, 5, 17, 18], dtype=torch.int32)
-    q = torch.randn(sum(q_lens), 4, 16)
+    cu = torch.tensor([0, 5, 17, 18], dtype=torch.int32, device=device)
+    q = torch.randn(sum(q_lens), 4, 16).to(device)
     args = (q, case.layer, case.block_tables, cu, case.context_lens, 0.3)
     out = paged_prefill_attention(*args, backend=backend)
     torch.testing.assert_close(out, paged_prefill_attention(*args, backend="torch"), atol=1e-5, rtol=1e-5)
@@ -130,11 +131,11 @@ def test_prefill_equals_the_reference_on_quantized_blocks(backend, kv_cache_dtyp
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_triton_decode_equals_the_reference_on_quantized_blocks(kv_cache_dtype, block_size):
-    """Under Triton's CPU interpreter: GQA, ragged lengths, a window, a soft-cap, and a context
-    long enough to be split (flash-decoding) and merged."""
+    """Under Triton's CPU interpreter (compiled on the GPU by ``benchmarks/gpu_check.sh``): GQA,
+    ragged lengths, a window, a soft-cap, and a context long enough to be split and merged."""
     lens = [1, 9, 600]
-    case = make_case(lens, block_size, 2, 16, seed=9, kv_cache_dtype=kv_cache_dtype, device="cpu")
-    q = torch.randn(len(lens), 4, 16)
+    case = make_case(lens, block_size, 2, 16, seed=9, kv_cache_dtype=kv_cache_dtype)  # on DEVICE
+    q = torch.randn(len(lens), 4, 16).to(DEVICE)
     for window, soft_cap in ((None, None), (7, 4.0)):
         out = _decode_all(case, q, "triton", window=window, soft_cap=soft_cap)
         expected = _decode_all(case, q, "torch", window=window, soft_cap=soft_cap)
