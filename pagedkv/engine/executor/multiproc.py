@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.attention import check_backend_reads
 from pagedkv.distributed import Rendezvous, groups, heartbeat
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.executor.base import Executor, ExecutorError
+from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory
 from pagedkv.engine.executor.plan import StepPlan
 from pagedkv.engine.executor.worker import RankSpec, build_runner, pool_blocks, run_rank
 from pagedkv.models import ModelConfig
@@ -87,6 +88,8 @@ def exit_cause(code: int) -> str:
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig) -> None:
+        # Before any process starts: an unknown KV dtype, or one the backend cannot read.
+        check_backend_reads(config.attention_backend, config.device, config.kv_cache_dtype)
         spec = rank_spec(config, model_path, model_config)
         if not spec.rendezvous.runs_engine:
             raise ValueError("this process is not rank 0: run the worker node (pagedkv.engine.executor.node)")
@@ -102,6 +105,8 @@ class MultiprocExecutor(Executor):
             self.groups = groups.join(spec.rendezvous, 0, config.device.split(":")[0])
             self.store = heartbeat.connect(spec.rendezvous)
             self.runner, self.tensor_parallel = build_runner(spec, 0, self.groups)
+            kv_cache = self.runner.kv_cache
+            self.kv_memory = KVMemory(config.kv_cache_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes)
             torch.distributed.barrier(group=self.groups.control)  # every rank has loaded
         except Exception as err:
             message = self._diagnose(err, "starting")

@@ -42,7 +42,7 @@ def pool_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     dtype = resolve_dtype(config.dtype, default=model_config.dtype)
-    per_block = KVCache.block_bytes(model_config.kv_spec(), config.block_size, dtype)
+    per_block = KVCache.block_bytes(model_config.kv_spec(), config.block_size, dtype, config.kv_cache_dtype)
     blocks = parse_bytes(config.kv_cache_memory) // per_block
     if blocks < 1:
         budget = config.kv_cache_memory
@@ -63,7 +63,14 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
     tp = TensorParallel(rank, spec.rendezvous.world_size, group.compute)
     model = load_model(spec.model_path, spec.config.dtype, device, spec.config.attention_backend, tp)
     dtype = next(model.parameters()).dtype
-    kv_cache = KVCache(model.config.kv_spec(), spec.num_kv_blocks, spec.config.block_size, dtype, device)
+    kv_cache = KVCache(
+        model.config.kv_spec(),
+        spec.num_kv_blocks,
+        spec.config.block_size,
+        dtype,
+        device,
+        spec.config.kv_cache_dtype,
+    )
     return ModelRunner(model, kv_cache), tp
 
 
