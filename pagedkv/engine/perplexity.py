@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -87,11 +88,9 @@ def sliding_windows(token_ids: Sequence[int], window: int, stride: int | None = 
 def window_logprobs(engine: LLMEngine, windows: Sequence[Window]) -> list[list[float]]:
     """The logprob of each scored token of each window, computed by ``engine`` as prompt logprobs.
 
-    The engine must be idle (this drives its steps); at most :data:`WINDOWS_PER_BATCH` windows
-    are in flight at once, batched by its scheduler like any requests.
+    The engine must be idle (:func:`run_to_completion`); at most :data:`WINDOWS_PER_BATCH`
+    windows are in flight at once, batched by its scheduler like any requests.
     """
-    if engine.has_unfinished_requests():
-        raise RuntimeError("perplexity drives the engine's steps: it needs an engine with no requests")
     longest = engine.max_model_len - 1  # each window is a prompt that generates one token
     too_long = [len(w.token_ids) for w in windows if len(w.token_ids) > longest]
     if too_long:
@@ -103,16 +102,29 @@ def window_logprobs(engine: LLMEngine, windows: Sequence[Window]) -> list[list[f
     scored: list[list[float]] = []
     for first in range(0, len(windows), WINDOWS_PER_BATCH):
         batch = windows[first : first + WINDOWS_PER_BATCH]
-        ids = [f"perplexity-{first + i}" for i in range(len(batch))]
-        for request_id, window in zip(ids, batch, strict=True):
-            engine.add_request(request_id, window.token_ids, params)
-        finished = {}
-        while engine.has_unfinished_requests():
-            finished.update((out.request_id, out) for out in engine.step() if out.finished)
-        for request_id, window in zip(ids, batch, strict=True):
-            entries = finished[request_id].prompt_logprobs[window.scored_from :]
-            scored.append([entry.logprob for entry in entries])
+        outputs = run_to_completion(engine, [w.token_ids for w in batch], params)
+        for out, window in zip(outputs, batch, strict=True):
+            scored.append([entry.logprob for entry in out.prompt_logprobs[window.scored_from :]])
     return scored
+
+
+def run_to_completion(
+    engine: LLMEngine, prompts: Sequence[Sequence[int]], params: SamplingParams
+) -> list[RequestOutput]:
+    """Run ``prompts`` through an idle ``engine`` to the end; their final outputs, in order.
+
+    It drives the engine's steps itself, so another caller's requests would be stepped too and
+    their outputs lost: an engine with requests is refused.
+    """
+    if engine.has_unfinished_requests():
+        raise RuntimeError("this drives the engine's steps: it needs an engine with no requests")
+    ids = [f"run-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, list(prompt), params)
+    finished: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+    return [finished[request_id] for request_id in ids]
 
 
 def perplexity(

@@ -66,7 +66,7 @@ def test_a_window_longer_than_the_context_or_a_busy_engine_is_refused(documents)
     with pytest.raises(ValueError, match="does not fit: the engine's max_model_len 96"):
         perplexity(llm.engine, documents, WINDOW)
     llm.engine.add_request("busy", [5, 6, 7])
-    with pytest.raises(RuntimeError, match="no requests"):
+    with pytest.raises(RuntimeError, match="an engine with no requests"):
         perplexity(llm.engine, documents, 32)
     with pytest.raises(ValueError, match="stride must be"):
         sliding_windows([1, 2, 3], 4, 5)
