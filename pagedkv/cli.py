@@ -30,6 +30,7 @@ from pagedkv.cli_args import (
     engine_config,
     show_report,
 )
+from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES
 from pagedkv.server.cli import add_serve_parser
 from pagedkv.sim import WORKLOAD_NAMES, SimConfig, SimResult, simulate
 from pagedkv.sim.html_replay import write_replay
@@ -80,6 +81,13 @@ def _add_simulation_options(parser: argparse.ArgumentParser) -> None:
         type=byte_size,
         default="13GiB",
         help="memory taken by the weights; the rest holds the KV cache (default: 13GiB, a 7B model in fp16)",
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPE_NAMES,
+        default="auto",
+        help="KV element type: auto (the model's fp16), fp8 or int8 (one byte plus a float32 scale per "
+        "token and KV head) (default: auto)",
     )
     group.add_argument(
         "--prefix-len",
@@ -214,7 +222,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     stats = llm.kv_stats()
     hits, queries = stats["prefix_cache_hits_tokens"], stats["prefix_cache_queries_tokens"]
     console.print(
-        f"KV: {stats['blocks_total']} blocks of {stats['block_size']} tokens, "
+        f"KV: {stats['blocks_total']} blocks of {stats['block_size']} tokens "
+        f"({stats['kv_cache_dtype']}, {stats['bytes_per_token']} bytes per token), "
         f"prefix-cache hits {hits}/{queries} tokens, preemptions {stats['preemptions']}"
     )
     return 0

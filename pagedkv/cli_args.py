@@ -29,7 +29,7 @@ from rich.console import Console
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.kv_policy import POLICY_NAMES
 from pagedkv.engine.validation import RequestLimits
-from pagedkv.memory.spec import parse_bytes
+from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES, parse_bytes
 
 #: Where plots and reports go unless ``--out`` says otherwise (``pagedkv demo`` writes there too).
 DEFAULT_OUT = "pagedkv-report"
@@ -197,6 +197,12 @@ ENGINE_OPTIONS = (
     EngineOption("max_num_batched_tokens", f"most tokens per step {DEFAULT}", positive_int),
     EngineOption(
         "enable_prefix_caching", "turn prefix caching off", flag="--no-prefix-caching", action="store_false"
+    ),
+    EngineOption(
+        "kv_cache_dtype",
+        f"KV element type: auto (the model's dtype), fp8 (e4m3) or int8, with a float32 scale per token "
+        f"and KV head {DEFAULT}",
+        choices=KV_CACHE_DTYPE_NAMES,
     ),
     EngineOption("kv_policy", f"paged or a contiguous reservation {DEFAULT}", choices=POLICY_NAMES),
     EngineOption("attention_backend", "torch, cpu or triton (default: triton on CUDA, else cpu)"),

@@ -97,7 +97,9 @@ class LLM:
         ids = self._submit([lambda rid, p=p: self.engine.add_beam_request(rid, p, params) for p in prompts])
         return self._run(ids, use_tqdm)
 
-    def kv_stats(self) -> dict[str, float | int]:
+    def kv_stats(self) -> dict[str, float | int | str]:
+        """The KV pool now (blocks, utilization, prefix-cache hits, preemptions) and its cost:
+        ``kv_cache_dtype``, ``bytes_per_token`` (scales included) and ``kv_cache_bytes``."""
         return self.engine.kv_stats()
 
     def reset_prefix_cache(self) -> int:

@@ -1,7 +1,7 @@
 """The only code that touches KV tensors: the paged cache and the kernels that read it."""
 
 from pagedkv.attention.backends import ENV_VAR as BACKEND_ENV_VAR
-from pagedkv.attention.backends import Backend, available_backends, resolve_backend
+from pagedkv.attention.backends import Backend, available_backends, check_backend_reads, resolve_backend
 from pagedkv.attention.checks import CHECK_ENV_VAR, check_step, per_call_checks, set_per_call_checks
 from pagedkv.attention.kv_cache import KVCache, LayerKV
 from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
@@ -12,6 +12,7 @@ from pagedkv.attention.ops import (
     paged_prefill_attention,
     write_kv,
 )
+from pagedkv.attention.quant import KV_CACHE_DTYPES
 
 __all__ = [
     "BACKEND_ENV_VAR",
@@ -20,8 +21,10 @@ __all__ = [
     "AttentionOptions",
     "Backend",
     "KVCache",
+    "KV_CACHE_DTYPES",
     "LayerKV",
     "available_backends",
+    "check_backend_reads",
     "check_step",
     "copy_blocks",
     "paged_attention",

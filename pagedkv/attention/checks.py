@@ -41,10 +41,13 @@ def set_per_call_checks(enabled: bool) -> bool:
 
 
 def check_layer_matches(name: str, x: torch.Tensor, layer: LayerKV, heads_multiple: bool) -> None:
-    """``x`` is ``[T, heads, head_dim]`` with the cache's dtype, device and head layout."""
+    """``x`` is ``[T, heads, head_dim]`` with the cache's dtype (any float dtype for a quantized
+    cache: it quantizes what it stores and computes in the query's dtype), device and head layout."""
     if x.dim() != 3:
         raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
-    if x.dtype != layer.key.dtype:
+    if layer.quantized and not x.is_floating_point():
+        raise ValueError(f"{name} dtype {x.dtype} is not a float dtype")
+    if not layer.quantized and x.dtype != layer.key.dtype:
         raise ValueError(f"{name} dtype {x.dtype} does not match the KV cache dtype {layer.key.dtype}")
     if x.device.type != layer.key.device.type:
         raise ValueError(f"{name} is on {x.device} but the KV cache is on {layer.key.device}")

@@ -4,15 +4,21 @@ PagedAttention only changes *where* keys and values live. Every layer gets a key
 value pool of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``; a block id means the
 same thing in every layer, so one block table serves the whole model. All layers live in one
 allocation so that copy-on-write (:func:`pagedkv.attention.copy_blocks`) is one indexed copy.
+
+A quantized cache (``kv_cache_dtype`` ``fp8`` or ``int8``, see :mod:`pagedkv.attention.quant`)
+stores one byte per element and keeps a second allocation beside the blocks: one float32 scale
+per slot and KV head, ``[num_layers, 2, num_blocks, block_size, num_kv_heads]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from pagedkv.memory.spec import KVSpec
+from pagedkv.attention.quant import SCALE_DTYPE, check_kv_cache_dtype
+from pagedkv.memory.spec import QUANTIZED_KV_DTYPES, KVSpec
 
 #: KVSpec dtype names that map onto a torch dtype the attention kernels compute in.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -24,10 +30,18 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class LayerKV:
-    """One layer's key and value pools, ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """One layer's key and value pools, ``[num_blocks, block_size, num_kv_heads, head_dim]``;
+    for a quantized cache also their scales, ``[num_blocks, block_size, num_kv_heads]`` float32
+    (element ``stored * scale`` is the value), else None."""
 
     key: torch.Tensor
     value: torch.Tensor
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.key_scale is not None
 
     @property
     def num_blocks(self) -> int:
@@ -63,13 +77,23 @@ def resolve_dtype(spec: KVSpec, dtype: torch.dtype | None) -> torch.dtype:
     return TORCH_DTYPES[spec.dtype]
 
 
+def storage_spec(spec: KVSpec, dtype: torch.dtype | None, kv_cache_dtype: str = "auto") -> KVSpec:
+    """The spec of what is stored: the model's KV shape in the cache's element type (the
+    quantized types' spec counts their scales, see :attr:`KVSpec.bytes_per_token`)."""
+    if check_kv_cache_dtype(kv_cache_dtype) is not None:
+        return dataclasses.replace(spec, dtype=QUANTIZED_KV_DTYPES[kv_cache_dtype])
+    resolved = resolve_dtype(spec, dtype)
+    return dataclasses.replace(spec, dtype=next(n for n, t in TORCH_DTYPES.items() if t == resolved))
+
+
 class KVCache:
     """Per-layer key/value block pools for a model described by a :class:`KVSpec`.
 
     The pools start zeroed, so even a kernel bug that read an unwritten slot would read finite
     numbers; the kernels themselves never read a slot past a sequence's context length.
-    ``dtype`` (the model's dtype) decides the tensors' element type; when it is ``None`` the
-    spec's dtype name is used.
+    ``dtype`` (the model's dtype, what attention computes in and returns) decides the tensors'
+    element type unless ``kv_cache_dtype`` names a quantized one (``fp8``, ``int8``); when
+    ``dtype`` is ``None`` the spec's dtype name is used. :attr:`spec` describes what is stored.
     """
 
     def __init__(
@@ -79,26 +103,36 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        self.spec = spec
+        self.dtype = resolve_dtype(spec, dtype)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.spec = storage_spec(spec, self.dtype, kv_cache_dtype)
+        self.storage_dtype = check_kv_cache_dtype(kv_cache_dtype) or self.dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.dtype = resolve_dtype(spec, dtype)
         self.device = torch.device(device)
         shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
         #: [num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]
-        self.data = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.data = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
+        #: [num_layers, 2, num_blocks, block_size, num_kv_heads] float32, or None when not quantized
+        self.scales: torch.Tensor | None = None
         self.layers: list[LayerKV] = [LayerKV(kv[0], kv[1]) for kv in self.data]
+        if self.storage_dtype != self.dtype:
+            self.scales = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
+            pairs = zip(self.data, self.scales, strict=True)
+            self.layers = [LayerKV(kv[0], kv[1], sc[0], sc[1]) for kv, sc in pairs]
 
     @staticmethod
-    def block_bytes(spec: KVSpec, block_size: int, dtype: torch.dtype | None = None) -> int:
-        """Bytes one block takes across all layers, keys and values, in the tensors' dtype."""
-        element = torch.empty((), dtype=resolve_dtype(spec, dtype)).element_size()
-        return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * element * block_size
+    def block_bytes(
+        spec: KVSpec, block_size: int, dtype: torch.dtype | None = None, kv_cache_dtype: str = "auto"
+    ) -> int:
+        """Bytes one block takes across all layers, keys and values (and their scales)."""
+        return storage_spec(spec, dtype, kv_cache_dtype).bytes_per_block(block_size)
 
     @classmethod
     def from_memory(
@@ -108,16 +142,17 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
+        kv_cache_dtype: str = "auto",
     ) -> KVCache:
         """As many whole blocks as fit in ``memory_bytes``; an error when not even one fits."""
-        per_block = cls.block_bytes(spec, block_size, dtype)
+        per_block = cls.block_bytes(spec, block_size, dtype, kv_cache_dtype)
         num_blocks = int(memory_bytes) // per_block
         if num_blocks < 1:
             raise ValueError(
                 f"a KV memory budget of {memory_bytes} bytes holds no block of {block_size} tokens "
                 f"({per_block} bytes each)"
             )
-        return cls(spec, num_blocks, block_size, dtype, device)
+        return cls(spec, num_blocks, block_size, dtype, device, kv_cache_dtype)
 
     @property
     def num_layers(self) -> int:
@@ -129,11 +164,14 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        """Bytes of the blocks and their scales."""
+        scales = 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return self.data.numel() * self.data.element_size() + scales
 
     def __repr__(self) -> str:
         return (
             f"KVCache(layers={self.num_layers}, blocks={self.num_blocks}, block_size={self.block_size}, "
             f"kv_heads={self.spec.num_kv_heads}, head_dim={self.spec.head_dim}, dtype={self.dtype}, "
+            f"storage={self.storage_dtype}, "
             f"device={self.device}, bytes={self.nbytes})"
         )

@@ -17,11 +17,13 @@ from pagedkv.attention import checks
 from pagedkv.attention.backends import Backend, resolve_backend
 from pagedkv.attention.kv_cache import KVCache, LayerKV
 from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
+from pagedkv.attention.quant import quantize
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
     """Scatter ``key/value [T, kv_heads, head_dim]`` into their slots (``block_id * block_size +
-    offset``); tokens whose slot is negative are padding and are not written."""
+    offset``); tokens whose slot is negative are padding and are not written. A quantized layer
+    stores each token's heads quantized, with their scales beside them."""
     if checks.per_call_checks():
         checks.check_layer_matches("key", key, layer, heads_multiple=False)
         checks.check_layer_matches("value", value, layer, heads_multiple=False)
@@ -37,13 +39,22 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, layer: LayerKV, slot_mappin
         if slots.numel() == 0:
             return
     flat = (layer.num_slots, layer.num_kv_heads, layer.head_dim)
-    layer.key.view(flat).index_copy_(0, slots, key)
-    layer.value.view(flat).index_copy_(0, slots, value)
+    key_pool, value_pool = layer.key.view(flat), layer.value.view(flat)
+    if layer.quantized:
+        key, key_scale = quantize(key, layer.key.dtype)
+        value, value_scale = quantize(value, layer.value.dtype)
+        layer.key_scale.view(flat[:2]).index_copy_(0, slots, key_scale)
+        layer.value_scale.view(flat[:2]).index_copy_(0, slots, value_scale)
+        # as raw bytes: torch's CPU index_copy_ has no float8 kernel
+        key_pool, value_pool, key, value = (t.view(torch.uint8) for t in (key_pool, value_pool, key, value))
+    key_pool.index_copy_(0, slots, key)
+    value_pool.index_copy_(0, slots, value)
 
 
 def copy_blocks(kv_cache: KVCache, pairs: list[tuple[int, int]]) -> None:
-    """Copy whole blocks ``src -> dst`` in every layer at once (copy-on-write). All sources are
-    read before any destination is written; a destination may appear only once."""
+    """Copy whole blocks ``src -> dst`` in every layer at once (copy-on-write), with their scales
+    when the cache is quantized. All sources are read before any destination is written; a
+    destination may appear only once."""
     if not pairs:
         return
     src = [int(s) for s, _ in pairs]
@@ -56,7 +67,10 @@ def copy_blocks(kv_cache: KVCache, pairs: list[tuple[int, int]]) -> None:
     device = kv_cache.data.device
     src_t = torch.tensor(src, dtype=torch.long, device=device)
     dst_t = torch.tensor(dst, dtype=torch.long, device=device)
-    kv_cache.data[:, :, dst_t] = kv_cache.data[:, :, src_t]
+    data = kv_cache.data if kv_cache.scales is None else kv_cache.data.view(torch.uint8)  # see write_kv
+    data[:, :, dst_t] = data[:, :, src_t]
+    if kv_cache.scales is not None:
+        kv_cache.scales[:, :, dst_t] = kv_cache.scales[:, :, src_t]
 
 
 def paged_attention(

@@ -10,7 +10,10 @@ per sequence) with:
   that is often faster on CPU);
 * ``gather+sdpa`` (with ``--gather``): the naive paged baseline, copying every sequence's blocks
   into contiguous tensors and then calling SDPA (what the native CPU kernel avoids);
-* ``paged:<backend>``: :func:`pagedkv.attention.paged_decode_attention` (no per-call checks).
+* ``paged:<backend>``: :func:`pagedkv.attention.paged_decode_attention` (no per-call checks);
+* ``paged:<backend>:<fp8|int8>`` (with ``--kv-cache-dtypes``): the same on a quantized copy of
+  the same pool (one byte per element plus a float32 scale per token and KV head), which reads
+  2-4x fewer bytes per step; its output must stay within ``QUANT_TOLERANCE`` of SDPA's.
 
 Ratios are paged time over the *faster* SDPA variant. Times are medians over interleaved
 repeats (each repeat runs every method once), so a noisy machine slows all methods alike; a
@@ -25,6 +28,8 @@ switch between them (``NATIVE_MAX_QUERY_LEN`` in ``pagedkv/attention/backends/cp
     python benchmarks/attention.py --quick    # fewer shapes and repeats
     python benchmarks/attention.py --device cuda --dtype float16
     python benchmarks/attention.py --prefill
+    python benchmarks/attention.py --batches 32 --contexts 1024 4096 --backends cpu \
+        --kv-cache-dtypes auto fp8 int8        # quantized vs unquantized blocks, same run
 """
 
 from __future__ import annotations
@@ -37,11 +42,15 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from pagedkv.attention import AttentionOptions, KVCache, paged_decode_attention
-from pagedkv.attention.backends import cpu
-from pagedkv.memory.spec import KVSpec
+from pagedkv.attention import AttentionOptions, KVCache, LayerKV, paged_decode_attention, write_kv
+from pagedkv.attention.backends import BACKENDS, cpu
+from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES, KVSpec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: how far a quantized pool's output may stray from SDPA on the unquantized keys and values: a
+#: sanity bound (fp8 moves random-data outputs by up to ~0.05; a kernel that misreads the pool
+#: is off by O(1)); exactness against the reference is the tests' job
+QUANT_TOLERANCE = 0.1
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -61,6 +70,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--prefill", action="store_true", help="time the cpu backend's two prefill paths instead")
     p.add_argument("--gather", action="store_true", help="also time the naive gather + SDPA paged baseline")
+    p.add_argument(
+        "--kv-cache-dtypes",
+        nargs="+",
+        choices=KV_CACHE_DTYPE_NAMES,
+        default=["auto"],
+        help="pool element types to time the paged backends on (default: auto, the --dtype itself)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.batches, args.contexts, args.repeats = [1, 32], [128, 1024, 4096], 3
@@ -77,6 +93,28 @@ def timed(fn: Callable[[], torch.Tensor], device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def paged_methods(args: argparse.Namespace) -> list[str]:
+    """``paged:<backend>`` per backend and pool type (``:<kv dtype>`` for quantized ones), for
+    the pool types each backend reads."""
+    names = []
+    for kv_dtype in args.kv_cache_dtypes:
+        suffix = "" if kv_dtype == "auto" else f":{kv_dtype}"
+        names += [f"paged:{b}{suffix}" for b in args.backends if kv_dtype in BACKENDS[b].kv_cache_dtypes]
+    return names
+
+
+def quantized_copy(layer: LayerKV, spec: KVSpec, kv_cache_dtype: str, dtype: torch.dtype) -> LayerKV:
+    """The same keys and values, block for block, in a quantized pool (written by ``write_kv``)."""
+    quantized = KVCache(spec, layer.num_blocks, layer.block_size, dtype, layer.key.device, kv_cache_dtype)
+    target = quantized.layers[0]
+    flat = (layer.num_slots, layer.num_kv_heads, layer.head_dim)
+    step = 1 << 16  # slots per write: bounds the float32 temporaries of the quantizer
+    for start in range(0, layer.num_slots, step):
+        slots = torch.arange(start, min(start + step, layer.num_slots), device=layer.key.device)
+        write_kv(layer.key.view(flat)[slots], layer.value.view(flat)[slots], target, slots)
+    return target
 
 
 def run_shape(args: argparse.Namespace, batch: int, context: int) -> dict[str, float]:
@@ -117,9 +155,14 @@ def run_shape(args: argparse.Namespace, batch: int, context: int) -> dict[str, f
             contiguous(layer.value),
             scale=scale,
         ).reshape(batch, args.heads, args.head_dim)
-    for name in args.backends:
-        methods[f"paged:{name}"] = lambda name=name: paged_decode_attention(
-            q, layer, tables, lens, scale, backend=name
+    layers = {"auto": layer}
+    for kv_dtype in args.kv_cache_dtypes:
+        if kv_dtype != "auto":
+            layers[kv_dtype] = quantized_copy(layer, spec, kv_dtype, dtype)
+    for name in paged_methods(args):
+        backend, kv_dtype = (name.split(":") + ["auto"])[1:3]
+        methods[name] = lambda b=backend, kv=layers[kv_dtype]: paged_decode_attention(
+            q, kv, tables, lens, scale, backend=b
         )
     expected = methods["sdpa"]()
     wanted: dict[str, int] = {}
@@ -129,6 +172,8 @@ def run_shape(args: argparse.Namespace, batch: int, context: int) -> dict[str, f
         first = time.perf_counter() - start
         wanted[name] = args.repeats if first < 0.25 else max(1, min(args.repeats, int(1.0 / first)))
         tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+        if name.count(":") == 2:
+            tolerance = QUANT_TOLERANCE
         if err > tolerance:
             raise AssertionError(f"{name} differs from sdpa by {err:.2e} at batch {batch}, context {context}")
     samples: dict[str, list[float]] = {name: [] for name in methods}
@@ -179,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"head dim {args.head_dim}, block size {args.block_size}, torch threads {torch.get_num_threads()}, "
         f"median of {args.repeats} interleaved repeats (ms)"
     )
-    paged = [f"paged:{name}" for name in args.backends]
+    paged = paged_methods(args)
     if args.gather:
         paged = ["gather+sdpa", *paged]
     header = f"{'batch':>5} {'context':>7} {'sdpa':>9} {'sdpa-fold':>9}"
@@ -195,6 +240,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(line, flush=True)
             if (batch, context) == (32, 1024):
                 goal = {name: times[name] / best for name in paged}
+            for name in paged:
+                if name.count(":") == 2:
+                    unquantized = name.rsplit(":", 1)[0]
+                    if unquantized in times:
+                        speedup = times[unquantized] / times[name]
+                        print(f"      {name} vs {unquantized}: {speedup:.2f}x faster", flush=True)
     if goal:
         reached = ", ".join(f"{name} {ratio:.2f}x" for name, ratio in goal.items())
         print(

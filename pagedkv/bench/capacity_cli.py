@@ -31,6 +31,7 @@ ENGINE_FIELDS = (
     "max_num_batched_tokens",
     "enable_prefix_caching",
     "attention_backend",
+    "kv_cache_dtype",
 )
 
 

@@ -55,6 +55,7 @@ class EngineOptions:
     max_num_seqs: int = EngineConfig.max_num_seqs
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
     enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
+    kv_cache_dtype: str = EngineConfig.kv_cache_dtype
     scale: int = 1
     threads: int | None = None
 
@@ -97,6 +98,7 @@ class EngineOptions:
             max_num_seqs=self.max_num_seqs if max_num_seqs is None else max_num_seqs,
             max_num_batched_tokens=max(1, self.max_num_batched_tokens // self.scale),
             enable_prefix_caching=caching,
+            kv_cache_dtype=self.kv_cache_dtype,
             watermark=0.0,
             kv_policy=kv_policy,
         )

@@ -35,6 +35,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     #: Share of the blocks kept free at admission, so running sequences can still grow.
     watermark: float = 0.01
+    #: "auto" (the model's dtype), "fp8" (e4m3) or "int8": what each KV element is stored in.
+    kv_cache_dtype: str = "auto"
     #: "torch", "cpu" or "triton"; None: triton on CUDA, else cpu.
     attention_backend: str | None = None
     #: "paged", or "contiguous" / "contiguous-oracle" to measure the reservation it replaces.

@@ -218,9 +218,12 @@ class LLMEngine:
         """Counters since the engine started, and the KV pool and queues now."""
         return self.stats_collector.engine_stats()
 
-    def kv_stats(self) -> dict[str, float | int]:
-        """Blocks total / used / cached, utilization, preemptions and prefix-cache hits."""
-        return self.stats().kv_stats()
+    def kv_stats(self) -> dict[str, float | int | str]:
+        """Blocks total / used / cached, utilization, preemptions, prefix-cache hits, and what the
+        cache costs: its ``kv_cache_dtype``, bytes per token (scales included) and in all."""
+        memory = self.executor.kv_memory
+        figures = {"kv_cache_dtype": memory.kv_cache_dtype, "bytes_per_token": memory.bytes_per_token}
+        return self.stats().kv_stats() | figures | {"kv_cache_bytes": memory.total_bytes}
 
     def kv_snapshot(self) -> KVSnapshot:
         """The block map: every physical block's refcount, cache state and owners."""

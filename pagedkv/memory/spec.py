@@ -15,6 +15,12 @@ DTYPE_BYTES: dict[str, int] = {
     "float8": 1,
     "int8": 1,
 }
+#: bytes of scale per token, KV head and key/value that a quantized dtype stores beside its
+#: elements (one float32 per token and head; see ``pagedkv.attention.quant`` for why)
+SCALE_BYTES: dict[str, int] = {"float8": 4, "int8": 4}
+#: ``kv_cache_dtype`` option -> the KVSpec dtype stored; "auto" stores the model's own dtype
+QUANTIZED_KV_DTYPES: dict[str, str] = {"fp8": "float8", "int8": "int8"}
+KV_CACHE_DTYPE_NAMES: tuple[str, ...] = ("auto", *QUANTIZED_KV_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -22,7 +28,8 @@ class KVSpec:
     """The shape of one token's keys and values across all layers.
 
     The factor 2 in :attr:`bytes_per_token` is the key *and* the value: queries are never
-    cached, they are recomputed every step.
+    cached, they are recomputed every step. The quantized dtypes (``float8``, ``int8``) count
+    their per-token, per-head scales too.
     """
 
     num_layers: int
@@ -43,8 +50,14 @@ class KVSpec:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def scale_bytes(self) -> int:
+        """Scale bytes per token, KV head and key/value (0 for an unquantized dtype)."""
+        return SCALE_BYTES.get(self.dtype, 0)
+
+    @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        per_head = self.head_dim * self.dtype_bytes + self.scale_bytes
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     def bytes_per_block(self, block_size: int) -> int:
         return self.bytes_per_token * block_size

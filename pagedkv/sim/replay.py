@@ -246,7 +246,8 @@ def replay_document(
         "title": "pagedkv simulate: naive vs paged KV memory",
         "subtitle": (
             f"workload {cfg.workload}, seed {cfg.seed}, block size {cfg.block_size}, "
-            f"max_seq_len {cfg.max_seq_len:,}, {human_bytes(cfg.kv_spec.bytes_per_token)} of KV per token"
+            f"max_seq_len {cfg.max_seq_len:,}, "
+            f"{human_bytes(cfg.stored_kv_spec.bytes_per_token)} of KV per token"
         ),
         "scenarios": [
             _example_scenario(result, max_frames),

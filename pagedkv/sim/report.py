@@ -39,11 +39,13 @@ def _pct(x: float) -> str:
 
 def print_report(result: SimResult, console: Console) -> None:
     cfg = result.config
-    bpt = cfg.kv_spec.bytes_per_token
+    spec = cfg.stored_kv_spec
+    bpt = spec.bytes_per_token
     console.rule(f"[bold]pagedkv simulate[/] -- workload {cfg.workload}, seed {cfg.seed}")
     console.print(
-        f"KV cache: {human_bytes(bpt)} per token ({cfg.kv_spec.num_layers} layers x "
-        f"{cfg.kv_spec.num_kv_heads} KV heads x {cfg.kv_spec.head_dim} dims, {cfg.kv_spec.dtype}); "
+        f"KV cache: {human_bytes(bpt)} per token ({spec.num_layers} layers x "
+        f"{spec.num_kv_heads} KV heads x {spec.head_dim} dims, {spec.dtype}"
+        f"{' + a float32 scale per token and head' if spec.scale_bytes else ''}); "
         f"KV memory {human_bytes(cfg.kv_memory)} = {human_bytes(cfg.gpu_memory)} GPU - "
         f"{human_bytes(cfg.weights_memory)} weights = {cfg.kv_slots:,} token slots; "
         f"block size {cfg.block_size}, max_seq_len {cfg.max_seq_len}."
@@ -69,7 +71,7 @@ def _table(title: str, first: str) -> Table:
 
 
 def _print_batches(result: SimResult, console: Console) -> None:
-    bpt = result.config.kv_spec.bytes_per_token
+    bpt = result.config.stored_kv_spec.bytes_per_token
     snaps = result.snapshots
     reserved = _table("(a) N requests in flight: KV memory reserved, GiB (mean over the moments)", "N =")
     util = _table("    utilization: token states / reserved memory", "N =")
@@ -147,7 +149,7 @@ def _print_block_sizes(result: SimResult, console: Console) -> None:
 
 
 def _print_prefix_and_capacity(result: SimResult, console: Console) -> None:
-    bpb = result.config.kv_spec.bytes_per_block(result.config.block_size)
+    bpb = result.config.stored_kv_spec.bytes_per_block(result.config.block_size)
     px = result.prefix
     console.print(
         f"\n[bold](d) Prefix sharing[/]: {px.num_requests} requests with a {px.prefix_len}-token system "

@@ -6,12 +6,14 @@ skipping or resizing one never shifts the numbers of another, and one seed gives
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
 
 from pagedkv.memory import GPT_STYLE_7B, KVSpec, parse_bytes
+from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES, QUANTIZED_KV_DTYPES
 from pagedkv.sim.allocators import CONTIGUOUS_POLICIES
 from pagedkv.sim.experiments import (
     BlockSizeRow,
@@ -45,7 +47,11 @@ class SimConfig:
     max_seq_len: int = 2048
     gpu_memory: int = parse_bytes("80GB")
     weights_memory: int = parse_bytes("13GiB")
+    #: the model's KV shape and dtype
     kv_spec: KVSpec = GPT_STYLE_7B
+    #: "auto" stores ``kv_spec.dtype``; "fp8" / "int8" one byte per element plus a float32
+    #: scale per token and KV head (what the engine's quantized cache stores)
+    kv_cache_dtype: str = "auto"
     prefix_len: int | None = None  # None: DEFAULT_PREFIX_LEN, or half the context if that is less
     batch_sizes: tuple[int, ...] = (10, 25, 50, 100, 150, 200)
     sweep_batch_size: int = 100
@@ -67,6 +73,10 @@ class SimConfig:
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or v <= 0 for v in values):
                 raise ValueError(f"{name} must be non-empty positive integers, got {values!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_NAMES}, got {self.kv_cache_dtype!r}"
+            )
         if self.kv_memory <= 0:
             raise ValueError(
                 f"no memory left for the KV cache: gpu_memory={self.gpu_memory} bytes, "
@@ -79,6 +89,13 @@ class SimConfig:
             )
         self.make_workload(self.workload)
         self.make_workload("shared-prefix")
+
+    @property
+    def stored_kv_spec(self) -> KVSpec:
+        """What one token costs as stored: ``kv_spec`` in the ``kv_cache_dtype`` element type."""
+        if self.kv_cache_dtype == "auto":
+            return self.kv_spec
+        return dataclasses.replace(self.kv_spec, dtype=QUANTIZED_KV_DTYPES[self.kv_cache_dtype])
 
     def make_workload(self, name: str) -> Workload:
         return Workload(name, max_seq_len=self.max_seq_len, prefix_len=self.system_prompt_len)
@@ -98,7 +115,7 @@ class SimConfig:
     @property
     def kv_slots(self) -> int:
         """Token slots in the KV memory."""
-        return self.kv_memory // self.kv_spec.bytes_per_token
+        return self.kv_memory // self.stored_kv_spec.bytes_per_token
 
     def rng(self, *stream: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, *stream])
@@ -121,8 +138,8 @@ class SimResult:
     def to_json(self) -> dict:
         """The document ``pagedkv simulate --json`` prints (see the design notes)."""
         cfg = self.config
-        bpt = cfg.kv_spec.bytes_per_token
-        bpb = cfg.kv_spec.bytes_per_block(cfg.block_size)
+        bpt = cfg.stored_kv_spec.bytes_per_token
+        bpb = cfg.stored_kv_spec.bytes_per_block(cfg.block_size)
         ex, px = self.example, self.prefix
         return {
             "config": {
@@ -134,11 +151,12 @@ class SimResult:
                 "weights_memory_bytes": cfg.weights_memory,
                 "kv_memory_bytes": cfg.kv_memory,
                 "prefix_len": cfg.system_prompt_len,
+                "kv_cache_dtype": cfg.kv_cache_dtype,
                 "kv_spec": {
-                    "num_layers": cfg.kv_spec.num_layers,
-                    "num_kv_heads": cfg.kv_spec.num_kv_heads,
-                    "head_dim": cfg.kv_spec.head_dim,
-                    "dtype": cfg.kv_spec.dtype,
+                    "num_layers": cfg.stored_kv_spec.num_layers,
+                    "num_kv_heads": cfg.stored_kv_spec.num_kv_heads,
+                    "head_dim": cfg.stored_kv_spec.head_dim,
+                    "dtype": cfg.stored_kv_spec.dtype,
                 },
             },
             "kv_bytes_per_token": bpt,

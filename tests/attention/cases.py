@@ -3,6 +3,7 @@
 A case scatters random keys/values for ragged sequences into a block pool whose physical
 blocks are shuffled (a block table is never a range) and whose every other slot holds NaN: a
 kernel that reads a slot ``write_kv`` never wrote poisons its output and fails the comparison.
+In a quantized pool (int8 has no NaN) the unwritten slots' scales hold NaN instead.
 """
 
 from __future__ import annotations
@@ -47,14 +48,19 @@ def make_case(
     spare_columns: int = 1,
     num_layers: int = 1,
     device: torch.device | str = DEVICE,
+    kv_cache_dtype: str = "auto",
 ) -> PagedCase:
-    """Sequences of the given lengths, written through :func:`write_kv` into shuffled blocks."""
+    """Sequences of the given lengths, written through :func:`write_kv` into shuffled blocks
+    (stored quantized when ``kv_cache_dtype`` says so; ``keys``/``values`` stay unquantized)."""
     gen = torch.Generator().manual_seed(seed)
     needed = [-(-n // block_size) for n in context_lens]
     num_blocks = sum(needed) + spare_blocks
     spec = KVSpec(num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype="float32")
-    cache = KVCache(spec, num_blocks, block_size, dtype, device)
-    cache.data.fill_(float("nan"))
+    cache = KVCache(spec, num_blocks, block_size, dtype, device, kv_cache_dtype)
+    if cache.scales is None:
+        cache.data.fill_(float("nan"))
+    else:
+        cache.scales.fill_(float("nan"))
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     max_blocks = max(needed) + spare_columns
     # Padding columns hold valid but unrelated block ids: they must never be read.

@@ -25,6 +25,9 @@ KV_STATS_KEYS = {
     "prefix_cache_hit_rate",
     "running",
     "waiting",
+    "kv_cache_dtype",
+    "bytes_per_token",
+    "kv_cache_bytes",
 }
 SHARED = list(range(10, 30))
 

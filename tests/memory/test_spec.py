@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from pagedkv.memory import GPT_STYLE_7B, KVSpec, parse_bytes
@@ -37,3 +39,13 @@ def test_parse_bytes(text, expected):
 def test_parse_bytes_rejects_garbage():
     with pytest.raises(ValueError, match="byte size"):
         parse_bytes("lots")
+
+
+def test_quantized_dtypes_count_their_scales():
+    """The seeds' 7B shape: 512 KiB per token in fp16; one byte per element plus a float32 scale
+    per token, layer, KV head and key/value in fp8 or int8 (256 KiB + 8 KiB)."""
+    assert GPT_STYLE_7B.bytes_per_token == 512 * 1024
+    for name in ("float8", "int8"):
+        spec = dataclasses.replace(GPT_STYLE_7B, dtype=name)
+        assert spec.scale_bytes == 4
+        assert spec.bytes_per_token == 256 * 1024 + 2 * 32 * 32 * 4

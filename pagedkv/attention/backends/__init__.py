@@ -19,6 +19,7 @@ import torch
 from pagedkv.attention.backends import cpu, torch_backend, triton_backend
 from pagedkv.attention.kv_cache import LayerKV
 from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
+from pagedkv.attention.quant import check_kv_cache_dtype
 
 ENV_VAR = "PAGEDKV_ATTENTION_BACKEND"
 
@@ -31,10 +32,12 @@ class Backend:
     name: str
     decode: Kernel
     prefill: Kernel
+    #: the ``kv_cache_dtype`` values whose blocks this backend reads
+    kv_cache_dtypes: tuple[str, ...]
 
 
 BACKENDS: dict[str, Backend] = {
-    module_name: Backend(module_name, module.decode, module.prefill)
+    module_name: Backend(module_name, module.decode, module.prefill, module.KV_CACHE_DTYPES)
     for module_name, module in (("torch", torch_backend), ("cpu", cpu), ("triton", triton_backend))
 }
 
@@ -60,3 +63,19 @@ def resolve_backend(backend: str | Backend | None, device: torch.device) -> Back
         source = f" (from ${ENV_VAR})" if os.environ.get(ENV_VAR) == name else ""
         raise ValueError(f"unknown attention backend {name!r}{source}; choose one of {available_backends()}")
     return BACKENDS[name]
+
+
+def check_backend_reads(backend: str | None, device: torch.device | str, kv_cache_dtype: str) -> Backend:
+    """The backend a model on ``device`` will use, after checking that ``kv_cache_dtype`` is known
+    and that this backend reads such blocks: called before any memory is allocated, so a bad
+    combination fails at once with a message that says what to choose instead."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    chosen = resolve_backend(backend, torch.device(device))
+    if kv_cache_dtype not in chosen.kv_cache_dtypes:
+        readers = [b.name for b in BACKENDS.values() if kv_cache_dtype in b.kv_cache_dtypes]
+        raise ValueError(
+            f"the {chosen.name!r} attention backend cannot read kv_cache_dtype={kv_cache_dtype!r} blocks "
+            f"(it reads {list(chosen.kv_cache_dtypes)}); use kv_cache_dtype='auto' or one of the "
+            f"backends {readers}"
+        )
+    return chosen

@@ -23,6 +23,8 @@ from pagedkv.attention.backends import native, torch_backend
 from pagedkv.attention.kv_cache import LayerKV
 from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
 
+#: blocks of every cache dtype: the kernel reads quantized ones in place
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 #: query runs at most this long use the native kernel, longer ones gather + SDPA. Measured with
 #: `benchmarks/attention.py --prefill` (context 1024, fp32, 2 cores): the kernel was faster at
 #: every chunk length up to the whole 1024-token prompt (299 ms vs 631 ms). Longer prompts keep
@@ -64,7 +66,7 @@ def attend_rows(
         )
     kernel = _kernel()
     num_heads = q.shape[1]
-    entry = kernel.fn(q.dtype) if kernel is not None else None
+    entry = kernel.fn(q.dtype, layer.key.dtype) if kernel is not None else None
     if entry is None or num_heads // layer.num_kv_heads > native.MAX_GROUP:
         return None
     key, value = layer.key, layer.value
@@ -89,6 +91,8 @@ def attend_rows(
         q.data_ptr(),
         key.data_ptr(),
         value.data_ptr(),
+        layer.key_scale.data_ptr() if layer.quantized else None,
+        layer.value_scale.data_ptr() if layer.quantized else None,
         tables.data_ptr(),
         row_seq.data_ptr(),
         row_pos.data_ptr(),
@@ -124,7 +128,7 @@ def sdpa_sequence(
 ) -> Tensor:
     """One sequence's query run ``q [n, Hq, D]`` (its last ``n`` positions) via SDPA."""
     n = q.shape[0]
-    key, value = torch_backend.gather_context(layer, table_row, context_len)
+    key, value = torch_backend.gather_context(layer, table_row, context_len, q.dtype)
     mask = None
     if n != context_len or window is not None:
         q_pos = torch.arange(context_len - n, context_len)

@@ -32,30 +32,36 @@ FLAG_SETS = (
     ["-O3", "-shared", "-fPIC", "-DPAGEDKV_NO_F16"],  # no OpenMP (Apple clang): single-threaded
 )
 SUFFIXES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+#: quantized pool element types: entry ``paged_attention_rows_<query suffix>_<this>``
+POOL_SUFFIXES = {torch.float8_e4m3fn: "fp8", torch.int8: "i8"}
 MAX_GROUP = 64  # the kernel's limit on query heads per KV head is its stack arrays; see the source
 
-_ARGTYPES = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float]
+_ARGTYPES = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float]
 _ARGTYPES += [ctypes.c_int64, ctypes.c_int]
 
 
 class NativeKernel:
-    """The compiled library; ``fn(dtype)`` is the entry point for that storage dtype."""
+    """The compiled library; ``fn(dtype, pool_dtype)`` is the entry point for a query in ``dtype``
+    over pools of ``pool_dtype`` (the same dtype, or a quantized one with scales)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.lib = ctypes.CDLL(str(path))
         self.functions = {}
         for dtype, suffix in SUFFIXES.items():
-            name = f"paged_attention_rows_{suffix}"
-            if hasattr(self.lib, name):  # float16 is missing from builds without _Float16
-                fn = getattr(self.lib, name)
-                fn.restype = ctypes.c_int
-                fn.argtypes = _ARGTYPES
-                self.functions[dtype] = fn
+            pools = {dtype: suffix} | {pool: f"{suffix}_{name}" for pool, name in POOL_SUFFIXES.items()}
+            for pool, name in pools.items():
+                entry = f"paged_attention_rows_{name}"
+                if hasattr(self.lib, entry):  # float16 is missing from builds without _Float16
+                    fn = getattr(self.lib, entry)
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = _ARGTYPES
+                    self.functions[dtype, pool] = fn
 
-    def fn(self, dtype: torch.dtype):
-        """The entry point for ``dtype``, or ``None`` when this build lacks it."""
-        return self.functions.get(dtype)
+    def fn(self, dtype: torch.dtype, pool_dtype: torch.dtype | None = None):
+        """The entry point for these dtypes (``pool_dtype`` defaults to ``dtype``), or ``None``
+        when this build lacks it."""
+        return self.functions.get((dtype, pool_dtype or dtype))
 
 
 def _cpu_fingerprint() -> str:

@@ -1,7 +1,8 @@
 """The ``torch`` backend: the readable ground truth.
 
 Per sequence it gathers exactly the context's keys and values out of the block pool (dropping
-the unwritten tail of the last block before any arithmetic), then computes attention the
+the unwritten tail of the last block before any arithmetic; dequantizing a quantized pool's
+keys and values with their scales), then computes attention the
 textbook way in float32: scores, optional soft-cap, causal/sliding-window mask, softmax,
 weighted sum. Slow and obviously right; every other backend is tested against it and against
 contiguous ``scaled_dot_product_attention``.
@@ -12,19 +13,33 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pagedkv.attention import quant
 from pagedkv.attention.kv_cache import LayerKV
 from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
 
+#: the reference reads every cache dtype
+KV_CACHE_DTYPES = tuple(quant.KV_CACHE_DTYPES)
+
 
 def gather_context(
-    layer: LayerKV, table_row: torch.Tensor, context_len: int
+    layer: LayerKV, table_row: torch.Tensor, context_len: int, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``context_len`` keys and values of one sequence, ``[context_len, kv_heads, head_dim]``."""
+    """The first ``context_len`` keys and values of one sequence, ``[context_len, kv_heads,
+    head_dim]``: in the pool's dtype, or dequantized into ``dtype`` when the pool is quantized."""
     num_blocks = -(-context_len // layer.block_size)
     blocks = table_row[:num_blocks].long()
     shape = (-1, layer.num_kv_heads, layer.head_dim)
-    key = layer.key.index_select(0, blocks).reshape(shape)[:context_len]
-    value = layer.value.index_select(0, blocks).reshape(shape)[:context_len]
+    if layer.quantized:  # gathered as raw bytes: torch's CPU index_select has no float8 kernel
+        key = layer.key.view(torch.uint8).index_select(0, blocks).view(layer.key.dtype)
+        value = layer.value.view(torch.uint8).index_select(0, blocks).view(layer.value.dtype)
+    else:
+        key, value = layer.key.index_select(0, blocks), layer.value.index_select(0, blocks)
+    key, value = key.reshape(shape)[:context_len], value.reshape(shape)[:context_len]
+    if layer.quantized:
+        scale_shape = (-1, layer.num_kv_heads)
+        key_scale = layer.key_scale.index_select(0, blocks).reshape(scale_shape)[:context_len]
+        value_scale = layer.value_scale.index_select(0, blocks).reshape(scale_shape)[:context_len]
+        key, value = quant.dequantize(key, key_scale, dtype), quant.dequantize(value, value_scale, dtype)
     return key, value
 
 

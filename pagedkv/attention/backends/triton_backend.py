@@ -15,6 +15,8 @@ from torch import Tensor
 from pagedkv.attention.kv_cache import LayerKV
 from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
 
+#: blocks of every cache dtype: the kernel reads quantized ones in place
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 #: a split covers at least this many positions (a multiple of every BLOCK_N below)
 MIN_SPLIT_LEN = 512
 
@@ -59,6 +61,12 @@ def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: Att
     key, value = layer.key, layer.value
     if key.stride() != value.stride() or key.stride(-1) != 1:
         raise ValueError("the triton backend needs key and value pools with the same contiguous layout")
+    fp8 = key.dtype == torch.float8_e4m3fn
+    key_scale, value_scale = (layer.key_scale, layer.value_scale) if layer.quantized else (key, value)
+    if layer.quantized and not key.is_contiguous():  # the kernel derives scale offsets from element ones
+        raise ValueError("the triton backend needs contiguous quantized pools")
+    if fp8:  # read as raw bytes: the kernel converts them itself, on any GPU and in the interpreter
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
     q = q.contiguous()
     m_tiles = _cdiv(max_query_len, block_m)
     splits, split_len = 1, 2**31 - 1
@@ -84,6 +92,8 @@ def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: Att
             q,
             key,
             value,
+            key_scale,
+            value_scale,
             out,
             maxima,
             sums,
@@ -114,6 +124,8 @@ def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: Att
             USE_SOFT_CAP=soft_cap is not None,
             DOT_FP32=q.dtype == torch.float32 or (interpret and q.dtype == torch.bfloat16),
             SPLIT=splits > 1,
+            QUANT=layer.quantized,
+            FP8=fp8,
         )
     if splits > 1:
         return triton_kernels.merge_splits(out, maxima, sums, q.dtype)

@@ -13,6 +13,14 @@ Split context (flash-decoding): with ``num_splits > 1`` the programs of one quer
 exponentials, weighted values) instead of the output; :func:`merge_splits` combines them. A
 decode batch of a few long sequences then fills the GPU instead of launching B * Hkv programs.
 
+Quantized pools (``QUANT``): keys and values arrive as one byte per element (fp8 e4m3 as raw
+uint8, int8) and become floats in registers -- fp8 by moving its bits into a float32's exponent
+and mantissa and multiplying by 2^120 (the bias difference), so no fp8 hardware type is needed
+on any GPU or in the interpreter. Each position's float32 key scale multiplies its score column;
+its value scale multiplies its softmax weight before the second product (the row sums use the
+unscaled weights). Scales are ``[num_blocks, block_size, Hkv]``, so with contiguous pools a
+scale's offset is its element offset divided by ``HEAD_DIM``.
+
 ``DOT_FP32`` makes both matrix products exact float32 (no TF32): always for float32 caches,
 whose results must match SDPA to 1e-5, and for bfloat16 under the interpreter, whose ``tl.dot``
 mishandles bfloat16.
@@ -32,10 +40,23 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def stored_to_float(x, FP8: tl.constexpr):
+    """One-byte elements as float32: int8 by conversion; fp8 e4m3 (raw uint8) placed at a
+    float32's exponent/mantissa boundary, which reads as the value times 2^-120."""
+    if FP8:
+        bits = x.to(tl.uint32)
+        x = (((bits & 0x7F) << 20) | ((bits & 0x80) << 24)).to(tl.float32, bitcast=True)
+        x = x * 1.329227995784916e36  # 2^120: e4m3's exponent bias is 7, float32's 127
+    return x.to(tl.float32)
+
+
 def paged_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [num_blocks, block_size, Hkv, D]
     v_ptr,
+    k_scale_ptr,  # [num_blocks, block_size, Hkv] float32 (QUANT only)
+    v_scale_ptr,
     out_ptr,  # [T, Hq, D], or [num_splits, T, Hq, D] float32 partial sums when SPLIT
     max_ptr,  # [num_splits, T, Hq] float32 partial maxima (SPLIT only)
     sum_ptr,  # [num_splits, T, Hq] float32 partial sums of exponentials (SPLIT only)
@@ -66,6 +87,8 @@ def paged_attention_kernel(
     USE_SOFT_CAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SPLIT: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     m_tile = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -108,12 +131,17 @@ def paged_attention_kernel(
         block = tl.load(table + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
         kv_offs = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
         kv_mask = pos_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_ptr + kv_offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr + kv_offs[:, None] + d[None, :], mask=kv_mask, other=0)
+        if QUANT:
+            k = stored_to_float(k, FP8).to(q.dtype)
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * scale
+        if QUANT:
+            k_scale = tl.load(k_scale_ptr + kv_offs // HEAD_DIM, mask=pos_valid, other=0.0)
+            s = s * k_scale[None, :]
         if USE_SOFT_CAP:
             # cap * tanh(s / cap), with tanh(x) = 1 - 2 / (exp(2x) + 1)
             s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
@@ -125,7 +153,10 @@ def paged_attention_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + kv_offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_offs[:, None] + d[None, :], mask=kv_mask, other=0)
+        if QUANT:
+            v = stored_to_float(v, FP8).to(q.dtype)
+            p = p * tl.load(v_scale_ptr + kv_offs // HEAD_DIM, mask=pos_valid, other=0.0)[None, :]
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:

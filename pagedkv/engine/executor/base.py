@@ -10,6 +10,7 @@ sends the same plan to one worker process per rank and returns rank 0's gathered
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -20,9 +21,20 @@ class ExecutorError(RuntimeError):
     """The executor can no longer run steps (shut down, or a worker failed); says why."""
 
 
+@dataclass(frozen=True)
+class KVMemory:
+    """What the KV cache costs: its element type, bytes per token (scales included) and in all."""
+
+    kv_cache_dtype: str
+    bytes_per_token: int
+    total_bytes: int
+
+
 class Executor(ABC):
     #: Physical KV blocks every rank holds (the engine's block pool has exactly these).
     num_kv_blocks: int
+    #: One rank's KV cache in bytes.
+    kv_memory: KVMemory
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> torch.Tensor:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.attention import KVCache
+from pagedkv.attention import KVCache, check_backend_reads
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.executor.base import Executor, ExecutorError
+from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory
 from pagedkv.engine.executor.plan import StepPlan
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.memory import parse_bytes
@@ -20,15 +20,20 @@ class InProcessExecutor(Executor):
     ``kv_cache_memory`` holds) on ``config.device``; runs each step on the calling thread."""
 
     def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig) -> None:
+        # Before the weights or any block are allocated: an unknown dtype, or one the backend
+        # cannot read, is a configuration error.
+        check_backend_reads(config.attention_backend, config.device, config.kv_cache_dtype)
         model = load_model(model_path, config.dtype, config.device, config.attention_backend)
         dtype = next(model.parameters()).dtype
         spec = model_config.kv_spec()
+        kv_dtype = config.kv_cache_dtype
         if config.num_kv_blocks is not None:
-            kv_cache = KVCache(spec, config.num_kv_blocks, config.block_size, dtype, config.device)
+            kv_cache = KVCache(spec, config.num_kv_blocks, config.block_size, dtype, config.device, kv_dtype)
         else:
             memory = parse_bytes(config.kv_cache_memory)
-            kv_cache = KVCache.from_memory(spec, memory, config.block_size, dtype, config.device)
+            kv_cache = KVCache.from_memory(spec, memory, config.block_size, dtype, config.device, kv_dtype)
         self.num_kv_blocks = kv_cache.num_blocks
+        self.kv_memory = KVMemory(kv_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes)
         self.runner: ModelRunner | None = ModelRunner(model, kv_cache)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:

@@ -11,7 +11,14 @@
  * sequence: slots past a sequence's length are never touched. Arithmetic is float32 for every
  * storage dtype.
  *
- * Layouts (contiguous): q/out [R, Hq, D]; key/value pools [num_blocks, bs, Hkv, D];
+ * Quantized pools (fp8 e4m3 or int8, one byte per element) are read in place too: each element
+ * becomes a float in registers (int8 by conversion, fp8 by moving its bits into a float32's
+ * exponent and mantissa), and the float32 scale of each token and KV head multiplies the whole
+ * dot product (keys) or the softmax weight (values), never the elements one by one. Query and
+ * output keep the model's dtype. Entry points: paged_attention_rows_<q dtype>[_<kv dtype>].
+ *
+ * Layouts (contiguous): q/out [R, Hq, D]; key/value pools [num_blocks, bs, Hkv, D]; their
+ * scales (quantized pools only, else NULL) [num_blocks, bs, Hkv] float32;
  * block_tables [num_seqs, max_blocks] int32; row_seq/row_pos [R] int32: the row's sequence and
  * absolute position. A row attends keys at positions <= pos, and > pos - window when window > 0.
  * Query head j uses KV head j / (Hq / Hkv).
@@ -67,6 +74,28 @@ static inline void store_bf16(uint16_t *p, float x) {
 }
 static inline void vstore(float *p, vf x) { memcpy(p, &x, sizeof x); }
 
+/* One-byte quantized elements. fp8 e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits.
+ * Placed at a float32's exponent/mantissa boundary (<< 20) the bits read as the same number
+ * times 2^-120 (bias 127 vs 7), subnormals included, so one multiply by 2^120 finishes the
+ * conversion. The quantizer never stores NaN (0x7F/0xFF), so no lane needs special handling. */
+typedef uint8_t vu8 __attribute__((vector_size(VL)));
+typedef int8_t vi8 __attribute__((vector_size(VL)));
+typedef uint32_t vu32 __attribute__((vector_size(VL * 4)));
+static inline vf vload_fp8(const uint8_t *p) {
+    vu8 x;
+    memcpy(&x, p, sizeof x);
+    const vu32 b = __builtin_convertvector(x, vu32);
+    return (vf)(((b & 0x7Fu) << 20) | ((b & 0x80u) << 24)) * 0x1p120f;
+}
+static inline float load_fp8(const uint8_t *p) {
+    const uint32_t b = *p, u = ((b & 0x7Fu) << 20) | ((b & 0x80u) << 24);
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f * 0x1p120f;
+}
+static inline vf vload_i8(const int8_t *p) { vi8 x; memcpy(&x, p, sizeof x); return __builtin_convertvector(x, vf); }
+static inline float load_i8(const int8_t *p) { return (float)*p; }
+
 /* The lane sums of four vectors at once (a transposing tree: 13 shuffles/adds instead of 4
  * separate horizontal sums); sums[] receives sum(a), sum(b), sum(c), sum(d). */
 static inline void hsum4(vf a, vf b, vf c, vf d, float sums[4]) {
@@ -112,37 +141,43 @@ typedef struct {
     float scale, soft_cap;
 } Shape;
 
-#define DEFINE_PAGED_ATTENTION(SUFFIX, T)                                                          \
-static inline const T *token_##SUFFIX(const Shape *s, const T *pool, const int32_t *table, int64_t t) { \
-    return pool + ((int64_t)table[t / s->block_size] * s->block_size + t % s->block_size)          \
-                  * s->kv_heads * s->head_dim;                                                     \
+/* NAME: the entry point's suffix; QS/QT: query and output dtype; KS/KT: the pools' element type;
+ * SCALED: 1 when the pools are quantized (their scales are read), else 0 (scales are NULL). */
+#define DEFINE_PAGED_ATTENTION(NAME, QS, QT, KS, KT, SCALED)                                                          \
+static inline int64_t slot_##NAME(const Shape *s, const int32_t *table, int64_t t) {            \
+    return (int64_t)table[t / s->block_size] * s->block_size + t % s->block_size;                  \
 }                                                                                                  \
                                                                                                    \
 /* One piece: positions [t0, t1] of one row; writes its partial max/sum/acc for every head. */    \
-static void attend_piece_##SUFFIX(const Shape *s, const float *qf, const T *key, const T *value,  \
-                                  const int32_t *table, int64_t t0, int64_t t1, float *scores,     \
-                                  float *maxs, float *sums, float *acc) {                          \
-    const int64_t H = s->num_heads, D = s->head_dim, n = t1 - t0 + 1;                              \
+static void attend_piece_##NAME(const Shape *s, const float *qf, const KT *key, const KT *value,  \
+                                const float *key_scale, const float *value_scale,                  \
+                                const int32_t *table, int64_t t0, int64_t t1, float *scores,       \
+                                float *maxs, float *sums, float *acc) {                            \
+    const int64_t H = s->num_heads, D = s->head_dim, n = t1 - t0 + 1, HD = s->kv_heads * D;        \
     const int64_t group = H / s->kv_heads, vec_d = D - D % VL, vec_h = H - H % VL;                 \
     for (int64_t j = 0; j < H; j++) { maxs[j] = -INFINITY; sums[j] = 0.0f; }                       \
     /* pass 1: scores[i * H + j] for position t0 + i, TOKENS positions at a time */                \
     for (int64_t i0 = 0; i0 < n; i0 += TOKENS) {                                                   \
-        const T *k[TOKENS];                                                                        \
-        for (int u = 0; u < TOKENS; u++)                                                           \
-            k[u] = token_##SUFFIX(s, key, table, t0 + (i0 + u < n ? i0 + u : n - 1));              \
+        const KT *k[TOKENS];                                                                       \
+        const float *ks[TOKENS];                                                                   \
+        for (int u = 0; u < TOKENS; u++) {                                                         \
+            const int64_t slot = slot_##NAME(s, table, t0 + (i0 + u < n ? i0 + u : n - 1));       \
+            k[u] = key + slot * HD;                                                                \
+            ks[u] = SCALED ? key_scale + slot * s->kv_heads : NULL;                                \
+        }                                                                                          \
         for (int64_t j = 0; j < H; j++) {                                                          \
             const float *qj = qf + j * D;                                                          \
             const int64_t off = (j / group) * D;                                                   \
             vf acc_t[TOKENS] = {{0}};                                                              \
             for (int64_t d = 0; d < vec_d; d += VL) {                                              \
                 const vf qv = vload_f32(qj + d);                                                   \
-                for (int u = 0; u < TOKENS; u++) acc_t[u] += qv * vload_##SUFFIX(k[u] + off + d);  \
+                for (int u = 0; u < TOKENS; u++) acc_t[u] += qv * vload_##KS(k[u] + off + d);      \
             }                                                                                      \
             float dots[TOKENS];                                                                    \
             hsum4(acc_t[0], acc_t[1], acc_t[2], acc_t[3], dots);                                   \
             for (int u = 0; u < TOKENS && i0 + u < n; u++) {                                       \
-                for (int64_t d = vec_d; d < D; d++) dots[u] += qj[d] * load_##SUFFIX(k[u] + off + d); \
-                scores[(i0 + u) * H + j] = dots[u];                                                \
+                for (int64_t d = vec_d; d < D; d++) dots[u] += qj[d] * load_##KS(k[u] + off + d);  \
+                scores[(i0 + u) * H + j] = SCALED ? dots[u] * ks[u][j / group] : dots[u];          \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
@@ -171,26 +206,34 @@ static void attend_piece_##SUFFIX(const Shape *s, const float *qf, const T *key,
     memset(acc, 0, sizeof(float) * H * D);                                                         \
     for (int64_t i0 = 0; i0 < n; i0 += TOKENS) {                                                   \
         const int m = n - i0 < TOKENS ? (int)(n - i0) : TOKENS;                                    \
-        const T *v[TOKENS];                                                                        \
-        for (int u = 0; u < m; u++) v[u] = token_##SUFFIX(s, value, table, t0 + i0 + u);           \
+        const KT *v[TOKENS];                                                                       \
+        const float *vs[TOKENS];                                                                   \
+        for (int u = 0; u < m; u++) {                                                              \
+            const int64_t slot = slot_##NAME(s, table, t0 + i0 + u);                               \
+            v[u] = value + slot * HD;                                                              \
+            vs[u] = SCALED ? value_scale + slot * s->kv_heads : NULL;                              \
+        }                                                                                          \
         for (int64_t j = 0; j < H; j++) {                                                          \
             const int64_t off = (j / group) * D;                                                   \
             float *a = acc + j * D;                                                                \
-            const float *p = scores + i0 * H + j;                                                  \
+            float p[TOKENS]; /* softmax weights, times the value scales */                         \
+            for (int u = 0; u < m; u++)                                                            \
+                p[u] = SCALED ? scores[(i0 + u) * H + j] * vs[u][j / group] : scores[(i0 + u) * H + j]; \
             for (int64_t d = 0; d < vec_d; d += VL) {                                              \
                 vf av = vload_f32(a + d);                                                          \
-                for (int u = 0; u < m; u++) av += p[u * H] * vload_##SUFFIX(v[u] + off + d);       \
+                for (int u = 0; u < m; u++) av += p[u] * vload_##KS(v[u] + off + d);               \
                 vstore(a + d, av);                                                                 \
             }                                                                                      \
             for (int64_t d = vec_d; d < D; d++)                                                    \
-                for (int u = 0; u < m; u++) a[d] += p[u * H] * load_##SUFFIX(v[u] + off + d);      \
+                for (int u = 0; u < m; u++) a[d] += p[u] * load_##KS(v[u] + off + d);              \
         }                                                                                          \
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
-int paged_attention_rows_##SUFFIX(                                                                 \
-    const T *q, const T *key, const T *value, const int32_t *block_tables,                         \
-    const int32_t *row_seq, const int32_t *row_pos, T *out, int64_t num_rows, int64_t num_heads,   \
+int paged_attention_rows_##NAME(                                                                   \
+    const QT *q, const KT *key, const KT *value, const float *key_scale, const float *value_scale, \
+    const int32_t *block_tables,                                                                   \
+    const int32_t *row_seq, const int32_t *row_pos, QT *out, int64_t num_rows, int64_t num_heads,  \
     int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,       \
     int64_t window, float soft_cap, int64_t chunk, int num_threads) {                              \
     const Shape s = {num_heads, kv_heads, head_dim, block_size, scale, soft_cap};                  \
@@ -221,10 +264,11 @@ int paged_attention_rows_##SUFFIX(                                              
             const int64_t first = (window > 0 && last + 1 > window) ? last + 1 - window : 0;       \
             const int64_t t0 = first + (p - piece_start[r]) * chunk;                               \
             const int64_t t1 = t0 + chunk - 1 < last ? t0 + chunk - 1 : last;                      \
-            for (int64_t i = 0; i < H * D; i++) qf[i] = load_##SUFFIX(q + r * H * D + i);          \
+            for (int64_t i = 0; i < H * D; i++) qf[i] = load_##QS(q + r * H * D + i);              \
             float *pm = part + p * stride;                                                         \
-            attend_piece_##SUFFIX(&s, qf, key, value, block_tables + (int64_t)row_seq[r] * max_blocks, \
-                                  t0, t1, scores, pm, pm + H, pm + 2 * H);                         \
+            attend_piece_##NAME(&s, qf, key, value, key_scale, value_scale,                        \
+                                block_tables + (int64_t)row_seq[r] * max_blocks, t0, t1, scores,   \
+                                pm, pm + H, pm + 2 * H);                                           \
         }                                                                                          \
         /* merge a row's pieces, each rescaled by exp(its max - the row's max) */                  \
         _Pragma("omp for schedule(static)")                                                        \
@@ -242,7 +286,7 @@ int paged_attention_rows_##SUFFIX(                                              
                     l += w * pm[H + j];                                                            \
                     for (int64_t d = 0; d < D; d++) o[d] += w * pm[2 * H + j * D + d];             \
                 }                                                                                  \
-                for (int64_t d = 0; d < D; d++) store_##SUFFIX(out + (r * H + j) * D + d, o[d] / l); \
+                for (int64_t d = 0; d < D; d++) store_##QS(out + (r * H + j) * D + d, o[d] / l);   \
             }                                                                                      \
         }                                                                                          \
         free(scores);                                                                              \
@@ -254,8 +298,14 @@ int paged_attention_rows_##SUFFIX(                                              
     return failed;                                                                                 \
 }
 
-DEFINE_PAGED_ATTENTION(f32, float)
-DEFINE_PAGED_ATTENTION(bf16, uint16_t)
+DEFINE_PAGED_ATTENTION(f32, f32, float, f32, float, 0)
+DEFINE_PAGED_ATTENTION(bf16, bf16, uint16_t, bf16, uint16_t, 0)
+DEFINE_PAGED_ATTENTION(f32_fp8, f32, float, fp8, uint8_t, 1)
+DEFINE_PAGED_ATTENTION(f32_i8, f32, float, i8, int8_t, 1)
+DEFINE_PAGED_ATTENTION(bf16_fp8, bf16, uint16_t, fp8, uint8_t, 1)
+DEFINE_PAGED_ATTENTION(bf16_i8, bf16, uint16_t, i8, int8_t, 1)
 #ifndef PAGEDKV_NO_F16
-DEFINE_PAGED_ATTENTION(f16, _Float16)
+DEFINE_PAGED_ATTENTION(f16, f16, _Float16, f16, _Float16, 0)
+DEFINE_PAGED_ATTENTION(f16_fp8, f16, _Float16, fp8, uint8_t, 1)
+DEFINE_PAGED_ATTENTION(f16_i8, f16, _Float16, i8, int8_t, 1)
 #endif
