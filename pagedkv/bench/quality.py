@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.bench.driver import EngineOptions, run_settings
-from pagedkv.bench.quality_config import REFERENCE, QualityConfig
+from pagedkv.bench.quality_config import QualityConfig
 from pagedkv.engine import LLMEngine, SamplingParams
 from pagedkv.engine.executor import Executor, StepPlan
 from pagedkv.engine.perplexity import Perplexity, run_to_completion, sliding_windows, window_logprobs
@@ -45,6 +45,7 @@ class LogitsTap(Executor):
     def __init__(self, inner: Executor, max_rows: int) -> None:
         self.inner = inner
         self.num_kv_blocks = inner.num_kv_blocks
+        self.kv_memory = inner.kv_memory
         self.max_rows = max_rows
         self.rows: list[torch.Tensor] = []
         self.token_ids: list[int] = []
@@ -110,6 +111,8 @@ class DtypeRun:
     """One KV cache dtype's raw results."""
 
     kv_cache_dtype: str
+    #: KV cache bytes per token, scales included (``kv_stats()["bytes_per_token"]``).
+    bytes_per_token: int
     perplexity: Perplexity
     generated: list[list[int]]
     logits: torch.Tensor
@@ -122,6 +125,7 @@ class QualityRow:
     """One KV cache dtype against ``auto`` (the comparisons are None on ``auto``'s own row)."""
 
     kv_cache_dtype: str
+    bytes_per_token: int
     perplexity: float
     perplexity_change_pct: float | None
     #: Generated positions where the greedy token equals auto's, as a fraction.
@@ -171,10 +175,8 @@ class QualityResult:
 
 def quality_engine(options: EngineOptions, config: QualityConfig, kv_cache_dtype: str) -> LLMEngine:
     """An engine of ``options`` with the run's pool and context; its KV cache in ``kv_cache_dtype``."""
-    engine_config = options.engine_config(config.num_kv_blocks, config.max_model_len)
-    if kv_cache_dtype != REFERENCE:
-        engine_config = dataclasses.replace(engine_config, kv_cache_dtype=kv_cache_dtype)
-    return LLMEngine(engine_config)
+    options = dataclasses.replace(options, kv_cache_dtype=kv_cache_dtype)
+    return LLMEngine(options.engine_config(config.num_kv_blocks, config.max_model_len))
 
 
 def run_dtype(
@@ -190,17 +192,22 @@ def run_dtype(
     engine.executor = tap.inner
     greedy = SamplingParams(max_tokens=config.gen_tokens, temperature=0.0, ignore_eos=True)
     outputs = run_to_completion(engine, heldout.prompts(config.num_prompts, config.prompt_len), greedy)
-    engine.shutdown()
     generated = [out.outputs[0].token_ids for out in outputs]
+    bytes_per_token = engine.kv_stats()["bytes_per_token"]
+    engine.shutdown()
     seconds = time.perf_counter() - started
-    return DtypeRun(kv_cache_dtype, perplexity, generated, tap.logits(), tap.token_ids, seconds)
+    return DtypeRun(
+        kv_cache_dtype, bytes_per_token, perplexity, generated, tap.logits(), tap.token_ids, seconds
+    )
 
 
 def compare(run: DtypeRun, reference: DtypeRun) -> QualityRow:
     """``run``'s row of the table, against ``reference`` (auto)."""
     ppl = run.perplexity.perplexity
     if run is reference:
-        return QualityRow(run.kv_cache_dtype, ppl, None, None, None, None, None, None, run.seconds)
+        return QualityRow(
+            run.kv_cache_dtype, run.bytes_per_token, ppl, None, None, None, None, None, None, run.seconds
+        )
     if run.logits_token_ids != reference.logits_token_ids:
         raise RuntimeError(
             f"{run.kv_cache_dtype}: its logits rows are not auto's tokens (scheduling differed)"
@@ -214,6 +221,7 @@ def compare(run: DtypeRun, reference: DtypeRun) -> QualityRow:
         identical += all(same)
     return QualityRow(
         kv_cache_dtype=run.kv_cache_dtype,
+        bytes_per_token=run.bytes_per_token,
         perplexity=ppl,
         perplexity_change_pct=100 * (ppl / reference.perplexity.perplexity - 1),
         token_agreement=sum(matches) / len(matches) if matches else math.nan,

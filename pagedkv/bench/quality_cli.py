@@ -10,7 +10,7 @@ import json
 import sys
 
 from pagedkv.bench.driver import EngineOptions
-from pagedkv.bench.quality_config import KV_CACHE_DTYPES, QualityConfig
+from pagedkv.bench.quality_config import QualityConfig
 from pagedkv.cli_args import (
     add_command,
     add_engine_options,
@@ -19,6 +19,7 @@ from pagedkv.cli_args import (
     positive_int,
     show_report,
 )
+from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES
 
 #: The engine options a quality run lets users change (the pool and the context are its own).
 ENGINE_FIELDS = ("model", "dtype", "block_size", "max_num_batched_tokens", "attention_backend")
@@ -38,7 +39,7 @@ def add_bench_quality_parser(bench_subparsers: argparse._SubParsersAction) -> ar
     what.add_argument(
         "--kv-cache-dtypes",
         nargs="+",
-        choices=KV_CACHE_DTYPES,
+        choices=KV_CACHE_DTYPE_NAMES,
         default=list(DEFAULTS.kv_cache_dtypes),
         help="KV cache dtypes; auto (the reference) always runs (default: %(default)s)",
     )

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: The KV cache dtypes the benchmark knows; the first is the reference the others are compared to.
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES
+
 #: The reference every other KV cache dtype is compared with: the model's own dtype.
 REFERENCE = "auto"
 
@@ -34,7 +34,7 @@ class QualityConfig:
     goal is 1 %); the command exits with status 1 when one rises more.
     """
 
-    kv_cache_dtypes: tuple[str, ...] = (REFERENCE,)
+    kv_cache_dtypes: tuple[str, ...] = KV_CACHE_DTYPE_NAMES
     max_heldout_chars: int | None = None
     window: int = 256
     stride: int | None = None
@@ -48,9 +48,11 @@ class QualityConfig:
     num_kv_blocks: int = 2048
 
     def __post_init__(self) -> None:
-        unknown = [d for d in self.kv_cache_dtypes if d not in KV_CACHE_DTYPES]
+        unknown = [d for d in self.kv_cache_dtypes if d not in KV_CACHE_DTYPE_NAMES]
         if unknown or not self.kv_cache_dtypes:
-            raise ValueError(f"kv_cache_dtypes must be among {KV_CACHE_DTYPES}, got {self.kv_cache_dtypes!r}")
+            raise ValueError(
+                f"kv_cache_dtypes must be among {KV_CACHE_DTYPE_NAMES}, got {self.kv_cache_dtypes!r}"
+            )
         if self.max_heldout_chars is not None:
             _positive("max_heldout_chars", self.max_heldout_chars)
         for name in ("window", "logits_rows", "num_prompts", "prompt_len", "gen_tokens", "num_kv_blocks"):

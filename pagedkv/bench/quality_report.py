@@ -26,13 +26,23 @@ def print_quality(result: QualityResult, console: Console) -> None:
         f"{config.gen_tokens} tokens each, vs auto."
     )
     table = Table(show_edge=False)
-    columns = ("KV dtype", "perplexity", "vs auto", "greedy agree", "1st diff", "same", "max |dlogit|")
+    columns = (
+        "KV dtype",
+        "B/token",
+        "perplexity",
+        "vs auto",
+        "greedy agree",
+        "1st diff",
+        "same",
+        "max |dlogit|",
+    )
     for title in (*columns, "mean |dlogit|"):
         table.add_column(title, justify="left" if title == "KV dtype" else "right")
     for row in result.rows:
         change, agreement, same = row.perplexity_change_pct, row.token_agreement, row.identical_continuations
         table.add_row(
             row.kv_cache_dtype,
+            f"{row.bytes_per_token:,}",
             f"{row.perplexity:.3f}",
             "-" if change is None else f"{change:+.2f} %",
             "-" if agreement is None else f"{agreement:.1%}",
@@ -43,7 +53,8 @@ def print_quality(result: QualityResult, console: Console) -> None:
         )
     console.print(table)
     console.print(
-        "greedy agree: generated positions whose token equals auto's; 1st diff: mean position of the "
+        "B/token: KV cache bytes per token, scales included; greedy agree: generated positions whose "
+        "token equals auto's; 1st diff: mean position of the "
         "first token that differs (continuations that part seldom meet again); same: continuations "
         "identical to auto's."
     )
