@@ -25,26 +25,17 @@ def print_quality(result: QualityResult, console: Console) -> None:
         f"vs auto. Greedy: {result.num_prompts} held-out prompts of {config.prompt_len} tokens, "
         f"{config.gen_tokens} tokens each, vs auto."
     )
-    table = Table(show_edge=False)
-    columns = (
-        "KV dtype",
-        "B/token",
-        "perplexity",
-        "vs auto",
-        "greedy agree",
-        "1st diff",
-        "same",
-        "max |dlogit|",
-    )
-    for title in (*columns, "mean |dlogit|"):
-        table.add_column(title, justify="left" if title == "KV dtype" else "right")
+    table = Table(show_edge=False, pad_edge=False)
+    columns = ("KV", "B/tok", "ppl", "vs auto", "agree", "1st diff", "same", "max err", "mean err")
+    for title in columns:
+        table.add_column(title, justify="left" if title == "KV" else "right", no_wrap=True)
     for row in result.rows:
         change, agreement, same = row.perplexity_change_pct, row.token_agreement, row.identical_continuations
         table.add_row(
             row.kv_cache_dtype,
             f"{row.bytes_per_token:,}",
             f"{row.perplexity:.3f}",
-            "-" if change is None else f"{change:+.2f} %",
+            "-" if change is None else f"{change:+.2f}%",
             "-" if agreement is None else f"{agreement:.1%}",
             _num(row.first_divergence_mean, ".0f"),
             "-" if same is None else f"{same}/{result.num_prompts}",
@@ -53,10 +44,10 @@ def print_quality(result: QualityResult, console: Console) -> None:
         )
     console.print(table)
     console.print(
-        "B/token: KV cache bytes per token, scales included; greedy agree: generated positions whose "
+        "B/tok: KV cache bytes per token, scales included; agree: generated positions whose greedy "
         "token equals auto's; 1st diff: mean position of the "
         "first token that differs (continuations that part seldom meet again); same: continuations "
-        "identical to auto's."
+        "identical to auto's; max / mean err: absolute logit difference from auto."
     )
     mark = "[green]met[/]" if result.ok else "[red]NOT met[/]"
     console.print(f"  {mark}  perplexity within +{config.goal_pct:g} % of auto for every KV cache dtype")

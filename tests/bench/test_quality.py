@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from rich.console import Console
 
 from pagedkv.bench.driver import EngineOptions
-from pagedkv.bench.quality import HeldOut, compare, quality_engine, run_dtype
+from pagedkv.bench.quality import HeldOut, QualityResult, compare, quality_engine, run_dtype
 from pagedkv.bench.quality_config import QualityConfig
+from pagedkv.bench.quality_report import print_quality
 from pagedkv.cli import main
 from pagedkv.engine.perplexity import perplexity
 
@@ -52,6 +54,15 @@ def test_auto_against_itself_has_no_error_and_the_perplexity_of_the_engine():
     assert [len(g) for g in first.generated] == [SMALL.gen_tokens] * 2
     direct = perplexity(quality_engine(options, SMALL, "auto"), heldout.documents, SMALL.window)
     assert first.perplexity == direct
+    result = QualityResult(SMALL, options, 1, heldout.chars, direct.num_tokens, direct.num_windows, 2, 100)
+    result.rows = [compare(first, first), row]
+    console = Console(width=80, record=True)
+    print_quality(result, console)
+    table = console.export_text()
+    assert f"{direct.perplexity:.3f}" in table and "+0.00%" in table and "100.0%" in table
+    assert "met  perplexity within +1 % of auto" in table and all(
+        len(line) <= 80 for line in table.splitlines()
+    )
 
 
 @pytest.mark.parametrize(
