@@ -6,11 +6,14 @@ head's ``head_dim`` values). Why per token and head rather than per block and he
 scale is fixed the moment :func:`pagedkv.attention.write_kv` writes it, so paged writes (one
 token at a time during decode, into a block other sequences may share) never have to re-read or
 re-quantize anything already stored, copy-on-write copies scales like any other slot data, and
-an outlier token cannot coarsen the quantization of its block's other tokens. The cost is 4 bytes
-per head_dim bytes (3 % at head_dim 128).
+an outlier token cannot coarsen the quantization of its block's other tokens. On the built-in
+model's keys and values it is also the more accurate choice (relative RMS error, block size 16,
+``python -m pagedkv.bench.quant_error``): fp8 0.024 per token vs 0.026 per block, int8 0.0053 vs
+0.0081. The cost is 4 bytes per head_dim bytes (3 % at head_dim 128).
 
-Dequantization is ``stored.float() * scale``: the kernels apply the key scale to a whole dot
-product and fold the value scale into the softmax weight, so each element costs one conversion.
+Dequantization is ``stored.float() * scale``: the kernels multiply a whole dot product by the key
+scale, and the converted value vector (CPU) or the softmax weight (Triton) by the value scale,
+so no element is multiplied twice.
 """
 
 from __future__ import annotations

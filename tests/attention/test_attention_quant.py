@@ -17,11 +17,11 @@ from pagedkv.attention import (
     paged_prefill_attention,
     write_kv,
 )
-from pagedkv.attention.backends import BACKENDS, Backend, torch_backend
+from pagedkv.attention.backends import BACKENDS, Backend, cpu, torch_backend
 from pagedkv.attention.quant import MIN_SCALE, QMAX, check_kv_cache_dtype, dequantize, quantize
 from pagedkv.memory.spec import KVSpec
 
-from .cases import contiguous_attention, make_case
+from .cases import DEVICE, contiguous_attention, make_case
 
 QUANTIZED = ["fp8", "int8"]
 FINITE = st.floats(-1e4, 1e4, allow_nan=False, allow_subnormal=False, width=32)
@@ -101,15 +101,28 @@ def test_cpu_decode_equals_the_reference_on_quantized_blocks(kv_cache_dtype, blo
         torch.testing.assert_close(expected[b].float(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(3, 3), (6, 2), (12, 2)])
+def test_cpu_decode_with_any_group_size(kv_cache_dtype, heads, kv_heads):
+    """The kernel scores up to four query heads per converted key: groups of 1, 3 and 6 heads
+    (a partial batch of four) give the reference's result too."""
+    case = make_case([5, 37], 16, kv_heads, 24, seed=13, kv_cache_dtype=kv_cache_dtype, device="cpu")
+    q = torch.randn(2, heads, 24)
+    torch.testing.assert_close(
+        _decode_all(case, q, "cpu"), _decode_all(case, q, "torch"), atol=1e-5, rtol=1e-5
+    )
+
+
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_prefill_equals_the_reference_on_quantized_blocks(backend, kv_cache_dtype, block_size):
     lens = [5, 40, 19]
-    case = make_case(lens, block_size, 1, 16, seed=5, kv_cache_dtype=kv_cache_dtype, device="cpu")
+    device = DEVICE if backend == "triton" else "cpu"  # benchmarks/gpu_check.sh: triton on the GPU
+    case = make_case(lens, block_size, 1, 16, seed=5, kv_cache_dtype=kv_cache_dtype, device=device)
     q_lens = [5, 12, 1]  # a whole prompt, a chunk after a cached prefix, one decode row
-    cu = torch.tensor([0, 5, 17, 18], dtype=torch.int32)
-    q = torch.randn(sum(q_lens), 4, 16)
+    cu = torch.tensor([0, 5, 17, 18], dtype=torch.int32, device=device)
+    q = torch.randn(sum(q_lens), 4, 16).to(device)
     args = (q, case.layer, case.block_tables, cu, case.context_lens, 0.3)
     out = paged_prefill_attention(*args, backend=backend)
     torch.testing.assert_close(out, paged_prefill_attention(*args, backend="torch"), atol=1e-5, rtol=1e-5)
@@ -118,15 +131,28 @@ def test_prefill_equals_the_reference_on_quantized_blocks(backend, kv_cache_dtyp
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_triton_decode_equals_the_reference_on_quantized_blocks(kv_cache_dtype, block_size):
-    """Under Triton's CPU interpreter: GQA, ragged lengths, a window, a soft-cap, and a context
-    long enough to be split (flash-decoding) and merged."""
+    """Under Triton's CPU interpreter (compiled on the GPU by ``benchmarks/gpu_check.sh``): GQA,
+    ragged lengths, a window, a soft-cap, and a context long enough to be split and merged."""
     lens = [1, 9, 600]
-    case = make_case(lens, block_size, 2, 16, seed=9, kv_cache_dtype=kv_cache_dtype, device="cpu")
-    q = torch.randn(len(lens), 4, 16)
+    case = make_case(lens, block_size, 2, 16, seed=9, kv_cache_dtype=kv_cache_dtype)  # on DEVICE
+    q = torch.randn(len(lens), 4, 16).to(DEVICE)
     for window, soft_cap in ((None, None), (7, 4.0)):
         out = _decode_all(case, q, "triton", window=window, soft_cap=soft_cap)
         expected = _decode_all(case, q, "torch", window=window, soft_cap=soft_cap)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_cpu_long_prompt_sdpa_path_dequantizes(kv_cache_dtype):
+    """Query runs longer than the native kernel takes go through gather + SDPA: the gather
+    dequantizes into the query's dtype."""
+    n = cpu.NATIVE_MAX_QUERY_LEN + 8
+    case = make_case([n], 16, 1, 8, seed=2, kv_cache_dtype=kv_cache_dtype, device="cpu")
+    q = torch.randn(n, 2, 8)
+    cu = torch.tensor([0, n], dtype=torch.int32)
+    args = (q, case.layer, case.block_tables, cu, case.context_lens, 0.3)
+    out = paged_prefill_attention(*args, backend="cpu")
+    torch.testing.assert_close(out, paged_prefill_attention(*args, backend="torch"), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)

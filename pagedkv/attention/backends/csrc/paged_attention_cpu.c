@@ -13,9 +13,10 @@
  *
  * Quantized pools (fp8 e4m3 or int8, one byte per element) are read in place too: each element
  * becomes a float in registers (int8 by conversion, fp8 by moving its bits into a float32's
- * exponent and mantissa), and the float32 scale of each token and KV head multiplies the whole
- * dot product (keys) or the softmax weight (values), never the elements one by one. Query and
- * output keep the model's dtype. Entry points: paged_attention_rows_<q dtype>[_<kv dtype>].
+ * exponent and mantissa) once, and serves every query head of its KV head from registers (up
+ * to GROUPS at a time for keys); the float32 scale of each token and KV head multiplies the
+ * whole dot product (keys) or the converted vector (values). Query and output keep the model's
+ * dtype. Entry points: paged_attention_rows_<q dtype>[_<kv dtype>].
  *
  * Layouts (contiguous): q/out [R, Hq, D]; key/value pools [num_blocks, bs, Hkv, D]; their
  * scales (quantized pools only, else NULL) [num_blocks, bs, Hkv] float32;
@@ -41,6 +42,7 @@ typedef int32_t vi __attribute__((vector_size(VL * 4)));
 typedef uint16_t vu16 __attribute__((vector_size(VL * 2)));
 
 #define TOKENS 4 /* tokens scored together: independent FMA chains, one q load for four keys */
+#define GROUPS 4 /* quantized pools: query heads scored together per converted key vector */
 _Static_assert(TOKENS == 4, "hsum4 reduces exactly four accumulators");
 
 /* Loads of VL elements (vector) or one element (scalar) into float32; scalar stores back. */
@@ -161,9 +163,38 @@ static void attend_piece_##NAME(const Shape *s, const float *qf, const KT *key, 
         const KT *k[TOKENS];                                                                       \
         const float *ks[TOKENS];                                                                   \
         for (int u = 0; u < TOKENS; u++) {                                                         \
-            const int64_t slot = slot_##NAME(s, table, t0 + (i0 + u < n ? i0 + u : n - 1));       \
+            const int64_t slot = slot_##NAME(s, table, t0 + (i0 + u < n ? i0 + u : n - 1));        \
             k[u] = key + slot * HD;                                                                \
             ks[u] = SCALED ? key_scale + slot * s->kv_heads : NULL;                                \
+        }                                                                                          \
+        if (SCALED) {                                                                              \
+            /* quantized: each key vector is converted once and used by GROUPS query heads of its  \
+             * KV head (heads past the group repeat its last one; their sums are dropped) */       \
+            for (int64_t h = 0; h < s->kv_heads; h++)                                              \
+                for (int64_t g0 = 0; g0 < group; g0 += GROUPS) {                                   \
+                    const float *qg[GROUPS];                                                       \
+                    for (int g = 0; g < GROUPS; g++)                                               \
+                        qg[g] = qf + (h * group + (g0 + g < group ? g0 + g : group - 1)) * D;      \
+                    vf acc_g[GROUPS][TOKENS] = {{{0}}};                                            \
+                    for (int64_t d = 0; d < vec_d; d += VL) {                                      \
+                        vf kv[TOKENS];                                                             \
+                        for (int u = 0; u < TOKENS; u++) kv[u] = vload_##KS(k[u] + h * D + d);     \
+                        for (int g = 0; g < GROUPS; g++) {                                         \
+                            const vf qv = vload_f32(qg[g] + d);                                    \
+                            for (int u = 0; u < TOKENS; u++) acc_g[g][u] += qv * kv[u];            \
+                        }                                                                          \
+                    }                                                                              \
+                    for (int g = 0; g < GROUPS && g0 + g < group; g++) {                           \
+                        float dots[TOKENS];                                                        \
+                        hsum4(acc_g[g][0], acc_g[g][1], acc_g[g][2], acc_g[g][3], dots);           \
+                        for (int u = 0; u < TOKENS && i0 + u < n; u++) {                           \
+                            for (int64_t d = vec_d; d < D; d++)                                    \
+                                dots[u] += qg[g][d] * load_##KS(k[u] + h * D + d);                 \
+                            scores[(i0 + u) * H + h * group + g0 + g] = dots[u] * ks[u][h];        \
+                        }                                                                          \
+                    }                                                                              \
+                }                                                                                  \
+            continue;                                                                              \
         }                                                                                          \
         for (int64_t j = 0; j < H; j++) {                                                          \
             const float *qj = qf + j * D;                                                          \
@@ -177,7 +208,7 @@ static void attend_piece_##NAME(const Shape *s, const float *qf, const KT *key, 
             hsum4(acc_t[0], acc_t[1], acc_t[2], acc_t[3], dots);                                   \
             for (int u = 0; u < TOKENS && i0 + u < n; u++) {                                       \
                 for (int64_t d = vec_d; d < D; d++) dots[u] += qj[d] * load_##KS(k[u] + off + d);  \
-                scores[(i0 + u) * H + j] = SCALED ? dots[u] * ks[u][j / group] : dots[u];          \
+                scores[(i0 + u) * H + j] = dots[u];                                                \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
@@ -213,19 +244,38 @@ static void attend_piece_##NAME(const Shape *s, const float *qf, const KT *key, 
             v[u] = value + slot * HD;                                                              \
             vs[u] = SCALED ? value_scale + slot * s->kv_heads : NULL;                              \
         }                                                                                          \
+        if (SCALED) {                                                                              \
+            /* quantized: each value vector is converted and scaled once, then added into every    \
+             * query head of its KV head */                                                        \
+            for (int64_t h = 0; h < s->kv_heads; h++) {                                            \
+                for (int64_t d = 0; d < vec_d; d += VL) {                                          \
+                    vf vv[TOKENS];                                                                 \
+                    for (int u = 0; u < m; u++) vv[u] = vload_##KS(v[u] + h * D + d) * vs[u][h];   \
+                    for (int64_t j = h * group; j < (h + 1) * group; j++) {                        \
+                        const float *p = scores + i0 * H + j;                                      \
+                        vf av = vload_f32(acc + j * D + d);                                        \
+                        for (int u = 0; u < m; u++) av += p[u * H] * vv[u];                        \
+                        vstore(acc + j * D + d, av);                                               \
+                    }                                                                              \
+                }                                                                                  \
+                for (int64_t d = vec_d; d < D; d++)                                                \
+                    for (int64_t j = h * group; j < (h + 1) * group; j++)                          \
+                        for (int u = 0; u < m; u++)                                                \
+                            acc[j * D + d] += scores[(i0 + u) * H + j] * load_##KS(v[u] + h * D + d) * vs[u][h];\
+            }                                                                                      \
+            continue;                                                                              \
+        }                                                                                          \
         for (int64_t j = 0; j < H; j++) {                                                          \
             const int64_t off = (j / group) * D;                                                   \
             float *a = acc + j * D;                                                                \
-            float p[TOKENS]; /* softmax weights, times the value scales */                         \
-            for (int u = 0; u < m; u++)                                                            \
-                p[u] = SCALED ? scores[(i0 + u) * H + j] * vs[u][j / group] : scores[(i0 + u) * H + j]; \
+            const float *p = scores + i0 * H + j;                                                  \
             for (int64_t d = 0; d < vec_d; d += VL) {                                              \
                 vf av = vload_f32(a + d);                                                          \
-                for (int u = 0; u < m; u++) av += p[u] * vload_##KS(v[u] + off + d);               \
+                for (int u = 0; u < m; u++) av += p[u * H] * vload_##KS(v[u] + off + d);           \
                 vstore(a + d, av);                                                                 \
             }                                                                                      \
             for (int64_t d = vec_d; d < D; d++)                                                    \
-                for (int u = 0; u < m; u++) a[d] += p[u] * load_##KS(v[u] + off + d);              \
+                for (int u = 0; u < m; u++) a[d] += p[u * H] * load_##KS(v[u] + off + d);          \
         }                                                                                          \
     }                                                                                              \
 }                                                                                                  \
