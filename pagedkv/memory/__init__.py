@@ -1,6 +1,6 @@
 """The paging itself: blocks, block tables, prefix cache. Pure Python, no torch import."""
 
-from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.block_pool import BlockPool, KVCacheListener
 from pagedkv.memory.block_table import BlockTable, blocks_for
 from pagedkv.memory.errors import PoolExhaustedError
 from pagedkv.memory.manager import KVCacheManager, KVUsage, PoolSnapshot, TableSnapshot
@@ -12,6 +12,7 @@ __all__ = [
     "ROOT",
     "BlockPool",
     "BlockTable",
+    "KVCacheListener",
     "KVCacheManager",
     "KVSpec",
     "KVUsage",

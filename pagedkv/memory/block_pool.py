@@ -14,9 +14,28 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from pagedkv.memory.errors import PoolExhaustedError
 from pagedkv.memory.prefix_cache import PrefixCache
+
+
+class KVCacheListener(Protocol):
+    """Told when the prefix cache gains or loses content, e.g. to publish KV cache events.
+
+    Called on the thread that changes the pool (the engine's), in the order things happen: a
+    block is always stored after its parent and removed before its id is handed out again, so a
+    listener can key what it knows by block id. Keep the calls cheap (queue, don't send).
+    """
+
+    def block_stored(self, block_id: int, parent: int, token_ids: Sequence[int]) -> None:
+        """A full block's contents became reusable (``parent`` is ROOT for a first block)."""
+
+    def blocks_removed(self, block_ids: Sequence[int]) -> None:
+        """These cached blocks were evicted or forgotten: their contents are gone."""
+
+    def all_blocks_cleared(self) -> None:
+        """The whole prefix cache was reset."""
 
 
 class BlockPool:
@@ -35,6 +54,8 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.prefix_cache = PrefixCache()
         self.num_evictions = 0
+        #: Told about every change to the cached contents (None: nobody listens).
+        self.listener: KVCacheListener | None = None
 
     # -- counts -----------------------------------------------------------------------------
     @property
@@ -120,7 +141,10 @@ class BlockPool:
             raise ValueError(f"block {block_id} is not in use; only held blocks can be cached")
         if len(token_ids) != self.block_size:
             raise ValueError(f"only full blocks are cached: got {len(token_ids)} of {self.block_size} tokens")
-        return self.prefix_cache.insert(block_id, parent, token_ids)
+        stored = self.prefix_cache.insert(block_id, parent, token_ids)
+        if stored and self.listener is not None:
+            self.listener.block_stored(block_id, parent, token_ids)
+        return stored
 
     def match_prefix(self, token_ids: Sequence[int], max_blocks: int) -> list[int]:
         """Cached blocks covering the longest prefix of ``token_ids`` (no side effects)."""
@@ -137,12 +161,16 @@ class BlockPool:
         forgotten = 0
         for block in list(self.prefix_cache.blocks()):
             if block in self.prefix_cache:
-                forgotten += len(self._forget(block))
+                forgotten += len(self._forget(block, notify=False))
+        if forgotten and self.listener is not None:
+            self.listener.all_blocks_cleared()
         return forgotten
 
-    def _forget(self, block_id: int) -> list[int]:
+    def _forget(self, block_id: int, notify: bool = True) -> list[int]:
         """Drop ``block_id`` and its cached descendants from the cache; free the unheld ones."""
         forgotten = self.prefix_cache.remove(block_id)
+        if forgotten and notify and self.listener is not None:
+            self.listener.blocks_removed(forgotten)
         for block in forgotten:
             if block in self._evictable:
                 del self._evictable[block]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from pagedkv.memory.block_pool import BlockPool
+from pagedkv.memory.block_pool import BlockPool, KVCacheListener
 from pagedkv.memory.block_table import BlockTable, CopyPair, blocks_for
 from pagedkv.memory.errors import PoolExhaustedError
 from pagedkv.memory.prefix_cache import ROOT
@@ -200,6 +200,10 @@ class KVCacheManager:
                 self.pool.free([block])
                 table.block_ids[i] = twin
         table.num_cached_blocks = max(done, full)
+
+    def set_listener(self, listener: KVCacheListener | None) -> None:
+        """Tell ``listener`` of every block the prefix cache gains or loses (None: nobody)."""
+        self.pool.listener = listener
 
     def reset_prefix_cache(self) -> int:
         """Forget all cached contents (e.g. after weights change). Returns blocks forgotten."""

@@ -24,6 +24,7 @@ from pagedkv import __version__
 from pagedkv.engine import EngineConfig, LLMEngine
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.errors import APIError, ClientGoneError
+from pagedkv.server.kv_events import KVEventsConfig, ZmqKVEventPublisher
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from pagedkv.server.openapi import error_responses, event_stream_or, install_openapi
@@ -37,6 +38,7 @@ from pagedkv.server.protocol import (
     ModelCard,
     ModelList,
 )
+from pagedkv.server.render import install_render_routes
 from pagedkv.server.serving import ServingContext, create_chat_completion, create_completion
 
 logger = logging.getLogger("pagedkv.server")
@@ -122,6 +124,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_waiting: int | None = DEFAULT_MAX_WAITING,
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    kv_events: KVEventsConfig | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over ``engine`` (a ready ``LLMEngine``, or the config to build one).
 
@@ -129,6 +132,8 @@ def create_app(
     ``max_waiting``: a request whose prompts would make more than this many wait gets 503 (None:
     no limit). ``max_prompts_per_request``: more prompts in one request get 400. The engine's
     ``RequestLimits`` (n, beams, tokens per request) apply to each request as a whole.
+    ``kv_events``: when enabled, the block pool's changes are published over ZMQ in vLLM's
+    KV-event format (:mod:`pagedkv.server.kv_events`), for ``vllm-router --policy kv_aware``.
     The engine's worker thread starts now and stops when the app's lifespan ends.
     """
     if api_key is not None and not api_key.strip():
@@ -141,6 +146,10 @@ def create_app(
     if owns_engine:
         engine = LLMEngine(engine or EngineConfig())
     model_name = served_model_name or default_model_name(engine)
+    publisher = None
+    if kv_events is not None and kv_events.enabled:
+        publisher = ZmqKVEventPublisher(kv_events, engine.config.block_size)
+        engine.kv_manager.set_listener(publisher)  # before the worker thread starts
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, metrics, max_waiting)
     metrics.watch(lambda: async_engine.stats)
@@ -159,6 +168,9 @@ def create_app(
     async def lifespan(_: FastAPI):
         yield
         await asyncio.to_thread(async_engine.shutdown)
+        if publisher is not None:
+            engine.kv_manager.set_listener(None)
+            publisher.close()
         if owns_engine:  # an engine passed in belongs to the caller, who may reuse it
             engine.shutdown()
 
@@ -166,6 +178,7 @@ def create_app(
     app.state.engine = async_engine
     app.state.context = ctx
     app.state.metrics = metrics
+    app.state.kv_event_publisher = publisher
     _install_error_handlers(app)
     install_openapi(app)
     generation_errors = error_responses(400, 401, 413, 500, 503)
@@ -185,6 +198,8 @@ def create_app(
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, ctx)
+
+    install_render_routes(app, ctx)
 
     @app.get("/v1/models", responses=error_responses(401))
     async def models() -> ModelList:

@@ -57,18 +57,84 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="most prompts in one completions request (default: %(default)s)",
     )
     server.add_argument("--log-level", default="info", help="uvicorn log level (default: %(default)s)")
+    server.add_argument(
+        "--kv-events-config",
+        default=None,
+        help='publish KV cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
+        '"publisher": "zmq", "endpoint": "tcp://*:5557"}\' (for vllm-router --policy kv_aware)',
+    )
+    replicas = parser.add_argument_group("replicas behind vllm-router")
+    replicas.add_argument(
+        "--data-parallel-size",
+        type=positive_int,
+        default=1,
+        help="run this many replicas (processes) behind vllm-router, which listens on --port "
+        "(default: %(default)s: one server, no router)",
+    )
+    replicas.add_argument(
+        "--router-policy",
+        default="kv_aware",
+        help="vllm-router's policy: kv_aware (follows the replicas' KV cache events), cache_aware, "
+        "round_robin, power_of_two, random, consistent_hash (default: %(default)s)",
+    )
+    replicas.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="pass one more argument to vllm-router (repeat; e.g. --router-arg=--disable-retries)",
+    )
     return parser
+
+
+def _run_replicas(args: argparse.Namespace) -> int:
+    from pagedkv.cli_args import engine_config
+    from pagedkv.server.replicas import ReplicaSet, serve_replicas
+
+    app_options = {
+        "api_key": args.api_key,
+        "served_model_name": args.served_model_name,
+        "max_body_bytes": args.max_body_size,
+        "max_waiting": args.max_waiting_requests,
+        "max_prompts_per_request": args.max_prompts_per_request,
+    }
+    try:
+        replicas = ReplicaSet(
+            engine_config(args),
+            args.data_parallel_size,
+            policy=args.router_policy,
+            host=args.host,
+            port=args.port,
+            app_options=app_options,
+            router_args=tuple(args.router_arg),
+            log_level=args.log_level,
+        )
+    except ValueError as err:
+        args.parser.error(str(err))
+    return serve_replicas(replicas)
 
 
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedkv.server.app import create_app
+    from pagedkv.server.kv_events import KVEventsConfig
 
     if args.api_key is not None and not args.api_key.strip():
         args.parser.error("--api-key must not be empty")
     if args.max_waiting_requests < 0:
         args.parser.error(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.data_parallel_size > 1:
+        if args.kv_events_config is not None:
+            args.parser.error(
+                "--kv-events-config is set per replica by --data-parallel-size; give one or the other"
+            )
+        return _run_replicas(args)
+    kv_events = None
+    if args.kv_events_config is not None:
+        try:
+            kv_events = KVEventsConfig.from_json(args.kv_events_config)
+        except (ValueError, TypeError) as err:
+            args.parser.error(str(err))
     engine = build_engine(args)
     app = create_app(
         engine,
@@ -77,6 +143,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_size,
         max_waiting=args.max_waiting_requests,
         max_prompts_per_request=args.max_prompts_per_request,
+        kv_events=kv_events,
     )
     name = app.state.context.model_name
     auth = "API key required" if args.api_key else "no API key"

@@ -252,7 +252,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------
-def _chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
+def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
     messages = [m.as_template_dict() for m in body.messages]
     try:
         return ctx.encoder.encode_chat(messages)
@@ -269,7 +269,7 @@ async def create_chat_completion(
 ) -> Response:
     body.check_text()
     ctx.check_model(body.model)
-    prompt = _chat_prompt(ctx, body)
+    prompt = chat_prompt(ctx, body)
     # Without max_tokens a chat runs to the end of the context (vLLM's default), within the limits.
     samples = body.n if isinstance(body.n, int) and body.n > 0 else 1
     ceiling = min(ctx.max_model_len, ctx.kv_capacity_tokens, ctx.limits.max_request_tokens // samples)

@@ -19,6 +19,29 @@ BLOCK_SIZE = 2
 PREFIXES = [[1, 2, 3, 4, 5], [3, 4, 1, 2], [1, 2, 9], [7, 7, 7, 7]]
 
 
+class CacheMirror:
+    """A KVCacheListener that rebuilds the prefix cache from its events alone, as a router does.
+
+    It checks the order the events promise: a block is stored under a parent it already knows
+    and removed only while it knows it.
+    """
+
+    def __init__(self):
+        self.blocks: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+    def block_stored(self, block_id, parent, token_ids):
+        assert block_id not in self.blocks, "stored twice without a removal in between"
+        assert parent == ROOT or parent in self.blocks, "stored under a parent nobody announced"
+        self.blocks[block_id] = (parent, tuple(token_ids))
+
+    def blocks_removed(self, block_ids):
+        for block in block_ids:
+            del self.blocks[block]
+
+    def all_blocks_cleared(self):
+        self.blocks.clear()
+
+
 class MemoryMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 24), caching=st.booleans())
     def setup(self, num_blocks, caching):
@@ -27,6 +50,8 @@ class MemoryMachine(RuleBasedStateMachine):
         self.block_prefix: dict[int, tuple] = {}  # block -> tokens before it (when written)
         self.block_data: dict[int, list] = {}  # block -> tokens written into it
         self.next_id = 0
+        self.mirror = CacheMirror()
+        self.kv.set_listener(self.mirror)
 
     # -- shadow KV ------------------------------------------------------------------------
     def _write(self, seq, start):
@@ -134,6 +159,15 @@ class MemoryMachine(RuleBasedStateMachine):
         for block in cache.blocks():
             parent = cache.parent_of(block)
             assert parent == ROOT or parent in cache
+
+    @invariant()
+    def events_rebuild_the_cache(self):
+        """Replaying the listener's events gives exactly the cached blocks and their contents."""
+        cache = self.kv.pool.prefix_cache
+        assert set(self.mirror.blocks) == set(cache.blocks())
+        for block, (parent, tokens) in self.mirror.blocks.items():
+            assert cache.parent_of(block) == parent
+            assert cache.lookup(parent, tokens) == block
 
     @invariant()
     def refcounts_equal_holders(self):

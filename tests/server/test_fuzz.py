@@ -34,6 +34,8 @@ SERVER_OPTIONS = ("--api-key", API_KEY, "--num-kv-blocks", "64", "--max-model-le
 ROUTES = [
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions/render"),
+    ("POST", "/v1/chat/completions/render"),
     ("GET", "/v1/models"),
     ("GET", "/health"),
     ("GET", "/metrics"),

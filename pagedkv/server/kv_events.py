@@ -1,0 +1,169 @@
+"""KV cache events over ZMQ, in vLLM's wire format, so a KV-aware router knows what each replica holds.
+
+vLLM workers publish ``KVEventBatch`` messages (``--kv-events-config``) and ``vllm-router
+--policy kv_aware`` subscribes to them: it rebuilds each worker's prefix tree from the token ids
+in ``BlockStored`` events and routes a request to the worker holding its longest prefix. This
+module speaks the same protocol from pagedkv's real block pool:
+
+* a ZMQ PUB socket bound to ``endpoint``; each message is three frames: topic, an 8-byte
+  big-endian sequence number, and the msgpack payload;
+* the payload is a msgpack array ``[ts, [event, ...], data_parallel_rank]``; each event is a map
+  tagged by ``"type"``: ``BlockStored`` (``block_hashes``, ``parent_block_hash``, ``token_ids``,
+  ``block_size``, ``lora_id``, ``medium``, ``lora_name``), ``BlockRemoved`` (``block_hashes``,
+  ``medium``) or ``AllBlocksCleared``. (vllm-router 0.1.17 reads events only as tagged maps.)
+* the sequence number restarts at 0 with the process: the router takes a drop in it for a
+  restarted worker and forgets what that worker held.
+
+Block hashes are what vLLM's are: a chain over the parent's hash and the block's tokens (sha256,
+first 8 bytes as a non-negative int), so two replicas that cache the same prefix announce the
+same hashes. The pool calls the :class:`~pagedkv.memory.KVCacheListener` methods on the engine
+thread, which only enqueue; a publisher thread hashes, batches and sends, so the engine step
+never waits on a socket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgpack
+import zmq
+
+from pagedkv.memory import ROOT
+
+logger = logging.getLogger("pagedkv.server.kv_events")
+
+#: The medium vLLM names for blocks held in the accelerator's KV cache.
+MEDIUM = "GPU"
+#: Parent hash of a sequence's first block: fixed, so every replica hashes alike.
+ROOT_HASH_SEED = b"pagedkv-kv-events"
+_STOP = object()
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's ``--kv-events-config`` JSON (the fields pagedkv uses; the others are accepted)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"
+    endpoint: str = "tcp://*:5557"
+    topic: str = ""
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--kv-events-config is not valid JSON: {err}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        fields = {k: raw[k] for k in ("enable_kv_cache_events", "publisher", "endpoint", "topic") if k in raw}
+        config = cls(**fields)
+        if config.publisher not in ("zmq", "null"):
+            raise ValueError(
+                f"--kv-events-config publisher must be 'zmq' or 'null', got {config.publisher!r}"
+            )
+        return config
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+def block_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """The chained content hash of one full block (a non-negative 63-bit int)."""
+    prefix = ROOT_HASH_SEED if parent_hash is None else parent_hash.to_bytes(8, "big")
+    digest = hashlib.sha256(prefix + msgpack.packb(list(token_ids))).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+class ZmqKVEventPublisher:
+    """A :class:`~pagedkv.memory.KVCacheListener` that publishes the pool's changes over ZMQ."""
+
+    def __init__(self, config: KVEventsConfig, block_size: int, data_parallel_rank: int = 0) -> None:
+        self.block_size = block_size
+        self.topic = config.topic.encode()
+        self.data_parallel_rank = data_parallel_rank
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(config.endpoint)
+        self.endpoint = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._hash_of: dict[int, int] = {}  # cached block id -> its announced hash
+        self._seq = 0
+        self._thread = threading.Thread(target=self._run, name="pagedkv-kv-events", daemon=True)
+        self._thread.start()
+
+    # -- KVCacheListener (engine thread: enqueue only) ----------------------------------------
+    def block_stored(self, block_id: int, parent: int, token_ids: Sequence[int]) -> None:
+        self._queue.put(("stored", block_id, parent, tuple(token_ids)))
+
+    def blocks_removed(self, block_ids: Sequence[int]) -> None:
+        self._queue.put(("removed", tuple(block_ids)))
+
+    def all_blocks_cleared(self) -> None:
+        self._queue.put(("cleared",))
+
+    # -- publisher thread ---------------------------------------------------------------------
+    def _event(self, item: tuple) -> dict | None:
+        kind = item[0]
+        if kind == "stored":
+            _, block_id, parent, tokens = item
+            parent_hash = None if parent == ROOT else self._hash_of.get(parent)
+            if parent != ROOT and parent_hash is None:
+                logger.warning("block %d stored under unannounced parent %d: not published", block_id, parent)
+                return None
+            digest = block_hash(parent_hash, tokens)
+            self._hash_of[block_id] = digest
+            return {
+                "type": "BlockStored",
+                "block_hashes": [digest],
+                "parent_block_hash": parent_hash,
+                "token_ids": list(tokens),
+                "block_size": self.block_size,
+                "lora_id": None,
+                "medium": MEDIUM,
+                "lora_name": None,
+            }
+        if kind == "removed":
+            hashes = [self._hash_of.pop(b) for b in item[1] if b in self._hash_of]
+            return {"type": "BlockRemoved", "block_hashes": hashes, "medium": MEDIUM} if hashes else None
+        self._hash_of.clear()
+        return {"type": "AllBlocksCleared"}
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            items = [self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get())
+            events = []
+            for item in items:
+                if item is _STOP:
+                    stopping = True
+                    break
+                event = self._event(item)
+                if event is not None:
+                    events.append(event)
+            if events:
+                self._send(events)
+
+    def _send(self, events: list[dict]) -> None:
+        payload = msgpack.packb([time.time(), events, self.data_parallel_rank])
+        self._socket.send_multipart([self.topic, self._seq.to_bytes(8, "big"), payload])
+        self._seq += 1
+
+    def close(self) -> None:
+        """Send what is queued, then close the socket (idempotent)."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join(timeout=10)
+        self._socket.close()
+        self._context.term()
