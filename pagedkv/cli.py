@@ -16,6 +16,7 @@ from rich.console import Console
 
 from pagedkv.bench.capacity_cli import add_bench_capacity_parser, run_capacity_demo
 from pagedkv.bench.parallel_cli import add_bench_parallel_parser
+from pagedkv.bench.quality_cli import add_bench_quality_parser
 from pagedkv.bench.router_cli import add_bench_router_parser
 from pagedkv.bench.serve_cli import add_bench_serve_parser
 from pagedkv.bench.sharing_cli import add_bench_sharing_parser, run_sharing_demo
@@ -242,6 +243,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
     add_bench_router_parser(benches)
     add_bench_throughput_parser(benches)
     add_bench_parallel_parser(benches)
+    add_bench_quality_parser(benches)
 
 
 # -- shared helpers ------------------------------------------------------------------------------

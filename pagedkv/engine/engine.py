@@ -5,7 +5,8 @@
 1. schedule -- :mod:`pagedkv.engine.scheduler` picks the token slices to compute and allocates
    their KV blocks;
 2. execute -- an executor (:mod:`pagedkv.engine.executor`) runs the model over the step's plan
-   and returns the logits of the slices that end a sequence;
+   and returns the logits of the slices that end a sequence (and of every prompt row whose
+   prompt logprobs were asked for: :mod:`pagedkv.engine.prompt_logprobs` records those);
 3. sample -- :mod:`pagedkv.engine.sampler` draws one token per sequence (a finished prompt
    first forks into its ``n`` samples); beams keep their log-probabilities. Through
    :mod:`pagedkv.engine.fault_isolation`: a request whose sampling raises fails alone;
@@ -31,6 +32,7 @@ from pagedkv.engine.fault_isolation import sample_rows
 from pagedkv.engine.kv_policy import KVPolicy
 from pagedkv.engine.output_processor import OutputProcessor, ProcessedStep, SampledStep
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.prompt_logprobs import take_prompt_logprobs
 from pagedkv.engine.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
@@ -148,9 +150,10 @@ class LLMEngine:
             if self.scheduler.has_work:
                 raise RuntimeError("scheduler made no progress with requests waiting (a bug)")
             return []
-        logits = self.executor.execute(scheduled.plan(self.kv_manager))
+        plan = scheduled.plan(self.kv_manager)
+        logits = self.executor.execute(plan)
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
-        sampled = self._sample(scheduled, logits)
+        sampled = self._sample(scheduled, take_prompt_logprobs(scheduled.scheduled, plan.slices, logits))
         processed = self.output_processor.process(sampled, self.scheduler, computed_at)
         self._publish(scheduled, sampled, processed, started)
         return processed.outputs

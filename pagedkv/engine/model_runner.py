@@ -21,7 +21,7 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
-    #: Row of each sampled sequence's last token in the packed batch.
+    #: Rows of the packed batch whose logits are returned (``SeqSlice.logits_rows``).
     logits_indices: torch.Tensor
 
 
@@ -48,8 +48,7 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             context_lens.append(end)
             cu_seqlens.append(cu_seqlens[-1] + end - start)
-            if piece.needs_logits:
-                logits_indices.append(cu_seqlens[-1] - 1)
+            logits_indices.extend(cu_seqlens[-2] + row for row in piece.logits_rows())
         width = max(len(piece.block_table) for piece in plan.slices)
         padded = [piece.block_table + [0] * (width - len(piece.block_table)) for piece in plan.slices]
 

@@ -145,6 +145,7 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens,
             metrics=metrics,
             error=request.error,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
     def _beam_completions(self, request: Request) -> list[CompletionOutput]:

@@ -47,3 +47,7 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     #: Set when the request failed inside the engine (its outputs end with ``finish_reason="error"``).
     error: str | None = None
+    #: With ``SamplingParams.prompt_logprobs``: one entry per prompt token, None for the first
+    #: (nothing predicts it); each entry is the prompt token's logprob and the top of the
+    #: distribution it was drawn from. None when not asked for.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -190,7 +190,7 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(params)
         if raw_logprobs is not None:
             chosen = [token_ids[i] for i in want_logprobs]
-            entries = _gather_logprobs(raw_logprobs, chosen, params, want_logprobs)
+            entries = token_logprobs(raw_logprobs, chosen, [params[i].logprobs for i in want_logprobs])
             for i, entry in zip(want_logprobs, entries, strict=True):
                 logprobs[i] = entry
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
@@ -218,24 +218,23 @@ class Sampler:
         return exponential_race(logits.softmax(dim=-1), generators)
 
 
-def _gather_logprobs(
-    raw_logprobs: torch.Tensor, chosen: list[int], params: list[SamplingParams], rows: list[int]
-) -> list[TokenLogprobs]:
-    """Sampled token's logprob and rank, and each row's requested top-k, with one ``tolist``."""
+def token_logprobs(raw_logprobs: torch.Tensor, chosen: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Row ``j``'s logprob and rank of token ``chosen[j]`` and its ``ks[j]`` most likely tokens,
+    with one ``tolist``: for sampled tokens here and for prompt tokens
+    (:mod:`pagedkv.engine.prompt_logprobs`)."""
     chosen_t = torch.tensor(chosen, device=raw_logprobs.device)[:, None]
     chosen_lp = raw_logprobs.gather(-1, chosen_t)
     ranks = (raw_logprobs > chosen_lp).sum(dim=-1) + 1
-    k_max = max(params[i].logprobs for i in rows)
-    top_lp, top_ids = raw_logprobs.topk(k_max, dim=-1)
+    top_lp, top_ids = raw_logprobs.topk(max(ks), dim=-1)
     chosen_lp, ranks, top_lp, top_ids = (t.tolist() for t in (chosen_lp, ranks, top_lp, top_ids))
     return [
         TokenLogprobs(
             token_id=chosen[j],
             logprob=chosen_lp[j][0],
             rank=ranks[j],
-            top=list(zip(top_ids[j][: params[i].logprobs], top_lp[j][: params[i].logprobs], strict=True)),
+            top=list(zip(top_ids[j][:k], top_lp[j][:k], strict=True)),
         )
-        for j, i in enumerate(rows)
+        for j, k in enumerate(ks)
     ]
 
 

@@ -115,6 +115,9 @@ class SamplingParams:
     ignore_eos: bool = False
     #: Top logprobs to return per generated token besides the sampled token's own; None: none.
     logprobs: int | None = None
+    #: Top logprobs to return per prompt token besides the prompt token's own (vLLM's
+    #: ``prompt_logprobs``); None: none. The prompt's first token has none (nothing precedes it).
+    prompt_logprobs: int | None = None
     #: OpenAI presence penalty: subtracted once from every token already generated.
     presence_penalty: float = 0.0
     #: OpenAI frequency penalty: subtracted once per earlier occurrence in the output.
@@ -141,6 +144,8 @@ class SamplingParams:
             raise _fail("ignore_eos", "a bool", self.ignore_eos)
         if self.logprobs is not None:
             self.logprobs = _as_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _as_int("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_LOGPROBS)
         self.presence_penalty = _as_float("presence_penalty", self.presence_penalty, low=-2, high=2)
         self.frequency_penalty = _as_float("frequency_penalty", self.frequency_penalty, low=-2, high=2)
         self.repetition_penalty = _as_float(

@@ -90,6 +90,7 @@ class SchedulerOutput:
                 start=item.start,
                 block_table=list(kv_manager.block_ids(item.seq.seq_id)),
                 needs_logits=item.needs_logits,
+                prompt_logits=item.seq.needs_prompt_logits,
             )
             for item in self.scheduled
         ]
@@ -172,7 +173,9 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return False
         head = self.waiting[0]
-        return not self.kv_manager.can_allocate(head.token_ids, self.reserve_tokens(head))
+        return not self.kv_manager.can_allocate(
+            head.token_ids, self.reserve_tokens(head), use_cache=not head.needs_prompt_logits
+        )
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -216,10 +219,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             reserve = self.reserve_tokens(seq)
-            if not self.kv_manager.can_allocate(seq.token_ids, reserve):
+            use_cache = not seq.needs_prompt_logits  # a cached token has no logits to score it
+            if not self.kv_manager.can_allocate(seq.token_ids, reserve, use_cache):
                 break
             self.waiting.popleft()
-            cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids, reserve)
+            cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids, reserve, use_cache)
             seq.num_computed_tokens = cached
             if seq.num_output_tokens == 0:
                 seq.request.num_cached_tokens = cached

@@ -83,6 +83,14 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def needs_prompt_logits(self) -> bool:
+        """Its slices must return the logits of every row, not only the last: its request asked
+        for prompt logprobs and they are not all computed yet. Such a sequence also skips the
+        prefix cache at admission (vLLM's rule): a cached token's logits do not exist."""
+        recorded = self.request.prompt_logprobs
+        return recorded is not None and len(recorded) < self.prompt_len
+
+    @property
     def in_prefill(self) -> bool:
         """More than one token still to compute (a prompt, or a recomputation after preemption)."""
         return self.num_tokens - self.num_computed_tokens > 1
@@ -128,6 +136,13 @@ class Request:
     num_cached_tokens: int = 0
     #: Why the request failed inside the engine, if it did (see ``fault_isolation``).
     error: str | None = None
+    #: The prompt logprobs computed so far (position ``i`` scores prompt token ``i``; the first
+    #: is None), when the request asked for them; see :mod:`pagedkv.engine.prompt_logprobs`.
+    prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def is_finished(self) -> bool:

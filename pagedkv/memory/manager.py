@@ -88,36 +88,43 @@ class KVCacheManager:
         return self.table(seq_id).block_ids
 
     # -- admission --------------------------------------------------------------------------
-    def _cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        if not self.enable_prefix_caching:
+    def _cached_prefix(self, token_ids: Sequence[int], use_cache: bool) -> list[int]:
+        if not (self.enable_prefix_caching and use_cache):
             return []
         # Never cover the prompt's last token: its logits must come out of this step.
         return self.pool.match_prefix(token_ids, (len(token_ids) - 1) // self.block_size)
 
-    def blocks_to_allocate(self, token_ids: Sequence[int], reserve_tokens: int = 0) -> int:
+    def blocks_to_allocate(
+        self, token_ids: Sequence[int], reserve_tokens: int = 0, use_cache: bool = True
+    ) -> int:
         """New blocks a prompt would take after its cache hits (hits still count as used).
 
-        ``reserve_tokens`` asks for slots beyond the prompt up front (contiguous reservation).
+        ``reserve_tokens`` asks for slots beyond the prompt up front (contiguous reservation);
+        ``use_cache=False`` looks nothing up (a prompt that must compute every token).
         """
-        hits = self._cached_prefix(token_ids)
+        hits = self._cached_prefix(token_ids, use_cache)
         revived = sum(1 for b in hits if self.pool.refcount(b) == 0)
         total = max(len(token_ids), reserve_tokens)
         return blocks_for(total, self.block_size) - len(hits) + revived
 
-    def can_allocate(self, token_ids: Sequence[int], reserve_tokens: int = 0) -> bool:
-        needed = self.blocks_to_allocate(token_ids, reserve_tokens)
+    def can_allocate(self, token_ids: Sequence[int], reserve_tokens: int = 0, use_cache: bool = True) -> bool:
+        needed = self.blocks_to_allocate(token_ids, reserve_tokens, use_cache)
         return needed <= self.pool.num_free_blocks - self.watermark_blocks
 
-    def allocate(self, seq_id: SeqId, token_ids: Sequence[int], reserve_tokens: int = 0) -> int:
+    def allocate(
+        self, seq_id: SeqId, token_ids: Sequence[int], reserve_tokens: int = 0, use_cache: bool = True
+    ) -> int:
         """Give ``seq_id`` blocks for its whole prompt; return how many tokens were cached.
 
         Cached prefix blocks are shared (refcount + 1) instead of allocated; the caller skips
-        computing those tokens. ``reserve_tokens`` holds slots for later tokens too.
+        computing those tokens. ``reserve_tokens`` holds slots for later tokens too;
+        ``use_cache=False`` allocates every block new (the blocks are still offered to the
+        cache once computed).
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds KV blocks")
-        hits = self._cached_prefix(token_ids)
-        needed = self.blocks_to_allocate(token_ids, reserve_tokens)
+        hits = self._cached_prefix(token_ids, use_cache)
+        needed = self.blocks_to_allocate(token_ids, reserve_tokens, use_cache)
         if needed > self.pool.num_free_blocks:
             raise PoolExhaustedError(needed, self.pool.num_free_blocks, self.num_blocks)
         for block in hits:
@@ -128,7 +135,7 @@ class KVCacheManager:
         table.reserve(reserve_tokens)
         self._tables[seq_id] = table
         cached_tokens = len(hits) * self.block_size
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and use_cache:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += cached_tokens
         return cached_tokens

@@ -82,6 +82,8 @@ class Generation:
         self.prompts = prompts
         self.params = params
         self.usage = Usage()
+        #: Each prompt's prompt logprobs (by prompt index), once its first output brought them.
+        self.prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}
         self._engine_ids = [self._engine_id(i) for i in range(len(prompts))]
         self._unfinished: set[int] = set()
         self._stream: Stream | None = None
@@ -116,6 +118,8 @@ class Generation:
                 for delta in self._end_open_choices("abort"):
                     yield delta
                 raise item
+            if item.prompt_logprobs is not None:
+                self.prompt_logprobs.setdefault(prompt_index, item.prompt_logprobs)
             for delta in self._advance(prompt_index, item):
                 self.usage.completion_tokens += len(delta.token_ids)
                 yield delta

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.models import Tokenizer
-from pagedkv.server.protocol import CompletionLogprobs, TokenLogprob, TopLogprob
+from pagedkv.server.protocol import CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 
 
 class LogprobFormatter:
@@ -50,6 +50,24 @@ class LogprobFormatter:
             out.token_logprobs += part.token_logprobs
             out.top_logprobs += part.top_logprobs
             out.text_offset += part.text_offset
+        return out
+
+    def prompt(self, logprobs: list[TokenLogprobs | None]) -> list[dict[str, PromptLogprob] | None]:
+        """vLLM's ``prompt_logprobs``: per position, the prompt token and then the top tokens."""
+        out: list[dict[str, PromptLogprob] | None] = []
+        for entry in logprobs:
+            if entry is None:
+                out.append(None)
+                continue
+            candidates = [(entry.token_id, entry.logprob, entry.rank)]
+            candidates += [(t, lp, rank) for rank, (t, lp) in enumerate(entry.top, start=1)]
+            position: dict[str, PromptLogprob] = {}
+            for token_id, logprob, rank in candidates:
+                position.setdefault(
+                    str(token_id),
+                    PromptLogprob(logprob=logprob, rank=rank, decoded_token=self.token(token_id)),
+                )
+            out.append(position)
         return out
 
     def chat(self, logprobs: list[TokenLogprobs]) -> list[TokenLogprob]:

@@ -97,7 +97,9 @@ class _SamplingRequest(BaseModel):
             if value:
                 raise APIError.bad_request(f"{name} is not supported by this server", param=name)
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The engine's parameters; a bad value becomes a 400 naming the field."""
         options: dict[str, Any] = {
             "n": self.n,
@@ -111,6 +113,7 @@ class _SamplingRequest(BaseModel):
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
@@ -118,7 +121,7 @@ class _SamplingRequest(BaseModel):
         }
         # None (absent or JSON null) means "the default": SamplingParams' own, except for the
         # fields where None itself is the value (no logprobs, no seed, no stops).
-        keep_none = {"logprobs", "seed", "stop", "stop_token_ids"}
+        keep_none = {"logprobs", "prompt_logprobs", "seed", "stop", "stop_token_ids"}
         options = {k: v for k, v in options.items() if v is not None or k in keep_none}
         try:
             return SamplingParams(**options)
@@ -136,6 +139,8 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = 16
     logprobs: Int | None = None
+    #: vLLM's extra parameter: the logprob of every prompt token and its top ``prompt_logprobs``.
+    prompt_logprobs: Int | None = None
     echo: Bool | None = False
     suffix: str | None = None
 
@@ -150,7 +155,8 @@ class CompletionRequest(_SamplingRequest):
 
     def sampling_params(self) -> SamplingParams:
         self._refuse_unsupported(echo=self.echo, suffix=self.suffix)
-        return self._sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, self.prompt_logprobs)
 
 
 class TextPart(BaseModel):
@@ -221,11 +227,23 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's ``Logprob``: one candidate token at a prompt position."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    #: vLLM's shape: per prompt token, None for the first, else candidates by token id (the
+    #: prompt's own token first, then the top ``prompt_logprobs``); in a stream, on a choice's
+    #: first chunk only.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -186,11 +186,22 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     generation = await _start(ctx, request_id, prompts, params)
     formatter = LogprobFormatter(ctx.tokenizer)
     wants_logprobs = params.logprobs is not None
+    with_prompt_logprobs: set[int] = set()  # choices whose prompt logprobs went out
 
     def choice(delta: ChoiceDelta) -> CompletionChoice:
         logprobs = formatter.completion(delta.index, delta.logprobs) if wants_logprobs else None
+        prompt_logprobs = generation.prompt_logprobs.get(delta.index // params.n)
+        if prompt_logprobs is not None and delta.index not in with_prompt_logprobs:
+            with_prompt_logprobs.add(delta.index)
+            prompt_logprobs = formatter.prompt(prompt_logprobs)
+        else:
+            prompt_logprobs = None
         return CompletionChoice(
-            index=delta.index, text=delta.text, logprobs=logprobs, finish_reason=delta.finish_reason
+            index=delta.index,
+            text=delta.text,
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,
+            prompt_logprobs=prompt_logprobs,
         )
 
     created = int(time.time())
@@ -226,7 +237,11 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         logprobs = formatter.merge([c.logprobs for c in merged]) if wants_logprobs else None
         choices.append(
             CompletionChoice(
-                index=deltas[-1].index, text=text, logprobs=logprobs, finish_reason=deltas[-1].finish_reason
+                index=deltas[-1].index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=deltas[-1].finish_reason,
+                prompt_logprobs=merged[0].prompt_logprobs,
             )
         )
     return _json(

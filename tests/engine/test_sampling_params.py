@@ -14,6 +14,7 @@ def test_defaults_follow_vllm() -> None:
     p = SamplingParams()
     assert (p.n, p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 16, 1.0, 1.0, -1, 0.0)
     assert p.seed is None and p.stop == [] and p.stop_token_ids == [] and p.logprobs is None
+    assert p.prompt_logprobs is None
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
     assert not p.ignore_eos and p.min_tokens == 0 and not p.greedy
 
@@ -48,6 +49,10 @@ def test_defaults_follow_vllm() -> None:
         ("ignore_eos", 1, "SamplingParams.ignore_eos must be a bool, got 1"),
         ("logprobs", -1, "SamplingParams.logprobs must be >= 0, got -1"),
         ("logprobs", MAX_LOGPROBS + 1, f"SamplingParams.logprobs must be <= {MAX_LOGPROBS}, got 21"),
+        ("prompt_logprobs", -1, "SamplingParams.prompt_logprobs must be >= 0, got -1"),
+        ("prompt_logprobs", 21, f"SamplingParams.prompt_logprobs must be <= {MAX_LOGPROBS}, got 21"),
+        ("prompt_logprobs", True, "SamplingParams.prompt_logprobs must be an integer, got True"),
+        ("prompt_logprobs", "2", "SamplingParams.prompt_logprobs must be an integer, got '2'"),
         ("presence_penalty", 2.5, "SamplingParams.presence_penalty must be in [-2, 2], got 2.5"),
         ("frequency_penalty", -3, "SamplingParams.frequency_penalty must be in [-2, 2], got -3"),
         ("repetition_penalty", 0, "SamplingParams.repetition_penalty must be > 0, got 0"),
@@ -81,9 +86,11 @@ def test_boundary_values_are_accepted() -> None:
         top_k=1,
         seed=-(2**63),
         logprobs=MAX_LOGPROBS,
+        prompt_logprobs=0,
         presence_penalty=-2,
         frequency_penalty=2,
         repetition_penalty=1e-3,
         min_tokens=16,
     )
     assert p.min_tokens == p.max_tokens and p.logprobs == MAX_LOGPROBS and p.seed == -(2**63)
+    assert p.prompt_logprobs == 0 and SamplingParams(prompt_logprobs=MAX_LOGPROBS).prompt_logprobs == 20

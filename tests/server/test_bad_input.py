@@ -160,6 +160,13 @@ BAD_INPUTS = [
     BadInput("`n` = 0", 400, _completion(n=0), says=">= 1", param="n"),
     BadInput("`n` not an integer", 400, _completion(n=1.5), param="n"),
     BadInput("`logprobs` > 20", 400, _completion(logprobs=21), says="<= 20", param="logprobs"),
+    BadInput(
+        "`prompt_logprobs` > 20",
+        400,
+        _completion(prompt_logprobs=21),
+        says="<= 20",
+        param="prompt_logprobs",
+    ),
     BadInput("`seed` beyond 64 bits", 400, _completion(seed=2**64), says="seed", param="seed"),
     BadInput("empty stop string", 400, _completion(stop=[""]), says="non-empty", param="stop"),
     BadInput("`stream` not a boolean", 400, _completion(stream="yes"), param="stream"),

@@ -24,10 +24,20 @@ class SeqSlice:
     block_table: list[int]
     #: The slice ends at the sequence's last token, whose logits the engine samples from.
     needs_logits: bool
+    #: Every row's logits are returned, not only the last: the slice computes prompt tokens
+    #: whose prompt logprobs were asked for (each row's logits score the next prompt token).
+    prompt_logits: bool = False
 
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+    def logits_rows(self) -> range:
+        """The rows of this slice (0 = its first token) whose logits the step returns: all of
+        them for prompt logprobs, else the last one if it is sampled, else none."""
+        if self.prompt_logits:
+            return range(len(self.token_ids))
+        return range(len(self.token_ids) - 1, len(self.token_ids)) if self.needs_logits else range(0)
 
 
 @dataclass(frozen=True)
@@ -44,8 +54,8 @@ class StepPlan:
 
     @property
     def num_logits(self) -> int:
-        """Rows of logits the step returns: one per slice that needs them, in slice order."""
-        return sum(s.needs_logits for s in self.slices)
+        """Rows of logits the step returns: each slice's :meth:`SeqSlice.logits_rows`, in order."""
+        return sum(len(s.logits_rows()) for s in self.slices)
 
     def to_dict(self) -> dict:
         return asdict(self)
