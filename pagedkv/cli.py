@@ -198,6 +198,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     llm = LLM(**{**config.__dict__})
     if llm.engine.is_builtin:
         console.print(f"[yellow]note:[/] {BUILTIN_NOTE}")
+    console.print(f"[dim]engine: {llm.engine.describe()}[/]")
     prompts = args.prompts
     if args.chat:
         prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]

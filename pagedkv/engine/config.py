@@ -23,6 +23,9 @@ class EngineConfig:
 
     model: str | Path | None = None
     dtype: str | torch.dtype | None = "float32"
+    #: "auto" (oneDNN with packed weights on the CPU where it runs the dtype, else F.linear),
+    #: "onednn" or "torch" (see pagedkv.models.linear)
+    linear_kernel: str = "auto"
     device: str = "cpu"
     block_size: int = 16
     #: KV blocks in the pool; None: as many as ``kv_cache_memory`` holds.

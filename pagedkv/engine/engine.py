@@ -227,6 +227,11 @@ class LLMEngine:
         """Forget every cached block (e.g. after the weights change); returns how many."""
         return self.kv_manager.reset_prefix_cache()
 
+    def describe(self) -> str:
+        """One line for logs and the CLI: the model, its dtype and the kernels it runs on."""
+        model = "built-in model" if self.is_builtin else str(self.model_path)
+        return f"{model}: " + ", ".join(f"{key} {value}" for key, value in self.executor.runtime.items())
+
     def check_health(self) -> None:
         """Raise :class:`~pagedkv.engine.executor.ExecutorError` if steps can no longer run."""
         self.executor.check_health()

@@ -20,7 +20,8 @@ from safetensors import safe_open
 
 from pagedkv.attention import resolve_backend
 from pagedkv.models.config import ModelConfig, resolve_dtype
-from pagedkv.models.llama import LlamaForCausalLM, PackedLinear
+from pagedkv.models.linear import PackedLinear, choose_linear_kernel, pack_linears
+from pagedkv.models.llama import LlamaForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -56,13 +57,18 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     attention_backend: str | None = None,
+    linear_kernel: str = "auto",
+    batch_hint: int = 2048,
 ) -> LlamaForCausalLM:
     """The model of folder ``path`` in eval mode, weights cast to ``dtype`` (default: the
-    checkpoint's own dtype) on ``device``, its attention kernels those of ``attention_backend``
-    (default: the device's, see :mod:`pagedkv.attention.backends`)."""
+    checkpoint's own dtype; "auto": see :func:`~pagedkv.models.config.resolve_dtype`) on
+    ``device``, its attention kernels those of ``attention_backend`` (default: the device's, see
+    :mod:`pagedkv.attention.backends`), its linear layers packed for ``linear_kernel`` once the
+    weights are in (see :mod:`pagedkv.models.linear`; ``batch_hint``: the most rows per call)."""
     backend = resolve_backend(attention_backend, torch.device(device))
     cfg = ModelConfig.from_pretrained(path)
-    dtype = resolve_dtype(dtype, default=cfg.dtype)
+    dtype = resolve_dtype(dtype, default=cfg.dtype, device=device)
+    kernel = choose_linear_kernel(linear_kernel, torch.device(device), dtype)
     cfg = dataclasses.replace(cfg, dtype=dtype)  # model.config describes the model as loaded
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -74,6 +80,7 @@ def load_model(
     model.tie_weights()
     load_weights(model, weight_files(path))
     model.requires_grad_(False)
+    model.linear_kernel = pack_linears(model, kernel, batch_hint)
     return model.eval()
 
 

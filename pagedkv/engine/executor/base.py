@@ -23,6 +23,8 @@ class ExecutorError(RuntimeError):
 class Executor(ABC):
     #: Physical KV blocks every rank holds (the engine's block pool has exactly these).
     num_kv_blocks: int
+    #: How the model runs, for logs and the CLI: dtype, linear kernel, attention backend.
+    runtime: dict[str, str]
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> torch.Tensor:

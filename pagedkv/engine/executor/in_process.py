@@ -13,6 +13,7 @@ from pagedkv.engine.executor.plan import StepPlan
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.memory import parse_bytes
 from pagedkv.models import ModelConfig, load_model
+from pagedkv.models.config import dtype_name
 
 
 class InProcessExecutor(Executor):
@@ -20,8 +21,15 @@ class InProcessExecutor(Executor):
     ``kv_cache_memory`` holds) on ``config.device``; runs each step on the calling thread."""
 
     def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig) -> None:
-        model = load_model(model_path, config.dtype, config.device, config.attention_backend)
-        dtype = next(model.parameters()).dtype
+        model = load_model(
+            model_path,
+            config.dtype,
+            config.device,
+            config.attention_backend,
+            config.linear_kernel,
+            batch_hint=config.max_num_batched_tokens,
+        )
+        dtype = model.config.dtype
         spec = model_config.kv_spec()
         if config.num_kv_blocks is not None:
             kv_cache = KVCache(spec, config.num_kv_blocks, config.block_size, dtype, config.device)
@@ -29,6 +37,11 @@ class InProcessExecutor(Executor):
             memory = parse_bytes(config.kv_cache_memory)
             kv_cache = KVCache.from_memory(spec, memory, config.block_size, dtype, config.device)
         self.num_kv_blocks = kv_cache.num_blocks
+        self.runtime = {
+            "dtype": dtype_name(dtype),
+            "linear": model.linear_kernel.describe(),
+            "attention": model.attention_backend.name,
+        }
         self.runner: ModelRunner | None = ModelRunner(model, kv_cache)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
