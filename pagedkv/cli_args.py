@@ -194,6 +194,11 @@ ENGINE_OPTIONS = (
     ),
     EngineOption("device", f"torch device {DEFAULT}"),
     EngineOption(
+        "skip_tokenizer_init",
+        "run without a tokenizer: token-id prompts only, outputs without text",
+        action="store_true",
+    ),
+    EngineOption(
         "linear_kernel",
         f"GEMM kernel of the linear layers: auto (oneDNN with packed weights on the CPU, else F.linear), "
         f"onednn or torch (F.linear) {DEFAULT}",
