@@ -232,7 +232,8 @@ class LLMEngine:
     def describe(self) -> str:
         """One line for logs and the CLI: the model, its dtype and the kernels it runs on."""
         model = "built-in model" if self.is_builtin else str(self.model_path)
-        return f"{model}: " + ", ".join(f"{key} {value}" for key, value in self.executor.runtime.items())
+        runtime = getattr(self.executor, "runtime", {})  # an executor may not report it
+        return f"{model}: " + ", ".join(f"{key} {value}" for key, value in runtime.items())
 
     def check_health(self) -> None:
         """Raise :class:`~pagedkv.engine.executor.ExecutorError` if steps can no longer run."""
