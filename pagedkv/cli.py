@@ -188,6 +188,11 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
         help="prompt texts",
     )
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    parser.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="each prompt is comma-separated token ids (e.g. 1,15,27), as a model without a tokenizer needs",
+    )
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=32)
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -199,7 +204,7 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from pagedkv.engine import InvalidRequestError, SamplingParams
+    from pagedkv.engine import SamplingParams
     from pagedkv.llm import LLM
     from pagedkv.models import BUILTIN_NOTE
 
@@ -209,18 +214,22 @@ def _run_generate(args: argparse.Namespace) -> int:
     llm = LLM(**{**config.__dict__})
     if llm.engine.is_builtin:
         console.print(f"[yellow]note:[/] {BUILTIN_NOTE}")
+    console.print(f"[dim]engine: {llm.engine.describe()}[/]")
     prompts = args.prompts
-    if args.chat:
-        prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     try:
+        if args.token_ids:
+            prompts = [[int(t) for t in p.split(",")] for p in prompts]
+        if args.chat:
+            prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
         outputs = llm.generate(prompts, params)
-    except InvalidRequestError as err:
+    except ValueError as err:  # a rejected request (InvalidRequestError), no tokenizer, a bad id
         console.print(f"[red]error:[/] {err}")
         return 1
     for prompt, out in zip(args.prompts, outputs, strict=True):
         console.rule(repr(prompt))
         for completion in out.outputs:
-            console.print(f"[{completion.index}] {completion.text!r}  ({completion.finish_reason})")
+            shown = repr(completion.text) if llm.tokenizer.has_text else completion.token_ids
+            console.print(f"[{completion.index}] {shown}  ({completion.finish_reason})")
     stats = llm.kv_stats()
     hits, queries = stats["prefix_cache_hits_tokens"], stats["prefix_cache_queries_tokens"]
     console.print(

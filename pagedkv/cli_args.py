@@ -187,8 +187,23 @@ ENGINE_OPTIONS = (
         "model",
         "Hugging Face model folder (default: the built-in tiny Llama trained on the Python standard library)",
     ),
-    EngineOption("dtype", DEFAULT, choices=("float32", "bfloat16", "float16")),
+    EngineOption(
+        "dtype",
+        f"auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32 {DEFAULT}",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
     EngineOption("device", f"torch device {DEFAULT}"),
+    EngineOption(
+        "skip_tokenizer_init",
+        "run without a tokenizer: token-id prompts only, outputs without text",
+        action="store_true",
+    ),
+    EngineOption(
+        "linear_kernel",
+        f"GEMM kernel of the linear layers: auto (oneDNN with packed weights on the CPU, else F.linear), "
+        f"onednn or torch (F.linear) {DEFAULT}",
+        choices=("auto", "onednn", "torch"),
+    ),
     EngineOption("block_size", f"tokens per KV block {DEFAULT}", positive_int),
     EngineOption("num_kv_blocks", "KV blocks in the pool (default: from --kv-cache-memory)", positive_int),
     EngineOption("kv_cache_memory", "KV cache memory when --num-kv-blocks is not given (256MiB)", byte_size),
@@ -293,4 +308,5 @@ def build_engine(args: argparse.Namespace):
         args.parser.error(str(err))
     if engine.is_builtin:
         print(f"note: {BUILTIN_NOTE}", file=sys.stderr)
+    print(f"engine: {engine.describe()}", file=sys.stderr)
     return engine

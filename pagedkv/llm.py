@@ -21,6 +21,9 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
+    def __repr__(self) -> str:
+        return f"LLM({self.engine.describe()})"
+
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],

@@ -69,7 +69,12 @@ class PagedkvEngine:
             max_num_seqs=max(64, spec.max_requests),
             enable_prefix_caching=False,
         )
-        self.info = {"engine": "pagedkv", "kv_blocks": blocks, "torch_threads": torch.get_num_threads()}
+        self.info = {
+            "engine": "pagedkv",
+            "kv_blocks": blocks,
+            "torch_threads": torch.get_num_threads(),
+            "runtime": self.llm.engine.describe(),  # dtype and the linear/attention kernels
+        }
         self.run(Workload("warm-up", ((5, 6, 7, 8, 9, 10, 11, 12),) * 2, (4, 4)))
 
     def run(self, workload: Workload) -> tuple[float, list[list[int]]]:

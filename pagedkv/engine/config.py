@@ -22,8 +22,15 @@ class EngineConfig:
     """Everything that sizes the engine. ``model=None`` means the built-in trained tiny Llama."""
 
     model: str | Path | None = None
-    dtype: str | torch.dtype | None = "float32"
+    #: "auto": bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32; None: the checkpoint's
+    dtype: str | torch.dtype | None = "auto"
+    #: "auto" (oneDNN with packed weights on the CPU where it runs the dtype, else F.linear),
+    #: "onednn" or "torch" (see pagedkv.models.linear)
+    linear_kernel: str = "auto"
     device: str = "cpu"
+    #: Run without a tokenizer (vLLM's name): token-id prompts only, outputs without text. A
+    #: folder without tokenizer.json runs this way on its own.
+    skip_tokenizer_init: bool = False
     block_size: int = 16
     #: KV blocks in the pool; None: as many as ``kv_cache_memory`` holds.
     num_kv_blocks: int | None = None

@@ -40,7 +40,7 @@ from pagedkv.engine.sequence import BeamState, Request, Sequence
 from pagedkv.engine.stats import EngineStats, KVSnapshot, StatsCollector, StepStats
 from pagedkv.engine.validation import InvalidRequestError, RequestValidator
 from pagedkv.memory import KVCacheManager
-from pagedkv.models import ModelConfig, builtin_model_path, load_tokenizer
+from pagedkv.models import ModelConfig, builtin_model_path, engine_tokenizer
 
 __all__ = ["EngineConfig", "InvalidRequestError", "LLMEngine"]
 
@@ -64,7 +64,7 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
         self.max_model_len = config.max_model_len or limit
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = engine_tokenizer(path, config.skip_tokenizer_init)
         self.executor: Executor = make_executor(config, path, self.model_config)
         caching = config.enable_prefix_caching and self.kv_policy.allows_prefix_caching
         num_blocks = self.executor.num_kv_blocks
@@ -116,6 +116,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         samples = self.validator.check_before_encoding(prompt, params, beam)
+        if not self.tokenizer.has_text and (isinstance(prompt, str) or params.stop):
+            raise InvalidRequestError(f"{self.tokenizer.reason}: send token ids, no stop strings", "prompt")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validator.check(token_ids, params, samples)
@@ -233,6 +235,12 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (e.g. after the weights change); returns how many."""
         return self.kv_manager.reset_prefix_cache()
+
+    def describe(self) -> str:
+        """One line for logs and the CLI: the model, its dtype and the kernels it runs on."""
+        model = "built-in model" if self.is_builtin else str(self.model_path)
+        runtime = self.executor.runtime
+        return f"{model}: " + ", ".join(f"{key} {value}" for key, value in runtime.items())
 
     def check_health(self) -> None:
         """Raise :class:`~pagedkv.engine.executor.ExecutorError` if steps can no longer run."""

@@ -11,7 +11,13 @@ from pagedkv.models.config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig, 
 from pagedkv.models.detokenizer import IncrementalDetokenizer
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.loader import load_model
-from pagedkv.models.tokenizer import Tokenizer, load_tokenizer
+from pagedkv.models.tokenizer import (
+    NoTokenizer,
+    NoTokenizerError,
+    Tokenizer,
+    engine_tokenizer,
+    load_tokenizer,
+)
 
 __all__ = [
     "BUILTIN_NOTE",
@@ -19,10 +25,13 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "IncrementalDetokenizer",
     "LlamaForCausalLM",
+    "NoTokenizer",
+    "NoTokenizerError",
     "ModelConfig",
     "RopeConfig",
     "Tokenizer",
     "builtin_model_path",
+    "engine_tokenizer",
     "load_model",
     "load_tokenizer",
 ]

@@ -20,6 +20,7 @@ from torch import nn
 
 from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache, paged_attention
 from pagedkv.models.config import ModelConfig
+from pagedkv.models.linear import TORCH, Linear, LinearKernel, PackedLinear
 from pagedkv.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -42,39 +43,6 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` without random init: the loader overwrites every weight, and initialising
-    a billion parameters only to discard them costs seconds."""
-
-    def reset_parameters(self) -> None:
-        pass
-
-
-class PackedLinear(Linear):
-    """Several projections of the same input as one GEMM, their output rows concatenated in
-    ``shards`` order (vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear``).
-
-    A layer makes five matrix multiplies instead of seven: two dispatches and two fork/joins of
-    the BLAS threads fewer per layer and step. ``shards`` maps each checkpoint projection name
-    (``q_proj``...) to its row count; the loader fills those row slices. The packed product
-    equals the separate ones bit for bit on the built-in and test shapes; for some shapes the
-    BLAS picks another kernel for the wider matrix and the last bits differ (~1e-6 relative,
-    seen at hidden 896).
-    """
-
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shards.values()), bias=bias)
-        self.shards = dict(shards)
-
-    def shard_rows(self) -> dict[str, tuple[int, int]]:
-        """``name -> (first row, row count)`` of each shard inside the packed weight."""
-        rows, start = {}, 0
-        for name, size in self.shards.items():
-            rows[name] = (start, size)
-            start += size
-        return rows
 
 
 class Embedding(nn.Module):
@@ -188,6 +156,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, attention_backend)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        #: what the linear layers run on; set by the loader once the weights are in
+        self.linear_kernel = LinearKernel(TORCH, "not packed")
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the checkpoint ties them."""

@@ -22,7 +22,8 @@ from safetensors import safe_open
 
 from pagedkv.attention import resolve_backend
 from pagedkv.models.config import ModelConfig, resolve_dtype
-from pagedkv.models.llama import LlamaForCausalLM, PackedLinear
+from pagedkv.models.linear import PackedLinear, choose_linear_kernel, pack_linears
+from pagedkv.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from pagedkv.models.parallel import TensorParallel
@@ -61,15 +62,21 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device = "cpu",
     attention_backend: str | None = None,
+    linear_kernel: str = "auto",
+    batch_hint: int = 2048,
     tensor_parallel: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """The model of folder ``path`` in eval mode, weights cast to ``dtype`` (default: the
-    checkpoint's own dtype) on ``device``, its attention kernels those of ``attention_backend``
-    (default: the device's, see :mod:`pagedkv.attention.backends`). With ``tensor_parallel``:
-    that rank's shard of the model, each tensor read as the slice it holds."""
+    checkpoint's own dtype; "auto": see :func:`~pagedkv.models.config.resolve_dtype`) on
+    ``device``, its attention kernels those of ``attention_backend`` (default: the device's, see
+    :mod:`pagedkv.attention.backends`), its linear layers packed for ``linear_kernel`` once the
+    weights are in (see :mod:`pagedkv.models.linear`; ``batch_hint``: the most rows per call).
+    With ``tensor_parallel``: that rank's shard of the model, each tensor read as the slice it
+    holds (packed like any other weight: the parallel layers are linear layers on their shard)."""
     backend = resolve_backend(attention_backend, torch.device(device))
     cfg = ModelConfig.from_pretrained(path)
-    dtype = resolve_dtype(dtype, default=cfg.dtype)
+    dtype = resolve_dtype(dtype, default=cfg.dtype, device=device)
+    kernel = choose_linear_kernel(linear_kernel, torch.device(device), dtype)
     cfg = dataclasses.replace(cfg, dtype=dtype)  # model.config describes the model as loaded
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -85,6 +92,7 @@ def load_model(
     read = None if tensor_parallel is None else tensor_parallel.tensor_reader(model)
     load_weights(model, weight_files(path), read)
     model.requires_grad_(False)
+    model.linear_kernel = pack_linears(model, kernel, batch_hint)
     return model.eval()
 
 

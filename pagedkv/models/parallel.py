@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from pagedkv.attention import Backend
 from pagedkv.models.config import ModelConfig
-from pagedkv.models.llama import Embedding, Linear, LlamaForCausalLM, PackedLinear
+from pagedkv.models.linear import Linear, PackedLinear
+from pagedkv.models.llama import Embedding, LlamaForCausalLM
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:

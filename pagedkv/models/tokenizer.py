@@ -36,6 +36,8 @@ SPECIAL_TOKEN_NAMES = (
 class Tokenizer:
     """Text <-> ids, end-of-sequence ids and the chat template of one model."""
 
+    has_text = True
+
     def __init__(
         self,
         backend: BackendTokenizer,
@@ -105,6 +107,55 @@ class Tokenizer:
         return IncrementalDetokenizer(self.decode, prompt_ids, skip_special_tokens)
 
 
+class NoTokenizerError(ValueError):
+    """Text was to be encoded or decoded, but the engine runs without a tokenizer."""
+
+
+class NoTokenizer:
+    """Stands in for the tokenizer of a folder that has none, or when ``skip_tokenizer_init``
+    is set (vLLM's name): prompts are token ids, outputs carry token ids and empty text, and only
+    what needs text (a text prompt, a chat template, stop strings) fails, saying why."""
+
+    has_text = False
+    bos_token_id = eos_token_id = chat_template = None
+
+    def __init__(self, reason: str, extra_eos_token_ids: Iterable[int] = ()) -> None:
+        self.reason = reason
+        self.special_tokens: dict[str, str] = {}
+        self.eos_token_ids: set[int] = set(extra_eos_token_ids)
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise NoTokenizerError(f"{self.reason}: text cannot be encoded or decoded; send token ids")
+
+    encode = decode = apply_chat_template = encode_chat = _refuse
+
+    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> _NoText:
+        return _NoText()
+
+
+class _NoText:
+    """The detokenizer of :class:`NoTokenizer`: every generated token adds no text."""
+
+    def push(self, token_ids: int | Sequence[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+def engine_tokenizer(path: str | Path, skip_tokenizer_init: bool = False) -> Tokenizer | NoTokenizer:
+    """The folder's tokenizer, or a :class:`NoTokenizer` when asked to skip it or the folder has
+    no tokenizer.json (end-of-sequence ids still come from config/generation_config.json)."""
+    folder = Path(path)
+    if not skip_tokenizer_init and (folder / "tokenizer.json").is_file():
+        return load_tokenizer(folder)
+    reason = "skip_tokenizer_init is set" if skip_tokenizer_init else f"no tokenizer.json in {folder}"
+    eos = _eos_ids(_read_json(folder / "config.json")) + _eos_ids(
+        _read_json(folder / "generation_config.json")
+    )
+    return NoTokenizer(reason, eos)
+
+
 class _GenerationTag(jinja2.ext.Extension):
     """``{% generation %}...{% endgeneration %}`` (assistant-mask markers): render the body as is."""
 
@@ -167,6 +218,13 @@ def _eos_ids(raw: dict[str, Any]) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
+def _config_eos_ids(folder: Path) -> list[int]:
+    """The ``eos_token_id`` of config.json and generation_config.json (chat models list several)."""
+    return _eos_ids(_read_json(folder / "config.json")) + _eos_ids(
+        _read_json(folder / "generation_config.json")
+    )
+
+
 def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
@@ -198,7 +256,5 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         token = _token_content(config.get(name)) or _token_content(special_map.get(name))
         if token is not None:
             special[name] = token
-    extra_eos = _eos_ids(_read_json(folder / "config.json")) + _eos_ids(
-        _read_json(folder / "generation_config.json")
-    )
+    extra_eos = _config_eos_ids(folder)
     return Tokenizer(backend, special, _chat_template(folder, config), extra_eos)

@@ -47,7 +47,7 @@ def reference_beam_search(path, prompt, params):
 @pytest.mark.parametrize("width", [2, 4])
 def test_beams_equal_the_transformers_reference(model_path, width):
     params = BeamSearchParams(beam_width=width, max_tokens=6, length_penalty=1.0)
-    llm = LLM(str(model_path), num_kv_blocks=256, block_size=4)
+    llm = LLM(str(model_path), dtype="float32", num_kv_blocks=256, block_size=4)
     outs = llm.beam_search(_prompts(), params, use_tqdm=False)
     for prompt, out in zip(_prompts(), outs, strict=True):
         expected = reference_beam_search(model_path, prompt, params)
@@ -59,7 +59,7 @@ def test_beams_equal_the_transformers_reference(model_path, width):
 
 def test_beams_share_blocks_and_dropped_beams_free_theirs(model_path):
     prompt = _prompts()[1] * 3  # 39 tokens: 9 full blocks of 4 shared by every beam
-    llm = LLM(str(model_path), num_kv_blocks=256, block_size=4, enable_prefix_caching=False)
+    llm = LLM(str(model_path), dtype="float32", num_kv_blocks=256, block_size=4, enable_prefix_caching=False)
     engine = llm.engine
     engine.add_beam_request("b", prompt, BeamSearchParams(beam_width=4, max_tokens=8))
     peak = 0
@@ -78,10 +78,10 @@ def test_beams_share_blocks_and_dropped_beams_free_theirs(model_path):
 
 def test_beam_search_survives_preemption(model_path):
     params = BeamSearchParams(beam_width=3, max_tokens=6)
-    roomy = LLM(str(model_path), num_kv_blocks=256, block_size=4).beam_search(
+    roomy = LLM(str(model_path), dtype="float32", num_kv_blocks=256, block_size=4).beam_search(
         _prompts(), params, use_tqdm=False
     )
-    tight = LLM(str(model_path), num_kv_blocks=12, block_size=4, watermark=0.0)
+    tight = LLM(str(model_path), dtype="float32", num_kv_blocks=12, block_size=4, watermark=0.0)
     outs = tight.beam_search(_prompts(), params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in outs] == [
         [c.token_ids for c in o.outputs] for o in roomy

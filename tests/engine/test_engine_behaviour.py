@@ -26,9 +26,11 @@ def _tokens(outs):
 def test_seeded_sampling_is_identical_across_runs_and_batch_compositions(model_path):
     target = _prompt(21, 1)
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
-    alone = LLM(str(model_path), num_kv_blocks=256).generate([target], params, use_tqdm=False)
+    alone = LLM(str(model_path), dtype="float32", num_kv_blocks=256).generate(
+        [target], params, use_tqdm=False
+    )
     noisy = SamplingParams(max_tokens=9, temperature=1.0, ignore_eos=True)
-    llm = LLM(str(model_path), num_kv_blocks=256, block_size=4)
+    llm = LLM(str(model_path), dtype="float32", num_kv_blocks=256, block_size=4)
     crowd = llm.generate([_prompt(5, 2), target, _prompt(40, 3)], [noisy, params, noisy], use_tqdm=False)
     assert crowd[1].outputs[0].token_ids == alone[0].outputs[0].token_ids
     again = llm.generate([target, _prompt(3, 4)], [params, noisy], use_tqdm=False)
@@ -42,7 +44,7 @@ def test_parallel_samples_fork_and_equal_independent_requests(model_path):
     write; a missed or misdirected copy would change some sample's tokens.
     """
     prompt = _prompt(19, 5)  # 19 tokens: the last of 5 blocks of 4 is partial and shared
-    llm = LLM(str(model_path), num_kv_blocks=256, block_size=4)
+    llm = LLM(str(model_path), dtype="float32", num_kv_blocks=256, block_size=4)
     both = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
     forked = llm.generate([prompt], SamplingParams(n=3, seed=7, **both), use_tqdm=False)[0]
     assert [c.index for c in forked.outputs] == [0, 1, 2]
@@ -56,7 +58,7 @@ def test_parallel_samples_fork_and_equal_independent_requests(model_path):
 
 def test_parallel_samples_hold_the_prompt_once(model_path):
     prompt = _prompt(64, 6)
-    llm = LLM(str(model_path), num_kv_blocks=256, block_size=16, enable_prefix_caching=False)
+    llm = LLM(str(model_path), dtype="float32", num_kv_blocks=256, block_size=16, enable_prefix_caching=False)
     engine = llm.engine
     engine.add_request(
         "r", prompt, SamplingParams(n=4, max_tokens=3, temperature=1.0, seed=0, ignore_eos=True)
@@ -71,7 +73,7 @@ def test_parallel_samples_hold_the_prompt_once(model_path):
 
 
 def test_stop_strings_token_ids_and_length(model_path):
-    llm = LLM(str(model_path), num_kv_blocks=256)
+    llm = LLM(str(model_path), dtype="float32", num_kv_blocks=256)
     prompt = _prompt(10, 8)
     free = llm.generate(
         [prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False
@@ -97,7 +99,7 @@ def test_stop_strings_token_ids_and_length(model_path):
 
 
 def test_text_prompts_and_detokenized_output(model_path):
-    llm = LLM(str(model_path), num_kv_blocks=256)
+    llm = LLM(str(model_path), dtype="float32", num_kv_blocks=256)
     out = llm.generate(
         "Hello paged world", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False
     )[0]
@@ -107,7 +109,7 @@ def test_text_prompts_and_detokenized_output(model_path):
 
 
 def test_logprobs_are_returned_for_each_token(model_path):
-    llm = LLM(str(model_path), num_kv_blocks=256)
+    llm = LLM(str(model_path), dtype="float32", num_kv_blocks=256)
     out = llm.generate(
         [_prompt(7, 9)],
         SamplingParams(max_tokens=5, temperature=0, logprobs=3, ignore_eos=True),
@@ -122,7 +124,7 @@ def test_logprobs_are_returned_for_each_token(model_path):
 
 
 def test_impossible_requests_are_rejected_and_leak_nothing(model_path):
-    llm = LLM(str(model_path), num_kv_blocks=8, block_size=4, max_model_len=256)
+    llm = LLM(str(model_path), dtype="float32", num_kv_blocks=8, block_size=4, max_model_len=256)
     with pytest.raises(InvalidRequestError, match="maximum context length is 256"):
         llm.generate([_prompt(250, 1)], SamplingParams(max_tokens=10), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="can never fit in the KV cache"):
@@ -139,7 +141,7 @@ def test_impossible_requests_are_rejected_and_leak_nothing(model_path):
 
 
 def test_abort_returns_every_block(model_path):
-    llm = LLM(str(model_path), num_kv_blocks=64, block_size=4)
+    llm = LLM(str(model_path), dtype="float32", num_kv_blocks=64, block_size=4)
     engine = llm.engine
     engine.add_request("running", _prompt(30, 1), SamplingParams(max_tokens=50, n=2, seed=1, ignore_eos=True))
     engine.add_request("queued", _prompt(30, 2), SamplingParams(max_tokens=50, ignore_eos=True))

@@ -69,7 +69,13 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 def test_greedy_tokens_equal_transformers(references, case, block_size):
     path, expected = references[case]
     # A small token budget forces chunked prefill of the longer prompts, interleaved with decodes.
-    llm = LLM(str(path), block_size=block_size, num_kv_blocks=2048 // block_size, max_num_batched_tokens=20)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        block_size=block_size,
+        num_kv_blocks=2048 // block_size,
+        max_num_batched_tokens=20,
+    )
     outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.kv_stats()
@@ -80,7 +86,7 @@ def test_greedy_tokens_equal_transformers(references, case, block_size):
 def test_preemption_under_a_tiny_pool_changes_nothing(references):
     path, expected = references["llama-gqa-untied"]
     # 16 blocks of 4 tokens = 64 slots for six prompts of up to 60 tokens: preemption must happen.
-    llm = LLM(str(path), block_size=4, num_kv_blocks=16, watermark=0.0)
+    llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=16, watermark=0.0)
     outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.kv_stats()
@@ -90,7 +96,7 @@ def test_preemption_under_a_tiny_pool_changes_nothing(references):
 
 def test_prefix_caching_off_gives_the_same_tokens(references):
     path, expected = references["qwen2-bias"]
-    llm = LLM(str(path), block_size=8, num_kv_blocks=256, enable_prefix_caching=False)
+    llm = LLM(str(path), dtype="float32", block_size=8, num_kv_blocks=256, enable_prefix_caching=False)
     outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.kv_stats()["prefix_cache_hits_tokens"] == 0

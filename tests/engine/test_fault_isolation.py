@@ -14,7 +14,7 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.engine import sampler as sampler_module
 from tests.checkpoints import make_checkpoint
 
-OPTIONS = dict(num_kv_blocks=128, block_size=4, max_model_len=128)
+OPTIONS = dict(dtype="float32", num_kv_blocks=128, block_size=4, max_model_len=128)
 BYSTANDERS = [
     ([5, 6, 7, 8], SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True)),
     ([9, 10, 11], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),

@@ -32,7 +32,14 @@ def test_outputs_are_identical_under_every_policy(model_path):
     sampled = SamplingParams(max_tokens=10, temperature=1.0, seed=3, n=2, ignore_eos=True)
     results = {}
     for policy in ("paged", "contiguous", "contiguous-oracle"):
-        llm = LLM(str(model_path), num_kv_blocks=64, block_size=8, max_model_len=128, kv_policy=policy)
+        llm = LLM(
+            str(model_path),
+            dtype="float32",
+            num_kv_blocks=64,
+            block_size=8,
+            max_model_len=128,
+            kv_policy=policy,
+        )
         outs = llm.generate(_prompts() + _prompts()[:1], [greedy] * 4 + [sampled], use_tqdm=False)
         results[policy] = [[c.token_ids for c in o.outputs] for o in outs]
         assert llm.kv_stats()["blocks_used"] == 0

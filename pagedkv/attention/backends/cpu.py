@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,32 @@ def _kernel() -> native.NativeKernel | None:
     return kernel
 
 
+@dataclass
+class KernelRows:
+    """What the kernel reads besides ``q`` and the cache, as int32: the block tables and each
+    query row's sequence and position. Every layer of a step passes the same rows, so a decode
+    step builds them once (:func:`_decode_rows`), not once per layer."""
+
+    tables: Tensor
+    row_seq: Tensor
+    row_pos: Tensor
+    #: attended positions summed over the rows, per sliding window (0: none); sizes the threads
+    totals: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, block_tables: Tensor, row_seq: Tensor, row_pos: Tensor) -> KernelRows:
+        def as_int32(t: Tensor) -> Tensor:
+            return t.to(torch.int32).contiguous()
+
+        return cls(as_int32(block_tables), as_int32(row_seq), as_int32(row_pos))
+
+    def total(self, window: int) -> int:
+        if window not in self.totals:
+            lengths = self.row_pos.long() + 1
+            self.totals[window] = int((lengths.clamp(max=window) if window else lengths).sum())
+        return self.totals[window]
+
+
 def attend_rows(
     q: Tensor,
     layer: LayerKV,
@@ -60,6 +87,10 @@ def attend_rows(
     """Each query row ``q[r]`` of sequence ``row_seq[r]`` at position ``row_pos[r]`` attends its
     sequence's keys up to that position; ``None`` when the native kernel is unavailable or
     cannot take these tensors."""
+    return _attend(q, layer, KernelRows.of(block_tables, row_seq, row_pos), options)
+
+
+def _attend(q: Tensor, layer: LayerKV, rows: KernelRows, options: AttentionOptions) -> Tensor | None:
     if q.device.type != "cpu":
         raise ValueError(
             f"the cpu attention backend needs CPU tensors, got {q.device}; use 'triton' or 'torch'"
@@ -73,14 +104,8 @@ def attend_rows(
     if not (key.is_contiguous() and value.is_contiguous()):
         key, value = key.contiguous(), value.contiguous()
     q = q.contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    row_seq = row_seq.to(torch.int32).contiguous()
-    row_pos = row_pos.to(torch.int32).contiguous()
     window = options.sliding_window or 0
-    lengths = row_pos.long() + 1
-    if window:
-        lengths = lengths.clamp(max=window)
-    total = int(lengths.sum())
+    total = rows.total(window)
     # Like torch's own grain size: small work stays on one thread, where a fork/join costs more
     # than it saves (and a thread descheduled on a busy machine stalls the whole region).
     threads = torch.get_num_threads() if total * num_heads * layer.head_dim >= PARALLEL_MIN_WORK else 1
@@ -93,16 +118,16 @@ def attend_rows(
         value.data_ptr(),
         layer.key_scale.data_ptr() if layer.quantized else None,
         layer.value_scale.data_ptr() if layer.quantized else None,
-        tables.data_ptr(),
-        row_seq.data_ptr(),
-        row_pos.data_ptr(),
+        rows.tables.data_ptr(),
+        rows.row_seq.data_ptr(),
+        rows.row_pos.data_ptr(),
         out.data_ptr(),
         q.shape[0],
         num_heads,
         layer.num_kv_heads,
         layer.head_dim,
         layer.block_size,
-        tables.shape[1],
+        rows.tables.shape[1],
         options.scale,
         window,
         options.soft_cap or 0.0,
@@ -114,10 +139,23 @@ def attend_rows(
     return out
 
 
+#: the latest decode step's metadata and its kernel rows (held, so its id cannot be reused)
+_last_decode: tuple[AttentionMetadata | None, KernelRows | None] = (None, None)
+
+
+def _decode_rows(metadata: AttentionMetadata) -> KernelRows:
+    """The kernel rows of a decode step, built by its first layer and reused by the others."""
+    global _last_decode
+    seen, rows = _last_decode
+    if seen is not metadata or rows is None:
+        row_seq = torch.arange(metadata.context_lens.shape[0], dtype=torch.int32)
+        rows = KernelRows.of(metadata.block_tables, row_seq, metadata.context_lens - 1)
+        _last_decode = (metadata, rows)
+    return rows
+
+
 def decode(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: AttentionOptions) -> Tensor:
-    row_seq = torch.arange(q.shape[0], dtype=torch.int32)
-    positions = metadata.context_lens - 1
-    out = attend_rows(q, layer, metadata.block_tables, row_seq, positions, options)
+    out = _attend(q, layer, _decode_rows(metadata), options)
     if out is None:
         return torch_backend.decode(q, layer, metadata, options)
     return out

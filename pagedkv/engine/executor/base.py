@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.engine.executor.plan import StepPlan
+from pagedkv.models.config import dtype_name
 
 
 class ExecutorError(RuntimeError):
@@ -35,6 +36,8 @@ class Executor(ABC):
     num_kv_blocks: int
     #: One rank's KV cache in bytes.
     kv_memory: KVMemory
+    #: How the model runs, for logs and the CLI: dtype, linear kernel, attention backend.
+    runtime: dict[str, str]
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -49,3 +52,12 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Release the model, the KV cache and any worker; idempotent."""
+
+
+def runtime_of(model: torch.nn.Module) -> dict[str, str]:
+    """``Executor.runtime`` of a loaded model: its dtype, linear kernel and attention backend."""
+    return {
+        "dtype": dtype_name(model.config.dtype),
+        "linear": model.linear_kernel.describe(),
+        "attention": model.attention_backend.name,
+    }

@@ -8,7 +8,7 @@ import torch
 
 from pagedkv.attention import KVCache, check_backend_reads
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory
+from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory, runtime_of
 from pagedkv.engine.executor.plan import StepPlan
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.memory import parse_bytes
@@ -23,8 +23,15 @@ class InProcessExecutor(Executor):
         # Before the weights or any block are allocated: an unknown dtype, or one the backend
         # cannot read, is a configuration error.
         check_backend_reads(config.attention_backend, config.device, config.kv_cache_dtype)
-        model = load_model(model_path, config.dtype, config.device, config.attention_backend)
-        dtype = next(model.parameters()).dtype
+        model = load_model(
+            model_path,
+            config.dtype,
+            config.device,
+            config.attention_backend,
+            config.linear_kernel,
+            batch_hint=config.max_num_batched_tokens,
+        )
+        dtype = model.config.dtype
         spec = model_config.kv_spec()
         kv_dtype = config.kv_cache_dtype
         if config.num_kv_blocks is not None:
@@ -34,6 +41,7 @@ class InProcessExecutor(Executor):
             kv_cache = KVCache.from_memory(spec, memory, config.block_size, dtype, config.device, kv_dtype)
         self.num_kv_blocks = kv_cache.num_blocks
         self.kv_memory = KVMemory(kv_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes)
+        self.runtime = runtime_of(model)
         self.runner: ModelRunner | None = ModelRunner(model, kv_cache)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:

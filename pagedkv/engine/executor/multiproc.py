@@ -29,7 +29,7 @@ import torch
 from pagedkv.attention import check_backend_reads
 from pagedkv.distributed import Rendezvous, groups, heartbeat
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory
+from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory, runtime_of
 from pagedkv.engine.executor.plan import StepPlan
 from pagedkv.engine.executor.worker import RankSpec, build_runner, pool_blocks, run_rank
 from pagedkv.models import ModelConfig
@@ -107,6 +107,7 @@ class MultiprocExecutor(Executor):
             self.runner, self.tensor_parallel = build_runner(spec, 0, self.groups)
             kv_cache = self.runner.kv_cache
             self.kv_memory = KVMemory(config.kv_cache_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes)
+            self.runtime = {**runtime_of(self.runner.model), "tensor_parallel": str(self.world_size)}
             torch.distributed.barrier(group=self.groups.control)  # every rank has loaded
         except Exception as err:
             message = self._diagnose(err, "starting")

@@ -41,7 +41,7 @@ def pool_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
     holds its heads' share of every block, 1/N of the memory)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    dtype = resolve_dtype(config.dtype, default=model_config.dtype)
+    dtype = resolve_dtype(config.dtype, default=model_config.dtype, device=config.device)
     per_block = KVCache.block_bytes(model_config.kv_spec(), config.block_size, dtype, config.kv_cache_dtype)
     blocks = parse_bytes(config.kv_cache_memory) // per_block
     if blocks < 1:
@@ -61,8 +61,16 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
     torch.set_num_threads(spec.threads)
     device = device_of(spec.config, rank)
     tp = TensorParallel(rank, spec.rendezvous.world_size, group.compute)
-    model = load_model(spec.model_path, spec.config.dtype, device, spec.config.attention_backend, tp)
-    dtype = next(model.parameters()).dtype
+    model = load_model(
+        spec.model_path,
+        spec.config.dtype,
+        device,
+        spec.config.attention_backend,
+        spec.config.linear_kernel,
+        batch_hint=spec.config.max_num_batched_tokens,
+        tensor_parallel=tp,
+    )
+    dtype = model.config.dtype
     kv_cache = KVCache(
         model.config.kv_spec(),
         spec.num_kv_blocks,
