@@ -40,6 +40,8 @@ def _tokens(outputs) -> list[list[list[int]]]:
 
 
 def _pair(path, **options) -> tuple[LLM, LLM]:
+    """float32 unless asked: the exactness reference (dtype "auto" is bfloat16 on this CPU)."""
+    options = {"dtype": "float32", **options}
     return LLM(str(path), **options), LLM(str(path), tensor_parallel_size=2, **options)
 
 
@@ -64,6 +66,25 @@ def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(tmp_path, case):
         )
         assert two.kv_stats()["prefix_cache_hits_tokens"] > 0
         assert two.kv_stats()["blocks_used"] == 0
+    finally:
+        two.engine.shutdown()
+
+
+def test_two_ranks_read_quantized_blocks_as_one_does(tmp_path):
+    """int8 KV blocks: each rank quantizes its own KV heads with their own per-token scales, the
+    scales one rank would compute for those heads, so the tokens are those of one rank."""
+    path = make_checkpoint(tmp_path, "llama")
+    one, two = _pair(path, block_size=4, num_kv_blocks=64, kv_cache_dtype="int8")
+    try:
+        prompts = _prompts(seed=1)
+        assert _tokens(two.generate(prompts, GREEDY, use_tqdm=False)) == _tokens(
+            one.generate(prompts, GREEDY, use_tqdm=False)
+        )
+        stats = two.kv_stats()
+        assert stats["kv_cache_dtype"] == "int8"
+        # each rank holds half the KV heads of every block: half the bytes of one rank's pool
+        assert stats["kv_cache_bytes"] * 2 == one.kv_stats()["kv_cache_bytes"]
+        assert stats["blocks_used"] == 0
     finally:
         two.engine.shutdown()
 
@@ -99,22 +120,3 @@ def test_n_samples_and_beams_are_the_same(pair):
         one.beam_search(prompts, beams, use_tqdm=False)
     )
     assert two.kv_stats()["blocks_used"] == 0
-
-
-def test_two_ranks_read_quantized_blocks_as_one_does(tmp_path):
-    """int8 KV blocks: each rank quantizes its own KV heads with their own per-token scales, the
-    scales one rank would compute for those heads, so the tokens are those of one rank."""
-    path = make_checkpoint(tmp_path, "llama")
-    one, two = _pair(path, block_size=4, num_kv_blocks=64, kv_cache_dtype="int8", dtype="float32")
-    try:
-        prompts = _prompts(seed=1)
-        assert _tokens(two.generate(prompts, GREEDY, use_tqdm=False)) == _tokens(
-            one.generate(prompts, GREEDY, use_tqdm=False)
-        )
-        stats = two.kv_stats()
-        assert stats["kv_cache_dtype"] == "int8"
-        # each rank holds half the KV heads of every block: half the bytes of one rank's pool
-        assert stats["kv_cache_bytes"] * 2 == one.kv_stats()["kv_cache_bytes"]
-        assert stats["blocks_used"] == 0
-    finally:
-        two.engine.shutdown()
