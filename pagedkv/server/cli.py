@@ -23,8 +23,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     """an OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)
 
     Serve a model over the OpenAI API: POST /v1/completions and /v1/chat/completions (stream: true
-    gives server-sent events), GET /v1/models, /health and Prometheus /metrics. Every HTTP client
-    shares one engine step loop (continuous batching).
+    gives server-sent events), GET /v1/models, /health and Prometheus /metrics, and a live map of
+    the KV cache's blocks in the browser at /dashboard. Every HTTP client shares one engine step
+    loop (continuous batching).
     """
     parser = add_command(subparsers, "serve", run_serve, add_serve_parser.__doc__)
     add_engine_options(parser)
@@ -34,7 +35,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     server.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on every /v1 route (default: ${API_KEY_ENV}, else none)",
+        help=f"require 'Authorization: Bearer KEY' on every /v1 route and the dashboard's data "
+        f"(default: ${API_KEY_ENV}, else none)",
     )
     server.add_argument(
         "--served-model-name", default=None, help="model name clients use (default: the model folder's name)"
