@@ -55,6 +55,7 @@ class EngineOptions:
     max_num_seqs: int = EngineConfig.max_num_seqs
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
     enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
+    decode_headroom: float = EngineConfig.decode_headroom
     scale: int = 1
     threads: int | None = None
 
@@ -98,6 +99,7 @@ class EngineOptions:
             max_num_batched_tokens=max(1, self.max_num_batched_tokens // self.scale),
             enable_prefix_caching=caching,
             watermark=0.0,
+            decode_headroom=self.decode_headroom,
             kv_policy=kv_policy,
         )
 

@@ -35,6 +35,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     #: Share of the blocks kept free at admission, so running sequences can still grow.
     watermark: float = 0.01
+    #: Share of each running request's remaining ``max_tokens`` that paged admission keeps room
+    #: for (see ``engine/headroom.py``): 1.0 never over-commits when outputs run to max_tokens;
+    #: 0 admits on the prompt alone and preempts when the pool runs dry.
+    decode_headroom: float = 1.0
     #: "torch", "cpu" or "triton"; None: triton on CUDA, else cpu.
     attention_backend: str | None = None
     #: "paged", or "contiguous" / "contiguous-oracle" to measure the reservation it replaces.
