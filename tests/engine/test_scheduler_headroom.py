@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine.sequence import SequenceStatus
 from tests.checkpoints import make_checkpoint
-
-SHARED = [10, 11, 12, 13, 14, 15, 16, 17, 18]
+from tests.engine.test_engine_invariants import prompts  # the same prompt mix, shared prefixes too
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +84,6 @@ def engine_factory(model_path):
     )
 
 
-prompts = st.builds(
-    lambda shared, tail: (SHARED if shared else []) + tail,
-    st.booleans(),
-    st.lists(st.integers(20, 500), min_size=1, max_size=30),
-)
 requests = st.tuples(prompts, st.integers(1, 30), st.integers(1, 3))
 actions = st.lists(
     st.one_of(st.tuples(st.just("add"), requests), st.tuples(st.just("step"), st.integers(1, 6))),
