@@ -16,6 +16,13 @@ peak, computed with it included, fit in the free blocks (less the watermark). Re
 at different times, so the peak is far below the sum of their final sizes: paged still runs
 many more requests at once than a contiguous reservation, without over-committing.
 
+The projection is exact when every running sequence really gains one token per step: the step
+budget covers every decode plus a prompt, so an admitted prompt is computed by the next step
+(what the property test checks: no preemption at all). Otherwise it is an estimate -- a prompt
+split into chunks is assumed to get the whole budget each step, a beam search's forks are
+bounded by its width -- and the watermark absorbs the slack; a preemption is then still
+possible, and still safe.
+
 ``ratio`` scales the tokens each request is assumed to still generate: 1.0 takes
 ``max_tokens`` at its word (exact for ``ignore_eos``; an upper bound otherwise), smaller values
 bet that outputs stop early (SGLang's ``new_token_ratio``), trading preemptions for concurrency.
