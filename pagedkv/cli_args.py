@@ -56,6 +56,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def unit_fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
+    return value
+
+
 def add_command(
     subparsers: argparse._SubParsersAction, name: str, run: Callable[[argparse.Namespace], int], doc: str
 ) -> argparse.ArgumentParser:
@@ -220,6 +230,12 @@ ENGINE_OPTIONS = (
         choices=KV_CACHE_DTYPE_NAMES,
     ),
     EngineOption("kv_policy", f"paged or a contiguous reservation {DEFAULT}", choices=POLICY_NAMES),
+    EngineOption(
+        "decode_headroom",
+        "share of the running requests' remaining max_tokens that paged admission keeps KV room for; "
+        f"0: admit on the prompt alone and preempt when the pool runs dry {DEFAULT}",
+        unit_fraction,
+    ),
     EngineOption("attention_backend", "torch, cpu or triton (default: triton on CUDA, else cpu)"),
     EngineOption(
         "tensor_parallel_size", f"ranks the model is sharded over, one process each {DEFAULT}", positive_int

@@ -30,6 +30,9 @@ class LiveKVFigures:
     mean_token_utilization: float
     generated_tokens: int
     preemptions: int
+    #: Computed tokens preemption threw away, and every token the forward passes computed.
+    dropped_tokens: int
+    computed_tokens: int
     blocks_used_after: int
     sample_text: str
 
@@ -65,7 +68,7 @@ def run_live_batch(
         )
         engine.add_request(f"demo-{i}", prompt, params)
     per_request = blocks_for(max_model_len, engine.config.block_size)
-    steps = peak_running = peak_used = peak_contiguous = 0
+    steps = peak_running = peak_used = peak_contiguous = computed = 0
     utilizations = []
     sample_text = ""
     while engine.has_unfinished_requests():
@@ -74,6 +77,7 @@ def run_live_batch(
                 sample_text = out.outputs[0].text
         step = engine.last_step
         steps += 1
+        computed += step.num_tokens
         peak_running = max(peak_running, step.running)
         peak_used = max(peak_used, step.kv_blocks_used)
         peak_contiguous = max(peak_contiguous, step.running * per_request)
@@ -88,6 +92,8 @@ def run_live_batch(
         mean_token_utilization=sum(utilizations) / max(len(utilizations), 1),
         generated_tokens=stats.generated_tokens,
         preemptions=stats.preemptions,
+        dropped_tokens=stats.dropped_tokens,
+        computed_tokens=computed,
         blocks_used_after=stats.kv.used_blocks,
         sample_text=sample_text,
     )
@@ -109,6 +115,10 @@ def print_live_batch(figures: LiveKVFigures, console: Console, max_model_len: in
     table.add_row("contiguous / paged", f"{figures.saving:.1f}x")
     table.add_row("token slots used in held blocks (mean)", f"{figures.mean_token_utilization:.1%}")
     table.add_row("preemptions", str(figures.preemptions))
+    table.add_row(
+        "computed tokens thrown away by preemption",
+        f"{figures.dropped_tokens} of {figures.computed_tokens}",
+    )
     table.add_row("blocks still held after the batch", str(figures.blocks_used_after))
     console.print(table)
     console.print("longest output (the continuation of a piece of a held-out source file):")

@@ -61,6 +61,8 @@ class PolicyRun:
     preemptions: int
     #: Computed tokens that preemption threw away and that a prefix-cache hit did not bring back.
     recomputed_tokens: int
+    #: Tokens the forward passes computed, prompts, decodes and recomputation alike.
+    computed_tokens: int
     blocks_used_after: int
     seqs_after: int
 
@@ -107,6 +109,11 @@ class PolicyRun:
         return self.generated_tokens / self.wall_s if self.wall_s else math.nan
 
     @property
+    def recomputed_share(self) -> float:
+        """Share of the computed tokens that only made up for preemption: work thrown away."""
+        return self.recomputed_tokens / self.computed_tokens if self.computed_tokens else 0.0
+
+    @property
     def ttft_mean(self) -> float:
         return mean(self.ttft)
 
@@ -131,6 +138,8 @@ class PolicyRun:
             "ttft_p99_s": self.ttft_p99,
             "preemptions": self.preemptions,
             "recomputed_tokens": self.recomputed_tokens,
+            "computed_tokens": self.computed_tokens,
+            "recomputed_share": self.recomputed_share,
             "steps": self.steps,
             "full_window_steps": len(self.full_window),
             "wall_s": self.wall_s,
@@ -191,6 +200,7 @@ def _policy_run(policy: KVPolicy, measured: MeasuredEngine) -> PolicyRun:
         generated_tokens=totals.generated_tokens,
         preemptions=totals.preemptions,
         recomputed_tokens=totals.dropped_tokens - totals.prefix_cache_hits,
+        computed_tokens=sum(step.num_tokens for step in measured.steps),
         blocks_used_after=totals.kv.used_blocks,
         seqs_after=totals.kv_sequences,
     )

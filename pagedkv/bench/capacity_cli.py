@@ -30,6 +30,7 @@ ENGINE_FIELDS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "enable_prefix_caching",
+    "decode_headroom",
     "attention_backend",
     "kv_cache_dtype",
 )

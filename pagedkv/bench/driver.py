@@ -56,6 +56,7 @@ class EngineOptions:
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
     enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
     kv_cache_dtype: str = EngineConfig.kv_cache_dtype
+    decode_headroom: float = EngineConfig.decode_headroom
     scale: int = 1
     threads: int | None = None
 
@@ -100,6 +101,7 @@ class EngineOptions:
             enable_prefix_caching=caching,
             kv_cache_dtype=self.kv_cache_dtype,
             watermark=0.0,
+            decode_headroom=self.decode_headroom,
             kv_policy=kv_policy,
         )
 

@@ -44,6 +44,10 @@ class EngineConfig:
     watermark: float = 0.01
     #: "auto" (the model's dtype), "fp8" (e4m3) or "int8": what each KV element is stored in.
     kv_cache_dtype: str = "auto"
+    #: Share of each running request's remaining ``max_tokens`` that paged admission keeps room
+    #: for (see ``engine/headroom.py``): 1.0 never over-commits when outputs run to max_tokens;
+    #: 0 admits on the prompt alone and preempts when the pool runs dry.
+    decode_headroom: float = 1.0
     #: "torch", "cpu" or "triton"; None: triton on CUDA, else cpu.
     attention_backend: str | None = None
     #: "paged", or "contiguous" / "contiguous-oracle" to measure the reservation it replaces.

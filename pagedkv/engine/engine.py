@@ -75,6 +75,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.kv_policy,
             self.max_model_len,
+            config.decode_headroom,
         )
         self.validator = RequestValidator(
             vocab_size=self.model_config.vocab_size,

@@ -37,6 +37,11 @@ class KVPolicy:
     shares_blocks: bool
 
     @property
+    def grows_on_demand(self) -> bool:
+        """Blocks come as tokens do, so admission must leave room for growth (headroom)."""
+        return self.reservation is Reservation.NOTHING
+
+    @property
     def allows_prefix_caching(self) -> bool:
         """A cached prefix is a shared block, so only a sharing policy can reuse one."""
         return self.shares_blocks

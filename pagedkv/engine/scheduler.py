@@ -6,9 +6,11 @@ allow. New requests join and finished ones leave at every step. A long prompt is
 chunks so it never stalls the running decodes for a whole prompt's worth of compute.
 
 The KV policy (:mod:`pagedkv.engine.kv_policy`) decides what admission reserves: ``paged`` the
-prompt's blocks only, the contiguous policies a whole reservation up front.
+prompt's blocks, the contiguous policies a whole reservation up front. Under ``paged`` a request
+is also admitted only while the running requests keep room to grow
+(:mod:`pagedkv.engine.headroom`), so an offline batch does not over-commit the pool.
 
-When a running sequence needs a block and the pool is empty, the most recently admitted
+When a running sequence still needs a block and the pool is empty, the most recently admitted
 running sequence is preempted by recompute: its blocks go back to the pool and it returns to
 the front of the waiting queue; when readmitted, prefix caching usually finds its blocks again.
 """
@@ -21,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedkv.engine.executor.plan import SeqSlice, StepPlan
+from pagedkv.engine.headroom import Headroom, Projection
 from pagedkv.engine.kv_policy import PAGED, KVPolicy
 from pagedkv.engine.sequence import Sequence, SequenceStatus
 from pagedkv.memory import KVCacheManager
@@ -112,12 +115,15 @@ class Scheduler:
         max_num_batched_tokens: int = 2048,
         kv_policy: KVPolicy = PAGED,
         max_model_len: int = 2048,
+        decode_headroom: float = 1.0,
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(
                 f"max_num_seqs and max_num_batched_tokens must be positive, "
                 f"got {max_num_seqs} and {max_num_batched_tokens}"
             )
+        if not 0.0 <= decode_headroom <= 1.0:
+            raise ValueError(f"decode_headroom must be in [0, 1], got {decode_headroom}")
         self.kv_manager = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -129,6 +135,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         #: Block copies requested between steps (a non-sharing fork) for the next step.
         self.pending_copies: list[tuple[int, int]] = []
+        #: Keeps the running requests' growth free at admission; None: prompt blocks only
+        #: (``decode_headroom=0``, or a policy that reserves everything up front anyway).
+        self.headroom: Headroom | None = None
+        if decode_headroom and kv_policy.grows_on_demand:
+            self.headroom = Headroom(kv_manager, decode_headroom, max_num_batched_tokens, max_model_len)
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -173,9 +184,19 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return False
         head = self.waiting[0]
-        return not self.kv_manager.can_allocate(
-            head.token_ids, self.reserve_tokens(head), use_cache=not head.needs_prompt_logits
-        )
+        projection = self.headroom.projection(self.running, {}) if self.headroom else None
+        return not self._fits(head, self.reserve_tokens(head), self.max_num_batched_tokens, projection)
+
+    def _fits(self, seq: Sequence, reserve: int, budget: int, projection: Projection | None) -> bool:
+        """``seq``'s blocks fit, and (with headroom) so does the running requests' growth.
+        With nothing running the prompt alone decides, so a request always makes progress."""
+        use_cache = not seq.needs_prompt_logits  # a cached token has no logits to score it
+        if not self.kv_manager.can_allocate(seq.token_ids, reserve, use_cache):
+            return False
+        if projection is None or not self.running:
+            return True
+        needed = self.kv_manager.blocks_to_allocate(seq.token_ids, reserve, use_cache)
+        return projection.admits(seq, needed, budget)
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -216,11 +237,15 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in order while the budgets and the KV pool allow."""
+        projection = None
+        if self.headroom is not None:
+            scheduled = {item.seq.seq_id: item.num_new_tokens for item in out.scheduled}
+            projection = self.headroom.projection(self.running, scheduled)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             reserve = self.reserve_tokens(seq)
-            use_cache = not seq.needs_prompt_logits  # a cached token has no logits to score it
-            if not self.kv_manager.can_allocate(seq.token_ids, reserve, use_cache):
+            use_cache = not seq.needs_prompt_logits
+            if not self._fits(seq, reserve, budget, projection):
                 break
             self.waiting.popleft()
             cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids, reserve, use_cache)
@@ -231,6 +256,8 @@ class Scheduler:
             self.running.append(seq)
             n = min(seq.num_tokens - cached, budget)
             out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
+            if projection is not None:
+                projection.add(seq, n)
             budget -= n
 
     def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:

@@ -83,6 +83,11 @@ class BlockPool:
         """Every block's refcount, by block id (one copy, for snapshots)."""
         return tuple(self._refcount)
 
+    def count_private(self, block_ids: Iterable[int]) -> int:
+        """How many of ``block_ids`` have exactly one holder (a C-speed count: the scheduler
+        asks this for every running sequence at every admission check)."""
+        return list(map(self._refcount.__getitem__, block_ids)).count(1)
+
     def free_block_ids(self) -> list[int]:
         """Plain free blocks (for invariant checks and plots; O(free))."""
         return list(self._free)

@@ -6,7 +6,7 @@ its prompt (reusing cached prefix blocks), to grow it by a token, to fork it, an
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 
 from pagedkv.memory.block_pool import BlockPool, KVCacheListener
@@ -233,6 +233,21 @@ class KVCacheManager:
     def num_table_blocks(self) -> int:
         """Blocks the tables reference, a shared block once per holder (the sum of refcounts)."""
         return sum(len(table.block_ids) for table in self._tables.values())
+
+    def cached_prefix_blocks(self, token_ids: Sequence[int]) -> list[int]:
+        """The cached blocks an allocation of ``token_ids`` would share (what admission reuses)."""
+        return self._cached_prefix(token_ids)
+
+    def private_blocks(self, seq_id: SeqId, shared_soon: Collection[int] = ()) -> int:
+        """Blocks only ``seq_id`` holds -- what freeing it gives back to the pool -- less those in
+        ``shared_soon`` (about to be shared by an allocation)."""
+        blocks = self.table(seq_id).block_ids
+        if not shared_soon:
+            return self.pool.count_private(blocks)
+        return sum(1 for b in blocks if self.pool.refcount(b) == 1 and b not in shared_soon)
+
+    def is_in_use(self, block: int) -> bool:
+        return self.pool.refcount(block) > 0
 
     def num_stored_tokens(self) -> int:
         """Tokens the tables hold, a shared token once per holder."""

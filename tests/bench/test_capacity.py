@@ -37,6 +37,18 @@ def test_paged_runs_far_more_requests_at_once(demo):
     )
 
 
+def test_paged_keeps_decode_headroom_and_throws_no_work_away(demo):
+    """Admission leaves room for the running requests' growth: under 5 % of the computed tokens
+    are recomputed after preemption (counted, not timed), and paged still runs more requests at
+    once than the contiguous oracle."""
+    result, text, _ = demo
+    paged = result.runs["paged"]
+    assert paged.computed_tokens >= sum(len(p) + m - 1 for p, m in result.config.requests(2048))
+    assert paged.recomputed_share < 0.05
+    assert paged.mean_running_full > result.runs["contiguous-oracle"].mean_running_full
+    assert "paged recomputes < 5% of computed tokens" in text
+
+
 def test_paged_keeps_its_blocks_full_and_contiguous_does_not(demo):
     result, _, _ = demo
     assert result.runs["paged"].utilization_full >= 0.95
@@ -73,7 +85,7 @@ def _sample(running: int, waiting: int, blocked: bool, stored: int = 30) -> Step
 
 
 def _run(samples: list[StepSample]) -> PolicyRun:
-    return PolicyRun("paged", 8, 16, samples, [1.0], 10, 0, 0, 0, 0)
+    return PolicyRun("paged", 8, 16, samples, [1.0], 10, 0, 0, 100, 0, 0)
 
 
 def test_full_window_runs_from_memory_blocked_until_nothing_waits():

@@ -86,7 +86,7 @@ def test_greedy_tokens_equal_transformers(references, case, block_size):
 def test_preemption_under_a_tiny_pool_changes_nothing(references):
     path, expected = references["llama-gqa-untied"]
     # 16 blocks of 4 tokens = 64 slots for six prompts of up to 60 tokens: preemption must happen.
-    llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=16, watermark=0.0)
+    llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=16, watermark=0.0, decode_headroom=0.0)
     outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.kv_stats()

@@ -23,7 +23,14 @@ SHARED = [10, 11, 12, 13, 14, 15, 16, 17, 18]
 def engine_factory(tmp_path_factory):
     path = make_checkpoint(tmp_path_factory.mktemp("invariants"), "llama")
     return lambda: (
-        LLM(str(path), num_kv_blocks=24, block_size=4, max_num_batched_tokens=16, watermark=0.0).engine
+        LLM(
+            str(path),
+            num_kv_blocks=24,
+            block_size=4,
+            max_num_batched_tokens=16,
+            watermark=0.0,
+            decode_headroom=0.0,
+        ).engine
     )
 
 

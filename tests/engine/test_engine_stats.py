@@ -38,7 +38,9 @@ def model_path(tmp_path_factory):
 
 
 def _engine(model_path, **options):
-    defaults = dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=24, watermark=0.0)
+    defaults = dict(
+        num_kv_blocks=20, block_size=4, max_num_batched_tokens=24, watermark=0.0, decode_headroom=0.0
+    )
     return LLM(str(model_path), **{**defaults, **options}).engine
 
 

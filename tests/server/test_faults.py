@@ -216,8 +216,10 @@ def test_malformed_requests_among_valid_ones(base_url, engine, reference):
 
 @pytest.fixture(scope="module")
 def small_cache_server():
-    """20 blocks of 16 tokens: 12 requests of 52 tokens (4 blocks each) cannot all fit."""
-    config = EngineConfig(**{**ENGINE_OPTIONS, "num_kv_blocks": 20, "max_num_seqs": 16})
+    """20 blocks of 16 tokens: 12 requests of 52 tokens (4 blocks each) cannot all fit. Without
+    decode headroom admission over-commits on purpose, so running requests get preempted."""
+    options = {**ENGINE_OPTIONS, "num_kv_blocks": 20, "max_num_seqs": 16, "decode_headroom": 0.0}
+    config = EngineConfig(**options)
     with ServerThread(create_app(config)) as server:
         yield server
 
