@@ -138,6 +138,9 @@ class Scheduler:
         #: Keeps the running requests' growth free at admission; None: prompt blocks only
         #: (``decode_headroom=0``, or a policy that reserves everything up front anyway).
         self.headroom: Headroom | None = None
+        #: The waiting head this step's admission refused. Until a sequence finishes, the step
+        #: only grows the running ones as projected, so the verdict stands (saves a projection).
+        self._refused: Sequence | None = None
         if decode_headroom and kv_policy.grows_on_demand:
             self.headroom = Headroom(kv_manager, decode_headroom, max_num_batched_tokens, max_model_len)
 
@@ -167,6 +170,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.kv_manager.free(seq.seq_id)
+        self._refused = None  # blocks came back: the head may fit now
 
     def cache_computed_blocks(self, seqs: Iterable[Sequence]) -> None:
         """Offer the full blocks these sequences computed this step to the prefix cache (only
@@ -184,6 +188,8 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return False
         head = self.waiting[0]
+        if head is self._refused:
+            return True
         projection = self.headroom.projection(self.running, {}) if self.headroom else None
         return not self._fits(head, self.reserve_tokens(head), self.max_num_batched_tokens, projection)
 
@@ -237,7 +243,7 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in order while the budgets and the KV pool allow."""
-        projection = None
+        projection, self._refused = None, None
         if self.headroom is not None:
             scheduled = {item.seq.seq_id: item.num_new_tokens for item in out.scheduled}
             projection = self.headroom.projection(self.running, scheduled)
@@ -246,6 +252,7 @@ class Scheduler:
             reserve = self.reserve_tokens(seq)
             use_cache = not seq.needs_prompt_logits
             if not self._fits(seq, reserve, budget, projection):
+                self._refused = seq
                 break
             self.waiting.popleft()
             cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids, reserve, use_cache)
