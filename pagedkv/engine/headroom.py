@@ -190,7 +190,8 @@ class Projection:
         the free blocks less the watermark."""
         headroom, manager = self.headroom, self.headroom.kv_manager
         growths = self.growths
-        in_use = [b for b in manager.cached_prefix_blocks(candidate.token_ids) if manager.is_in_use(b)]
+        hits = manager.cached_prefix_blocks(candidate.token_ids, not candidate.needs_prompt_logits)
+        in_use = [b for b in hits if manager.is_in_use(b)]
         if in_use:  # it will share blocks the running hold: those stay when their holders finish
             shared = frozenset(in_use)
             growths = [

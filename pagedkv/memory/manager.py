@@ -234,9 +234,9 @@ class KVCacheManager:
         """Blocks the tables reference, a shared block once per holder (the sum of refcounts)."""
         return sum(len(table.block_ids) for table in self._tables.values())
 
-    def cached_prefix_blocks(self, token_ids: Sequence[int]) -> list[int]:
+    def cached_prefix_blocks(self, token_ids: Sequence[int], use_cache: bool = True) -> list[int]:
         """The cached blocks an allocation of ``token_ids`` would share (what admission reuses)."""
-        return self._cached_prefix(token_ids)
+        return self._cached_prefix(token_ids, use_cache)
 
     def private_blocks(self, seq_id: SeqId, shared_soon: Collection[int] = ()) -> int:
         """Blocks only ``seq_id`` holds -- what freeing it gives back to the pool -- less those in

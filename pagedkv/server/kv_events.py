@@ -90,10 +90,16 @@ class ZmqKVEventPublisher:
         self.block_size = block_size
         self.topic = config.topic.encode()
         self.data_parallel_rank = data_parallel_rank
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PUB)
+        # NOTE: the process-wide context, never terminated: a Context() of our own that the
+        # garbage collector finalizes while one of its sockets is still open blocks in term()
+        # forever (seen: a test process hung in Context.__del__). Sockets are closed explicitly.
+        self._socket = zmq.Context.instance().socket(zmq.PUB)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(config.endpoint)
+        try:
+            self._socket.bind(config.endpoint)
+        except zmq.ZMQError:
+            self._socket.close()
+            raise
         self.endpoint = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._hash_of: dict[int, int] = {}  # cached block id -> its announced hash
@@ -166,4 +172,3 @@ class ZmqKVEventPublisher:
             self._queue.put(_STOP)
             self._thread.join(timeout=10)
         self._socket.close()
-        self._context.term()

@@ -46,7 +46,12 @@ def _assert_all_returned(llm: LLM) -> None:
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
 def test_prefix_caching_preemption_and_kernels_agree(model_path, kv_cache_dtype):
     def run(**options):
-        options = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_dtype": kv_cache_dtype} | options
+        options = {
+            "dtype": "float32",
+            "block_size": 4,
+            "max_num_batched_tokens": 16,
+            "kv_cache_dtype": kv_cache_dtype,
+        } | options
         llm = LLM(str(model_path), **options)
         outputs = _tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False))
         _assert_all_returned(llm)
@@ -55,7 +60,8 @@ def test_prefix_caching_preemption_and_kernels_agree(model_path, kv_cache_dtype)
     cached, stats = run(num_kv_blocks=256)
     assert stats["prefix_cache_hits_tokens"] > 0 and stats["kv_cache_dtype"] == kv_cache_dtype
     uncached, _ = run(num_kv_blocks=256, enable_prefix_caching=False)
-    tight, tight_stats = run(num_kv_blocks=16, watermark=0.0)
+    # no decode headroom: admit on the prompt alone, so the tiny pool must preempt
+    tight, tight_stats = run(num_kv_blocks=16, watermark=0.0, decode_headroom=0.0)
     reference, _ = run(num_kv_blocks=256, attention_backend="torch")
     assert tight_stats["preemptions"] > 0
     assert cached == uncached == tight == reference
@@ -65,7 +71,9 @@ def test_prefix_caching_preemption_and_kernels_agree(model_path, kv_cache_dtype)
 def test_forked_samples_read_the_copied_scales(model_path, kv_cache_dtype):
     """n greedy samples fork one block table; the partial last prompt block is copied on the
     first divergent write, scales included, so every sample equals the single one."""
-    llm = LLM(str(model_path), block_size=4, num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(
+        str(model_path), dtype="float32", block_size=4, num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype
+    )
     prompts = _prompts()[1:3]  # 14 and 29 tokens: both end inside a block
     single = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
     params = SamplingParams(n=3, max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -78,8 +86,10 @@ def test_forked_samples_read_the_copied_scales(model_path, kv_cache_dtype):
 def test_beams_survive_preemption(model_path, kv_cache_dtype):
     params = BeamSearchParams(beam_width=3, max_tokens=6)
     prompts = _prompts()[:2]
-    roomy = LLM(str(model_path), num_kv_blocks=256, block_size=4, kv_cache_dtype=kv_cache_dtype)
-    tight = LLM(str(model_path), num_kv_blocks=12, block_size=4, watermark=0.0, kv_cache_dtype=kv_cache_dtype)
+    options = {"dtype": "float32", "block_size": 4, "kv_cache_dtype": kv_cache_dtype}
+    roomy = LLM(str(model_path), num_kv_blocks=256, **options)
+    # no decode headroom: admit on the prompt alone, so the tiny pool must preempt
+    tight = LLM(str(model_path), num_kv_blocks=12, watermark=0.0, decode_headroom=0.0, **options)
     expected = _tokens(roomy.beam_search(prompts, params, use_tqdm=False))
     assert _tokens(tight.beam_search(prompts, params, use_tqdm=False)) == expected
     assert all(len(beams) == 3 for beams in expected)

@@ -106,7 +106,7 @@ def test_a_prompt_logprobs_request_skips_prefix_cache_hits_and_others_still_use_
 
 def test_prompt_logprobs_survive_preemption_and_parallel_samples(reference, prompts):
     # 20 blocks of 4 tokens for four requests growing to ~100 tokens: preemption must happen.
-    llm = LLM(num_kv_blocks=20, block_size=4, max_num_batched_tokens=8, watermark=0.0)
+    llm = LLM(num_kv_blocks=20, block_size=4, max_num_batched_tokens=8, watermark=0.0, decode_headroom=0.0)
     long = prompts[3][:40]
     params = [
         SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, prompt_logprobs=2),

@@ -93,7 +93,7 @@ def test_two_ranks_read_quantized_blocks_as_one_does(tmp_path):
 def pair(tmp_path_factory):
     """One engine per size over a pool small enough to preempt (16 blocks of 4 tokens)."""
     path = make_checkpoint(tmp_path_factory.mktemp("tp"), "llama")
-    one, two = _pair(path, block_size=4, num_kv_blocks=16, watermark=0.0)
+    one, two = _pair(path, block_size=4, num_kv_blocks=16, watermark=0.0, decode_headroom=0.0)
     yield one, two
     two.engine.shutdown()
 

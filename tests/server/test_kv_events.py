@@ -23,8 +23,7 @@ class EventReader:
     """A ZMQ SUB on the server's endpoint that keeps every decoded event, in order."""
 
     def __init__(self, endpoint: str) -> None:
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.SUB)
+        self.socket = zmq.Context.instance().socket(zmq.SUB)  # see ZmqKVEventPublisher
         self.socket.setsockopt(zmq.SUBSCRIBE, b"")
         self.socket.connect(endpoint)
         self.events: list[dict] = []
@@ -41,7 +40,6 @@ class EventReader:
 
     def close(self) -> None:
         self.socket.close(0)
-        self.context.term()
 
 
 @pytest.fixture(scope="module")

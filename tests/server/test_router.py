@@ -97,8 +97,7 @@ def _prompt_tokens(url: str) -> float:
 def _warm_and_route(launch, target: str, prompt: str) -> list[float]:
     """Cache ``prompt`` on replica ``target`` directly, wait for its KV events, then send two
     requests with the same prefix through the router: the prompt tokens each replica got."""
-    context = zmq.Context()
-    events = context.socket(zmq.SUB)
+    events = zmq.Context.instance().socket(zmq.SUB)  # see ZmqKVEventPublisher
     events.setsockopt(zmq.SUBSCRIBE, b"")
     index = launch.replicas.index(target)
     events.connect(_kv_endpoint(launch, index))
@@ -116,7 +115,6 @@ def _warm_and_route(launch, target: str, prompt: str) -> list[float]:
         wait_until(stored, 60, "the warm prompt's BlockStored events")
     finally:
         events.close(0)
-        context.term()
     before = [_prompt_tokens(url) for url in launch.replicas]
     for k in range(2):
         launch.client.completions.create(model=MODEL, prompt=f"{prompt} question {k}", max_tokens=1)
