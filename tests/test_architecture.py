@@ -118,5 +118,9 @@ def test_the_engine_reaches_the_model_only_through_the_executor():
         if m.startswith("pagedkv.engine")
         and any(t.startswith(("pagedkv.attention", "pagedkv.models.loader")) for t in targets)
     }
-    executors = {"pagedkv.engine.executor.in_process", "pagedkv.engine.executor.worker"}
+    executors = {
+        "pagedkv.engine.executor.in_process",
+        "pagedkv.engine.executor.multiproc",
+        "pagedkv.engine.executor.worker",
+    }
     assert touching <= executors | {"pagedkv.engine.model_runner"}

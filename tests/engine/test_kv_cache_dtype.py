@@ -99,8 +99,10 @@ def test_beams_survive_preemption(model_path, kv_cache_dtype):
 
 
 def test_the_same_memory_holds_more_tokens(model_path):
-    auto = LLM(str(model_path), kv_cache_memory="1MiB", block_size=16).kv_stats()
-    fp8 = LLM(str(model_path), kv_cache_memory="1MiB", block_size=16, kv_cache_dtype="fp8").kv_stats()
+    auto = LLM(str(model_path), dtype="float32", kv_cache_memory="1MiB", block_size=16).kv_stats()
+    fp8 = LLM(
+        str(model_path), dtype="float32", kv_cache_memory="1MiB", block_size=16, kv_cache_dtype="fp8"
+    ).kv_stats()
     # float32 model: 4 bytes per element vs 1 byte plus a 4-byte scale per head_dim elements
     assert auto["kv_cache_dtype"] == "auto" and fp8["kv_cache_dtype"] == "fp8"
     assert fp8["bytes_per_token"] < auto["bytes_per_token"] / 3

@@ -25,7 +25,7 @@ WINDOW, STRIDE = 96, 64
 def documents() -> list[list[int]]:
     """The first 1,500 characters of two held-out stdlib files, encoded as the training script
     encodes documents (EOS last)."""
-    llm = LLM(num_kv_blocks=8)
+    llm = LLM(dtype="float32", num_kv_blocks=8)
     _, heldout = stdlib_text.split_files()
     texts = [text[:1_500] for text in stdlib_text.read_sources(heldout[:2])]  # two documents
     eos = llm.engine.model_config.eos_token_ids[0]
@@ -49,7 +49,7 @@ def _transformers_logprobs(windows) -> list[list[float]]:
 def test_engine_perplexity_equals_transformers_on_held_out_text(documents):
     assert sum(map(len, documents)) > 3 * WINDOW  # longer than the context: windows are needed
     windows = [w for ids in documents for w in sliding_windows(ids, WINDOW, STRIDE)]
-    llm = LLM(max_model_len=WINDOW + 1, max_num_batched_tokens=40, num_kv_blocks=256)
+    llm = LLM(dtype="float32", max_model_len=WINDOW + 1, max_num_batched_tokens=40, num_kv_blocks=256)
     engine_scores = window_logprobs(llm.engine, windows)
     reference = _transformers_logprobs(windows)
     for got, expected in zip(engine_scores, reference, strict=True):
@@ -62,7 +62,7 @@ def test_engine_perplexity_equals_transformers_on_held_out_text(documents):
 
 
 def test_a_window_longer_than_the_context_or_a_busy_engine_is_refused(documents):
-    llm = LLM(max_model_len=WINDOW, num_kv_blocks=64)
+    llm = LLM(dtype="float32", max_model_len=WINDOW, num_kv_blocks=64)
     with pytest.raises(ValueError, match="does not fit: the engine's max_model_len 96"):
         perplexity(llm.engine, documents, WINDOW)
     llm.engine.add_request("busy", [5, 6, 7])

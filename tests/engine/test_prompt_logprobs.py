@@ -47,7 +47,7 @@ def reference():
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     """Prompts of 1, 2, 23 and ~70 tokens cut from one piece of Python source."""
-    ids = LLM(num_kv_blocks=8).tokenizer.encode(CODE)
+    ids = LLM(dtype="float32", num_kv_blocks=8).tokenizer.encode(CODE)
     return [ids[:1], ids[:2], ids[:23], ids]
 
 
@@ -68,7 +68,7 @@ def _check_against(reference, output, k: int) -> None:
 
 @pytest.mark.parametrize("budget", [5, 2048])
 def test_prompt_logprobs_equal_transformers_through_chunked_prefill(reference, prompts, budget):
-    llm = LLM(max_num_batched_tokens=budget, num_kv_blocks=64, block_size=4)
+    llm = LLM(dtype="float32", max_num_batched_tokens=budget, num_kv_blocks=64, block_size=4)
     params = SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=TOP, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for out in outs:
@@ -78,7 +78,7 @@ def test_prompt_logprobs_equal_transformers_through_chunked_prefill(reference, p
 
 
 def test_without_prompt_logprobs_there_are_none_and_zero_asks_for_the_token_only(reference, prompts):
-    llm = LLM(num_kv_blocks=64)
+    llm = LLM(dtype="float32", num_kv_blocks=64)
     plain, zero = llm.generate(
         [prompts[2], prompts[2]],
         [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, prompt_logprobs=0)],
@@ -90,7 +90,7 @@ def test_without_prompt_logprobs_there_are_none_and_zero_asks_for_the_token_only
 
 
 def test_a_prompt_logprobs_request_skips_prefix_cache_hits_and_others_still_use_them(reference, prompts):
-    llm = LLM(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
+    llm = LLM(dtype="float32", num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
     prompt = prompts[3]
     plain = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     scored = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=1)
@@ -106,7 +106,14 @@ def test_a_prompt_logprobs_request_skips_prefix_cache_hits_and_others_still_use_
 
 def test_prompt_logprobs_survive_preemption_and_parallel_samples(reference, prompts):
     # 20 blocks of 4 tokens for four requests growing to ~100 tokens: preemption must happen.
-    llm = LLM(num_kv_blocks=20, block_size=4, max_num_batched_tokens=8, watermark=0.0, decode_headroom=0.0)
+    llm = LLM(
+        dtype="float32",
+        num_kv_blocks=20,
+        block_size=4,
+        max_num_batched_tokens=8,
+        watermark=0.0,
+        decode_headroom=0.0,
+    )
     long = prompts[3][:40]
     params = [
         SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, prompt_logprobs=2),
@@ -143,7 +150,7 @@ def test_a_prompt_logits_slice_returns_every_row_and_survives_json():
     assert StepPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     assert [list(s.logits_rows()) for s in plan.slices] == [[0, 1, 2], [0, 1], [0]]
     assert plan.num_logits == 6
-    llm = LLM(num_kv_blocks=8, block_size=4)
+    llm = LLM(dtype="float32", num_kv_blocks=8, block_size=4)
     runner = llm.engine.executor.runner
     inputs = runner.prepare(plan)
     assert inputs.logits_indices.tolist() == [0, 1, 2, 3, 4, 5]

@@ -22,12 +22,25 @@ PAGEDKV = [sys.executable, "-m", "pagedkv.cli"]
 @pytest.fixture(scope="module")
 def model_and_text(tmp_path_factory) -> tuple[Path, str]:
     path = make_checkpoint(tmp_path_factory.mktemp("tp-launch"), "qwen2")
-    out = LLM(str(path)).generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    out = LLM(str(path), dtype="float32").generate(
+        PROMPT, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False
+    )
     return path, out[0].outputs[0].text
 
 
 def _generate(*options: str, launcher: tuple[str, ...] = ()) -> subprocess.Popen:
-    command = [*launcher, *PAGEDKV, "generate", "--max-tokens", "12", "--tensor-parallel-size", "2", *options]
+    command = [
+        *launcher,
+        *PAGEDKV,
+        "generate",
+        "--max-tokens",
+        "12",
+        "--dtype",
+        "float32",
+        "--tensor-parallel-size",
+        "2",
+        *options,
+    ]
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     return subprocess.Popen(
         [*command, PROMPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
