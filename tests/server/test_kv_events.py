@@ -63,6 +63,11 @@ def published():
             60,
             "the first KV event",
         )
+        # The SUB has joined, but what went out before it did is lost: clear the cache (the
+        # engine is idle) so that from here the events replay the whole cache.
+        server.app.state.engine.engine.reset_prefix_cache()
+        wait_until(lambda: reader.poll()[-1]["type"] == "AllBlocksCleared", 30, "AllBlocksCleared")
+        reader.events.clear()
         yield server, client, reader
     reader.close()
 
