@@ -183,37 +183,76 @@ def sdpa_sequence(
     return out.transpose(0, 1)
 
 
+@dataclass
+class PrefillSplit:
+    """How a prefill step's query runs split between the kernel and SDPA; the same for every
+    layer, so it is built once per step (:func:`_prefill_split`) instead of with Python loops in
+    every layer."""
+
+    #: ``(sequence, first row, end row, context length)`` of each run SDPA takes
+    long_runs: list[tuple[int, int, int, int]]
+    #: ``(sequence, first row, end row)`` of each run the kernel takes
+    short_runs: list[tuple[int, int, int]]
+    #: the query rows of the kernel's share; None when it is every row
+    rows: Tensor | None
+    kernel_rows: KernelRows | None
+
+
+#: the latest prefill step's metadata, whether SDPA may take long runs, and its split
+_last_prefill: tuple[AttentionMetadata | None, bool, PrefillSplit | None] = (None, False, None)
+
+
+def _prefill_split(metadata: AttentionMetadata, sdpa_allowed: bool) -> PrefillSplit:
+    global _last_prefill
+    seen, allowed, split = _last_prefill
+    if seen is metadata and allowed == sdpa_allowed and split is not None:
+        return split
+    cu = metadata.cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]
+    context_lens = metadata.context_lens.long()
+    is_long = q_lens > NATIVE_MAX_QUERY_LEN if sdpa_allowed else torch.zeros_like(q_lens, dtype=torch.bool)
+    starts, ends, lens, longs = cu[:-1].tolist(), cu[1:].tolist(), context_lens.tolist(), is_long.tolist()
+    long_runs = [(b, starts[b], ends[b], lens[b]) for b in range(len(lens)) if longs[b]]
+    short_runs = [(b, starts[b], ends[b]) for b in range(len(lens)) if not longs[b] and ends[b] > starts[b]]
+    rows, kernel_rows = None, None
+    if short_runs:
+        row_seq = torch.repeat_interleave(torch.arange(len(lens)), q_lens)
+        row_pos = context_lens[row_seq] - q_lens[row_seq] + torch.arange(row_seq.shape[0]) - cu[row_seq]
+        if long_runs:
+            rows = (~is_long[row_seq]).nonzero().flatten()
+            row_seq, row_pos = row_seq[rows], row_pos[rows]
+        kernel_rows = KernelRows.of(metadata.block_tables, row_seq, row_pos)
+    split = PrefillSplit(long_runs, short_runs, rows, kernel_rows)
+    _last_prefill = (metadata, sdpa_allowed, split)
+    return split
+
+
 def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: AttentionOptions) -> Tensor:
     if q.device.type != "cpu":
         raise ValueError(
             f"the cpu attention backend needs CPU tensors, got {q.device}; use 'triton' or 'torch'"
         )
-    cu = metadata.cu_seqlens_q.tolist()
-    lens = metadata.context_lens.tolist()
-    tables = metadata.block_tables
+    split = _prefill_split(metadata, options.soft_cap is None)
+    if split.kernel_rows is not None and not split.long_runs:
+        result = _attend(q, layer, split.kernel_rows, options)
+        if result is not None:
+            return result
     out = torch.empty_like(q)
-    short: list[int] = []  # sequences whose rows go to the native kernel
-    for b, context_len in enumerate(lens):
-        start, end = cu[b], cu[b + 1]
-        if end - start > NATIVE_MAX_QUERY_LEN and options.soft_cap is None:
-            window = options.sliding_window
-            out[start:end] = sdpa_sequence(q[start:end], layer, tables[b], context_len, options.scale, window)
-        elif end > start:
-            short.append(b)
-    if not short:
+    tables = metadata.block_tables
+    for b, start, end, context_len in split.long_runs:
+        window = options.sliding_window
+        out[start:end] = sdpa_sequence(q[start:end], layer, tables[b], context_len, options.scale, window)
+    if split.kernel_rows is None:
         return out
-    rows = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in short])
-    row_seq = torch.cat([torch.full((cu[b + 1] - cu[b],), b, dtype=torch.int32) for b in short])
-    row_pos = torch.cat(
-        [torch.arange(lens[b] - (cu[b + 1] - cu[b]), lens[b], dtype=torch.int32) for b in short]
-    )
-    result = attend_rows(q[rows], layer, tables, row_seq, row_pos, options)
+    result = None
+    if split.long_runs:  # else the kernel was tried above
+        result = _attend(q[split.rows], layer, split.kernel_rows, options)
     if result is None:
-        for b in short:
+        for b, start, end in split.short_runs:
             single = AttentionMetadata.for_attention_only(
-                tables[b : b + 1], metadata.context_lens[b : b + 1], torch.tensor([0, cu[b + 1] - cu[b]])
+                tables[b : b + 1], metadata.context_lens[b : b + 1], torch.tensor([0, end - start])
             )
-            out[cu[b] : cu[b + 1]] = torch_backend.prefill(q[cu[b] : cu[b + 1]], layer, single, options)
+            out[start:end] = torch_backend.prefill(q[start:end], layer, single, options)
         return out
-    out[rows] = result
+    out[split.rows] = result
     return out
