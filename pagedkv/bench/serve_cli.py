@@ -64,6 +64,19 @@ def add_bench_serve_parser(bench_subparsers: argparse._SubParsersAction) -> argp
     )
     workload.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    rival = parser.add_argument_group("side by side with vLLM")
+    rival.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of a virtual environment with vLLM's CPU build: run the workload against "
+        "`pagedkv serve` and vLLM's OpenAI server, each in its own process on --model, and print both",
+    )
+    rival.add_argument(
+        "--threads", type=positive_int, default=None, help="CPU threads of each server (default: all)"
+    )
+    rival.add_argument(
+        "--log-dir", default="bench-serve-logs", help="where the servers' logs go (default: %(default)s)"
+    )
     add_engine_options(parser)
     return parser
 
@@ -74,6 +87,8 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     from pagedkv.bench.serve import BenchConfig, print_report, run_benchmark
 
     config = config_from_args(BenchConfig, args, model=args.served_model_name)
+    if args.vllm_python is not None:
+        return _run_against_vllm(args, config)
     if args.base_url is not None:
         try:
             result = run_benchmark(args.base_url, config)
@@ -92,3 +107,25 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     else:
         print_report(result)
     return 0 if result.failed == 0 else 1
+
+
+def _run_against_vllm(args: argparse.Namespace, config) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from pagedkv.bench.serve_rivals import ServedModel, compare_servers, comparison_rows, print_comparison
+
+    if args.model is None or args.base_url is not None:
+        args.parser.error(
+            "--vllm-python needs --model (a Hugging Face folder both servers load) and no --base-url"
+        )
+    dtype = "float32" if args.dtype == "auto" else args.dtype  # vLLM's auto follows the checkpoint
+    served = ServedModel(args.model, dtype, args.max_num_seqs, args.threads or torch.get_num_threads())
+    results = compare_servers(config, served, args.vllm_python, Path(args.log_dir))
+    if args.json:
+        document = {name: result.to_json() for name, result in results.items()}
+        print(json.dumps(document | {"comparison": comparison_rows(results)}, indent=2))
+    else:
+        print_comparison(results)
+    return 0 if all(result.failed == 0 for result in results.values()) else 1

@@ -54,7 +54,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float, what: str) -> None:
+    """Return once ``url/health`` answers 200; an error if ``process`` exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {process.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} was not healthy at {url} within {timeout:.0f} s")
+
+
+def die_with_parent() -> None:
     """In the child, before exec: SIGTERM when the supervisor dies, even by SIGKILL (Linux)."""
     try:
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -132,7 +147,7 @@ class ReplicaSet:
     def _spawn(self, command: list[str], stdin: bytes | None = None) -> subprocess.Popen:
         process = subprocess.Popen(
             command, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-            stdout=self.log, stderr=self.log, preexec_fn=_die_with_parent,
+            stdout=self.log, stderr=self.log, preexec_fn=die_with_parent,
         )  # fmt: skip
         if stdin is not None:
             process.stdin.write(stdin)
@@ -169,17 +184,7 @@ class ReplicaSet:
         return command + list(self.router_args)
 
     def wait_healthy(self, url: str, process: subprocess.Popen, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"{what} exited with status {process.returncode} before it was ready")
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{what} was not healthy at {url} within {timeout:.0f} s")
+        wait_healthy(url, process, timeout, what)
 
     def start(self, timeout: float = 300.0) -> ReplicaSet:
         """Start the replicas, wait until each is healthy, then the router; all or nothing."""
