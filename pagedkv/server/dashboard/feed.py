@@ -135,11 +135,11 @@ class DashboardFeed:
             self._previous = None  # the next page starts from a fresh full frame anyway
             return
         self._dirty = True
-        now = time.monotonic()
+        now, stamp = time.monotonic(), time.time()
         if now - self._last_sent < self.interval:
             return
         started = time.perf_counter()
-        view = take_view(engine)
+        view = take_view(engine, stamp)
         with self._lock:
             joining, self._joining = self._joining, []
             listening = list(self._subscribers)

@@ -11,7 +11,6 @@ requests decode (a token count per sequence) and grows only when blocks move.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +45,10 @@ class View:
         return codes
 
 
-def take_view(engine: LLMEngine) -> View:
-    """Read the engine (worker thread only): every block, every live block table, the counters."""
+def take_view(engine: LLMEngine, stamp: float) -> View:
+    """Read the engine (worker thread only): every block, every live block table, the counters;
+    ``stamp`` (``time.time()``) is the frame's time, taken by the caller at the instant it
+    throttles on, so consecutive frames' times are never closer than the throttle allows."""
     snapshot = engine.kv_snapshot()
     seqs = {
         f"{s.request_id}#{s.index}": (
@@ -63,7 +64,7 @@ def take_view(engine: LLMEngine) -> View:
     stats = engine.stats()
     last = engine.last_step
     counters = {
-        "t": round(time.time(), 3),
+        "t": round(stamp, 3),
         "step": stats.steps,
         "running": stats.running,
         "waiting": stats.waiting,
