@@ -84,8 +84,20 @@ def paged_attention(
 ) -> torch.Tensor:
     """The one call a model's attention layer makes per step: store this step's keys/values in
     their slots, then attend (decode when every sequence has one new token, else prefill)."""
-    backend = resolve_backend(backend, q.device)
     write_kv(k, v, layer, metadata.slot_mapping)
+    return attend(q, layer, metadata, options, backend)
+
+
+def attend(
+    q: torch.Tensor,
+    layer: LayerKV,
+    metadata: AttentionMetadata,
+    options: AttentionOptions,
+    backend: Backend | str | None = None,
+) -> torch.Tensor:
+    """:func:`paged_attention` for a caller that has already stored the step's keys and values
+    in their slots (a fused rotary + write, see :mod:`pagedkv.models.layer_ops`)."""
+    backend = resolve_backend(backend, q.device)
     if metadata.is_decode_only and q.shape[0] == metadata.num_seqs:
         return _decode(q, layer, metadata, options, backend)
     return _prefill(q, layer, metadata, options, backend)
