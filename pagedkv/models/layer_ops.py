@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import cbuild
-from pagedkv.attention import LayerKV, per_call_checks, write_kv
+from pagedkv.attention import AttentionMetadata, LayerKV, per_call_checks, write_kv
 from pagedkv.attention.checks import check_slots
 from pagedkv.models.rope import apply_rotary
 
@@ -80,10 +80,10 @@ class TorchOps:
         cos: torch.Tensor,
         sin: torch.Tensor,
         layer: LayerKV,
-        slot_mapping: torch.Tensor,
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        """Rotate q and k of ``qkv [T, (Hq + 2 Hkv) D]``, store k and v in their slots;
-        returns q ``[T, Hq, D]``."""
+        """Rotate q and k of ``qkv [T, (Hq + 2 Hkv) D]``, store k and v in their slots
+        (``metadata.slot_mapping``); returns q ``[T, Hq, D]``."""
         tokens, heads, kv_heads = qkv.shape[0], layout.num_heads, layout.num_kv_heads
         qk, v = qkv.split(((heads + kv_heads) * layout.head_dim, kv_heads * layout.head_dim), dim=-1)
         qk = qk.view(tokens, heads + kv_heads, layout.head_dim)
@@ -96,7 +96,8 @@ class TorchOps:
             qk = torch.cat(normed, dim=1)
         # one rotation for the query and key heads together
         q, k = apply_rotary(qk, cos, sin).split((heads, kv_heads), dim=1)
-        write_kv(k, v.view(tokens, kv_heads, layout.head_dim), layer, slot_mapping)
+        v = v.view(tokens, kv_heads, layout.head_dim)
+        write_kv(k, v, layer, metadata.slot_mapping, metadata.has_padding)
         return q
 
 
@@ -147,10 +148,10 @@ class NativeOps(TorchOps):
         cos: torch.Tensor,
         sin: torch.Tensor,
         layer: LayerKV,
-        slot_mapping: torch.Tensor,
+        metadata: AttentionMetadata,
     ) -> torch.Tensor:
         heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
-        key, value = layer.key, layer.value
+        key, value, slot_mapping = layer.key, layer.value, metadata.slot_mapping
         if (
             layer.quantized
             or key.dtype != self.dtype
@@ -160,7 +161,7 @@ class NativeOps(TorchOps):
             or slot_mapping.dtype != torch.int64
             or not (qkv.is_contiguous() and key.is_contiguous() and value.is_contiguous())
         ):
-            return super().rotary_write_kv(qkv, layout, cos, sin, layer, slot_mapping)
+            return super().rotary_write_kv(qkv, layout, cos, sin, layer, metadata)
         tokens = qkv.shape[0]
         if per_call_checks():
             check_slots(layer, slot_mapping, tokens)

@@ -103,8 +103,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         layer_kv = batch.kv_cache.layers[self.layer]
-        slots = batch.metadata.slot_mapping
-        q = batch.ops.rotary_write_kv(self.qkv_proj(x), self.layout(), batch.cos, batch.sin, layer_kv, slots)
+        qkv = self.qkv_proj(x)
+        q = batch.ops.rotary_write_kv(qkv, self.layout(), batch.cos, batch.sin, layer_kv, batch.metadata)
         out = attend(q, layer_kv, batch.metadata, self.options, self.backend)
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 

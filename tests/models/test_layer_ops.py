@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.attention import LayerKV
+from pagedkv.attention import AttentionMetadata, LayerKV
 from pagedkv.models import layer_ops, load_model
 from pagedkv.models.config import RopeConfig
 from pagedkv.models.layer_ops import TORCH_OPS, NativeOps, QKVLayout
@@ -78,6 +78,12 @@ def test_silu_and_mul_matches_torch(rows, size, dtype, seed):
     assert_close_in(dtype, got, TORCH_OPS.silu_and_mul(gate_up), ulps=1)
 
 
+def _writing(slots: torch.Tensor) -> AttentionMetadata:
+    """Metadata for a step that writes ``slots`` (the attention part is not used here)."""
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    return AttentionMetadata(slots, tables, torch.ones(1, dtype=torch.int32), torch.tensor([0, 1]), 1)
+
+
 def _kv_layer(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> LayerKV:
     """A pool filled with NaN: a slot the write should not touch stays NaN."""
     shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -103,8 +109,8 @@ def test_rotary_and_kv_write_match_torch(dtype, head_dim, qk_norm):
     slots[2] = -1  # padding: written nowhere
 
     want_layer, got_layer = (_kv_layer(10, 4, kv_heads, head_dim, dtype) for _ in range(2))
-    want_q = TORCH_OPS.rotary_write_kv(qkv, layout, cos, sin, want_layer, slots)
-    got_q = native(dtype).rotary_write_kv(qkv, layout, cos, sin, got_layer, slots)
+    want_q = TORCH_OPS.rotary_write_kv(qkv, layout, cos, sin, want_layer, _writing(slots))
+    got_q = native(dtype).rotary_write_kv(qkv, layout, cos, sin, got_layer, _writing(slots))
     ulps = 1 if qk_norm else 0  # the norm's float32 scale may differ in its last bit
     assert_close_in(dtype, got_q, want_q.contiguous(), ulps)
     written = slots[slots >= 0]
@@ -130,8 +136,8 @@ def test_quantized_cache_writes_through_torch():
         for _ in range(2)
     ]
     layout, slots = QKVLayout(heads, kv_heads, head_dim), torch.tensor([0, 5, 6])
-    want_q = TORCH_OPS.rotary_write_kv(qkv, layout, cos, sin, layers[0], slots)
-    got_q = native(torch.float32).rotary_write_kv(qkv, layout, cos, sin, layers[1], slots)
+    want_q = TORCH_OPS.rotary_write_kv(qkv, layout, cos, sin, layers[0], _writing(slots))
+    got_q = native(torch.float32).rotary_write_kv(qkv, layout, cos, sin, layers[1], _writing(slots))
     assert torch.equal(got_q, want_q)
     for field in ("key", "value", "key_scale", "value_scale"):
         assert torch.equal(getattr(layers[1], field), getattr(layers[0], field))
