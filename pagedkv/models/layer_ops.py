@@ -116,8 +116,12 @@ class NativeOps(TorchOps):
             fn.restype, fn.argtypes = None, argtypes
             setattr(self, f"_{name}", fn)
 
+    def _fits(self, weight: torch.Tensor, size: int) -> bool:
+        """Whether ``weight`` is what the C reads for rows of ``size``: the C trusts shapes."""
+        return weight.dtype == self.dtype and weight.shape == (size,) and weight.is_contiguous()
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if weight.dtype != self.dtype:
+        if not self._fits(weight, x.shape[-1]):
             return super().rms_norm(x, weight, eps)
         x = x.contiguous()
         out = torch.empty_like(x)
@@ -129,12 +133,15 @@ class NativeOps(TorchOps):
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if weight.dtype != self.dtype or not (x.is_contiguous() and residual.is_contiguous()):
+        fits = self._fits(weight, x.shape[-1]) and x.shape == residual.shape
+        if not (fits and x.is_contiguous() and residual.is_contiguous()):
             return super().add_rms_norm(x, residual, weight, eps)
         self._add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[-1], eps)
         return x, residual
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.shape[-1] % 2:
+            return super().silu_and_mul(gate_up)
         gate_up = gate_up.contiguous()
         half = gate_up.shape[-1] // 2
         out = gate_up.new_empty((gate_up.shape[0], half))
@@ -152,14 +159,19 @@ class NativeOps(TorchOps):
     ) -> torch.Tensor:
         heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
         key, value, slot_mapping = layer.key, layer.value, metadata.slot_mapping
+        norms = (layout.q_norm, layout.k_norm) if layout.q_norm is not None else ()
         if (
             layer.quantized
             or key.dtype != self.dtype
             or key.shape[2:] != (kv_heads, dim)
+            or qkv.shape[-1] != (heads + 2 * kv_heads) * dim
+            or not cos.dtype == sin.dtype == self.dtype
+            or not cos.numel() == sin.numel() == qkv.shape[0] * dim
             or dim > self.max_head_dim
             or dim % 2
             or slot_mapping.dtype != torch.int64
-            or not (qkv.is_contiguous() and key.is_contiguous() and value.is_contiguous())
+            or not all(self._fits(w, dim) for w in norms)
+            or not all(t.is_contiguous() for t in (qkv, key, value, cos, sin))
         ):
             return super().rotary_write_kv(qkv, layout, cos, sin, layer, metadata)
         tokens = qkv.shape[0]

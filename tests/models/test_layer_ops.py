@@ -2,9 +2,11 @@
 
 float32: within 1e-6 relative (the RMSNorm mean of squares sums in another order, silu's exp is
 another ~1 ulp approximation). bfloat16 and float16: rotary and the KV write are bit-exact
-(the same multiplies and adds, rounded at the same points); RMSNorm and silu * up are within one
-ulp of the storage dtype (the float32 scale or exp may differ in its last bit, which moves a
-rounding only when it sits on a tie). The model-level agreement with transformers is in
+(the same multiplies and adds, rounded at the same points); silu * up is within one ulp of the
+storage dtype and RMSNorm within two: the float32 scale or exp may differ in its last bit, which
+moves a rounding only when it sits on a tie, and RMSNorm rounds twice (the cast back, then the
+weight multiply), so a tie flipped at the first rounding can end two ulps away. Ties are rare:
+greedy agreement with transformers is unchanged. The model-level agreement with transformers is in
 test_model_exactness.py, test_engine_exactness.py and test_bf16_agreement.py.
 """
 
@@ -20,7 +22,7 @@ from hypothesis import strategies as st
 from pagedkv.attention import AttentionMetadata, LayerKV
 from pagedkv.models import layer_ops, load_model
 from pagedkv.models.config import RopeConfig
-from pagedkv.models.layer_ops import TORCH_OPS, NativeOps, QKVLayout
+from pagedkv.models.layer_ops import TORCH_OPS, NativeOps, QKVLayout, TorchOps
 from pagedkv.models.rope import RotaryEmbedding
 from tests.checkpoints import make_checkpoint
 from tests.models.test_model_exactness import PROMPT_LENS, prompts
@@ -61,12 +63,12 @@ def test_rms_norm_and_fused_add_match_torch(rows, size, dtype, seed):
     ops = native(dtype)
     x, residual = randn(rows, size, dtype=dtype, seed=seed), randn(rows, size, dtype=dtype, seed=seed + 1) * 4
     weight = randn(size, dtype=dtype, seed=seed + 2)
-    assert_close_in(dtype, ops.rms_norm(x, weight, 1e-6), TORCH_OPS.rms_norm(x, weight, 1e-6), ulps=1)
+    assert_close_in(dtype, ops.rms_norm(x, weight, 1e-6), TORCH_OPS.rms_norm(x, weight, 1e-6), ulps=2)
 
     want_x, want_residual = TORCH_OPS.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
     got_x, got_residual = ops.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
     assert torch.equal(got_residual, want_residual)  # one add, rounded once: exact
-    assert_close_in(dtype, got_x, want_x, ulps=1)
+    assert_close_in(dtype, got_x, want_x, ulps=2)
 
 
 @settings(max_examples=40, deadline=None)
@@ -111,7 +113,7 @@ def test_rotary_and_kv_write_match_torch(dtype, head_dim, qk_norm):
     want_layer, got_layer = (_kv_layer(10, 4, kv_heads, head_dim, dtype) for _ in range(2))
     want_q = TORCH_OPS.rotary_write_kv(qkv, layout, cos, sin, want_layer, _writing(slots))
     got_q = native(dtype).rotary_write_kv(qkv, layout, cos, sin, got_layer, _writing(slots))
-    ulps = 1 if qk_norm else 0  # the norm's float32 scale may differ in its last bit
+    ulps = 2 if qk_norm else 0  # the norm's float32 scale may differ in its last bit
     assert_close_in(dtype, got_q, want_q.contiguous(), ulps)
     written = slots[slots >= 0]
     for got, want in ((got_layer.key, want_layer.key), (got_layer.value, want_layer.value)):
@@ -163,3 +165,21 @@ def test_without_the_library_the_model_runs_on_torch_ops(tmp_path, monkeypatch, 
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     finally:
         layer_ops.native_ops.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_model_takes_every_fused_op_on_the_cpu(tmp_path, monkeypatch, dtype):
+    """No per-call fallback to the torch ops (a guard that always failed would pass every
+    agreement test while fusing nothing)."""
+    path = make_checkpoint(tmp_path, "qwen3", head_dim=24)
+    model = load_model(path, dtype=dtype)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("fell back to the torch op")
+
+    for name in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_write_kv"):
+        monkeypatch.setattr(TorchOps, name, refuse)
+    seqs = prompts()
+    batch = PagedBatch(model, max(PROMPT_LENS) + 1, len(seqs))
+    batch.step(seqs)
+    batch.step([[5]] * len(seqs))  # and a decode step
