@@ -6,6 +6,7 @@ from pagedkv.attention.checks import CHECK_ENV_VAR, check_step, per_call_checks,
 from pagedkv.attention.kv_cache import KVCache, LayerKV
 from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
 from pagedkv.attention.ops import (
+    attend,
     copy_blocks,
     paged_attention,
     paged_decode_attention,
@@ -23,6 +24,7 @@ __all__ = [
     "KVCache",
     "KV_CACHE_DTYPES",
     "LayerKV",
+    "attend",
     "available_backends",
     "check_backend_reads",
     "check_step",

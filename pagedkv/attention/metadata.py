@@ -9,6 +9,7 @@ is fixed per layer when the model is built.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -75,6 +76,12 @@ class AttentionMetadata:
             max_query_len = int(lengths.max()) if lengths.numel() else 0
         empty = torch.empty(0, dtype=torch.int64, device=device)
         return cls(empty, block_tables, context_lens, cu_seqlens_q, max_query_len)
+
+    @functools.cached_property
+    def has_padding(self) -> bool:
+        """Whether a slot is negative (a token whose key/value is not written): asked once per
+        step instead of once per layer, since on CUDA each ask waits for the device."""
+        return bool((self.slot_mapping < 0).any())
 
     @property
     def is_decode_only(self) -> bool:

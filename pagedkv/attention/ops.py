@@ -20,10 +20,18 @@ from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
 from pagedkv.attention.quant import quantize
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, layer: LayerKV, slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer: LayerKV,
+    slot_mapping: torch.Tensor,
+    padded: bool | None = None,
+) -> None:
     """Scatter ``key/value [T, kv_heads, head_dim]`` into their slots (``block_id * block_size +
     offset``); tokens whose slot is negative are padding and are not written. A quantized layer
-    stores each token's heads quantized, with their scales beside them."""
+    stores each token's heads quantized, with their scales beside them. ``padded`` says whether
+    any slot is negative (:attr:`AttentionMetadata.has_padding`, found once per step); None
+    looks, which costs a host sync."""
     if checks.per_call_checks():
         checks.check_layer_matches("key", key, layer, heads_multiple=False)
         checks.check_layer_matches("value", value, layer, heads_multiple=False)
@@ -33,8 +41,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, layer: LayerKV, slot_mappin
     if key.shape[0] == 0:
         return
     slots = slot_mapping.to(device=layer.key.device, dtype=torch.long)
-    keep = slots >= 0
-    if not bool(keep.all()):
+    if padded is None or padded:
+        keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
         if slots.numel() == 0:
             return
@@ -84,8 +92,20 @@ def paged_attention(
 ) -> torch.Tensor:
     """The one call a model's attention layer makes per step: store this step's keys/values in
     their slots, then attend (decode when every sequence has one new token, else prefill)."""
+    write_kv(k, v, layer, metadata.slot_mapping, metadata.has_padding)
+    return attend(q, layer, metadata, options, backend)
+
+
+def attend(
+    q: torch.Tensor,
+    layer: LayerKV,
+    metadata: AttentionMetadata,
+    options: AttentionOptions,
+    backend: Backend | str | None = None,
+) -> torch.Tensor:
+    """:func:`paged_attention` for a caller that has already stored the step's keys and values
+    in their slots (a fused rotary + write, see :mod:`pagedkv.models.layer_ops`)."""
     backend = resolve_backend(backend, q.device)
-    write_kv(k, v, layer, metadata.slot_mapping)
     if metadata.is_decode_only and q.shape[0] == metadata.num_seqs:
         return _decode(q, layer, metadata, options, backend)
     return _prefill(q, layer, metadata, options, backend)

@@ -6,9 +6,15 @@ RMSNorm (Qwen3), a sliding window (Mistral, optionally Qwen), tied embeddings, a
 q/k/v projections are packed into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (one
 GEMM each); the loader maps the checkpoint's ``q_proj``... tensors onto their row slices. Unlike
 transformers the forward pass takes *packed* tokens of many sequences (no batch or padding
-dimension) and reads/writes keys and values only through
-:func:`pagedkv.attention.paged_attention`. Op order mirrors transformers (RMSNorm in float32 then
-cast back, weight applied after the cast) so fp32 logits agree to ~1e-6."""
+dimension) and writes keys and values only through the layer ops, reading them through
+:func:`pagedkv.attention.attend`.
+
+The element-wise work between the matrix multiplies (RMSNorm, rotary, the KV write, SiLU) goes
+through :mod:`pagedkv.models.layer_ops`: fused C calls on the CPU, torch elsewhere. So that a
+residual add and the next RMSNorm are one fused call, layers pass vLLM's residual stream
+``(x, residual)``: ``x`` is the last sublayer's output, not yet added. Op order and rounding
+mirror transformers (RMSNorm in float32 then cast back, weight applied after the cast) so fp32
+logits agree to ~1e-6."""
 
 from __future__ import annotations
 
@@ -18,31 +24,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache, paged_attention
+from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache, attend
+from pagedkv.models import layer_ops
 from pagedkv.models.config import ModelConfig
+from pagedkv.models.layer_ops import QKVLayout, TorchOps
 from pagedkv.models.linear import TORCH, Linear, LinearKernel, PackedLinear
-from pagedkv.models.rope import RotaryEmbedding, apply_rotary
+from pagedkv.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    """transformers' ``LlamaRMSNorm``: normalise in float32, cast back, then scale.
-
-    ``F.rms_norm`` runs the same ops in the same order (pow, mean, add eps, rsqrt, mul) in one
-    call instead of five Python-dispatched ones, so it is used directly in float32, where the
-    cast back is a no-op and the weight may be folded in; in half precision the weight must
-    multiply *after* the cast, as transformers does, so it stays outside.
-    """
+    """transformers' ``LlamaRMSNorm`` weight and epsilon; the arithmetic is the layer ops'."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.shape = (size,)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.shape, self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, ops: TorchOps, residual: torch.Tensor | None = None):
+        """``rmsnorm(x)``, or with a residual ``(rmsnorm(x + residual), x + residual)``."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Embedding(nn.Module):
@@ -59,8 +61,10 @@ class Embedding(nn.Module):
 @dataclass(frozen=True)
 class ForwardBatch:
     """What every layer of one forward pass shares: the rotary ``cos``/``sin`` of the step's
-    positions, the KV cache and the step's attention metadata (SGLang's ``ForwardBatch``)."""
+    positions, the KV cache, the step's attention metadata (SGLang's ``ForwardBatch``) and the
+    element-wise ops for its device and dtype."""
 
+    ops: TorchOps
     cos: torch.Tensor
     sin: torch.Tensor
     kv_cache: KVCache
@@ -90,19 +94,19 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
+    def layout(self) -> QKVLayout:
+        """Read per call, not cached: the loader replaces the norm weights after building."""
+        if not self.qk_norm:
+            return QKVLayout(self.num_heads, self.num_kv_heads, self.head_dim)
+        norms = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        return QKVLayout(self.num_heads, self.num_kv_heads, self.head_dim, *norms)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        tokens = x.shape[0]
-        qk, v = self.qkv_proj(x).split((self.q_size + self.kv_size, self.kv_size), dim=-1)
-        qk = qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.qk_norm:  # separate weights for query and key heads
-            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        # one rotation for the query and key heads together
-        q, k = apply_rotary(qk, batch.cos, batch.sin).split((self.num_heads, self.num_kv_heads), dim=1)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         layer_kv = batch.kv_cache.layers[self.layer]
-        out = paged_attention(q, k, v, layer_kv, batch.metadata, self.options, self.backend)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        qkv = self.qkv_proj(x)
+        q = batch.ops.rotary_write_kv(qkv, self.layout(), batch.cos, batch.sin, layer_kv, batch.metadata)
+        out = attend(q, layer_kv, batch.metadata, self.options, self.backend)
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -116,9 +120,8 @@ class MLP(nn.Module):
         )
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: silu's output is ours
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -129,11 +132,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # Residual adds in place into the sublayer's fresh output (x + h == h + x exactly): one
-        # buffer fewer per add, and on CPU every new buffer is cold cache.
-        x = self.self_attn(self.input_layernorm(x), batch).add_(x)
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual)``; the first layer gets ``residual`` None (x is the embedding)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x, batch.ops), x
+        else:
+            x, residual = self.input_layernorm(x, batch.ops, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, batch), batch.ops, residual)
+        return self.mlp(x, batch.ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -178,10 +186,12 @@ class LlamaForCausalLM(nn.Module):
                 f"and {tuple(positions.shape)}"
             )
         x = self.model.embed_tokens(input_ids)
-        batch = ForwardBatch(*self.rotary.cos_sin(positions, x.dtype), kv_cache, metadata)
+        ops = layer_ops.select(x)
+        batch = ForwardBatch(ops, *self.rotary.cos_sin(positions, x.dtype), kv_cache, metadata)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, batch)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, batch)
+        return self.model.norm(x, ops, residual)[0]  # every config has at least one layer
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` for hidden states ``[N, hidden]``."""

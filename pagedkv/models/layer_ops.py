@@ -1,0 +1,231 @@
+"""The decoder layer's element-wise ops, as one object per forward pass: fused C on the CPU,
+torch everywhere else.
+
+A small model's decode step on the CPU spends as much time between its matrix multiplies as in
+them: each RMSNorm is five to seven torch dispatches, rotary five, the KV write two ``index_copy_``
+and a host sync on the padding mask. :class:`NativeOps` runs each group as one call into
+``csrc/layer_ops_cpu.c`` (built and cached by :mod:`pagedkv.cbuild`, called through
+:mod:`ctypes`), rounding where transformers rounds, so float32 greedy tokens still equal
+transformers' and bfloat16 stays as close as before. :class:`TorchOps` is the reference and the
+fallback: CUDA, a dtype the library lacks, no C compiler, a quantized KV cache (its write).
+Both take and return the same tensors; :func:`select` picks one per forward pass.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv import cbuild
+from pagedkv.attention import AttentionMetadata, LayerKV, per_call_checks, write_kv
+from pagedkv.attention.checks import check_slots
+from pagedkv.models.rope import apply_rotary
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "layer_ops_cpu.c"
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "rms_norm": [_P, _P, _P, _I, _I, _F],
+    "add_rms_norm": [_P, _P, _P, _I, _I, _F],
+    "silu_and_mul": [_P, _P, _I, _I],
+    "rotary_write_kv": [_P] * 6 + [_F, _P, _P, _P] + [_I] * 4,
+}
+
+
+@dataclass(frozen=True)
+class QKVLayout:
+    """How a layer's packed q/k/v projection output is laid out, and its optional per-head
+    q/k RMSNorm weights (Qwen3)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 0.0
+
+
+class TorchOps:
+    """The ops as torch operators, in transformers' order: RMSNorm in float32, cast back, weight
+    applied after the cast (``F.rms_norm`` folds it in float32, where the cast is a no-op)."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(rmsnorm(x + residual) * weight, x + residual)``; may overwrite both inputs."""
+        residual = x.add_(residual)  # x is a sublayer's fresh output; x + r == r + x exactly
+        return self.rms_norm(residual, weight, eps), residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)  # in place: silu's output is ours
+
+    def rotary_write_kv(
+        self,
+        qkv: torch.Tensor,
+        layout: QKVLayout,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer: LayerKV,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Rotate q and k of ``qkv [T, (Hq + 2 Hkv) D]``, store k and v in their slots
+        (``metadata.slot_mapping``); returns q ``[T, Hq, D]``."""
+        tokens, heads, kv_heads = qkv.shape[0], layout.num_heads, layout.num_kv_heads
+        qk, v = qkv.split(((heads + kv_heads) * layout.head_dim, kv_heads * layout.head_dim), dim=-1)
+        qk = qk.view(tokens, heads + kv_heads, layout.head_dim)
+        if layout.q_norm is not None:  # separate weights for query and key heads
+            q, k = qk.split((heads, kv_heads), dim=1)
+            normed = (
+                self.rms_norm(q, layout.q_norm, layout.eps),
+                self.rms_norm(k, layout.k_norm, layout.eps),
+            )
+            qk = torch.cat(normed, dim=1)
+        # one rotation for the query and key heads together
+        q, k = apply_rotary(qk, cos, sin).split((heads, kv_heads), dim=1)
+        v = v.view(tokens, kv_heads, layout.head_dim)
+        write_kv(k, v, layer, metadata.slot_mapping, metadata.has_padding)
+        return q
+
+
+TORCH_OPS = TorchOps()
+
+
+class NativeOps(TorchOps):
+    """The compiled ops for one dtype, on contiguous CPU tensors of that dtype; a layer whose
+    KV cache is quantized or of another dtype writes through :class:`TorchOps`."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.max_head_dim = lib.layer_ops_max_head_dim()
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, f"{name}_{SUFFIXES[dtype]}")
+            fn.restype, fn.argtypes = None, argtypes
+            setattr(self, f"_{name}", fn)
+
+    def _fits(self, weight: torch.Tensor, size: int) -> bool:
+        """Whether ``weight`` is what the C reads for rows of ``size``: the C trusts shapes."""
+        return weight.dtype == self.dtype and weight.shape == (size,) and weight.is_contiguous()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not self._fits(weight, x.shape[-1]):
+            return super().rms_norm(x, weight, eps)
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self._rms_norm(
+            x.data_ptr(), out.data_ptr(), weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps
+        )
+        return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        fits = self._fits(weight, x.shape[-1]) and x.shape == residual.shape
+        if not (fits and x.is_contiguous() and residual.is_contiguous()):
+            return super().add_rms_norm(x, residual, weight, eps)
+        self._add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[-1], eps)
+        return x, residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.shape[-1] % 2:
+            return super().silu_and_mul(gate_up)
+        gate_up = gate_up.contiguous()
+        half = gate_up.shape[-1] // 2
+        out = gate_up.new_empty((gate_up.shape[0], half))
+        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], half)
+        return out
+
+    def rotary_write_kv(
+        self,
+        qkv: torch.Tensor,
+        layout: QKVLayout,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer: LayerKV,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
+        key, value, slot_mapping = layer.key, layer.value, metadata.slot_mapping
+        norms = (layout.q_norm, layout.k_norm) if layout.q_norm is not None else ()
+        if (
+            layer.quantized
+            or key.dtype != self.dtype
+            or key.shape[2:] != (kv_heads, dim)
+            or qkv.shape[-1] != (heads + 2 * kv_heads) * dim
+            or not cos.dtype == sin.dtype == self.dtype
+            or not cos.numel() == sin.numel() == qkv.shape[0] * dim
+            or dim > self.max_head_dim
+            or dim % 2
+            or slot_mapping.dtype != torch.int64
+            or not all(self._fits(w, dim) for w in norms)
+            or not all(t.is_contiguous() for t in (qkv, key, value, cos, sin))
+        ):
+            return super().rotary_write_kv(qkv, layout, cos, sin, layer, metadata)
+        tokens = qkv.shape[0]
+        if per_call_checks():
+            check_slots(layer, slot_mapping, tokens)
+        q = qkv.new_empty((tokens, heads, dim))
+        q_norm, k_norm = layout.q_norm, layout.k_norm
+        self._rotary_write_kv(
+            qkv.data_ptr(),
+            q.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            None if q_norm is None else q_norm.data_ptr(),
+            None if k_norm is None else k_norm.data_ptr(),
+            layout.eps,
+            key.data_ptr(),
+            value.data_ptr(),
+            slot_mapping.data_ptr(),
+            tokens,
+            heads,
+            kv_heads,
+            dim,
+        )
+        return q
+
+
+@functools.cache
+def load() -> ctypes.CDLL | str:
+    """The compiled library, or a string saying why it could not be built."""
+    built = cbuild.build(SOURCE)
+    if isinstance(built, str):
+        return built
+    try:
+        return ctypes.CDLL(str(built))
+    except OSError as exc:  # a cached file this machine cannot load
+        return f"could not load {built}: {exc}"
+
+
+@functools.cache
+def native_ops(dtype: torch.dtype) -> NativeOps | None:
+    """The compiled ops for ``dtype``, or None (logged once) when there are none."""
+    lib = load()
+    if isinstance(lib, str):
+        logger.warning("fused CPU layer ops unavailable, using torch ops: %s", lib)
+        return None
+    if dtype not in SUFFIXES or not hasattr(lib, f"rms_norm_{SUFFIXES[dtype]}"):
+        return None  # float16 is missing from builds without _Float16
+    return NativeOps(lib, dtype)
+
+
+def select(x: torch.Tensor) -> TorchOps:
+    """The ops for activations like ``x``: compiled on the CPU when they build, else torch."""
+    if x.device.type == "cpu":
+        ops = native_ops(x.dtype)
+        if ops is not None:
+            return ops
+    return TORCH_OPS
