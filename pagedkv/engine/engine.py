@@ -33,7 +33,7 @@ from pagedkv.engine.kv_policy import KVPolicy
 from pagedkv.engine.output_processor import OutputProcessor, ProcessedStep, SampledStep
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.prompt_logprobs import take_prompt_logprobs
-from pagedkv.engine.sampler import Sampler, make_generator
+from pagedkv.engine.sampler import Sampler, make_generator, take_rows
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.sequence import BeamState, Request, Sequence
@@ -194,7 +194,7 @@ class LLMEngine:
             group = self._fork_samples(seq) if seq.request.needs_fork else [seq]
             rows.extend([row] * len(group))
             seqs.extend(group)
-        result = sample_rows(self.sampler, logits[rows], seqs)
+        result = sample_rows(self.sampler, take_rows(logits, rows), seqs)
         self.scheduler.cache_computed_blocks({item.seq for item in scheduled.scheduled} | set(seqs))
         return SampledStep(
             seqs, result.token_ids, result.logprobs, list(beams.values()), prompt_tokens, result.failures

