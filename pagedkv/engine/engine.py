@@ -145,8 +145,9 @@ class LLMEngine:
         return bool(self.requests)
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One forward pass; the outputs of every request that produced a token or finished."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One forward pass; the outputs of every request that produced a token or finished (with
+        ``finished_only``, of those that finished: all the offline ``LLM`` reads, and cheaper)."""
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
@@ -157,7 +158,7 @@ class LLMEngine:
         logits = self.executor.execute(plan)
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
         sampled = self._sample(scheduled, take_prompt_logprobs(scheduled.scheduled, plan.slices, logits))
-        processed = self.output_processor.process(sampled, self.scheduler, computed_at)
+        processed = self.output_processor.process(sampled, self.scheduler, computed_at, finished_only)
         self._publish(scheduled, sampled, processed, started)
         return processed.outputs
 
@@ -168,8 +169,7 @@ class LLMEngine:
         finished = [output.request_id for output in processed.outputs if output.finished]
         for request_id in finished:
             self.requests.pop(request_id, None)
-        elapsed = time.perf_counter() - started
-        generated = processed.generated_tokens
+        elapsed, generated = time.perf_counter() - started, processed.generated_tokens
         self.stats_collector.record_step(scheduled, sampled.prompt_tokens, generated, len(finished), elapsed)
 
     def _sample(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> SampledStep:
@@ -182,8 +182,7 @@ class LLMEngine:
         rows: list[int] = []  # the logits row each of them samples from
         beams: dict[str, Request] = {}
         prompt_tokens = 0
-        sampled_items = [item for item in scheduled.scheduled if item.needs_logits]
-        for row, item in enumerate(sampled_items):
+        for row, item in enumerate(item for item in scheduled.scheduled if item.needs_logits):
             seq = item.seq
             if seq.num_output_tokens == 0:
                 prompt_tokens += seq.num_tokens
@@ -240,8 +239,7 @@ class LLMEngine:
     def describe(self) -> str:
         """One line for logs and the CLI: the model, its dtype and the kernels it runs on."""
         model = "built-in model" if self.is_builtin else str(self.model_path)
-        runtime = self.executor.runtime
-        return f"{model}: " + ", ".join(f"{key} {value}" for key, value in runtime.items())
+        return f"{model}: " + ", ".join(f"{key} {value}" for key, value in self.executor.runtime.items())
 
     def check_health(self) -> None:
         """Raise :class:`~pagedkv.engine.executor.ExecutorError` if steps can no longer run."""
