@@ -4,6 +4,13 @@ This is the only place where block tables become tensors: the packed token ids a
 the slot each new key/value is written to, the padded block tables and the context lengths that
 the attention kernels follow. It reads nothing but the plan, so a worker process that received
 the plan builds exactly the same step.
+
+It also checks the plan, once per step for every layer, as it reads it: each slice's block
+table covers its positions with blocks inside the pool, and it computes at least one position.
+The other invariants of :func:`pagedkv.attention.checks.check_step` (slots inside the pool,
+non-decreasing query offsets no longer than the contexts, ``max_query_len``) hold by
+construction then. check_step's ~20 small tensor ops cost 170-290 us a step in the engine loop
+(measured on a loaded machine; 40 us warm), the plain-list check a few microseconds.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedkv.attention import AttentionMetadata, KVCache, check_step, copy_blocks
+from pagedkv.attention import AttentionMetadata, KVCache, copy_blocks
 from pagedkv.engine.executor.plan import StepPlan
 
 
@@ -36,15 +43,22 @@ class ModelRunner:
         self.device = kv_cache.device
 
     def prepare(self, plan: StepPlan) -> StepInputs:
-        bs = self.kv_cache.block_size
+        bs, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         context_lens: list[int] = []
         cu_seqlens = [0]
         logits_indices: list[int] = []
-        for piece in plan.slices:
+        for i, piece in enumerate(plan.slices):
             table, start, end = piece.block_table, piece.start, piece.end
+            used = table[: -(-end // bs)]  # the blocks the attention reads and the slots written
+            if start < 0 or end < 1 or len(used) * bs < end or min(used) < 0 or max(used) >= num_blocks:
+                raise ValueError(
+                    f"step plan slice {i} computes positions {start}..{end - 1}, but its block table "
+                    f"{table} does not cover them with blocks of the pool's {num_blocks} "
+                    f"(block size {bs})"
+                )
             input_ids += piece.token_ids
             positions += range(start, end)
             # Slot runs block by block (a decode is one run): no Python step per token.
@@ -70,8 +84,6 @@ class ModelRunner:
             cu_seqlens_q=tensor(cu_seqlens, np.int32),
             max_query_len=max(len(piece.token_ids) for piece in plan.slices),
         )
-        # Once per step, for every layer: they all read these tables (see attention/checks.py).
-        check_step(self.kv_cache.layers[0], metadata, len(input_ids))
         return StepInputs(
             input_ids=tensor(input_ids, np.int64),
             positions=tensor(positions, np.int64),
