@@ -72,9 +72,9 @@ class LLM:
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm)
         try:
             while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
+                for output in self.engine.step(finished_only=True):
+                    finished[output.request_id] = output
+                    if use_tqdm:
                         bar.update(1)
                         stats = self.engine.kv_stats()
                         bar.set_postfix(kv=f"{stats['utilization']:.0%}", running=stats["running"])

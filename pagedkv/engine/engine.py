@@ -33,7 +33,7 @@ from pagedkv.engine.kv_policy import KVPolicy
 from pagedkv.engine.output_processor import OutputProcessor, ProcessedStep, SampledStep
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.prompt_logprobs import take_prompt_logprobs
-from pagedkv.engine.sampler import Sampler, make_generator
+from pagedkv.engine.sampler import Sampler, make_generator, take_rows
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.sequence import BeamState, Request, Sequence
@@ -145,8 +145,9 @@ class LLMEngine:
         return bool(self.requests)
 
     # -- the step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One forward pass; the outputs of every request that produced a token or finished."""
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One forward pass; the outputs of every request that produced a token or finished (with
+        ``finished_only``, of those that finished: all the offline ``LLM`` reads, and cheaper)."""
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
@@ -157,7 +158,7 @@ class LLMEngine:
         logits = self.executor.execute(plan)
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
         sampled = self._sample(scheduled, take_prompt_logprobs(scheduled.scheduled, plan.slices, logits))
-        processed = self.output_processor.process(sampled, self.scheduler, computed_at)
+        processed = self.output_processor.process(sampled, self.scheduler, computed_at, finished_only)
         self._publish(scheduled, sampled, processed, started)
         return processed.outputs
 
@@ -168,8 +169,7 @@ class LLMEngine:
         finished = [output.request_id for output in processed.outputs if output.finished]
         for request_id in finished:
             self.requests.pop(request_id, None)
-        elapsed = time.perf_counter() - started
-        generated = processed.generated_tokens
+        elapsed, generated = time.perf_counter() - started, processed.generated_tokens
         self.stats_collector.record_step(scheduled, sampled.prompt_tokens, generated, len(finished), elapsed)
 
     def _sample(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> SampledStep:
@@ -182,8 +182,7 @@ class LLMEngine:
         rows: list[int] = []  # the logits row each of them samples from
         beams: dict[str, Request] = {}
         prompt_tokens = 0
-        sampled_items = [item for item in scheduled.scheduled if item.needs_logits]
-        for row, item in enumerate(sampled_items):
+        for row, item in enumerate(item for item in scheduled.scheduled if item.needs_logits):
             seq = item.seq
             if seq.num_output_tokens == 0:
                 prompt_tokens += seq.num_tokens
@@ -194,7 +193,7 @@ class LLMEngine:
             group = self._fork_samples(seq) if seq.request.needs_fork else [seq]
             rows.extend([row] * len(group))
             seqs.extend(group)
-        result = sample_rows(self.sampler, logits[rows], seqs)
+        result = sample_rows(self.sampler, take_rows(logits, rows), seqs)
         self.scheduler.cache_computed_blocks({item.seq for item in scheduled.scheduled} | set(seqs))
         return SampledStep(
             seqs, result.token_ids, result.logprobs, list(beams.values()), prompt_tokens, result.failures
@@ -240,8 +239,7 @@ class LLMEngine:
     def describe(self) -> str:
         """One line for logs and the CLI: the model, its dtype and the kernels it runs on."""
         model = "built-in model" if self.is_builtin else str(self.model_path)
-        runtime = self.executor.runtime
-        return f"{model}: " + ", ".join(f"{key} {value}" for key, value in runtime.items())
+        return f"{model}: " + ", ".join(f"{key} {value}" for key, value in self.executor.runtime.items())
 
     def check_health(self) -> None:
         """Raise :class:`~pagedkv.engine.executor.ExecutorError` if steps can no longer run."""

@@ -52,9 +52,11 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def process(self, sampled: SampledStep, scheduler: Scheduler, now: float) -> ProcessedStep:
+    def process(
+        self, sampled: SampledStep, scheduler: Scheduler, now: float, finished_only: bool = False
+    ) -> ProcessedStep:
         """Append, detokenize and stop; advance beams; end failed requests; finish what ended;
-        build the outputs."""
+        build the outputs (with ``finished_only``, only those of the requests that finished)."""
         touched: dict[str, Request] = {}
         generated = self._append_samples(sampled, now, touched)
         for request in sampled.beam_requests:
@@ -71,7 +73,8 @@ class OutputProcessor:
                 scheduler.finish(seq)
         for request_id, error in sampled.failures.items():
             self._fail(touched[request_id], error, scheduler)
-        return ProcessedStep([self.make_output(r) for r in touched.values()], generated)
+        moved = (r for r in touched.values() if r.is_finished) if finished_only else touched.values()
+        return ProcessedStep([self.make_output(r) for r in moved], generated)
 
     def _append_samples(self, sampled: SampledStep, now: float, touched: dict[str, Request]) -> int:
         """Append each sampled token (a failed request's rows have none); note every request
@@ -168,7 +171,7 @@ class OutputProcessor:
             CompletionOutput(
                 index=seq.index,
                 text=seq.text,
-                token_ids=list(seq.output_token_ids),
+                token_ids=seq.output_token_ids,  # a fresh list: the sequence moves on
                 cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
                 logprobs=list(seq.logprobs) if params.logprobs is not None else None,
                 finish_reason=seq.finish_reason,

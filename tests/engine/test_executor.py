@@ -65,8 +65,13 @@ def test_a_bad_plan_is_refused_once_per_step_even_with_per_call_checks_off(model
     executor = _executor(model_path)
     previous = set_per_call_checks(False)
     try:
-        with pytest.raises(ValueError, match="slot 64 is past the pool.s 64 slots"):
+        with pytest.raises(ValueError, match="slice 0 computes positions 0..12, but its block table"):
             executor.execute(StepPlan([SeqSlice(PROMPT, 0, [0, 1, 2, 16], True)]))
+        for table in ([0, 1, 2], [0, -1, 2, 3]):  # too short; a negative id
+            with pytest.raises(ValueError, match="slice 1 computes positions 0..12"):
+                executor.execute(StepPlan([SeqSlice([5], 3, [4], True), SeqSlice(PROMPT, 0, table, True)]))
+        with pytest.raises(ValueError, match="slice 0 computes positions 0..-1"):
+            executor.execute(StepPlan([SeqSlice([], 0, [0], False)]))
     finally:
         set_per_call_checks(previous)
 

@@ -52,6 +52,22 @@ def test_greedy_is_argmax_with_ties_to_the_lowest_id() -> None:
     assert out.logprobs == [None] * 8
 
 
+def test_greedy_picks_what_torch_argmax_picks_with_nan_inf_and_ties() -> None:
+    """The CPU greedy path goes through NumPy's argmax: same index as torch's on awkward rows."""
+    logits = random_logits(6, seed=5)
+    logits[0, 7] = logits[0, 3] = math.nan  # the first NaN wins
+    logits[1] = -math.inf  # nothing is possible: index 0
+    logits[2, 9] = logits[2, 50] = math.inf
+    logits[3, 1:] = logits[3, 0]  # all equal
+    greedy = SamplingParams(temperature=0)
+    expected = logits.argmax(dim=-1).tolist()
+    assert sample(logits, [greedy] * 6).token_ids == expected
+    assert sample(logits.t().contiguous().t(), [greedy] * 6).token_ids == expected  # column-major
+    mixed = [greedy, SamplingParams(temperature=1.0), greedy, greedy, SamplingParams(top_k=1), greedy]
+    tokens = sample(logits, mixed, [make_generator(i) for i in range(6)]).token_ids
+    assert [t for t, p in zip(tokens, mixed, strict=True) if p.greedy] == [expected[i] for i in (0, 2, 3, 5)]
+
+
 @pytest.mark.parametrize("filters", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])
 def test_filters_at_their_tightest_are_greedy(filters: dict) -> None:
     logits = random_logits(16, seed=1)
@@ -83,9 +99,9 @@ def test_top_k_and_top_p_masks() -> None:
 
 def test_penalties_match_a_hand_computed_example() -> None:
     raw = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.2]] * 2)
-    logits = raw.clone()
     penalised = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
-    apply_penalties(logits, [penalised, SamplingParams()], [[3, 3, 4], [3, 3, 4]], [[0, 1], [0, 1]])
+    logits = apply_penalties(raw, [penalised, SamplingParams()], [[3, 3, 4], [3, 3, 4]], [[0, 1], [0, 1]])
+    assert torch.equal(raw[0], torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.2]))  # a new tensor
     # token 0 prompt, positive: 2 / 2; token 1 prompt, negative: -1 * 2; token 2 and 5 unseen;
     # token 3 output twice: 3 / 2 - 0.5 * 2 - 0.25; token 4 output once: -2 * 2 - 0.5 - 0.25.
     expected = torch.tensor([1.0, -2.0, 0.5, 0.25, -4.75, 1.2])
