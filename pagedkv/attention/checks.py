@@ -5,8 +5,10 @@ silently read another sequence's keys (or crash a GPU). So bad input must raise 
 :class:`ValueError` naming the offending values instead of producing a wrong answer; backends
 may then assume their inputs are consistent.
 
-Where it happens: the model runner checks each step's inputs once, when it builds them
-(:func:`check_step`): every layer of the step reads the same tables. The per-call checks in
+Where it happens: the engine's model runner checks the step plan it turns into tensors (block
+tables cover every slice with blocks of the pool), which makes these tensors valid by
+construction; a caller that builds :class:`AttentionMetadata` itself checks it once per step
+with :func:`check_step` (every layer reads the same tables). The per-call checks in
 :mod:`pagedkv.attention.ops` -- every call of every layer, with reductions that are host syncs
 on CUDA -- run only when ``$PAGEDKV_CHECK_EVERY_CALL`` is set (or after
 :func:`set_per_call_checks`); the attention tests turn them on.

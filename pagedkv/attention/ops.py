@@ -1,8 +1,11 @@
 """The KV-cache operations a model calls: write, copy-on-write, and paged attention.
 
-A model's attention layer makes exactly one call per step, :func:`paged_attention`, with the
-:class:`~pagedkv.attention.backends.Backend` it resolved when it was built. The step's inputs
-were checked once by the model runner (:func:`pagedkv.attention.checks.check_step`); these
+A model's attention layer stores the step's keys and values and then attends, with the
+:class:`~pagedkv.attention.backends.Backend` it resolved when it was built: one call,
+:func:`paged_attention`, or :func:`attend` after a write fused with the rotary embedding
+(:mod:`pagedkv.models.layer_ops`, what the Llama family does on the CPU). The step's inputs
+are valid by the model runner's check of the step plan (or once per step through
+:func:`pagedkv.attention.checks.check_step` for hand-built metadata); these
 wrappers check again on every call only when the per-call checks are on (see
 :mod:`pagedkv.attention.checks`). :func:`paged_decode_attention` and
 :func:`paged_prefill_attention` are the same kernels for callers that hold plain tensors (tests,
@@ -90,8 +93,8 @@ def paged_attention(
     options: AttentionOptions,
     backend: Backend | str | None = None,
 ) -> torch.Tensor:
-    """The one call a model's attention layer makes per step: store this step's keys/values in
-    their slots, then attend (decode when every sequence has one new token, else prefill)."""
+    """Store this step's keys/values in their slots, then attend (decode when every sequence has
+    one new token, else prefill)."""
     write_kv(k, v, layer, metadata.slot_mapping, metadata.has_padding)
     return attend(q, layer, metadata, options, backend)
 
