@@ -5,9 +5,10 @@ frequency and presence penalties (output tokens), the ``min_tokens`` ban on stop
 a greedy row takes the argmax, and any other row is divided by its temperature, filtered by
 ``min_p``, ``top_k`` and ``top_p``, and drawn from the softmax of what is left.
 
-Reproducibility: a seeded row draws with its own ``torch.Generator`` and nothing else, through
-the exponential race ``argmax(p / E)`` with ``E ~ Exp(1)`` drawn from that generator (which picks
-token i with probability p_i). The draw consumes the same amount of the generator every step,
+Reproducibility: a seeded row draws with its own ``torch.Generator`` and nothing else, by
+inverse transform sampling (one uniform number from that generator against the running
+probability mass, which picks token i with probability p_i). The draw consumes the same amount
+of the generator every step,
 so a request's tokens depend on its seed and its logits only, never on its row index or on
 which other requests share the batch. Unseeded rows share one draw from the global RNG.
 
@@ -157,23 +158,31 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Draw one token per row: ``argmax(p / E)``, ``E = -log(U) ~ Exp(1)`` from the row's generator.
+def inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row: the first token at which the row's running probability mass
+    passes ``u * total``, with ``u ~ U[0, 1)`` from the row's generator (token i wins with
+    probability p_i).
 
-    Rows without a generator share one draw from the global RNG; each seeded row draws its own
-    noise, of the same size every step, on its generator's device. ``-log(U)`` rather than
-    ``Tensor.exponential_``: the same law, three times cheaper on CPU; U = 0 gives E = inf,
-    which only makes that one token lose, never a NaN.
+    One uniform number per row, where an exponential race (``argmax(p / E)``) draws and takes the
+    log of one per token: at 32 rows of 32,000 that was 4.7 ms a step on 2 CPU cores against
+    0.5 ms for this float64 running sum. The sum is in float64 so that rounding cannot move mass
+    between tokens visibly; scaling ``u`` by the row's own total absorbs the softmax's rounding,
+    and a token of probability 0 (filtered out) never wins, since the mass does not grow there.
+    Rows without a generator share one draw from the global RNG; a seeded row takes exactly one
+    number from its generator per step.
     """
-    uniform = torch.empty_like(probs)
+    device = probs.device
+    uniform = torch.empty(probs.shape[0], dtype=torch.float64, device=device)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        uniform[unseeded] = torch.rand_like(probs[unseeded])
+        uniform[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=device)
     for i, g in enumerate(generators):
         if g is not None:
-            row = torch.rand(probs.shape[-1], generator=g, dtype=probs.dtype, device=g.device)
-            uniform[i] = row.to(probs.device)
-    return (probs / uniform.log_().neg_()).argmax(dim=-1)
+            uniform[i : i + 1] = torch.rand(1, generator=g, dtype=torch.float64, device=g.device).to(device)
+    mass = probs.to(torch.float64).cumsum(dim=-1)
+    targets = (uniform * mass[:, -1])[:, None]
+    tokens = torch.searchsorted(mass, targets, right=True).squeeze(1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)
 
 
 class Sampler:
@@ -241,7 +250,7 @@ class Sampler:
             top_k = torch.tensor(ks, device=device)
             top_p = column([params[j].top_p for j in filtered])
             logits[filtered] = apply_top_k_top_p(take_rows(logits, filtered), top_k, top_p)
-        return exponential_race(logits.softmax(dim=-1), generators)
+        return inverse_cdf_draw(logits.softmax(dim=-1), generators)
 
 
 def token_logprobs(raw_logprobs: torch.Tensor, chosen: list[int], ks: list[int]) -> list[TokenLogprobs]:

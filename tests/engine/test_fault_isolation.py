@@ -1,6 +1,6 @@
 """A request whose sampling raises fails alone; every other request of the step goes on exactly.
 
-The fault is injected into one function, the sampler's draw (``exponential_race``): it raises
+The fault is injected into one function, the sampler's draw (``inverse_cdf_draw``): it raises
 after drawing whenever one chosen request's generator is in the batch, so the batched call fails
 after the seeded bystanders' generators have already advanced. The bystanders' tokens must still
 equal those of a run where the failing request never existed.
@@ -51,17 +51,17 @@ def test_a_failing_request_ends_with_an_error_and_the_others_are_unaffected(
     )
     target = victim.seqs[0].generator
     draws = {"victim": 0}
-    real_race = sampler_module.exponential_race
+    real_draw = sampler_module.inverse_cdf_draw
 
-    def failing_race(probs, generators):
-        tokens = real_race(probs, generators)  # every seeded row has drawn: the rewind is needed
+    def failing_draw(probs, generators):
+        tokens = real_draw(probs, generators)  # every seeded row has drawn: the rewind is needed
         if any(g is target for g in generators):
             draws["victim"] += 1
             if draws["victim"] > fail_at_step:
                 raise RuntimeError("injected sampling fault")
         return tokens
 
-    monkeypatch.setattr(sampler_module, "exponential_race", failing_race)
+    monkeypatch.setattr(sampler_module, "inverse_cdf_draw", failing_draw)
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
