@@ -66,6 +66,19 @@ def test_long_rows_split_into_pieces_merge_exactly():
     )
 
 
+@pytest.mark.parametrize("block_size", [16, 12, 1])
+def test_any_block_size_finds_its_slots(block_size):
+    """Block sizes that are powers of two take shifts and masks to find a position's slot, the
+    others divisions: both must read the same keys as the contiguous reference."""
+    case = make_case([1, block_size - 1 or 1, block_size + 1, 50], block_size, 2, 32, seed=3, device="cpu")
+    q = torch.randn(4, 4, 32)
+    out = paged_decode_attention(q, case.layer, case.block_tables, case.context_lens, 0.2, backend="cpu")
+    expected = torch.stack(
+        [contiguous_attention(q[b : b + 1], case.keys[b], case.values[b], 0.2)[0] for b in range(4)]
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_cpu_backend_refuses_tensors_off_the_cpu():
     case = make_case([4], 4, 1, 16, device="cpu")
     with pytest.raises(ValueError, match="needs CPU tensors"):

@@ -155,12 +155,23 @@ static inline vf vexp(vf x) {
 typedef struct {
     int64_t num_heads, kv_heads, head_dim, block_size;
     float scale, soft_cap;
+    /* log2(block_size) when it is a power of two (16 by default), else -1: a slot is then a
+     * shift and a mask, not two integer divisions per position (~40 cycles each here) */
+    int block_shift;
 } Shape;
+
+static inline int block_shift_of(int64_t block_size) {
+    for (int shift = 0; shift < 31; shift++)
+        if ((int64_t)1 << shift == block_size) return shift;
+    return -1;
+}
 
 /* NAME: the entry point's suffix; QS/QT: query and output dtype; KS/KT: the pools' element type;
  * SCALED: 1 when the pools are quantized (their scales are read), else 0 (scales are NULL). */
 #define DEFINE_PAGED_ATTENTION(NAME, QS, QT, KS, KT, SCALED)                                                          \
 static inline int64_t slot_##NAME(const Shape *s, const int32_t *table, int64_t t) {            \
+    if (s->block_shift >= 0)                                                                       \
+        return ((int64_t)table[t >> s->block_shift] << s->block_shift) | (t & (s->block_size - 1)); \
     return (int64_t)table[t / s->block_size] * s->block_size + t % s->block_size;                  \
 }                                                                                                  \
                                                                                                    \
@@ -284,7 +295,8 @@ int paged_attention_rows_##NAME(                                                
     const int32_t *row_seq, const int32_t *row_pos, QT *out, int64_t num_rows, int64_t num_heads,  \
     int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,       \
     int64_t window, float soft_cap, int64_t chunk, int num_threads) {                              \
-    const Shape s = {num_heads, kv_heads, head_dim, block_size, scale, soft_cap};                  \
+    const Shape s = {num_heads, kv_heads, head_dim, block_size, scale, soft_cap,                   \
+                     block_shift_of(block_size)};                                                  \
     const int64_t H = num_heads, D = head_dim, stride = H * (D + 2);                               \
     int64_t *piece_start = malloc(sizeof(int64_t) * (num_rows + 1));                               \
     if (!piece_start) return 1;                                                                    \
