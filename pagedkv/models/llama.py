@@ -163,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
         self.attention_backend = attention_backend
         self.model = LlamaModel(cfg, attention_backend)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         #: what the linear layers run on; set by the loader once the weights are in
         self.linear_kernel = LinearKernel(TORCH, "not packed")
 

@@ -63,22 +63,45 @@ class RotaryEmbedding:
 
     Not an ``nn.Module``: it has no weights, and keeping ``inv_freq`` outside the module tree
     keeps it in float32 on the CPU whatever dtype and device the model is built with.
+
+    The tables are computed once for positions ``[0, n)`` (``n`` doubling on demand up to
+    ``max_positions``) and a step gathers its rows: two index selects instead of eight small
+    ops per step, which on the CPU cost ~130 us a decode step (each op runs with cold caches
+    right after the LM head has streamed its weights). Every entry is the float the per-step
+    formula gives: the angle is one float32 product either way, and torch's sin/cos return the
+    same float for an element whether it lands in a vector or in the scalar tail.
     """
 
-    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         self.inv_freq = inverse_frequencies(rope, head_dim)
+        self.max_positions = max_positions
+        #: (dtype, device) -> (cos, sign-folded sin) ``[n, head_dim]`` for positions ``[0, n)``
+        self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and sign-folded ``sin`` (first half negated), ``[T, 1, head_dim]`` in ``dtype``
         for ``positions [T]``, ready to broadcast over the heads of :func:`apply_rotary`."""
+        cos, sin = self._tables.get((dtype, positions.device), (None, None))
+        if cos is None or (
+            cos.shape[0] < self.max_positions and positions.numel() and int(positions.max()) >= cos.shape[0]
+        ):
+            cos, sin = self._grow(positions, dtype)
+        return cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
+
+    def _grow(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables covering ``positions``: the next power of two at least 4096, capped at
+        ``max_positions`` (a position past it fails the gather with an index error)."""
+        top = int(positions.max()) + 1 if positions.numel() else 1
+        size = min(self.max_positions, max(4096, 1 << (top - 1).bit_length()))
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = positions[:, None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        half = freqs.shape[-1]
+        freqs = torch.arange(size, device=positions.device)[:, None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
         sin = emb.sin().to(dtype)
-        sin[..., :half].neg_()
-        return emb.cos().to(dtype), sin
+        sin[:, : freqs.shape[-1]].neg_()
+        tables = emb.cos().to(dtype), sin
+        self._tables[(dtype, positions.device)] = tables
+        return tables
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -106,7 +106,7 @@ def test_rotary_and_kv_write_match_torch(dtype, head_dim, qk_norm):
         }
     layout = QKVLayout(heads, kv_heads, head_dim, **norms, eps=1e-6)
     positions = torch.randint(0, 5000, (tokens,), generator=gen)
-    cos, sin = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim).cos_sin(positions, dtype)
+    cos, sin = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 5000).cos_sin(positions, dtype)
     slots = torch.randperm(40, generator=gen)[:tokens]
     slots[2] = -1  # padding: written nowhere
 
@@ -126,7 +126,7 @@ def test_quantized_cache_writes_through_torch():
     """fp8/int8 pools keep the torch write (quantize + scales); the rotation is the same."""
     heads, kv_heads, head_dim, tokens = 4, 2, 16, 3
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.float32, seed=5)
-    cos, sin = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim).cos_sin(
+    cos, sin = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 4096).cos_sin(
         torch.arange(tokens), torch.float32
     )
     shape = (2, 4, kv_heads, head_dim)

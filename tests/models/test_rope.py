@@ -32,8 +32,32 @@ def test_rotation_is_bit_identical_to_transformers(dtype, head_dim):
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], emb.cos().to(dtype), emb.sin().to(dtype)
     )
 
-    cos, sin = RotaryEmbedding(rope, head_dim).cos_sin(positions, dtype)
+    cos, sin = RotaryEmbedding(rope, head_dim, 4096).cos_sin(positions, dtype)
     assert cos.dtype == sin.dtype == dtype
     got = apply_rotary(torch.cat((q, k), dim=1), cos, sin)
     assert torch.equal(got[:, :q_heads], want_q[0].transpose(0, 1))
     assert torch.equal(got[:, q_heads:], want_k[0].transpose(0, 1))
+
+
+def _per_step_formula(rope: RopeConfig, head_dim: int, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and sign-folded sin as computed for the step's positions alone (no table)."""
+    freqs = positions[:, None].float() * inverse_frequencies(rope, head_dim)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    sin = emb.sin().to(dtype)
+    sin[:, : head_dim // 2].neg_()
+    return emb.cos().to(dtype), sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tables_grow_on_demand_and_equal_the_per_step_formula(dtype):
+    rope = RopeConfig(theta=500000.0, type="default", params={})
+    rotary = RotaryEmbedding(rope, 64, max_positions=20000)
+    for positions in (torch.tensor([3, 0, 4095]), torch.tensor([4096, 9000, 5]), torch.tensor([19999, 1])):
+        cos, sin = rotary.cos_sin(positions, dtype)
+        want_cos, want_sin = _per_step_formula(rope, 64, positions, dtype)
+        assert cos.shape == (positions.shape[0], 1, 64)
+        assert torch.equal(cos[:, 0], want_cos) and torch.equal(sin[:, 0], want_sin)
+    # grown in powers of two from 4096, never past the model's positions
+    assert rotary._tables[(dtype, torch.device("cpu"))][0].shape[0] == 20000
+    with pytest.raises(IndexError):
+        rotary.cos_sin(torch.tensor([20000]), dtype)
