@@ -22,6 +22,7 @@ import torch
 
 from pagedkv.attention import AttentionMetadata, KVCache, copy_blocks
 from pagedkv.engine.executor.plan import StepPlan
+from pagedkv.engine.host_memory import reuse_freed_memory
 
 
 @dataclass
@@ -41,6 +42,8 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
+        if self.device.type == "cpu":
+            reuse_freed_memory()
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         bs, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
