@@ -18,6 +18,7 @@ the row-major matrix, and a packed copy beside it would hold that matrix twice.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,13 @@ ONEDNN = "oneDNN packed"
 TORCH = "F.linear"
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` on the weight's kernel: oneDNN for a packed weight, else ``F.linear``."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` without random init (the loader overwrites every weight, and initialising a
     billion parameters only to discard them costs seconds) whose weight may be packed for oneDNN.
@@ -41,9 +49,18 @@ class Linear(nn.Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.is_mkldnn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
+
+    def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """This layer's forward as a plain function of ``x``, without the module call: what
+        :mod:`pagedkv.models.step_program` runs. It reads the weight from the module's parameter
+        table at each call, so it stays right after :meth:`pack` replaces the weight."""
+        params = self._parameters
+
+        def project(x: torch.Tensor) -> torch.Tensor:
+            return linear(x, params["weight"], params["bias"])
+
+        return project
 
     @property
     def is_packed(self) -> bool:

@@ -9,27 +9,26 @@ transformers the forward pass takes *packed* tokens of many sequences (no batch 
 dimension) and writes keys and values only through the layer ops, reading them through
 :func:`pagedkv.attention.attend`.
 
-The element-wise work between the matrix multiplies (RMSNorm, rotary, the KV write, SiLU) goes
-through :mod:`pagedkv.models.layer_ops`: fused C calls on the CPU, torch elsewhere. So that a
-residual add and the next RMSNorm are one fused call, layers pass vLLM's residual stream
-``(x, residual)``: ``x`` is the last sublayer's output, not yet added. Op order and rounding
-mirror transformers (RMSNorm in float32 then cast back, weight applied after the cast) so fp32
-logits agree to ~1e-6."""
+The modules here hold the weights under their checkpoint names; the layers *run* as one flat
+loop over records read from them (:mod:`pagedkv.models.step_program`), which is cheaper than
+calling the module tree. The element-wise work between the matrix multiplies (RMSNorm, rotary,
+the KV write, SiLU) goes through :mod:`pagedkv.models.layer_ops`: fused C calls on the CPU,
+torch elsewhere. Op order and rounding mirror transformers (RMSNorm in float32 then cast back,
+weight applied after the cast) so fp32 logits agree to ~1e-6."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache, attend
+from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache
 from pagedkv.models import layer_ops
 from pagedkv.models.config import ModelConfig
-from pagedkv.models.layer_ops import QKVLayout, TorchOps
+from pagedkv.models.layer_ops import QKVLayout
 from pagedkv.models.linear import TORCH, Linear, LinearKernel, PackedLinear
 from pagedkv.models.rope import RotaryEmbedding
+from pagedkv.models.step_program import ForwardBatch, StepProgram
 
 
 class RMSNorm(nn.Module):
@@ -39,12 +38,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor, ops: TorchOps, residual: torch.Tensor | None = None):
-        """``rmsnorm(x)``, or with a residual ``(rmsnorm(x + residual), x + residual)``."""
-        if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Embedding(nn.Module):
@@ -58,29 +51,14 @@ class Embedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-@dataclass(frozen=True)
-class ForwardBatch:
-    """What every layer of one forward pass shares: the rotary ``cos``/``sin`` of the step's
-    positions, the KV cache, the step's attention metadata (SGLang's ``ForwardBatch``) and the
-    element-wise ops for its device and dtype."""
-
-    ops: TorchOps
-    cos: torch.Tensor
-    sin: torch.Tensor
-    kv_cache: KVCache
-    metadata: AttentionMetadata
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, backend: Backend) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.options = AttentionOptions(cfg.head_dim**-0.5, cfg.layer_sliding_window(layer))
-        #: resolved once when the model is built; every step calls its kernels directly
-        self.backend = backend
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = PackedLinear(
@@ -95,18 +73,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def layout(self) -> QKVLayout:
-        """Read per call, not cached: the loader replaces the norm weights after building."""
+        """The packed q/k/v output's layout, with the Qwen3 q/k norm weights when there are."""
         if not self.qk_norm:
             return QKVLayout(self.num_heads, self.num_kv_heads, self.head_dim)
         norms = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
         return QKVLayout(self.num_heads, self.num_kv_heads, self.head_dim, *norms)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        layer_kv = batch.kv_cache.layers[self.layer]
-        qkv = self.qkv_proj(x)
-        q = batch.ops.rotary_write_kv(qkv, self.layout(), batch.cos, batch.sin, layer_kv, batch.metadata)
-        out = attend(q, layer_kv, batch.metadata, self.options, self.backend)
-        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -120,35 +91,21 @@ class MLP(nn.Module):
         )
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
-
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, backend: Backend) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer, backend)
+        self.self_attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp output, residual)``; the first layer gets ``residual`` None (x is the embedding)."""
-        if residual is None:
-            x, residual = self.input_layernorm(x, batch.ops), x
-        else:
-            x, residual = self.input_layernorm(x, batch.ops, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(x, batch), batch.ops, residual)
-        return self.mlp(x, batch.ops), residual
-
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -161,11 +118,13 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         #: the attention kernels every layer calls (see ``pagedkv.attention.resolve_backend``)
         self.attention_backend = attention_backend
-        self.model = LlamaModel(cfg, attention_backend)
+        self.model = LlamaModel(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         #: what the linear layers run on; set by the loader once the weights are in
         self.linear_kernel = LinearKernel(TORCH, "not packed")
+        #: the layers as one flat loop (:mod:`pagedkv.models.step_program`), built by the first forward
+        self.step_program: StepProgram | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the checkpoint ties them."""
@@ -186,12 +145,11 @@ class LlamaForCausalLM(nn.Module):
                 f"and {tuple(positions.shape)}"
             )
         x = self.model.embed_tokens(input_ids)
-        ops = layer_ops.select(x)
-        batch = ForwardBatch(ops, *self.rotary.cos_sin(positions, x.dtype), kv_cache, metadata)
-        residual = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, batch)
-        return self.model.norm(x, ops, residual)[0]  # every config has at least one layer
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        batch = ForwardBatch(layer_ops.select(x), cos, sin, kv_cache, metadata)
+        if self.step_program is None:
+            self.step_program = StepProgram.of(self)
+        return self.step_program.run(x, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` for hidden states ``[N, hidden]``."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,6 +225,10 @@ class RowParallelLinear(Linear, ParallelLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x))
+
+    def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        local = super().as_function()
+        return lambda x: self.tp.all_reduce(local(x))
 
     def checkpoint_slices(self, parent: str, name: str) -> dict[str, TensorSlice]:
         cols = self.in_features

@@ -54,6 +54,21 @@ def test_packing_replaces_the_weight_instead_of_copying_it(tmp_path):
     assert [p.is_mkldnn for p in layer.parameters()] == [True]
 
 
+def test_a_layer_function_reads_the_current_weight_at_each_call(tmp_path):
+    """The step program holds ``as_function()``s made before the loader packs the weights; they
+    must run on the packed weight, and keep no reference to the plain one."""
+    path = make_checkpoint(tmp_path, "llama", mlp_bias=True)
+    model = load_model(path, linear_kernel="torch")
+    layer = model.model.layers[0].mlp.down_proj
+    project = layer.as_function()
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(project(x), layer(x))
+    layer.pack(batch_hint=64)
+    assert layer.is_packed and torch.equal(project(x), layer(x))
+    layer.weight = torch.nn.Parameter(torch.zeros(layer.out_features, layer.in_features), requires_grad=False)
+    assert torch.equal(project(x), layer.bias.expand(3, -1))
+
+
 def test_a_head_tied_to_the_embedding_stays_plain_and_shared(tmp_path):
     path = make_checkpoint(tmp_path, "qwen3", tie_word_embeddings=True)
     model = load_model(path, dtype="float32", linear_kernel="onednn")

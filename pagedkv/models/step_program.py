@@ -1,0 +1,112 @@
+"""The decoder's forward pass as one flat loop over per-layer records.
+
+The layers are ``nn.Module`` objects so that checkpoints, tensor-parallel shards and packing
+find their weights by name; running them as a module tree is another matter. A decode step of
+issue 12's model made ~60 module calls and ~100 attribute look-ups through
+``Module.__getattr__`` (a Python function), and on the CPU each ran with cold caches: the
+weights of the previous layers had just streamed through them. Reading every layer's weights,
+norms, q/k/v layout and attention options once into a :class:`LayerRecord` and running the
+layers as one loop over those records made one request's decode 12 % faster (128 + 128 tokens,
+float32, 2 threads, median of 8 interleaved runs: 1.19 s -> 1.04 s) and the mixed workload
+2-6 % faster, with the same ops in the same order: the hidden states are bit for bit those of
+the module calls they replace.
+
+The records never go stale: a linear layer is read through :meth:`Linear.as_function`, which
+looks its weight up at each call (packing replaces it), and the norm weights are loaded in place.
+A layer whose class adds work to its product (a tensor-parallel all-reduce) contributes that
+work through its own ``as_function``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache, attend
+from pagedkv.models.layer_ops import QKVLayout, TorchOps
+
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """What every layer of one forward pass shares: the rotary ``cos``/``sin`` of the step's
+    positions, the KV cache, the step's attention metadata (SGLang's ``ForwardBatch``) and the
+    element-wise ops for its device and dtype."""
+
+    ops: TorchOps
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv_cache: KVCache
+    metadata: AttentionMetadata
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """What one decoder layer's forward pass reads, captured once."""
+
+    input_norm: tuple[torch.Tensor, float]  # (weight, eps)
+    qkv: Projection
+    layout: QKVLayout
+    kv_layer: int
+    attention: AttentionOptions
+    q_size: int  # query heads x head_dim: the attention output's row width
+    o: Projection
+    post_norm: tuple[torch.Tensor, float]
+    gate_up: Projection
+    down: Projection
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    """Every layer's record, the final norm and the attention backend of one model."""
+
+    layers: tuple[LayerRecord, ...]
+    final_norm: tuple[torch.Tensor, float]
+    backend: Backend
+
+    @classmethod
+    def of(cls, model: nn.Module) -> StepProgram:
+        """The program of a :class:`~pagedkv.models.llama.LlamaForCausalLM` (or its tensor-parallel
+        shard: its row-parallel layers' functions all-reduce)."""
+        layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            record = LayerRecord(
+                input_norm=(layer.input_layernorm.weight, layer.input_layernorm.eps),
+                qkv=attn.qkv_proj.as_function(),
+                layout=attn.layout(),
+                kv_layer=attn.layer,
+                attention=attn.options,
+                q_size=attn.q_size,
+                o=attn.o_proj.as_function(),
+                post_norm=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
+                gate_up=mlp.gate_up_proj.as_function(),
+                down=mlp.down_proj.as_function(),
+            )
+            layers.append(record)
+        norm = model.model.norm
+        return cls(tuple(layers), (norm.weight, norm.eps), model.attention_backend)
+
+    def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The final hidden states for the embedded tokens ``x [T, hidden]``.
+
+        Layers pass vLLM's residual stream ``(x, residual)``: ``x`` is the last sublayer's
+        output, not yet added, so that the add and the next RMSNorm are one fused op."""
+        ops, kv_cache, metadata = batch.ops, batch.kv_cache, batch.metadata
+        tokens = x.shape[0]
+        residual = None
+        for layer in self.layers:
+            if residual is None:  # the first layer: x is the embedding
+                x, residual = ops.rms_norm(x, *layer.input_norm), x
+            else:
+                x, residual = ops.add_rms_norm(x, residual, *layer.input_norm)
+            kv = kv_cache.layers[layer.kv_layer]
+            q = ops.rotary_write_kv(layer.qkv(x), layer.layout, batch.cos, batch.sin, kv, metadata)
+            out = attend(q, kv, metadata, layer.attention, self.backend).reshape(tokens, layer.q_size)
+            x, residual = ops.add_rms_norm(layer.o(out), residual, *layer.post_norm)
+            x = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+        return ops.add_rms_norm(x, residual, *self.final_norm)[0]  # every config has a layer
