@@ -1,11 +1,13 @@
 """The GEMM rate this machine reaches at the model's shapes, and the throughput roofline it implies.
 
 A decoder step is mostly matrix multiplies: q/k/v, o, gate/up, down per layer and the LM head.
-We time each shape two ways on the configured threads -- ``F.linear`` (MKL or oneDNN, whichever
-torch picks) and oneDNN with the weight pre-packed once for the batch size
+We time each shape three ways on the configured threads -- ``F.linear`` (MKL or oneDNN, whichever
+torch picks), oneDNN with the weight pre-packed once for the batch size
 (``torch.ops.mkldnn._reorder_linear_weight`` then ``_linear_pointwise``, what vLLM's CPU build
-does) -- and take the faster as what the hardware can do. A workload's *roofline* is then the time
-its linear layers need at those rates if nothing else ran (attention, sampling and Python are
+does) and, in float32, pagedkv's tiled kernel (:mod:`pagedkv.models.tiled_gemm`) -- and take the
+fastest as what the hardware can do. Each shape is timed alone, its weight warm in cache; inside
+a step the weights come from DRAM, so the ceiling is a warm-cache one. A workload's *roofline* is
+then the time its linear layers need at those rates if nothing else ran (attention, sampling and Python are
 left out): generated tokens / that time is a ceiling no engine on these kernels can pass.
 
 Shapes follow the packed projections (q/k/v as one matrix, gate/up as one) every fast engine
@@ -26,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.bench.throughput_workloads import Workload
+from pagedkv.models.tiled_gemm import tiled_linear, to_tiles, why_unavailable
 
-KERNELS = ("F.linear", "oneDNN packed")
+KERNELS = ("F.linear", "oneDNN packed", "pagedkv tiled")
 #: Decode batch sizes timed; other sizes are interpolated between neighbours.
 DECODE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -89,6 +92,13 @@ def time_gemm(
     name = str(dtype).removeprefix("torch.")
     if kernel == "F.linear":
         return GemmTiming(name, shape, m, k, n, kernel, _best_ms(lambda: F.linear(x, w), budget_s))
+    if kernel == "pagedkv tiled":
+        why_not = why_unavailable() if dtype == torch.float32 else "float32 only"
+        if why_not is not None:
+            return GemmTiming(name, shape, m, k, n, kernel, None, why_not)
+        tiles = to_tiles(w)
+        ms = _best_ms(lambda: tiled_linear(x, tiles, None), budget_s)
+        return GemmTiming(name, shape, m, k, n, kernel, ms)
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
         linear = torch.ops.mkldnn._linear_pointwise

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pagedkv.bench.throughput_config import ENGINE_TITLES
+from pagedkv.bench.throughput_gemm import KERNELS
 from pagedkv.bench.throughput_result import (
     RIVALS,
     ThroughputResult,
@@ -126,7 +127,7 @@ def print_gemm(result: ThroughputResult, console: Console) -> None:
         table = Table(
             title=f"GEMM rate, {dtype}, {result.config.threads} threads: ms (GFLOP/s)", show_edge=False
         )
-        for title in ("matrix", "M x K -> N", "F.linear", "oneDNN packed"):
+        for title in ("matrix", "M x K -> N", *KERNELS):
             table.add_column(title, justify="left" if title == "matrix" else "right")
         for shape in dict.fromkeys(t.shape for t in timings):
             for m in sorted(shown):
@@ -134,7 +135,7 @@ def print_gemm(result: ThroughputResult, console: Console) -> None:
                 if not by_kernel:
                     continue
                 any_t = next(iter(by_kernel.values()))
-                cells = [_gemm_cell(by_kernel.get(k)) for k in ("F.linear", "oneDNN packed")]
+                cells = [_gemm_cell(by_kernel.get(k)) for k in KERNELS]
                 table.add_row(shape, f"{m} x {any_t.k} -> {any_t.n}", *cells)
         console.print(table)
 
@@ -151,7 +152,7 @@ def print_result(result: ThroughputResult, console: Console) -> None:
     print_agreement(result, console)
     print_gemm(result, console)
     console.print(
-        f"model: {result.model_path} | roofline: linear layers only, at the faster kernel's measured "
+        f"model: {result.model_path} | roofline: linear layers only, at the fastest kernel's warm-cache "
         f"rate | wall time {result.wall_s:.0f} s"
     )
     load = result.machine_load

@@ -4,13 +4,16 @@ Nearly all of a decoder step's time is its matrix multiplies, and which library 
 matters more than anything else in the step: on an AMD EPYC, ``F.linear`` in float32 goes to
 MKL's sgemm, which skips its fast paths on non-Intel CPUs, while oneDNN -- shipped inside the
 same torch wheel -- is 2.5-4x faster at this model family's shapes once the weight is reordered
-into its blocked layout ("packed"). So on the CPU every :class:`Linear` weight is packed once,
-after loading (:func:`pack_linears`), and each call runs oneDNN's inner product on it, as vLLM's
-CPU build does. ``F.linear`` stays on CUDA (cuBLAS) and wherever oneDNN cannot run the dtype.
+into its blocked layout ("packed"), as vLLM's CPU build runs it. In float32 pagedkv's own tiled
+kernel (:mod:`pagedkv.models.tiled_gemm`) goes further: it streams a decode step's weights from
+DRAM 1.15-1.5x faster than oneDNN and matches it at prefill sizes. So on the CPU every
+:class:`Linear` weight is packed once, after loading (:func:`pack_linears`): tiled in float32,
+oneDNN's layout in bfloat16 and float16. ``F.linear`` stays on CUDA (cuBLAS) and wherever
+neither can run the dtype.
 
-The packed tensor *replaces* the parameter (an opaque ``torch._mkldnn`` tensor): the weight is
-never held twice. :meth:`Linear.forward` dispatches on the weight it holds, so a subclass (tensor
-parallel shards) that keeps or restores a plain weight still works through ``forward(x)``.
+The packed tensor *replaces* the parameter (an opaque ``torch._mkldnn`` tensor, or a flat tiled
+one): the weight is never held twice. :func:`linear` dispatches on the weight it is given, so a
+subclass (tensor parallel shards) that keeps or restores a plain weight still works.
 A weight tied to the embedding (``tie_word_embeddings``) stays plain: the embedding lookup needs
 the row-major matrix, and a packed copy beside it would hold that matrix twice.
 """
@@ -25,16 +28,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.models.tiled_gemm import from_tiles, tiled_linear, to_tiles, why_unavailable
+
 logger = logging.getLogger(__name__)
 
 #: Names accepted for ``linear_kernel`` (EngineConfig, ``--linear-kernel``, :func:`choose_linear_kernel`).
-LINEAR_KERNELS: tuple[str, ...] = ("auto", "onednn", "torch")
+LINEAR_KERNELS: tuple[str, ...] = ("auto", "tiled", "onednn", "torch")
+TILED = "pagedkv tiled"
 ONEDNN = "oneDNN packed"
 TORCH = "F.linear"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` on the weight's kernel: oneDNN for a packed weight, else ``F.linear``."""
+    """``x @ weight.T + bias`` on the weight's kernel: tiled for a flat (1-D) weight, oneDNN for
+    a packed one, else ``F.linear``."""
+    if weight.dim() == 1:
+        return tiled_linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -64,17 +73,27 @@ class Linear(nn.Linear):
 
     @property
     def is_packed(self) -> bool:
-        return self.weight.is_mkldnn
+        return self.weight.is_mkldnn or self.weight.dim() == 1
 
     def dense_weight(self) -> torch.Tensor:
         """The weight as a plain ``[out, in]`` matrix, packed or not (a copy when packed)."""
+        if self.weight.dim() == 1:
+            return from_tiles(self.weight, self.in_features)
         return self.weight.to_dense() if self.weight.is_mkldnn else self.weight
 
-    def pack(self, batch_hint: int) -> None:
-        """Replace the weight by oneDNN's blocked layout for about ``batch_hint`` input rows."""
-        if not self.weight.is_mkldnn:
-            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
-            self.weight = nn.Parameter(packed, requires_grad=False)
+    def pack(self, kernel: str, batch_hint: int = 0) -> None:
+        """Replace the plain weight by ``kernel``'s layout: TILED's column tiles, or ONEDNN's
+        blocked layout for about ``batch_hint`` input rows."""
+        if self.is_packed:
+            return
+        weight = self.weight.detach()
+        if kernel == TILED:
+            packed = to_tiles(weight)
+        elif kernel == ONEDNN:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        else:
+            raise ValueError(f"{kernel!r} has no packed layout")
+        self.weight = nn.Parameter(packed, requires_grad=False)
 
 
 class PackedLinear(Linear):
@@ -106,11 +125,11 @@ class PackedLinear(Linear):
 class LinearKernel:
     """The kernel the linear layers run on, and why it was chosen (shown by the CLI)."""
 
-    name: str  # ONEDNN or TORCH
+    name: str  # TILED, ONEDNN or TORCH
     reason: str
     #: oneDNN's layout is chosen for this many input rows (see :func:`pack_linears`)
     batch_hint: int = 0
-    #: layers left on F.linear although the kernel is oneDNN (tied weights), with why
+    #: layers left on F.linear although the kernel packs (tied weights), with why
     kept_plain: tuple[str, ...] = field(default=())
 
     def describe(self) -> str:
@@ -121,18 +140,34 @@ class LinearKernel:
 
 
 def choose_linear_kernel(requested: str, device: torch.device, dtype: torch.dtype) -> LinearKernel:
-    """oneDNN packed on the CPU when it can run ``dtype`` natively, else ``F.linear``;
-    ``requested`` "onednn" or "torch" forces one (an error if oneDNN cannot run here)."""
+    """On the CPU the tiled kernel for float32 and oneDNN packed for a dtype it runs natively,
+    else ``F.linear``; ``requested`` "tiled", "onednn" or "torch" forces one (an error if it
+    cannot run here)."""
     if requested not in LINEAR_KERNELS:
         raise ValueError(f"unknown linear kernel {requested!r}; choose one of {list(LINEAR_KERNELS)}")
     if requested == "torch":
         return LinearKernel(TORCH, "asked for")
+    if requested in ("auto", "tiled"):
+        no_tiles = _tiled_unavailable(device, dtype)
+        if no_tiles is None:
+            return LinearKernel(TILED, "asked for" if requested == "tiled" else f"CPU, {_name(dtype)}")
+        if requested == "tiled":
+            raise ValueError(f"linear kernel 'tiled' cannot run here: {no_tiles}")
     unavailable = _onednn_unavailable(device, dtype)
     if unavailable is None:
         return LinearKernel(ONEDNN, "asked for" if requested == "onednn" else f"CPU, {_name(dtype)}")
     if requested == "onednn":
         raise ValueError(f"linear kernel 'onednn' cannot run here: {unavailable}")
     return LinearKernel(TORCH, unavailable)
+
+
+def _tiled_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the tiled kernel cannot run this model's linears, or None when it can."""
+    if device.type != "cpu":
+        return f"{device.type}: the vendor BLAS"
+    if dtype != torch.float32:
+        return f"the tiled kernel is float32 only, not {_name(dtype)}"
+    return why_unavailable()
 
 
 def _onednn_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -159,14 +194,14 @@ def pack_linears(model: nn.Module, kernel: LinearKernel, batch_hint: int) -> Lin
     """Pack every :class:`Linear` of ``model`` for ``kernel`` (a no-op for ``F.linear``); returns
     the kernel with the layers left plain because their weight is shared with another module.
 
-    The layout hint: oneDNN picks one blocked layout per hint, and a call whose row count the
+    The layout hint (oneDNN only): oneDNN picks one blocked layout per hint, and a call whose row count the
     layout does not suit is slower. Measured in float32, 1 thread, under load: packed for 1 row,
     512 -> 2752 at 32 rows took 0.75 ms against 0.42-0.48 ms packed for 32, 256 or 2048, and the
     512 -> 32000 head at 1 row 12.4 ms against 2.9-3.1 ms. Hints 32, 256 and 2048 ran every
     shape of issue 12's model at 1, 32 and 2048 rows alike (within noise), in float32 and
     bfloat16, so the engine passes its ``max_num_batched_tokens``.
     """
-    if kernel.name != ONEDNN:
+    if kernel.name == TORCH:
         return kernel
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
@@ -178,7 +213,8 @@ def pack_linears(model: nn.Module, kernel: LinearKernel, batch_hint: int) -> Lin
         if uses.get(id(module.weight), 0) > 1:
             kept.append(f"{name} (tied to the embedding)")
             continue
-        module.pack(batch_hint)
-    chosen = LinearKernel(kernel.name, kernel.reason, batch_hint, tuple(kept))
+        module.pack(kernel.name, batch_hint)
+    hint = batch_hint if kernel.name == ONEDNN else 0
+    chosen = LinearKernel(kernel.name, kernel.reason, hint, tuple(kept))
     logger.info("linear layers: %s", chosen.describe())
     return chosen

@@ -165,14 +165,15 @@ def test_roofline_adds_up_every_linear_of_every_step():
     assert roofline_seconds(config, workload, rates, prefill_chunk=64) == pytest.approx(expected_ms / 1e3)
 
 
-def test_gemm_rates_are_measured_for_both_kernels_at_the_needed_sizes():
+def test_gemm_rates_are_measured_for_every_kernel_at_the_needed_sizes():
     config = make_config_for_gemm()
     workload = Workload("w", ((5,) * 8,) * 3, (4,) * 3)
     rates = measure_gemm(config, torch.float32, [workload], prefill_chunk=2048, budget_s=0.0005)
     sizes = {(t.shape, t.m) for t in rates.timings}
     assert ("lm_head", 3) in sizes and ("gate_up", 24) in sizes and ("lm_head", 24) not in sizes
-    assert {t.kernel for t in rates.timings} == {"F.linear", "oneDNN packed"}
+    assert {t.kernel for t in rates.timings} == {"F.linear", "oneDNN packed", "pagedkv tiled"}
     assert all(t.ms is None or (t.ms > 0 and t.gflops > 0) for t in rates.timings)
+    assert all(t.ms is not None for t in rates.timings if t.kernel == "pagedkv tiled")  # float32 here
     assert roofline_seconds(config, workload, rates, 2048) > 0
 
 

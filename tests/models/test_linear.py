@@ -1,16 +1,21 @@
-"""Linear layers on oneDNN with packed weights: the same numbers as F.linear, nothing held twice,
-tied heads left plain, and the kernel chosen for the device and dtype (or refused with a reason)."""
+"""Linear layers on packed weights (pagedkv's tiled float32 kernel, oneDNN): the same numbers as
+F.linear, nothing held twice, tied heads left plain, and the kernel chosen for the device and
+dtype (or refused with a reason)."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import subprocess
 import weakref
 
 import pytest
 import torch
 
 from pagedkv.models import load_model
-from pagedkv.models.linear import ONEDNN, TORCH, Linear, choose_linear_kernel
+from pagedkv.models.linear import ONEDNN, TILED, TORCH, Linear, choose_linear_kernel
+from pagedkv.models.tiled_gemm import SOURCE as TILED_SOURCE
+from pagedkv.models.tiled_gemm import from_tiles, tiled_linear, to_tiles
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 
 from .paging import PagedBatch
@@ -21,12 +26,15 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(4, TEST_VOCAB_SIZE, (n,), generator=gen).tolist() for n in (9, 1, 4)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_packed_model_computes_what_f_linear_computes(tmp_path, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "kernel", "name"),
+    [("float32", "tiled", TILED), ("float32", "onednn", ONEDNN), ("bfloat16", "onednn", ONEDNN)],
+)
+def test_packed_model_computes_what_f_linear_computes(tmp_path, dtype, kernel, name):
     path = make_checkpoint(tmp_path, "llama", attention_bias=True, mlp_bias=True)  # biases packed too
     plain = load_model(path, dtype=dtype, linear_kernel="torch")
-    packed = load_model(path, dtype=dtype, linear_kernel="onednn")
-    assert plain.linear_kernel.name == TORCH and packed.linear_kernel.name == ONEDNN
+    packed = load_model(path, dtype=dtype, linear_kernel=kernel)
+    assert plain.linear_kernel.name == TORCH and packed.linear_kernel.name == name
     linears = {name: m for name, m in packed.named_modules() if isinstance(m, Linear)}
     assert linears and all(m.is_packed for m in linears.values())
     plain_linears = dict(plain.named_modules())
@@ -35,23 +43,46 @@ def test_packed_model_computes_what_f_linear_computes(tmp_path, dtype):
     want = PagedBatch(plain, 16, 3).step(_prompts())
     got = PagedBatch(packed, 16, 3).step(_prompts())
     for g, w in zip(got, want, strict=True):
-        # float32: oneDNN may sum K in another order than MKL: at these shapes the error against
-        # transformers is the same with either kernel (1.7e-6 to 1.5e-5 over the cases of
-        # test_model_exactness.py); at hidden 512 the two differ by ~1e-4 (see the perf notes).
+        # float32: oneDNN and the tiled kernel may sum K in another order than MKL: at these
+        # shapes the error against transformers is the same with each kernel (1.7e-6 to 1.5e-5
+        # over the cases of test_model_exactness.py); at hidden 512 they differ by ~1e-4.
         # bfloat16: both round each product's output to bfloat16.
         tol = 1e-4 if dtype == "float32" else 0.05 * w.std().item()
         assert (g - w).abs().max().item() < tol
 
 
-def test_packing_replaces_the_weight_instead_of_copying_it(tmp_path):
+@pytest.mark.parametrize("kernel", [TILED, ONEDNN])
+def test_packing_replaces_the_weight_instead_of_copying_it(tmp_path, kernel):
     path = make_checkpoint(tmp_path, "llama")
     model = load_model(path, linear_kernel="torch")
     layer = model.model.layers[0].mlp.gate_up_proj
     dense = weakref.ref(layer.weight)
-    layer.pack(batch_hint=64)
+    size = layer.weight.numel()
+    layer.pack(kernel, batch_hint=64)
     gc.collect()
     assert dense() is None, "the plain weight must be freed once packed"
-    assert [p.is_mkldnn for p in layer.parameters()] == [True]
+    (weight,) = layer.parameters()
+    assert layer.is_packed and (weight.is_mkldnn if kernel == ONEDNN else weight.numel() == size)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(128, 64), (200, 48), (7, 33), (64, 1100)])
+def test_tiled_kernel_matches_float64_and_ignores_the_batch(out_features, in_features):
+    """Full tiles, a last narrower tile, fewer columns than one tile, and k longer than one
+    pass (1024): within float32 rounding of the float64 product, and a row's result is the same
+    bits whatever rows share its call (sums run over k in order)."""
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    tiles = to_tiles(weight)
+    assert tiles.shape == (weight.numel(),) and torch.equal(from_tiles(tiles, in_features), weight)
+    for rows in (1, 5, 6, 7, 13, 40):
+        x = torch.randn(rows, in_features, generator=gen)
+        got = tiled_linear(x, tiles, bias)
+        want = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+        bound = 8 * in_features * torch.finfo(torch.float32).eps * (x.abs() @ weight.abs().T + bias.abs())
+        assert ((got.double() - want).abs() <= bound.double()).all()
+        assert torch.equal(tiled_linear(x[rows // 2 :][:1], tiles, bias), got[rows // 2 :][:1])
+    assert tiled_linear(torch.empty(0, in_features), tiles, None).shape == (0, out_features)
 
 
 def test_a_layer_function_reads_the_current_weight_at_each_call(tmp_path):
@@ -63,15 +94,16 @@ def test_a_layer_function_reads_the_current_weight_at_each_call(tmp_path):
     project = layer.as_function()
     x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
     assert torch.equal(project(x), layer(x))
-    layer.pack(batch_hint=64)
+    layer.pack(TILED)
     assert layer.is_packed and torch.equal(project(x), layer(x))
     layer.weight = torch.nn.Parameter(torch.zeros(layer.out_features, layer.in_features), requires_grad=False)
     assert torch.equal(project(x), layer.bias.expand(3, -1))
 
 
-def test_a_head_tied_to_the_embedding_stays_plain_and_shared(tmp_path):
+@pytest.mark.parametrize("kernel", ["tiled", "onednn"])
+def test_a_head_tied_to_the_embedding_stays_plain_and_shared(tmp_path, kernel):
     path = make_checkpoint(tmp_path, "qwen3", tie_word_embeddings=True)
-    model = load_model(path, dtype="float32", linear_kernel="onednn")
+    model = load_model(path, dtype="float32", linear_kernel=kernel)
     assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.is_packed
     assert model.model.layers[0].self_attn.qkv_proj.is_packed
     assert any("lm_head" in layer for layer in model.linear_kernel.kept_plain)
@@ -80,11 +112,33 @@ def test_a_head_tied_to_the_embedding_stays_plain_and_shared(tmp_path):
 
 def test_kernel_choice_follows_device_and_request():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert choose_linear_kernel("auto", cpu, torch.float32).name == ONEDNN
+    assert choose_linear_kernel("auto", cpu, torch.float32).name == TILED
+    assert choose_linear_kernel("onednn", cpu, torch.float32).name == ONEDNN
+    assert choose_linear_kernel("auto", cpu, torch.bfloat16).name in (ONEDNN, TORCH)
     assert choose_linear_kernel("torch", cpu, torch.float32).name == TORCH
+    with pytest.raises(ValueError, match="'tiled' cannot run here: the tiled kernel is float32 only"):
+        choose_linear_kernel("tiled", cpu, torch.bfloat16)
     on_cuda = choose_linear_kernel("auto", cuda, torch.bfloat16)
     assert on_cuda.name == TORCH and "cuda" in on_cuda.reason
     with pytest.raises(ValueError, match="'onednn' cannot run here: cuda"):
         choose_linear_kernel("onednn", cuda, torch.float32)
     with pytest.raises(ValueError, match="unknown linear kernel 'mkl'"):
         choose_linear_kernel("mkl", cpu, torch.float32)
+
+
+def test_portable_build_of_the_tiled_kernel_gives_the_same_bits(tmp_path):
+    """Without -march=native (no AVX-512: a machine this build cannot assume) the kernel's
+    portable loop runs the same fused multiply-adds in the same order, so it must agree with
+    the vectorised build bit for bit."""
+    library = tmp_path / "tiled_portable.so"
+    command = ["cc", "-O2", "-fopenmp", "-shared", "-fPIC", "-o", str(library), str(TILED_SOURCE), "-lm"]
+    subprocess.run(command, check=True)
+    portable = ctypes.CDLL(str(library))
+    portable.tiled_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    gen = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(150, 40, generator=gen), torch.randn(150, generator=gen)
+    x = torch.randn(9, 40, generator=gen)
+    tiles = to_tiles(weight)
+    out = torch.empty(9, 150)
+    portable.tiled_linear_f32(x.data_ptr(), tiles.data_ptr(), bias.data_ptr(), out.data_ptr(), 9, 40, 150)
+    assert torch.equal(out, tiled_linear(x, tiles, bias))
