@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.bench.throughput_workloads import Workload
-from pagedkv.models.tiled_gemm import tiled_linear, to_tiles, why_unavailable
+from pagedkv.models.tiled_gemm import runs_dtype, tiled_linear, to_tiles
 
 KERNELS = ("F.linear", "oneDNN packed", "pagedkv tiled")
 #: Decode batch sizes timed; other sizes are interpolated between neighbours.
@@ -93,7 +93,7 @@ def time_gemm(
     if kernel == "F.linear":
         return GemmTiming(name, shape, m, k, n, kernel, _best_ms(lambda: F.linear(x, w), budget_s))
     if kernel == "pagedkv tiled":
-        why_not = why_unavailable() if dtype == torch.float32 else "float32 only"
+        why_not = runs_dtype(dtype)
         if why_not is not None:
             return GemmTiming(name, shape, m, k, n, kernel, None, why_not)
         tiles = to_tiles(w)

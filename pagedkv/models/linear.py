@@ -4,11 +4,11 @@ Nearly all of a decoder step's time is its matrix multiplies, and which library 
 matters more than anything else in the step: on an AMD EPYC, ``F.linear`` in float32 goes to
 MKL's sgemm, which skips its fast paths on non-Intel CPUs, while oneDNN -- shipped inside the
 same torch wheel -- is 2.5-4x faster at this model family's shapes once the weight is reordered
-into its blocked layout ("packed"), as vLLM's CPU build runs it. In float32 pagedkv's own tiled
-kernel (:mod:`pagedkv.models.tiled_gemm`) goes further: it streams a decode step's weights from
-DRAM 1.15-1.5x faster than oneDNN and matches it at prefill sizes. So on the CPU every
-:class:`Linear` weight is packed once, after loading (:func:`pack_linears`): tiled in float32,
-oneDNN's layout in bfloat16 and float16. ``F.linear`` stays on CUDA (cuBLAS) and wherever
+into its blocked layout ("packed"), as vLLM's CPU build runs it. pagedkv's own tiled kernel
+(:mod:`pagedkv.models.tiled_gemm`) goes further: it streams a decode step's weights from DRAM
+1.1-1.3x faster than oneDNN and matches it at prefill sizes. So on the CPU every :class:`Linear`
+weight is packed once, after loading (:func:`pack_linears`): tiled in float32 (and bfloat16 where
+the CPU has AVX512-BF16), else oneDNN's layout. ``F.linear`` stays on CUDA (cuBLAS) and wherever
 neither can run the dtype.
 
 The packed tensor *replaces* the parameter (an opaque ``torch._mkldnn`` tensor, or a flat tiled
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.models.tiled_gemm import from_tiles, tiled_linear, to_tiles, why_unavailable
+from pagedkv.models.tiled_gemm import from_tiles, runs_dtype, tiled_linear, to_tiles
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +140,8 @@ class LinearKernel:
 
 
 def choose_linear_kernel(requested: str, device: torch.device, dtype: torch.dtype) -> LinearKernel:
-    """On the CPU the tiled kernel for float32 and oneDNN packed for a dtype it runs natively,
-    else ``F.linear``; ``requested`` "tiled", "onednn" or "torch" forces one (an error if it
+    """On the CPU the tiled kernel where it runs the dtype, else oneDNN packed where that runs it
+    natively, else ``F.linear``; ``requested`` "tiled", "onednn" or "torch" forces one (an error if it
     cannot run here)."""
     if requested not in LINEAR_KERNELS:
         raise ValueError(f"unknown linear kernel {requested!r}; choose one of {list(LINEAR_KERNELS)}")
@@ -165,9 +165,7 @@ def _tiled_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the tiled kernel cannot run this model's linears, or None when it can."""
     if device.type != "cpu":
         return f"{device.type}: the vendor BLAS"
-    if dtype != torch.float32:
-        return f"the tiled kernel is float32 only, not {_name(dtype)}"
-    return why_unavailable()
+    return runs_dtype(dtype)
 
 
 def _onednn_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:

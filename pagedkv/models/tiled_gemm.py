@@ -1,17 +1,21 @@
-"""pagedkv's own float32 GEMM for the CPU linear layers, on weights stored in column tiles.
+"""pagedkv's own GEMM for the CPU linear layers (float32, and bfloat16 on AVX512-BF16), on
+weights stored in column tiles.
 
-A decode step reads every weight from DRAM once for a few rows; oneDNN's packed sgemm streams
+A decode step reads every weight from DRAM once for a few rows; oneDNN's packed GEMM streams
 them at 13-28 GB/s of the ~42 GB/s two cores of this host read, so a step of small batches
 waits on memory it could have had. ``csrc/tiled_gemm_cpu.c`` stores each run of 64 output
 columns as one contiguous tile that its k loop reads front to back, reusing it from L2 for every
 block of 6 rows. On issue 12's model, all of a step's weights in a row (cold, 2 threads), it ran
-1.15-1.5x oneDNN's rate from 1 to 64 rows, and within 5 % of oneDNN at prefill's 2048.
+1.1-1.3x oneDNN's rate from 1 to 32 rows in float32 and bfloat16, and level with it at
+prefill's 2048 rows (``benchmarks/tiled_gemm_ab.py``).
 
-The tiled weight is a flat float32 tensor of exactly ``out * in`` elements (see the C source for
-the layout): a 1-D weight is how :func:`pagedkv.models.linear.linear` knows it, and ``in`` comes
-from the input's last dimension. Built and loaded like the other CPU kernels
-(:mod:`pagedkv.cbuild`); every sum runs over k in order, so a row's output does not depend on
-how many rows share its call.
+The tiled weight is a flat tensor of the weight's dtype holding exactly its elements (bfloat16
+adds a zero k row when ``in`` is odd; see the C source for the layout): a 1-D weight is how
+:func:`pagedkv.models.linear.linear` knows it, and ``in`` comes from the input's last dimension.
+Built and loaded like the other CPU kernels (:mod:`pagedkv.cbuild`). Every sum runs over k in
+order, so a row's output does not depend on how many rows share its call; in bfloat16 the dot
+products of pairs are oneDNN's instruction in oneDNN's order, and the outputs equal ``F.linear``'s
+bit for bit on this host.
 """
 
 from __future__ import annotations
@@ -37,16 +41,12 @@ def _library() -> ctypes.CDLL | str:
         lib = ctypes.CDLL(str(built))
     except OSError as exc:  # a cached file this machine cannot load
         return f"could not load {built}: {exc}"
-    lib.tiled_linear_f32.restype = None
-    lib.tiled_linear_f32.argtypes = [_P, _P, _P, _P, _I, _I, _I]
+    for entry in ("tiled_linear_f32", "tiled_linear_bf16"):
+        if hasattr(lib, entry):  # bfloat16 only where the compiler targets AVX512-BF16
+            getattr(lib, entry).restype = None
+            getattr(lib, entry).argtypes = [_P, _P, _P, _P, _I, _I, _I]
     lib.tiled_gemm_tile_width.restype = _I
     return lib
-
-
-def why_unavailable() -> str | None:
-    """Why the tiled kernel cannot run here, or None when it can."""
-    lib = _library()
-    return lib if isinstance(lib, str) else None
 
 
 def tile_width() -> int:
@@ -57,35 +57,63 @@ def tile_width() -> int:
     return lib.tiled_gemm_tile_width()
 
 
+#: k values stored side by side per column: bfloat16 runs on dot products of pairs
+_GROUP = {torch.float32: 1, torch.bfloat16: 2}
+_ENTRY = {torch.float32: "tiled_linear_f32", torch.bfloat16: "tiled_linear_bf16"}
+
+
+def runs_dtype(dtype: torch.dtype) -> str | None:
+    """Why the tiled kernel cannot run ``dtype`` here, or None when it can."""
+    lib = _library()
+    if isinstance(lib, str):
+        return lib
+    if dtype not in _ENTRY:
+        return f"the tiled kernel has no {str(dtype).removeprefix('torch.')}"
+    if not hasattr(lib, _ENTRY[dtype]):
+        return "the tiled bfloat16 kernel needs AVX512-BF16"
+    return None
+
+
+def _padded(in_features: int, dtype: torch.dtype) -> int:
+    group = _GROUP[dtype]
+    return -(-in_features // group) * group
+
+
 def to_tiles(weight: torch.Tensor) -> torch.Tensor:
-    """The ``[out, in]`` float32 ``weight`` in the tiled layout: a new flat tensor, same size."""
+    """The ``[out, in]`` ``weight`` in the tiled layout: a new flat tensor of its dtype (one zero
+    k row more in bfloat16 when ``in`` is odd)."""
     out_features, in_features = weight.shape
-    width = tile_width()
+    group, width = _GROUP[weight.dtype], tile_width()
+    padded = _padded(in_features, weight.dtype)
+    if padded != in_features:
+        weight = torch.cat([weight, weight.new_zeros(out_features, padded - in_features)], dim=1)
     full = out_features // width * width
-    head = weight[:full].reshape(-1, width, in_features).transpose(1, 2).reshape(-1)
-    tail = weight[full:].t().reshape(-1)  # the last, narrower tile: its k rows are `rest` wide
+    head = weight[:full].reshape(-1, width, padded // group, group).permute(0, 2, 1, 3).reshape(-1)
+    tail = weight[full:].reshape(-1, padded // group, group).transpose(0, 1).reshape(-1)  # narrower tile
     return torch.cat([head, tail]).contiguous()
 
 
 def from_tiles(tiles: torch.Tensor, in_features: int) -> torch.Tensor:
     """The plain ``[out, in]`` matrix back from :func:`to_tiles`'s layout (a copy)."""
-    out_features = tiles.numel() // in_features
-    width = tile_width()
+    group, width = _GROUP[tiles.dtype], tile_width()
+    padded = _padded(in_features, tiles.dtype)
+    out_features = tiles.numel() // padded
     full = out_features // width * width
-    head = tiles[: full * in_features].view(-1, in_features, width).transpose(1, 2).reshape(full, in_features)
-    tail = tiles[full * in_features :].view(in_features, out_features - full).t()
-    return torch.cat([head, tail]).contiguous()
+    head = tiles[: full * padded].view(-1, padded // group, width, group).permute(0, 2, 1, 3)
+    tail = tiles[full * padded :].view(padded // group, out_features - full, group).transpose(0, 1)
+    weight = torch.cat([head.reshape(full, padded), tail.reshape(out_features - full, padded)])
+    return weight[:, :in_features].contiguous()
 
 
 def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` for the tiled float32 weight ``tiles`` of ``W``."""
+    """``x @ W.T + bias`` for the tiled weight ``tiles`` of ``W`` (float32 or bfloat16, like ``x``)."""
     lib = _library()
     in_features = x.shape[-1]
-    out_features = tiles.numel() // in_features
+    out_features = tiles.numel() // _padded(in_features, tiles.dtype)
     rows = x.reshape(-1, in_features).contiguous()
-    out = torch.empty((rows.shape[0], out_features), dtype=torch.float32)
+    out = torch.empty((rows.shape[0], out_features), dtype=tiles.dtype)
     if rows.shape[0]:
-        lib.tiled_linear_f32(
+        getattr(lib, _ENTRY[tiles.dtype])(
             rows.data_ptr(),
             tiles.data_ptr(),
             None if bias is None else bias.data_ptr(),

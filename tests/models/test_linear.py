@@ -15,7 +15,7 @@ import torch
 from pagedkv.models import load_model
 from pagedkv.models.linear import ONEDNN, TILED, TORCH, Linear, choose_linear_kernel
 from pagedkv.models.tiled_gemm import SOURCE as TILED_SOURCE
-from pagedkv.models.tiled_gemm import from_tiles, tiled_linear, to_tiles
+from pagedkv.models.tiled_gemm import from_tiles, runs_dtype, tiled_linear, to_tiles
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 
 from .paging import PagedBatch
@@ -26,9 +26,13 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(4, TEST_VOCAB_SIZE, (n,), generator=gen).tolist() for n in (9, 1, 4)]
 
 
+BF16_TILES = runs_dtype(torch.bfloat16) is None  # AVX512-BF16, as on this project's machines
+
+
 @pytest.mark.parametrize(
     ("dtype", "kernel", "name"),
-    [("float32", "tiled", TILED), ("float32", "onednn", ONEDNN), ("bfloat16", "onednn", ONEDNN)],
+    [("float32", "tiled", TILED), ("float32", "onednn", ONEDNN), ("bfloat16", "onednn", ONEDNN)]
+    + ([("bfloat16", "tiled", TILED)] if BF16_TILES else []),
 )
 def test_packed_model_computes_what_f_linear_computes(tmp_path, dtype, kernel, name):
     path = make_checkpoint(tmp_path, "llama", attention_bias=True, mlp_bias=True)  # biases packed too
@@ -85,6 +89,25 @@ def test_tiled_kernel_matches_float64_and_ignores_the_batch(out_features, in_fea
     assert tiled_linear(torch.empty(0, in_features), tiles, None).shape == (0, out_features)
 
 
+@pytest.mark.parametrize(("out_features", "in_features"), [(128, 64), (200, 47), (7, 33), (64, 1100)])
+def test_tiled_bfloat16_gives_f_linears_bits(out_features, in_features):
+    """bfloat16 runs AVX512-BF16's dot products of pairs in oneDNN's order, so on a CPU that has
+    them it must give ``F.linear``'s bits (oneDNN's); odd ``in`` pairs the last k with zero."""
+    if not BF16_TILES:
+        with pytest.raises(ValueError, match="'tiled' cannot run here"):
+            choose_linear_kernel("tiled", torch.device("cpu"), torch.bfloat16)
+        return
+    gen = torch.Generator().manual_seed(in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    tiles = to_tiles(weight)
+    assert torch.equal(from_tiles(tiles, in_features), weight)
+    for rows in (1, 6, 13):
+        x = torch.randn(rows, in_features, generator=gen).bfloat16()
+        assert torch.equal(tiled_linear(x, tiles, bias), torch.nn.functional.linear(x, weight, bias))
+        assert torch.equal(tiled_linear(x, tiles, None), torch.nn.functional.linear(x, weight))
+
+
 def test_a_layer_function_reads_the_current_weight_at_each_call(tmp_path):
     """The step program holds ``as_function()``s made before the loader packs the weights; they
     must run on the packed weight, and keep no reference to the plain one."""
@@ -114,10 +137,11 @@ def test_kernel_choice_follows_device_and_request():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert choose_linear_kernel("auto", cpu, torch.float32).name == TILED
     assert choose_linear_kernel("onednn", cpu, torch.float32).name == ONEDNN
-    assert choose_linear_kernel("auto", cpu, torch.bfloat16).name in (ONEDNN, TORCH)
+    assert choose_linear_kernel("auto", cpu, torch.bfloat16).name == (TILED if BF16_TILES else ONEDNN)
+    assert choose_linear_kernel("auto", cpu, torch.float16).name in (ONEDNN, TORCH)
     assert choose_linear_kernel("torch", cpu, torch.float32).name == TORCH
-    with pytest.raises(ValueError, match="'tiled' cannot run here: the tiled kernel is float32 only"):
-        choose_linear_kernel("tiled", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="'tiled' cannot run here: the tiled kernel has no float16"):
+        choose_linear_kernel("tiled", cpu, torch.float16)
     on_cuda = choose_linear_kernel("auto", cuda, torch.bfloat16)
     assert on_cuda.name == TORCH and "cuda" in on_cuda.reason
     with pytest.raises(ValueError, match="'onednn' cannot run here: cuda"):

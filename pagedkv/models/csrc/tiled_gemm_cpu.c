@@ -47,11 +47,20 @@ static void narrow_rows(const float *x, int64_t K, const float *tile, int64_t wi
 #ifdef __AVX512F__
 
 /* acc[i] (4 vectors) += x[i, k0:k1] . tile[k0:k1]; loads acc from y unless first */
-static inline void block(const float *x, int64_t K, const float *tile, int64_t k0, int64_t k1, float *y,
-                         int64_t N, int rows, int first, int fetch) {
-    __m512 acc[MR][4];
-    for (int i = 0; i < rows; i++)
-        for (int j = 0; j < 4; j++) acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * N + 16 * j);
+static inline __attribute__((always_inline)) void block(const float *x, int64_t K, const float *tile, int64_t k0,
+                                                        int64_t k1, float *y, int64_t N, int rows, int first,
+                                                        int fetch) {
+    /* named accumulators: GCC may spill an array of __m512, even with constant indices */
+#define START(i)                                                                                   \
+    __m512 a##i##0 = _mm512_setzero_ps(), a##i##1 = a##i##0, a##i##2 = a##i##0, a##i##3 = a##i##0; \
+    if (i < rows && !first) {                                                                      \
+        a##i##0 = _mm512_loadu_ps(y + (i) * N);                                                    \
+        a##i##1 = _mm512_loadu_ps(y + (i) * N + 16);                                               \
+        a##i##2 = _mm512_loadu_ps(y + (i) * N + 32);                                               \
+        a##i##3 = _mm512_loadu_ps(y + (i) * N + 48);                                               \
+    }
+    START(0) START(1) START(2) START(3) START(4) START(5)
+#undef START
 #pragma GCC unroll 4
     for (int64_t k = k0; k < k1; k++) {
         const float *w = tile + k * NR;
@@ -64,19 +73,26 @@ static inline void block(const float *x, int64_t K, const float *tile, int64_t k
         }
         __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
         __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
-#define ROW(i)                                                      \
-    if (i < rows) {                                                 \
-        __m512 xi = _mm512_set1_ps(x[(i) * K + k]);                 \
-        acc[i][0] = _mm512_fmadd_ps(xi, w0, acc[i][0]);             \
-        acc[i][1] = _mm512_fmadd_ps(xi, w1, acc[i][1]);             \
-        acc[i][2] = _mm512_fmadd_ps(xi, w2, acc[i][2]);             \
-        acc[i][3] = _mm512_fmadd_ps(xi, w3, acc[i][3]);             \
+#define ROW(i)                                                                                     \
+    if (i < rows) {                                                                                \
+        __m512 xi = _mm512_set1_ps(x[(i) * K + k]);                                                \
+        a##i##0 = _mm512_fmadd_ps(xi, w0, a##i##0);                                                \
+        a##i##1 = _mm512_fmadd_ps(xi, w1, a##i##1);                                                \
+        a##i##2 = _mm512_fmadd_ps(xi, w2, a##i##2);                                                \
+        a##i##3 = _mm512_fmadd_ps(xi, w3, a##i##3);                                                \
     }
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
 #undef ROW
     }
-    for (int i = 0; i < rows; i++)
-        for (int j = 0; j < 4; j++) _mm512_storeu_ps(y + i * N + 16 * j, acc[i][j]);
+#define STORE(i)                                                                                   \
+    if (i < rows) {                                                                                \
+        _mm512_storeu_ps(y + (i) * N, a##i##0);                                                    \
+        _mm512_storeu_ps(y + (i) * N + 16, a##i##1);                                               \
+        _mm512_storeu_ps(y + (i) * N + 32, a##i##2);                                               \
+        _mm512_storeu_ps(y + (i) * N + 48, a##i##3);                                               \
+    }
+    STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
+#undef STORE
 }
 
 /* a constant row count per call lets the compiler keep every accumulator in a register */
@@ -130,5 +146,108 @@ void tiled_linear_f32(const float *x, const float *tiles, const float *bias, flo
     for (int64_t t = 0; t < count; t++)
         tile_product(x, tiles + t * K * NR, bias, y, M, K, N, t * NR);
 }
+
+#ifdef __AVX512BF16__
+/*
+ * bfloat16, on AVX512-BF16's dot product of pairs (vdpbf16ps, as oneDNN runs bf16 here): the tile
+ * holds k in pairs, T[p, j, 0..1] = W[64 t + j, 2p .. 2p + 1], and a weight with odd K gets a zero
+ * k row at the end. Sums run in float32 over the pairs in order; the bias is added in float32 and
+ * the result rounded to bfloat16 once, to nearest even. A narrow last tile uses masked loads and
+ * stores on the same loop.
+ */
+/* two bfloat16 x values as one 32-bit lane, read as one load the compiler can broadcast */
+static inline int pair_at(const uint16_t *x) {
+    int both;
+    memcpy(&both, x, sizeof both);
+    return both;
+}
+
+static inline int lone_at(const uint16_t *x) { return x[0]; }
+
+static inline __attribute__((always_inline)) void block_bf16(const uint16_t *x, int64_t K, const uint16_t *tile,
+                                                             int64_t width, const uint16_t *bias, uint16_t *y,
+                                                             int64_t N, int rows, int fetch) {
+    __mmask16 mask[4];
+    for (int j = 0; j < 4; j++) {
+        int64_t lanes = width - 16 * j;
+        mask[j] = lanes >= 16 ? 0xFFFF : lanes <= 0 ? 0 : (__mmask16)((1u << lanes) - 1);
+    }
+    /* named accumulators: GCC spills an array of __m512 here, even with constant indices */
+#define ZERO(i) __m512 a##i##0 = _mm512_setzero_ps(), a##i##1 = a##i##0, a##i##2 = a##i##0, a##i##3 = a##i##0;
+    ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5)
+#undef ZERO
+#define ROW(i, p, PAIR_OF)                                                                         \
+    if (i < rows) {                                                                                \
+        __m512bh xb = (__m512bh)_mm512_set1_epi32(PAIR_OF(x + (i) * K + 2 * (p)));                 \
+        a##i##0 = _mm512_dpbf16_ps(a##i##0, xb, w0);                                               \
+        a##i##1 = _mm512_dpbf16_ps(a##i##1, xb, w1);                                               \
+        a##i##2 = _mm512_dpbf16_ps(a##i##2, xb, w2);                                               \
+        a##i##3 = _mm512_dpbf16_ps(a##i##3, xb, w3);                                               \
+    }
+#define STEP(p, PAIR_OF)                                                                           \
+    {                                                                                              \
+        const uint16_t *w = tile + (p) * width * 2;                                                \
+        if (fetch) {                                                                               \
+            const char *ahead = (const char *)(w + PF * width * 2);                                \
+            _mm_prefetch(ahead, _MM_HINT_T0);                                                      \
+            _mm_prefetch(ahead + 64, _MM_HINT_T0);                                                 \
+            _mm_prefetch(ahead + 128, _MM_HINT_T0);                                                \
+            _mm_prefetch(ahead + 192, _MM_HINT_T0);                                                \
+        }                                                                                          \
+        __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi32(mask[0], w);                              \
+        __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi32(mask[1], w + 32);                         \
+        __m512bh w2 = (__m512bh)_mm512_maskz_loadu_epi32(mask[2], w + 64);                         \
+        __m512bh w3 = (__m512bh)_mm512_maskz_loadu_epi32(mask[3], w + 96);                         \
+        ROW(0, p, PAIR_OF) ROW(1, p, PAIR_OF) ROW(2, p, PAIR_OF)                                   \
+        ROW(3, p, PAIR_OF) ROW(4, p, PAIR_OF) ROW(5, p, PAIR_OF)                                   \
+    }
+#pragma GCC unroll 4
+    for (int64_t p = 0; p < K / 2; p++) STEP(p, pair_at)
+    if (K % 2) /* the last x has no partner in its row: pair it with zero (its weight row is zero) */
+        STEP(K / 2, lone_at)
+#undef STEP
+#undef ROW
+    __m512 b[4];
+    for (int j = 0; j < 4; j++) /* bf16 -> f32 is a shift into the high half */
+        b[j] = bias == NULL ? _mm512_setzero_ps()
+                            : _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask[j], bias + 16 * j)), 16));
+#define STORE(i, j)                                                                                \
+    _mm256_mask_storeu_epi16(y + (i) * N + 16 * (j), mask[j], (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a##i##j, b[j])));
+#define STORE_ROW(i)                                                                               \
+    if (i < rows) {                                                                                \
+        STORE(i, 0) STORE(i, 1) STORE(i, 2) STORE(i, 3)                                            \
+    }
+    STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)
+#undef STORE_ROW
+#undef STORE
+}
+
+static void block_rows_bf16(const uint16_t *x, int64_t K, const uint16_t *tile, int64_t width,
+                            const uint16_t *bias, uint16_t *y, int64_t N, int rows, int fetch) {
+    switch (rows) {
+    case 6: block_bf16(x, K, tile, width, bias, y, N, 6, fetch); break;
+    case 5: block_bf16(x, K, tile, width, bias, y, N, 5, fetch); break;
+    case 4: block_bf16(x, K, tile, width, bias, y, N, 4, fetch); break;
+    case 3: block_bf16(x, K, tile, width, bias, y, N, 3, fetch); break;
+    case 2: block_bf16(x, K, tile, width, bias, y, N, 2, fetch); break;
+    default: block_bf16(x, K, tile, width, bias, y, N, 1, fetch); break;
+    }
+}
+
+void tiled_linear_bf16(const uint16_t *x, const uint16_t *tiles, const uint16_t *bias, uint16_t *y, int64_t M,
+                       int64_t K, int64_t N) {
+    int64_t count = (N + NR - 1) / NR, padded = K + K % 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < count; t++) {
+        int64_t col = t * NR, width = N - col < NR ? N - col : NR;
+        for (int64_t m = 0; m < M; m += MR) {
+            int rows = M - m < MR ? (int)(M - m) : MR;
+            block_rows_bf16(x + m * K, K, tiles + col * padded, width, bias == NULL ? NULL : bias + col,
+                            y + m * N + col, N, rows, m == 0);
+        }
+    }
+}
+#endif
 
 int64_t tiled_gemm_tile_width(void) { return NR; }
