@@ -55,7 +55,8 @@ class Engine(Protocol):
 
 # -- in this process -----------------------------------------------------------------------------
 class PagedkvEngine:
-    """pagedkv's offline ``LLM``, prefix caching off (every repetition sends the same prompts)."""
+    """pagedkv's offline ``LLM``, prefix caching off (every repetition sends the same prompts),
+    without a tokenizer (``skip_tokenizer_init``): ids in, ids out, as vLLM's worker runs."""
 
     def __init__(self, spec: LoadSpec, block_size: int = 16) -> None:
         from pagedkv import LLM
@@ -68,6 +69,7 @@ class PagedkvEngine:
             num_kv_blocks=blocks,
             max_num_seqs=max(64, spec.max_requests),
             enable_prefix_caching=False,
+            skip_tokenizer_init=True,
         )
         self.info = {
             "engine": "pagedkv",
