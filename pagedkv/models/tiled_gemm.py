@@ -6,16 +6,17 @@ them at 13-28 GB/s of the ~42 GB/s two cores of this host read, so a step of sma
 waits on memory it could have had. ``csrc/tiled_gemm_cpu.c`` stores each run of 64 output
 columns as one contiguous tile that its k loop reads front to back, reusing it from L2 for every
 block of 6 rows. On issue 12's model, all of a step's weights in a row (cold, 2 threads), it ran
-1.1-1.3x oneDNN's rate from 1 to 32 rows in float32 and bfloat16, and level with it at
+1.1-1.45x oneDNN's rate from 1 to 64 rows in float32 and bfloat16, and level with it at
 prefill's 2048 rows (``benchmarks/tiled_gemm_ab.py``).
 
 The tiled weight is a flat tensor of the weight's dtype holding exactly its elements (bfloat16
 adds a zero k row when ``in`` is odd; see the C source for the layout): a 1-D weight is how
 :func:`pagedkv.models.linear.linear` knows it, and ``in`` comes from the input's last dimension.
 Built and loaded like the other CPU kernels (:mod:`pagedkv.cbuild`). Every sum runs over k in
-order, so a row's output does not depend on how many rows share its call; in bfloat16 the dot
-products of pairs are oneDNN's instruction in oneDNN's order, and the outputs equal ``F.linear``'s
-bit for bit on this host.
+order, so a row's output does not depend on how many rows share its call. In bfloat16 the dot
+products of pairs are oneDNN's instruction (``vdpbf16ps``) in k order: on this host the outputs
+equal ``F.linear``'s (oneDNN's) bit for bit up to 8 rows, and from 32 rows with k >= 1024 all but
+about 1 in 10,000, which differ in the last bit (oneDNN then sums k in another order).
 """
 
 from __future__ import annotations
