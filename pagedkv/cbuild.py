@@ -10,6 +10,7 @@ the one a library links against, so they share a thread pool.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -79,3 +80,15 @@ def build(source: Path) -> Path | str:
             errors.append(f"{compiler} {' '.join(flags)}: {detail.strip()[:500]}")
     where = f"{cache_dir()} (set $PAGEDKV_KERNEL_CACHE)"
     return f"could not build {source.name} in {where}: " + " | ".join(errors)
+
+
+def load(source: Path) -> ctypes.CDLL | str:
+    """The shared library built from ``source``, loaded, or a string saying why it could not be
+    built or loaded (a cached file this machine cannot load)."""
+    built = build(source)
+    if isinstance(built, str):
+        return built
+    try:
+        return ctypes.CDLL(str(built))
+    except OSError as exc:
+        return f"could not load {built}: {exc}"

@@ -201,13 +201,7 @@ class NativeOps(TorchOps):
 @functools.cache
 def load() -> ctypes.CDLL | str:
     """The compiled library, or a string saying why it could not be built."""
-    built = cbuild.build(SOURCE)
-    if isinstance(built, str):
-        return built
-    try:
-        return ctypes.CDLL(str(built))
-    except OSError as exc:  # a cached file this machine cannot load
-        return f"could not load {built}: {exc}"
+    return cbuild.load(SOURCE)
 
 
 @functools.cache

@@ -35,13 +35,9 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 @functools.cache
 def _library() -> ctypes.CDLL | str:
-    built = cbuild.build(SOURCE)
-    if isinstance(built, str):
-        return built
-    try:
-        lib = ctypes.CDLL(str(built))
-    except OSError as exc:  # a cached file this machine cannot load
-        return f"could not load {built}: {exc}"
+    lib = cbuild.load(SOURCE)
+    if isinstance(lib, str):
+        return lib
     for entry in ("tiled_linear_f32", "tiled_linear_bf16"):
         if hasattr(lib, entry):  # bfloat16 only where the compiler targets AVX512-BF16
             getattr(lib, entry).restype = None
