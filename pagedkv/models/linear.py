@@ -191,6 +191,9 @@ def _name(dtype: torch.dtype) -> str:
 def pack_linears(model: nn.Module, kernel: LinearKernel, batch_hint: int) -> LinearKernel:
     """Pack every :class:`Linear` of ``model`` for ``kernel`` (a no-op for ``F.linear``); returns
     the kernel with the layers left plain because their weight is shared with another module.
+    A LM head tied to the embedding is tiled too, and the embedding then reads its rows from the
+    tiles (nothing held twice); oneDNN's opaque layout cannot be read that way, so there it stays
+    plain.
 
     The layout hint (oneDNN only): oneDNN picks one blocked layout per hint, and a call whose row count the
     layout does not suit is slower. Measured in float32, 1 thread, under load: packed for 1 row,
@@ -201,17 +204,23 @@ def pack_linears(model: nn.Module, kernel: LinearKernel, batch_hint: int) -> Lin
     """
     if kernel.name == TORCH:
         return kernel
-    uses: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        uses[id(param)] = uses.get(id(param), 0) + 1
+    holders: dict[int, list[nn.Module]] = {}  # parameter -> the modules holding it as `weight`
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None:
+            holders.setdefault(id(weight), []).append(module)
     kept: list[str] = []
     for name, module in model.named_modules():
-        if not isinstance(module, Linear):
+        if not isinstance(module, Linear) or module.is_packed:
             continue
-        if uses.get(id(module.weight), 0) > 1:
+        sharers = [m for m in holders.get(id(module.weight), []) if m is not module]
+        readable = all(getattr(m, "reads_tiled_weight", False) for m in sharers)
+        if sharers and not (kernel.name == TILED and readable):
             kept.append(f"{name} (tied to the embedding)")
             continue
         module.pack(kernel.name, batch_hint)
+        for sharer in sharers:  # the embedding reads its rows out of the same tiles
+            sharer.weight = module.weight
     hint = batch_hint if kernel.name == ONEDNN else 0
     chosen = LinearKernel(kernel.name, kernel.reason, hint, tuple(kept))
     logger.info("linear layers: %s", chosen.describe())

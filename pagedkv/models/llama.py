@@ -29,6 +29,7 @@ from pagedkv.models.layer_ops import QKVLayout
 from pagedkv.models.linear import TORCH, Linear, LinearKernel, PackedLinear
 from pagedkv.models.rope import RotaryEmbedding
 from pagedkv.models.step_program import ForwardBatch, StepProgram
+from pagedkv.models.tiled_gemm import tiled_rows
 
 
 class RMSNorm(nn.Module):
@@ -41,13 +42,21 @@ class RMSNorm(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embedding without ``nn.Embedding``'s random init (see :class:`Linear`)."""
+    """Token embedding without ``nn.Embedding``'s random init (see :class:`Linear`). Its matrix
+    may be the LM head's in the tiled layout (a 1-D weight, ``tie_word_embeddings``): rows are
+    then read out of the tiles."""
+
+    #: what :func:`~pagedkv.models.linear.pack_linears` asks before tiling a head tied to it
+    reads_tiled_weight = True
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
+        self.hidden_size = hidden_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.weight.dim() == 1:
+            return tiled_rows(self.weight, input_ids, self.hidden_size)
         return F.embedding(input_ids, self.weight)
 
 

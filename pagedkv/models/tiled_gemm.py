@@ -102,6 +102,28 @@ def from_tiles(tiles: torch.Tensor, in_features: int) -> torch.Tensor:
     return weight[:, :in_features].contiguous()
 
 
+def tiled_rows(tiles: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows ``W[ids]`` of the weight held in :func:`to_tiles`'s layout, ``[*ids.shape, in]``:
+    an embedding lookup on a matrix the LM head shares in the tiled layout."""
+    group, width = _GROUP[tiles.dtype], tile_width()
+    padded = _padded(in_features, tiles.dtype)
+    out_features = tiles.numel() // padded
+    full = out_features // width * width
+    flat = ids.reshape(-1)
+    rows = tiles.new_empty((flat.shape[0], padded))
+    in_full = flat < full
+    if bool(in_full.all()):  # the usual case: no id in the narrower last tile
+        head = tiles[: full * padded].view(-1, padded // group, width, group)
+        rows = head[flat // width, :, flat % width].reshape(-1, padded)
+    else:
+        head_ids, tail_ids = flat[in_full], flat[~in_full] - full
+        head = tiles[: full * padded].view(-1, padded // group, width, group)
+        tail = tiles[full * padded :].view(padded // group, out_features - full, group)
+        rows[in_full] = head[head_ids // width, :, head_ids % width].reshape(-1, padded)
+        rows[~in_full] = tail[:, tail_ids].transpose(0, 1).reshape(-1, padded)
+    return rows[:, :in_features].reshape(*ids.shape, in_features)
+
+
 def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + bias`` for the tiled weight ``tiles`` of ``W`` (float32 or bfloat16, like ``x``)."""
     lib = _library()

@@ -15,7 +15,7 @@ import torch
 from pagedkv.models import load_model
 from pagedkv.models.linear import ONEDNN, TILED, TORCH, Linear, choose_linear_kernel
 from pagedkv.models.tiled_gemm import SOURCE as TILED_SOURCE
-from pagedkv.models.tiled_gemm import from_tiles, runs_dtype, tiled_linear, to_tiles
+from pagedkv.models.tiled_gemm import from_tiles, runs_dtype, tiled_linear, tiled_rows, to_tiles
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 
 from .paging import PagedBatch
@@ -79,6 +79,8 @@ def test_tiled_kernel_matches_float64_and_ignores_the_batch(out_features, in_fea
     bias = torch.randn(out_features, generator=gen)
     tiles = to_tiles(weight)
     assert tiles.shape == (weight.numel(),) and torch.equal(from_tiles(tiles, in_features), weight)
+    ids = torch.tensor([[out_features - 1, 0], [out_features // 2, out_features - 1]])
+    assert torch.equal(tiled_rows(tiles, ids, in_features), weight[ids])  # an embedding lookup
     for rows in (1, 5, 6, 7, 13, 40):
         x = torch.randn(rows, in_features, generator=gen)
         got = tiled_linear(x, tiles, bias)
@@ -104,6 +106,8 @@ def test_tiled_bfloat16_gives_f_linears_bits(out_features, in_features):
     bias = torch.randn(out_features, generator=gen).bfloat16()
     tiles = to_tiles(weight)
     assert torch.equal(from_tiles(tiles, in_features), weight)
+    ids = torch.tensor([out_features - 1, 0, out_features // 2])
+    assert torch.equal(tiled_rows(tiles, ids, in_features), weight[ids])
     for rows in (1, 6, 13):
         x = torch.randn(rows, in_features, generator=gen).bfloat16()
         assert torch.equal(tiled_linear(x, tiles, bias), torch.nn.functional.linear(x, weight, bias))
@@ -125,14 +129,38 @@ def test_a_layer_function_reads_the_current_weight_at_each_call(tmp_path):
     assert torch.equal(project(x), layer.bias.expand(3, -1))
 
 
-@pytest.mark.parametrize("kernel", ["tiled", "onednn"])
-def test_a_head_tied_to_the_embedding_stays_plain_and_shared(tmp_path, kernel):
+def test_a_head_tied_to_the_embedding_stays_plain_and_shared_on_onednn(tmp_path):
+    """oneDNN's layout is opaque: the embedding could not read its rows, so the head stays plain."""
     path = make_checkpoint(tmp_path, "qwen3", tie_word_embeddings=True)
-    model = load_model(path, dtype="float32", linear_kernel=kernel)
+    model = load_model(path, dtype="float32", linear_kernel="onednn")
     assert model.lm_head.weight is model.model.embed_tokens.weight and not model.lm_head.is_packed
     assert model.model.layers[0].self_attn.qkv_proj.is_packed
     assert any("lm_head" in layer for layer in model.linear_kernel.kept_plain)
     assert "F.linear for lm_head" in model.linear_kernel.describe()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tied_head_is_tiled_and_the_embedding_reads_the_same_tiles(tmp_path, dtype):
+    """The tiled head keeps one tensor for both: the embedding gathers its rows from the tiles,
+    and the model's logits match the plain model's."""
+    if dtype == "bfloat16" and not BF16_TILES:
+        with pytest.raises(ValueError, match="'tiled' cannot run here"):
+            choose_linear_kernel("tiled", torch.device("cpu"), torch.bfloat16)
+        return
+    path = make_checkpoint(tmp_path, "qwen3", tie_word_embeddings=True)
+    plain = load_model(path, dtype=dtype, linear_kernel="torch")
+    model = load_model(path, dtype=dtype, linear_kernel="tiled")
+    head, embedding = model.lm_head, model.model.embed_tokens
+    assert head.weight is embedding.weight and head.is_packed and head.weight.dim() == 1
+    assert model.linear_kernel.kept_plain == ()
+    ids = torch.arange(TEST_VOCAB_SIZE)
+    assert torch.equal(embedding(ids), plain.model.embed_tokens.weight)
+    assert torch.equal(head.dense_weight(), plain.lm_head.weight)
+    want = PagedBatch(plain, 16, 3).step(_prompts())
+    got = PagedBatch(model, 16, 3).step(_prompts())
+    for g, w in zip(got, want, strict=True):
+        tol = 1e-4 if dtype == "float32" else 0.05 * w.std().item()
+        assert (g - w).abs().max().item() < tol
 
 
 def test_kernel_choice_follows_device_and_request():
