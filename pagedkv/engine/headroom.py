@@ -27,7 +27,9 @@ possible, and still safe.
 ``max_tokens`` at its word (exact for ``ignore_eos``; an upper bound otherwise), smaller values
 bet that outputs stop early (SGLang's ``new_token_ratio``), trading preemptions for concurrency.
 The arithmetic (:class:`Growth`, :func:`peak_new_blocks`) is pure; :class:`Headroom` reads the
-scheduler's sequences and the KV manager to build it.
+scheduler's sequences and the KV manager to build it. A refusal is kept while it provably
+stands (:class:`Refusal`), so the steps between two finishes do not project the running set
+again only to refuse the same request.
 """
 
 from __future__ import annotations
@@ -175,6 +177,46 @@ class Headroom:
         return Projection(self, list(running), dict(scheduled))
 
 
+@dataclass(slots=True)
+class Refusal:
+    """The waiting head that admission turned away, kept so the next steps need not project
+    the running set again (a :class:`Growth` per running sequence, every step) while the
+    verdict provably stands.
+
+    Why it stands: while no block comes back (no sequence finishes or is preempted -- the
+    scheduler drops the refusal then), every running sequence either gains its one token as
+    projected -- its growth and the free pool shrink by the same blocks -- or falls behind,
+    which only moves its growth and its finish later. Neither lowers the peak left over the
+    free blocks. What can lower it is the head's own growth starting a step closer to the
+    running set's peak: at most ``2 * copies`` blocks a step (one new block per sequence it
+    becomes, plus a copy-on-write copy at its first append). So with the same step budget
+    (which sets the head's prompt delay) and the same blocks to allocate (a prefix-cache hit
+    can change those), a shortfall of ``s`` blocks stands for ``s / (2 * copies)`` steps.
+    """
+
+    seq: Sequence
+    budget: int
+    new_blocks: int
+    shortfall: int
+    #: Most blocks the shortfall can shrink by per step (0 without headroom: only the prompt
+    #: counts, and the free pool only shrinks until a block comes back).
+    max_drop: int
+    steps: int = 0
+
+    @classmethod
+    def of(cls, seq: Sequence, budget: int, new_blocks: int, shortfall: int, headroom: bool) -> Refusal:
+        return cls(seq, budget, new_blocks, shortfall, 2 * Headroom._copies(seq) if headroom else 0)
+
+    def stands(self, seq: Sequence, budget: int, new_blocks: int) -> bool:
+        """Admission would still refuse ``seq`` now, ``steps`` steps later."""
+        return (
+            seq is self.seq
+            and budget == self.budget
+            and new_blocks == self.new_blocks
+            and self.steps * self.max_drop < self.shortfall
+        )
+
+
 class Projection:
     """The running set's growth at one moment, built once and tested against each waiting
     request in turn (one step admits many: rebuilding it per request would cost O(running^2))."""
@@ -185,9 +227,9 @@ class Projection:
         self.scheduled = scheduled
         self.growths = [headroom.running_growth(s, scheduled.get(s.seq_id, 0)) for s in running]
 
-    def admits(self, candidate: Sequence, new_blocks: int, budget: int) -> bool:
-        """``candidate``'s ``new_blocks`` plus the peak growth of the running set with it fit in
-        the free blocks less the watermark."""
+    def shortfall(self, candidate: Sequence, new_blocks: int, budget: int) -> int:
+        """Blocks missing for ``candidate``'s ``new_blocks`` plus the peak growth of the running
+        set with it to fit in the free blocks less the watermark (<= 0: it is admitted)."""
         headroom, manager = self.headroom, self.headroom.kv_manager
         growths = self.growths
         hits = manager.cached_prefix_blocks(candidate.token_ids, not candidate.needs_prompt_logits)
@@ -199,7 +241,7 @@ class Projection:
             ]
         growths = [*growths, headroom.waiting_growth(candidate, new_blocks, budget)]
         peak = peak_new_blocks(growths, manager.block_size)
-        return new_blocks + peak <= manager.usage().free_blocks - manager.watermark_blocks
+        return new_blocks + peak - manager.allocatable_blocks
 
     def add(self, seq: Sequence, scheduled_tokens: int) -> None:
         """``seq`` was admitted and computes ``scheduled_tokens`` this step: it runs now."""

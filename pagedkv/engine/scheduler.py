@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pagedkv.engine.executor.plan import SeqSlice, StepPlan
-from pagedkv.engine.headroom import Headroom, Projection
+from pagedkv.engine.headroom import Headroom, Projection, Refusal
 from pagedkv.engine.kv_policy import PAGED, KVPolicy
 from pagedkv.engine.sequence import Sequence, SequenceStatus
 from pagedkv.memory import KVCacheManager
@@ -138,9 +138,13 @@ class Scheduler:
         #: Keeps the running requests' growth free at admission; None: prompt blocks only
         #: (``decode_headroom=0``, or a policy that reserves everything up front anyway).
         self.headroom: Headroom | None = None
-        #: The waiting head this step's admission refused. Until a sequence finishes, the step
-        #: only grows the running ones as projected, so the verdict stands (saves a projection).
-        self._refused: Sequence | None = None
+        #: The waiting head admission last refused, and by how much: until a block comes back
+        #: the verdict stands for a while (:class:`~pagedkv.engine.headroom.Refusal`), and the
+        #: steps in between skip projecting the running set.
+        self._refusal: Refusal | None = None
+        #: This step's admission stopped at a waiting request whose blocks did not fit, with
+        #: room left in the batch: the KV pool, not the batch size, kept it waiting.
+        self.admission_blocked_by_kv = False
         if decode_headroom and kv_policy.grows_on_demand:
             self.headroom = Headroom(kv_manager, decode_headroom, max_num_batched_tokens, max_model_len)
 
@@ -170,7 +174,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.kv_manager.free(seq.seq_id)
-        self._refused = None  # blocks came back: the head may fit now
+        self._refusal = None  # blocks came back: the head may fit now
 
     def cache_computed_blocks(self, seqs: Iterable[Sequence]) -> None:
         """Offer the full blocks these sequences computed this step to the prefix cache (only
@@ -182,27 +186,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def admission_blocked_by_kv(self) -> bool:
-        """A request waits, the sequence budget has room, and its blocks do not fit: the KV
-        pool, not the batch size, is what keeps it waiting."""
-        if not self.waiting or len(self.running) >= self.max_num_seqs:
-            return False
-        head = self.waiting[0]
-        if head is self._refused:
-            return True
-        projection = self.headroom.projection(self.running, {}) if self.headroom else None
-        return not self._fits(head, self.reserve_tokens(head), self.max_num_batched_tokens, projection)
-
-    def _fits(self, seq: Sequence, reserve: int, budget: int, projection: Projection | None) -> bool:
-        """``seq``'s blocks fit, and (with headroom) so does the running requests' growth.
-        With nothing running the prompt alone decides, so a request always makes progress."""
+    def _blocks_to_admit(self, seq: Sequence) -> int:
         use_cache = not seq.needs_prompt_logits  # a cached token has no logits to score it
-        if not self.kv_manager.can_allocate(seq.token_ids, reserve, use_cache):
-            return False
-        if projection is None or not self.running:
-            return True
-        needed = self.kv_manager.blocks_to_allocate(seq.token_ids, reserve, use_cache)
-        return projection.admits(seq, needed, budget)
+        return self.kv_manager.blocks_to_allocate(seq.token_ids, self.reserve_tokens(seq), use_cache)
+
+    def _shortfall(
+        self, seq: Sequence, needed: int, budget: int, projection: Callable[[], Projection]
+    ) -> int:
+        """Blocks missing for ``seq``'s ``needed`` blocks to fit, and (with headroom) the running
+        requests' growth with them (<= 0: it fits). With nothing running the prompt alone
+        decides, so a request always makes progress. ``projection`` is only called when the
+        prompt fits."""
+        shortfall = needed - self.kv_manager.allocatable_blocks
+        if shortfall > 0 or self.headroom is None or not self.running:
+            return shortfall
+        return projection().shortfall(seq, needed, budget)
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -243,19 +241,34 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in order while the budgets and the KV pool allow."""
-        projection, self._refused = None, None
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            if projection is None and self.headroom is not None:
-                # Built once a request could be admitted: it costs a Growth per running sequence.
+        projection: Projection | None = None
+
+        def running_projection() -> Projection:
+            # Built at most once a step, only when a prompt fits: a Growth per running sequence.
+            nonlocal projection
+            if projection is None:
                 scheduled = {item.seq.seq_id: item.num_new_tokens for item in out.scheduled}
                 projection = self.headroom.projection(self.running, scheduled)
+            return projection
+
+        self.admission_blocked_by_kv = False
+        if self._refusal is not None:
+            self._refusal.steps += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            needed = self._blocks_to_admit(seq)
+            if self._refusal is not None and self._refusal.stands(seq, budget, needed):
+                self.admission_blocked_by_kv = True
+                break
+            shortfall = self._shortfall(seq, needed, budget, running_projection)
+            if shortfall > 0:
+                self._refusal = Refusal.of(seq, budget, needed, shortfall, self.headroom is not None)
+                self.admission_blocked_by_kv = True
+                break
+            self._refusal = None
+            self.waiting.popleft()
             reserve = self.reserve_tokens(seq)
             use_cache = not seq.needs_prompt_logits
-            if not self._fits(seq, reserve, budget, projection):
-                self._refused = seq
-                break
-            self.waiting.popleft()
             cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids, reserve, use_cache)
             seq.num_computed_tokens = cached
             if seq.num_output_tokens == 0:
@@ -282,6 +295,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         lost = seq.num_computed_tokens
+        self._refusal = None  # its blocks come back, and it heads the queue
         self.running.remove(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self.kv_manager.free(seq.seq_id)

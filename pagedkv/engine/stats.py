@@ -64,7 +64,8 @@ class StepStats:
     block_size: int
     running: int
     waiting: int
-    #: A request waits although the batch has room: it does not fit in the free KV blocks.
+    #: This step's admission stopped at a request that did not fit in the free KV blocks
+    #: although the batch had room (decided when the step was scheduled).
     admission_blocked_by_kv: bool
     step_time_s: float
 
@@ -208,7 +209,7 @@ class StatsCollector:
             block_size=usage.block_size,
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
-            admission_blocked_by_kv=scheduler.admission_blocked_by_kv(),
+            admission_blocked_by_kv=scheduler.admission_blocked_by_kv,
             step_time_s=seconds,
         )
         self.totals["steps"] = step.step

@@ -108,8 +108,12 @@ class KVCacheManager:
         return blocks_for(total, self.block_size) - len(hits) + revived
 
     def can_allocate(self, token_ids: Sequence[int], reserve_tokens: int = 0, use_cache: bool = True) -> bool:
-        needed = self.blocks_to_allocate(token_ids, reserve_tokens, use_cache)
-        return needed <= self.pool.num_free_blocks - self.watermark_blocks
+        return self.blocks_to_allocate(token_ids, reserve_tokens, use_cache) <= self.allocatable_blocks
+
+    @property
+    def allocatable_blocks(self) -> int:
+        """Free blocks an admission may take: all but the watermark."""
+        return self.pool.num_free_blocks - self.watermark_blocks
 
     def allocate(
         self, seq_id: SeqId, token_ids: Sequence[int], reserve_tokens: int = 0, use_cache: bool = True

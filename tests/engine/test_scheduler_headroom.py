@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.engine.headroom import Refusal
 from pagedkv.engine.sequence import SequenceStatus
 from tests.checkpoints import make_checkpoint
 from tests.engine.test_engine_invariants import prompts  # the same prompt mix, shared prefixes too
@@ -133,3 +134,79 @@ def test_with_headroom_random_workloads_never_leak_and_never_preempt(engine_fact
     # Every running request kept room to grow to max_tokens: nothing was ever thrown away.
     assert totals.preemptions == 0 and totals.dropped_tokens == 0
     assert totals.kv.used_blocks == 0 and totals.kv_sequences == 0
+
+
+# -- a refusal that stands skips the projection, and never changes a decision ------------------
+def _records(engine, script) -> list[tuple]:
+    """Every step's scheduling decisions for ``script`` (adds between steps), to the end."""
+    records = []
+
+    def step():
+        if not engine.has_unfinished_requests():
+            return
+        engine.step()
+        s = engine.last_step
+        records.append((s.scheduled_seqs, s.prefill_tokens, s.decode_tokens, s.running, s.waiting))
+        records.append((s.admission_blocked_by_kv, s.preemptions, s.kv_blocks_used))
+
+    for i, (kind, arg) in enumerate(script):
+        if kind == "add":
+            prompt, max_tokens, n = arg
+            params = SamplingParams(max_tokens=max_tokens, n=n, temperature=1.0, seed=i, ignore_eos=True)
+            try:
+                engine.add_request(f"r{i}", prompt, params)
+            except ValueError:
+                continue
+        else:
+            for _ in range(arg):
+                step()
+    while engine.has_unfinished_requests():
+        step()
+    return records
+
+
+def _decisions(make_engine, script, monkeypatch, recompute_always: bool) -> tuple[list[tuple], int]:
+    """The step records, and how many admission checks a standing refusal answered."""
+    skipped = 0
+    stands = Refusal.stands
+
+    def counted(refusal, *args):
+        nonlocal skipped
+        verdict = False if recompute_always else stands(refusal, *args)
+        skipped += verdict
+        return verdict
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Refusal, "stands", counted)
+        return _records(make_engine(), script), skipped
+
+
+chunky_engine = st.sampled_from([8, 64])  # a step budget that splits prompts into chunks, or not
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(actions, chunky_engine)
+def test_a_standing_refusal_schedules_exactly_as_projecting(model_path, monkeypatch, script, budget):
+    def make_engine():
+        return LLM(
+            str(model_path), num_kv_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=budget
+        ).engine
+
+    projected, _ = _decisions(make_engine, script, monkeypatch, recompute_always=True)
+    skipping, _ = _decisions(make_engine, script, monkeypatch, recompute_always=False)
+    assert skipping == projected
+
+
+def test_the_offline_batch_skips_projections_and_schedules_the_same(model_path, monkeypatch):
+    """On a 48-block pool a refused head is short of a few blocks, so its refusal stands a few
+    steps at a time; what matters is that it stands at all, and changes nothing."""
+    script = [("add", (prompt, max_tokens, 1)) for prompt, max_tokens in _batch(BATCH)]
+
+    def make_engine():
+        return LLM(str(model_path), num_kv_blocks=48, block_size=4, max_model_len=128).engine
+
+    projected, _ = _decisions(make_engine, script, monkeypatch, recompute_always=True)
+    skipping, skipped = _decisions(make_engine, script, monkeypatch, recompute_always=False)
+    assert skipping == projected
+    blocked_steps = sum(1 for record in projected[1::2] if record[0])
+    assert 0 < skipped < blocked_steps
