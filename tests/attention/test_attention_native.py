@@ -94,9 +94,9 @@ def test_cpu_backend_refuses_tensors_off_the_cpu():
 
 @pytest.mark.parametrize("window", [None, 5])
 def test_long_prefill_runs_take_the_sdpa_path(monkeypatch, window):
-    """Above NATIVE_MAX_QUERY_LEN new tokens a sequence is gathered and handed to SDPA (with a
-    cached prefix and a window: a bottom-right-aligned mask); shorter ones in the same step
-    still take the kernel."""
+    """Above NATIVE_MAX_QUERY_LEN new tokens a sequence the tile kernel cannot take (a window) is
+    gathered and handed to SDPA (with a cached prefix: a bottom-right-aligned mask); without a
+    window the same runs are tiled. Shorter ones in the same step take the row kernel."""
     monkeypatch.setattr(cpu, "NATIVE_MAX_QUERY_LEN", 8)
     case = make_case([30, 12, 4], 4, 2, 32, seed=5, device="cpu")
     q_lens = [20, 12, 2]  # prefix hit + SDPA, whole prompt + SDPA (is_causal), kernel
@@ -109,3 +109,54 @@ def test_long_prefill_runs_take_the_sdpa_path(monkeypatch, window):
         rows = slice(int(cu[b]), int(cu[b + 1]))
         expected = contiguous_attention(q[rows], case.keys[b], case.values[b], 0.2, window)
         torch.testing.assert_close(out[rows], expected, atol=1e-5, rtol=1e-5)
+
+
+# -- prefill tiles ------------------------------------------------------------------------------
+TILE_SHAPES = [(4, 4, 16), (8, 4, 64), (8, 2, 32), (16, 2, 128), (8, 1, 16)]  # heads, KV heads, dim
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), TILE_SHAPES)
+def test_prefill_tiles_match_the_reference(dtype, heads, kv_heads, head_dim):
+    """Runs of at least a tile's rows take the tile kernel -- a whole prompt, one continuing
+    after a cached prefix, one ending in a partial tile -- next to a decode row and a short run
+    on the row kernel in the same step. Unused slots hold NaN: nothing past a row is read."""
+    context_lens, q_lens = [40, 57, 35, 9, 3], [40, 20, 35, 1, 3]
+    case = make_case(context_lens, 16, kv_heads, head_dim, dtype=dtype, seed=11, device="cpu")
+    q = torch.randn(sum(q_lens), heads, head_dim).to(dtype)
+    options = AttentionOptions(head_dim**-0.5)
+    rows_per_tile = cpu._tile_rows(q, case.layer, options)
+    assert 0 < rows_per_tile <= 16 and rows_per_tile * heads // kv_heads == native.load().prefill_lanes
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    args = (q, case.layer, case.block_tables, cu, case.context_lens, options.scale)
+    out = paged_prefill_attention(*args, backend="cpu")
+    expected = paged_prefill_attention(*args, backend="torch")
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out, expected, **tolerance)
+    if dtype == torch.float32:  # and the reference itself is right
+        for b in range(len(q_lens)):
+            rows = slice(int(cu[b]), int(cu[b + 1]))
+            truth = contiguous_attention(q[rows], case.keys[b], case.values[b], options.scale)
+            torch.testing.assert_close(out[rows], truth, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "options"),
+    [
+        (8, 4, 8, AttentionOptions(0.3)),  # a head dimension the tiles do not take
+        (6, 2, 16, AttentionOptions(0.3)),  # a group of 3 does not divide the lanes
+        (4, 2, 16, AttentionOptions(0.3, sliding_window=6)),
+        (4, 2, 16, AttentionOptions(0.3, soft_cap=5.0)),
+    ],
+)
+def test_what_the_tiles_cannot_take_keeps_the_row_kernel(heads, kv_heads, head_dim, options):
+    case = make_case([30, 12], 16, kv_heads, head_dim, seed=4, device="cpu")
+    q = torch.randn(42, heads, head_dim)
+    assert cpu._tile_rows(q, case.layer, options) == 0
+    cu = torch.tensor([0, 30, 42], dtype=torch.int32)
+    window, cap = options.sliding_window, options.soft_cap
+    args = (q, case.layer, case.block_tables, cu, case.context_lens, options.scale, window)
+    out = paged_prefill_attention(*args, soft_cap=cap, backend="cpu")
+    torch.testing.assert_close(
+        out, paged_prefill_attention(*args, soft_cap=cap, backend="torch"), atol=1e-5, rtol=1e-5
+    )

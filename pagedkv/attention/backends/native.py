@@ -24,6 +24,7 @@ MAX_GROUP = 64  # the kernel's limit on query heads per KV head is its stack arr
 
 _ARGTYPES = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float]
 _ARGTYPES += [ctypes.c_int64, ctypes.c_int]
+_PREFILL_ARGTYPES = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
 
 
 class NativeKernel:
@@ -34,6 +35,7 @@ class NativeKernel:
         self.path = path
         self.lib = ctypes.CDLL(str(path))
         self.functions = {}
+        self.prefill_functions = {}
         for dtype, suffix in SUFFIXES.items():
             pools = {dtype: suffix} | {pool: f"{suffix}_{name}" for pool, name in POOL_SUFFIXES.items()}
             for pool, name in pools.items():
@@ -43,11 +45,26 @@ class NativeKernel:
                     fn.restype = ctypes.c_int
                     fn.argtypes = _ARGTYPES
                     self.functions[dtype, pool] = fn
+            entry = f"paged_attention_prefill_{suffix}"
+            if hasattr(self.lib, entry):
+                fn = getattr(self.lib, entry)
+                fn.restype = ctypes.c_int
+                fn.argtypes = _PREFILL_ARGTYPES
+                self.prefill_functions[dtype] = fn
+        #: query rows x query heads of one prefill tile (0: a build without prefill tiles)
+        self.prefill_lanes = 0
+        if hasattr(self.lib, "paged_attention_prefill_lanes"):
+            self.lib.paged_attention_prefill_lanes.restype = ctypes.c_int64
+            self.prefill_lanes = int(self.lib.paged_attention_prefill_lanes())
 
     def fn(self, dtype: torch.dtype, pool_dtype: torch.dtype | None = None):
         """The entry point for these dtypes (``pool_dtype`` defaults to ``dtype``), or ``None``
         when this build lacks it."""
         return self.functions.get((dtype, pool_dtype or dtype))
+
+    def prefill_fn(self, dtype: torch.dtype):
+        """The prefill-tile entry point for queries and pools in ``dtype``, or ``None``."""
+        return self.prefill_functions.get(dtype)
 
 
 @functools.cache
