@@ -216,6 +216,17 @@ def native_ops(dtype: torch.dtype) -> NativeOps | None:
     return NativeOps(lib, dtype)
 
 
+@functools.cache
+def silu_mul_epilogue(dtype: torch.dtype) -> int | None:
+    """The address of ``silu_and_mul_rows_<dtype>`` for the tiled GEMM to apply to each block of
+    gate/up columns it makes (:func:`pagedkv.models.tiled_gemm.tiled_gate_up`), or None."""
+    lib = load()
+    entry = f"silu_and_mul_rows_{SUFFIXES.get(dtype, '')}"
+    if isinstance(lib, str) or not hasattr(lib, entry):
+        return None
+    return ctypes.cast(getattr(lib, entry), ctypes.c_void_p).value
+
+
 def select(x: torch.Tensor) -> TorchOps:
     """The ops for activations like ``x``: compiled on the CPU when they build, else torch."""
     if x.device.type == "cpu":

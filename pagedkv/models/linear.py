@@ -28,7 +28,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.models.tiled_gemm import from_tiles, runs_dtype, tiled_linear, to_tiles
+from pagedkv.models.layer_ops import TorchOps, silu_mul_epilogue
+from pagedkv.models.tiled_gemm import (
+    from_paired_tiles,
+    from_tiles,
+    runs_dtype,
+    tiled_gate_up,
+    tiled_linear,
+    to_paired_tiles,
+    to_tiles,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +128,56 @@ class PackedLinear(Linear):
             rows[name] = (start, size)
             start += size
         return rows
+
+
+class GateUpLinear(PackedLinear):
+    """The MLP's gate and up projections as one GEMM whose product ``silu(gate) * up`` can be made
+    in one pass: tiled (without a bias), the weight takes the paired layout of
+    :func:`~pagedkv.models.tiled_gemm.to_paired_tiles`, and :meth:`act_function` applies the
+    activation to each block of columns while it is in cache, through the same C function as
+    the separate op (bit for bit its result). Every other kernel keeps the two passes."""
+
+    def __init__(self, in_features: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__(in_features, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias)
+        self.paired = False
+
+    def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return tiled_gate_up(x, weight, None) if self.paired else linear(x, weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._product(x, self.weight, self.bias)
+
+    def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        params = self._parameters
+        return lambda x: self._product(x, params["weight"], params["bias"])
+
+    def act_function(self) -> Callable[[torch.Tensor, TorchOps], torch.Tensor]:
+        """``silu(gate) * up`` of ``x`` as a plain function of ``(x, ops)``: fused where the
+        weight is paired and the compiled epilogue exists for ``x``'s dtype, else the product
+        followed by ``ops.silu_and_mul``. Reads the weight at each call, like :meth:`as_function`."""
+        params = self._parameters
+
+        def act(x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+            weight = params["weight"]
+            if self.paired and x.dtype == weight.dtype:
+                epilogue = silu_mul_epilogue(x.dtype)
+                if epilogue is not None:
+                    return tiled_gate_up(x, weight, epilogue)
+            return ops.silu_and_mul(self._product(x, weight, params["bias"]))
+
+        return act
+
+    def dense_weight(self) -> torch.Tensor:
+        if self.paired:
+            return from_paired_tiles(self.weight, self.in_features)
+        return super().dense_weight()
+
+    def pack(self, kernel: str, batch_hint: int = 0) -> None:
+        if self.is_packed or kernel != TILED or self.bias is not None:
+            super().pack(kernel, batch_hint)
+            return
+        self.weight = nn.Parameter(to_paired_tiles(self.weight.detach()), requires_grad=False)
+        self.paired = True
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCa
 from pagedkv.models import layer_ops
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.layer_ops import QKVLayout
-from pagedkv.models.linear import TORCH, Linear, LinearKernel, PackedLinear
+from pagedkv.models.linear import TORCH, GateUpLinear, Linear, LinearKernel, PackedLinear
 from pagedkv.models.rope import RotaryEmbedding
 from pagedkv.models.step_program import ForwardBatch, StepProgram
 from pagedkv.models.tiled_gemm import tiled_rows
@@ -93,11 +93,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = PackedLinear(
-            cfg.hidden_size,
-            {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size},
-            bias=cfg.mlp_bias,
-        )
+        self.gate_up_proj = GateUpLinear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
 

@@ -56,8 +56,19 @@ class LayerRecord:
     q_size: int  # query heads x head_dim: the attention output's row width
     o: Projection
     post_norm: tuple[torch.Tensor, float]
-    gate_up: Projection
+    #: ``silu(gate) * up`` of the post-attention hidden states, given the step's ops
+    gate_up_act: Callable[[torch.Tensor, TorchOps], torch.Tensor]
     down: Projection
+
+
+def _gate_up_act(gate_up: nn.Module) -> Callable[[torch.Tensor, TorchOps], torch.Tensor]:
+    """The layer's gate/up activation as its projection makes it (a
+    :class:`~pagedkv.models.linear.GateUpLinear`, fused when tiled), else (a tensor-parallel
+    shard) its product, then ``ops.silu_and_mul``."""
+    if hasattr(gate_up, "act_function"):
+        return gate_up.act_function()
+    project = gate_up.as_function()
+    return lambda x, ops: ops.silu_and_mul(project(x))
 
 
 @dataclass(frozen=True)
@@ -84,7 +95,7 @@ class StepProgram:
                 q_size=attn.q_size,
                 o=attn.o_proj.as_function(),
                 post_norm=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
-                gate_up=mlp.gate_up_proj.as_function(),
+                gate_up_act=_gate_up_act(mlp.gate_up_proj),
                 down=mlp.down_proj.as_function(),
             )
             layers.append(record)
@@ -108,5 +119,5 @@ class StepProgram:
             q = ops.rotary_write_kv(layer.qkv(x), layer.layout, batch.cos, batch.sin, kv, metadata)
             out = attend(q, kv, metadata, layer.attention, self.backend).reshape(tokens, layer.q_size)
             x, residual = ops.add_rms_norm(layer.o(out), residual, *layer.post_norm)
-            x = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+            x = layer.down(layer.gate_up_act(x, ops))
         return ops.add_rms_norm(x, residual, *self.final_norm)[0]  # every config has a layer

@@ -42,6 +42,10 @@ def _library() -> ctypes.CDLL | str:
         if hasattr(lib, entry):  # bfloat16 only where the compiler targets AVX512-BF16
             getattr(lib, entry).restype = None
             getattr(lib, entry).argtypes = [_P, _P, _P, _P, _I, _I, _I]
+    for entry in ("tiled_gate_up_f32", "tiled_gate_up_bf16"):
+        if hasattr(lib, entry):
+            getattr(lib, entry).restype = ctypes.c_int
+            getattr(lib, entry).argtypes = [_P, _P, _P, _I, _I, _I, _P]
     lib.tiled_gemm_tile_width.restype = _I
     return lib
 
@@ -57,6 +61,7 @@ def tile_width() -> int:
 #: k values stored side by side per column: bfloat16 runs on dot products of pairs
 _GROUP = {torch.float32: 1, torch.bfloat16: 2}
 _ENTRY = {torch.float32: "tiled_linear_f32", torch.bfloat16: "tiled_linear_bf16"}
+_GATE_UP_ENTRY = {torch.float32: "tiled_gate_up_f32", torch.bfloat16: "tiled_gate_up_bf16"}
 
 
 def runs_dtype(dtype: torch.dtype) -> str | None:
@@ -142,3 +147,52 @@ def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
             out_features,
         )
     return out.view(*x.shape[:-1], out_features)
+
+
+def _pair_runs(weight: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The gate and up row blocks of each run of a tile's width (the last one narrower)."""
+    half, width = weight.shape[0] // 2, tile_width()
+    gate, up = weight[:half], weight[half:]
+    return [(gate[c : c + width], up[c : c + width]) for c in range(0, half, width)]
+
+
+def to_paired_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's ``[2 I, in]`` gate/up weight (gate rows, then up rows) in the paired layout:
+    for each run of a tile's width, its gate rows and then its up rows as one tiled matrix (see
+    the C source). A new flat tensor of exactly :func:`to_tiles`'s size."""
+    if weight.shape[0] % 2:
+        raise ValueError(f"a gate/up weight has an even number of rows, got {weight.shape[0]}")
+    return torch.cat([to_tiles(torch.cat(pair)) for pair in _pair_runs(weight)])
+
+
+def from_paired_tiles(tiles: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The plain ``[2 I, in]`` matrix back from :func:`to_paired_tiles`'s layout (a copy)."""
+    padded, width = _padded(in_features, tiles.dtype), tile_width()
+    half = tiles.numel() // padded // 2
+    gates, ups, start = [], [], 0
+    for c in range(0, half, width):
+        w = min(width, half - c)
+        block = from_tiles(tiles[start : start + 2 * w * padded], in_features)
+        gates.append(block[:w])
+        ups.append(block[w:])
+        start += 2 * w * padded
+    return torch.cat(gates + ups)
+
+
+def tiled_gate_up(x: torch.Tensor, tiles: torch.Tensor, epilogue: int | None) -> torch.Tensor:
+    """The gate/up product of ``x`` for a weight in :func:`to_paired_tiles`'s layout: with
+    ``epilogue`` (the address of layer_ops' ``silu_and_mul_rows`` for this dtype), ``silu(gate) *
+    up`` ``[..., I]``; without, the plain ``[..., 2 I]`` product."""
+    lib = _library()
+    in_features = x.shape[-1]
+    half = tiles.numel() // _padded(in_features, tiles.dtype) // 2
+    rows = x.reshape(-1, in_features).contiguous()
+    width = half if epilogue is not None else 2 * half
+    out = torch.empty((rows.shape[0], width), dtype=tiles.dtype)
+    if rows.shape[0]:
+        status = getattr(lib, _GATE_UP_ENTRY[tiles.dtype])(
+            rows.data_ptr(), tiles.data_ptr(), out.data_ptr(), rows.shape[0], in_features, half, epilogue
+        )
+        if status:
+            raise MemoryError("the tiled gate/up kernel could not allocate its workspace")
+    return out.view(*x.shape[:-1], width)

@@ -13,9 +13,19 @@ import pytest
 import torch
 
 from pagedkv.models import load_model
+from pagedkv.models.layer_ops import native_ops, silu_mul_epilogue
 from pagedkv.models.linear import ONEDNN, TILED, TORCH, Linear, choose_linear_kernel
 from pagedkv.models.tiled_gemm import SOURCE as TILED_SOURCE
-from pagedkv.models.tiled_gemm import from_tiles, runs_dtype, tiled_linear, tiled_rows, to_tiles
+from pagedkv.models.tiled_gemm import (
+    from_paired_tiles,
+    from_tiles,
+    runs_dtype,
+    tiled_gate_up,
+    tiled_linear,
+    tiled_rows,
+    to_paired_tiles,
+    to_tiles,
+)
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 
 from .paging import PagedBatch
@@ -180,6 +190,38 @@ def test_kernel_choice_follows_device_and_request():
         choose_linear_kernel("mkl", cpu, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if BF16_TILES else []))
+@pytest.mark.parametrize(("intermediate", "in_features"), [(128, 64), (172, 48), (100, 33), (20, 70)])
+def test_fused_gate_up_is_the_product_then_silu_and_mul_bit_for_bit(dtype, intermediate, in_features):
+    """The paired layout with whole runs of a tile, a last run between half a tile and a tile
+    (172 = 2 x 64 + 44, 100), one under half a tile (20), odd k: the plain product has the
+    ordinary tiled kernel's bits, and the fused one silu_and_mul's bits of that product."""
+    gen = torch.Generator().manual_seed(intermediate)
+    weight = torch.randn(2 * intermediate, in_features, generator=gen).to(dtype)
+    paired, tiles = to_paired_tiles(weight), to_tiles(weight)
+    assert paired.shape == tiles.shape and torch.equal(from_paired_tiles(paired, in_features), weight)
+    epilogue, ops = silu_mul_epilogue(dtype), native_ops(dtype)
+    assert epilogue is not None and ops is not None
+    for rows in (1, 6, 13, 70):
+        x = torch.randn(rows, in_features, generator=gen).to(dtype)
+        plain = tiled_linear(x, tiles, None)
+        assert torch.equal(tiled_gate_up(x, paired, None), plain)
+        assert torch.equal(tiled_gate_up(x, paired, epilogue), ops.silu_and_mul(plain))
+
+
+def test_the_mlp_runs_fused_when_tiled_and_reads_its_weight_back(tmp_path):
+    path = make_checkpoint(tmp_path, "llama")
+    plain = load_model(path, linear_kernel="torch").model.layers[0].mlp.gate_up_proj
+    tiled = load_model(path, linear_kernel="tiled").model.layers[0].mlp.gate_up_proj
+    assert tiled.paired and not plain.paired
+    assert torch.equal(tiled.dense_weight(), plain.weight)
+    x = torch.randn(5, plain.in_features)
+    product = tiled(x)
+    torch.testing.assert_close(product, plain(x), atol=1e-5, rtol=1e-5)
+    ops = native_ops(torch.float32)
+    assert torch.equal(tiled.act_function()(x, ops), ops.silu_and_mul(product))
+
+
 def test_portable_build_of_the_tiled_kernel_gives_the_same_bits(tmp_path):
     """Without -march=native (no AVX-512: a machine this build cannot assume) the kernel's
     portable loop runs the same fused multiply-adds in the same order, so it must agree with
@@ -196,3 +238,9 @@ def test_portable_build_of_the_tiled_kernel_gives_the_same_bits(tmp_path):
     out = torch.empty(9, 150)
     portable.tiled_linear_f32(x.data_ptr(), tiles.data_ptr(), bias.data_ptr(), out.data_ptr(), 9, 40, 150)
     assert torch.equal(out, tiled_linear(x, tiles, bias))
+    portable.tiled_gate_up_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
+    paired, product = to_paired_tiles(weight), torch.empty(9, 150)
+    assert (
+        portable.tiled_gate_up_f32(x.data_ptr(), paired.data_ptr(), product.data_ptr(), 9, 40, 75, None) == 0
+    )
+    assert torch.equal(product, tiled_linear(x, tiles, None))

@@ -13,6 +13,8 @@
  *   rms_norm_<S>(x, out, w, rows, n, eps)            out = rmsnorm(x) * w       ([rows, n])
  *   add_rms_norm_<S>(x, residual, w, rows, n, eps)   residual += x; x = rmsnorm(residual) * w
  *   silu_and_mul_<S>(gate_up, out, rows, n)          out = silu(gate_up[:, :n]) * gate_up[:, n:]
+ *   silu_and_mul_rows_<S>(gate_up, out, rows, n, out_stride)   the same on one thread, out's rows
+ *       out_stride apart: the tiled GEMM applies it to each block of gate/up columns it makes
  *   rotary_write_kv_<S>(qkv, q_out, cos, sin, q_w, k_w, eps, key_pool, value_pool, slots,
  *                       tokens, nq, nkv, d)
  *       qkv [tokens, (nq + 2 nkv) d] is the packed projection: each q and k head is optionally
@@ -161,17 +163,21 @@ static inline float rms_scale(const float *x, int64_t n, float eps) {
             norm_row_##S(row, xr, w, n, eps);                                                   \
         }                                                                                       \
     }                                                                                           \
-    void silu_and_mul_##S(const T *gate_up, T *out, int64_t rows, int64_t n) {                  \
-        _Pragma("omp parallel for if (rows * n >= GRAIN)")                                       \
+    void silu_and_mul_rows_##S(const T *gate_up, T *out, int64_t rows, int64_t n,               \
+                               int64_t out_stride) {                                            \
         for (int64_t r = 0; r < rows; r++) {                                                    \
             const T *gate = gate_up + r * 2 * n, *up = gate + n;                                \
             for (int64_t i = 0; i < n; i += VL) {                                               \
                 const int64_t m = chunk(n, i);                                                  \
                 const vf g = load_##S(gate + i, m);                                             \
                 const vf silu = round_##S(g / (1.0f + vexp(-g)));                               \
-                store_##S(out + r * n + i, round_##S(silu * load_##S(up + i, m)), m);           \
+                store_##S(out + r * out_stride + i, round_##S(silu * load_##S(up + i, m)), m);  \
             }                                                                                   \
         }                                                                                       \
+    }                                                                                           \
+    void silu_and_mul_##S(const T *gate_up, T *out, int64_t rows, int64_t n) {                  \
+        _Pragma("omp parallel for if (rows * n >= GRAIN)")                                       \
+        for (int64_t r = 0; r < rows; r++) silu_and_mul_rows_##S(gate_up + r * 2 * n, out + r * n, 1, n, n);\
     }                                                                                           \
     /* One head: optional RMSNorm, then out = x * cos + roll(x, d / 2) * sin, rounding after   \
      * each op as torch does. */                                                                \

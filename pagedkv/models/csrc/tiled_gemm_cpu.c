@@ -19,8 +19,19 @@
  * Entry points (x [M, K], y [M, N] row-major; bias [N] or NULL):
  *   tiled_linear_f32(x, tiles, bias, y, M, K, N)
  *   tiled_linear_bf16(x, tiles, bias, y, M, K, N)   only where the compiler targets AVX512-BF16
+ *
+ * The MLP's gate/up projection ([2 I, K]: I gate rows, then I up rows) has a second layout,
+ * "paired": for each run t of 64 output columns of width w = min(64, I - 64 t), the [2 w, K]
+ * matrix of gate rows 64 t .. + w then up rows 64 t .. + w in the tiled layout above, pair after
+ * pair. One pass then makes a block of gate columns and the up columns they multiply together,
+ * and silu(gate) * up is applied while they are in cache -- what layer_ops' silu_and_mul did as a
+ * separate pass over the whole [M, 2 I] product:
+ *   tiled_gate_up_<f32|bf16>(x, tiles, y, M, K, I, epilogue) -> 0, or 1 without memory
+ * epilogue is layer_ops' silu_and_mul_rows_<dtype> (so the arithmetic is the unfused op's, bit
+ * for bit), and y is [M, I]; with a NULL epilogue y is the plain [M, 2 I] product.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -163,6 +174,56 @@ void tiled_linear_f32(const float *x, const float *tiles, const float *bias, flo
                      (t + 2) * NR <= N ? (const char *)(tiles + (t + 1) * K * NR) : NULL);
 }
 
+/* one pair's [M, 2 w] product (gate | up), row stride 2 w, into tmp: then silu(gate) * up into
+ * y's columns 64 t .. + w (row stride I), or with no epilogue gate and up to their own columns */
+#define FINISH_PAIR(T, epilogue, tmp, y, M, w, I, t)                                              \
+    do {                                                                                           \
+        if (epilogue != NULL) {                                                                    \
+            epilogue(tmp, y + (t) * NR, M, w, I);                                                  \
+        } else {                                                                                   \
+            for (int64_t m = 0; m < (M); m++) {                                                    \
+                memcpy(y + m * 2 * (I) + (t) * NR, tmp + m * 2 * (w), sizeof(T) * (w));           \
+                memcpy(y + m * 2 * (I) + (I) + (t) * NR, tmp + m * 2 * (w) + (w), sizeof(T) * (w)); \
+            }                                                                                      \
+        }                                                                                          \
+    } while (0)
+
+/* the next full tile after column c of pair t (n = 2 w columns; pairs of `stride` elements), for
+ * NEXT_TILE, or NULL */
+static inline const char *next_full_tile(const char *pair, const char *next_pair, int64_t c, int64_t n,
+                                         int64_t next_width, int64_t tile_bytes) {
+    if (c + 2 * NR <= n) return pair + (c / NR + 1) * tile_bytes;
+    if (c + NR >= n && next_pair != NULL && 2 * next_width >= NR) return next_pair;
+    return NULL;
+}
+
+typedef void (*silu_mul_f32)(const float *gate_up, float *out, int64_t rows, int64_t n, int64_t out_stride);
+
+int tiled_gate_up_f32(const float *x, const float *tiles, float *y, int64_t M, int64_t K, int64_t I,
+                      silu_mul_f32 epilogue) {
+    const int64_t pairs = (I + NR - 1) / NR;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *tmp = malloc(sizeof(float) * M * 2 * NR);
+        if (tmp == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < pairs; t++) {
+            if (tmp == NULL) continue;
+            const int64_t w = I - t * NR < NR ? I - t * NR : NR, n = 2 * w;
+            const float *pair = tiles + t * 2 * NR * K;
+            const int64_t next_w = I - (t + 1) * NR < NR ? I - (t + 1) * NR : NR;
+            const char *next_pair = t + 1 < pairs ? (const char *)(pair + 2 * NR * K) : NULL;
+            for (int64_t c = 0; c < n; c += NR)
+                tile_product(x, pair + c * K, NULL, tmp, M, K, n, c,
+                             next_full_tile((const char *)pair, next_pair, c, n, next_w, NR * K * sizeof(float)));
+            FINISH_PAIR(float, epilogue, tmp, y, M, w, I, t);
+        }
+        free(tmp);
+    }
+    return failed;
+}
+
 #ifdef __AVX512BF16__
 /*
  * bfloat16, on AVX512-BF16's dot product of pairs (vdpbf16ps, as oneDNN runs bf16 here): the tile
@@ -270,6 +331,40 @@ void tiled_linear_bf16(const uint16_t *x, const uint16_t *tiles, const uint16_t 
                             NEXT_TILE(next, m / MR, padded / 2));
         }
     }
+}
+
+typedef void (*silu_mul_bf16)(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t n, int64_t out_stride);
+
+int tiled_gate_up_bf16(const uint16_t *x, const uint16_t *tiles, uint16_t *y, int64_t M, int64_t K, int64_t I,
+                       silu_mul_bf16 epilogue) {
+    const int64_t pairs = (I + NR - 1) / NR, padded = K + K % 2;
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint16_t *tmp = malloc(sizeof(uint16_t) * M * 2 * NR);
+        if (tmp == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < pairs; t++) {
+            if (tmp == NULL) continue;
+            const int64_t w = I - t * NR < NR ? I - t * NR : NR, n = 2 * w;
+            const uint16_t *pair = tiles + t * 2 * NR * padded;
+            const int64_t next_w = I - (t + 1) * NR < NR ? I - (t + 1) * NR : NR;
+            const char *next_pair = t + 1 < pairs ? (const char *)(pair + 2 * NR * padded) : NULL;
+            for (int64_t c = 0; c < n; c += NR) {
+                const int64_t width = n - c < NR ? n - c : NR;
+                const char *next = next_full_tile((const char *)pair, next_pair, c, n, next_w,
+                                                  NR * padded * sizeof(uint16_t));
+                for (int64_t m = 0; m < M; m += MR) {
+                    int rows = M - m < MR ? (int)(M - m) : MR;
+                    block_rows_bf16(x + m * K, K, pair + c * padded, width, NULL, tmp + m * n + c, n, rows, m == 0,
+                                    NEXT_TILE(next, m / MR, padded / 2));
+                }
+            }
+            FINISH_PAIR(uint16_t, epilogue, tmp, y, M, w, I, t);
+        }
+        free(tmp);
+    }
+    return failed;
 }
 #endif
 
