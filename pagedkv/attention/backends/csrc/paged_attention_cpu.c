@@ -229,6 +229,10 @@ static inline __attribute__((always_inline)) void keys_##NAME(                  
     for (int g = 0; g < gn; g++) {                                                                 \
         float dots[TOKENS];                                                                        \
         hsum4(acc_g[g][0], acc_g[g][1], acc_g[g][2], acc_g[g][3], dots);                           \
+        if (vec_d == D && !SCALED) { /* rows has room past n (ld): the padding is reset later */  \
+            memcpy(rows + g * ld, dots, sizeof dots);                                              \
+            continue;                                                                              \
+        }                                                                                          \
         for (int u = 0; u < TOKENS && i0 + u < n; u++) {                                           \
             for (int64_t d = vec_d; d < D; d++) dots[u] += q[g * D + d] * load_##KS(k[u] + h * D + d);\
             rows[g * ld + u] = SCALED ? dots[u] * ks[u][h] : dots[u];                              \
