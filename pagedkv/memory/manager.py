@@ -186,9 +186,11 @@ class KVCacheManager:
             return
         table = self.table(seq_id)
         full = min(num_computed, len(token_ids), table.num_tokens) // self.block_size
+        done = table.num_cached_blocks
+        if full <= done:  # no block filled up since: the common case, 15 steps in 16 at decode
+            return
         bs = self.block_size
         cache = self.pool.prefix_cache
-        done = table.num_cached_blocks
         if done and table.block_ids[done - 1] not in cache:
             done = 0  # a reset forgot this chain: register it again from the start
         for i in range(done, full):
