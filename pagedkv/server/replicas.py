@@ -250,8 +250,13 @@ class ReplicaSet:
 
 
 def serve_replicas(replicas: ReplicaSet) -> int:
-    """Run until Ctrl-C or SIGTERM, then stop every process (``pagedkv serve --data-parallel-size``)."""
-    previous = signal.signal(signal.SIGTERM, lambda *_: replicas.stopping.set())
+    """Run until Ctrl-C or SIGTERM, then stop every process (``pagedkv serve --data-parallel-size``).
+
+    Ctrl-C is handled explicitly, as uvicorn does for one server: a process started where SIGINT
+    is ignored (a background job of a non-interactive shell) inherits the ignore, and Python then
+    never raises KeyboardInterrupt -- the supervisor would outlive every Ctrl-C."""
+    previous_term = signal.signal(signal.SIGTERM, lambda *_: replicas.stopping.set())
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         replicas.start()
         urls = ", ".join(replicas.replica_urls)
@@ -270,7 +275,8 @@ def serve_replicas(replicas: ReplicaSet) -> int:
         return 1
     finally:
         replicas.stop()
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous_term)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def _run_replica() -> None:

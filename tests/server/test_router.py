@@ -43,8 +43,15 @@ def _children(pid: int) -> dict[int, str]:
     return found
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Launch:
-    """The one-command launch as a user runs it; stopped with Ctrl-C (SIGINT)."""
+    """The one-command launch as a user runs it; stopped with Ctrl-C (SIGINT). It starts with
+    SIGINT ignored, as under a non-interactive shell's ``&`` (how CI may run): Python then
+    installs no KeyboardInterrupt of its own, so the Ctrl-C at teardown proves the launcher
+    handles it itself."""
 
     def __init__(self) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")
@@ -60,7 +67,9 @@ class Launch:
         ]
         command += ["--num-kv-blocks", "64", "--max-model-len", "256", "--log-level", "warning"]
         env = {**os.environ, "PYTHONPATH": os.getcwd()}
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=self.log, env=env)
+        self.process = subprocess.Popen(
+            command, stdout=self.log, stderr=self.log, env=env, preexec_fn=_ignore_sigint
+        )
 
     def ready(self):
         assert self.process.poll() is None, Path(self.log.name).read_text()
