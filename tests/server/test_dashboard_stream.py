@@ -119,6 +119,7 @@ def test_a_page_that_stops_reading_is_dropped_and_the_engine_goes_on(dashboard_s
         finally:
             feed.buffer_frames = 50
         reading = Page(base_url)
+        frames_seen = len(reading.frames)  # before the request: its frames must reach this page
         with EngineGate(engine) as gate:
             gate.close()  # the worker loops without stepping: the feed keeps publishing
             thread = complete_in_background(base_url, prompt="stall", max_tokens=20, ignore_eos=True)
@@ -128,7 +129,6 @@ def test_a_page_that_stops_reading_is_dropped_and_the_engine_goes_on(dashboard_s
         thread.join(120)  # the engine ran the request to its end
         assert thread.is_alive() is False
         feed.unsubscribe(stalled)
-        frames_seen = len(reading.frames)
         wait_idle(base_url)
         wait_until(lambda: reading.matches(engine) and not reading.seqs, 30, "the reading page to go on")
         assert len(reading.frames) > frames_seen and not reading.ended.is_set()
