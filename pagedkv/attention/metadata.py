@@ -53,6 +53,11 @@ class AttentionMetadata:
     context_lens: [B] int32, tokens each sequence attends over after this step's writes.
     cu_seqlens_q: [B + 1] int32, prefix sums of the query lengths.
     max_query_len: the longest query length in the step (1 means a pure decode step).
+    prompt_lens: [B] int32 or None, each sequence's prompt length. A backend with two kernels for
+        query rows (the CPU one: prefill tiles and rows) then picks by position -- prompt
+        positions one way, generated ones the other -- so a token's attention is computed the
+        same way when a preempted sequence computes it again, and its outputs do not change.
+        None (standalone calls): by the length of each run.
     """
 
     slot_mapping: torch.Tensor
@@ -60,6 +65,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
     max_query_len: int
+    prompt_lens: torch.Tensor | None = None
 
     @classmethod
     def for_attention_only(

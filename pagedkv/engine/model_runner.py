@@ -72,6 +72,7 @@ class ModelRunner:
             cu_seqlens.append(cu_seqlens[-1] + end - start)
             rows = piece.logits_rows()
             logits_indices += range(cu_seqlens[-2] + rows.start, cu_seqlens[-2] + rows.stop)
+        prompt_lens = [piece.prompt_len for piece in plan.slices]
         width = max(len(piece.block_table) for piece in plan.slices)
         padded = [piece.block_table + [0] * (width - len(piece.block_table)) for piece in plan.slices]
 
@@ -86,6 +87,7 @@ class ModelRunner:
             context_lens=tensor(context_lens, np.int32),
             cu_seqlens_q=tensor(cu_seqlens, np.int32),
             max_query_len=max(len(piece.token_ids) for piece in plan.slices),
+            prompt_lens=None if None in prompt_lens else tensor(prompt_lens, np.int32),
         )
         return StepInputs(
             input_ids=tensor(input_ids, np.int64),

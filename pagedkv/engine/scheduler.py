@@ -94,6 +94,7 @@ class SchedulerOutput:
                 block_table=list(kv_manager.block_ids(item.seq.seq_id)),
                 needs_logits=item.needs_logits,
                 prompt_logits=item.seq.needs_prompt_logits,
+                prompt_len=item.seq.prompt_len,
             )
             for item in self.scheduled
         ]

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.attention import AttentionOptions, paged_decode_attention, paged_prefill_attention
+from pagedkv.attention import (
+    AttentionMetadata,
+    AttentionOptions,
+    paged_decode_attention,
+    paged_prefill_attention,
+)
 from pagedkv.attention.backends import cpu, native
 
 from .cases import contiguous_attention, make_case
@@ -160,3 +165,37 @@ def test_what_the_tiles_cannot_take_keeps_the_row_kernel(heads, kv_heads, head_d
     torch.testing.assert_close(
         out, paged_prefill_attention(*args, soft_cap=cap, backend="torch"), atol=1e-5, rtol=1e-5
     )
+
+
+def test_a_recomputed_sequence_attends_its_generated_tokens_as_decodes_did():
+    """After a preemption a sequence computes its prompt and its generated tokens again in one
+    run. With the prompt lengths known, the prompt rows take the tiles (as when the prompt was
+    first computed) and the generated rows the row kernel (as their decodes): bit for bit the
+    first computation, so the sequence's next tokens do not change."""
+    prompt_len, total = 12, 40
+    case = make_case([total], 16, 2, 32, seed=9, device="cpu")
+    q = torch.randn(total, 4, 32)
+    options = AttentionOptions(0.2)
+    first = paged_prefill_attention(
+        q[:prompt_len], case.layer, case.block_tables, torch.tensor([0, prompt_len], dtype=torch.int32),
+        torch.tensor([prompt_len], dtype=torch.int32), options.scale, backend="cpu",
+    )  # fmt: skip
+    decodes = [
+        paged_decode_attention(
+            q[p : p + 1],
+            case.layer,
+            case.block_tables,
+            torch.tensor([p + 1], dtype=torch.int32),
+            0.2,
+            backend="cpu",
+        )
+        for p in range(prompt_len, total)
+    ]
+    metadata = AttentionMetadata.for_attention_only(
+        case.block_tables, case.context_lens, torch.tensor([0, total], dtype=torch.int32)
+    )
+    metadata.prompt_lens = torch.tensor([prompt_len], dtype=torch.int32)
+    again = cpu.prefill(q, case.layer, metadata, options)
+    assert cpu._tile_rows(q, case.layer, options) > 0
+    assert torch.equal(again[:prompt_len], first)
+    assert torch.equal(again[prompt_len:], torch.cat(decodes))

@@ -35,12 +35,13 @@ def _plain(value) -> bool:
         return all(_plain(v) for v in value)
     if isinstance(value, dict):
         return all(isinstance(k, str) and _plain(v) for k, v in value.items())
-    return isinstance(value, (int, bool))
+    return value is None or isinstance(value, (int, bool))  # None: a field not known
 
 
 def test_a_plan_is_plain_data_that_survives_pickle_and_json():
     plan = StepPlan(
-        [SeqSlice([5, 6, 7], 0, [3, 9], True), SeqSlice([8], 4, [1, 2], False)], block_copies=[(2, 11)]
+        [SeqSlice([5, 6, 7], 0, [3, 9], True), SeqSlice([8], 4, [1, 2], False, prompt_len=3)],
+        block_copies=[(2, 11)],
     )
     assert _plain(plan.to_dict())
     assert pickle.loads(pickle.dumps(plan)) == plan

@@ -1,11 +1,12 @@
 """The ``cpu`` backend: the default on CPU.
 
 Everything goes through the native kernel (:mod:`pagedkv.attention.backends.native`), which
-reads keys and values straight out of the block pool. Decode rows, and prefill runs shorter than
-one tile (decode rows in a mixed batch, short chunks), take its row entry: one query row per
-work item. A prefill run of at least one tile's rows (prompts, chunks, continuations after a
-cached prefix) takes its tile entry, which reads the context once per tile of rows instead of
-once per row -- in the mixed workload of ``pagedkv bench throughput`` prefill attention went from
+reads keys and values straight out of the block pool. Prompt rows take its tile entry (prompts,
+chunks, continuations after a cached prefix), which reads the context once per tile of consecutive rows instead of once per row;
+generated rows -- decodes, and a preempted sequence's generated tokens computed again -- take
+its row entry, one query row per work item, so a recomputed token is attended exactly as the
+first time (the engine passes the prompt lengths; without them, runs of at least one tile are
+tiled) -- in the mixed workload of ``pagedkv bench throughput`` prefill attention went from
 120 to 49 ms (float32) and 133 to 49 ms (bfloat16). Layers the tiles do not take (a sliding
 window, a soft cap, a quantized pool, an unusual head shape) keep the row entry up to
 ``NATIVE_MAX_QUERY_LEN`` tokens; longer runs then gather one sequence's context and call
@@ -225,8 +226,13 @@ _last_prefill: tuple[AttentionMetadata | None, tuple[bool, int], PrefillSplit | 
 
 
 def _prefill_split(metadata: AttentionMetadata, sdpa_allowed: bool, tile_rows: int) -> PrefillSplit:
-    """Runs of at least ``tile_rows`` new tokens (0: none) go to the tile kernel, others longer
-    than ``NATIVE_MAX_QUERY_LEN`` to SDPA when allowed, the rest to the row kernel."""
+    """Which rows the tile kernel takes (``tile_rows`` per tile; 0: none), which runs SDPA takes
+    (longer than ``NATIVE_MAX_QUERY_LEN``, when allowed and not tiled) and the rest, for the row
+    kernel. With the sequences' prompt lengths, a run's prompt positions are tiled and its
+    generated ones are not, whatever the run's length: a token recomputed after a preemption is
+    then attended exactly as the first time (prompt rows by tiles, which give a row the same
+    result in any tile; generated rows by the row kernel, as decodes). Without them, whole runs
+    of at least one tile are tiled."""
     global _last_prefill
     seen, flags, split = _last_prefill
     if seen is metadata and flags == (sdpa_allowed, tile_rows) and split is not None:
@@ -234,38 +240,49 @@ def _prefill_split(metadata: AttentionMetadata, sdpa_allowed: bool, tile_rows: i
     cu = metadata.cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]
     context_lens = metadata.context_lens.long()
-    tiled = q_lens >= tile_rows if tile_rows else torch.zeros_like(q_lens, dtype=torch.bool)
-    is_long = (q_lens > NATIVE_MAX_QUERY_LEN) & ~tiled if sdpa_allowed else torch.zeros_like(tiled)
+    first_pos = context_lens - q_lens
+    if not tile_rows:
+        tiled_rows = torch.zeros_like(q_lens)
+    elif metadata.prompt_lens is not None:
+        tiled_rows = (metadata.prompt_lens.long() - first_pos).clamp(min=0).minimum(q_lens)
+    else:
+        tiled_rows = torch.where(q_lens >= tile_rows, q_lens, 0)
+    untiled = q_lens - tiled_rows
+    is_long = (untiled > NATIVE_MAX_QUERY_LEN) & (tiled_rows == 0) if sdpa_allowed else untiled < 0
     starts, ends, lens = cu[:-1].tolist(), cu[1:].tolist(), context_lens.tolist()
-    longs, others = is_long.tolist(), (~(is_long | tiled)).tolist()
+    longs, first_untiled = is_long.tolist(), (cu[:-1] + tiled_rows).tolist()
     long_runs = [(b, starts[b], ends[b], lens[b]) for b in range(len(lens)) if longs[b]]
-    short_runs = [(b, starts[b], ends[b]) for b in range(len(lens)) if others[b] and ends[b] > starts[b]]
+    short_runs = [(b, first_untiled[b], ends[b]) for b in range(len(lens)) if not longs[b]]
+    short_runs = [run for run in short_runs if run[2] > run[1]]
     rows, kernel_rows = None, None
     if short_runs:
         row_seq = torch.repeat_interleave(torch.arange(len(lens)), q_lens)
-        row_pos = context_lens[row_seq] - q_lens[row_seq] + torch.arange(row_seq.shape[0]) - cu[row_seq]
-        if len(short_runs) < len(lens):
-            rows = (~(is_long | tiled))[row_seq].nonzero().flatten()
+        offset = torch.arange(row_seq.shape[0]) - cu[row_seq]
+        row_pos = first_pos[row_seq] + offset
+        keep = ~is_long[row_seq] & (offset >= tiled_rows[row_seq])
+        if not bool(keep.all()):
+            rows = keep.nonzero().flatten()
             row_seq, row_pos = row_seq[rows], row_pos[rows]
         kernel_rows = KernelRows.of(metadata.block_tables, row_seq, row_pos)
-    tiles = _tiles(metadata, cu, q_lens, context_lens, tiled, tile_rows) if bool(tiled.any()) else None
+    tiles = _tiles(metadata, cu, first_pos, tiled_rows, tile_rows) if bool((tiled_rows > 0).any()) else None
     split = PrefillSplit(long_runs, short_runs, rows, kernel_rows, tiles)
     _last_prefill = (metadata, (sdpa_allowed, tile_rows), split)
     return split
 
 
 def _tiles(
-    metadata: AttentionMetadata, cu: Tensor, q_lens: Tensor, context_lens: Tensor, tiled: Tensor, size: int
+    metadata: AttentionMetadata, cu: Tensor, first_pos: Tensor, tiled_rows: Tensor, size: int
 ) -> PrefillTiles:
-    """Cut every tiled run into tiles of ``size`` consecutive rows (the last one shorter)."""
-    runs = tiled.nonzero().flatten()
-    per_run = (q_lens[runs] + size - 1) // size
+    """Cut the first ``tiled_rows[b]`` rows of every run into tiles of ``size`` consecutive rows
+    (the last one shorter)."""
+    runs = (tiled_rows > 0).nonzero().flatten()
+    per_run = (tiled_rows[runs] + size - 1) // size
     seq = torch.repeat_interleave(runs, per_run)
     first_tile = torch.repeat_interleave(per_run.cumsum(0) - per_run, per_run)
     offset = (torch.arange(seq.shape[0]) - first_tile) * size  # of the tile's first row in its run
     row = cu[seq] + offset
-    pos = context_lens[seq] - q_lens[seq] + offset
-    count = (q_lens[seq] - offset).clamp(max=size)
+    pos = first_pos[seq] + offset
+    count = (tiled_rows[seq] - offset).clamp(max=size)
 
     def as_int32(t: Tensor) -> Tensor:
         return t.to(torch.int32).contiguous()

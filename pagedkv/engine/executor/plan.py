@@ -27,6 +27,10 @@ class SeqSlice:
     #: Every row's logits are returned, not only the last: the slice computes prompt tokens
     #: whose prompt logprobs were asked for (each row's logits score the next prompt token).
     prompt_logits: bool = False
+    #: The sequence's prompt length, or None: positions below it are prompt tokens, the others
+    #: generated ones, whose attention the backend computes the same way when a preempted
+    #: sequence computes them again (see ``AttentionMetadata.prompt_lens``).
+    prompt_len: int | None = None
 
     @property
     def end(self) -> int:
