@@ -229,12 +229,12 @@ class Scheduler:
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             else:
                 preempted = len(out.preempted)
-                fits = self._make_room(seq, out)
+                copies = self._make_room(seq, out)
                 if len(out.preempted) != preempted:
                     budget = self.max_num_batched_tokens - out.num_tokens  # victims gave theirs back
-                if not fits:
+                if copies is None:
                     continue
-                out.block_copies.extend(self.kv_manager.append_slots(seq.seq_id, 1))
+                out.block_copies.extend(copies)
                 n = 1
             out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
             budget -= n
@@ -282,17 +282,17 @@ class Scheduler:
                 projection.add(seq, n)
             budget -= n
 
-    def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """Preempt the newest running sequences until ``seq`` can grow by one token.
+    def _make_room(self, seq: Sequence, out: SchedulerOutput) -> list[tuple[int, int]] | None:
+        """Grow ``seq`` by one token, preempting the newest running sequences until it fits.
 
-        Returns False if ``seq`` itself had to be preempted.
+        Returns its copy-on-write block copies, or None if ``seq`` itself had to be preempted.
         """
-        while not self.kv_manager.can_append(seq.seq_id, 1):
+        while (copies := self.kv_manager.try_append(seq.seq_id, 1)) is None:
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is seq:
-                return False
-        return True
+                return None
+        return copies
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         lost = seq.num_computed_tokens

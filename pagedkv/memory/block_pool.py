@@ -102,6 +102,10 @@ class BlockPool:
         Plain free blocks go first; only then are cached-free blocks evicted, least recently
         used first.
         """
+        if n == 1 and self._free:  # a decode's new block: no eviction, no loop
+            block = self._free.pop()
+            self._refcount[block] = 1
+            return [block]
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > self.num_free_blocks:

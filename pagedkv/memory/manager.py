@@ -152,6 +152,10 @@ class KVCacheManager:
         """Grow ``seq_id`` by ``n`` tokens; returns copy-on-write block copies to perform."""
         return self.table(seq_id).append_slots(n)
 
+    def try_append(self, seq_id: SeqId, n: int = 1) -> list[CopyPair] | None:
+        """Grow ``seq_id`` by ``n`` tokens if the pool allows (its block copies), else None."""
+        return self.table(seq_id).try_append(n)
+
     def fork(self, parent_id: SeqId, child_id: SeqId, share: bool = True) -> list[CopyPair]:
         """``child_id`` gets ``parent_id``'s tokens: shared blocks (parallel samples, beams), or,
         with ``share=False``, private blocks of the same capacity and the copies to fill them."""

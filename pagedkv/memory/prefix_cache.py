@@ -64,6 +64,16 @@ class PrefixCache:
 
     def remove(self, block_id: int) -> list[int]:
         """Forget ``block_id`` and all its cached descendants; return every block forgotten."""
+        if not self._children.get(block_id):  # a leaf, as an evicted block usually is
+            key = self._key_of.pop(block_id, None)
+            if key is None:
+                return []
+            del self._by_key[key]
+            self._children.pop(block_id, None)
+            siblings = self._children.get(key[0])
+            if siblings is not None:
+                siblings.discard(block_id)
+            return [block_id]
         forgotten: list[int] = []
         stack = [block_id]
         while stack:

@@ -62,6 +62,10 @@ def test_failed_append_changes_nothing():
         other.append_slots(7)  # CoW copy + 1 new block, only 0 free
     assert (list(table.block_ids), table.num_tokens, pool.num_free_blocks) == before
     assert other.num_tokens == 10
+    assert other.try_append(1) is None  # the copy-on-write copy alone does not fit either
+    assert (list(other.block_ids), other.num_tokens, pool.num_free_blocks) == (before[0], 10, 0)
+    table.free()  # the shared blocks now have one holder: no copy, room in the last block
+    assert other.try_append(2) == [] and other.num_tokens == 12
 
 
 def test_free_returns_everything():

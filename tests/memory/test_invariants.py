@@ -104,13 +104,16 @@ class MemoryMachine(RuleBasedStateMachine):
         self.kv.cache_computed_blocks(seq, prompt, done)
 
     @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), token=st.integers(0, 3))
-    def decode(self, data, token):
+    @rule(data=st.data(), token=st.integers(0, 3), asking=st.booleans())
+    def decode(self, data, token, asking):
+        """Grow by one token, as ``append_slots`` or as the scheduler's ``try_append``."""
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         before = (self.kv.usage(), list(self.kv.block_ids(seq)))
         try:
-            copies = self.kv.append_slots(seq, 1)
+            copies = self.kv.try_append(seq, 1) if asking else self.kv.append_slots(seq, 1)
         except PoolExhaustedError:
+            copies = None
+        if copies is None:
             assert not self.kv.can_append(seq, 1)
             assert (self.kv.usage(), list(self.kv.block_ids(seq))) == before
             return
