@@ -194,7 +194,11 @@ class LLMEngine:
             rows.extend([row] * len(group))
             seqs.extend(group)
         result = sample_rows(self.sampler, take_rows(logits, rows), seqs)
-        self.scheduler.cache_computed_blocks({item.seq for item in scheduled.scheduled} | set(seqs))
+        # In step order (a set's order would follow memory addresses): when two sequences computed
+        # the same block, which one keeps it must not change from run to run.
+        self.scheduler.cache_computed_blocks(
+            dict.fromkeys([*(item.seq for item in scheduled.scheduled), *seqs])
+        )
         return SampledStep(
             seqs, result.token_ids, result.logprobs, list(beams.values()), prompt_tokens, result.failures
         )

@@ -180,8 +180,11 @@ class Scheduler:
     def cache_computed_blocks(self, seqs: Iterable[Sequence]) -> None:
         """Offer the full blocks these sequences computed this step to the prefix cache (only
         now that their keys and values are really in the cache)."""
+        allocatable = self.kv_manager.allocatable_blocks
         for seq in seqs:
             self.kv_manager.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        if self.kv_manager.allocatable_blocks > allocatable:
+            self._refusal = None  # a sequence gave its copy of a block up for one cached first
 
     @property
     def has_work(self) -> bool:

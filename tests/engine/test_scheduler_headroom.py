@@ -137,8 +137,9 @@ def test_with_headroom_random_workloads_never_leak_and_never_preempt(engine_fact
 
 
 # -- a refusal that stands skips the projection, and never changes a decision ------------------
-def _records(engine, script) -> list[tuple]:
-    """Every step's scheduling decisions for ``script`` (adds between steps), to the end."""
+def _records(engine, script, early_stops: bool = False) -> list[tuple]:
+    """Every step's scheduling decisions for ``script`` (adds between steps), to the end;
+    ``early_stops``: requests also end on a few common token ids, before ``max_tokens``."""
     records = []
 
     def step():
@@ -152,7 +153,10 @@ def _records(engine, script) -> list[tuple]:
     for i, (kind, arg) in enumerate(script):
         if kind == "add":
             prompt, max_tokens, n = arg
-            params = SamplingParams(max_tokens=max_tokens, n=n, temperature=1.0, seed=i, ignore_eos=True)
+            stops = list(range(STOP_IDS)) if early_stops else []
+            params = SamplingParams(
+                max_tokens=max_tokens, n=n, temperature=1.0, seed=i, ignore_eos=True, stop_token_ids=stops
+            )
             try:
                 engine.add_request(f"r{i}", prompt, params)
             except ValueError:
@@ -165,7 +169,9 @@ def _records(engine, script) -> list[tuple]:
     return records
 
 
-def _decisions(make_engine, script, monkeypatch, recompute_always: bool) -> tuple[list[tuple], int]:
+def _decisions(
+    make_engine, script, monkeypatch, recompute_always: bool, early_stops: bool = False
+) -> tuple[list[tuple], int]:
     """The step records, and how many admission checks a standing refusal answered."""
     skipped = 0
     stands = Refusal.stands
@@ -178,22 +184,36 @@ def _decisions(make_engine, script, monkeypatch, recompute_always: bool) -> tupl
 
     with monkeypatch.context() as patch:
         patch.setattr(Refusal, "stands", counted)
-        return _records(make_engine(), script), skipped
+        return _records(make_engine(), script, early_stops), skipped
 
 
-chunky_engine = st.sampled_from([8, 64])  # a step budget that splits prompts into chunks, or not
+chunky_engine = st.sampled_from([8, 64])
+#: With early stops, a request also ends on any of the token ids below this (of the test
+#: checkpoints' vocabulary): a few in a hundred sampled tokens.
+STOP_IDS = 8  # a step budget that splits prompts into chunks, or not
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(actions, chunky_engine)
-def test_a_standing_refusal_schedules_exactly_as_projecting(model_path, monkeypatch, script, budget):
+@given(actions, chunky_engine, st.booleans(), st.sampled_from([1.0, 0.5]))
+def test_a_standing_refusal_schedules_exactly_as_projecting(
+    model_path, monkeypatch, script, budget, early, ratio
+):
+    """Also across finishes: requests that stop early (on a stop token) end the refusal, those
+    that end at ``max_tokens`` as projected may not; with ``decode_headroom`` 0.5 they all end
+    later than projected."""
+
     def make_engine():
         return LLM(
-            str(model_path), num_kv_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=budget
+            str(model_path),
+            num_kv_blocks=24,
+            block_size=4,
+            max_num_seqs=6,
+            max_num_batched_tokens=budget,
+            decode_headroom=ratio,
         ).engine
 
-    projected, _ = _decisions(make_engine, script, monkeypatch, recompute_always=True)
-    skipping, _ = _decisions(make_engine, script, monkeypatch, recompute_always=False)
+    projected, _ = _decisions(make_engine, script, monkeypatch, recompute_always=True, early_stops=early)
+    skipping, _ = _decisions(make_engine, script, monkeypatch, recompute_always=False, early_stops=early)
     assert skipping == projected
 
 
