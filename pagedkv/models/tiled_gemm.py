@@ -46,6 +46,8 @@ def _library() -> ctypes.CDLL | str:
         if hasattr(lib, entry):
             getattr(lib, entry).restype = ctypes.c_int
             getattr(lib, entry).argtypes = [_P, _P, _P, _I, _I, _I, _P]
+    lib.tiled_rows.restype = ctypes.c_int
+    lib.tiled_rows.argtypes = [_P, _P, _P, _I, _I, _I, _I, _I]
     lib.tiled_gemm_tile_width.restype = _I
     return lib
 
@@ -110,23 +112,13 @@ def from_tiles(tiles: torch.Tensor, in_features: int) -> torch.Tensor:
 def tiled_rows(tiles: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
     """Rows ``W[ids]`` of the weight held in :func:`to_tiles`'s layout, ``[*ids.shape, in]``:
     an embedding lookup on a matrix the LM head shares in the tiled layout."""
-    group, width = _GROUP[tiles.dtype], tile_width()
-    padded = _padded(in_features, tiles.dtype)
-    out_features = tiles.numel() // padded
-    full = out_features // width * width
-    flat = ids.reshape(-1)
-    rows = tiles.new_empty((flat.shape[0], padded))
-    in_full = flat < full
-    if bool(in_full.all()):  # the usual case: no id in the narrower last tile
-        head = tiles[: full * padded].view(-1, padded // group, width, group)
-        rows = head[flat // width, :, flat % width].reshape(-1, padded)
-    else:
-        head_ids, tail_ids = flat[in_full], flat[~in_full] - full
-        head = tiles[: full * padded].view(-1, padded // group, width, group)
-        tail = tiles[full * padded :].view(padded // group, out_features - full, group)
-        rows[in_full] = head[head_ids // width, :, head_ids % width].reshape(-1, padded)
-        rows[~in_full] = tail[:, tail_ids].transpose(0, 1).reshape(-1, padded)
-    return rows[:, :in_features].reshape(*ids.shape, in_features)
+    out_features = tiles.numel() // _padded(in_features, tiles.dtype)
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    rows = tiles.new_empty((flat.shape[0], in_features))
+    args = (flat.shape[0], in_features, out_features, tiles.element_size(), _GROUP[tiles.dtype])
+    if _library().tiled_rows(tiles.data_ptr(), flat.data_ptr(), rows.data_ptr(), *args):
+        raise IndexError(f"a token id is outside the vocabulary of {out_features}: {ids.tolist()}")
+    return rows.view(*ids.shape, in_features)
 
 
 def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

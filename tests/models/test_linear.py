@@ -91,6 +91,11 @@ def test_tiled_kernel_matches_float64_and_ignores_the_batch(out_features, in_fea
     assert tiles.shape == (weight.numel(),) and torch.equal(from_tiles(tiles, in_features), weight)
     ids = torch.tensor([[out_features - 1, 0], [out_features // 2, out_features - 1]])
     assert torch.equal(tiled_rows(tiles, ids, in_features), weight[ids])  # an embedding lookup
+    every = torch.randperm(out_features, generator=gen)
+    assert torch.equal(tiled_rows(tiles, every, in_features), weight[every])
+    for outside in (out_features, -1):
+        with pytest.raises(IndexError, match=f"outside the vocabulary of {out_features}"):
+            tiled_rows(tiles, torch.tensor([0, outside]), in_features)
     for rows in (1, 5, 6, 7, 13, 40):
         x = torch.randn(rows, in_features, generator=gen)
         got = tiled_linear(x, tiles, bias)
@@ -116,7 +121,7 @@ def test_tiled_bfloat16_gives_f_linears_bits(out_features, in_features):
     bias = torch.randn(out_features, generator=gen).bfloat16()
     tiles = to_tiles(weight)
     assert torch.equal(from_tiles(tiles, in_features), weight)
-    ids = torch.tensor([out_features - 1, 0, out_features // 2])
+    ids = torch.randperm(out_features, generator=gen)
     assert torch.equal(tiled_rows(tiles, ids, in_features), weight[ids])
     for rows in (1, 6, 13):
         x = torch.randn(rows, in_features, generator=gen).bfloat16()

@@ -29,6 +29,9 @@
  *   tiled_gate_up_<f32|bf16>(x, tiles, y, M, K, I, epilogue) -> 0, or 1 without memory
  * epilogue is layer_ops' silu_and_mul_rows_<dtype> (so the arithmetic is the unfused op's, bit
  * for bit), and y is [M, I]; with a NULL epilogue y is the plain [M, 2 I] product.
+ *
+ * A tied LM head's tiles also serve the embedding: tiled_rows copies rows W[ids] out of them
+ * (any dtype: element size and k group given), and returns 1 if an id is outside [0, N).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -367,5 +370,28 @@ int tiled_gate_up_bf16(const uint16_t *x, const uint16_t *tiles, uint16_t *y, in
     return failed;
 }
 #endif
+
+/* out[r, :] = W[ids[r], :] for a tiled W of N rows of K elements of `elem` bytes, k stored in
+ * groups of `group` (bfloat16: pairs, with a zero k when K is odd): one strided gather per row,
+ * where torch needed a dozen small ops to index the tiles (~30-80 us a step). */
+int tiled_rows(const char *tiles, const int64_t *ids, char *out, int64_t n, int64_t K, int64_t N, int64_t elem,
+               int64_t group) {
+    for (int64_t r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= N) return 1;
+    const int64_t padded = (K + group - 1) / group * group, full = N / NR * NR;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t id = ids[r];
+        const int64_t width = id < full ? NR : N - full, col = id < full ? id % NR : id - full;
+        const char *base = tiles + (id < full ? id / NR * NR : full) * padded * elem + col * group * elem;
+        char *row = out + r * K * elem;
+        const int64_t stride = width * group * elem;
+        if (group == 1 && elem == 4)
+            for (int64_t k = 0; k < K; k++) memcpy(row + k * 4, base + k * stride, 4);
+        else
+            for (int64_t k = 0; k < K; k += group)
+                memcpy(row + k * elem, base + k / group * stride, (K - k < group ? K - k : group) * elem);
+    }
+    return 0;
+}
 
 int64_t tiled_gemm_tile_width(void) { return NR; }
