@@ -4,8 +4,8 @@ One seeded workload (the simulator's length mixes) runs through three live engin
 only in their KV policy -- ``paged`` (blocks on demand), ``contiguous`` (``max_model_len`` slots
 reserved per request at admission: the systems PagedAttention replaced) and
 ``contiguous-oracle`` (exactly prompt + ``max_tokens``) -- on the same model, pool size and
-kernels. Every request is submitted at time 0 (an offline batch): a closed system, which is what
-"how many fit" measures.
+kernels, all without a prefix cache (which only the paged policy could have). Every request is
+submitted at time 0 (an offline batch): a closed system, which is what "how many fit" measures.
 
 The engines are stepped in turn, one step each, and every policy keeps its own clock (see
 :mod:`pagedkv.bench.driver`); a request's time to first token is its engine's clock when that

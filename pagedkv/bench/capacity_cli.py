@@ -22,14 +22,14 @@ from pagedkv.cli_args import (
     show_report,
 )
 
-#: The engine options a capacity run lets users change (the KV budget and policy are its own).
+#: The engine options a capacity run lets users change (the KV budget and policy are its own, and
+#: it runs without a prefix cache: see CapacityConfig.engine_config).
 ENGINE_FIELDS = (
     "model",
     "dtype",
     "block_size",
     "max_num_seqs",
     "max_num_batched_tokens",
-    "enable_prefix_caching",
     "decode_headroom",
     "attention_backend",
     "kv_cache_dtype",

@@ -76,8 +76,14 @@ class CapacityConfig:
 
     def engine_config(self, policy: KVPolicy) -> EngineConfig:
         # No watermark: the budget is exactly kv_tokens for every policy, so contiguous-max
-        # fits exactly kv_tokens // max_model_len requests.
-        return self.engine.engine_config(self.num_kv_blocks, self.run_max_model_len, kv_policy=policy)
+        # fits exactly kv_tokens // max_model_len requests. No prefix cache either: the
+        # contiguous policies cannot have one, these workloads share no prefix for it to find,
+        # and registering every computed block and evicting one per new block cost the paged
+        # engine alone ~5 % of its steps (at the demo's 2-token blocks), so the runs would
+        # differ in more than their KV policy. ``pagedkv bench sharing`` measures the cache.
+        return self.engine.engine_config(
+            self.num_kv_blocks, self.run_max_model_len, enable_prefix_caching=False, kv_policy=policy
+        )
 
     def requests(self, vocab_size: int) -> list[tuple[list[int], int]]:
         """(prompt token ids, max_tokens) per request: the simulator's lengths for this workload

@@ -49,6 +49,13 @@ def test_paged_keeps_decode_headroom_and_throws_no_work_away(demo):
     assert "paged recomputes < 5% of computed tokens" in text
 
 
+def test_every_policy_runs_without_a_prefix_cache():
+    """Only the KV policy differs between the runs: the contiguous ones cannot have a prefix
+    cache, so the paged one runs without it too, whatever the engine options say."""
+    config = CapacityConfig(engine=EngineOptions(enable_prefix_caching=True, scale=8))
+    assert [config.engine_config(policy).enable_prefix_caching for policy in KV_POLICIES] == [False] * 3
+
+
 def test_paged_keeps_its_blocks_full_and_contiguous_does_not(demo):
     result, _, _ = demo
     assert result.runs["paged"].utilization_full >= 0.95
