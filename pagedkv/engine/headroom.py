@@ -34,12 +34,18 @@ again only to refuse the same request.
 
 from __future__ import annotations
 
+import array
+import ctypes
+import functools
+import itertools
 import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from pagedkv import cbuild
 from pagedkv.engine.sequence import Sequence
 from pagedkv.memory import KVCacheManager, blocks_for
 
@@ -82,11 +88,22 @@ def peak_new_blocks(growths: Iterable[Growth], block_size: int) -> int:
     At step ``k`` the sequences with ``finish_step >= k`` hold ``new_blocks(k)`` more than now;
     those done earlier hold nothing: their growth is gone and their ``held`` blocks are back. Between two
     finishes the total only grows, so the maximum is at one of the ``finish_step`` values; never
-    below 0 (step 0: nothing has grown yet).
+    below 0 (step 0: nothing has grown yet). Computed by ``csrc/headroom.c`` where it builds
+    (see there why), else by :func:`peak_new_blocks_numpy`.
     """
     rows = [(g.slots, g.remaining, g.delay, g.held, g.copies, g.copy_on_write) for g in growths]
     if not rows:
         return 0
+    lib = _native()
+    if isinstance(lib, str):
+        return peak_new_blocks_numpy(rows, block_size)
+    flat = array.array("q", itertools.chain.from_iterable(rows))  # 4x faster than a ctypes array
+    return lib.headroom_peak_new_blocks(flat.buffer_info()[0], len(rows), block_size)
+
+
+def peak_new_blocks_numpy(rows: list[tuple[int, ...]], block_size: int) -> int:
+    """:func:`peak_new_blocks` of ``(slots, remaining, delay, held, copies, copy_on_write)`` rows,
+    in NumPy: one row per candidate step, one column per sequence."""
     slots, remaining, delay, held, copies, cow = np.array(rows, dtype=np.int64).T
     finish = delay + remaining
     steps = np.unique(finish[finish > 0])[:, None]
@@ -101,6 +118,15 @@ def peak_new_blocks(growths: Iterable[Growth], block_size: int) -> int:
     grown = new_blocks(np.clip(steps - delay, 0, remaining))
     demand = np.where(alive, grown, -held).sum(axis=1)
     return max(0, int(demand.max()))
+
+
+@functools.cache
+def _native() -> ctypes.CDLL | str:
+    lib = cbuild.load(Path(__file__).parent / "csrc" / "headroom.c")
+    if not isinstance(lib, str):
+        lib.headroom_peak_new_blocks.restype = ctypes.c_int64
+        lib.headroom_peak_new_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    return lib
 
 
 class Headroom:
