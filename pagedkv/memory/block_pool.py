@@ -49,6 +49,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._refcount = [0] * num_blocks
+        #: Blocks with more than one holder: while there are none, every held block is private.
+        self._num_shared = 0
         # Reversed so that a fresh pool hands out block 0, 1, 2, ... (easier to read in plots).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()
@@ -83,9 +85,17 @@ class BlockPool:
         """Every block's refcount, by block id (one copy, for snapshots)."""
         return tuple(self._refcount)
 
-    def count_private(self, block_ids: Iterable[int]) -> int:
-        """How many of ``block_ids`` have exactly one holder (a C-speed count: the scheduler
-        asks this for every running sequence at every admission check)."""
+    @property
+    def num_shared_blocks(self) -> int:
+        """Blocks held by more than one block table."""
+        return self._num_shared
+
+    def count_private(self, block_ids: Sequence[int]) -> int:
+        """How many of the held blocks ``block_ids`` have exactly one holder: all of them while
+        no block is shared (no fork, no prefix hit), else a C-speed count. The scheduler asks
+        this for every running sequence at every admission check."""
+        if not self._num_shared:
+            return len(block_ids)
         return list(map(self._refcount.__getitem__, block_ids)).count(1)
 
     def free_block_ids(self) -> list[int]:
@@ -128,6 +138,8 @@ class BlockPool:
                 raise ValueError(f"block {block_id} is free and holds no cached data; it cannot be shared")
             del self._evictable[block_id]
         self._refcount[block_id] += 1
+        if self._refcount[block_id] == 2:
+            self._num_shared += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference to each block; those reaching zero become free or cached-free.
@@ -141,6 +153,8 @@ class BlockPool:
             if count <= 0:
                 raise ValueError(f"double free of block {block}: its refcount is already 0")
             self._refcount[block] = count - 1
+            if count == 2:
+                self._num_shared -= 1
             if count == 1:
                 if block in self.prefix_cache:
                     self._evictable[block] = None

@@ -178,7 +178,10 @@ class MemoryMachine(RuleBasedStateMachine):
         pool = self.kv.pool
         for block in range(pool.num_blocks):
             assert pool.refcount(block) == holders.get(block, 0)
+        assert pool.num_shared_blocks == sum(1 for count in holders.values() if count > 1)
         for seq, toks in self.tokens.items():
+            private = sum(1 for b in self.kv.block_ids(seq) if holders[b] == 1)
+            assert self.kv.private_blocks(seq) == private
             table = self.kv.table(seq)
             assert table.num_tokens == len(toks)
             assert len(table.block_ids) == -(-len(toks) // BLOCK_SIZE)
