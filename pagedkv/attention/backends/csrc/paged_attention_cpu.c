@@ -347,13 +347,20 @@ static void attend_piece_##NAME(const Shape *s, const float *qf, const KT *key, 
                 const int64_t nd = (vec_d - d0) / VL < VDIMS ? (vec_d - d0) / VL : VDIMS;          \
                 const int64_t head0 = j0, dim0 = h * D + d0;                                       \
                 /* whole groups of VDIMS vectors with a fixed head count compile to a loop with no \
-                 * tests in it (D = 64, 128: every group); the general case tests per position */ \
+                 * tests in it (D = 64, 128: every group; D = 32: one group of 2 vectors); the     \
+                 * general case tests per position */                                             \
                 if (nd == VDIMS && gj == 2)                                                        \
                     values_##NAME(s, value, value_scale, table, t0, n, scores, ld, h, head0, dim0, acc + j0 * D + d0, D, 2, VDIMS);\
                 else if (nd == VDIMS && gj == 1)                                                   \
                     values_##NAME(s, value, value_scale, table, t0, n, scores, ld, h, head0, dim0, acc + j0 * D + d0, D, 1, VDIMS);\
                 else if (nd == VDIMS && gj == 4)                                                   \
                     values_##NAME(s, value, value_scale, table, t0, n, scores, ld, h, head0, dim0, acc + j0 * D + d0, D, 4, VDIMS);\
+                else if (nd == 2 && gj == 2) /* D = 32 (small models) */                           \
+                    values_##NAME(s, value, value_scale, table, t0, n, scores, ld, h, head0, dim0, acc + j0 * D + d0, D, 2, 2);\
+                else if (nd == 2 && gj == 1)                                                       \
+                    values_##NAME(s, value, value_scale, table, t0, n, scores, ld, h, head0, dim0, acc + j0 * D + d0, D, 1, 2);\
+                else if (nd == 2 && gj == 4)                                                       \
+                    values_##NAME(s, value, value_scale, table, t0, n, scores, ld, h, head0, dim0, acc + j0 * D + d0, D, 4, 2);\
                 else                                                                               \
                     values_##NAME(s, value, value_scale, table, t0, n, scores, ld, h, head0, dim0, acc + j0 * D + d0, D, gj, nd);\
             }                                                                                      \
