@@ -30,11 +30,14 @@ class CapacityConfig:
     max_model_len: int = 2048
     seed: int = 0
     engine: EngineOptions = field(default_factory=lambda: EngineOptions(max_num_seqs=CAPACITY_MAX_NUM_SEQS))
+    #: Runs of the whole workload: every policy's schedule is the same each time, so each step's
+    #: time is taken as its least over the runs (what a burst of other work did not disturb).
+    repeats: int = 1
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {WORKLOADS}, got {self.workload!r}")
-        for name in ("num_requests", "kv_tokens", "max_model_len"):
+        for name in ("num_requests", "kv_tokens", "max_model_len", "repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

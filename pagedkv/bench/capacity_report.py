@@ -32,7 +32,12 @@ def print_capacity(result: CapacityResult, console: Console) -> None:
         f"max_model_len {config.run_max_model_len}"
         + (f" (every length / {config.scale})" if config.scale > 1 else "")
         + ". 'running' = requests running at once; 'KV use' = token slots holding a token / slots held. "
-        "Averages are per engine step; times are each policy's own clock."
+        "Averages are per engine step; times are each policy's own clock"
+        + (
+            f", each step timed by the fastest of {config.repeats} runs of the same schedule."
+            if config.repeats > 1
+            else "."
+        )
     )
     table = Table(title="paged vs contiguous reservation, same model, pool and kernels")
     table.add_column("figure")

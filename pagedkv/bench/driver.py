@@ -155,6 +155,8 @@ class MeasuredEngine:
     first_token: dict[str, float] = field(default_factory=dict)
     outputs: dict[str, list[list[int]]] = field(default_factory=dict)
     cached_tokens: dict[str, int] = field(default_factory=dict)
+    #: Per request id, the index in ``steps`` of the step that produced its first token.
+    first_token_step: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def start(cls, config: EngineConfig, prime: bool = True) -> MeasuredEngine:
@@ -201,6 +203,7 @@ class MeasuredEngine:
         self.clocks.append(self.clock)
         for out in outputs:  # a request's first output carries its first token
             self.first_token.setdefault(out.request_id, self.clock)
+            self.first_token_step.setdefault(out.request_id, len(self.steps) - 1)
             if out.finished:
                 self.outputs[out.request_id] = [c.token_ids for c in out.outputs]
                 self.cached_tokens[out.request_id] = out.num_cached_tokens

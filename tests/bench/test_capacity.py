@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from pagedkv.bench.capacity import PolicyRun, StepSample
+from pagedkv.bench.capacity import PolicyRun, StepSample, least_clocks
 from pagedkv.bench.capacity_cli import add_bench_capacity_parser, run_capacity_demo
 from pagedkv.bench.capacity_config import CapacityConfig
 from pagedkv.bench.capacity_prediction import length_biased_prediction
-from pagedkv.bench.driver import EngineOptions
-from pagedkv.engine.kv_policy import KV_POLICIES
+from pagedkv.bench.driver import EngineOptions, MeasuredEngine
+from pagedkv.engine import SamplingParams
+from pagedkv.engine.kv_policy import KV_POLICIES, PAGED
 from pagedkv.sim.workloads import Workload
 
 
@@ -127,6 +128,29 @@ def test_length_biased_prediction_weights_each_request_by_its_output():
     assert predicted["contiguous"] == 2
 
 
+def _measured_run(config: CapacityConfig, requests) -> MeasuredEngine:
+    measured = MeasuredEngine.start(config.engine_config(PAGED), prime=False)
+    for i, (prompt, max_tokens) in enumerate(requests):
+        measured.submit(
+            f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        )
+    measured.drain()
+    return measured
+
+
+def test_repeats_time_each_step_by_its_fastest_run_of_the_same_schedule():
+    config = CapacityConfig(num_requests=6, kv_tokens=4096, engine=EngineOptions(scale=16))
+    requests = config.requests(2048)
+    runs = [_measured_run(config, requests) for _ in range(2)]
+    clocks = least_clocks(PAGED, runs)
+    fastest = [min(a.step_time_s, b.step_time_s) for a, b in zip(runs[0].steps, runs[1].steps, strict=True)]
+    assert clocks == pytest.approx(np.cumsum(fastest).tolist())
+    assert clocks[-1] <= min(run.clock for run in runs)
+    other = _measured_run(config, requests[1:])  # another workload: another schedule
+    with pytest.raises(RuntimeError, match="scheduled the same requests differently"):
+        least_clocks(PAGED, [runs[0], other])
+
+
 def test_every_engine_policy_runs_in_table_order(demo):
     result, _, _ = demo
     assert list(result.runs) == [p.name for p in KV_POLICIES] == ["paged", "contiguous", "contiguous-oracle"]
@@ -150,6 +174,7 @@ def test_requests_are_the_simulators_lengths_divided_by_scale():
         ({"workload": "shared-prefix"}, "workload must be one of"),
         ({"num_requests": 0}, "num_requests must be a positive integer, got 0"),
         ({"kv_tokens": 4100}, "whole number of 16-token blocks"),
+        ({"repeats": 0}, "repeats must be a positive integer, got 0"),
     ],
 )
 def test_bad_configs_are_rejected(options, message):
@@ -175,6 +200,8 @@ def test_cli_prints_json_and_writes_plots(tmp_path, capsys):
             "4096",
             "--threads",
             "1",
+            "--repeats",
+            "2",
             "--out",
             str(tmp_path),
             "--json",
@@ -185,6 +212,7 @@ def test_cli_prints_json_and_writes_plots(tmp_path, capsys):
     assert set(document["policies"]) == {"paged", "contiguous", "contiguous-oracle"}
     assert document["engine"] == {"max_model_len": 128, "block_size": 1, "num_kv_blocks": 256}
     assert document["policies"]["contiguous"]["peak_running"] == 2
+    assert document["config"]["repeats"] == 2
     assert all(p["blocks_returned"] for p in document["policies"].values())
     assert len(document["plots"]) == 2 and all(
         (tmp_path / p.split("/")[-1]).exists() for p in document["plots"]
