@@ -103,8 +103,9 @@ class Tokenizer:
     def detokenizer(
         self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
     ) -> IncrementalDetokenizer:
-        """A streaming decoder for tokens generated after ``prompt_ids``."""
-        return IncrementalDetokenizer(self.decode, prompt_ids, skip_special_tokens)
+        """A streaming decoder for tokens generated after ``prompt_ids``: on the backend's own
+        ``decode`` (its windows are lists already), twice a generated token."""
+        return IncrementalDetokenizer(self.backend.decode, prompt_ids, skip_special_tokens)
 
 
 class NoTokenizerError(ValueError):
