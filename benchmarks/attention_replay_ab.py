@@ -64,7 +64,9 @@ def record_decode_steps(model: Path, dtype: str) -> tuple[int, list[tuple[torch.
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--source", action="append", required=True, help="a kernel source (repeat)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=5, help="rounds, best kept (default: 5)")
@@ -76,7 +78,8 @@ def main() -> None:
     num_blocks, steps = record_decode_steps(bench_model_path(Path("pagedkv-report")), args.dtype)
     steps = steps[:: args.every]
     config = BENCH_MODEL_CONFIG
-    heads, kv_heads, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config["head_dim"]
     layers = config["num_hidden_layers"]
     cache = KVCache(KVSpec(layers, kv_heads, head_dim, "float32"), num_blocks, BLOCK_SIZE, dtype)
     generator = torch.Generator().manual_seed(0)
@@ -109,12 +112,13 @@ def main() -> None:
                     seconds += time.perf_counter() - start
             best[source] = min(best[source], seconds)
     first = outputs[args.source[0]].float()
-    print(f"{len(steps)} decode steps x {layers} layers, {kv_bytes / 1e9:.2f} GB of keys and values, {args.dtype}")
+    gigabytes = kv_bytes / 1e9
+    print(f"{len(steps)} decode steps x {layers} layers, {gigabytes:.2f} GB of keys and values, {args.dtype}")
     for source in kernels:
         diff = float((outputs[source].float() - first).abs().max())
         print(
-            f"{Path(source).name:>28}: {best[source] * 1e3:8.1f} ms  {kv_bytes / best[source] / 1e9:5.1f} GB/s"
-            f"  diff {diff:.1e}"
+            f"{Path(source).name:>28}: {best[source] * 1e3:8.1f} ms"
+            f"  {kv_bytes / best[source] / 1e9:5.1f} GB/s  diff {diff:.1e}"
         )
 
 
