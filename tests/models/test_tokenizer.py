@@ -150,7 +150,12 @@ def test_streaming_text_after_prompt_never_splits_characters(ours, prompt, answe
     prompt_ids = ours.encode(prompt)
     ids = ours.encode(answer, add_special_tokens=False)
     pieces, text = stream(ours, ids, prompt_ids)
-    assert text == answer == ours.decode(ids)
+    assert text == ours.decode(ids)
+    # A special token's text ("<|im_start|>", which Hypothesis finds among the constants of the
+    # code under test) encodes to that token, which decoding skips: only other texts come back.
+    specials = [t.content for t in ours.backend.get_added_tokens_decoder().values() if t.special]
+    if not any(special in answer for special in specials):
+        assert text == answer
     if "\ufffd" not in answer:
         assert not any("\ufffd" in p for p in pieces)  # partial characters are held back
 
