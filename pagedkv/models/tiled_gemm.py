@@ -7,7 +7,8 @@ waits on memory it could have had. ``csrc/tiled_gemm_cpu.c`` stores each run of 
 columns as one contiguous tile that its k loop reads front to back, reusing it from L2 for every
 block of 6 rows. On issue 12's model, all of a step's weights in a row (cold, 2 threads), it ran
 1.1-1.45x oneDNN's rate from 1 to 64 rows in float32 and bfloat16, and level with it at
-prefill's 2048 rows (``benchmarks/tiled_gemm_ab.py``).
+prefill's 2048 rows (``benchmarks/tiled_gemm_ab.py``). On an AVX2-only Zen 1 EPYC its AVX2 loop
+ran 1.03-1.34x oneDNN from 1 to 64 rows and 0.94x at 2048 (README, "AVX2: a Zen 1 host").
 
 The tiled weight is a flat tensor of the weight's dtype holding exactly its elements (bfloat16
 adds a zero k row when ``in`` is odd; see the C source for the layout): a 1-D weight is how

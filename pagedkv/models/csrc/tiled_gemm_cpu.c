@@ -7,7 +7,8 @@
  * Here each tile of 64 output columns is one contiguous run of memory that the k loop reads front
  * to back (prefetched PF rows ahead, into L2), the first block of rows pulls it from DRAM and the others
  * reuse it from L2 while they pull the next tile there (NEXT_TILE). The same loop runs prefill's
- * thousands of rows at oneDNN's rate.
+ * thousands of rows at oneDNN's rate. float32 has three loops, chosen at compile time: AVX-512,
+ * AVX2 with FMA (column passes over a tile, see block_columns) and a portable one.
  *
  * Layout ("tiled"): W [N, K] becomes one flat run of N * K floats, tile after tile; full tile t
  * holds T[k, j] = W[64 t + j, k] (64 floats per k), and a last tile of r < 64 columns the same
