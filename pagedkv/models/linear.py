@@ -7,9 +7,9 @@ same torch wheel -- is 2.5-4x faster at this model family's shapes once the weig
 into its blocked layout ("packed"), as vLLM's CPU build runs it. pagedkv's own tiled kernel
 (:mod:`pagedkv.models.tiled_gemm`) goes further: it streams a decode step's weights from DRAM
 1.1-1.3x faster than oneDNN and matches it at prefill sizes. So on the CPU every :class:`Linear`
-weight is packed once, after loading (:func:`pack_linears`): tiled in float32 (and bfloat16 where
-the CPU has AVX512-BF16), else oneDNN's layout. ``F.linear`` stays on CUDA (cuBLAS) and wherever
-neither can run the dtype.
+weight is packed once, after loading (:func:`pack_linears`): tiled in float32 and bfloat16 (where
+the CPU has AVX512-BF16, or AVX2 with FMA), else oneDNN's layout. ``F.linear`` stays on CUDA
+(cuBLAS) and wherever neither can run the dtype.
 
 The packed tensor *replaces* the parameter (an opaque ``torch._mkldnn`` tensor, or a flat tiled
 one): the weight is never held twice. :func:`linear` dispatches on the weight it is given, so a

@@ -1,5 +1,5 @@
-"""pagedkv's own GEMM for the CPU linear layers (float32, and bfloat16 on AVX512-BF16), on
-weights stored in column tiles.
+"""pagedkv's own GEMM for the CPU linear layers (float32 and bfloat16), on weights stored in
+column tiles.
 
 A decode step reads every weight from DRAM once for a few rows; oneDNN's packed GEMM streams
 them at 13-28 GB/s of the ~42 GB/s two cores of this host read, so a step of small batches
@@ -14,10 +14,14 @@ The tiled weight is a flat tensor of the weight's dtype holding exactly its elem
 adds a zero k row when ``in`` is odd; see the C source for the layout): a 1-D weight is how
 :func:`pagedkv.models.linear.linear` knows it, and ``in`` comes from the input's last dimension.
 Built and loaded like the other CPU kernels (:mod:`pagedkv.cbuild`). Every sum runs over k in
-order, so a row's output does not depend on how many rows share its call. In bfloat16 the dot
-products of pairs are oneDNN's instruction (``vdpbf16ps``) in k order: on this host the outputs
-equal ``F.linear``'s (oneDNN's) bit for bit up to 8 rows, and from 32 rows with k >= 1024 all but
-about 1 in 10,000, which differ in the last bit (oneDNN then sums k in another order).
+order, so a row's output does not depend on how many rows share its call. bfloat16 sums k in
+pairs, each pair's odd product first, in float32: AVX512-BF16's dot products of pairs
+(``vdpbf16ps``, oneDNN's instruction) where the CPU has them -- there the outputs equal
+``F.linear``'s (oneDNN's) bit for bit up to 8 rows, and from 32 rows with k >= 1024 all but about
+1 in 10,000, which differ in the last bit (oneDNN then sums k in another order) -- and on AVX2
+the same sums with each pair widened to float32 as it is loaded, bit for bit the same (tested
+against the pairs written out in torch). Without AVX512-BF16, oneDNN has no bfloat16 of its own
+and ``F.linear`` runs torch's emulated one, 1.7-6x slower than this loop on a Zen 1 EPYC.
 """
 
 from __future__ import annotations
@@ -39,17 +43,17 @@ def _library() -> ctypes.CDLL | str:
     lib = cbuild.load(SOURCE)
     if isinstance(lib, str):
         return lib
+    lib.tiled_linear_f32.restype = None
+    lib.tiled_linear_bf16.restype = ctypes.c_int  # 1: no memory for its workspace
     for entry in ("tiled_linear_f32", "tiled_linear_bf16"):
-        if hasattr(lib, entry):  # bfloat16 only where the compiler targets AVX512-BF16
-            getattr(lib, entry).restype = None
-            getattr(lib, entry).argtypes = [_P, _P, _P, _P, _I, _I, _I]
+        getattr(lib, entry).argtypes = [_P, _P, _P, _P, _I, _I, _I]
     for entry in ("tiled_gate_up_f32", "tiled_gate_up_bf16"):
-        if hasattr(lib, entry):
-            getattr(lib, entry).restype = ctypes.c_int
-            getattr(lib, entry).argtypes = [_P, _P, _P, _I, _I, _I, _P]
+        getattr(lib, entry).restype = ctypes.c_int
+        getattr(lib, entry).argtypes = [_P, _P, _P, _I, _I, _I, _P]
     lib.tiled_rows.restype = ctypes.c_int
     lib.tiled_rows.argtypes = [_P, _P, _P, _I, _I, _I, _I, _I]
     lib.tiled_gemm_tile_width.restype = _I
+    lib.tiled_gemm_bf16_loop.restype = _I
     return lib
 
 
@@ -74,9 +78,23 @@ def runs_dtype(dtype: torch.dtype) -> str | None:
         return lib
     if dtype not in _ENTRY:
         return f"the tiled kernel has no {str(dtype).removeprefix('torch.')}"
-    if not hasattr(lib, _ENTRY[dtype]):
-        return "the tiled bfloat16 kernel needs AVX512-BF16"
+    if dtype == torch.bfloat16 and lib.tiled_gemm_bf16_loop() == BF16_PORTABLE:
+        return "the tiled bfloat16 kernel needs AVX512-BF16, or AVX2 with FMA"
     return None
+
+
+#: what :func:`bf16_loop` returns: the C source's loops for bfloat16
+BF16_PORTABLE, BF16_WIDENING, BF16_DOT = 0, 1, 2
+
+
+def bf16_loop() -> int:
+    """Which loop runs bfloat16 here, as compiled: ``BF16_DOT`` (AVX512-BF16's dot products of
+    pairs), ``BF16_WIDENING`` (AVX2: pairs widened to float32 as loaded) or ``BF16_PORTABLE``.
+    The first two give the same bits (see the C source); the portable one is too slow to choose."""
+    lib = _library()
+    if isinstance(lib, str):
+        raise RuntimeError(lib)
+    return lib.tiled_gemm_bf16_loop()
 
 
 def _padded(in_features: int, dtype: torch.dtype) -> int:
@@ -134,7 +152,7 @@ def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
     count = rows.shape[0]
     out = torch.empty((count, out_features), dtype=dtype)
     if count:
-        getattr(_library(), _ENTRY[dtype])(
+        failed = getattr(_library(), _ENTRY[dtype])(
             rows.data_ptr(),
             tiles.data_ptr(),
             None if bias is None else bias.data_ptr(),
@@ -143,6 +161,8 @@ def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
             in_features,
             out_features,
         )
+        if failed:  # None for float32, which needs no workspace
+            raise MemoryError("the tiled bfloat16 kernel could not allocate its workspace")
     return out if flat else out.view(*x.shape[:-1], out_features)
 
 

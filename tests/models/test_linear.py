@@ -15,8 +15,9 @@ import torch
 from pagedkv.models import load_model
 from pagedkv.models.layer_ops import native_ops, silu_mul_epilogue
 from pagedkv.models.linear import ONEDNN, TILED, TORCH, Linear, choose_linear_kernel
-from pagedkv.models.tiled_gemm import SOURCE as TILED_SOURCE
 from pagedkv.models.tiled_gemm import (
+    BF16_DOT,
+    bf16_loop,
     from_paired_tiles,
     from_tiles,
     runs_dtype,
@@ -26,6 +27,7 @@ from pagedkv.models.tiled_gemm import (
     to_paired_tiles,
     to_tiles,
 )
+from pagedkv.models.tiled_gemm import SOURCE as TILED_SOURCE
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 
 from .paging import PagedBatch
@@ -36,7 +38,7 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(4, TEST_VOCAB_SIZE, (n,), generator=gen).tolist() for n in (9, 1, 4)]
 
 
-BF16_TILES = runs_dtype(torch.bfloat16) is None  # AVX512-BF16, as on most of this project's machines
+BF16_TILES = runs_dtype(torch.bfloat16) is None  # AVX512-BF16, or AVX2 with FMA
 # oneDNN multiplies bfloat16 natively from AVX-512 on; an AVX2-only host (a Zen 1 EPYC, seen here)
 # refuses it, and the tests below then check the refusal instead of the product.
 ONEDNN_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -113,16 +115,34 @@ def test_tiled_kernel_matches_float64_and_ignores_the_batch(out_features, in_fea
     assert tiled_linear(torch.empty(0, in_features), tiles, None).shape == (0, out_features)
 
 
+def _pairwise_bf16_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What vdpbf16ps sums, written out: k in pairs (an odd ``in`` pairs its last k with zero),
+    each pair's odd product added before its even one, in float32 (a product of two bfloat16
+    values is exact there, so each add rounds as a fused multiply-add does); then the bias,
+    and one rounding to bfloat16."""
+    x, weight = x.float(), weight.float()
+    if x.shape[1] % 2:
+        x, weight = torch.nn.functional.pad(x, (0, 1)), torch.nn.functional.pad(weight, (0, 1))
+    acc = torch.zeros(x.shape[0], weight.shape[0])
+    for p in range(x.shape[1] // 2):
+        acc = acc + x[:, 2 * p + 1, None] * weight[None, :, 2 * p + 1]
+        acc = acc + x[:, 2 * p, None] * weight[None, :, 2 * p]
+    return (acc + (0.0 if bias is None else bias.float())).bfloat16()
+
+
 @pytest.mark.parametrize(("out_features", "in_features"), [(128, 64), (200, 47), (7, 33), (64, 1100)])
-def test_tiled_bfloat16_gives_f_linears_bits(out_features, in_features):
-    """bfloat16 runs AVX512-BF16's dot products of pairs in k order, as oneDNN does for a few rows,
-    so on a CPU that has them it must give ``F.linear``'s bits (oneDNN's) there; odd ``in`` pairs
-    the last k with zero. (From 32 rows with k >= 1024 oneDNN sums in another order and ~1 output
-    in 10,000 differs in its last bit: not tested here.)"""
+def test_tiled_bfloat16_sums_pairs_as_vdpbf16ps_does(out_features, in_features):
+    """bfloat16 runs AVX512-BF16's dot products of pairs in k order where the CPU has them, as
+    oneDNN does for a few rows, so there it must give ``F.linear``'s bits (oneDNN's); on AVX2 the
+    pairs are widened to float32 and summed in vdpbf16ps' order, which must give the written-out
+    pairwise sums' bits. Every register block shape, full and narrow tiles, odd ``in`` (paired
+    with zero); a row's bits do not depend on its batch. (From 32 rows with k >= 1024 oneDNN sums
+    in another order and ~1 output in 10,000 differs in its last bit: not tested here.)"""
     if not BF16_TILES:
-        with pytest.raises(ValueError, match="'tiled' cannot run here"):
+        with pytest.raises(ValueError, match="'tiled' cannot run here: the tiled bfloat16 kernel needs"):
             choose_linear_kernel("tiled", torch.device("cpu"), torch.bfloat16)
         return
+    dot = bf16_loop() == BF16_DOT
     gen = torch.Generator().manual_seed(in_features)
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     bias = torch.randn(out_features, generator=gen).bfloat16()
@@ -130,10 +150,13 @@ def test_tiled_bfloat16_gives_f_linears_bits(out_features, in_features):
     assert torch.equal(from_tiles(tiles, in_features), weight)
     ids = torch.randperm(out_features, generator=gen)
     assert torch.equal(tiled_rows(tiles, ids, in_features), weight[ids])
-    for rows in (1, 6, 13):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13) if dot else (1, 2, 3, 4, 5, 6, 7, 13, 40):
         x = torch.randn(rows, in_features, generator=gen).bfloat16()
-        assert torch.equal(tiled_linear(x, tiles, bias), torch.nn.functional.linear(x, weight, bias))
-        assert torch.equal(tiled_linear(x, tiles, None), torch.nn.functional.linear(x, weight))
+        for b in (bias, None):
+            got = tiled_linear(x, tiles, b)
+            want = (torch.nn.functional.linear if dot else _pairwise_bf16_product)(x, weight, b)
+            assert torch.equal(got, want)
+        assert torch.equal(tiled_linear(x[rows // 2 :][:1], tiles, None), got[rows // 2 :][:1])
 
 
 def test_a_layer_function_reads_the_current_weight_at_each_call(tmp_path):
@@ -257,3 +280,11 @@ def test_portable_build_of_the_tiled_kernel_gives_the_same_bits(tmp_path):
         portable.tiled_gate_up_f32(x.data_ptr(), paired.data_ptr(), product.data_ptr(), 9, 40, 75, None) == 0
     )
     assert torch.equal(product, tiled_linear(x, tiles, None))
+    # bfloat16: the portable loop sums the pairs in vdpbf16ps' order too (odd ``in``: 41)
+    portable.tiled_linear_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    weight, bias = torch.randn(150, 41, generator=gen).bfloat16(), bias.bfloat16()
+    x = torch.randn(9, 41, generator=gen).bfloat16()
+    out, tiles = torch.empty(9, 150, dtype=torch.bfloat16), to_tiles(weight)
+    args = (x.data_ptr(), tiles.data_ptr(), bias.data_ptr(), out.data_ptr(), 9, 41, 150)
+    assert portable.tiled_linear_bf16(*args) == 0
+    assert torch.equal(out, _pairwise_bf16_product(x, weight, bias))

@@ -1,6 +1,6 @@
 /*
  * y = x . W^T + b on the CPU, W stored in column tiles: the linear layers' kernel, in float32
- * and (with AVX512-BF16) bfloat16.
+ * and bfloat16.
  *
  * Why not oneDNN: in a decode step every weight is read from DRAM once for a handful of rows,
  * and oneDNN's packed sgemm stalls on that stream (13-28 GB/s of the ~42 GB/s two cores read).
@@ -15,11 +15,13 @@
  * with r floats per k. Nothing is padded, so the weight takes exactly its plain size.
  *
  * Sums run over k in order, one fused multiply-add per term, whatever the row count, the thread
- * count or the chunking: a row's result never depends on its batch.
+ * count or the chunking: a row's result never depends on its batch. bfloat16 sums k in pairs,
+ * each pair's odd product first (vdpbf16ps' order), on every path.
  *
  * Entry points (x [M, K], y [M, N] row-major; bias [N] or NULL):
  *   tiled_linear_f32(x, tiles, bias, y, M, K, N)
- *   tiled_linear_bf16(x, tiles, bias, y, M, K, N)   only where the compiler targets AVX512-BF16
+ *   tiled_linear_bf16(x, tiles, bias, y, M, K, N) -> 0, or 1 without memory
+ *   tiled_gemm_bf16_loop() -> 2: AVX512-BF16's dot products, 1: AVX2 widening, 0: portable
  *
  * The MLP's gate/up projection ([2 I, K]: I gate rows, then I up rows) has a second layout,
  * "paired": for each run t of 64 output columns of width w = min(64, I - 64 t), the [2 w, K]
@@ -71,6 +73,164 @@ static void narrow_rows(const float *x, int64_t K, const float *tile, int64_t wi
         memcpy(y + i * N, acc, width * sizeof(float));
     }
 }
+
+#ifndef __AVX512BF16__
+/* bfloat16 widens exactly to float32: its bits are a float32's upper half */
+static inline float widen(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* narrow_rows for a bfloat16 tile in pairs (see "bfloat16" below): x in float32 (row stride K,
+ * even), pair steps p0..p1, each pair's odd k first, as AVX512-BF16's vdpbf16ps adds them */
+static void narrow_pairs(const float *x, int64_t K, const uint16_t *tile, int64_t width, int64_t p0, int64_t p1,
+                         float *y, int64_t N, int rows) {
+    for (int i = 0; i < rows; i++) {
+        float acc[NR];
+        for (int64_t j = 0; j < width; j++) acc[j] = p0 == 0 ? 0.0f : y[i * N + j];
+        for (int64_t p = p0; p < p1; p++) {
+            const float odd = x[i * K + 2 * p + 1], even = x[i * K + 2 * p];
+            const uint16_t *w = tile + p * width * 2;
+            for (int64_t j = 0; j < width; j++) {
+                acc[j] = __builtin_fmaf(odd, widen(w[2 * j + 1]), acc[j]);
+                acc[j] = __builtin_fmaf(even, widen(w[2 * j]), acc[j]);
+            }
+        }
+        memcpy(y + i * N, acc, width * sizeof(float));
+    }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+/*
+ * AVX2 (a Zen 1 EPYC, seen here): 16 registers of 8 floats. A block of `rows` rows by `vecs`
+ * vectors of 8 columns, from column `col` of the tile, holds rows * vecs accumulators, vecs
+ * weight vectors and one broadcast: 1 x 64 columns (the weights then fold into the multiply-adds'
+ * memory operands), 2 x 32, or 3-6 x 16. Each k step issues 6-12 independent multiply-adds,
+ * enough to cover their latency. The same sums in the same k order as the other paths.
+ *
+ * Both layouts step through a tile 256 bytes at a time, 4 bytes per column: a float32 k row, or
+ * (`pairs`) a bfloat16 pair of k rows. A pair widens to two float32 vectors in two integer ops
+ * (the odd k is the upper half of each 32-bit lane, the even one shifted up into it), which
+ * multiply float32 x (row stride K, even) odd k first: vdpbf16ps' sums, bit for bit.
+ */
+static inline __attribute__((always_inline)) void block8(const float *x, int64_t K, const char *tile, int64_t col,
+                                                         int64_t k0, int64_t k1, float *y, int64_t N, int rows,
+                                                         int vecs, int first, int fetch, const char *next,
+                                                         int64_t next_lines, int pairs) {
+#define ACC_LOAD(i, j)                                                                             \
+    if ((j) < vecs) a##i##j = _mm256_loadu_ps(y + (i) * N + col + 8 * (j));
+#define START(i)                                                                                   \
+    __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = a##i##0, a##i##2 = a##i##0, a##i##3 = a##i##0; \
+    __m256 a##i##4 = a##i##0, a##i##5 = a##i##0, a##i##6 = a##i##0, a##i##7 = a##i##0;             \
+    if (i < rows && !first) {                                                                      \
+        ACC_LOAD(i, 0) ACC_LOAD(i, 1) ACC_LOAD(i, 2) ACC_LOAD(i, 3)                                \
+        ACC_LOAD(i, 4) ACC_LOAD(i, 5) ACC_LOAD(i, 6) ACC_LOAD(i, 7)                                \
+    }
+    START(0) START(1) START(2) START(3) START(4) START(5)
+#undef START
+#undef ACC_LOAD
+    const __m256i upper = _mm256_set1_epi32((int)0xFFFF0000u);
+    int64_t owed = 0, pulled = 0;
+#pragma GCC unroll 4
+    for (int64_t k = k0; k < k1; k++) {
+        const char *w = tile + k * NR * 4;
+        if (fetch) { /* as the AVX-512 path: the first pass pulls the whole tile row ahead */
+            const char *ahead = w + PF * NR * 4;
+            _mm_prefetch(ahead, _MM_HINT_T1);
+            _mm_prefetch(ahead + 64, _MM_HINT_T1);
+            _mm_prefetch(ahead + 128, _MM_HINT_T1);
+            _mm_prefetch(ahead + 192, _MM_HINT_T1);
+        }
+        if (next != NULL) /* next_lines cache lines from `next` on, spread evenly over the k steps */
+            for (owed += next_lines; owed >= k1 - k0; owed -= k1 - k0) _mm_prefetch(next + 64 * pulled++, _MM_HINT_T1);
+        w += col * 4;
+#define FMA(i, j, wv)                                                                              \
+    if ((j) < vecs) a##i##j = _mm256_fmadd_ps(xi, wv##j, a##i##j);
+#define ROW(i, wv, at)                                                                             \
+    if (i < rows) {                                                                                \
+        __m256 xi = _mm256_broadcast_ss(x + (i) * K + (at));                                       \
+        FMA(i, 0, wv) FMA(i, 1, wv) FMA(i, 2, wv) FMA(i, 3, wv)                                    \
+        FMA(i, 4, wv) FMA(i, 5, wv) FMA(i, 6, wv) FMA(i, 7, wv)                                    \
+    }
+#define ROWS(wv, at) ROW(0, wv, at) ROW(1, wv, at) ROW(2, wv, at) ROW(3, wv, at) ROW(4, wv, at) ROW(5, wv, at)
+        if (!pairs) {
+#define W(j) __m256 w##j = (j) < vecs ? _mm256_loadu_ps((const float *)w + 8 * (j)) : _mm256_setzero_ps();
+            W(0) W(1) W(2) W(3) W(4) W(5) W(6) W(7)
+#undef W
+            ROWS(w, k)
+        } else {
+#define RAW(j) ((j) < vecs ? _mm256_loadu_si256((const __m256i *)(w + 32 * (j))) : _mm256_setzero_si256())
+#define ODD(j) __m256 o##j = _mm256_castsi256_ps(_mm256_and_si256(RAW(j), upper));
+#define EVEN(j) __m256 e##j = _mm256_castsi256_ps(_mm256_slli_epi32(RAW(j), 16));
+            ODD(0) ODD(1) ODD(2) ODD(3) ODD(4) ODD(5) ODD(6) ODD(7)
+            ROWS(o, 2 * k + 1)
+            EVEN(0) EVEN(1) EVEN(2) EVEN(3) EVEN(4) EVEN(5) EVEN(6) EVEN(7)
+            ROWS(e, 2 * k)
+#undef EVEN
+#undef ODD
+#undef RAW
+        }
+#undef ROWS
+#undef ROW
+#undef FMA
+    }
+#define ACC_STORE(i, j)                                                                            \
+    if ((j) < vecs) _mm256_storeu_ps(y + (i) * N + col + 8 * (j), a##i##j);
+#define STORE(i)                                                                                   \
+    if (i < rows) {                                                                                \
+        ACC_STORE(i, 0) ACC_STORE(i, 1) ACC_STORE(i, 2) ACC_STORE(i, 3)                            \
+        ACC_STORE(i, 4) ACC_STORE(i, 5) ACC_STORE(i, 6) ACC_STORE(i, 7)                            \
+    }
+    STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
+#undef STORE
+#undef ACC_STORE
+}
+
+/* column passes for `rows` rows: 1 x 64, 2 x 32, else 16 columns */
+#define PASSES(rows) ((rows) == 1 ? 1 : (rows) == 2 ? 2 : 4)
+
+/* all 64 columns of `rows` rows (a constant after inlining), row block `index` of M rows, k steps
+ * k0..k1 of `steps`, in PASSES(rows) column passes. The first pass of row block 0 streams the tile
+ * from DRAM; all the others, over all row blocks, compute from L2 and share out the pull of the
+ * next tile's first KC k steps into L2, each its slice, spread over its k steps. Pulled by the
+ * first pass alone or not at all, DRAM idled while the others ran: on a Zen 1 EPYC 2 to 6 rows
+ * read the bench model's LM head at 10-12 GB/s against one row's 18, and a step's weights at 8
+ * rows took 13.3 ms against 7.5-8.3 ms at 1 to 6 rows. */
+static inline __attribute__((always_inline)) void block_columns(const float *x, int64_t K, const char *tile,
+                                                                int64_t steps, int64_t k0, int64_t k1, float *y,
+                                                                int64_t N, int rows, int64_t index, int64_t M,
+                                                                const char *next_tile, int pairs) {
+    const int vecs = 8 / PASSES(rows), first = k0 == 0;
+    const int64_t last_rows = M - (M - 1) / MR * MR, blocks = (M - 1) / MR + 1;
+    const int64_t sharers = (blocks - 1) * PASSES(MR) + PASSES(last_rows) - 1;
+    const int64_t lines = (int64_t)NR * 4 / 64 * (steps < KC ? steps : KC);
+    for (int pass = 0; pass < PASSES(rows); pass++) {
+        const int64_t g = index * PASSES(MR) + pass; /* earlier row blocks are all full */
+        const char *pull = NULL;
+        int64_t count = 0;
+        if (next_tile != NULL && sharers == 0) /* one pass in all: it pulls the whole next chunk */
+            pull = next_tile, count = lines;
+        else if (next_tile != NULL && g > 0)
+            pull = next_tile + 64 * ((g - 1) * lines / sharers), count = g * lines / sharers - (g - 1) * lines / sharers;
+        block8(x, K, tile, pass * 8 * vecs, k0, k1, y, N, rows, vecs, first, index == 0 && pass == 0, pull, count,
+               pairs);
+    }
+}
+
+/* block_columns with a row count the compiler sees as a constant */
+#define BLOCK_COLUMNS(x, K, tile, steps, k0, k1, y, N, rows, index, M, next_tile, pairs)            \
+    switch (rows) {                                                                                \
+    case 6: block_columns(x, K, tile, steps, k0, k1, y, N, 6, index, M, next_tile, pairs); break;  \
+    case 5: block_columns(x, K, tile, steps, k0, k1, y, N, 5, index, M, next_tile, pairs); break;  \
+    case 4: block_columns(x, K, tile, steps, k0, k1, y, N, 4, index, M, next_tile, pairs); break;  \
+    case 3: block_columns(x, K, tile, steps, k0, k1, y, N, 3, index, M, next_tile, pairs); break;  \
+    case 2: block_columns(x, K, tile, steps, k0, k1, y, N, 2, index, M, next_tile, pairs); break;  \
+    default: block_columns(x, K, tile, steps, k0, k1, y, N, 1, index, M, next_tile, pairs); break; \
+    }
+#endif
 
 #ifdef __AVX512F__
 
@@ -146,109 +306,9 @@ static void block_rows(const float *x, int64_t K, const float *tile, int64_t k0,
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
-/*
- * AVX2 (a Zen 1 EPYC, seen here): 16 registers of 8 floats. A block of `rows` rows by `vecs`
- * vectors of 8 columns, from column `col` of the tile, holds rows * vecs accumulators, vecs
- * weight vectors and one broadcast: 1 x 64 columns (the weights then fold into the multiply-adds'
- * memory operands), 2 x 32, or 3-6 x 16. Each k step issues 6-12 independent multiply-adds,
- * enough to cover their latency. The same sums in the same k order as the other paths.
- */
-static inline __attribute__((always_inline)) void block8(const float *x, int64_t K, const float *tile, int64_t col,
-                                                         int64_t k0, int64_t k1, float *y, int64_t N, int rows,
-                                                         int vecs, int first, int fetch, const char *next,
-                                                         int64_t next_lines) {
-#define ACC_LOAD(i, j)                                                                             \
-    if ((j) < vecs) a##i##j = _mm256_loadu_ps(y + (i) * N + col + 8 * (j));
-#define START(i)                                                                                   \
-    __m256 a##i##0 = _mm256_setzero_ps(), a##i##1 = a##i##0, a##i##2 = a##i##0, a##i##3 = a##i##0; \
-    __m256 a##i##4 = a##i##0, a##i##5 = a##i##0, a##i##6 = a##i##0, a##i##7 = a##i##0;             \
-    if (i < rows && !first) {                                                                      \
-        ACC_LOAD(i, 0) ACC_LOAD(i, 1) ACC_LOAD(i, 2) ACC_LOAD(i, 3)                                \
-        ACC_LOAD(i, 4) ACC_LOAD(i, 5) ACC_LOAD(i, 6) ACC_LOAD(i, 7)                                \
-    }
-    START(0) START(1) START(2) START(3) START(4) START(5)
-#undef START
-#undef ACC_LOAD
-    int64_t owed = 0, pulled = 0;
-#pragma GCC unroll 4
-    for (int64_t k = k0; k < k1; k++) {
-        const float *w = tile + k * NR;
-        if (fetch) { /* as the AVX-512 path: the first pass pulls the whole tile row ahead */
-            const char *ahead = (const char *)(w + PF * NR);
-            _mm_prefetch(ahead, _MM_HINT_T1);
-            _mm_prefetch(ahead + 64, _MM_HINT_T1);
-            _mm_prefetch(ahead + 128, _MM_HINT_T1);
-            _mm_prefetch(ahead + 192, _MM_HINT_T1);
-        }
-        if (next != NULL) /* next_lines cache lines from `next` on, spread evenly over the k steps */
-            for (owed += next_lines; owed >= k1 - k0; owed -= k1 - k0) _mm_prefetch(next + 64 * pulled++, _MM_HINT_T1);
-        w += col;
-#define W(j) __m256 w##j = (j) < vecs ? _mm256_loadu_ps(w + 8 * (j)) : _mm256_setzero_ps();
-        W(0) W(1) W(2) W(3) W(4) W(5) W(6) W(7)
-#undef W
-#define FMA(i, j)                                                                                  \
-    if ((j) < vecs) a##i##j = _mm256_fmadd_ps(xi, w##j, a##i##j);
-#define ROW(i)                                                                                     \
-    if (i < rows) {                                                                                \
-        __m256 xi = _mm256_broadcast_ss(x + (i) * K + k);                                          \
-        FMA(i, 0) FMA(i, 1) FMA(i, 2) FMA(i, 3) FMA(i, 4) FMA(i, 5) FMA(i, 6) FMA(i, 7)            \
-    }
-        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
-#undef ROW
-#undef FMA
-    }
-#define ACC_STORE(i, j)                                                                            \
-    if ((j) < vecs) _mm256_storeu_ps(y + (i) * N + col + 8 * (j), a##i##j);
-#define STORE(i)                                                                                   \
-    if (i < rows) {                                                                                \
-        ACC_STORE(i, 0) ACC_STORE(i, 1) ACC_STORE(i, 2) ACC_STORE(i, 3)                            \
-        ACC_STORE(i, 4) ACC_STORE(i, 5) ACC_STORE(i, 6) ACC_STORE(i, 7)                            \
-    }
-    STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
-#undef STORE
-#undef ACC_STORE
-}
-
-/* column passes for `rows` rows: 1 x 64, 2 x 32, else 16 columns */
-#define PASSES(rows) ((rows) == 1 ? 1 : (rows) == 2 ? 2 : 4)
-
-/* all 64 columns of `rows` rows (a constant after inlining), row block `index` of M rows, in
- * PASSES(rows) column passes. The first pass of row block 0 streams the tile from DRAM; all the
- * others, over all row blocks, compute from L2 and share out the pull of the next tile's first
- * KC k rows into L2, each its slice, spread over its k steps. Pulled by the first pass alone or
- * not at all, DRAM idled while the others ran: on a Zen 1 EPYC 2 to 6 rows read the bench model's
- * LM head at 10-12 GB/s against one row's 18, and a step's weights at 8 rows took 13.3 ms
- * against 7.5-8.3 ms at 1 to 6 rows. */
-static inline __attribute__((always_inline)) void block_columns(const float *x, int64_t K, const float *tile,
-                                                                int64_t k0, int64_t k1, float *y, int64_t N,
-                                                                int rows, int64_t index, int64_t M,
-                                                                const char *next_tile) {
-    const int vecs = 8 / PASSES(rows), first = k0 == 0;
-    const int64_t last_rows = M - (M - 1) / MR * MR, blocks = (M - 1) / MR + 1;
-    const int64_t sharers = (blocks - 1) * PASSES(MR) + PASSES(last_rows) - 1;
-    const int64_t lines = (int64_t)NR * sizeof(float) / 64 * (K < KC ? K : KC);
-    for (int pass = 0; pass < PASSES(rows); pass++) {
-        const int64_t g = index * PASSES(MR) + pass; /* earlier row blocks are all full */
-        const char *pull = NULL;
-        int64_t count = 0;
-        if (next_tile != NULL && sharers == 0) /* one pass in all: it pulls the whole next chunk */
-            pull = next_tile, count = lines;
-        else if (next_tile != NULL && g > 0)
-            pull = next_tile + 64 * ((g - 1) * lines / sharers), count = g * lines / sharers - (g - 1) * lines / sharers;
-        block8(x, K, tile, pass * 8 * vecs, k0, k1, y, N, rows, vecs, first, index == 0 && pass == 0, pull, count);
-    }
-}
-
 static void block_rows(const float *x, int64_t K, const float *tile, int64_t k0, int64_t k1, float *y,
                        int64_t N, int rows, int64_t index, int64_t M, const char *next_tile) {
-    switch (rows) {
-    case 6: block_columns(x, K, tile, k0, k1, y, N, 6, index, M, next_tile); break;
-    case 5: block_columns(x, K, tile, k0, k1, y, N, 5, index, M, next_tile); break;
-    case 4: block_columns(x, K, tile, k0, k1, y, N, 4, index, M, next_tile); break;
-    case 3: block_columns(x, K, tile, k0, k1, y, N, 3, index, M, next_tile); break;
-    case 2: block_columns(x, K, tile, k0, k1, y, N, 2, index, M, next_tile); break;
-    default: block_columns(x, K, tile, k0, k1, y, N, 1, index, M, next_tile); break;
-    }
+    BLOCK_COLUMNS(x, K, (const char *)tile, K, k0, k1, y, N, rows, index, M, next_tile, 0)
 }
 
 #else /* portable: the same operations in the same order, left to the compiler's vectoriser */
@@ -434,8 +494,8 @@ static void block_rows_bf16(const uint16_t *x, int64_t K, const uint16_t *tile, 
     }
 }
 
-void tiled_linear_bf16(const uint16_t *x, const uint16_t *tiles, const uint16_t *bias, uint16_t *y, int64_t M,
-                       int64_t K, int64_t N) {
+int tiled_linear_bf16(const uint16_t *x, const uint16_t *tiles, const uint16_t *bias, uint16_t *y, int64_t M,
+                      int64_t K, int64_t N) {
     int64_t count = (N + NR - 1) / NR, padded = K + K % 2;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < count; t++) {
@@ -448,6 +508,7 @@ void tiled_linear_bf16(const uint16_t *x, const uint16_t *tiles, const uint16_t 
                             NEXT_TILE(next, m / MR, padded / 2));
         }
     }
+    return 0;
 }
 
 typedef void (*silu_mul_bf16)(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t n, int64_t out_stride);
@@ -483,6 +544,194 @@ int tiled_gate_up_bf16(const uint16_t *x, const uint16_t *tiles, uint16_t *y, in
     }
     return failed;
 }
+#else
+/*
+ * bfloat16 without AVX512-BF16: the same tiles (k in pairs, see above) and the same sums. x is
+ * widened to float32 once per call (rows padded to an even length with a zero, the partner of an
+ * odd K's last k), each pair of weight rows is widened as it is loaded, and the products are
+ * summed odd k first in float32 -- a product of two bfloat16 values is exact in float32, so each
+ * fused multiply-add rounds as vdpbf16ps does. A tile's sums go to a float32 workspace, then
+ * the bias is added and the result rounded to bfloat16 once, to nearest even. On AVX2 (a Zen 1
+ * EPYC) the loop is block_columns' with widening loads; elsewhere the portable narrow_pairs.
+ */
+static void block_rows_pairs(const float *x, int64_t K, const uint16_t *tile, int64_t steps, int64_t p0, int64_t p1,
+                             float *y, int64_t N, int rows, int64_t index, int64_t M, const char *next_tile) {
+#if defined(__AVX2__) && defined(__FMA__)
+    BLOCK_COLUMNS(x, K, (const char *)tile, steps, p0, p1, y, N, rows, index, M, next_tile, 1)
+#else
+    (void)steps, (void)index, (void)M, (void)next_tile;
+    narrow_pairs(x, K, tile, NR, p0, p1, y, N, rows);
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define WIDEN_ROWS 24
+/* a full tile's `steps` pairs widened once into a float32 tile of 2 steps k rows, each pair's odd
+ * k first (x is then read with its pairs swapped) */
+static void widen_tile(const uint16_t *tile, int64_t steps, float *out) {
+    const __m256i upper = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int64_t p = 0; p < steps; p++)
+        for (int j = 0; j < NR / 8; j++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(tile + p * 2 * NR + 16 * j));
+            _mm256_storeu_si256((__m256i *)(out + 2 * p * NR + 8 * j), _mm256_and_si256(raw, upper));
+            _mm256_storeu_si256((__m256i *)(out + (2 * p + 1) * NR + 8 * j), _mm256_slli_epi32(raw, 16));
+        }
+}
+#endif
+
+/* the float32 sums of all M rows of x (row stride K, even) by a tile of `width` columns, into
+ * acc [M, NR] */
+static void pair_tile_sums(const float *x, const float *swapped, int64_t K, const uint16_t *tile, int64_t width,
+                           float *acc, float *wide_tile, int64_t M, const char *next_tile) {
+    const int64_t steps = K / 2;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (M >= WIDEN_ROWS && width == NR) {
+        widen_tile(tile, steps, wide_tile);
+        for (int64_t k0 = 0; k0 < K; k0 += KC) {
+            const int64_t k1 = k0 + KC < K ? k0 + KC : K;
+            for (int64_t m = 0; m < M; m += MR) {
+                const int rows = M - m < MR ? (int)(M - m) : MR;
+                BLOCK_COLUMNS(swapped + m * K, K, (const char *)wide_tile, steps, k0, k1, acc + m * NR, NR, rows,
+                              m / MR, M, k0 == 0 ? next_tile : NULL, 0)
+            }
+        }
+        return;
+    }
+#else
+    (void)swapped, (void)wide_tile;
+#endif
+    for (int64_t p0 = 0; p0 < steps; p0 += KC) {
+        const int64_t p1 = p0 + KC < steps ? p0 + KC : steps;
+        for (int64_t m = 0; m < M; m += MR) {
+            const int rows = M - m < MR ? (int)(M - m) : MR;
+            if (width == NR)
+                block_rows_pairs(x + m * K, K, tile, steps, p0, p1, acc + m * NR, NR, rows, m / MR, M,
+                                 p0 == 0 ? next_tile : NULL);
+            else
+                narrow_pairs(x + m * K, K, tile, width, p0, p1, acc + m * NR, NR, rows);
+        }
+    }
+}
+
+/* acc [M, NR]'s first `width` columns plus bias (bfloat16, or NULL), rounded to nearest even
+ * (NaN to 0x7FC0, as torch rounds), into y (row stride N) */
+static void round_rows(const float *acc, const uint16_t *bias, uint16_t *y, int64_t N, int64_t M, int64_t width) {
+    for (int64_t m = 0; m < M; m++) {
+        int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; j + 16 <= width; j += 16) {
+            __m256i half[2];
+            for (int h = 0; h < 2; h++) {
+                __m256 sum = _mm256_loadu_ps(acc + m * NR + j + 8 * h);
+                const __m256i b = bias == NULL ? _mm256_setzero_si256()
+                                               : _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                                                                       (const __m128i *)(bias + j + 8 * h))),
+                                                                   16);
+                sum = _mm256_add_ps(sum, _mm256_castsi256_ps(b));
+                const __m256i u = _mm256_castps_si256(sum);
+                const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+                __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+                const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(sum, sum, _CMP_UNORD_Q));
+                half[h] = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+            }
+            /* packus interleaves 128-bit lanes: put the four 64-bit quarters back in order */
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(half[0], half[1]), 0xD8);
+            _mm256_storeu_si256((__m256i *)(y + m * N + j), packed);
+        }
+#endif
+        for (; j < width; j++) {
+            const float sum = acc[m * NR + j] + (bias == NULL ? 0.0f : widen(bias[j]));
+            uint32_t u;
+            memcpy(&u, &sum, sizeof u);
+            y[m * N + j] = sum != sum ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+        }
+    }
+}
+
+/* x [M, K] widened to float32 rows of even length (a zero after an odd K's last), then the same
+ * rows with each pair's two k swapped, in one block; or NULL */
+static float *widened_rows(const uint16_t *x, int64_t M, int64_t K) {
+    const int64_t padded = K + K % 2;
+    float *wide = malloc(sizeof(float) * (M * padded > 0 ? 2 * M * padded : 1));
+    if (wide == NULL) return NULL;
+    float *swapped = wide + M * padded;
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+        int64_t k = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; k + 8 <= K; k += 8) {
+            const __m256 v = _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + m * K + k))), 16));
+            _mm256_storeu_ps(wide + m * padded + k, v);
+            _mm256_storeu_ps(swapped + m * padded + k, _mm256_permute_ps(v, 0xB1)); /* k ^ 1 */
+        }
+#endif
+        for (; k < K; k++) wide[m * padded + k] = widen(x[m * K + k]);
+        if (K % 2) wide[m * padded + K] = 0.0f;
+        for (k = K / 8 * 8; k < padded; k++) swapped[m * padded + (k ^ 1)] = wide[m * padded + k];
+    }
+    return wide;
+}
+
+int tiled_linear_bf16(const uint16_t *x, const uint16_t *tiles, const uint16_t *bias, uint16_t *y, int64_t M,
+                      int64_t K, int64_t N) {
+    const int64_t count = (N + NR - 1) / NR, padded = K + K % 2;
+    float *wide = widened_rows(x, M, K);
+    int failed = wide == NULL;
+#pragma omp parallel if (!failed)
+    {
+        float *acc = malloc(sizeof(float) * M * NR), *wide_tile = malloc(sizeof(float) * NR * padded);
+        if (acc == NULL || wide_tile == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < count; t++) {
+            if (acc == NULL || wide_tile == NULL) continue;
+            const int64_t col = t * NR, width = N - col < NR ? N - col : NR;
+            const char *next = (t + 2) * NR <= N ? (const char *)(tiles + (col + NR) * padded) : NULL;
+            pair_tile_sums(wide, wide + M * padded, padded, tiles + col * padded, width, acc, wide_tile, M, next);
+            round_rows(acc, bias == NULL ? NULL : bias + col, y + col, N, M, width);
+        }
+        free(acc);
+        free(wide_tile);
+    }
+    free(wide);
+    return failed;
+}
+
+typedef void (*silu_mul_bf16)(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t n, int64_t out_stride);
+
+int tiled_gate_up_bf16(const uint16_t *x, const uint16_t *tiles, uint16_t *y, int64_t M, int64_t K, int64_t I,
+                       silu_mul_bf16 epilogue) {
+    const int64_t pairs = (I + NR - 1) / NR, padded = K + K % 2;
+    float *wide = widened_rows(x, M, K);
+    int failed = wide == NULL;
+#pragma omp parallel if (!failed)
+    {
+        float *acc = malloc(sizeof(float) * M * NR), *wide_tile = malloc(sizeof(float) * NR * padded);
+        uint16_t *tmp = malloc(sizeof(uint16_t) * M * 2 * NR);
+        if (acc == NULL || tmp == NULL || wide_tile == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < pairs; t++) {
+            if (acc == NULL || tmp == NULL || wide_tile == NULL) continue;
+            const int64_t w = I - t * NR < NR ? I - t * NR : NR, n = 2 * w;
+            const uint16_t *pair = tiles + t * 2 * NR * padded;
+            const int64_t next_w = I - (t + 1) * NR < NR ? I - (t + 1) * NR : NR;
+            const char *next_pair = t + 1 < pairs ? (const char *)(pair + 2 * NR * padded) : NULL;
+            for (int64_t c = 0; c < n; c += NR) {
+                const int64_t width = n - c < NR ? n - c : NR;
+                pair_tile_sums(wide, wide + M * padded, padded, pair + c * padded, width, acc, wide_tile, M,
+                               next_full_tile((const char *)pair, next_pair, c, n, next_w,
+                                              NR * padded * sizeof(uint16_t)));
+                round_rows(acc, NULL, tmp + c, n, M, width);
+            }
+            FINISH_PAIR(uint16_t, epilogue, tmp, y, M, w, I, t);
+        }
+        free(acc);
+        free(tmp);
+        free(wide_tile);
+    }
+    free(wide);
+    return failed;
+}
 #endif
 
 /* out[r, :] = W[ids[r], :] for a tiled W of N rows of K elements of `elem` bytes, k stored in
@@ -509,3 +758,13 @@ int tiled_rows(const char *tiles, const int64_t *ids, char *out, int64_t n, int6
 }
 
 int64_t tiled_gemm_tile_width(void) { return NR; }
+
+int64_t tiled_gemm_bf16_loop(void) {
+#if defined(__AVX512BF16__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
