@@ -114,7 +114,8 @@ static void narrow_pairs(const float *x, int64_t K, const uint16_t *tile, int64_
  * Both layouts step through a tile 256 bytes at a time, 4 bytes per column: a float32 k row, or
  * (`pairs`) a bfloat16 pair of k rows. A pair widens to two float32 vectors in two integer ops
  * (the odd k is the upper half of each 32-bit lane, the even one shifted up into it), which
- * multiply float32 x (row stride K, even) odd k first: vdpbf16ps' sums, bit for bit.
+ * multiply float32 x (row stride K, even) odd k first: vdpbf16ps' sums (each product is exact in
+ * float32, so each fused multiply-add rounds as its adds do; it flushes denormals, this keeps them).
  */
 static inline __attribute__((always_inline)) void block8(const float *x, int64_t K, const char *tile, int64_t col,
                                                          int64_t k0, int64_t k1, float *y, int64_t N, int rows,
