@@ -137,7 +137,8 @@ class LlamaCppEngine:
             "kv_type": OUTTYPES[dtype] if kv_in_model_dtype else "f16",
             "system": lib.llama_print_system_info().decode(errors="replace").strip(),
         }
-        self.generate([[5, 6, 7, 8, 9, 10, 11, 12]] * 2, [4, 4])  # warm-up
+        warm = min(2, params.n_seq_max)  # sequence ids past n_seq_max fail (one-request runs)
+        self.generate([[5, 6, 7, 8, 9, 10, 11, 12]] * warm, [4] * warm)  # warm-up
 
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
