@@ -17,13 +17,18 @@
  * (grouped-query attention reads each KV head `group` times otherwise); scores are stored
  * head-major, so the softmax exponentials run along positions, VL at a time (with 8 heads and
  * VL 16 the head-wise vector loop never ran: every exponential was a scalar expf); and keys and
- * values PREFETCH positions ahead are prefetched (into L2: see PREFETCH_L2), since the block
+ * keys PREFETCH positions ahead are prefetched (into L2: see PREFETCH_L2), since the block
  * table breaks the stream into block-sized runs that the hardware prefetcher restarts on. The
- * weighted sum of values then
- * runs one KV head at a time, with up to VGROUP query heads x VDIMS vectors of their sums held in
- * registers over the whole run of positions (it used to load and store every head's accumulator
- * for each four positions): the same sums in the same order, 0-12 % faster in cache and 2-6 %
- * with the pool cold (benchmarks/attention_kernel_ab.py, one and two threads). Both passes' inner
+ * weighted sum of values then runs one KV block (a segment of the piece) at a time and within it
+ * one KV head at a time, with up to VGROUP query heads x VDIMS vectors of their sums held in
+ * registers over the segment (it used to load and store every head's accumulator for each four
+ * positions): the same sums in the same order, 0-12 % faster in cache and 2-6 % with the pool
+ * cold (benchmarks/attention_kernel_ab.py, one and two threads). Walking block by block instead
+ * of over the whole piece per head made the pass read each block as one 16 KiB run (prefetched a
+ * block ahead) rather than 128-byte slices 1 KiB apart: on a Zen 1 EPYC, 32 rows of 100-400
+ * positions with the pool cold went from 1.79-1.94 to 1.75-1.78 ms (two threads), and with two
+ * query heads per key step (GROUPS) to 1.47-1.65 ms, bit for bit the same; in the mixed workload
+ * of `pagedkv bench throughput` (float32) decode attention took 1.19 s against 1.33-1.43 s. Both passes' inner
  * loops are then instantiated for constant head and vector counts (keys_ and values_ below):
  * compiled for a run-time count, every position paid a dozen tests and flag stores around its
  * eight multiply-adds. With bfloat16 widened by one vpmovzxwd (GCC assembled the generic
@@ -76,7 +81,15 @@ typedef int32_t vi __attribute__((vector_size(VL * 4)));
 typedef uint16_t vu16 __attribute__((vector_size(VL * 2)));
 
 #define TOKENS 4 /* tokens scored together: independent FMA chains, one q load for four keys */
-#define GROUPS 4 /* query heads scored together per loaded (and converted) key vector */
+/* query heads scored together per loaded (and converted) key vector. With 16 registers (AVX2 and
+ * below) four heads' 16 accumulators did not fit: GCC kept the array on the stack and cleared it
+ * with a memset call per step; two heads stay in registers (a Zen 1 EPYC, 8 query / 4 KV heads:
+ * 5 % faster decode attention). */
+#if VL == 16
+#define GROUPS 4
+#else
+#define GROUPS 2
+#endif
 #define PREFETCH 16 /* positions ahead whose keys / values are prefetched */
 /* Prefetches go to L2, not L1 (prefetcht1, not t0). On a Zen 4 EPYC (2 threads, 8 query / 4 KV
  * heads of 64) the mixed workload's decode steps, replayed with a layer's weights streamed between
@@ -247,33 +260,41 @@ static inline __attribute__((always_inline)) void keys_##NAME(                  
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
-/* Pass 2's inner run: out[g * D + e * VL ...] = sum_i p[head0 + g, i] * v[t0 + i][dim0 + e * VL] \
- * for g < gj query heads and e < nd vectors, the sums in registers over all n positions. Called \
- * with constant gj and nd where it can be, so the loop over positions has no tests in it. */    \
+/* Pass 2's inner run over one segment: len positions (scores columns i0...) in consecutive slots  \
+ * from slot0, so the walk follows a pointer, no block table. out[g * D + e * VL ...] (+)=         \
+ * sum_i p[head0 + g, i0 + i] * v[slot0 + i][dim0 + e * VL] for g < gj query heads and e < nd      \
+ * vectors, the sums in registers over the segment (first: from zero, else from out, which the     \
+ * previous segment left: the same adds in the same order as one run). Each position pulls its     \
+ * share of the next segment's lines (*owed / *pulled, `lines` over `total` positions of all walks).\
+ * Called with constant gj and nd where it can be, so the loop over positions has no tests in it. */\
 static inline __attribute__((always_inline)) void values_##NAME(                                   \
-    const Shape *s, const KT *value, const float *value_scale, const int32_t *table, int64_t t0,   \
-    int64_t n, const float *scores, int64_t ld, int64_t h, int64_t head0, int64_t dim0, float *out,\
-    int64_t D, int64_t gj, int64_t nd) {                                                           \
+    const Shape *s, const KT *value, const float *value_scale, int64_t slot0, int64_t i0, int64_t len,\
+    const float *scores, int64_t ld, int64_t h, int64_t head0, int64_t dim0, float *out, int64_t D,\
+    int64_t gj, int64_t nd, int first, const char *next, int64_t lines, int64_t total, int64_t *owed_at,\
+    int64_t *pulled_at) {                                                                          \
     const int64_t HD = s->kv_heads * D;                                                            \
     vf av[VGROUP][VDIMS] = {{{0}}};                                                                \
-    for (int64_t i = 0; i < n; i++) {                                                              \
-        const int64_t slot = slot_##NAME(s, table, t0 + i);                                        \
-        const KT *vp = value + slot * HD + dim0;                                                   \
-        if (i + PREFETCH < n) {                                                                    \
-            const char *ahead = (const char *)(value + slot_##NAME(s, table, t0 + i + PREFETCH) * HD + dim0);\
-            for (int64_t b = 0; b < nd * VL * (int64_t)sizeof(KT); b += 64) PREFETCH_L2(ahead + b);\
-        }                                                                                          \
+    if (!first)                                                                                    \
+        for (int g = 0; g < VGROUP; g++)                                                           \
+            for (int e = 0; e < VDIMS; e++)                                                        \
+                if (g < gj && e < nd) av[g][e] = vload_f32(out + g * D + e * VL);                  \
+    int64_t owed = *owed_at, pulled = *pulled_at;                                                  \
+    const KT *vp = value + slot0 * HD + dim0;                                                      \
+    for (int64_t i = 0; i < len; i++, vp += HD) {                                                  \
+        if (next != NULL)                                                                          \
+            for (owed += lines; owed >= total; owed -= total) PREFETCH_L2(next + 64 * pulled++);   \
         vf vv[VDIMS];                                                                              \
         for (int e = 0; e < VDIMS; e++)                                                            \
-            if (e < nd) vv[e] = SCALED ? vload_##KS(vp + e * VL) * value_scale[slot * s->kv_heads + h]\
+            if (e < nd) vv[e] = SCALED ? vload_##KS(vp + e * VL) * value_scale[(slot0 + i) * s->kv_heads + h]\
                                        : vload_##KS(vp + e * VL);                                  \
         for (int g = 0; g < VGROUP; g++)                                                           \
             if (g < gj) {                                                                          \
-                const float p = scores[(head0 + g) * ld + i];                                      \
+                const float p = scores[(head0 + g) * ld + i0 + i];                                 \
                 for (int e = 0; e < VDIMS; e++)                                                    \
                     if (e < nd) av[g][e] += p * vv[e];                                             \
             }                                                                                      \
     }                                                                                              \
+    *owed_at = owed, *pulled_at = pulled;                                                          \
     for (int g = 0; g < gj; g++)                                                                   \
         for (int e = 0; e < nd; e++) vstore(out + g * D + e * VL, av[g][e]);                       \
 }                                                                                                  \
@@ -343,35 +364,51 @@ static void attend_piece_##NAME(const Shape *s, const float *qf, const KT *key, 
         maxs[j] = m;                                                                               \
         sums[j] = sum;                                                                             \
     }                                                                                              \
-    /* pass 2: acc[j] = sum_i p[j, i] * v[t0 + i], one KV head, up to VGROUP of its query heads    \
-     * and VDIMS vectors of the head dimension at a time, the partial sums held in registers for   \
-     * the whole run of positions; each value vector is loaded (converted and scaled) once per     \
-     * VGROUP query heads */                                                                       \
-    for (int64_t h = 0; h < s->kv_heads; h++)                                                      \
-        for (int64_t j0 = h * group; j0 < (h + 1) * group; j0 += VGROUP) {                         \
-            const int64_t gj = (h + 1) * group - j0 < VGROUP ? (h + 1) * group - j0 : VGROUP;      \
-            for (int64_t d0 = 0; d0 < vec_d; d0 += VL * VDIMS) {                                   \
-                const int64_t nd = (vec_d - d0) / VL < VDIMS ? (vec_d - d0) / VL : VDIMS;          \
-                const int64_t head0 = j0, dim0 = h * D + d0;                                       \
-                /* whole groups of VDIMS vectors with a fixed head count compile to a loop with no \
-                 * tests in it (D = 64, 128: every group; D = 32: one group of 2 vectors); the     \
-                 * general case tests per position */                                             \
-                if (nd == VDIMS && gj == 2)                                                        \
-                    values_##NAME(s, value, value_scale, table, t0, n, scores, ld, h, head0, dim0, acc + j0 * D + d0, D, 2, VDIMS);\
-                else if (nd == VDIMS && gj == 1)                                                   \
-                    values_##NAME(s, value, value_scale, table, t0, n, scores, ld, h, head0, dim0, acc + j0 * D + d0, D, 1, VDIMS);\
-                else if (nd == VDIMS && gj == 4)                                                   \
-                    values_##NAME(s, value, value_scale, table, t0, n, scores, ld, h, head0, dim0, acc + j0 * D + d0, D, 4, VDIMS);\
-                else if (nd == 2 && gj == 2) /* D = 32 (small models) */                           \
-                    values_##NAME(s, value, value_scale, table, t0, n, scores, ld, h, head0, dim0, acc + j0 * D + d0, D, 2, 2);\
-                else if (nd == 2 && gj == 1)                                                       \
-                    values_##NAME(s, value, value_scale, table, t0, n, scores, ld, h, head0, dim0, acc + j0 * D + d0, D, 1, 2);\
-                else if (nd == 2 && gj == 4)                                                       \
-                    values_##NAME(s, value, value_scale, table, t0, n, scores, ld, h, head0, dim0, acc + j0 * D + d0, D, 4, 2);\
-                else                                                                               \
-                    values_##NAME(s, value, value_scale, table, t0, n, scores, ld, h, head0, dim0, acc + j0 * D + d0, D, gj, nd);\
-            }                                                                                      \
+    /* pass 2: acc[j] = sum_i p[j, i] * v[t0 + i], one segment (the piece's part of one KV block)  \
+     * at a time, within it one KV head, up to VGROUP of its query heads and VDIMS vectors of the  \
+     * head dimension at a time, the partial sums in registers over the segment; each value vector \
+     * is loaded (converted and scaled) once per VGROUP query heads. The walks of a segment pull   \
+     * the next segment's values into L2 between them: walked across all positions instead, each   \
+     * walk read a 128-byte slice of every position's values (1 KiB apart in float32), and the     \
+     * pass ran at 6 GB/s a core on a Zen 1 EPYC. */                                               \
+    const int64_t walks = s->kv_heads * ((group + VGROUP - 1) / VGROUP) * ((vec_d + VL * VDIMS - 1) / (VL * VDIMS));\
+    for (int64_t i0 = 0; i0 < n;) {                                                                \
+        const int64_t into = (t0 + i0) % s->block_size, slot0 = slot_##NAME(s, table, t0 + i0);    \
+        const int64_t len = n - i0 < s->block_size - into ? n - i0 : s->block_size - into, i1 = i0 + len;\
+        const char *next = NULL;                                                                   \
+        int64_t lines = 0, owed = 0, pulled = 0, total = walks * len;                              \
+        if (i1 < n) {                                                                              \
+            next = (const char *)(value + slot_##NAME(s, table, t0 + i1) * HD);                    \
+            lines = ((n - i1 < s->block_size ? n - i1 : s->block_size) * HD * (int64_t)sizeof(KT) + 63) / 64;\
         }                                                                                          \
+        for (int64_t h = 0; h < s->kv_heads; h++)                                                  \
+            for (int64_t j0 = h * group; j0 < (h + 1) * group; j0 += VGROUP) {                     \
+                const int64_t gj = (h + 1) * group - j0 < VGROUP ? (h + 1) * group - j0 : VGROUP;  \
+                for (int64_t d0 = 0; d0 < vec_d; d0 += VL * VDIMS) {                               \
+                    const int64_t nd = (vec_d - d0) / VL < VDIMS ? (vec_d - d0) / VL : VDIMS;      \
+                    float *o = acc + j0 * D + d0;                                                  \
+                    const int64_t dim0 = h * D + d0;                                               \
+                    /* whole groups of VDIMS vectors with a fixed head count compile to a loop     \
+                     * with no tests in it (D = 64, 128: every group; D = 32: one group of 2       \
+                     * vectors); the general case tests per position */                            \
+                    if (nd == VDIMS && gj == 2)                                                    \
+                        values_##NAME(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 2, VDIMS, i0 == 0, next, lines, total, &owed, &pulled);\
+                    else if (nd == VDIMS && gj == 1)                                               \
+                        values_##NAME(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 1, VDIMS, i0 == 0, next, lines, total, &owed, &pulled);\
+                    else if (nd == VDIMS && gj == 4)                                               \
+                        values_##NAME(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 4, VDIMS, i0 == 0, next, lines, total, &owed, &pulled);\
+                    else if (nd == 2 && gj == 2) /* D = 32 (small models) */                       \
+                        values_##NAME(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 2, 2, i0 == 0, next, lines, total, &owed, &pulled);\
+                    else if (nd == 2 && gj == 1)                                                   \
+                        values_##NAME(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 1, 2, i0 == 0, next, lines, total, &owed, &pulled);\
+                    else if (nd == 2 && gj == 4)                                                   \
+                        values_##NAME(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 4, 2, i0 == 0, next, lines, total, &owed, &pulled);\
+                    else                                                                           \
+                        values_##NAME(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, gj, nd, i0 == 0, next, lines, total, &owed, &pulled);\
+                }                                                                                  \
+            }                                                                                      \
+        i0 = i1;                                                                                   \
+    }                                                                                              \
     for (int64_t h = 0; h < s->kv_heads; h++) /* the head dimension's tail past its whole vectors */\
         for (int64_t d = vec_d; d < D; d++)                                                        \
             for (int64_t j = h * group; j < (h + 1) * group; j++) {                                \
