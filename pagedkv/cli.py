@@ -128,7 +128,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     extra = {"replay": None if replay is None else str(replay)}
     show_report(args, result, _write_plots, print_report, console, extra_json=extra)
     if replay is not None and not args.json:
-        console.print(f"\nReplay written to [bold]{replay}[/] (open it in a browser)")
+        console.print(f"\nReplay written to [bold]{replay}[/] (open it in a browser)", soft_wrap=True)
     return 0
 
 

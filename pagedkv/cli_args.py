@@ -134,9 +134,10 @@ def show_report(
     console = console or Console()
     print_report(result, console)
     if plots:
-        console.print(f"\nPlots written to [bold]{plots[0].parent}/[/]:")
+        # soft_wrap: a path longer than the terminal stays one string the user can copy
+        console.print(f"\nPlots written to [bold]{plots[0].parent}/[/]:", soft_wrap=True)
         for path in plots:
-            console.print(f"  {path}")
+            console.print(f"  {path}", soft_wrap=True)
     return plots
 
 

@@ -87,14 +87,17 @@ def test_simulate_html_writes_one_small_replay(capsys, tmp_path):
     assert path.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
     assert path.stat().st_size < 1_000_000  # a few hundred KB for the default 5,000-step trace
     assert main(["simulate", "--no-plots", "--html", str(tmp_path / "again")]) == 0
-    assert f"Replay written to {tmp_path / 'again' / path.name}" in capsys.readouterr().out.replace("\n", "")
+    assert f"Replay written to {tmp_path / 'again' / path.name}" in capsys.readouterr().out  # never wrapped
 
 
 def test_demo_writes_the_report(capsys, tmp_path):
     assert main(["demo", "--out", str(tmp_path / "pagedkv-report")]) == 0
     text = capsys.readouterr().out
     assert "pagedkv demo" in text and str(tmp_path / "pagedkv-report") in text
-    plots = {p.name for p in (tmp_path / "pagedkv-report").glob("*.png")}
+    written = sorted((tmp_path / "pagedkv-report").glob("*.png"))
+    lines = {line.strip() for line in text.splitlines()}
+    assert all(str(path) in lines for path in written)  # each path whole on its line, however long
+    plots = {p.name for p in written}
     assert {"memory_map.png", "waste_breakdown.png", "sharing_prefix.png", "sharing_fork.png"} <= plots
     assert {"capacity_utilization.png", "capacity_concurrency.png"} <= plots
     assert len(plots) == 9
