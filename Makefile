@@ -43,8 +43,10 @@ lint: install-test
 	$(VENV)/bin/ruff check pagedkv tests benchmarks
 	$(VENV)/bin/ruff format --check pagedkv tests benchmarks
 
+# two workers: most of the suite waits on subprocesses, servers and browsers, not on the CPU
+# (7 min 39 s -> 5 min 52 s on a 2-core Zen 1 EPYC)
 test: lint
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest -n 2
 
 clean:
 	rm -rf $(VENV) pagedkv-report .pytest_cache .hypothesis
