@@ -318,12 +318,18 @@ static void attend_piece_##NAME(const Shape *s, const float *qf, const KT *key, 
             k[u] = key + slot * HD;                                                                \
             ks[u] = SCALED ? key_scale + slot * s->kv_heads : NULL;                                \
         }                                                                                          \
-        if (i0 + PREFETCH < n) { /* the keys PREFETCH positions ahead: keeps loads in flight */    \
-            const char *next = (const char *)(key + slot_##NAME(s, table, t0 + i0 + PREFETCH) * HD);\
-            for (int64_t b = 0; b < (int64_t)sizeof(KT) * HD * TOKENS; b += 64)                    \
-                if (b < (int64_t)sizeof(KT) * HD * (n - i0 - PREFETCH)) PREFETCH_L2(next + b);\
+        /* the keys PREFETCH positions ahead, each KV head's turn pulling its share: issued at once,\
+         * the 64 lines stalled the loop on a full miss queue (on a Zen 1 EPYC, 32 rows x 100-400  \
+         * positions, pool cold: 1.56-1.66 -> 1.31-1.37 ms) */                                     \
+        const char *next = NULL;                                                                   \
+        int64_t ahead = 0;                                                                         \
+        if (i0 + PREFETCH < n) {                                                                   \
+            next = (const char *)(key + slot_##NAME(s, table, t0 + i0 + PREFETCH) * HD);           \
+            ahead = (int64_t)sizeof(KT) * HD * (n - i0 - PREFETCH < TOKENS ? n - i0 - PREFETCH : TOKENS);\
         }                                                                                          \
-        for (int64_t h = 0; h < s->kv_heads; h++)                                                  \
+        for (int64_t h = 0; h < s->kv_heads; h++) {                                                \
+            for (int64_t b = h * ahead / s->kv_heads / 64 * 64; b < (h + 1) * ahead / s->kv_heads; b += 64)\
+                PREFETCH_L2(next + b);                                                             \
             for (int64_t g0 = 0; g0 < group; g0 += GROUPS) {                                       \
                 /* a constant head count compiles to a loop with no tests in it */                 \
                 const int64_t gn = group - g0 < GROUPS ? group - g0 : GROUPS;                      \
@@ -338,6 +344,7 @@ static void attend_piece_##NAME(const Shape *s, const float *qf, const KT *key, 
                 else                                                                               \
                     keys_##NAME(k, ks, q0, row, h, i0, n, ld, D, vec_d, gn);                       \
             }                                                                                      \
+        }                                                                                          \
     }                                                                                              \
     /* per head: scale, soft-cap, max and softmax numerators, VL positions at a time (padding     \
      * positions hold -inf, whose exponential is 0) */                                             \
