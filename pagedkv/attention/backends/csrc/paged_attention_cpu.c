@@ -90,7 +90,7 @@ typedef uint16_t vu16 __attribute__((vector_size(VL * 2)));
 #else
 #define GROUPS 2
 #endif
-#define PREFETCH 16 /* positions ahead whose keys / values are prefetched */
+#define PREFETCH 16 /* positions ahead whose keys are prefetched (values: a block ahead, in pass 2) */
 /* Prefetches go to L2, not L1 (prefetcht1, not t0). On a Zen 4 EPYC (2 threads, 8 query / 4 KV
  * heads of 64) the mixed workload's decode steps, replayed with a layer's weights streamed between
  * calls, read their blocks at 17-18 GB/s this way against 12 GB/s with L1 prefetches -- which
