@@ -201,9 +201,9 @@ static inline __attribute__((always_inline)) void block8(const float *x, int64_t
 #define PASSES(rows) ((rows) == 1 ? 1 : (rows) == 2 ? 2 : 4)
 
 /* all 64 columns of `rows` rows (a constant after inlining), row block `index` of M rows, k steps
- * k0..k1 of `steps`, in PASSES(rows) column passes. The first pass of row block 0 streams the tile
- * from DRAM; all the others, over all row blocks, compute from L2 and share out the pull of the
- * next tile's first KC k steps into L2, each its slice, spread over its k steps. Pulled by the
+ * k0..k1, in PASSES(rows) column passes. The first pass of row block 0 streams the tile from DRAM;
+ * all the others, over all row blocks, compute from L2 and share out the pull into L2 of `steps`
+ * k steps (at most KC) of the next tile from next_tile on, each its slice, spread over its k steps. Pulled by the
  * first pass alone or not at all, DRAM idled while the others ran: on a Zen 1 EPYC 2 to 6 rows
  * read the bench model's LM head at 10-12 GB/s against one row's 18, and a step's weights at 8
  * rows took 13.3 ms against 7.5-8.3 ms at 1 to 6 rows.
@@ -305,7 +305,7 @@ static void block_rows(const float *x, int64_t K, const float *tile, int64_t k0,
                        int64_t N, int rows, int64_t index, int64_t M, const char *next_tile) {
     (void)M;
     const int first = k0 == 0, fetch = index == 0;
-    const char *next = NEXT_TILE(next_tile, index, K);
+    const char *next = NEXT_TILE(k0 == 0 ? next_tile : NULL, index, K);
     switch (rows) {
     case 6: block(x, K, tile, k0, k1, y, N, 6, first, fetch, next); break;
     case 5: block(x, K, tile, k0, k1, y, N, 5, first, fetch, next); break;
@@ -318,9 +318,12 @@ static void block_rows(const float *x, int64_t K, const float *tile, int64_t k0,
 
 #elif defined(__AVX2__) && defined(__FMA__)
 
+/* the same k steps of the next tile are pulled as this call's, so a tile deeper than KC (a down
+ * projection's 1,376 k) has all of it in L2 in time, not only its first chunk */
 static void block_rows(const float *x, int64_t K, const float *tile, int64_t k0, int64_t k1, float *y,
                        int64_t N, int rows, int64_t index, int64_t M, const char *next_tile) {
-    BLOCK_COLUMNS(x, K, (const char *)tile, K, k0, k1, y, N, rows, index, M, next_tile, 0)
+    const char *next = next_tile == NULL ? NULL : next_tile + k0 * NR * sizeof(float);
+    BLOCK_COLUMNS(x, K, (const char *)tile, k1 - k0, k0, k1, y, N, rows, index, M, next, 0)
 }
 
 #else /* portable: the same operations in the same order, left to the compiler's vectoriser */
@@ -343,8 +346,7 @@ static void tile_product(const float *x, const float *tile, const float *bias, f
         for (int64_t m = 0; m < M; m += MR) {
             int rows = M - m < MR ? (int)(M - m) : MR;
             if (width == NR)
-                block_rows(x + m * K, K, tile, k0, k1, y + m * N + col, N, rows, m / MR, M,
-                           k0 == 0 ? next_tile : NULL);
+                block_rows(x + m * K, K, tile, k0, k1, y + m * N + col, N, rows, m / MR, M, next_tile);
             else
                 narrow_rows(x + m * K, K, tile, width, k0, k1, y + m * N + col, N, rows);
         }
@@ -388,13 +390,21 @@ static inline const char *next_full_tile(const char *pair, const char *next_pair
 
 typedef void (*silu_mul_f32)(const float *gate_up, float *out, int64_t rows, int64_t n, int64_t out_stride);
 
+/* A pair runs a batch of more than PAIR_ROWS rows PAIR_ROWS at a time, both tiles and then the
+ * epilogue: the [rows, 2 w] workspace stays in L2 with the pair's tiles (a prefill chunk's
+ * 2,048 rows made it 1 MiB, written out and read back from L3 between the product and the
+ * epilogue). The next tile is pulled as before, the up tile's in the first run of rows and the
+ * next pair's in the last. */
+#define PAIR_ROWS 48
+
 int tiled_gate_up_f32(const float *x, const float *tiles, float *y, int64_t M, int64_t K, int64_t I,
                       silu_mul_f32 epilogue) {
-    const int64_t pairs = (I + NR - 1) / NR;
+    const int64_t pairs = (I + NR - 1) / NR, run = M < PAIR_ROWS ? M : PAIR_ROWS;
+    const int64_t y_stride = epilogue != NULL ? I : 2 * I;
     int failed = 0;
 #pragma omp parallel
     {
-        float *tmp = malloc(sizeof(float) * M * 2 * NR);
+        float *tmp = malloc(sizeof(float) * run * 2 * NR);
         if (tmp == NULL) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < pairs; t++) {
@@ -403,10 +413,17 @@ int tiled_gate_up_f32(const float *x, const float *tiles, float *y, int64_t M, i
             const float *pair = tiles + t * 2 * NR * K;
             const int64_t next_w = I - (t + 1) * NR < NR ? I - (t + 1) * NR : NR;
             const char *next_pair = t + 1 < pairs ? (const char *)(pair + 2 * NR * K) : NULL;
-            for (int64_t c = 0; c < n; c += NR)
-                tile_product(x, pair + c * K, NULL, tmp, M, K, n, c,
-                             next_full_tile((const char *)pair, next_pair, c, n, next_w, NR * K * sizeof(float)));
-            FINISH_PAIR(float, epilogue, tmp, y, M, w, I, t);
+            for (int64_t m0 = 0; m0 < M; m0 += run) {
+                const int64_t rows = M - m0 < run ? M - m0 : run;
+                for (int64_t c = 0; c < n; c += NR) {
+                    const int pulls = c == 0 ? m0 == 0 : m0 + rows == M;
+                    tile_product(x + m0 * K, pair + c * K, NULL, tmp, rows, K, n, c,
+                                 pulls ? next_full_tile((const char *)pair, next_pair, c, n, next_w,
+                                                        NR * K * sizeof(float))
+                                       : NULL);
+                }
+                FINISH_PAIR(float, epilogue, tmp, y + m0 * y_stride, rows, w, I, t);
+            }
         }
         free(tmp);
     }
