@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.bench.driver import run_settings
+from pagedkv.bench.host_probe import memory_read_gbs
 from pagedkv.bench.machine_load import LoadMeter
 from pagedkv.bench.throughput_config import ENGINE_TITLES, ThroughputConfig
 from pagedkv.bench.throughput_engines import Engine, EngineUnavailable, LoadSpec, start_engine
@@ -39,6 +40,7 @@ def run_throughput(config: ThroughputConfig) -> ThroughputResult:
     workloads = build_workloads(config.workloads, config.shape, model_config["vocab_size"])
     result = ThroughputResult(config, model_path, model_config, workloads)
     with run_settings(config.threads):
+        memory_start = memory_read_gbs()
         for dtype in config.dtypes:
             _run_dtype(result, dtype)
             if config.gemm:
@@ -49,7 +51,8 @@ def run_throughput(config: ThroughputConfig) -> ThroughputResult:
                     result.roofline_s[(dtype, w.name)] = roofline_seconds(
                         model_config, w, rates, config.prefill_chunk
                     )
-    result.machine_load = meter.stop()
+        memory = {"memory_read_gbs_start": memory_start, "memory_read_gbs_end": memory_read_gbs()}
+    result.machine_load = meter.stop() | memory
     result.wall_s = time.perf_counter() - meter.wall
     return result
 

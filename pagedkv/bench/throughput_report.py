@@ -162,3 +162,9 @@ def print_result(result: ThroughputResult, console: Console) -> None:
             f"{load['cpus']} CPUs (1-min load average {load['loadavg_1min_start']:.1f} -> "
             f"{load['loadavg_1min_end']:.1f})"
         )
+    if load.get("memory_read_gbs_start") is not None:
+        console.print(
+            f"memory read rate, start -> end: {load['memory_read_gbs_start']:.1f} -> "
+            f"{load['memory_read_gbs_end']:.1f} GB/s (a 64 MiB tensor sum; other tenants of a shared "
+            "host show here, not above)"
+        )

@@ -70,7 +70,8 @@ class ThroughputResult:
     gemm: dict[str, list[GemmTiming]] = field(default_factory=dict)  # dtype ->
     roofline_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (dtype, workload) ->
     wall_s: float = 0.0
-    #: what other processes used of the machine meanwhile (:mod:`pagedkv.bench.machine_load`).
+    #: what other processes used of the machine meanwhile (:mod:`pagedkv.bench.machine_load`),
+    #: and the host's memory read rate at the start and the end (:mod:`pagedkv.bench.host_probe`).
     machine_load: dict = field(default_factory=dict)
 
     def measurement(self, engine: str, dtype: str, workload: str) -> Measurement | None:

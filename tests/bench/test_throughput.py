@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from pagedkv.bench.host_probe import PROBE_ELEMENTS, memory_read_gbs
 from pagedkv.bench.machine_load import LoadMeter
 from pagedkv.bench.throughput_config import STATISTICS, ThroughputConfig
 from pagedkv.bench.throughput_gemm import GemmRates, GemmTiming, linear_shapes, measure_gemm, roofline_seconds
@@ -106,6 +107,8 @@ def test_pagedkv_and_transformers_run_end_to_end_and_agree(tiny_run, capsys):
     assert {r["engine"] for r in out["latency"]} == {"pagedkv", "transformers"}
     assert out["gemm"] == {} and out["roofline"] == []
     assert 0.0 <= out["machine"]["other_cpu_share"] <= 1.0
+    for end in ("start", "end"):  # the host's memory read rate, measured at both ends of the run
+        assert 0.0 < out["machine"][f"memory_read_gbs_{end}"] < float("inf")
 
 
 def test_the_load_meter_does_not_count_this_process_as_other_work():
@@ -120,6 +123,16 @@ def test_the_load_meter_does_not_count_this_process_as_other_work():
     assert 0.0 <= load["other_cpu_share"] <= 1.0 - 0.3 / (busy_wall * load["cpus"]) + 0.05
 
 
+def test_the_memory_probe_reads_its_buffer_at_a_rate_that_its_own_timing_bounds():
+    started = time.perf_counter()
+    rate = memory_read_gbs(repeats=3)
+    elapsed = time.perf_counter() - started
+    # the fastest of three sums took at most a third of the whole call (which also filled the buffer)
+    assert rate >= 3 * PROBE_ELEMENTS * 4 / elapsed / 1e9
+    with pytest.raises(ValueError, match="repeats must be at least 1"):
+        memory_read_gbs(repeats=0)
+
+
 def test_a_rival_with_a_wrong_python_is_reported_not_run(tiny_run, capsys, monkeypatch):
     argv, tmp = tiny_run
     monkeypatch.setenv("COLUMNS", "400")  # one reason per line, unwrapped
@@ -128,6 +141,7 @@ def test_a_rival_with_a_wrong_python_is_reported_not_run(tiny_run, capsys, monke
     assert "vLLM-cpu (float32): not run:" in text and "no such Python executable" in text
     assert "llama.cpp (float32): not run: llama_cpp is not importable by" in text
     assert "pass the python of the venv" in text
+    assert "memory read rate, start -> end:" in text  # the host's state, printed under the tables
     log = (tmp / "out" / "logs" / "llamacpp-float32.log").read_text()
     assert "Traceback" not in log  # a clean refusal, not a crash
 
