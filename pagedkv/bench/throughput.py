@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.bench.driver import run_settings
-from pagedkv.bench.host_probe import memory_read_gbs
+from pagedkv.bench.host_probe import host_state
 from pagedkv.bench.machine_load import LoadMeter
 from pagedkv.bench.throughput_config import ENGINE_TITLES, ThroughputConfig
 from pagedkv.bench.throughput_engines import Engine, EngineUnavailable, LoadSpec, start_engine
@@ -40,7 +40,7 @@ def run_throughput(config: ThroughputConfig) -> ThroughputResult:
     workloads = build_workloads(config.workloads, config.shape, model_config["vocab_size"])
     result = ThroughputResult(config, model_path, model_config, workloads)
     with run_settings(config.threads):
-        memory_start = memory_read_gbs()
+        host = host_state("start")
         for dtype in config.dtypes:
             _run_dtype(result, dtype)
             if config.gemm:
@@ -51,8 +51,8 @@ def run_throughput(config: ThroughputConfig) -> ThroughputResult:
                     result.roofline_s[(dtype, w.name)] = roofline_seconds(
                         model_config, w, rates, config.prefill_chunk
                     )
-        memory = {"memory_read_gbs_start": memory_start, "memory_read_gbs_end": memory_read_gbs()}
-    result.machine_load = meter.stop() | memory
+        host |= host_state("end")
+    result.machine_load = meter.stop() | host
     result.wall_s = time.perf_counter() - meter.wall
     return result
 

@@ -168,3 +168,9 @@ def print_result(result: ThroughputResult, console: Console) -> None:
             f"{load['memory_read_gbs_end']:.1f} GB/s (a 64 MiB tensor sum; other tenants of a shared "
             "host show here, not above)"
         )
+    if load.get("parallel_speedup_start") is not None:
+        console.print(
+            f"a small GEMM on {result.config.threads} threads against one, start -> end: "
+            f"{load['parallel_speedup_start']:.2f}x -> {load['parallel_speedup_end']:.2f}x (near 1x: "
+            "the other CPUs were not really there)"
+        )

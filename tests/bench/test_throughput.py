@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from pagedkv.bench.host_probe import PROBE_ELEMENTS, memory_read_gbs
+from pagedkv.bench.host_probe import PROBE_ELEMENTS, memory_read_gbs, parallel_speedup
 from pagedkv.bench.machine_load import LoadMeter
 from pagedkv.bench.throughput_config import STATISTICS, ThroughputConfig
 from pagedkv.bench.throughput_gemm import GemmRates, GemmTiming, linear_shapes, measure_gemm, roofline_seconds
@@ -107,8 +107,9 @@ def test_pagedkv_and_transformers_run_end_to_end_and_agree(tiny_run, capsys):
     assert {r["engine"] for r in out["latency"]} == {"pagedkv", "transformers"}
     assert out["gemm"] == {} and out["roofline"] == []
     assert 0.0 <= out["machine"]["other_cpu_share"] <= 1.0
-    for end in ("start", "end"):  # the host's memory read rate, measured at both ends of the run
+    for end in ("start", "end"):  # the host's state, measured at both ends of the run (2 threads)
         assert 0.0 < out["machine"][f"memory_read_gbs_{end}"] < float("inf")
+        assert 0.0 < out["machine"][f"parallel_speedup_{end}"] < float("inf")
 
 
 def test_the_load_meter_does_not_count_this_process_as_other_work():
@@ -133,6 +134,13 @@ def test_the_memory_probe_reads_its_buffer_at_a_rate_that_its_own_timing_bounds(
         memory_read_gbs(repeats=0)
 
 
+def test_the_parallel_probe_restores_the_thread_count_and_needs_two_threads():
+    before = torch.get_num_threads()
+    assert parallel_speedup(1) is None  # nothing to compare one thread with
+    assert parallel_speedup(2, repeats=1) > 0.0
+    assert torch.get_num_threads() == before
+
+
 def test_a_rival_with_a_wrong_python_is_reported_not_run(tiny_run, capsys, monkeypatch):
     argv, tmp = tiny_run
     monkeypatch.setenv("COLUMNS", "400")  # one reason per line, unwrapped
@@ -142,6 +150,7 @@ def test_a_rival_with_a_wrong_python_is_reported_not_run(tiny_run, capsys, monke
     assert "llama.cpp (float32): not run: llama_cpp is not importable by" in text
     assert "pass the python of the venv" in text
     assert "memory read rate, start -> end:" in text  # the host's state, printed under the tables
+    assert "a small GEMM on 2 threads against one, start -> end:" in text
     log = (tmp / "out" / "logs" / "llamacpp-float32.log").read_text()
     assert "Traceback" not in log  # a clean refusal, not a crash
 
