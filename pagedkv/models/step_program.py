@@ -27,6 +27,7 @@ from torch import nn
 
 from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache, attend
 from pagedkv.models.layer_ops import QKVLayout, TorchOps
+from pagedkv.models.linear import SLOT_ROWS
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
@@ -120,4 +121,7 @@ class StepProgram:
             out = attend(q, kv, metadata, layer.attention, self.backend).reshape(tokens, layer.q_size)
             x, residual = ops.add_rms_norm(layer.o(out), residual, *layer.post_norm)
             x = layer.down(layer.gate_up_act(x, ops))
-        return ops.add_rms_norm(x, residual, *self.final_norm)[0]  # every config has a layer
+        hidden = ops.add_rms_norm(x, residual, *self.final_norm)[0]  # every config has a layer
+        # a small batch's hidden states are the last down projection's kept output (OutputSlot):
+        # the caller gets a copy, which the next forward pass cannot overwrite
+        return hidden.clone() if tokens <= SLOT_ROWS else hidden

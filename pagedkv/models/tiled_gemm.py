@@ -141,8 +141,22 @@ def tiled_rows(tiles: torch.Tensor, ids: torch.Tensor, in_features: int) -> torc
     return rows.view(*ids.shape, in_features)
 
 
-def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` for the tiled weight ``tiles`` of ``W`` (float32 or bfloat16, like ``x``).
+def _output(out: torch.Tensor | None, count: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` (a contiguous ``[count, width]`` tensor of ``dtype`` the caller keeps between
+    steps, see :class:`pagedkv.models.linear.OutputSlot`), or a new one."""
+    if out is None:
+        return torch.empty((count, width), dtype=dtype)
+    if out.shape != (count, width) or out.dtype != dtype or not out.is_contiguous():
+        got = f"{out.dtype} {tuple(out.shape)}"
+        raise ValueError(f"out must be a contiguous {dtype} [{count}, {width}], got {got}")
+    return out
+
+
+def tiled_linear(
+    x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W.T + bias`` for the tiled weight ``tiles`` of ``W`` (float32 or bfloat16, like ``x``),
+    into ``out`` when given (2-D ``x`` only).
 
     A step calls this ~25 times, so a contiguous 2-D ``x`` (every call of the step program)
     skips the reshape and the view back: 7.9 -> 4.8 us a call around the C kernel."""
@@ -151,7 +165,7 @@ def tiled_linear(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None
     flat = x.dim() == 2 and x.is_contiguous()
     rows = x if flat else x.reshape(-1, in_features).contiguous()
     count = rows.shape[0]
-    out = torch.empty((count, out_features), dtype=dtype)
+    out = _output(out, count, out_features, dtype)
     if count:
         failed = getattr(_library(), _ENTRY[dtype])(
             rows.data_ptr(),
@@ -197,17 +211,20 @@ def from_paired_tiles(tiles: torch.Tensor, in_features: int) -> torch.Tensor:
     return torch.cat(gates + ups)
 
 
-def tiled_gate_up(x: torch.Tensor, tiles: torch.Tensor, epilogue: int | None) -> torch.Tensor:
+def tiled_gate_up(
+    x: torch.Tensor, tiles: torch.Tensor, epilogue: int | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """The gate/up product of ``x`` for a weight in :func:`to_paired_tiles`'s layout: with
     ``epilogue`` (the address of layer_ops' ``silu_and_mul_rows`` for this dtype), ``silu(gate) *
-    up`` ``[..., I]``; without, the plain ``[..., 2 I]`` product."""
+    up`` ``[..., I]``; without, the plain ``[..., 2 I]`` product. Into ``out`` when given, as in
+    :func:`tiled_linear`."""
     in_features, dtype = x.shape[-1], tiles.dtype
     half = tiles.numel() // _padded(in_features, dtype) // 2
     flat = x.dim() == 2 and x.is_contiguous()  # as in tiled_linear
     rows = x if flat else x.reshape(-1, in_features).contiguous()
     count = rows.shape[0]
     width = half if epilogue is not None else 2 * half
-    out = torch.empty((count, width), dtype=dtype)
+    out = _output(out, count, width, dtype)
     if count:
         status = getattr(_library(), _GATE_UP_ENTRY[dtype])(
             rows.data_ptr(), tiles.data_ptr(), out.data_ptr(), count, in_features, half, epilogue

@@ -36,6 +36,14 @@ class PagedBatch:
     def step(self, new_tokens: list[list[int]]) -> list[torch.Tensor]:
         """Run one packed forward over each sequence's ``new_tokens``; return each sequence's
         float32 logits ``[len(new), vocab]``."""
+        hidden, cu = self.forward(new_tokens)
+        with torch.inference_mode():
+            logits = self.model.compute_logits(hidden)
+        return [logits[cu[i] : cu[i + 1]] for i in range(len(new_tokens))]
+
+    def forward(self, new_tokens: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """The model's packed hidden states for each sequence's ``new_tokens``, and where each
+        sequence's rows start (its last entry: the row count)."""
         ids, positions, slots, cu = [], [], [], [0]
         for seq, tokens in enumerate(new_tokens):
             start = self.lens[seq]
@@ -54,5 +62,4 @@ class PagedBatch:
         )
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_cache, metadata)
-            logits = self.model.compute_logits(hidden)
-        return [logits[cu[i] : cu[i + 1]] for i in range(len(new_tokens))]
+        return hidden, cu

@@ -14,7 +14,7 @@ import torch
 
 from pagedkv.models import load_model
 from pagedkv.models.layer_ops import native_ops, silu_mul_epilogue
-from pagedkv.models.linear import ONEDNN, TILED, TORCH, Linear, choose_linear_kernel
+from pagedkv.models.linear import ONEDNN, SLOT_ROWS, TILED, TORCH, Linear, OutputSlot, choose_linear_kernel
 from pagedkv.models.tiled_gemm import (
     BF16_DOT,
     bf16_loop,
@@ -288,3 +288,38 @@ def test_portable_build_of_the_tiled_kernel_gives_the_same_bits(tmp_path):
     args = (x.data_ptr(), tiles.data_ptr(), bias.data_ptr(), out.data_ptr(), 9, 41, 150)
     assert portable.tiled_linear_bf16(*args) == 0
     assert torch.equal(out, _pairwise_bf16_product(x, weight, bias))
+
+
+def test_a_kept_output_takes_the_same_bits_and_a_wrong_one_is_refused():
+    gen = torch.Generator().manual_seed(9)
+    weight, x = torch.randn(200, 48, generator=gen), torch.randn(5, 48, generator=gen)
+    tiles, paired = to_tiles(weight), to_paired_tiles(weight)
+    epilogue = silu_mul_epilogue(torch.float32)
+    out = torch.full((5, 200), float("nan"))
+    assert tiled_linear(x, tiles, None, out) is out and torch.equal(out, tiled_linear(x, tiles, None))
+    half = torch.full((5, 100), float("nan"))
+    assert tiled_gate_up(x, paired, epilogue, half) is half
+    assert torch.equal(half, tiled_gate_up(x, paired, epilogue))
+    for wrong in (torch.empty(4, 200), torch.empty(5, 200, dtype=torch.float64), torch.empty(200, 5).t()):
+        with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 \[5, 200\]"):
+            tiled_linear(x, tiles, None, wrong)
+
+
+def test_an_output_slot_keeps_one_buffer_for_small_batches_only():
+    slot = OutputSlot()
+    first = slot.get(3, 7, torch.float32)
+    assert first.shape == (3, 7) and slot.get(3, 7, torch.float32) is first  # kept, not remade
+    assert slot.get(5, 7, torch.float32).data_ptr() == first.data_ptr()  # one buffer, row views
+    assert slot.get(SLOT_ROWS + 1, 7, torch.float32) is None  # a prefill gets a new tensor
+    assert slot.get(3, 7, torch.bfloat16).dtype == torch.bfloat16  # a cast model: a new buffer
+
+
+def test_a_forward_pass_leaves_the_previous_ones_hidden_states_alone(tmp_path):
+    """The step program's projections write small batches into kept outputs (OutputSlot); what
+    a forward pass returns must not be one of them, or the next pass would overwrite it."""
+    model = load_model(make_checkpoint(tmp_path, "llama"), dtype=torch.float32, linear_kernel="tiled")
+    hidden, _ = PagedBatch(model, 16, 3).forward(_prompts())
+    kept = hidden.clone()
+    other, _ = PagedBatch(model, 16, 3).forward([[7, 8], [9], [10, 11, 12]])  # rewrites the slots
+    assert not torch.equal(other[: hidden.shape[0]], kept)  # other tokens, other states
+    assert torch.equal(hidden, kept)
