@@ -47,19 +47,19 @@ def record_decode_steps(model: Path, dtype: str) -> tuple[int, list[tuple[torch.
         skip_tokenizer_init=True,
     )
     steps: list[tuple[object, torch.Tensor, torch.Tensor]] = []
-    build_rows = cpu._decode_rows
+    build_rows = cpu.decode_rows
 
     def recording(metadata):  # every layer of a step passes the same metadata
         if not steps or steps[-1][0] is not metadata:
             steps.append((metadata, metadata.block_tables.clone(), metadata.context_lens.clone()))
         return build_rows(metadata)
 
-    cpu._decode_rows = recording
+    cpu.decode_rows = recording
     try:
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in workload.max_tokens]
         llm.generate([list(p) for p in workload.prompts], params, use_tqdm=False)
     finally:
-        cpu._decode_rows = build_rows
+        cpu.decode_rows = build_rows
     return num_blocks, [(tables, lens) for _, tables, lens in steps]
 
 

@@ -116,6 +116,11 @@ class NativeOps(TorchOps):
             fn.restype, fn.argtypes = None, argtypes
             setattr(self, f"_{name}", fn)
 
+    def address(self, name: str) -> int:
+        """The address of op ``name`` (``rms_norm``...) for this dtype, for C that calls it itself
+        (:mod:`pagedkv.models.decode_stack`)."""
+        return ctypes.cast(getattr(self, f"_{name}"), ctypes.c_void_p).value
+
     def _fits(self, weight: torch.Tensor, size: int) -> bool:
         """Whether ``weight`` is what the C reads for rows of ``size``: the C trusts shapes."""
         return weight.dtype == self.dtype and weight.shape == (size,) and weight.is_contiguous()

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache, attend
+from pagedkv.models.decode_stack import DecodeStack, decode_stack
 from pagedkv.models.layer_ops import QKVLayout, TorchOps
 from pagedkv.models.linear import SLOT_ROWS
 
@@ -74,11 +75,13 @@ def _gate_up_act(gate_up: nn.Module) -> Callable[[torch.Tensor, TorchOps], torch
 
 @dataclass(frozen=True)
 class StepProgram:
-    """Every layer's record, the final norm and the attention backend of one model."""
+    """Every layer's record, the final norm and the attention backend of one model, and the C
+    stack (:mod:`pagedkv.models.decode_stack`) that runs its decode steps where it can."""
 
     layers: tuple[LayerRecord, ...]
     final_norm: tuple[torch.Tensor, float]
     backend: Backend
+    stack: DecodeStack | None = None
 
     @classmethod
     def of(cls, model: nn.Module) -> StepProgram:
@@ -101,7 +104,8 @@ class StepProgram:
             )
             layers.append(record)
         norm = model.model.norm
-        return cls(tuple(layers), (norm.weight, norm.eps), model.attention_backend)
+        stack = decode_stack(model, norm.weight.dtype) if norm.weight.device.type == "cpu" else None
+        return cls(tuple(layers), (norm.weight, norm.eps), model.attention_backend, stack)
 
     def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The final hidden states for the embedded tokens ``x [T, hidden]``.
@@ -109,6 +113,10 @@ class StepProgram:
         Layers pass vLLM's residual stream ``(x, residual)``: ``x`` is the last sublayer's
         output, not yet added, so that the add and the next RMSNorm are one fused op."""
         ops, kv_cache, metadata = batch.ops, batch.kv_cache, batch.metadata
+        if self.stack is not None:
+            hidden = self.stack.run(x, batch.cos, batch.sin, kv_cache, metadata)
+            if hidden is not None:
+                return hidden
         tokens = x.shape[0]
         residual = None
         for layer in self.layers:

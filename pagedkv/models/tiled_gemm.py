@@ -98,6 +98,18 @@ def bf16_loop() -> int:
     return lib.tiled_gemm_bf16_loop()
 
 
+def entry_points(dtype: torch.dtype) -> tuple[int, int]:
+    """The addresses of the linear and the gate/up entry points for ``dtype``, for C that calls
+    them itself (:mod:`pagedkv.models.decode_stack`); float32's linear returns nothing, bfloat16's
+    a status."""
+    lib = _library()
+    if isinstance(lib, str):
+        raise RuntimeError(lib)
+    return tuple(
+        ctypes.cast(getattr(lib, entry[dtype]), ctypes.c_void_p).value for entry in (_ENTRY, _GATE_UP_ENTRY)
+    )
+
+
 def _padded(in_features: int, dtype: torch.dtype) -> int:
     group = _GROUP[dtype]
     return -(-in_features // group) * group

@@ -64,7 +64,7 @@ def _kernel() -> native.NativeKernel | None:
 class KernelRows:
     """What the kernel reads besides ``q`` and the cache, as int32: the block tables and each
     query row's sequence and position. Every layer of a step passes the same rows, so a decode
-    step builds them once (:func:`_decode_rows`), not once per layer."""
+    step builds them once (:func:`decode_rows`), not once per layer."""
 
     tables: Tensor
     row_seq: Tensor
@@ -84,6 +84,16 @@ class KernelRows:
             lengths = self.row_pos.long() + 1
             self.totals[window] = int((lengths.clamp(max=window) if window else lengths).sum())
         return self.totals[window]
+
+
+def split_work(total: int, num_heads: int, head_dim: int) -> tuple[int, int]:
+    """The kernel's threads and positions per task for rows attending ``total`` positions in all.
+
+    Like torch's own grain size: small work stays on one thread, where a fork/join costs more
+    than it saves (and a thread descheduled on a busy machine stalls the whole region)."""
+    threads = torch.get_num_threads() if total * num_heads * head_dim >= PARALLEL_MIN_WORK else 1
+    per_task = math.ceil(total / (4 * threads))
+    return threads, min(MAX_CHUNK, max(MIN_CHUNK, per_task))
 
 
 def attend_rows(
@@ -115,12 +125,7 @@ def _attend(q: Tensor, layer: LayerKV, rows: KernelRows, options: AttentionOptio
         key, value = key.contiguous(), value.contiguous()
     q = q.contiguous()
     window = options.sliding_window or 0
-    total = rows.total(window)
-    # Like torch's own grain size: small work stays on one thread, where a fork/join costs more
-    # than it saves (and a thread descheduled on a busy machine stalls the whole region).
-    threads = torch.get_num_threads() if total * num_heads * layer.head_dim >= PARALLEL_MIN_WORK else 1
-    per_task = math.ceil(total / (4 * threads))
-    chunk = min(MAX_CHUNK, max(MIN_CHUNK, per_task))
+    threads, chunk = split_work(rows.total(window), num_heads, layer.head_dim)
     out = torch.empty_like(q)
     status = entry(
         q.data_ptr(),
@@ -153,7 +158,7 @@ def _attend(q: Tensor, layer: LayerKV, rows: KernelRows, options: AttentionOptio
 _last_decode: tuple[AttentionMetadata | None, KernelRows | None] = (None, None)
 
 
-def _decode_rows(metadata: AttentionMetadata) -> KernelRows:
+def decode_rows(metadata: AttentionMetadata) -> KernelRows:
     """The kernel rows of a decode step, built by its first layer and reused by the others."""
     global _last_decode
     seen, rows = _last_decode
@@ -165,7 +170,7 @@ def _decode_rows(metadata: AttentionMetadata) -> KernelRows:
 
 
 def decode(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: AttentionOptions) -> Tensor:
-    out = _attend(q, layer, _decode_rows(metadata), options)
+    out = _attend(q, layer, decode_rows(metadata), options)
     if out is None:
         return torch_backend.decode(q, layer, metadata, options)
     return out

@@ -1,0 +1,296 @@
+"""A decode step's decoder layers as one call into C (``csrc/decode_stack_cpu.c``).
+
+The step program (:mod:`pagedkv.models.step_program`) runs each layer as a handful of calls into
+compiled kernels with a little Python between them. On the CPU that Python runs with cold
+caches -- every projection has just streamed its weights through L2 and L3 -- and a decode step
+makes ~50 such calls. Replaying one step's C calls with nothing between them (issue 12's model,
+float32, 2 threads, a Zen 1 EPYC, mean of 30 alternating rounds) took 32 rows from 25.3 to 22.8
+ms, 8 rows from 9.9 to 7.9 and one row from 4.9 to 3.6: 1.3-2.5 ms of every step was the glue.
+
+:class:`DecodeStack` hands the same kernels, weights and buffers to one C function that calls
+them in the program's order: the hidden states are bit for bit the program's. It takes a step
+when everything in it has a compiled kernel -- tiled projections (no tensor-parallel shards),
+the paired gate/up with its fused activation, the compiled norms and rotary + KV write, the
+``cpu`` attention backend's row kernel on unquantized pools -- every row is a decode, the batch
+fits its buffers (:data:`~pagedkv.models.linear.SLOT_ROWS` rows) and the per-call attention
+checks are off (they run in the program). Anything else runs the program, unchanged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagedkv import cbuild
+from pagedkv.attention import AttentionMetadata, KVCache
+from pagedkv.attention.backends import cpu as cpu_attention
+from pagedkv.attention.backends import native as native_attention
+from pagedkv.attention.checks import per_call_checks
+from pagedkv.models import layer_ops, tiled_gemm
+from pagedkv.models.linear import SLOT_ROWS, GateUpLinear, Linear, PackedLinear
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_stack_cpu.c"
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+def _fields(ctype: type, names: str) -> list[tuple[str, type]]:
+    return [(name, ctype) for name in names.split()]
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = _fields(_P, "rms_norm add_rms_norm rotary_write_kv linear gate_up attention epilogue")
+    _fields_ += _fields(_I, "linear_status hidden elem_size")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = _fields(_P, "input_norm qkv qkv_bias q_norm k_norm o o_bias post_norm gate_up down down_bias")
+    _fields_ += _fields(_P, "key_pool value_pool")
+    _fields_ += _fields(_F, "input_eps qk_eps post_eps scale soft_cap")
+    _fields_ += _fields(_I, "qkv_width heads kv_heads head_dim block_size window intermediate")
+
+
+class _Buffers(ctypes.Structure):
+    _fields_ = _fields(_P, "residual y qkv q att act")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | str:
+    lib = cbuild.load(SOURCE)
+    if isinstance(lib, str):
+        return lib
+    lib.decode_stack.restype = ctypes.c_int
+    lib.decode_stack.argtypes = [_P, _P, _I, _P, _F, _P, _P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P]
+    return lib
+
+
+def _address(fn: object) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """One layer's weights as the C reads them (held, so their addresses stay valid)."""
+
+    input_norm: tuple[torch.Tensor, float]
+    qkv: PackedLinear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    qk_eps: float
+    o: Linear
+    post_norm: tuple[torch.Tensor, float]
+    gate_up: GateUpLinear
+    down: Linear
+    attention: nn.Module  # the layer's Attention: heads, options, KV layer index
+
+
+def _unsupported(model: nn.Module, dtype: torch.dtype) -> str | None:
+    """Why the C stack cannot run ``model``'s layers in ``dtype``, or None when it can."""
+    if layer_ops.native_ops(dtype) is None or layer_ops.silu_mul_epilogue(dtype) is None:
+        return f"no compiled layer ops for {dtype}"
+    if tiled_gemm.runs_dtype(dtype) is not None:
+        return f"the tiled GEMM cannot run {dtype}"
+    if model.attention_backend.name != "cpu":
+        return f"attention backend {model.attention_backend.name!r}"
+    kernel = native_attention.load()
+    if isinstance(kernel, str) or kernel.fn(dtype) is None:
+        return "no native attention kernel"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        plain = {type(attn.qkv_proj), type(attn.o_proj), type(mlp.down_proj)} <= {Linear, PackedLinear}
+        if not plain or type(mlp.gate_up_proj) is not GateUpLinear or not mlp.gate_up_proj.paired:
+            return "a projection is not a plain tiled layer (tensor parallel, or not packed)"
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(p.weight.dim() != 1 or p.weight.dtype != dtype for p in projections):
+            return "a projection is not tiled in the model's dtype"
+        if attn.num_heads // attn.num_kv_heads > native_attention.MAX_GROUP or attn.head_dim % 2:
+            return "an attention shape the compiled kernels do not take"
+        if attn.head_dim > layer_ops.native_ops(dtype).max_head_dim:
+            return "a head wider than the rotary kernel takes"
+    return None
+
+
+class DecodeStack:
+    """The C decode stack of one model in one dtype, with its buffers; :meth:`run` takes a step
+    or returns None for the program to run it."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        lib, ops = _library(), layer_ops.native_ops(dtype)
+        if isinstance(lib, str):
+            raise RuntimeError(lib)
+        cfg = model.config
+        self.dtype, self.hidden = dtype, cfg.hidden_size
+        self._run = lib.decode_stack
+        self._weights = tuple(self._layer_weights(layer) for layer in model.model.layers)
+        norm = model.model.norm
+        self._final_norm = (norm.weight, norm.eps)
+        linear_entry, gate_up_entry = tiled_gemm.entry_points(dtype)
+        self._kernels = _Kernels(
+            ops.address("rms_norm"),
+            ops.address("add_rms_norm"),
+            ops.address("rotary_write_kv"),
+            linear_entry,
+            gate_up_entry,
+            _address(native_attention.load().fn(dtype)),
+            layer_ops.silu_mul_epilogue(dtype),
+            int(dtype != torch.float32),  # bfloat16's linear returns a status (its workspace)
+            self.hidden,
+            torch.empty((), dtype=dtype).element_size(),
+        )
+        attn0, mlp0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        widths = {
+            "residual": self.hidden,
+            "y": self.hidden,
+            "qkv": attn0.q_size + 2 * attn0.kv_size,
+            "q": attn0.q_size,
+            "att": attn0.q_size,
+            "act": mlp0.intermediate_size,
+        }
+        self._buffers = {name: torch.empty((SLOT_ROWS, width), dtype=dtype) for name, width in widths.items()}
+        self._buffer_struct = _Buffers(*(t.data_ptr() for t in self._buffers.values()))
+        self._layers = (_Layer * len(self._weights))()
+        self._kv_cache: KVCache | None = None
+        n = len(self._weights)
+        self._chunks, self._threads = (_I * n)(), (_I * n)()
+        #: layer indexes by sliding window (0: none): the attention split is computed per window
+        self._by_window: dict[int, list[int]] = {}
+        for i, w in enumerate(self._weights):
+            self._by_window.setdefault(w.attention.options.sliding_window or 0, []).append(i)
+
+    @staticmethod
+    def _layer_weights(layer: nn.Module) -> _Weights:
+        attn, mlp = layer.self_attn, layer.mlp
+        q_norm = attn.q_norm.weight if attn.qk_norm else None
+        k_norm = attn.k_norm.weight if attn.qk_norm else None
+        qk_eps = attn.q_norm.eps if attn.qk_norm else 0.0
+        return _Weights(
+            (layer.input_layernorm.weight, layer.input_layernorm.eps),
+            attn.qkv_proj,
+            q_norm,
+            k_norm,
+            qk_eps,
+            attn.o_proj,
+            (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
+            mlp.gate_up_proj,
+            mlp.down_proj,
+            attn,
+        )
+
+    def _bind(self, kv_cache: KVCache) -> None:
+        """Fill the layer records for ``kv_cache`` (the weights are read again, so a weight
+        replaced since is picked up)."""
+        for i, w in enumerate(self._weights):
+            attn, kv = w.attention, kv_cache.layers[w.attention.layer]
+            self._layers[i] = _Layer(
+                w.input_norm[0].data_ptr(),
+                w.qkv.weight.data_ptr(),
+                _ptr(w.qkv.bias),
+                _ptr(w.q_norm),
+                _ptr(w.k_norm),
+                w.o.weight.data_ptr(),
+                _ptr(w.o.bias),
+                w.post_norm[0].data_ptr(),
+                w.gate_up.weight.data_ptr(),
+                w.down.weight.data_ptr(),
+                _ptr(w.down.bias),
+                kv.key.data_ptr(),
+                kv.value.data_ptr(),
+                w.input_norm[1],
+                w.qk_eps,
+                w.post_norm[1],
+                attn.options.scale,
+                attn.options.soft_cap or 0.0,
+                attn.q_size + 2 * attn.kv_size,
+                attn.num_heads,
+                attn.num_kv_heads,
+                attn.head_dim,
+                kv.block_size,
+                attn.options.sliding_window or 0,
+                w.gate_up.out_features // 2,
+            )
+        self._kv_cache = kv_cache
+
+    def _takes(self, kv_cache: KVCache) -> bool:
+        """Whether ``kv_cache``'s layers are what the C writes and reads: unquantized, contiguous
+        pools of the model's dtype in the layout of its heads."""
+        for w in self._weights:
+            attn, kv = w.attention, kv_cache.layers[w.attention.layer]
+            if kv.quantized or kv.key.dtype != self.dtype or kv.key.device.type != "cpu":
+                return False
+            if kv.key.shape[2:] != (attn.num_kv_heads, attn.head_dim):
+                return False
+            if not (kv.key.is_contiguous() and kv.value.is_contiguous()):
+                return False
+        return True
+
+    def run(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """The final hidden states ``[T, hidden]`` of a decode step, or None when this step is not
+        one the stack takes (the caller runs the program)."""
+        tokens = x.shape[0]
+        if not (0 < tokens <= SLOT_ROWS and metadata.is_decode_only and tokens == metadata.num_seqs):
+            return None
+        if per_call_checks() or x.dtype != self.dtype or x.device.type != "cpu":
+            return None
+        if kv_cache is not self._kv_cache:
+            if not self._takes(kv_cache):
+                return None
+            self._bind(kv_cache)
+        slots = metadata.slot_mapping
+        if slots.dtype != torch.int64 or cos.dtype != self.dtype:
+            return None
+        if not (cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        rows = cpu_attention.decode_rows(metadata)
+        for window, layers in self._by_window.items():
+            w = self._weights[layers[0]].attention
+            threads, chunk = cpu_attention.split_work(rows.total(window), w.num_heads, w.head_dim)
+            for i in layers:
+                self._threads[i], self._chunks[i] = threads, chunk
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        status = self._run(
+            ctypes.byref(self._kernels),
+            self._layers,
+            len(self._weights),
+            self._final_norm[0].data_ptr(),
+            self._final_norm[1],
+            ctypes.byref(self._buffer_struct),
+            x.data_ptr(),
+            out.data_ptr(),
+            tokens,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            rows.tables.data_ptr(),
+            rows.tables.shape[1],
+            rows.row_seq.data_ptr(),
+            rows.row_pos.data_ptr(),
+            self._chunks,
+            self._threads,
+        )
+        if status:
+            raise MemoryError("a kernel of the decode stack could not allocate its workspace")
+        return out
+
+
+def decode_stack(model: nn.Module, dtype: torch.dtype) -> DecodeStack | None:
+    """The model's C decode stack for activations of ``dtype``, or None when it has none (see
+    :func:`_unsupported`)."""
+    if _unsupported(model, dtype) is not None or isinstance(_library(), str):
+        return None
+    return DecodeStack(model, dtype)

@@ -1,0 +1,104 @@
+"""The C decode stack (pagedkv.models.decode_stack) against the step program it stands in for."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pagedkv.attention import set_per_call_checks
+from pagedkv.models import load_model
+from pagedkv.models.linear import SLOT_ROWS
+from pagedkv.models.step_program import StepProgram
+from tests.checkpoints import make_checkpoint
+
+from .paging import PagedBatch
+
+
+def _with_stack(model) -> tuple[object, list[bool]]:
+    """The model's stack, its runs recorded: True for a step it took, False for one it left."""
+    model.step_program = StepProgram.of(model)
+    stack = model.step_program.stack
+    assert stack is not None, "this model's decode steps should run in the C stack"
+    taken: list[bool] = []
+    run = stack.run
+
+    def recording(*args):
+        hidden = run(*args)
+        taken.append(hidden is not None)
+        return hidden
+
+    stack.run = recording
+    return stack, taken
+
+
+def _without_stack(model) -> None:
+    model.step_program = dataclasses.replace(StepProgram.of(model), stack=None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("llama", {}),
+        ("qwen2", {}),  # q/k/v biases
+        ("qwen3", {}),  # q/k norms
+        ("mistral", {"sliding_window": 5}),
+        ("llama", {"num_key_value_heads": 4}),  # one query head per KV head
+    ],
+)
+def test_the_stack_gives_the_programs_hidden_states_bit_for_bit(tmp_path, dtype, arch, overrides):
+    path = make_checkpoint(tmp_path, arch, **overrides)
+    stacked = load_model(path, dtype=dtype, linear_kernel="tiled")
+    plain = load_model(path, dtype=dtype, linear_kernel="tiled")
+    _, taken = _with_stack(stacked)
+    _without_stack(plain)
+    a, b = PagedBatch(stacked, 24, 3), PagedBatch(plain, 24, 3)
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14]]
+    for step in [prompts] + [[[20 + i], [30 + i], [40 + i]] for i in range(8)]:
+        got, _ = a.forward(step)
+        want, _ = b.forward(step)
+        assert torch.equal(got, want)
+    assert taken == [False] + [True] * 8  # the prompt step runs the program, every decode the stack
+
+
+def test_the_stack_leaves_to_the_program_what_it_does_not_take(tmp_path):
+    path = make_checkpoint(tmp_path, "llama")
+    model = load_model(path, dtype=torch.float32, linear_kernel="tiled")
+    _, taken = _with_stack(model)
+    batch = PagedBatch(model, 8, SLOT_ROWS + 1)
+    batch.forward([[1]] * (SLOT_ROWS + 1))  # one-token prompts: a prefill step
+    batch.forward([[2]] * (SLOT_ROWS + 1))  # a decode step wider than the stack's buffers
+    previous = set_per_call_checks(True)  # the checks run in the program
+    try:
+        batch.forward([[3]] * (SLOT_ROWS + 1))
+    finally:
+        set_per_call_checks(previous)
+    assert taken == [False, False, False]
+    small = PagedBatch(model, 8, 2)
+    small.forward([[1, 2], [3]])
+    small.forward([[4], [5]])
+    assert taken[-2:] == [False, True]
+
+
+@pytest.mark.parametrize(
+    "options", [{"linear_kernel": "torch"}, {"linear_kernel": "onednn"}, {"attention_backend": "torch"}]
+)
+def test_a_model_without_every_compiled_kernel_has_no_stack(tmp_path, options):
+    model = load_model(make_checkpoint(tmp_path, "llama"), dtype=torch.float32, **options)
+    assert StepProgram.of(model).stack is None
+
+
+def test_a_decode_step_writes_the_same_keys_and_values_as_the_program(tmp_path):
+    path = make_checkpoint(tmp_path, "llama")
+    stacked = load_model(path, dtype=torch.float32, linear_kernel="tiled")
+    plain = load_model(path, dtype=torch.float32, linear_kernel="tiled")
+    _with_stack(stacked)
+    _without_stack(plain)
+    a, b = PagedBatch(stacked, 12, 2), PagedBatch(plain, 12, 2)
+    for step in ([[1, 2, 3], [4]], [[5], [6]], [[7], [8]]):
+        a.forward(step)
+        b.forward(step)
+    for mine, theirs in zip(a.kv_cache.layers, b.kv_cache.layers, strict=True):
+        assert torch.equal(mine.key, theirs.key) and torch.equal(mine.value, theirs.value)
