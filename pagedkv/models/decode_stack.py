@@ -13,7 +13,9 @@ when everything in it has a compiled kernel -- tiled projections (no tensor-para
 the paired gate/up with its fused activation, the compiled norms and rotary + KV write, the
 ``cpu`` attention backend's row kernel on unquantized pools -- every row is a decode, the batch
 fits its buffers (:data:`~pagedkv.models.linear.SLOT_ROWS` rows) and the per-call attention
-checks are off (they run in the program). Anything else runs the program, unchanged.
+checks are off (they run in the program). Anything else runs the program, unchanged. Like the
+program, it reads each projection's weight as its module holds it at every step: a replaced
+weight is bound again (or, no longer tiled, leaves the steps to the program).
 """
 
 from __future__ import annotations
@@ -158,6 +160,9 @@ class DecodeStack:
         self._buffer_struct = _Buffers(*(t.data_ptr() for t in self._buffers.values()))
         self._layers = (_Layer * len(self._weights))()
         self._kv_cache: KVCache | None = None
+        #: each projection's parameter table, and the weights the layer records point at
+        self._parameters = [p._parameters for w in self._weights for p in (w.qkv, w.o, w.gate_up, w.down)]
+        self._bound: list[torch.Tensor | None] = [None] * len(self._parameters)
         n = len(self._weights)
         self._chunks, self._threads = (_I * n)(), (_I * n)()
         #: layer indexes by sliding window (0: none): the attention split is computed per window
@@ -184,9 +189,15 @@ class DecodeStack:
             attn,
         )
 
+    def _current_weights(self) -> list[torch.Tensor]:
+        """The projections' weights as their modules hold them now (packing or a reload may
+        replace a parameter; the step program reads it at each call, and so must this)."""
+        return [params["weight"] for params in self._parameters]
+
     def _bind(self, kv_cache: KVCache) -> None:
-        """Fill the layer records for ``kv_cache`` (the weights are read again, so a weight
-        replaced since is picked up)."""
+        """Fill the layer records for ``kv_cache`` and the projections' current weights (held:
+        the addresses the C reads stay valid until the next bind)."""
+        self._bound = self._current_weights()
         for i, w in enumerate(self._weights):
             attn, kv = w.attention, kv_cache.layers[w.attention.layer]
             self._layers[i] = _Layer(
@@ -218,6 +229,12 @@ class DecodeStack:
             )
         self._kv_cache = kv_cache
 
+    def _tiled(self) -> bool:
+        """Whether every projection still holds a tiled weight of the stack's dtype (the paired
+        gate/up layout included: a repacked layer would say so through ``paired``)."""
+        paired = all(w.gate_up.paired for w in self._weights)
+        return paired and all(t.dim() == 1 and t.dtype == self.dtype for t in self._current_weights())
+
     def _takes(self, kv_cache: KVCache) -> bool:
         """Whether ``kv_cache``'s layers are what the C writes and reads: unquantized, contiguous
         pools of the model's dtype in the layout of its heads."""
@@ -246,8 +263,11 @@ class DecodeStack:
             return None
         if per_call_checks() or x.dtype != self.dtype or x.device.type != "cpu":
             return None
-        if kv_cache is not self._kv_cache:
-            if not self._takes(kv_cache):
+        replaced = any(
+            now is not bound for now, bound in zip(self._current_weights(), self._bound, strict=True)
+        )
+        if kv_cache is not self._kv_cache or replaced:
+            if not (self._takes(kv_cache) and self._tiled()):
                 return None
             self._bind(kv_cache)
         slots = metadata.slot_mapping

@@ -6,11 +6,13 @@ import dataclasses
 
 import pytest
 import torch
+from torch import nn
 
 from pagedkv.attention import set_per_call_checks
 from pagedkv.models import load_model
 from pagedkv.models.linear import SLOT_ROWS
 from pagedkv.models.step_program import StepProgram
+from pagedkv.models.tiled_gemm import to_tiles
 from tests.checkpoints import make_checkpoint
 
 from .paging import PagedBatch
@@ -102,3 +104,27 @@ def test_a_decode_step_writes_the_same_keys_and_values_as_the_program(tmp_path):
         b.forward(step)
     for mine, theirs in zip(a.kv_cache.layers, b.kv_cache.layers, strict=True):
         assert torch.equal(mine.key, theirs.key) and torch.equal(mine.value, theirs.value)
+
+
+@pytest.mark.parametrize("tiled", [True, False])
+def test_a_weight_replaced_after_the_stack_ran_is_the_one_it_reads(tmp_path, tiled):
+    """A reload or repacking may put a new tensor in a projection's parameter table; the stack
+    reads the new one (tiled) or leaves the step to the program (not tiled), as the program does."""
+    path = make_checkpoint(tmp_path, "llama")
+    stacked = load_model(path, dtype=torch.float32, linear_kernel="tiled")
+    plain = load_model(path, dtype=torch.float32, linear_kernel="tiled")
+    _, taken = _with_stack(stacked)
+    _without_stack(plain)
+    a, b = PagedBatch(stacked, 12, 2), PagedBatch(plain, 12, 2)
+    for step in ([[1, 2, 3], [4]], [[5], [6]]):
+        a.forward(step)
+        b.forward(step)
+    o_proj = stacked.model.layers[0].self_attn.o_proj
+    new = torch.randn(o_proj.out_features, o_proj.in_features, generator=torch.Generator().manual_seed(1))
+    weight = to_tiles(new) if tiled else new
+    for model in (stacked, plain):
+        model.model.layers[0].self_attn.o_proj.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    got, _ = a.forward([[7], [8]])
+    want, _ = b.forward([[7], [8]])
+    assert torch.equal(got, want)
+    assert taken == [False, True, tiled]
