@@ -96,6 +96,8 @@ class _Weights:
 
 def _unsupported(model: nn.Module, dtype: torch.dtype) -> str | None:
     """Why the C stack cannot run ``model``'s layers in ``dtype``, or None when it can."""
+    if model.model.norm.weight.device.type != "cpu":
+        return f"{model.model.norm.weight.device.type}: the CPU only"
     if layer_ops.native_ops(dtype) is None or layer_ops.silu_mul_epilogue(dtype) is None:
         return f"no compiled layer ops for {dtype}"
     if tiled_gemm.runs_dtype(dtype) is not None:
@@ -108,11 +110,12 @@ def _unsupported(model: nn.Module, dtype: torch.dtype) -> str | None:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         plain = {type(attn.qkv_proj), type(attn.o_proj), type(mlp.down_proj)} <= {Linear, PackedLinear}
-        if not plain or type(mlp.gate_up_proj) is not GateUpLinear or not mlp.gate_up_proj.paired:
-            return "a projection is not a plain tiled layer (tensor parallel, or not packed)"
+        if not plain or type(mlp.gate_up_proj) is not GateUpLinear:
+            return "tensor-parallel shards"
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(p.weight.dim() != 1 or p.weight.dtype != dtype for p in projections):
-            return "a projection is not tiled in the model's dtype"
+        tiled = all(p.weight.dim() == 1 and p.weight.dtype == dtype for p in projections)
+        if not (tiled and mlp.gate_up_proj.paired):
+            return "linear layers not on the tiled kernel"
         if attn.num_heads // attn.num_kv_heads > native_attention.MAX_GROUP or attn.head_dim % 2:
             return "an attention shape the compiled kernels do not take"
         if attn.head_dim > layer_ops.native_ops(dtype).max_head_dim:
@@ -308,9 +311,19 @@ class DecodeStack:
         return out
 
 
+def _why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
+    lib = _library()
+    return lib if isinstance(lib, str) else _unsupported(model, dtype)
+
+
 def decode_stack(model: nn.Module, dtype: torch.dtype) -> DecodeStack | None:
     """The model's C decode stack for activations of ``dtype``, or None when it has none (see
     :func:`_unsupported`)."""
-    if _unsupported(model, dtype) is not None or isinstance(_library(), str):
-        return None
-    return DecodeStack(model, dtype)
+    return None if _why_not(model, dtype) is not None else DecodeStack(model, dtype)
+
+
+def describe(model: nn.Module) -> str:
+    """What runs the model's decode steps, for the CLI's runtime line: the C stack, or the step
+    program and why."""
+    why = _why_not(model, model.model.norm.weight.dtype)
+    return "C stack" if why is None else f"step program ({why})"

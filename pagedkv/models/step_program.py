@@ -104,7 +104,7 @@ class StepProgram:
             )
             layers.append(record)
         norm = model.model.norm
-        stack = decode_stack(model, norm.weight.dtype) if norm.weight.device.type == "cpu" else None
+        stack = decode_stack(model, norm.weight.dtype)
         return cls(tuple(layers), (norm.weight, norm.eps), model.attention_backend, stack)
 
     def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

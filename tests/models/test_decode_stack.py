@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pagedkv.attention import set_per_call_checks
+from pagedkv.engine.executor.base import runtime_of
 from pagedkv.models import load_model
 from pagedkv.models.linear import SLOT_ROWS
 from pagedkv.models.step_program import StepProgram
@@ -128,3 +129,16 @@ def test_a_weight_replaced_after_the_stack_ran_is_the_one_it_reads(tmp_path, til
     want, _ = b.forward([[7], [8]])
     assert torch.equal(got, want)
     assert taken == [False, True, tiled]
+
+
+@pytest.mark.parametrize(
+    "options,line",
+    [
+        ({"linear_kernel": "tiled"}, "C stack"),
+        ({"linear_kernel": "onednn"}, "step program (linear layers not on the tiled kernel)"),
+        ({"attention_backend": "torch"}, "step program (attention backend 'torch')"),
+    ],
+)
+def test_the_runtime_line_says_what_runs_the_decode_layers(tmp_path, options, line):
+    model = load_model(make_checkpoint(tmp_path, "llama"), dtype=torch.float32, **options)
+    assert runtime_of(model)["decode layers"] == line

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.engine.executor.plan import StepPlan
+from pagedkv.models import decode_stack
 from pagedkv.models.config import dtype_name
 
 
@@ -55,9 +56,11 @@ class Executor(ABC):
 
 
 def runtime_of(model: torch.nn.Module) -> dict[str, str]:
-    """``Executor.runtime`` of a loaded model: its dtype, linear kernel and attention backend."""
+    """``Executor.runtime`` of a loaded model: its dtype, linear kernel, attention backend and
+    what runs its decode steps' layers."""
     return {
         "dtype": dtype_name(model.config.dtype),
         "linear": model.linear_kernel.describe(),
         "attention": model.attention_backend.name,
+        "decode layers": decode_stack.describe(model),
     }
