@@ -103,9 +103,11 @@ class ModelRunner:
         if plan.block_copies:
             copy_blocks(self.kv_cache, plan.block_copies)
         inputs = self.prepare(plan)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata)
-        if inputs.logits_indices.shape[0] != hidden.shape[0]:  # else every row, in order (decodes)
-            hidden = hidden.index_select(0, inputs.logits_indices)
+        rows = inputs.logits_indices
+        every_row = rows.shape[0] == inputs.input_ids.shape[0]  # in order: a decode step
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata, None if every_row else rows
+        )
         return self.model.compute_logits(hidden)
 
 

@@ -142,8 +142,11 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        output_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` for packed ``input_ids``/``positions`` ``[T]``."""
+        """Hidden states ``[T, hidden]`` for packed ``input_ids``/``positions`` ``[T]``, or
+        ``[R, hidden]`` of the rows ``output_rows [R]`` (increasing), which saves the last
+        layer's projections for the others (see :class:`ForwardBatch`)."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and positions must be 1-D and equally long, got {tuple(input_ids.shape)} "
@@ -151,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
             )
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        batch = ForwardBatch(layer_ops.select(x), cos, sin, kv_cache, metadata)
+        batch = ForwardBatch(layer_ops.select(x), cos, sin, kv_cache, metadata, output_rows)
         if self.step_program is None:
             self.step_program = StepProgram.of(self)
         return self.step_program.run(x, batch)

@@ -44,6 +44,11 @@ class ForwardBatch:
     sin: torch.Tensor
     kv_cache: KVCache
     metadata: AttentionMetadata
+    #: The rows whose final hidden states the caller needs (increasing), or None for all. The
+    #: other rows -- a prompt's tokens before its last -- are dropped after the last layer's
+    #: attention: their keys and values are in the cache by then, and nothing reads the rest of
+    #: their pass (llama.cpp's ``inp_out_ids``).
+    output_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -108,17 +113,19 @@ class StepProgram:
         return cls(tuple(layers), (norm.weight, norm.eps), model.attention_backend, stack)
 
     def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The final hidden states for the embedded tokens ``x [T, hidden]``.
+        """The final hidden states for the embedded tokens ``x [T, hidden]`` (of the rows
+        ``batch.output_rows`` only, when given).
 
         Layers pass vLLM's residual stream ``(x, residual)``: ``x`` is the last sublayer's
         output, not yet added, so that the add and the next RMSNorm are one fused op."""
         ops, kv_cache, metadata = batch.ops, batch.kv_cache, batch.metadata
-        if self.stack is not None:
+        if self.stack is not None and batch.output_rows is None:
             hidden = self.stack.run(x, batch.cos, batch.sin, kv_cache, metadata)
             if hidden is not None:
                 return hidden
         tokens = x.shape[0]
         residual = None
+        last, rows = self.layers[-1], batch.output_rows  # every config has a layer
         for layer in self.layers:
             if residual is None:  # the first layer: x is the embedding
                 x, residual = ops.rms_norm(x, *layer.input_norm), x
@@ -127,9 +134,11 @@ class StepProgram:
             kv = kv_cache.layers[layer.kv_layer]
             q = ops.rotary_write_kv(layer.qkv(x), layer.layout, batch.cos, batch.sin, kv, metadata)
             out = attend(q, kv, metadata, layer.attention, self.backend).reshape(tokens, layer.q_size)
+            if layer is last and rows is not None:
+                out, residual = out.index_select(0, rows), residual.index_select(0, rows)
             x, residual = ops.add_rms_norm(layer.o(out), residual, *layer.post_norm)
             x = layer.down(layer.gate_up_act(x, ops))
-        hidden = ops.add_rms_norm(x, residual, *self.final_norm)[0]  # every config has a layer
+        hidden = ops.add_rms_norm(x, residual, *self.final_norm)[0]
         # a small batch's hidden states are the last down projection's kept output (OutputSlot):
         # the caller gets a copy, which the next forward pass cannot overwrite
-        return hidden.clone() if tokens <= SLOT_ROWS else hidden
+        return hidden.clone() if hidden.shape[0] <= SLOT_ROWS else hidden

@@ -41,9 +41,12 @@ class PagedBatch:
             logits = self.model.compute_logits(hidden)
         return [logits[cu[i] : cu[i + 1]] for i in range(len(new_tokens))]
 
-    def forward(self, new_tokens: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-        """The model's packed hidden states for each sequence's ``new_tokens``, and where each
-        sequence's rows start (its last entry: the row count)."""
+    def forward(
+        self, new_tokens: list[list[int]], output_rows: list[int] | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The model's packed hidden states for each sequence's ``new_tokens`` (only the packed
+        rows ``output_rows``, when given), and where each sequence's rows start (its last entry:
+        the row count)."""
         ids, positions, slots, cu = [], [], [], [0]
         for seq, tokens in enumerate(new_tokens):
             start = self.lens[seq]
@@ -61,5 +64,6 @@ class PagedBatch:
             max_query_len=max(len(t) for t in new_tokens),
         )
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_cache, metadata)
+            rows = None if output_rows is None else torch.tensor(output_rows, dtype=torch.int64)
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_cache, metadata, rows)
         return hidden, cu
