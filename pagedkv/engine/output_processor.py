@@ -108,27 +108,30 @@ class OutputProcessor:
         seq.text += seq.detokenizer.push(token)
         if token in self.eos_token_ids and not params.ignore_eos:
             seq.finish_reason = "stop"
-        elif token in params.stop_token_ids:
+        elif token in seq.request.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
-        elif params.stop and self._truncate_at_stop(seq):
+        elif self._truncate_at_stop(seq):
             return
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             seq.text += seq.detokenizer.flush()
-            if params.stop:
-                self._truncate_at_stop(seq)
+            self._truncate_at_stop(seq)
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence) -> bool:
-        """End ``seq`` at the first stop string in its text, cutting the text before it."""
-        hits = [(seq.text.find(stop), stop) for stop in seq.request.params.stop]
-        hits = [(at, stop) for at, stop in hits if at >= 0]
-        if not hits:
+        """End ``seq`` at the earliest stop string in its text, cutting the text before it.
+
+        Only the characters added since the last call are read (see
+        :mod:`pagedkv.engine.stop_strings`): the cost per token does not grow with the stop list.
+        """
+        if seq.stop_scan is None:
             return False
-        at, stop = min(hits)
-        seq.text = seq.text[:at]
-        seq.finish_reason, seq.stop_reason = "stop", stop
+        match = seq.stop_scan.find(seq.text)
+        if match is None:
+            return False
+        seq.text = seq.text[: match.start]
+        seq.finish_reason, seq.stop_reason = "stop", match.stop
         return True
 
     def make_output(self, request: Request) -> RequestOutput:

@@ -16,6 +16,7 @@ import torch
 
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
+from pagedkv.engine.stop_strings import StopScan, StopStringMatcher
 from pagedkv.models.detokenizer import IncrementalDetokenizer
 
 _seq_ids = itertools.count()
@@ -54,6 +55,12 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     #: Beam search: this step's next-token log-probabilities, kept until every beam has its own.
     pending_logprobs: torch.Tensor | None = None
+    #: Where ``text`` stands among the request's stop strings (None when it has none).
+    stop_scan: StopScan | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.request.stop_matcher is not None:
+            self.stop_scan = StopScan(self.request.stop_matcher)
 
     def fork(self, index: int, generator: torch.Generator | None) -> Sequence:
         """A new sequence of the same request with this one's tokens and progress; the scheduler
@@ -139,10 +146,17 @@ class Request:
     #: The prompt logprobs computed so far (position ``i`` scores prompt token ``i``; the first
     #: is None), when the request asked for them; see :mod:`pagedkv.engine.prompt_logprobs`.
     prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None, init=False)
+    #: ``params.stop_token_ids`` as a set: a membership test per token that does not grow with it.
+    stop_token_ids: frozenset[int] = field(default=frozenset(), init=False)
+    #: The automaton of ``params.stop``, built once and shared by the request's sequences.
+    stop_matcher: StopStringMatcher | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+        self.stop_token_ids = frozenset(self.params.stop_token_ids)
+        if self.params.stop:
+            self.stop_matcher = StopStringMatcher(self.params.stop)
 
     @property
     def is_finished(self) -> bool:
