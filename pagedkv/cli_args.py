@@ -268,6 +268,16 @@ ENGINE_OPTIONS = (
         positive_int,
         is_limit=True,
     ),
+    EngineOption("max_stop_strings", f"most stop strings per request {DEFAULT}", positive_int, is_limit=True),
+    EngineOption(
+        "max_stop_chars",
+        f"most characters over all stop strings of a request {DEFAULT}",
+        positive_int,
+        is_limit=True,
+    ),
+    EngineOption(
+        "max_stop_token_ids", f"most stop_token_ids per request {DEFAULT}", positive_int, is_limit=True
+    ),
 )
 
 

@@ -174,6 +174,10 @@ class SamplingParams:
             return []
         if not isinstance(ids, (list, tuple)):
             raise _fail("stop_token_ids", "a list of integers", ids)
+        # Plain non-negative ints (what JSON gives) pass in one cheap sweep: an oversized list
+        # reaches the request limits at once instead of through a Python call per id.
+        if all(type(i) is int for i in ids) and min(ids, default=0) >= 0:
+            return list(ids)
         return [_as_int("stop_token_ids", i, low=0) for i in ids]
 
     @property

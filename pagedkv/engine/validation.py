@@ -44,9 +44,24 @@ class RequestLimits:
     max_beam_width: int = 32
     #: Most tokens one request may ask for: samples x (prompt + max_tokens), over its prompts.
     max_request_tokens: int = 1 << 18
+    #: Most stop strings (OpenAI allows 4, vLLM's ``VLLM_MAX_STOP_STRINGS`` defaults to 4): room for
+    #: role markers, code fences and tag sets many times over.
+    max_stop_strings: int = 128
+    #: Most characters over all stop strings: the size of the request's stop automaton and the
+    #: most text a stream holds back (the longest string less one); 64 characters each for a full list.
+    max_stop_chars: int = 8192
+    #: Most ``stop_token_ids``: every special token of a large vocabulary fits.
+    max_stop_token_ids: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_n", "max_beam_width", "max_request_tokens"):
+        for name in (
+            "max_n",
+            "max_beam_width",
+            "max_request_tokens",
+            "max_stop_strings",
+            "max_stop_chars",
+            "max_stop_token_ids",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"RequestLimits.{name} must be a positive integer, got {value!r}")
@@ -61,6 +76,29 @@ class RequestLimits:
                 f"beam_width = {beam_width} is over the limit max_beam_width = {self.max_beam_width} "
                 "(--max-beam-width)",
                 param="beam_width",
+            )
+
+    def check_stops(self, params: SamplingParams) -> None:
+        """The stop lists' sizes: they bound the automaton built for the request and the work
+        of checking its token ids."""
+        if len(params.stop) > self.max_stop_strings:
+            raise InvalidRequestError(
+                f"stop holds {len(params.stop)} strings, over the limit max_stop_strings = "
+                f"{self.max_stop_strings} (--max-stop-strings)",
+                param="stop",
+            )
+        chars = sum(map(len, params.stop))
+        if chars > self.max_stop_chars:
+            raise InvalidRequestError(
+                f"the stop strings hold {chars} characters in all, over the limit max_stop_chars = "
+                f"{self.max_stop_chars} (--max-stop-chars)",
+                param="stop",
+            )
+        if len(params.stop_token_ids) > self.max_stop_token_ids:
+            raise InvalidRequestError(
+                f"stop_token_ids holds {len(params.stop_token_ids)} ids, over the limit "
+                f"max_stop_token_ids = {self.max_stop_token_ids} (--max-stop-token-ids)",
+                param="stop_token_ids",
             )
 
     def check_tokens(self, requested: int, detail: str) -> None:
@@ -134,11 +172,13 @@ class RequestValidator:
         self, prompt: str | list[int], params: SamplingParams, beam: BeamSearchParams | None = None
     ) -> int:
         """The checks that need no token ids (cheap, so they come first): the sample or beam
-        count against its limit and text against surrogates. Returns the number of samples."""
+        count and the stop lists against their limits, text against surrogates. Returns the
+        number of samples."""
         if beam is not None:
             self.limits.check_beam_width(beam.beam_width)
         else:
             self.limits.check_n(params.n)
+        self.limits.check_stops(params)
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
         return params.n if beam is None else beam.beam_width

@@ -77,6 +77,7 @@ class ServingContext:
             )
         try:
             self.limits.check_n(params.n)
+            self.limits.check_stops(params)
         except InvalidRequestError as err:
             raise APIError.from_value_error(err) from None
 

@@ -13,7 +13,14 @@ from pagedkv.engine import InvalidRequestError, RequestLimits
 from pagedkv.engine.sampling_params import unpaired_surrogate_at
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 
-LIMITS = RequestLimits(max_n=4, max_beam_width=3, max_request_tokens=200)
+LIMITS = RequestLimits(
+    max_n=4,
+    max_beam_width=3,
+    max_request_tokens=200,
+    max_stop_strings=3,
+    max_stop_chars=10,
+    max_stop_token_ids=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +54,26 @@ def _refused(llm: LLM, run) -> InvalidRequestError:
         ([5] * 130, SamplingParams(max_tokens=1), "prompt", "maximum context length is 128"),
         ([5, 6], SamplingParams(n=5), "n", "max_n = 4"),
         ([5] * 40, SamplingParams(n=4, max_tokens=20), "max_tokens", "max_request_tokens = 200"),
+        (
+            [5, 6],
+            SamplingParams(stop=["a", "b", "c", "d"]),
+            "stop",
+            "stop holds 4 strings, over the limit max_stop_strings = 3",
+        ),
+        (
+            [5, 6],
+            SamplingParams(stop=["abcdef", "ghijk"]),
+            "stop",
+            "11 characters in all, over the limit max_stop_chars = 10",
+        ),
+        ([5, 6], SamplingParams(stop_token_ids=[7, 8, 9]), "stop_token_ids", "max_stop_token_ids = 2"),
+        # The count is checked before the ids themselves.
+        (
+            [5, 6],
+            SamplingParams(stop_token_ids=[TEST_VOCAB_SIZE] * 3),
+            "stop_token_ids",
+            "max_stop_token_ids = 2",
+        ),
     ],
 )
 def test_a_bad_request_is_refused_naming_its_field(llm, prompt, params, param, says):
@@ -54,6 +81,14 @@ def test_a_bad_request_is_refused_naming_its_field(llm, prompt, params, param, s
     assert error.param == param
     assert says in str(error)
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_stop_lists_at_their_limits_are_served(llm):
+    """Three strings of ten characters in all and two ids: each limit reached, none passed."""
+    params = SamplingParams(max_tokens=6, stop=["abc", "defg", "hij"], stop_token_ids=[7, 8])
+    out = llm.generate([[5, 6]], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason in ("stop", "length") and out.token_ids
+    assert llm.kv_stats()["blocks_used"] == 0
 
 
 def test_beam_width_and_beam_tokens_have_limits(llm):
@@ -75,7 +110,17 @@ def test_surrogates_are_found_only_when_unpaired():
     assert unpaired_surrogate_at("\udc00") == 0
 
 
-@pytest.mark.parametrize("field", ["max_n", "max_beam_width", "max_request_tokens"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "max_n",
+        "max_beam_width",
+        "max_request_tokens",
+        "max_stop_strings",
+        "max_stop_chars",
+        "max_stop_token_ids",
+    ],
+)
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
 def test_limits_must_be_positive_integers(field, value):
     with pytest.raises(ValueError, match=f"RequestLimits.{field}"):

@@ -40,6 +40,14 @@ def test_serve_takes_the_request_limits():
     assert request_limits(_parser().parse_args(["serve"])) == RequestLimits()
 
 
+def test_serve_takes_the_stop_list_limits():
+    flags = ["--max-stop-strings", "8", "--max-stop-chars", "100", "--max-stop-token-ids", "16"]
+    args = _parser().parse_args(["serve", *flags])
+    assert request_limits(args) == RequestLimits(
+        max_stop_strings=8, max_stop_chars=100, max_stop_token_ids=16
+    )
+
+
 @pytest.mark.parametrize(
     "option",
     [
