@@ -124,7 +124,7 @@ class LLMEngine:
         self.validator.check(token_ids, params, samples)
         request = Request(request_id, text, token_ids, params, arrival_time=time.monotonic())
         seq = Sequence(request, 0, list(token_ids), make_generator(params.seed, 0))
-        seq.detokenizer = self.tokenizer.detokenizer(token_ids)
+        seq.detokenizer = self.tokenizer.detokenizer(token_ids, params.skip_special_tokens)
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
@@ -206,10 +206,11 @@ class LLMEngine:
     def _fork_samples(self, parent: Sequence) -> list[Sequence]:
         """Turn a just-computed prompt into ``n`` samples sharing its blocks (copy-on-write)."""
         request = parent.request
+        params, prompt_ids = request.params, request.prompt_token_ids
         group = [parent]
-        for index in range(len(request.seqs), request.params.n):
-            child = parent.fork(index, make_generator(request.params.seed, index))
-            child.detokenizer = self.tokenizer.detokenizer(request.prompt_token_ids)
+        for index in range(len(request.seqs), params.n):
+            child = parent.fork(index, make_generator(params.seed, index))
+            child.detokenizer = self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens)
             self.scheduler.fork(parent, child)
             request.seqs.append(child)
             group.append(child)

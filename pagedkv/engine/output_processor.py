@@ -105,8 +105,10 @@ class OutputProcessor:
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs.logprob
-        seq.text += seq.detokenizer.push(token)
-        if token in self.eos_token_ids and not params.ignore_eos:
+        ends_at_eos = token in self.eos_token_ids and not params.ignore_eos
+        if not ends_at_eos:  # the EOS that ends a sample has no text, even with special tokens shown
+            seq.text += seq.detokenizer.push(token)
+        if ends_at_eos:
             seq.finish_reason = "stop"
         elif token in seq.request.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token

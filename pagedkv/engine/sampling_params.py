@@ -126,6 +126,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     #: EOS and stop tokens cannot be sampled before this many tokens are generated.
     min_tokens: int = 0
+    #: Leave special tokens (EOS, chat-turn markers) out of the output text; their ids stay.
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n, low=1)
@@ -142,6 +144,8 @@ class SamplingParams:
         self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise _fail("ignore_eos", "a bool", self.ignore_eos)
+        if not isinstance(self.skip_special_tokens, bool):
+            raise _fail("skip_special_tokens", "a bool", self.skip_special_tokens)
         if self.logprobs is not None:
             self.logprobs = _as_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
         if self.prompt_logprobs is not None:

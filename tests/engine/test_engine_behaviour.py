@@ -178,3 +178,29 @@ def test_finished_only_steps_return_exactly_the_finished_outputs(model_path):
     assert any(not done for _, _, done, _ in every)  # plain steps stream the running requests
     assert len(finished) == len(requests)
     assert finished == [record for record in every if record[2]]
+
+
+def test_skip_special_tokens_keeps_or_drops_their_text_and_an_ending_eos_has_none(model_path):
+    """The same seeded tokens decode with or without the special tokens' text; a sample that
+    ends at EOS shows no EOS text either way (vLLM's rule)."""
+    llm = LLM(str(model_path), dtype="float32", num_kv_blocks=256)
+    special = {i for i, token in llm.tokenizer.backend.get_added_tokens_decoder().items() if token.special}
+    drawn = dict(n=8, max_tokens=48, temperature=1.5, seed=3)
+    shown, hidden = (
+        llm.generate(
+            [_prompt(6, 10)],
+            SamplingParams(**drawn, ignore_eos=True, skip_special_tokens=keep),
+            use_tqdm=False,
+        )[0]
+        for keep in (False, True)
+    )
+    assert any(special & set(c.token_ids) for c in shown.outputs)
+    for with_text, without in zip(shown.outputs, hidden.outputs, strict=True):
+        assert with_text.token_ids == without.token_ids
+        assert with_text.text == llm.tokenizer.decode(with_text.token_ids, skip_special_tokens=False)
+        assert without.text == llm.tokenizer.decode(without.token_ids, skip_special_tokens=True)
+    ended = llm.generate([_prompt(6, 10)], SamplingParams(**drawn, skip_special_tokens=False), use_tqdm=False)
+    at_eos = [c for c in ended[0].outputs if c.token_ids[-1] in llm.engine.eos_token_ids]
+    assert at_eos
+    for c in at_eos:
+        assert c.text == llm.tokenizer.decode(c.token_ids[:-1], skip_special_tokens=False)

@@ -16,7 +16,7 @@ def test_defaults_follow_vllm() -> None:
     assert p.seed is None and p.stop == [] and p.stop_token_ids == [] and p.logprobs is None
     assert p.prompt_logprobs is None
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
-    assert not p.ignore_eos and p.min_tokens == 0 and not p.greedy
+    assert not p.ignore_eos and p.min_tokens == 0 and not p.greedy and p.skip_special_tokens
 
 
 @pytest.mark.parametrize(
@@ -47,6 +47,7 @@ def test_defaults_follow_vllm() -> None:
         ("stop_token_ids", [1, -1], "SamplingParams.stop_token_ids must be >= 0, got -1"),
         ("stop_token_ids", [1.0], "SamplingParams.stop_token_ids must be an integer, got 1.0"),
         ("ignore_eos", 1, "SamplingParams.ignore_eos must be a bool, got 1"),
+        ("skip_special_tokens", "no", "SamplingParams.skip_special_tokens must be a bool, got 'no'"),
         ("logprobs", -1, "SamplingParams.logprobs must be >= 0, got -1"),
         ("logprobs", MAX_LOGPROBS + 1, f"SamplingParams.logprobs must be <= {MAX_LOGPROBS}, got 21"),
         ("prompt_logprobs", -1, "SamplingParams.prompt_logprobs must be >= 0, got -1"),
