@@ -76,29 +76,46 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs: Any,
     ) -> str:
-        """The conversation rendered to prompt text (``kwargs`` reach the template, e.g. tools)."""
+        """The conversation rendered to prompt text (``kwargs`` reach the template, e.g. tools).
+
+        ``add_generation_prompt`` opens an assistant turn after the last message;
+        ``continue_final_message`` instead leaves the last message open (the text ends with its
+        content, the template's end-of-turn markup cut off) so the model continues it -- a
+        "prefilled" answer. The two exclude each other, as in transformers.
+        """
         if self.chat_template is None:
             raise ValueError(
                 "this tokenizer has no chat template (tokenizer_config.json or chat_template.jinja)"
             )
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
         if self._template is None:
             self._template = compile_chat_template(self.chat_template)
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message:
                 raise ValueError(f"chat message {i} must be a dict with a 'role', got {message!r}")
-        return self._template.render(
-            messages=messages,
+        rendered = self._template.render(
+            messages=_tagged_final_message(messages) if continue_final_message else messages,
             add_generation_prompt=add_generation_prompt,
             **{**self.special_tokens, **kwargs},
         )
+        return _cut_at_tag(rendered) if continue_final_message else rendered
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
         """Prompt ids of a conversation; like transformers, the template places any BOS itself."""
-        return self.encode(
-            self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False
-        )
+        text = self.apply_chat_template(messages, add_generation_prompt, continue_final_message)
+        return self.encode(text, add_special_tokens=False)
 
     def detokenizer(
         self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
@@ -169,6 +186,29 @@ class _GenerationTag(jinja2.ext.Extension):
 
     def _render(self, caller: Any) -> str:
         return caller()
+
+
+#: Appended to the final message so its end can be found in the rendered chat (transformers' tag).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tagged_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with :data:`_CONTINUE_TAG` after the final message's text."""
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str):
+        raise ValueError("continue_final_message needs a final message with text content")
+    return [*messages[:-1], {**messages[-1], "content": content + _CONTINUE_TAG}]
+
+
+def _cut_at_tag(rendered: str) -> str:
+    """``rendered`` up to the tag, as transformers cuts it: the content as the template wrote it,
+    or right-stripped where the template trimmed the tag's trailing space."""
+    if _CONTINUE_TAG.strip() not in rendered:
+        raise ValueError("continue_final_message: the final message does not appear in the rendered chat")
+    at = rendered.rindex(_CONTINUE_TAG.strip())
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()
 
 
 def _raise_exception(message: str) -> None:

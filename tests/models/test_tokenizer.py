@@ -71,6 +71,18 @@ def test_chat_template_matches_transformers(ours, hf, generation_prompt):
     assert ids.count(ours.bos_token_id) == 1  # the template's BOS only, none added on top
 
 
+@pytest.mark.parametrize("final", ["Fixed-size", "  padded  ", "ends in a new line\n", "🚀 汉字"])
+def test_continue_final_message_matches_transformers(ours, hf, final):
+    chat = [*CHAT, {"role": "assistant", "content": final}]
+    text = ours.apply_chat_template(chat, add_generation_prompt=False, continue_final_message=True)
+    options = dict(add_generation_prompt=False, continue_final_message=True)
+    assert text == hf.apply_chat_template(chat, tokenize=False, **options)
+    assert text.rstrip().endswith(final.strip()) and "<|im_end|>" not in text.rsplit("assistant", 1)[1]
+    assert ours.encode_chat(chat, False, True) == hf.apply_chat_template(chat, **options)["input_ids"]
+    with pytest.raises(ValueError, match="exclude each other"):
+        ours.apply_chat_template(chat, add_generation_prompt=True, continue_final_message=True)
+
+
 def test_special_and_eos_ids(ours, hf):
     assert ours.vocab_size == VOCAB_SIZE == len(hf)
     assert ours.bos_token_id == hf.bos_token_id == 0
