@@ -42,6 +42,30 @@ class LogprobFormatter:
         self._offsets[choice] = offset
         return out
 
+    def echoed_prompt(
+        self, choice: int, prompt_ids: list[int], logprobs: list[TokenLogprobs | None], top: int
+    ) -> CompletionLogprobs:
+        """An echoed prompt's tokens in the legacy shape, before the choice's own (vLLM's echo):
+        the first token's logprob and top are null (nothing predicts it), the others keep their
+        ``top`` most likely tokens besides their own."""
+        out = CompletionLogprobs()
+        offset = self._offsets.get(choice, 0)
+        for token_id, entry in zip(prompt_ids, logprobs, strict=True):
+            token = self.token(token_id)
+            out.tokens.append(token)
+            out.text_offset.append(offset)
+            offset += len(token)
+            if entry is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            candidates = {self.token(t): lp for t, lp in entry.top[:top]}
+            candidates.setdefault(token, entry.logprob)
+            out.token_logprobs.append(entry.logprob)
+            out.top_logprobs.append(candidates)
+        self._offsets[choice] = offset
+        return out
+
     @staticmethod
     def merge(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
         out = CompletionLogprobs()

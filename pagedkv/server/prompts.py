@@ -1,36 +1,54 @@
-"""Prompts to token ids for the handlers, handing a large prompt's tokenizer memory back.
+"""Request prompts to token ids: the cheap checks first, the tokenizing off the event loop.
 
-Tokenizing text allocates far more than the ids it returns: for a 1 MiB prompt (~750k tokens of
-the built-in model) the ``tokenizers`` Encoding -- ids, type ids, token strings, offsets, masks --
-peaks near 140 MiB. glibc keeps what is freed in the arena of the thread that allocated it, and
-that transient fragments the arena instead of shrinking it: a server refusing ~1 MiB prompts with
-400 grew from 330 MiB to 1.6 GiB of RSS while no Python object stayed alive (tracemalloc's total
-stayed flat, and ``malloc_trim`` brought it back to 370 MiB). So after a large prompt the handler
-asks glibc to return its free pages (``malloc_trim``): tens of milliseconds against the seconds
-that tokenizing such a prompt takes, and nothing at all for ordinary prompts.
+Tokenizing is the costliest thing a request that will be refused can make the server do: about
+two seconds of a core for a 1 MiB body. So a request's prompts pass three stages, cheapest first,
+and the first prompt over a limit ends the work:
 
-Better still is not to tokenize text that cannot fit. For a BPE tokenizer that never merges
-unknown input into one token, no token covers more characters than the longest string in its
-vocabulary (17 for the built-in model), so a text of C characters (after the tokenizer's
-normalizer) has at least C / longest tokens: a 1 MiB prompt to a 4,096-token model is refused
-in microseconds, where tokenizing it took ~2 s of the event loop and ~140 MiB. For other
-tokenizers the bound is not sound and the text is tokenized as before.
+1. a lower bound on each text prompt's tokens from its length, without the tokenizer: a prompt
+   whose bound plus ``max_tokens`` exceeds the context, or a batch whose bounds exceed
+   ``max_request_tokens``, is refused before anything is tokenized;
+2. the prompts tokenized one at a time, each checked against the context as soon as it has its
+   ids, the batch against its token budget with the bounds of the prompts still to come;
+3. (the caller) the ids against the engine's own checks: vocabulary, KV pool.
+
+The bound: for a BPE tokenizer that never merges unknown input into one token, no token covers
+more characters than the longest string in its vocabulary, so a text of C characters (after the
+tokenizer's normalizer) has at least C / longest tokens. For other tokenizers the bound is 0
+and stage 2 does the work.
+
+Stages 1 and 2 run on one tokenizer thread (:meth:`PromptEncoder.run`), never on the event loop:
+the ``tokenizers`` call used, ``encode_batch`` of one text, releases the GIL while it works, so
+``/health``, streams and other requests are served meanwhile. One thread, as vLLM's tokenizer
+executor: tokenizing takes at most one core from the engine, and bodies are tokenized in turn.
+
+Memory: tokenizing a 1 MiB prompt allocates ~140 MiB of transient ``Encoding`` data (ids, type
+ids, token strings, offsets, masks). glibc keeps what is freed in the arena of the thread that
+allocated it, and that transient fragments the arena instead of shrinking it: a server refusing
+~1 MiB prompts grew from 330 MiB to 1.6 GiB of RSS while no Python object stayed alive. So after
+a large prompt the thread asks glibc to return its free pages (``malloc_trim``): tens of
+milliseconds against the seconds of tokenizing, and nothing at all for ordinary prompts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
 
 from tokenizers.models import BPE
 
 from pagedkv.engine import InvalidRequestError
+from pagedkv.engine.validation import check_context
 from pagedkv.models import Tokenizer
 
 #: Prompts of at least this many tokens give their transient memory back after tokenizing.
 RELEASE_AFTER_TOKENS = 1 << 14
+
+_T = TypeVar("_T")
 
 
 @functools.cache
@@ -51,12 +69,6 @@ def release_free_memory() -> bool:
     return True
 
 
-def _released_after(ids: list[int]) -> list[int]:
-    if len(ids) >= RELEASE_AFTER_TOKENS:
-        release_free_memory()
-    return ids
-
-
 def _chars_per_token(tokenizer: Tokenizer) -> int | None:
     """The most characters one token can cover, or None where no such bound holds."""
     model = tokenizer.backend.model
@@ -67,13 +79,80 @@ def _chars_per_token(tokenizer: Tokenizer) -> int | None:
     return max(len(token) for token in tokenizer.backend.get_vocab(with_added_tokens=True))
 
 
+def _prefixed(err: InvalidRequestError, index: int | None) -> InvalidRequestError:
+    """The error of prompt ``index`` of a batch (None: the request has one prompt)."""
+    if index is None:
+        return err
+    return InvalidRequestError(f"prompt {index}: {err}", err.param)
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """What the prompts of one request may take, and how they are tokenized.
+
+    Each prompt plus ``max_tokens`` fits in ``max_model_len``; ``n`` x (prompt + ``max_tokens``)
+    summed over the prompts stays within ``max_request_tokens``.
+    """
+
+    max_model_len: int
+    max_tokens: int
+    n: int
+    max_request_tokens: int
+    #: Keep only each prompt's last this many tokens (vLLM's ``truncate_prompt_tokens``).
+    truncate_to: int | None = None
+    add_special_tokens: bool = True
+
+    def check_prompt(self, index: int | None, num_tokens: int) -> None:
+        try:
+            check_context(num_tokens, self.max_tokens, self.max_model_len)
+        except InvalidRequestError as err:
+            raise _prefixed(err, index) from None
+
+    def check_bound(self, index: int | None, at_least: int, chars: int, chars_per_token: int) -> None:
+        """Refuse a text prompt whose lower bound alone, plus ``max_tokens``, exceeds the context."""
+        total = at_least + self.max_tokens
+        if total <= self.max_model_len:
+            return
+        err = InvalidRequestError(
+            f"this model's maximum context length is {self.max_model_len} tokens, but the request asks "
+            f"for at least {total} (at least {at_least} in the prompt of {chars} characters, as no token "
+            f"covers more than {chars_per_token}, + {self.max_tokens} max_tokens)",
+            param="prompt" if at_least >= self.max_model_len else "max_tokens",
+        )
+        raise _prefixed(err, index)
+
+    def check_batch(self, num_prompts: int, prompt_tokens: int, at_least: bool = False) -> None:
+        """``prompt_tokens``: the batch's prompt tokens, or (``at_least``) a lower bound on them."""
+        requested = self.n * (prompt_tokens + num_prompts * self.max_tokens)
+        if requested <= self.max_request_tokens:
+            return
+        bound = "at least " if at_least else ""
+        raise InvalidRequestError(
+            f"the request asks for {bound or 'up to '}{requested} tokens (n = {self.n} x ({bound}"
+            f"{prompt_tokens} prompt tokens + {num_prompts} x {self.max_tokens} max_tokens)), over the "
+            f"limit max_request_tokens = {self.max_request_tokens} (--max-request-tokens)",
+            param="max_tokens",
+        )
+
+    def truncated(self, ids: list[int]) -> list[int]:
+        if self.truncate_to is not None and len(ids) > self.truncate_to:
+            return ids[-self.truncate_to :]
+        return ids
+
+
 class PromptEncoder:
-    """Token ids of request prompts: text that provably cannot fit is refused untokenized."""
+    """Token ids of request prompts, on the encoder's own thread; see the module docstring."""
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.chars_per_token = _chars_per_token(tokenizer)
+        # Its thread ends once the encoder is garbage (the executor's own weakref callback).
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedkv-tokenizer")
+
+    async def run(self, fn: Callable[..., _T], *args: object) -> _T:
+        """``fn(*args)`` on the tokenizer thread; the event loop serves other requests meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args))
 
     def min_tokens(self, text: str) -> int:
         """A lower bound on the tokens of ``text`` (0 when the tokenizer allows none)."""
@@ -83,28 +162,42 @@ class PromptEncoder:
         length = len(normalizer.normalize_str(text)) if normalizer is not None else len(text)
         return -(-length // self.chars_per_token)
 
-    def _refuse_hopeless(self, text: str) -> None:
-        """Refuse a text whose tokens alone fill the context (the rest is checked on its ids)."""
-        if self.chars_per_token is None or len(text) < self.max_model_len * self.chars_per_token:
-            return  # no bound to apply, or the text may fit (a normalizer that grew it: tokenized)
-        at_least = self.min_tokens(text)
-        if at_least >= self.max_model_len:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt "
-                f"alone has at least {at_least} ({len(text)} characters; no token of this tokenizer "
-                f"covers more than {self.chars_per_token})",
-                param="prompt",
-            )
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s ids, the GIL released while the tokenizer works (a batch call of one)."""
+        (encoding,) = self.tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids = encoding.ids
+        del encoding
+        if len(ids) >= RELEASE_AFTER_TOKENS:
+            release_free_memory()
+        return ids
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        """Text is tokenized (special tokens added, as ``LLM.generate`` does); ids pass through."""
-        if isinstance(prompt, str):
-            self._refuse_hopeless(prompt)
-            return _released_after(self.tokenizer.encode(prompt))
-        return list(prompt)
+    def encode_prompts(self, prompts: Sequence[str | list[int]], limits: PromptLimits) -> list[list[int]]:
+        """Every prompt's ids (truncated as asked), or :class:`InvalidRequestError` for the first
+        prompt over a limit, named by its index in a batch. Stages 1 and 2; blocking: call it on
+        the tokenizer thread (:meth:`run`)."""
+        indices: list[int | None] = list(range(len(prompts))) if len(prompts) > 1 else [None]
+        bounds = [self._bound(index, prompt, limits) for index, prompt in zip(indices, prompts, strict=True)]
+        limits.check_batch(len(prompts), sum(bounds), at_least=True)
+        encoded: list[list[int]] = []
+        counted, still_bounded = 0, sum(bounds)
+        for index, prompt, bound in zip(indices, prompts, bounds, strict=True):
+            ids = self.encode_text(prompt, limits.add_special_tokens) if isinstance(prompt, str) else prompt
+            ids = limits.truncated(list(ids))
+            limits.check_prompt(index, len(ids))
+            encoded.append(ids)
+            counted, still_bounded = counted + len(ids), still_bounded - bound
+            limits.check_batch(len(prompts), counted + still_bounded, at_least=len(encoded) < len(prompts))
+        return encoded
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The conversation through the model's chat template, then tokenized."""
-        text = self.tokenizer.apply_chat_template(messages)
-        self._refuse_hopeless(text)
-        return _released_after(self.tokenizer.encode(text, add_special_tokens=False))
+    def _bound(self, index: int | None, prompt: str | list[int], limits: PromptLimits) -> int:
+        """Stage 1 for one prompt: its token count (ids) or lower bound (text), checked."""
+        if not isinstance(prompt, str):
+            num_tokens = len(prompt) if limits.truncate_to is None else min(len(prompt), limits.truncate_to)
+            limits.check_prompt(index, num_tokens)
+            return num_tokens
+        at_least = self.min_tokens(prompt)
+        if limits.truncate_to is not None:
+            return min(at_least, limits.truncate_to)
+        if self.chars_per_token is not None:
+            limits.check_bound(index, at_least, len(prompt), self.chars_per_token)
+        return at_least

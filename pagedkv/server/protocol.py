@@ -2,17 +2,19 @@
 
 Request models accept what the official clients send -- unknown fields are ignored, as OpenAI
 does -- and map onto :class:`~pagedkv.engine.SamplingParams`, whose own validation then names
-any bad value. Fields that would change the meaning of a request but are not implemented
-(``echo``, ``suffix``, ``logit_bias``, tools, ...) are refused with a 400 rather than silently
-dropped. vLLM's extra sampling fields (``top_k``, ``min_p``, ``ignore_eos``, ...) are accepted.
+any bad value. vLLM's extra fields mean what they mean in vLLM (``top_k``, ``min_p``,
+``ignore_eos``, ``skip_special_tokens``, ``truncate_prompt_tokens``, ``echo``,
+``add_generation_prompt``, ``continue_final_message``, ...). Fields that would change the meaning
+of a request but are not implemented (``suffix``, ``logit_bias``, beam search, tools and
+functions, guided decoding, ...) are refused with a 400 naming the field rather than dropped.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from pagedkv.engine import SamplingParams
 from pagedkv.engine.sampling_params import unpaired_surrogate_at
@@ -50,6 +52,12 @@ class StreamOptions(BaseModel):
     include_usage: Bool = False
 
 
+def _asks_for_something(value: object) -> bool:
+    """Whether a field not implemented here was set to ask for something: absent, null, false,
+    empty and ``"none"`` ask for nothing."""
+    return bool(value) and value != "none"
+
+
 class _SamplingRequest(BaseModel):
     """The fields completions and chat share."""
 
@@ -64,8 +72,6 @@ class _SamplingRequest(BaseModel):
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     user: str | None = None
-    # Not implemented; refused when set (see _refuse_unsupported).
-    logit_bias: dict[str, float] | None = None
     best_of: Int | None = None
     # vLLM's extra sampling parameters.
     top_k: Int | None = None
@@ -74,6 +80,18 @@ class _SamplingRequest(BaseModel):
     min_tokens: Int | None = 0
     ignore_eos: Bool | None = False
     stop_token_ids: list[Int] | None = None
+    skip_special_tokens: Bool | None = True
+    #: Keep only the prompt's last this many tokens; -1: as many as fit beside ``max_tokens``.
+    truncate_prompt_tokens: Int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    # Undeclared fields are kept (in ``model_extra``) so that vLLM's fields that are not
+    # implemented here can be refused by name: those named in ``_refused`` (declared or not).
+    model_config = ConfigDict(extra="allow")
+    _refused: ClassVar[tuple[str, ...]] = (
+        "logit_bias", "use_beam_search", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
+        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    )  # fmt: skip
 
     def check_text(self) -> None:
         """Refuse any string holding an unpaired surrogate: JSON can carry ``"\\ud800"``, Python
@@ -85,17 +103,17 @@ class _SamplingRequest(BaseModel):
                 param=path,
             )
 
-    def _refuse_unsupported(self, **extra: object) -> None:
-        if self.logit_bias:
-            raise APIError.bad_request("logit_bias is not supported by this server", param="logit_bias")
+    def _refuse_unsupported(self) -> None:
+        extra = self.model_extra or {}
+        for name in self._refused:
+            value = getattr(self, name) if name in type(self).model_fields else extra.get(name)
+            if _asks_for_something(value):
+                raise APIError.bad_request(f"{name} is not supported by this server", param=name)
         n = 1 if self.n is None else self.n
         if self.best_of is not None and self.best_of != n:
             raise APIError.bad_request(
                 f"best_of ({self.best_of}) different from n ({n}) is not supported", param="best_of"
             )
-        for name, value in extra.items():
-            if value:
-                raise APIError.bad_request(f"{name} is not supported by this server", param=name)
 
     def _sampling_params(
         self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
@@ -118,6 +136,7 @@ class _SamplingRequest(BaseModel):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "min_tokens": self.min_tokens,
+            "skip_special_tokens": self.skip_special_tokens,
         }
         # None (absent or JSON null) means "the default": SamplingParams' own, except for the
         # fields where None itself is the value (no logprobs, no seed, no stops).
@@ -134,7 +153,12 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    """``POST /v1/completions``: one prompt or a batch (text or token ids)."""
+    """``POST /v1/completions``: one prompt or a batch (text or token ids).
+
+    ``echo`` prepends each prompt (as sent; token ids decoded) to its choices' text, and with
+    ``logprobs`` the prompt tokens' logprobs to theirs (the first is null); with ``max_tokens``
+    0 the choices are the prompt alone (one token is generated and not shown, as in vLLM).
+    """
 
     prompt: str | list[str] | list[Int] | list[list[Int]]
     max_tokens: Int | None = 16
@@ -142,7 +166,11 @@ class CompletionRequest(_SamplingRequest):
     #: vLLM's extra parameter: the logprob of every prompt token and its top ``prompt_logprobs``.
     prompt_logprobs: Int | None = None
     echo: Bool | None = False
+    #: Add the tokenizer's special tokens (BOS) to text prompts.
+    add_special_tokens: Bool | None = True
     suffix: str | None = None
+
+    _refused = (*_SamplingRequest._refused, "suffix", "prompt_embeds")
 
     def prompts(self) -> list[str | list[int]]:
         """The batch as a list: a string or a list of ints is one prompt."""
@@ -153,10 +181,17 @@ class CompletionRequest(_SamplingRequest):
             raise APIError.bad_request("prompt must not be empty", param="prompt")
         return list(prompt)
 
+    @property
+    def echo_only(self) -> bool:
+        return bool(self.echo) and self.max_tokens == 0
+
     def sampling_params(self) -> SamplingParams:
-        self._refuse_unsupported(echo=self.echo, suffix=self.suffix)
+        self._refuse_unsupported()
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs, self.prompt_logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and prompt_logprobs is None:
+            prompt_logprobs = self.logprobs  # echo's logprobs start with the prompt's (vLLM)
+        return self._sampling_params(1 if self.echo_only else max_tokens, self.logprobs, prompt_logprobs)
 
 
 class TextPart(BaseModel):
@@ -186,27 +221,40 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    """``POST /v1/chat/completions``: a conversation rendered by the model's chat template."""
+    """``POST /v1/chat/completions``: a conversation rendered by the model's chat template (its
+    options, ``echo`` and the answer's role: :mod:`pagedkv.server.preprocess`)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     logprobs: Bool | None = False
     top_logprobs: Int | None = None
+    echo: Bool | None = False
+    add_generation_prompt: Bool | None = True
+    continue_final_message: Bool | None = False
+    #: Add the tokenizer's special tokens on top of what the chat template writes.
+    add_special_tokens: Bool | None = False
+    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+
+    _refused = (*_SamplingRequest._refused, "tools", "tool_choice", "functions", "function_call",
+                "chat_template", "chat_template_kwargs", "documents")  # fmt: skip
+
+    @property
+    def max_tokens_asked(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """``default_max_tokens`` applies when neither max token field is given (the rest of the
         context, as in vLLM)."""
         kind = (self.response_format or {}).get("type", "text")
-        self._refuse_unsupported(tools=self.tools, tool_choice=self.tool_choice)
+        self._refuse_unsupported()
         if kind != "text":
             raise APIError.bad_request(f"response_format {kind!r} is not supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = self.max_tokens_asked
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(default_max_tokens if max_tokens is None else max_tokens, logprobs)
 
@@ -219,11 +267,12 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions shape: parallel lists, one entry per generated token."""
+    """The legacy completions shape: parallel lists, one entry per token (null for an echoed
+    prompt's first token, which nothing predicts)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -270,7 +319,7 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"
     content: str
 
 
@@ -291,7 +340,7 @@ class ChatCompletionResponse(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
 
 

@@ -5,7 +5,9 @@ loading the tokenizer or chat template itself: ``vllm-router --policy kv_aware``
 a worker before it routes, then looks the ids up in the prefix trees it rebuilt from the
 workers' KV cache events (:mod:`pagedkv.server.kv_events`). The answer has vLLM's shape: the
 completions route returns one ``{"request_id", "token_ids", "model"}`` per prompt, the chat route
-one such object. Nothing is generated and nothing is queued.
+one such object. Nothing is generated and nothing is queued, but the request goes through the
+generation routes' own checks (:mod:`pagedkv.server.preprocess`): what they would refuse, these
+refuse with the same status and message.
 """
 
 from __future__ import annotations
@@ -14,11 +16,9 @@ import uuid
 
 from fastapi import FastAPI
 
-from pagedkv.engine import InvalidRequestError
-from pagedkv.server.errors import APIError
 from pagedkv.server.openapi import error_responses
+from pagedkv.server.preprocess import ServingContext, preprocess_chat, preprocess_completion
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagedkv.server.serving import ServingContext, chat_prompt
 
 
 def _rendered(ctx: ServingContext, token_ids: list[int]) -> dict:
@@ -26,20 +26,14 @@ def _rendered(ctx: ServingContext, token_ids: list[int]) -> dict:
 
 
 def install_render_routes(app: FastAPI, ctx: ServingContext) -> None:
-    """Add the two render routes to ``app`` (they share the generation routes' validation)."""
+    """Add the two render routes to ``app``."""
 
     @app.post("/v1/completions/render", responses=error_responses(400, 401, 413))
     async def render_completion(body: CompletionRequest) -> list[dict]:
-        ctx.check_model(body.model)
-        texts = body.prompts()
-        ctx.check_size(len(texts), body.sampling_params())
-        body.check_text()
-        try:
-            return [_rendered(ctx, ctx.encoder.encode(text)) for text in texts]
-        except InvalidRequestError as err:
-            raise APIError.from_value_error(err) from None
+        inputs = await preprocess_completion(ctx, body)
+        return [_rendered(ctx, ids) for ids in inputs.prompts]
 
     @app.post("/v1/chat/completions/render", responses=error_responses(400, 401, 413))
     async def render_chat(body: ChatCompletionRequest) -> dict:
-        ctx.check_model(body.model)
-        return _rendered(ctx, chat_prompt(ctx, body))
+        inputs = await preprocess_chat(ctx, body)
+        return _rendered(ctx, inputs.prompt)

@@ -1,9 +1,11 @@
 """The two generation endpoints: requests to engine prompts, deltas to OpenAI responses.
 
 Both endpoints validate everything (model name, sampling values, prompt length, cache fit,
-queue room) *before* the response starts, so a refused request gets a real HTTP status rather
-than a 200 stream with an error inside. Once streaming, the response is server-sent events,
-one ``data: {chunk}`` per choice delta, an optional usage chunk, then ``data: [DONE]``.
+queue room; :mod:`pagedkv.server.preprocess`) *before* the response starts, so a refused request
+gets a real HTTP status rather than a 200 stream with an error inside. Once streaming, the
+response is server-sent events, one ``data: {chunk}`` per choice delta, an optional usage chunk,
+then ``data: [DONE]``. ``echo`` (vLLM's) puts the prompt, or for chat the last message, before a
+choice's first delta.
 """
 
 from __future__ import annotations
@@ -13,22 +15,18 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from http import HTTPStatus
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel
 
-from pagedkv.engine import InvalidRequestError, RequestLimits, SamplingParams
-from pagedkv.engine.validation import check_context
-from pagedkv.models import Tokenizer
-from pagedkv.server.async_engine import Aborted, AsyncEngine
+from pagedkv.engine import InvalidRequestError, SamplingParams
+from pagedkv.server.async_engine import Aborted
 from pagedkv.server.errors import APIError, EngineRequestError
 from pagedkv.server.generation import ChoiceDelta, Generation, collect_unless_disconnected
 from pagedkv.server.logprobs import LogprobFormatter
-from pagedkv.server.prompts import PromptEncoder
+from pagedkv.server.preprocess import ServingContext, preprocess_chat, preprocess_completion
 from pagedkv.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -39,66 +37,14 @@ from pagedkv.server.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
 
+__all__ = ["ServingContext", "create_chat_completion", "create_completion"]
+
 logger = logging.getLogger("pagedkv.server")
-
-
-@dataclass
-class ServingContext:
-    """What the handlers need besides the request: shared by every request of one app."""
-
-    engine: AsyncEngine
-    tokenizer: Tokenizer
-    encoder: PromptEncoder
-    model_name: str
-    max_model_len: int
-    #: Most tokens (prompt + output) one request can ever hold in the KV cache.
-    kv_capacity_tokens: int
-    #: What one request may ask for (the engine's limits, applied here to a batch as a whole).
-    limits: RequestLimits
-    max_prompts_per_request: int
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError.bad_request(
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}", param="model"
-            )
-
-    def check_size(self, num_prompts: int, params: SamplingParams) -> None:
-        """The limits that need no tokens, checked before any prompt is tokenized."""
-        if num_prompts > self.max_prompts_per_request:
-            raise APIError.bad_request(
-                f"the request has {num_prompts} prompts, over the limit max_prompts_per_request = "
-                f"{self.max_prompts_per_request} (--max-prompts-per-request)",
-                param="prompt",
-            )
-        try:
-            self.limits.check_n(params.n)
-            self.limits.check_stops(params)
-        except InvalidRequestError as err:
-            raise APIError.from_value_error(err) from None
-
-    def check_tokens(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        """Each prompt within the context, then samples x (prompt + max_tokens) summed over the
-        prompts (what the whole batch asks for) within the limit; before anything is queued."""
-        prompt_tokens = sum(len(p) for p in prompts)
-        requested = params.n * (prompt_tokens + len(prompts) * params.max_tokens)
-        outputs = f"{len(prompts)} x {params.max_tokens} max_tokens"
-        try:
-            for index, prompt in enumerate(prompts):
-                try:
-                    check_context(len(prompt), params.max_tokens, self.max_model_len)
-                except InvalidRequestError as err:
-                    prefix = f"prompt {index}: " if len(prompts) > 1 else ""
-                    raise InvalidRequestError(f"{prefix}{err}", err.param) from None
-            self.limits.check_tokens(
-                requested, f"n = {params.n} x ({prompt_tokens} prompt tokens + {outputs})"
-            )
-        except InvalidRequestError as err:
-            raise APIError.from_value_error(err) from None
 
 
 def _json(body: BaseModel) -> Response:
@@ -173,44 +119,51 @@ async def _respond(request: Request, generation: Generation) -> list[list[Choice
 
 # -- /v1/completions ---------------------------------------------------------------------------
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext) -> Response:
-    ctx.check_model(body.model)
-    params = body.sampling_params()
-    texts = body.prompts()
-    ctx.check_size(len(texts), params)  # first: a 200k-prompt list is refused before it is read
-    body.check_text()
-    try:
-        prompts = [ctx.encoder.encode(p) for p in texts]
-    except InvalidRequestError as err:
-        raise APIError.from_value_error(err) from None
-    ctx.check_tokens(prompts, params)
+    inputs = await preprocess_completion(ctx, body)
+    params = inputs.params
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = await _start(ctx, request_id, prompts, params)
+    generation = await _start(ctx, request_id, inputs.prompts, params)
     formatter = LogprobFormatter(ctx.tokenizer)
     wants_logprobs = params.logprobs is not None
     with_prompt_logprobs: set[int] = set()  # choices whose prompt logprobs went out
+    to_echo = set(range(generation.num_choices)) if inputs.echoes is not None else set()
 
     def choice(delta: ChoiceDelta) -> CompletionChoice:
-        logprobs = formatter.completion(delta.index, delta.logprobs) if wants_logprobs else None
-        prompt_logprobs = generation.prompt_logprobs.get(delta.index // params.n)
+        """A delta as a choice; a choice's first carries the echoed prompt and the prompt logprobs."""
+        prompt_index = delta.index // params.n
+        prompt_logprobs = generation.prompt_logprobs.get(prompt_index)
+        complete = prompt_logprobs is not None and len(prompt_logprobs) == len(inputs.prompts[prompt_index])
+        text = "" if body.echo_only else delta.text
+        parts: list[CompletionLogprobs] = []
+        if delta.index in to_echo:
+            to_echo.discard(delta.index)
+            text = inputs.echoes[prompt_index] + text
+            if wants_logprobs and complete:  # incomplete: aborted before the prompt ran
+                prompt = inputs.prompts[prompt_index]
+                parts.append(formatter.echoed_prompt(delta.index, prompt, prompt_logprobs, params.logprobs))
+        if wants_logprobs and not body.echo_only:
+            parts.append(formatter.completion(delta.index, delta.logprobs))
+        shown_prompt_logprobs = None
         if prompt_logprobs is not None and delta.index not in with_prompt_logprobs:
             with_prompt_logprobs.add(delta.index)
-            prompt_logprobs = formatter.prompt(prompt_logprobs)
-        else:
-            prompt_logprobs = None
+            shown_prompt_logprobs = formatter.prompt(prompt_logprobs)
         return CompletionChoice(
             index=delta.index,
-            text=delta.text,
-            logprobs=logprobs,
+            text=text,
+            logprobs=formatter.merge(parts) if wants_logprobs else None,
             finish_reason=delta.finish_reason,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=shown_prompt_logprobs,
         )
+
+    def shows(delta: ChoiceDelta) -> bool:
+        return delta.index in to_echo or _shows(delta, wants_logprobs and not body.echo_only)
 
     created = int(time.time())
     if body.stream:
 
         async def chunks() -> AsyncIterator[str]:
             async for delta in generation.deltas():
-                if not _shows(delta, wants_logprobs):
+                if not shows(delta):
                     continue
                 yield _sse(
                     CompletionResponse(
@@ -253,30 +206,11 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------
-def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> list[int]:
-    messages = [m.as_template_dict() for m in body.messages]
-    try:
-        return ctx.encoder.encode_chat(messages)
-    except InvalidRequestError as err:  # provably longer than the context
-        raise APIError.from_value_error(err) from None
-    except (ValueError, jinja2.TemplateError) as err:
-        raise APIError.bad_request(
-            f"the chat template failed on these messages: {err}", param="messages"
-        ) from None
-
-
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, ctx: ServingContext
 ) -> Response:
-    body.check_text()
-    ctx.check_model(body.model)
-    prompt = chat_prompt(ctx, body)
-    # Without max_tokens a chat runs to the end of the context (vLLM's default), within the limits.
-    samples = body.n if isinstance(body.n, int) and body.n > 0 else 1
-    ceiling = min(ctx.max_model_len, ctx.kv_capacity_tokens, ctx.limits.max_request_tokens // samples)
-    params = body.sampling_params(default_max_tokens=max(ceiling - len(prompt), 1))
-    ctx.check_size(1, params)
-    ctx.check_tokens([prompt], params)
+    inputs = await preprocess_chat(ctx, body)
+    prompt, params = inputs.prompt, inputs.params
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = await _start(ctx, request_id, [prompt], params)
     formatter = LogprobFormatter(ctx.tokenizer)
@@ -301,7 +235,9 @@ async def create_chat_completion(
 
         async def chunks() -> AsyncIterator[str]:
             for index in range(generation.num_choices):
-                yield chunk(ChatStreamChoice(index=index, delta=ChatDelta(role="assistant", content="")))
+                yield chunk(ChatStreamChoice(index=index, delta=ChatDelta(role=inputs.role, content="")))
+            for index in range(generation.num_choices) if inputs.echo else ():
+                yield chunk(ChatStreamChoice(index=index, delta=ChatDelta(content=inputs.echo)))
             async for delta in generation.deltas():
                 if not _shows(delta, wants_logprobs):
                     continue
@@ -325,7 +261,9 @@ async def create_chat_completion(
         choices.append(
             ChatChoice(
                 index=deltas[-1].index,
-                message=ChatResponseMessage(content="".join(d.text for d in deltas)),
+                message=ChatResponseMessage(
+                    role=inputs.role, content=inputs.echo + "".join(d.text for d in deltas)
+                ),
                 logprobs=ChatLogprobs(content=content) if content is not None else None,
                 finish_reason=deltas[-1].finish_reason,
             )

@@ -13,7 +13,7 @@ import pytest
 
 from pagedkv import SamplingParams
 from pagedkv.engine import sampler as sampler_module
-from pagedkv.server import serving as serving_module
+from pagedkv.server import prompts as prompts_module
 from tests.server.helpers import API_KEY, MODEL, EngineGate, assert_pool_whole, scrape, wait_idle, wait_until
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -120,7 +120,7 @@ def test_an_unexpected_error_answers_a_plain_message_with_an_id(base_url, monkey
     def broken(*_):
         raise RuntimeError("secret internals")
 
-    monkeypatch.setattr(serving_module, "check_context", broken)
+    monkeypatch.setattr(prompts_module, "check_context", broken)  # on the tokenizer thread
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     response = httpx.post(f"{base_url}/v1/completions", json=body, headers=AUTH, timeout=30)
     assert response.status_code == 500

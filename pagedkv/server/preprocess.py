@@ -1,0 +1,205 @@
+"""From a request body to what the engine runs: prompt token ids and sampling parameters.
+
+The generation routes and the render routes (``/v1/completions/render``, ``/v1/chat/completions
+/render``) share this path, so they accept and refuse exactly the same requests. The checks run
+cheapest first, so that a request that will be refused costs little: on the event loop the model
+name, the sampling fields, the number of prompts and the text (surrogates); then on the
+tokenizer thread (:mod:`pagedkv.server.prompts`) the chat template, the prompt lengths (bounded
+before tokenizing, each prompt checked as soon as it is tokenized) and the engine's own checks of
+the ids (vocabulary, KV pool), so the worker thread never has to refuse what passed here.
+
+Chat template options are vLLM's: ``add_generation_prompt`` (default true) opens an assistant
+turn after the last message; ``continue_final_message`` instead leaves the last message open for
+the model to continue; the two exclude each other. The answer's role is the assistant's, or
+without a generation prompt the last message's (vLLM's ``get_chat_request_role``), and chat
+``echo`` prepends the last message's content to the answer when its role is that one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jinja2
+
+from pagedkv.engine import InvalidRequestError, RequestLimits, SamplingParams
+from pagedkv.engine.validation import RequestValidator
+from pagedkv.models import Tokenizer
+from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.errors import APIError
+from pagedkv.server.prompts import PromptEncoder, PromptLimits
+from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass
+class ServingContext:
+    """What the handlers need besides the request: shared by every request of one app."""
+
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    encoder: PromptEncoder
+    model_name: str
+    max_model_len: int
+    #: Most tokens (prompt + output) one request can ever hold in the KV cache.
+    kv_capacity_tokens: int
+    #: What one request may ask for (the engine's limits, applied here to a batch as a whole).
+    limits: RequestLimits
+    max_prompts_per_request: int
+
+    @property
+    def validator(self) -> RequestValidator:
+        """The engine's checks of a request's ids; immutable, so any thread may run them."""
+        return self.engine.engine.validator
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError.bad_request(
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}", param="model"
+            )
+
+    def check_size(self, num_prompts: int, params: SamplingParams) -> None:
+        """The limits that need no tokens, checked before any prompt is tokenized."""
+        if num_prompts > self.max_prompts_per_request:
+            raise APIError.bad_request(
+                f"the request has {num_prompts} prompts, over the limit max_prompts_per_request = "
+                f"{self.max_prompts_per_request} (--max-prompts-per-request)",
+                param="prompt",
+            )
+        try:
+            self.limits.check_n(params.n)
+            self.limits.check_stops(params)
+        except InvalidRequestError as err:
+            raise APIError.from_value_error(err) from None
+
+    def prompt_limits(
+        self, params: SamplingParams, truncate_prompt_tokens: int | None, add_special_tokens: bool
+    ) -> PromptLimits:
+        """The request's prompt limits; ``truncate_prompt_tokens`` checked as vLLM does: -1 keeps
+        as many tokens as fit beside ``max_tokens``, else 1 up to that many."""
+        room = self.max_model_len - params.max_tokens
+        if truncate_prompt_tokens == -1:
+            truncate_prompt_tokens = max(room, 1)  # no room: the context check says why
+        elif truncate_prompt_tokens is not None and not 1 <= truncate_prompt_tokens <= max(room, 1):
+            raise APIError.bad_request(
+                f"truncate_prompt_tokens must be -1 or in [1, max_model_len - max_tokens = {room}], got "
+                f"{truncate_prompt_tokens}",
+                param="truncate_prompt_tokens",
+            )
+        return PromptLimits(
+            max_model_len=self.max_model_len,
+            max_tokens=params.max_tokens,
+            n=params.n,
+            max_request_tokens=self.limits.max_request_tokens,
+            truncate_to=truncate_prompt_tokens,
+            add_special_tokens=add_special_tokens,
+        )
+
+    def check_ids(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """The engine's own checks of each prompt's ids (vocabulary, stop ids, KV pool)."""
+        for index, ids in enumerate(prompts):
+            try:
+                self.validator.check(ids, params, params.n)
+            except InvalidRequestError as err:
+                prefix = f"prompt {index}: " if len(prompts) > 1 else ""
+                raise InvalidRequestError(f"{prefix}{err}", err.param) from None
+
+
+# -- /v1/completions -----------------------------------------------------------------------------
+@dataclass
+class CompletionInputs:
+    prompts: list[list[int]]
+    params: SamplingParams
+    #: With ``echo``: each prompt as sent, as text (token ids decoded); else None.
+    echoes: list[str] | None
+
+
+async def preprocess_completion(ctx: ServingContext, body: CompletionRequest) -> CompletionInputs:
+    """Validate a completions request and tokenize its prompts; :class:`APIError` if refused."""
+    ctx.check_model(body.model)
+    params = body.sampling_params()
+    prompts = body.prompts()
+    ctx.check_size(len(prompts), params)  # first: a 200k-prompt list is refused before it is read
+    body.check_text()
+    limits = ctx.prompt_limits(params, body.truncate_prompt_tokens, body.add_special_tokens is not False)
+    try:
+        return await ctx.encoder.run(_encode_completion, ctx, prompts, limits, params, bool(body.echo))
+    except InvalidRequestError as err:
+        raise APIError.from_value_error(err) from None
+
+
+def _encode_completion(
+    ctx: ServingContext,
+    prompts: Sequence[str | list[int]],
+    limits: PromptLimits,
+    params: SamplingParams,
+    echo: bool,
+) -> CompletionInputs:
+    encoded = ctx.encoder.encode_prompts(prompts, limits)
+    ctx.check_ids(encoded, params)
+    echoes = None
+    if echo:
+        echoes = [
+            p if isinstance(p, str) else ctx.tokenizer.decode(p, skip_special_tokens=False) for p in prompts
+        ]
+    return CompletionInputs(encoded, params, echoes)
+
+
+# -- /v1/chat/completions ------------------------------------------------------------------------
+@dataclass
+class ChatInputs:
+    prompt: list[int]
+    params: SamplingParams
+    #: The answer's role: the assistant's, or without a generation prompt the last message's.
+    role: str
+    #: What ``echo`` prepends to the answer ('' when nothing).
+    echo: str
+
+
+async def preprocess_chat(ctx: ServingContext, body: ChatCompletionRequest) -> ChatInputs:
+    """Validate a chat request, render and tokenize its conversation; :class:`APIError` if refused."""
+    body.check_text()
+    ctx.check_model(body.model)
+    if body.continue_final_message and body.add_generation_prompt is not False:
+        raise APIError.bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true (add_generation_prompt "
+            "is true unless sent as false)",
+            param="continue_final_message",
+        )
+    # Without max_tokens a chat runs to the end of the context (vLLM's default), known once the
+    # prompt is; until then the fields are checked with the least it can be.
+    params = body.sampling_params(default_max_tokens=max(1, body.min_tokens or 0))
+    ctx.check_size(1, params)
+    limits = ctx.prompt_limits(params, body.truncate_prompt_tokens, bool(body.add_special_tokens))
+    messages = [m.as_template_dict() for m in body.messages]
+    role = "assistant" if body.add_generation_prompt is not False else messages[-1]["role"]
+    echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == role else ""
+    try:
+        prompt, params = await ctx.encoder.run(_encode_chat, ctx, body, messages, limits, params)
+    except InvalidRequestError as err:
+        raise APIError.from_value_error(err) from None
+    return ChatInputs(prompt, params, role, echo)
+
+
+def _encode_chat(
+    ctx: ServingContext,
+    body: ChatCompletionRequest,
+    messages: list[dict[str, str]],
+    limits: PromptLimits,
+    params: SamplingParams,
+) -> tuple[list[int], SamplingParams]:
+    """The conversation rendered and tokenized, and the final sampling parameters (on the
+    tokenizer thread: a template may take long on a long conversation)."""
+    try:
+        text = ctx.tokenizer.apply_chat_template(
+            messages, body.add_generation_prompt is not False, bool(body.continue_final_message)
+        )
+    except (ValueError, jinja2.TemplateError) as err:
+        raise APIError.bad_request(
+            f"the chat template failed on these messages: {err}", param="messages"
+        ) from None
+    (prompt,) = ctx.encoder.encode_prompts([text], limits)
+    if body.max_tokens_asked is None:
+        ceiling = min(ctx.max_model_len, ctx.kv_capacity_tokens, ctx.limits.max_request_tokens // params.n)
+        params = body.sampling_params(default_max_tokens=max(ceiling - len(prompt), 1))
+    ctx.check_ids([prompt], params)
+    return prompt, params
