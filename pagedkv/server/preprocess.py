@@ -3,10 +3,11 @@
 The generation routes and the render routes (``/v1/completions/render``, ``/v1/chat/completions
 /render``) share this path, so they accept and refuse exactly the same requests. The checks run
 cheapest first, so that a request that will be refused costs little: on the event loop the model
-name, the sampling fields, the number of prompts and the text (surrogates); then on the
-tokenizer thread (:mod:`pagedkv.server.prompts`) the chat template, the prompt lengths (bounded
-before tokenizing, each prompt checked as soon as it is tokenized) and the engine's own checks of
-the ids (vocabulary, KV pool), so the worker thread never has to refuse what passed here.
+name, the sampling fields and the number of prompts; then on the tokenizer thread
+(:mod:`pagedkv.server.prompts`) what reads the whole body -- the text (no unpaired surrogate), the
+chat template, the prompt lengths (bounded before tokenizing, each prompt checked as soon as it is
+tokenized) and the engine's own checks of the ids (vocabulary, KV pool) -- so the engine's worker
+never has to refuse what passed here.
 
 Chat template options are vLLM's: ``add_generation_prompt`` (default true) opens an assistant
 turn after the last message; ``continue_final_message`` instead leaves the last message open for
@@ -119,25 +120,27 @@ async def preprocess_completion(ctx: ServingContext, body: CompletionRequest) ->
     params = body.sampling_params()
     prompts = body.prompts()
     ctx.check_size(len(prompts), params)  # first: a 200k-prompt list is refused before it is read
-    body.check_text()
     limits = ctx.prompt_limits(params, body.truncate_prompt_tokens, body.add_special_tokens is not False)
     try:
-        return await ctx.encoder.run(_encode_completion, ctx, prompts, limits, params, bool(body.echo))
+        return await ctx.encoder.run(_encode_completion, ctx, body, prompts, limits, params)
     except InvalidRequestError as err:
         raise APIError.from_value_error(err) from None
 
 
 def _encode_completion(
     ctx: ServingContext,
+    body: CompletionRequest,
     prompts: Sequence[str | list[int]],
     limits: PromptLimits,
     params: SamplingParams,
-    echo: bool,
 ) -> CompletionInputs:
+    """The prompts' ids and echoes (on the tokenizer thread, the text scan included: it reads
+    every character of a body that may be 1 MiB)."""
+    body.check_text()
     encoded = ctx.encoder.encode_prompts(prompts, limits)
     ctx.check_ids(encoded, params)
     echoes = None
-    if echo:
+    if body.echo:
         echoes = [
             p if isinstance(p, str) else ctx.tokenizer.decode(p, skip_special_tokens=False) for p in prompts
         ]
@@ -157,7 +160,6 @@ class ChatInputs:
 
 async def preprocess_chat(ctx: ServingContext, body: ChatCompletionRequest) -> ChatInputs:
     """Validate a chat request, render and tokenize its conversation; :class:`APIError` if refused."""
-    body.check_text()
     ctx.check_model(body.model)
     if body.continue_final_message and body.add_generation_prompt is not False:
         raise APIError.bad_request(
@@ -188,7 +190,8 @@ def _encode_chat(
     params: SamplingParams,
 ) -> tuple[list[int], SamplingParams]:
     """The conversation rendered and tokenized, and the final sampling parameters (on the
-    tokenizer thread: a template may take long on a long conversation)."""
+    tokenizer thread: the text scan and the template read the whole conversation)."""
+    body.check_text()
     try:
         text = ctx.tokenizer.apply_chat_template(
             messages, body.add_generation_prompt is not False, bool(body.continue_final_message)
