@@ -1,8 +1,8 @@
 """Compile each request's constraint off the engine thread, once per spec, within the deployer's limits.
 
 :meth:`GrammarCompiler.compile_async` checks a spec synchronously against the size and nesting
-limits (:func:`~pagedkv.engine.structured.config.check_spec`: microseconds, raises
-:class:`InvalidRequestError` at once) and returns a future. The compile itself runs on the
+limits (:func:`~pagedkv.engine.structured.config.check_spec`, linear in the spec's length:
+it raises :class:`InvalidRequestError` at once) and returns a future. The compile itself runs on the
 compiler's own threads: xgrammar releases the GIL while it compiles, so the engine thread and
 the server's event loop keep running. The future ends in one of three ways:
 

@@ -37,7 +37,8 @@ class StructuredOutputsParams:
     """One request's output constraint; see the module docstring.
 
     Normalisation at construction: ``json`` given as text is parsed into a dict, so equal
-    schemas written with different spacing share one compiled grammar (:meth:`key`).
+    schemas written with different spacing share one compiled grammar (:meth:`key`), and a
+    tuple of choices becomes a list.
     """
 
     #: A JSON schema (a dict, or its JSON text): the output is a JSON value it validates.
@@ -69,7 +70,8 @@ class StructuredOutputsParams:
                 raise _fail(name, "a non-empty string", value)
         if self.choice is not None:
             self._check_choice(self.choice)
-        if self.json_object not in (None, True):
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
             raise _fail("json_object", "True or None", self.json_object)
         if not isinstance(self.disable_any_whitespace, bool):
             raise _fail("disable_any_whitespace", "a bool", self.disable_any_whitespace)

@@ -89,6 +89,8 @@ class XgrammarBackend:
             wrapper, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
         )
         # pagedkv keeps its own cache (bounded, keyed by the request's spec): none in xgrammar.
+        # One thread per compile: the compiler's pool sets how many compiles run at once, so
+        # compiles never take more cores than the deployer gave them.
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
 
     def compile(self, kind: str, spec: str, any_whitespace: bool) -> xgr.CompiledGrammar:

@@ -38,6 +38,8 @@ def test_exactly_one_constraint_is_set(kwargs, named):
         ({"choice": ["yes", ""]}, "StructuredOutputsParams.choice must be a list of non-empty strings"),
         ({"choice": ["yes", 1]}, "StructuredOutputsParams.choice must be a list of non-empty strings"),
         ({"json_object": "yes"}, "StructuredOutputsParams.json_object must be True or None, got 'yes'"),
+        ({"json_object": 1}, "StructuredOutputsParams.json_object must be True or None, got 1"),
+        ({"regex": 0}, "StructuredOutputsParams.regex must be a non-empty string, got 0"),
         (
             {"regex": "a", "disable_any_whitespace": "no"},
             "StructuredOutputsParams.disable_any_whitespace must be a bool, got 'no'",
