@@ -1,0 +1,68 @@
+"""Token bitmasks: one row per sampled row of a step, one bit per vocabulary token.
+
+The only module of the package that uses torch. A step allocates one bitmask for its batch
+(:func:`allocate_token_bitmask`, every token allowed), each constrained row's matcher writes its
+row (:func:`fill_token_bitmask`), and :func:`apply_token_bitmask` sets the logits of the tokens
+a row's grammar forbids to ``-inf`` -- in the constrained rows only: every other row is left
+untouched, bit for bit, so unconstrained requests sample exactly as they would alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedkv.engine.structured.matcher import GrammarMatcher
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words per row: one bit per token."""
+    return (vocab_size + 31) // 32
+
+
+def allocate_token_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """A [num_rows, ceil(vocab_size / 32)] int32 CPU tensor with every bit set (all allowed)."""
+    return torch.full((num_rows, bitmask_width(vocab_size)), -1, dtype=torch.int32)
+
+
+def fill_token_bitmask(bitmask: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> list[int]:
+    """Row ``i`` of ``bitmask`` gets the tokens ``matchers[i]`` allows next; rows whose matcher
+    is None (unconstrained) are not written. Returns the constrained rows, in order.
+
+    One matcher at a time, on the calling thread: a row is mostly a copy from the grammar's
+    precomputed mask cache, too little work to hand to other threads.
+    """
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    for row in rows:
+        matchers[row].fill_bitmask(bitmask, row)
+    return rows
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """In place, for each row ``r`` in ``rows``: ``logits[r, t] = -inf`` for every token ``t``
+    whose bit is clear in ``bitmask[r]``. Other rows, and the allowed tokens' logits, keep their
+    exact values. ``logits`` is [batch, vocab] float32 on CPU (or a float tensor on CUDA: the
+    bitmask moves there); ``bitmask`` is [>= batch, ceil(vocab / 32)] int32.
+    """
+    if not rows:
+        return
+    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.shape[-1] != bitmask_width(logits.shape[-1]):
+        raise ValueError(
+            f"a bitmask of shape {tuple(bitmask.shape)} does not cover logits of shape {tuple(logits.shape)}"
+        )
+    if min(rows) < 0 or max(rows) >= min(logits.shape[0], bitmask.shape[0]):
+        raise ValueError(f"rows {list(rows)} are not all rows of logits {tuple(logits.shape)} and bitmask")
+    padding = logits.shape[-1] % 32
+    if padding:
+        # xgrammar's CPU kernel can visit the clear bits past the vocabulary in a row's last
+        # word, and write -inf there: into the next row, or past the tensor. Set them.
+        bitmask = bitmask.clone()
+        bitmask[:, -1] |= -(1 << padding)
+    # Deferred: only a step with a constrained row gets here, once xgrammar has compiled its
+    # grammar; importing it at engine start would cost every engine seconds.
+    import xgrammar
+
+    xgrammar.apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device, non_blocking=True), indices=list(rows)
+    )
