@@ -104,12 +104,14 @@ def _add_connection_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--timeout-keep-alive",
         type=positive_float,
+        metavar="SECONDS",
         default=5.0,
         help="close a kept-alive connection idle for this many seconds (default: %(default)s)",
     )
     group.add_argument(
         "--timeout-request-header",
         type=positive_float,
+        metavar="SECONDS",
         default=10.0,
         help="close a connection whose request line and headers are not complete this many seconds "
         "after it opened or its previous response ended; 408 if part of a request came "
@@ -118,6 +120,7 @@ def _add_connection_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--timeout-request-body",
         type=positive_float,
+        metavar="SECONDS",
         default=30.0,
         help="answer 408 and close when a request body is not complete this many seconds after its "
         "headers (default: %(default)s)",
@@ -125,6 +128,7 @@ def _add_connection_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--limit-concurrency",
         type=positive_int,
+        metavar="N",
         default=None,
         help="most open connections; past it the connection that has been reading its request the "
         "longest (a slow or idle client) is closed with 503, or, when every connection is busy "
@@ -134,6 +138,7 @@ def _add_connection_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--h11-max-incomplete-event-size",
         type=positive_int,
+        metavar="BYTES",
         default=16 * 1024,
         help="most bytes of a request line and headers; more gets 400 (default: %(default)s)",
     )
@@ -192,6 +197,8 @@ def run_serve(args: argparse.Namespace) -> int:
         args.parser.error("--api-key must not be empty")
     if args.max_waiting_requests < 0:
         args.parser.error(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    limits = connection_limits(args)
+    raise_open_file_limit()  # before the engine opens files (replicas inherit it); the cap is sized from it
     if args.data_parallel_size > 1:
         if args.kv_events_config is not None:
             args.parser.error(
@@ -204,8 +211,6 @@ def run_serve(args: argparse.Namespace) -> int:
             kv_events = KVEventsConfig.from_json(args.kv_events_config)
         except (ValueError, TypeError) as err:
             args.parser.error(str(err))
-    limits = connection_limits(args)
-    raise_open_file_limit()  # before the engine opens files; the cap is sized from it
     engine = build_engine(args)
     app = create_app(
         engine,

@@ -21,7 +21,8 @@ its request the longest (a slow client's, or an idle kept-alive one) with a ``50
 that sends its request at once is always admitted; only when every connection is busy does the
 new one get the ``503``. The cap and the accept backlog are sized below the open-file limit so
 that ``accept()`` does not run out of descriptors; if it does anyway, :class:`AcceptErrorLog`
-logs it once per interval. What the guard closed is logged as one line per interval too.
+logs it once per interval. What the guard closed, and uvicorn's warnings about bad requests
+(:class:`RepeatedWarnings`), are logged once per interval too.
 """
 
 from __future__ import annotations
@@ -136,7 +137,6 @@ class ConnectionGuard:
     """
 
     def __init__(self, limits: ConnectionLimits, max_connections: int) -> None:
-        self.limits = limits
         self.max_connections = max_connections
         self._reading: dict[str, dict[GuardedH11Protocol, float]] = {HEADER: {}, BODY: {}}
         self._timeouts = {HEADER: limits.timeout_request_header, BODY: limits.timeout_request_body}
@@ -274,6 +274,45 @@ class GuardedH11Protocol(H11Protocol):
             if answer:
                 self.transport.write(_raw_response(error))
             self.transport.close()
+
+
+class RepeatedWarnings(logging.Filter):
+    """On uvicorn's error log: the warnings it writes once per bad request (malformed, or asking
+    for a protocol upgrade) pass once per interval, with how many were held back.
+
+    A flood of bad requests would otherwise write a line per connection.
+    """
+
+    MESSAGES = frozenset(
+        {
+            "Invalid HTTP request received.",
+            "Unsupported upgrade request.",
+            "No supported WebSocket library detected. Please use \"pip install 'uvicorn[standard]'\", "
+            "or install 'websockets' or 'wsproto' manually.",
+        }
+    )
+
+    def __init__(self, interval: float = LOG_INTERVAL_S) -> None:
+        super().__init__()
+        self.interval = interval
+        self._last: dict[str, tuple[float, int]] = {}  # message -> (last written, held back since)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING or record.msg not in self.MESSAGES:
+            return True
+        now = time.monotonic()
+        written, held = self._last.get(record.msg, (-float("inf"), 0))
+        if now - written < self.interval:
+            self._last[record.msg] = (written, held + 1)
+            return False
+        self._last[record.msg] = (now, 0)
+        if held:
+            record.msg = f"{record.msg} ({held} more since the last of these)"
+        return True
+
+
+#: One for the process: uvicorn's loggers are the process's.
+REPEATED_WARNINGS = RepeatedWarnings()
 
 
 class AcceptErrorLog:

@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from pagedkv.server.connections import (
+    REPEATED_WARNINGS,
     AcceptErrorLog,
     ConnectionGuard,
     ConnectionLimits,
@@ -64,6 +65,9 @@ class Server(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         asyncio.get_running_loop().set_exception_handler(AcceptErrorLog(self.guard))
+        uvicorn_errors = logging.getLogger("uvicorn.error")
+        if REPEATED_WARNINGS not in uvicorn_errors.filters:
+            uvicorn_errors.addFilter(REPEATED_WARNINGS)
         await super().startup(sockets)
 
     async def on_tick(self, counter: int) -> bool:

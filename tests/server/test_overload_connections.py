@@ -9,6 +9,7 @@ open sockets in /proc -- under a generous bound; nothing asserts how fast the se
 
 from __future__ import annotations
 
+import argparse
 import base64
 import contextlib
 import hashlib
@@ -24,6 +25,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from pagedkv.server.cli import add_serve_parser, connection_limits
+from pagedkv.server.connections import ConnectionLimits
 from tests.server.helpers import API_KEY, MODEL, wait_until
 from tests.server.process import ServeProcess
 
@@ -131,6 +134,12 @@ def server_connections(server: ServeProcess) -> int:
 
 def log_text(server: ServeProcess) -> str:
     return server.log.read_text()
+
+
+def test_the_serve_flags_default_to_the_connection_limits_the_in_process_server_uses():
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    assert connection_limits(parser.parse_args(["serve"])) == ConnectionLimits()
 
 
 # -- read deadlines ------------------------------------------------------------------------
@@ -260,6 +269,22 @@ def test_a_flood_past_the_file_limit_leaves_room_for_a_keyed_request_and_a_short
     assert "Too many open files" not in grown
     assert "Traceback" not in grown
     assert len(grown) < 2000, grown  # a summary line per 10 s, not a line per connection
+
+
+def test_a_burst_of_bad_requests_leaves_a_few_log_lines(servers):
+    """uvicorn warns once per malformed or upgrade request; here once per 10 s, with a count."""
+    server = servers.strict
+    before, started = len(log_text(server)), time.monotonic()
+    garbage = b"NOT HTTP AT ALL\r\n\r\n"
+    upgrade = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n"
+    for request, status in [(garbage, b"400"), (upgrade, b"200")] * 50:
+        with connect(server) as sock:
+            sock.sendall(request)
+            assert sock.recv(65536).split(b" ")[1] == status  # an upgrade is served as plain HTTP
+    intervals = 2 + int((time.monotonic() - started) // 10)
+    grown = log_text(server)[before:]
+    for message in ("Invalid HTTP request received.", "Unsupported upgrade request."):
+        assert 1 <= grown.count(message) <= intervals, grown
 
 
 def test_accept_errors_are_logged_once_per_interval(servers):
