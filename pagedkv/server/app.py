@@ -27,7 +27,7 @@ from pagedkv.server.dashboard import install_dashboard
 from pagedkv.server.errors import APIError, ClientGoneError
 from pagedkv.server.kv_events import KVEventsConfig, ZmqKVEventPublisher
 from pagedkv.server.metrics import ServerMetrics
-from pagedkv.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from pagedkv.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, NoSniffMiddleware
 from pagedkv.server.openapi import error_responses, event_stream_or, install_openapi
 from pagedkv.server.prompts import PromptEncoder
 from pagedkv.server.protocol import (
@@ -175,7 +175,10 @@ def create_app(
         if owns_engine:  # an engine passed in belongs to the caller, who may reuse it
             engine.shutdown()
 
-    app = FastAPI(title="pagedkv", version=__version__, lifespan=lifespan)
+    # /openapi.json, not /docs or /redoc: FastAPI's pages load their scripts from a CDN, which a
+    # server without internet access cannot reach and which would run on this server's origin,
+    # the one whose sessionStorage holds the dashboard's API key.
+    app = FastAPI(title="pagedkv", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.engine = async_engine
     app.state.context = ctx
     app.state.metrics = metrics
@@ -220,8 +223,10 @@ def create_app(
         """Prometheus text exposition format."""
         return PrometheusResponse(metrics.render())
 
-    # The last added runs first: the key check comes before reading any body.
+    # The last added runs first: the key check comes before reading any body, and every answer,
+    # a refusal too, gets nosniff.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(NoSniffMiddleware)
     return app

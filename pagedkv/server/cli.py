@@ -13,7 +13,14 @@ import contextlib
 import os
 import sys
 
-from pagedkv.cli_args import add_command, add_engine_options, build_engine, byte_size, positive_int
+from pagedkv.cli_args import (
+    add_command,
+    add_engine_options,
+    build_engine,
+    byte_size,
+    positive_float,
+    positive_int,
+)
 
 #: Read when ``--api-key`` is not given, so the key need not appear in the process list.
 API_KEY_ENV = "PAGEDKV_API_KEY"
@@ -66,6 +73,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help='publish KV cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
         '"publisher": "zmq", "endpoint": "tcp://*:5557"}\' (for vllm-router --policy kv_aware)',
     )
+    _add_connection_options(parser)
     replicas = parser.add_argument_group("replicas behind vllm-router")
     replicas.add_argument(
         "--data-parallel-size",
@@ -87,6 +95,69 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="pass one more argument to vllm-router (repeat; e.g. --router-arg=--disable-retries)",
     )
     return parser
+
+
+def _add_connection_options(parser: argparse.ArgumentParser) -> None:
+    # The defaults are ConnectionLimits' (pagedkv.server.connections), written out here so that
+    # --help stays fast: that module imports uvicorn.
+    group = parser.add_argument_group("connections (a slow or surplus client is closed, not waited for)")
+    group.add_argument(
+        "--timeout-keep-alive",
+        type=positive_float,
+        metavar="SECONDS",
+        default=5.0,
+        help="close a kept-alive connection idle for this many seconds (default: %(default)s)",
+    )
+    group.add_argument(
+        "--timeout-request-header",
+        type=positive_float,
+        metavar="SECONDS",
+        default=10.0,
+        help="close a connection whose request line and headers are not complete this many seconds "
+        "after it opened or its previous response ended; 408 if part of a request came "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--timeout-request-body",
+        type=positive_float,
+        metavar="SECONDS",
+        default=30.0,
+        help="answer 408 and close when a request body is not complete this many seconds after its "
+        "headers (default: %(default)s)",
+    )
+    group.add_argument(
+        "--limit-concurrency",
+        type=positive_int,
+        metavar="N",
+        default=None,
+        help="most open connections; past it the connection that has been reading its request the "
+        "longest (a slow or idle client) is closed with 503, or, when every connection is busy "
+        "with a request, the new one gets 503 (default: what the open-file limit, raised to its "
+        "hard limit at start, leaves after the accept backlog and 64 files, at most 16384)",
+    )
+    group.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=positive_int,
+        metavar="BYTES",
+        default=16 * 1024,
+        help="most bytes of a request line and headers; more gets 400 (default: %(default)s)",
+    )
+
+
+def connection_limits(args: argparse.Namespace):
+    """The ``ConnectionLimits`` the options ask for."""
+    from pagedkv.server.connections import ConnectionLimits
+
+    try:
+        return ConnectionLimits(
+            timeout_keep_alive=args.timeout_keep_alive,
+            timeout_request_header=args.timeout_request_header,
+            timeout_request_body=args.timeout_request_body,
+            limit_concurrency=args.limit_concurrency,
+            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+        )
+    except ValueError as err:
+        args.parser.error(str(err).replace("_", "-"))
 
 
 def _run_replicas(args: argparse.Namespace) -> int:
@@ -117,9 +188,8 @@ def _run_replicas(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from pagedkv.server.app import create_app
+    from pagedkv.server.connections import raise_open_file_limit
     from pagedkv.server.kv_events import KVEventsConfig
     from pagedkv.server.runner import Server
 
@@ -127,6 +197,8 @@ def run_serve(args: argparse.Namespace) -> int:
         args.parser.error("--api-key must not be empty")
     if args.max_waiting_requests < 0:
         args.parser.error(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    limits = connection_limits(args)
+    raise_open_file_limit()  # before the engine opens files (replicas inherit it); the cap is sized from it
     if args.data_parallel_size > 1:
         if args.kv_events_config is not None:
             args.parser.error(
@@ -156,7 +228,13 @@ def run_serve(args: argparse.Namespace) -> int:
         f"the live KV block map at http://{args.host}:{args.port}/dashboard",
         file=sys.stderr,
     )
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    server = Server(app, limits, host=args.host, port=args.port, log_level=args.log_level)
+    print(
+        f"connections: at most {server.guard.max_connections} open; request headers within "
+        f"{limits.timeout_request_header:g} s, bodies within {limits.timeout_request_body:g} s, "
+        f"idle ones closed after {limits.timeout_keep_alive:g} s",
+        file=sys.stderr,
+    )
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
         server.run()
     return 0 if server.started else 1

@@ -1,6 +1,7 @@
-"""ASGI middleware that runs before any route: the API key check and the body size limit.
+"""ASGI middleware that runs before any route: the API key check, the body size limit, and the
+``X-Content-Type-Options`` header on every response.
 
-Both are plain ASGI (not ``BaseHTTPMiddleware``) so they never buffer or wrap streaming
+All are plain ASGI (not ``BaseHTTPMiddleware``) so they never buffer or wrap streaming
 responses; they only look at the request and answer early when it is refused.
 """
 
@@ -44,6 +45,30 @@ class APIKeyMiddleware:
             await error.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class NoSniffMiddleware:
+    """``X-Content-Type-Options: nosniff`` on every response: a browser takes each body for the
+    type the server says (JSON stays JSON, never a script or a page)."""
+
+    HEADER = (b"x-content-type-options", b"nosniff")
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == self.HEADER[0] for name, _ in headers):
+                    message = {**message, "headers": [*headers, self.HEADER]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
 
 
 class BodySizeLimitMiddleware:
@@ -97,4 +122,6 @@ class BodySizeLimitMiddleware:
             f"the limit is {self.max_bytes}",
             code="request_too_large",
         )
-        await error.response()(scope, receive, send)
+        response = error.response()
+        response.headers["connection"] = "close"  # rather than read the rest of the body to keep it
+        await response(scope, receive, send)

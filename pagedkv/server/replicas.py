@@ -281,8 +281,6 @@ def serve_replicas(replicas: ReplicaSet) -> int:
 
 def _run_replica() -> None:
     """One replica: the spec from stdin, then uvicorn until SIGTERM or SIGINT."""
-    import uvicorn
-
     from pagedkv.server.app import create_app
     from pagedkv.server.runner import Server
 
@@ -290,7 +288,7 @@ def _run_replica() -> None:
     kv_events = KVEventsConfig(enable_kv_cache_events=True, endpoint=spec.kv_events_endpoint)
     app = create_app(spec.engine, kv_events=kv_events, **spec.app_options)
     # Server, not uvicorn.run: an open dashboard stream must not keep the replica from stopping
-    server = Server(uvicorn.Config(app, host="127.0.0.1", port=spec.port, log_level=spec.log_level))
+    server = Server(app, host="127.0.0.1", port=spec.port, log_level=spec.log_level)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
         server.run()
 

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 
@@ -37,15 +38,28 @@ class ServeProcess:
     """``with ServeProcess("--num-kv-blocks", "64") as server: httpx.get(server.base_url + ...)``.
 
     Leaving the block sends SIGINT (a user's Ctrl-C) and keeps the exit status and stderr.
+    ``open_files``: the process's open-file limit (soft and hard, so it cannot raise it).
+    ``log``: write stderr to this file, readable while the server runs (a pipe nobody reads
+    would stall a server that logs much), rather than to a pipe read at exit.
     """
 
-    def __init__(self, *options: str) -> None:
+    def __init__(self, *options: str, open_files: int | None = None, log: Path | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-c", SERVE, "serve", "--port", str(self.port), "--log-level", "warning"]
+        code = SERVE
+        if open_files is not None:  # set by the child itself, first thing
+            limit = f"({open_files}, {open_files})"
+            code = f"import resource\nresource.setrlimit(resource.RLIMIT_NOFILE, {limit})\n{SERVE}"
+        command = [sys.executable, "-c", code, "serve", "--port", str(self.port), "--log-level", "warning"]
         env = {**os.environ, "PYTHONPATH": os.getcwd()}
+        self.log = log
+        self._log_file = open(log, "w") if log is not None else None  # closed in __exit__
         self.process = subprocess.Popen(
-            [*command, *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            [*command, *options],
+            stdout=subprocess.PIPE,
+            stderr=self._log_file or subprocess.PIPE,
+            text=True,
+            env=env,
         )
         self.returncode: int | None = None
         self.stderr = ""
@@ -75,5 +89,9 @@ class ServeProcess:
 
     def __exit__(self, *exc) -> None:
         self.process.send_signal(signal.SIGINT)
-        _, self.stderr = self.process.communicate(timeout=30)
+        _, stderr = self.process.communicate(timeout=30)
         self.returncode = self.process.returncode
+        if self._log_file is not None:
+            self._log_file.close()
+            stderr = self.log.read_text()
+        self.stderr = stderr

@@ -4,10 +4,17 @@ The page is static -- markup, style and scripts, no data -- so it is served to a
 login form; everything it shows comes through the stream, which the API key middleware guards
 like ``/v1`` when the server has a key. The page sends the key in an ``Authorization`` header
 (``fetch`` reading the event stream), never in a URL query, so it never reaches an access log.
+
+The page keeps the key in ``sessionStorage``, so it runs nothing it did not come with: its
+Content-Security-Policy allows only its own inline script and style (by their SHA-256), requests
+to this server, and no framing (``frame-ancestors 'none'``, and ``X-Frame-Options`` for older
+browsers).
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import uuid
 from collections.abc import AsyncIterator
 from functools import cache
@@ -30,18 +37,33 @@ _PAGE = files("pagedkv.server.dashboard") / "page"
 _SCRIPTS = ("model.js", "charts.js", "views.js", "detail.js", "stream.js", "main.js")
 
 
+def _sha256_source(text: str) -> str:
+    """A CSP source that allows exactly the inline element whose content is ``text``."""
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
 @cache
-def render_page(requires_key: bool) -> str:
-    """The page with its style and scripts inline: one response, nothing else to fetch.
-    ``requires_key`` makes it ask for the key before it connects."""
+def render_page(requires_key: bool) -> tuple[str, dict[str, str]]:
+    """The page with its style and scripts inline -- one response, nothing else to fetch -- and
+    the headers it is served with. ``requires_key`` makes it ask for the key before it connects."""
     html = (_PAGE / "dashboard.html").read_text(encoding="utf-8")
     style = (_PAGE / "dashboard.css").read_text(encoding="utf-8")
     script = "\n".join((_PAGE / name).read_text(encoding="utf-8") for name in _SCRIPTS)
-    for marker in ("/*@STYLE@*/", "/*@SCRIPT@*/"):
+    for marker in ("<style>/*@STYLE@*/</style>", "<script>/*@SCRIPT@*/</script>"):
         if html.count(marker) != 1:
             raise RuntimeError(f"the dashboard template must hold {marker} exactly once")
     html = html.replace("@REQUIRES_KEY@", "true" if requires_key else "false")
-    return html.replace("/*@STYLE@*/", style).replace("/*@SCRIPT@*/", script)
+    policy = (
+        f"default-src 'none'; script-src {_sha256_source(script)}; style-src {_sha256_source(style)}; "
+        "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    )
+    headers = {
+        "Cache-Control": "no-store",
+        "Content-Security-Policy": policy,
+        "X-Frame-Options": "DENY",
+        "Referrer-Policy": "no-referrer",
+    }
+    return html.replace("/*@STYLE@*/", style).replace("/*@SCRIPT@*/", script), headers
 
 
 async def _events(feed: DashboardFeed, subscriber: Subscriber) -> AsyncIterator[str]:
@@ -79,7 +101,8 @@ def install_dashboard(
 
     @app.get(PAGE_PATH, include_in_schema=False)
     async def dashboard_page() -> HTMLResponse:
-        return HTMLResponse(render_page(requires_key), headers={"Cache-Control": "no-store"})
+        html, headers = render_page(requires_key)
+        return HTMLResponse(html, headers=headers)
 
     @app.get(STREAM_PATH, include_in_schema=False)
     async def dashboard_stream() -> StreamingResponse:
