@@ -26,16 +26,8 @@ from functools import cached_property
 
 import numpy as np
 
-from pagedkv.bench.driver import (
-    EngineOptions,
-    MeasuredEngine,
-    check_options,
-    mean,
-    option,
-    progress,
-    run_settings,
-    step_in_turn,
-)
+from pagedkv.bench.driver import EngineOptions, MeasuredEngine, mean, progress, run_settings, step_in_turn
+from pagedkv.bench.options import check_options, option
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.kv_policy import CONTIGUOUS, CONTIGUOUS_ORACLE, KV_POLICIES, PAGED, KVPolicy
 from pagedkv.sim.experiments import capacity

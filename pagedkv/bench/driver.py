@@ -1,8 +1,8 @@
-"""The one driver of ``pagedkv bench``: a bench's options, its engines on their own clocks, its run.
+"""The one driver of ``pagedkv bench``: a bench's command, its engines on their own clocks, its run.
 
-A bench is a configuration -- a frozen dataclass whose fields are declared with :func:`option`,
-which makes each one a checked value and a command-line flag -- a ``run`` that turns it into a
-result, and a ``report`` that prints the result's tables. :func:`add_bench` makes that a
+A bench is a configuration -- a frozen dataclass whose fields are declared with
+:func:`~pagedkv.bench.options.option`, each a checked value and a command-line flag -- a ``run``
+that turns it into a result, and a ``report`` that prints the result's tables. :func:`add_bench` makes that a
 subcommand; :func:`measure` runs it with the machine's load measured around it, and
 :func:`finish` writes the plots and ``<out>/<bench>.json`` and prints the tables or the JSON.
 
@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pagedkv.bench.host import LoadMeter, print_host
+from pagedkv.bench.options import add_options, check_options, option, require_positive
 from pagedkv.cli_args import (
     ReportOptions,
     add_command,
@@ -60,94 +61,6 @@ def progress(message: str) -> None:
 def mean(values: list[float] | list[int]) -> float:
     """The mean, or NaN for no values (a figure that does not exist, shown as "-")."""
     return float(np.mean(values)) if values else math.nan
-
-
-# -- options: configuration fields that are also flags -------------------------------------------
-def option(
-    default: Any,
-    help: str,
-    *,
-    choices: tuple[str, ...] | None = None,
-    positive: bool = False,
-    type: Callable[[str], Any] | None = None,
-    flag: str | None = None,
-    group: str = "benchmark",
-    nargs: int | str | None = None,
-    metavar: tuple[str, ...] | None = None,
-) -> Any:
-    """A dataclass field that :func:`check_options` checks and :func:`add_options` offers as
-    ``--the-field-name`` (or ``flag``). A tuple takes several values; a bool is a switch (a
-    True default: ``flag`` turns it off); ``positive``: every value > 0; ``choices``: every
-    value among them (a tuple: a subset, duplicates dropped)."""
-    spec = dict(help=help, choices=choices, positive=positive, type=type, flag=flag, group=group)
-    spec |= dict(nargs=nargs, metavar=metavar)
-    return field(default=default, metadata={"option": spec})
-
-
-def _options(cls: type) -> Iterator[tuple[dataclasses.Field, dict]]:
-    for f in dataclasses.fields(cls):
-        if "option" in f.metadata:
-            yield f, f.metadata["option"]
-
-
-def check_options(config: Any) -> None:
-    """Raise ValueError, naming the field, for the first value its option does not allow."""
-    for f, spec in _options(type(config)):
-        value = getattr(config, f.name)
-        many = isinstance(value, tuple)
-        values = value if many else (value,)
-        if value is None or (many and not value and not (spec["positive"] or spec["choices"])):
-            continue
-        integer = "float" not in str(f.type)
-        if spec["positive"] and not (values and all(_positive(v, integer) for v in values)):
-            kind = "integer" if integer else "number"
-            what = f"a non-empty list of positive {kind}s" if many else f"a positive {kind}"
-            raise ValueError(f"{f.name} must be {what}, got {value!r}")
-        if spec["choices"] and not (values and all(v in spec["choices"] for v in values)):
-            what = "a non-empty subset" if many else "one"
-            raise ValueError(f"{f.name} must be {what} of {spec['choices']}, got {value!r}")
-
-
-def require_positive(config: Any, *names: str) -> None:
-    """Raise ValueError for the first of ``names`` whose value is not a positive integer."""
-    for name in names:
-        if not _positive(getattr(config, name), integer=True):
-            raise ValueError(f"{name} must be a positive integer, got {getattr(config, name)!r}")
-
-
-def _positive(value: Any, integer: bool) -> bool:
-    kinds = int if integer else (int, float)
-    return isinstance(value, kinds) and not isinstance(value, bool) and value > 0
-
-
-def add_options(parser: argparse.ArgumentParser, cls: type, only: set[str] | None = None) -> None:
-    """A flag per :func:`option` field of ``cls`` (those named in ``only``, if given), in
-    argument groups named by the options."""
-    groups: dict[str, argparse._ArgumentGroup] = {}
-    for f, spec in _options(cls):
-        if only is not None and f.name not in only:
-            continue
-        group = groups.get(spec["group"]) or groups.setdefault(
-            spec["group"], parser.add_argument_group(spec["group"])
-        )
-        flag = spec["flag"] or "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
-            action = "store_false" if f.default else "store_true"
-            group.add_argument(flag, dest=f.name, action=action, help=spec["help"])
-            continue
-        many = isinstance(f.default, tuple)
-        shown = " ".join(map(str, f.default)) if many else f.default
-        kind = spec["type"] or (type(f.default[0]) if many else type(f.default))
-        group.add_argument(
-            flag,
-            dest=f.name,
-            default=list(f.default) if many else f.default,
-            type=None if kind is type(None) else kind,
-            choices=spec["choices"],
-            nargs=spec["nargs"] or ("+" if many else None),
-            metavar=spec["metavar"],
-            help=" ".join(filter(None, (spec["help"], None if f.default is None else f"(default: {shown})"))),
-        )
 
 
 def config_from(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
@@ -255,17 +168,15 @@ def run_settings(threads: int | None) -> Iterator[None]:
 class MeasuredEngine:
     """An engine on its own clock, with every step's statistics record.
 
-    ``steps`` holds one :class:`~pagedkv.engine.stats.StepStats` per step and ``clocks`` the
-    engine's clock after each; per request id, ``arrival`` and ``first_token`` are clock
-    readings, ``first_token_step`` the index in ``steps`` of the step that produced the first
-    token, ``outputs`` the finished token ids (one list per sample or beam) and
-    ``cached_tokens`` the prompt tokens the prefix cache served.
+    ``steps`` holds one :class:`~pagedkv.engine.stats.StepStats` per step; per request id,
+    ``arrival`` and ``first_token`` are clock readings, ``first_token_step`` the index in
+    ``steps`` of the step that produced the first token, ``outputs`` the finished token ids (one
+    list per sample or beam) and ``cached_tokens`` the prompt tokens the prefix cache served.
     """
 
     engine: LLMEngine
     clock: float = 0.0
     steps: list[StepStats] = field(default_factory=list)
-    clocks: list[float] = field(default_factory=list)
     arrival: dict[str, float] = field(default_factory=dict)
     first_token: dict[str, float] = field(default_factory=dict)
     first_token_step: dict[str, int] = field(default_factory=dict)
@@ -314,7 +225,6 @@ class MeasuredEngine:
             return outputs  # nothing was scheduled: no step happened
         self.clock += stats.step_time_s
         self.steps.append(stats)
-        self.clocks.append(self.clock)
         for out in outputs:  # a request's first output carries its first token
             self.first_token.setdefault(out.request_id, self.clock)
             self.first_token_step.setdefault(out.request_id, len(self.steps) - 1)

@@ -28,13 +28,12 @@ from pagedkv.bench.driver import (
     FIRST_TOKEN_ID,
     EngineOptions,
     MeasuredEngine,
-    check_options,
-    option,
     progress,
     run_settings,
     step_in_turn,
     table,
 )
+from pagedkv.bench.options import check_options, option
 from pagedkv.cli_args import DEFAULT_OUT
 
 WORKLOADS = "workloads: requests x prompt tokens + new tokens"

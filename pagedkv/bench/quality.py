@@ -27,16 +27,8 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from pagedkv.bench.driver import (
-    EngineOptions,
-    cell,
-    check_options,
-    option,
-    print_checks,
-    progress,
-    run_settings,
-    table,
-)
+from pagedkv.bench.driver import EngineOptions, cell, print_checks, progress, run_settings, table
+from pagedkv.bench.options import check_options, option
 from pagedkv.engine import SamplingParams
 from pagedkv.engine.perplexity import Perplexity, run_to_completion, sliding_windows, window_logprobs
 from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES

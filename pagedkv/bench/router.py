@@ -28,7 +28,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from pagedkv.bench.driver import check_options, option, progress, table
+from pagedkv.bench.driver import progress, table
+from pagedkv.bench.options import check_options, option
 from pagedkv.engine import EngineConfig
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware")

@@ -27,7 +27,8 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from pagedkv.bench.driver import check_options, option, table
+from pagedkv.bench.driver import table
+from pagedkv.bench.options import check_options, option
 from pagedkv.engine.config import EngineConfig
 from pagedkv.server.cli import API_KEY_ENV
 

@@ -4,11 +4,10 @@ Two experiments on the same model and kernels:
 
 * **Shared system prompt.** ``N`` requests = one common ``S``-token prefix + a unique user part,
   all submitted at once, through two engines that differ only in prefix caching, stepped in turn
-  on their own clocks. Greedy outputs must be identical with caching on and off. The requests
-  that fit in the first step's token budget all compute the prefix: the engine offers a block to
-  other requests only once a step has computed it (vLLM v1 registers full blocks when it
-  schedules them). ``warm`` sends one request with the same system prompt first: the steady
-  state of a server that has seen the prompt before.
+  on their own clocks; greedy outputs must be identical. The requests of the first step all
+  compute the prefix: a block is offered to other requests once a step has computed it (vLLM v1
+  offers it when scheduled). ``warm`` first sends one request with the same system prompt: the
+  steady state of a server that has seen the prompt.
 * **Parallel sampling and beam search.** A batch of prompts with an Alpaca-like (or
   ShareGPT-like) length mix, each decoded as ``n`` samples or ``beam_width`` beams, which fork one
   block table (copy-on-write); "without sharing" is what the same sequences would hold if each
@@ -22,6 +21,7 @@ plots: :mod:`pagedkv.bench.sharing_report`.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -31,13 +31,12 @@ from pagedkv.bench.driver import (
     FIRST_TOKEN_ID,
     EngineOptions,
     MeasuredEngine,
-    check_options,
     mean,
-    option,
     progress,
     run_settings,
     step_in_turn,
 )
+from pagedkv.bench.options import check_options, option
 from pagedkv.engine import BeamSearchParams, SamplingParams
 from pagedkv.memory import blocks_for
 from pagedkv.sim.workloads import Workload
@@ -146,7 +145,6 @@ def kv_samples(measured: MeasuredEngine, first_step: int = 0) -> list[KVSample]:
 class PrefixRun:
     """One engine's figures for the measured requests (a warm-up request excluded)."""
 
-    caching: bool
     samples: list[KVSample]
     prompt_tokens: int
     prefix_hit_tokens: int
@@ -233,7 +231,6 @@ def _prefix_run(
 ) -> PrefixRun:
     stats = measured.engine.stats()
     return PrefixRun(
-        caching=measured.engine.config.enable_prefix_caching,
         samples=kv_samples(measured, first_step),
         prompt_tokens=prompt_tokens,
         prefix_hit_tokens=stats.prefix_cache_hits - hits,
@@ -320,8 +317,6 @@ class ForkRun:
 
 def run_fork(config: SharingConfig, kind: str, width: int) -> ForkRun:
     """Every prompt of the mix decoded as ``width`` samples or beams, all submitted at once."""
-    if kind not in FORK_KINDS:
-        raise ValueError(f"kind must be one of {FORK_KINDS}, got {kind!r}")
     lengths = config.fork_lengths()
     # Every sequence with a private copy of its whole table fits: no preemption.
     num_kv_blocks = sum(width * blocks_for(p + o, config.engine.run_block_size) for p, o in lengths) + width
@@ -340,13 +335,6 @@ def run_fork(config: SharingConfig, kind: str, width: int) -> ForkRun:
     measured.drain()
     stats = measured.engine.stats()
     return ForkRun(kind, width, kv_samples(measured), stats.preemptions, stats.kv.used_blocks)
-
-
-def parallel_saving_once_done(lengths: list[tuple[int, int]], block_size: int, width: int) -> float:
-    """The saving of ``width`` parallel samples once every token is generated: they share exactly
-    their prompt's full blocks (the partial last one is copied on the first write)."""
-    shared = sum((width - 1) * (p // block_size) for p, _ in lengths)
-    return shared / sum(width * blocks_for(p + o, block_size) for p, o in lengths)
 
 
 # -- the whole benchmark -------------------------------------------------------------------------
@@ -386,17 +374,15 @@ class SharingResult:
 def run_sharing(config: SharingConfig) -> SharingResult:
     """Run the experiments of ``config.part``."""
     result = SharingResult(config)
+    points = itertools.product(config.prefix_lens, config.num_requests)
+    forks = itertools.product(FORK_KINDS, config.widths)
     with run_settings(config.engine.threads):
-        if config.part in ("all", "prefix"):
-            for s in config.prefix_lens:
-                for n in config.num_requests:
-                    progress(f"sharing: {n} requests sharing a {s}-token prefix, caching on and off")
-                    result.prefix.append(run_prefix_point(config, s, n))
-        if config.part in ("all", "fork"):
-            for kind in FORK_KINDS:
-                for width in config.widths:
-                    progress(f"sharing: {config.num_prompts} prompts as {width} {kind} sequences each")
-                    result.forks.append(run_fork(config, kind, width))
+        for s, n in points if config.part in ("all", "prefix") else ():
+            progress(f"sharing: {n} requests sharing a {s}-token prefix, caching on and off")
+            result.prefix.append(run_prefix_point(config, s, n))
+        for kind, width in forks if config.part in ("all", "fork") else ():
+            progress(f"sharing: {config.num_prompts} prompts as {width} {kind} sequences each")
+            result.forks.append(run_fork(config, kind, width))
     return result
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from rich.console import Console
 
 from pagedkv.bench.driver import cell, mean, print_checks, table
-from pagedkv.bench.sharing import PAPER_SAVING, PrefixPoint, SharingResult, parallel_saving_once_done
+from pagedkv.bench.sharing import PAPER_SAVING, PrefixPoint, SharingResult
+from pagedkv.memory import blocks_for
 
 KIND_COLORS = {"parallel": "#1f77b4", "beam": "#ff7f0e"}
 KIND_LABELS = {"parallel": "parallel sampling", "beam": "beam search"}
@@ -20,6 +21,13 @@ PREFIX_COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"]
 
 def _pct(value: float) -> str:
     return cell(value, ".1%")
+
+
+def parallel_saving_once_done(lengths: list[tuple[int, int]], block_size: int, width: int) -> float:
+    """The saving of ``width`` parallel samples once every token is generated: they share exactly
+    their prompt's full blocks (the partial last one is copied on the first write)."""
+    shared = sum((width - 1) * (p // block_size) for p, _ in lengths)
+    return shared / sum(width * blocks_for(p + o, block_size) for p, o in lengths)
 
 
 def print_sharing(result: SharingResult, console: Console) -> None:

@@ -17,7 +17,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv.bench.driver import check_options, option, require_positive
+from pagedkv.bench.options import check_options, option, require_positive
 from pagedkv.cli_args import DEFAULT_OUT
 from pagedkv.engine.config import EngineConfig
 

@@ -17,8 +17,8 @@ from rich.console import Console
 
 from pagedkv.bench.commands import SHARING
 from pagedkv.bench.driver import EngineOptions, MeasuredEngine, add_bench
-from pagedkv.bench.sharing import SharingConfig, parallel_saving_once_done, run_prefix_point, run_sharing
-from pagedkv.bench.sharing_report import print_sharing, write_sharing_plots
+from pagedkv.bench.sharing import SharingConfig, run_prefix_point, run_sharing
+from pagedkv.bench.sharing_report import parallel_saving_once_done, print_sharing, write_sharing_plots
 from pagedkv.engine import SamplingParams
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
