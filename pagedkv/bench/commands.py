@@ -12,7 +12,7 @@ from pagedkv.bench.capacity_report import print_capacity, write_capacity_plots
 from pagedkv.bench.driver import Bench
 from pagedkv.bench.parallel import ParallelConfig, print_parallel, run_parallel
 from pagedkv.bench.quality import QualityConfig, print_quality, run_quality
-from pagedkv.bench.router import RouterConfig, bench_router, print_router
+from pagedkv.bench.router import REPLICA_ENGINE, RouterConfig, bench_router, print_router
 from pagedkv.bench.serve import ServeConfig, print_report
 from pagedkv.bench.serve_servers import run_serve
 from pagedkv.bench.sharing import SharingConfig, run_sharing
@@ -20,6 +20,9 @@ from pagedkv.bench.sharing_report import print_sharing, write_sharing_plots
 from pagedkv.bench.throughput import ThroughputConfig
 from pagedkv.bench.throughput_engines import run_throughput
 from pagedkv.bench.throughput_report import print_result
+
+#: The engine options most benchmarks let users change (the pool and the limits are their own).
+MODEL_FIELDS = ("model", "dtype", "block_size", "max_num_batched_tokens", "attention_backend")
 
 CAPACITY = Bench(
     name="capacity",
@@ -34,18 +37,7 @@ CAPACITY = Bench(
     run=run_capacity,
     report=print_capacity,
     plots=write_capacity_plots,
-    engine_fields=(
-        "model",
-        "dtype",
-        "block_size",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "decode_headroom",
-        "attention_backend",
-        "kv_cache_dtype",
-        "scale",
-        "threads",
-    ),
+    engine_fields=(*MODEL_FIELDS, "max_num_seqs", "decode_headroom", "kv_cache_dtype", "scale", "threads"),
     engine_defaults={"max_num_seqs": CAPACITY_MAX_NUM_SEQS},
 )
 
@@ -64,15 +56,7 @@ SHARING = Bench(
     run=run_sharing,
     report=print_sharing,
     plots=write_sharing_plots,
-    engine_fields=(
-        "model",
-        "dtype",
-        "block_size",
-        "max_num_batched_tokens",
-        "attention_backend",
-        "scale",
-        "threads",
-    ),
+    engine_fields=(*MODEL_FIELDS, "scale", "threads"),
 )
 
 
@@ -106,7 +90,7 @@ ROUTER = Bench(
     run=bench_router,
     report=print_router,
     engine_fields=None,
-    engine_defaults={"num_kv_blocks": 48, "max_model_len": 256},
+    engine_defaults=REPLICA_ENGINE,
 )
 
 
@@ -139,7 +123,7 @@ PARALLEL = Bench(
     config=ParallelConfig,
     run=run_parallel,
     report=print_parallel,
-    engine_fields=("model", "dtype", "block_size", "max_num_batched_tokens", "attention_backend"),
+    engine_fields=MODEL_FIELDS,
 )
 
 
@@ -150,12 +134,12 @@ QUALITY = Bench(
     On the built-in model (trained on the Python standard library) and the stdlib files it never
     trained on, run one engine per KV cache dtype and compare each with auto: perplexity through
     the engine's prompt logprobs, the logits' max and mean absolute error on the same rows, and
-    greedy continuations token by token. Prints a table and writes quality.json under --out.
+    greedy continuations token by token.
     """,
     config=QualityConfig,
     run=run_quality,
     report=print_quality,
-    engine_fields=("model", "dtype", "block_size", "max_num_batched_tokens", "attention_backend", "threads"),
+    engine_fields=(*MODEL_FIELDS, "threads"),
 )
 
 

@@ -275,9 +275,9 @@ def add_bench(subparsers: argparse._SubParsersAction, bench: Bench) -> argparse.
     parser = add_command(subparsers, bench.name, lambda args: run_command(bench, args), bench.doc)
     add_options(parser, bench.config)
     if any(f.name == "engine" for f in dataclasses.fields(bench.config)):
-        fields = None if bench.engine_fields is None else set(bench.engine_fields)
-        add_engine_options(parser, fields and fields - RUN_FIELDS, **bench.engine_defaults)
-        add_options(parser, EngineOptions, only=(fields or set()) & RUN_FIELDS)  # --scale, --threads
+        offered = None if bench.engine_fields is None else set(bench.engine_fields) - RUN_FIELDS
+        add_engine_options(parser, offered, **bench.engine_defaults)
+        add_options(parser, EngineOptions, only=set(bench.engine_fields or ()) & RUN_FIELDS)
     add_report_options(parser, plots=bench.plots is not None, out_help=f"folder for {bench.name}.json")
     return parser
 

@@ -25,14 +25,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from pagedkv.bench.driver import progress, table
 from pagedkv.bench.options import check_options, option
+from pagedkv.bench.serve import metric_values
 from pagedkv.engine import EngineConfig
 
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
+#: Each replica's pool and context: a pool that holds about half of the default system prompts.
+REPLICA_ENGINE = {"num_kv_blocks": 48, "max_model_len": 256}
 _WORDS = (
     "module function class socket thread process buffer stream parser encoder archive path file "
     "signal queue lock event timer cache index table record field value token block string"
@@ -72,7 +74,7 @@ class RouterWorkload:
 class RouterConfig(RouterWorkload):
     """The workload, and the engine of each of the two replicas (the single one has twice its KV)."""
 
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_kv_blocks=48, max_model_len=256))
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(**REPLICA_ENGINE))
 
 
 @dataclass(frozen=True)
@@ -101,12 +103,8 @@ class RouterResult:
 
 
 def _counters(url: str) -> dict[str, float]:
-    wanted = ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:request_success")
-    values = dict.fromkeys(wanted, 0.0)
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        if family.name in wanted:
-            values[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
-    return values
+    wanted = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "vllm:request_success_total")
+    return metric_values(httpx.get(url + "/metrics", timeout=30).text, wanted)
 
 
 def _ttft(client: httpx.Client, url: str, prompt: str, output_len: int) -> float:
@@ -132,9 +130,10 @@ def run_workload(name: str, router_url: str, replica_urls: list[str], workload: 
     after = [_counters(url) for url in replica_urls]
     delta = {k: sum(a[k] - b[k] for a, b in zip(after, before, strict=True)) for k in before[0]}
     served = tuple(
-        int(a["vllm:request_success"] - b["vllm:request_success"]) for a, b in zip(after, before, strict=True)
+        int(a["vllm:request_success_total"] - b["vllm:request_success_total"])
+        for a, b in zip(after, before, strict=True)
     )
-    hit_rate = delta["vllm:prefix_cache_hits"] / max(delta["vllm:prefix_cache_queries"], 1.0)
+    hit_rate = delta["vllm:prefix_cache_hits_total"] / max(delta["vllm:prefix_cache_queries_total"], 1.0)
     quantiles = statistics.quantiles(ttfts, n=10)
     return RouterRun(name, hit_rate, statistics.median(ttfts), quantiles[-1], served, seconds)
 
@@ -147,6 +146,7 @@ def bench_router(config: RouterConfig) -> RouterResult:
     progress(f"router: {engine.num_kv_blocks} KV blocks of {engine.block_size} tokens per replica")
     runs = []
     single = replace(engine, num_kv_blocks=2 * engine.num_kv_blocks)
+    progress("router: one replica with the KV of both")
     with ReplicaSet(single, 1, policy="round_robin", log=log) as one:
         runs.append(run_workload("single replica, 2x KV", one.url, one.replica_urls, config))
     with ReplicaSet(engine, 2, policy=POLICIES[0], log=log) as pair:

@@ -2,13 +2,11 @@
 
 A seeded workload (prompts of random corpus words, fixed output lengths with ``ignore_eos``) is
 sent as streaming completions whose arrival times follow a Poisson process at ``request_rate``
-(or all at once), to a running server, to one started in this process, or -- with
-``--vllm-python`` -- to ``pagedkv serve`` and vLLM's server in turn (:mod:`~pagedkv.bench.serve_rivals`).
-From the client side it measures what users feel: time to first token (TTFT), inter-token
-latency (ITL: gaps between streamed chunks), time per output token, end-to-end latency and
-throughput. From the server's ``/metrics`` it reads the peak KV-cache usage during the run
-(polled, and exact when ``pagedkv:kv_cache_usage_peak_perc`` rose during the run),
-preemptions and prefix-cache hits.
+(or all at once) to one of the servers of :mod:`~pagedkv.bench.serve_servers`. From the client
+side it measures what users feel: time to first token (TTFT), inter-token latency (ITL: gaps
+between streamed chunks), time per output token, end-to-end latency and throughput. From the
+server's ``/metrics`` it reads the peak KV-cache usage during the run (polled, and exact when
+``pagedkv:kv_cache_usage_peak_perc`` rose during the run), preemptions and prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -171,15 +169,20 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"mean": float(ms.mean()), **{f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES}}
 
 
+def metric_values(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The named samples of a /metrics page (as exposed, ``_total`` included), summed over labels."""
+    values = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in values:
+                values[sample.name] += sample.value
+    return values
+
+
 async def _scrape(client: httpx.AsyncClient) -> dict[str, float]:
     response = await client.get("/metrics")
     response.raise_for_status()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            if sample.name in _WATCHED:
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
+    return metric_values(response.text, _WATCHED)
 
 
 async def _poll_kv_usage(client: httpx.AsyncClient, peak: list[float], stop: asyncio.Event) -> None:
