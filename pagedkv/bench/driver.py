@@ -102,8 +102,12 @@ class EngineOptions:
     enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
     kv_cache_dtype: str = EngineConfig.kv_cache_dtype
     decode_headroom: float = EngineConfig.decode_headroom
-    scale: int = option(1, "divide every length, the budget and the block size by this, for a quick run")
-    threads: int | None = option(None, "torch CPU threads (default: torch's choice)", positive=True, type=int)
+    scale: int = option(
+        1, "divide every length, the budget and the block size by this, for a quick run", group="run"
+    )
+    threads: int | None = option(
+        None, "torch CPU threads (default: torch's choice)", positive=True, group="run"
+    )
 
     def __post_init__(self) -> None:
         require_positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens", "scale")
@@ -278,7 +282,8 @@ def add_bench(subparsers: argparse._SubParsersAction, bench: Bench) -> argparse.
         offered = None if bench.engine_fields is None else set(bench.engine_fields) - RUN_FIELDS
         add_engine_options(parser, offered, **bench.engine_defaults)
         add_options(parser, EngineOptions, only=set(bench.engine_fields or ()) & RUN_FIELDS)
-    add_report_options(parser, plots=bench.plots is not None, out_help=f"folder for {bench.name}.json")
+    written = f"{bench.name}.json" + (" and the plots" if bench.plots else "")
+    add_report_options(parser, plots=bench.plots is not None, out_help=f"folder for {written}")
     return parser
 
 

@@ -21,8 +21,8 @@ def option(default: Any, help: str, **spec: Any) -> Any:
     ``--the-field-name``. ``spec``: ``positive`` (every value > 0), ``choices`` (every value
     among them; a tuple: a subset, duplicates dropped), ``flag`` (another name: for a bool with a
     True default, the switch that turns it off), ``group`` (the help section; default
-    "benchmark") and argparse's ``type``, ``nargs`` and ``metavar``. A tuple default takes
-    several values, a bool is a switch."""
+    "benchmark") and argparse's ``type`` (default: the value's), ``nargs`` and ``metavar``. A
+    tuple default takes several values, a bool is a switch."""
     return field(default=default, metadata={"option": {"help": help, "group": "benchmark"} | spec})
 
 
@@ -62,6 +62,14 @@ def _positive(value: Any, integer: bool) -> bool:
     return isinstance(value, kinds) and not isinstance(value, bool) and value > 0
 
 
+def _value_type(f: dataclasses.Field) -> type | None:
+    """What argparse converts a flag's text to: the default's type (a tuple's: its elements'), or
+    for a None default the annotation's first type (``int | None``: int)."""
+    if f.default is None:
+        return {"int": int, "float": float}.get(str(f.type).split(" |")[0])
+    return type(f.default[0] if isinstance(f.default, tuple) else f.default)
+
+
 def add_options(parser: argparse.ArgumentParser, cls: type, only: set[str] | None = None) -> None:
     """A flag per :func:`option` field of ``cls`` (those named in ``only``, if given), in
     argument groups named by the options."""
@@ -79,12 +87,11 @@ def add_options(parser: argparse.ArgumentParser, cls: type, only: set[str] | Non
             continue
         many = isinstance(f.default, tuple)
         shown = " ".join(map(str, f.default)) if many else f.default
-        kind = spec.get("type") or (type(f.default[0]) if many else type(f.default))
         group.add_argument(
             flag,
             dest=f.name,
             default=list(f.default) if many else f.default,
-            type=None if kind is type(None) else kind,
+            type=spec.get("type") or _value_type(f),
             choices=spec.get("choices"),
             nargs=spec.get("nargs") or ("+" if many else None),
             metavar=spec.get("metavar"),

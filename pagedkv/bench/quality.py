@@ -61,12 +61,11 @@ class QualityConfig:
         None,
         "read held-out files up to this many characters (default: all, ~1.1 M characters, ~345 k tokens)",
         positive=True,
-        type=int,
         group=TEXT,
     )
     window: int = option(256, "perplexity window", positive=True, group=TEXT)
     stride: int | None = option(
-        None, "window stride; smaller: sliding windows (default: --window)", type=int, group=TEXT
+        None, "window stride; smaller: sliding windows (default: --window)", group=TEXT
     )
     logits_rows: int = option(8192, "logits rows compared", positive=True, group=TEXT)
     num_prompts: int = option(8, "prompts", positive=True, group=GREEDY)

