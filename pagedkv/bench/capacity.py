@@ -62,11 +62,13 @@ class CapacityConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
-        for name in ("max_model_len", "kv_tokens"):
-            if getattr(self, name) % self.scale:
-                raise ValueError(f"scale {self.scale} must divide {name} ({getattr(self, name)})")
-        if self.engine.max_num_batched_tokens % self.scale:
-            raise ValueError(f"scale {self.scale} must divide max_num_batched_tokens")
+        for name, value in (
+            ("max_model_len", self.max_model_len),
+            ("kv_tokens", self.kv_tokens),
+            ("max_num_batched_tokens", self.engine.max_num_batched_tokens),
+        ):
+            if value % self.scale:
+                raise ValueError(f"scale {self.scale} must divide {name} ({value})")
         if self.run_max_model_len < 2:
             raise ValueError(f"max_model_len {self.max_model_len} / scale {self.scale} leaves < 2 tokens")
         if self.kv_tokens < self.max_model_len:

@@ -56,7 +56,8 @@ class LoadMeter:
         cpus = os.cpu_count() or 1
         other = None
         if busy is not None and self.busy is not None and wall > 0:
-            other = max(0.0, (busy - self.busy) - (_own_cpu_seconds() - self.own)) / (wall * cpus)
+            # /proc/stat counts clock ticks: over a run of a few ticks the share reads coarsely
+            other = min(1.0, max(0.0, (busy - self.busy) - (_own_cpu_seconds() - self.own)) / (wall * cpus))
         return {
             "cpus": cpus,
             "other_cpu_share": other,
@@ -124,12 +125,14 @@ def host_state(end: str) -> dict[str, float | int | None]:
 
 def print_host(machine: dict, console: Console) -> None:
     """The host's lines under a report: other work during the run and, when probed, the host's state."""
+    line = f"wall time {machine['wall_s']:.0f} s"
     if machine.get("other_cpu_share") is not None:
-        console.print(
-            f"other work on this machine during the run: {machine['other_cpu_share']:.0%} of its "
-            f"{machine['cpus']} CPUs (1-min load average {machine['loadavg_1min_start']:.1f} -> "
-            f"{machine['loadavg_1min_end']:.1f})"
+        loadavg = f"{machine['loadavg_1min_start']:.1f} -> {machine['loadavg_1min_end']:.1f}"
+        line += (
+            f"; other work on this machine meanwhile: {machine['other_cpu_share']:.0%} of its "
+            f"{machine['cpus']} CPUs (1-min load average {loadavg})"
         )
+    console.print(line)
     if machine.get("memory_read_gbs_start") is not None:
         console.print(
             f"memory read rate, start -> end: {machine['memory_read_gbs_start']:.1f} -> "

@@ -20,9 +20,9 @@ def option(default: Any, help: str, **spec: Any) -> Any:
     """A dataclass field that :func:`check_options` checks and :func:`add_options` offers as
     ``--the-field-name``. ``spec``: ``positive`` (every value > 0), ``choices`` (every value
     among them; a tuple: a subset, duplicates dropped), ``flag`` (another name: for a bool with a
-    True default, the switch that turns it off), ``group`` (the help section; default
-    "benchmark") and argparse's ``type`` (default: the value's), ``nargs`` and ``metavar``. A
-    tuple default takes several values, a bool is a switch."""
+    True default, the switch that turns it off), ``group`` (the help section, "title" or
+    "title: description"; default "benchmark") and argparse's ``type`` (default: the value's),
+    ``nargs`` and ``metavar``. A tuple default takes several values, a bool is a switch."""
     return field(default=default, metadata={"option": {"help": help, "group": "benchmark"} | spec})
 
 
@@ -77,8 +77,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type, only: set[str] | Non
     for f, spec in _options(cls):
         if only is not None and f.name not in only:
             continue
-        if spec["group"] not in groups:
-            groups[spec["group"]] = parser.add_argument_group(spec["group"])
+        if spec["group"] not in groups:  # "title: description"
+            title, _, description = spec["group"].partition(": ")
+            groups[spec["group"]] = parser.add_argument_group(title, description or None)
         group = groups[spec["group"]]
         flag = spec.get("flag") or "--" + f.name.replace("_", "-")
         if isinstance(f.default, bool):

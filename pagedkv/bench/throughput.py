@@ -130,6 +130,8 @@ def build_workloads(names: tuple[str, ...], shape: WorkloadShape, vocab_size: in
 
 @dataclass(frozen=True)
 class ThroughputConfig:
+    """The engines, dtypes and workloads of a run, its shape, and where the rivals' Pythons are."""
+
     engines: tuple[str, ...] = option(ENGINE_NAMES, "", choices=ENGINE_NAMES, group="what to run")
     dtypes: tuple[str, ...] = option(DTYPES, "", choices=DTYPES, group="what to run")
     workloads: tuple[str, ...] = option(WORKLOAD_NAMES, "", choices=WORKLOAD_NAMES, group="what to run")

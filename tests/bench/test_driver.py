@@ -83,6 +83,9 @@ def test_every_option_is_a_flag_and_lists_come_back_as_tuples(tmp_path, capsys):
     assert document["names"] == ["c"] and document["threads"] == 2  # --threads reached the engine options
     assert json.loads((tmp_path / "toy.json").read_text()) == document
     assert 0 <= document["machine"]["other_cpu_share"] <= 1  # what else the machine did meanwhile
+    args = _parse(["--out", str(tmp_path)])
+    assert args.run(args) == 0
+    assert "other work on this machine meanwhile" in capsys.readouterr().out  # the report's last line
 
 
 def test_a_choice_list_loses_its_duplicates_and_a_bad_value_is_a_usage_error(capsys, tmp_path):
