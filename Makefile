@@ -40,8 +40,8 @@ demo: install
 	$(VENV)/bin/pagedkv demo
 
 lint: install-test
-	$(VENV)/bin/ruff check pagedkv tests benchmarks
-	$(VENV)/bin/ruff format --check pagedkv tests benchmarks
+	$(VENV)/bin/ruff check pagedkv tests benchmarks tools
+	$(VENV)/bin/ruff format --check pagedkv tests benchmarks tools
 
 # two workers: most of the suite waits on subprocesses, servers and browsers, not on the CPU
 # (7 min 39 s -> 5 min 52 s on a 2-core Zen 1 EPYC)

@@ -27,13 +27,13 @@ PAGEDKV_TEST_DEVICE=cuda "$PY" -m pytest tests/attention -q -p no:cacheprovider 
     --confcutdir=tests/attention --durations=5 || tests_status=$?
 
 echo "== decode benchmark: paged triton vs contiguous SDPA, float32 =="
-"$PY" benchmarks/attention.py --device cuda --dtype float32 --quick --backends triton torch
+"$PY" tools/attention.py --device cuda --dtype float32 --quick --backends triton torch
 
 echo "== decode benchmark: paged triton vs contiguous SDPA, float16 =="
-"$PY" benchmarks/attention.py --device cuda --dtype float16 --repeats 20 --backends triton
+"$PY" tools/attention.py --device cuda --dtype float16 --repeats 20 --backends triton
 
 echo "== decode benchmark: triton on fp8 / int8 blocks vs float16 blocks, same run =="
-"$PY" benchmarks/attention.py --device cuda --dtype float16 --batches 32 --contexts 1024 4096 \
+"$PY" tools/attention.py --device cuda --dtype float16 --batches 32 --contexts 1024 4096 \
     --repeats 20 --backends triton --kv-cache-dtypes auto fp8 int8
 
 echo "== a triton decode call: GPU time per kernel against wall and host time, float16 =="

@@ -14,13 +14,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pagedkv.bench.capacity_cli import add_bench_capacity_parser, run_capacity_demo
-from pagedkv.bench.parallel_cli import add_bench_parallel_parser
-from pagedkv.bench.quality_cli import add_bench_quality_parser
-from pagedkv.bench.router_cli import add_bench_router_parser
-from pagedkv.bench.serve_cli import add_bench_serve_parser
-from pagedkv.bench.sharing_cli import add_bench_sharing_parser, run_sharing_demo
-from pagedkv.bench.throughput_cli import add_bench_throughput_parser
+from pagedkv.bench import capacity, sharing
+from pagedkv.bench.commands import BENCHES, CAPACITY, SHARING
+from pagedkv.bench.driver import add_bench, run_section
 from pagedkv.cli_args import (
     DEFAULT_OUT,
     ReportOptions,
@@ -167,9 +163,9 @@ def _run_demo(args: argparse.Namespace) -> int:
         figures = run_live_batch(max_model_len=max_model_len, seed=args.seed)
         print_live_batch(figures, console, max_model_len)
         console.print("\n[bold]Sharing blocks: a common system prompt, parallel samples, beams.[/]")
-        run_sharing_demo(console, args.out, args.seed)
+        run_section(SHARING, sharing.demo_config(args.seed), console, args.out)
         console.print("\n[bold]Paged vs contiguous reservation, same pool, same kernels.[/]")
-        run_capacity_demo(console, args.out, args.seed)
+        run_section(CAPACITY, capacity.demo_config(args.seed), console, args.out)
     return 0
 
 
@@ -246,13 +242,8 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:
         "bench", help=BENCH_HELP, description="Every benchmark measures pagedkv and its baseline in one run."
     )
     benches = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    add_bench_capacity_parser(benches)
-    add_bench_sharing_parser(benches)
-    add_bench_serve_parser(benches)
-    add_bench_router_parser(benches)
-    add_bench_throughput_parser(benches)
-    add_bench_parallel_parser(benches)
-    add_bench_quality_parser(benches)
+    for bench in BENCHES:
+        add_bench(benches, bench)
 
 
 # -- shared helpers ------------------------------------------------------------------------------

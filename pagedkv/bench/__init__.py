@@ -1,13 +1,11 @@
-"""Every benchmark of pagedkv (``pagedkv bench ...``), each against its baseline in one run.
+"""The benchmarks a user runs (``pagedkv bench ...``), each against its baseline in one run.
 
 A figure is only meaningful next to the thing it is compared with, so each benchmark measures
-its baseline and pagedkv in the same process, on the same model and inputs, and prints the
-ratio. ``driver`` holds what the live-engine benchmarks share (engine options, an engine on its
-own clock, the run's thread settings); ``capacity_*`` and ``sharing_*`` are the KV benchmarks
-(config, run, prediction, report, plots, command line); ``serve*`` the online one against an
-OpenAI-compatible server; ``throughput_*`` runs pagedkv, transformers and -- from their own
-venvs, through the workers in ``rivals/`` -- vLLM's CPU build and llama.cpp on the same token ids
-(``machine_load`` says how busy the machine was meanwhile); ``attention`` and ``allocator``
-compare with contiguous SDPA and a bare list. Plots share :mod:`pagedkv.plotting`, command lines
-:mod:`pagedkv.cli_args`.
+its baseline and pagedkv in the same process (or sitting), on the same model and inputs, and
+prints the ratio. Every benchmark is one :class:`~pagedkv.bench.driver.Bench` -- its
+configuration, its run, its tables -- run by :mod:`pagedkv.bench.driver`: ``throughput``
+(pagedkv, transformers, and vLLM and llama.cpp through the workers in ``rivals/``), ``serve``
+(an OpenAI-compatible server), ``capacity`` and ``sharing`` (the KV cache in the live engine),
+``quality`` (KV cache dtypes), ``router`` (replicas behind vllm-router) and ``parallel``
+(tensor parallelism).
 """

@@ -6,19 +6,15 @@ reserved per request at admission: the systems PagedAttention replaced) and
 ``contiguous-oracle`` (exactly prompt + ``max_tokens``) -- on the same model, pool size and
 kernels, all without a prefix cache (which only the paged policy could have). Every request is
 submitted at time 0 (an offline batch): a closed system, which is what "how many fit" measures.
-
-The engines are stepped in turn, one step each, and every policy keeps its own clock (see
-:mod:`pagedkv.bench.driver`); a request's time to first token is its engine's clock when that
-token came out, since every request arrived at 0.
+The engines are stepped in turn, each on its own clock; a request's time to first token is its
+engine's clock when that token came out.
 
 Averages over time are per engine step (each step counts once), so they are reproducible;
-throughput and latencies use wall time. "Once the batch is full" is the window from the first
-step after which the next waiting request did not fit in free KV memory to the first step after
-which nothing waits.
-
-The run's configuration is in :mod:`~pagedkv.bench.capacity_config`, the predictions it is
-compared with in :mod:`~pagedkv.bench.capacity_prediction`, its tables, plots and command line
-in ``capacity_report``, ``capacity_plots`` and ``capacity_cli``.
+throughput and latencies use the engines' clocks. "Once the batch is full" is the window from
+the first step after which the next waiting request did not fit in free KV memory to the first
+step after which nothing waits. The figures are set next to two predictions: the simulator's
+capacity experiment, and a closed form from the run's own requests. Tables and plots:
+:mod:`pagedkv.bench.capacity_report`.
 """
 
 from __future__ import annotations
@@ -26,15 +22,103 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from functools import cached_property
 
 import numpy as np
-from tqdm.auto import tqdm
 
-from pagedkv.bench.capacity_config import CapacityConfig
-from pagedkv.bench.capacity_prediction import length_biased_prediction, simulator_prediction
-from pagedkv.bench.driver import MeasuredEngine, mean, run_settings, step_in_turn
-from pagedkv.engine.kv_policy import CONTIGUOUS, KV_POLICIES, PAGED, KVPolicy
+from pagedkv.bench.driver import EngineOptions, MeasuredEngine, mean, progress, run_settings, step_in_turn
+from pagedkv.bench.options import check_options, option
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.kv_policy import CONTIGUOUS, CONTIGUOUS_ORACLE, KV_POLICIES, PAGED, KVPolicy
+from pagedkv.sim.experiments import capacity
+from pagedkv.sim.workloads import Workload
+
+#: Workloads without shared prefixes: with sharing, "tokens stored" would count a block twice.
+WORKLOADS = ("normal", "sharegpt")
+#: The sequence budget of the capacity runs: high enough that the KV pool, not the number of
+#: sequences per step, is what limits how many requests run at once.
+CAPACITY_MAX_NUM_SEQS = 256
+#: The simulator's allocator that models each engine policy, and how many of its random
+#: snapshots one prediction averages.
+SIM_ALLOCATORS = {PAGED: "paged", CONTIGUOUS: "max", CONTIGUOUS_ORACLE: "oracle"}
+SIM_DRAWS = 16
+
+
+@dataclass(frozen=True)
+class CapacityConfig:
+    """The run. The engine options' ``scale`` divides every length -- prompts, outputs,
+    ``max_model_len``, the KV budget, the block size and the per-step token budget -- so a scaled
+    run keeps the shape of the full one with ``scale`` times fewer tokens."""
+
+    workload: str = option("normal", "length mix", choices=WORKLOADS)
+    num_requests: int = option(128, "requests", positive=True)
+    kv_tokens: int = option(16 * 2048, "KV budget in tokens", positive=True)
+    max_model_len: int = option(2048, "context length", positive=True)
+    seed: int = option(0, "random seed")
+    #: every policy's schedule is the same in each run, so each step's time is taken as its least
+    #: over the runs (what a burst of other work did not disturb)
+    repeats: int = option(1, "runs of the workload; each step is timed by its fastest run", positive=True)
+    engine: EngineOptions = field(default_factory=lambda: EngineOptions(max_num_seqs=CAPACITY_MAX_NUM_SEQS))
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        for name, value in (
+            ("max_model_len", self.max_model_len),
+            ("kv_tokens", self.kv_tokens),
+            ("max_num_batched_tokens", self.engine.max_num_batched_tokens),
+        ):
+            if value % self.scale:
+                raise ValueError(f"scale {self.scale} must divide {name} ({value})")
+        if self.run_max_model_len < 2:
+            raise ValueError(f"max_model_len {self.max_model_len} / scale {self.scale} leaves < 2 tokens")
+        if self.kv_tokens < self.max_model_len:
+            raise ValueError(
+                f"a KV budget of {self.kv_tokens} tokens cannot hold even one contiguous reservation "
+                f"of max_model_len={self.max_model_len} tokens"
+            )
+        if (self.kv_tokens // self.scale) % self.run_block_size:
+            raise ValueError(
+                f"the KV budget ({self.kv_tokens} tokens / scale {self.scale}) must be a whole number "
+                f"of {self.run_block_size}-token blocks"
+            )
+
+    @property
+    def scale(self) -> int:
+        return self.engine.scale
+
+    @property
+    def run_max_model_len(self) -> int:
+        return self.max_model_len // self.scale
+
+    @property
+    def run_block_size(self) -> int:
+        return self.engine.run_block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_tokens // self.scale // self.run_block_size
+
+    def engine_config(self, policy: KVPolicy) -> EngineConfig:
+        """The same budget for every policy (no watermark). No prefix cache either: the
+        contiguous policies cannot have one and these workloads share no prefix, so it would
+        cost the paged engine alone; ``pagedkv bench sharing`` measures it."""
+        return self.engine.engine_config(
+            self.num_kv_blocks, self.run_max_model_len, enable_prefix_caching=False, kv_policy=policy
+        )
+
+    def requests(self, vocab_size: int) -> list[tuple[list[int], int]]:
+        """(prompt token ids, max_tokens) per request: the simulator's lengths for this workload
+        and seed, divided by ``scale``; token ids drawn from the vocabulary with the same seed."""
+        lengths = Workload(self.workload, self.max_model_len).sample(
+            np.random.default_rng(self.seed), self.num_requests
+        )
+        token_rng = np.random.default_rng([self.seed, 1])
+        requests = []
+        for r in lengths:
+            prompt = max(1, r.prompt_len // self.scale)
+            output = max(1, min(r.output_len // self.scale, self.run_max_model_len - prompt))
+            requests.append((token_rng.integers(0, vocab_size, prompt).tolist(), output))
+        return requests
 
 
 @dataclass(frozen=True)
@@ -67,18 +151,6 @@ class PolicyRun:
     blocks_used_after: int
     seqs_after: int
 
-    @property
-    def wall_s(self) -> float:
-        return self.samples[-1].elapsed if self.samples else 0.0
-
-    @property
-    def steps(self) -> int:
-        return len(self.samples)
-
-    @property
-    def peak_running(self) -> int:
-        return max((s.running for s in self.samples), default=0)
-
     def utilization(self, sample: StepSample) -> float:
         return sample.stored_tokens / (sample.used_blocks * self.block_size)
 
@@ -90,60 +162,34 @@ class PolicyRun:
         return self.samples[start:end]
 
     @property
-    def mean_running(self) -> float:
-        return mean([s.running for s in self.samples])
-
-    @property
-    def mean_running_full(self) -> float:
-        return mean([s.running for s in self.full_window])
-
-    @property
-    def utilization_full(self) -> float:
-        return mean([self.utilization(s) for s in self.full_window if s.used_blocks])
-
-    @property
-    def mean_utilization(self) -> float:
-        return mean([self.utilization(s) for s in self.samples if s.used_blocks])
-
-    @property
-    def throughput(self) -> float:
-        return self.generated_tokens / self.wall_s if self.wall_s else math.nan
-
-    @property
-    def recomputed_share(self) -> float:
-        """Share of the computed tokens that only made up for preemption: work thrown away."""
-        return self.recomputed_tokens / self.computed_tokens if self.computed_tokens else 0.0
-
-    @property
-    def ttft_mean(self) -> float:
-        return mean(self.ttft)
-
-    @property
-    def ttft_p99(self) -> float:
-        return float(np.percentile(self.ttft, 99)) if self.ttft else math.nan
-
-    @property
     def blocks_returned(self) -> bool:
         return self.blocks_used_after == 0 and self.seqs_after == 0
 
+    @cached_property
     def figures(self) -> dict[str, float | int | bool]:
+        """Every figure of the run by name: its JSON and its table."""
+        samples, full = self.samples, self.full_window
+        wall = samples[-1].elapsed if samples else 0.0
         return {
-            "peak_running": self.peak_running,
-            "mean_running_full": self.mean_running_full,
-            "mean_running": self.mean_running,
-            "utilization_full": self.utilization_full,
-            "mean_utilization": self.mean_utilization,
+            "peak_running": max((s.running for s in samples), default=0),
+            "mean_running_full": mean([s.running for s in full]),
+            "mean_running": mean([s.running for s in samples]),
+            "utilization_full": mean([self.utilization(s) for s in full if s.used_blocks]),
+            "mean_utilization": mean([self.utilization(s) for s in samples if s.used_blocks]),
             "generated_tokens": self.generated_tokens,
-            "throughput_tokens_per_s": self.throughput,
-            "ttft_mean_s": self.ttft_mean,
-            "ttft_p99_s": self.ttft_p99,
+            "throughput_tokens_per_s": self.generated_tokens / wall if wall else math.nan,
+            "ttft_mean_s": mean(self.ttft),
+            "ttft_p99_s": float(np.percentile(self.ttft, 99)) if self.ttft else math.nan,
             "preemptions": self.preemptions,
             "recomputed_tokens": self.recomputed_tokens,
             "computed_tokens": self.computed_tokens,
-            "recomputed_share": self.recomputed_share,
-            "steps": self.steps,
-            "full_window_steps": len(self.full_window),
-            "wall_s": self.wall_s,
+            # the share of the computed tokens that only made up for preemption: work thrown away
+            "recomputed_share": self.recomputed_tokens / self.computed_tokens
+            if self.computed_tokens
+            else 0.0,
+            "steps": len(samples),
+            "full_window_steps": len(full),
+            "wall_s": wall,
             "blocks_used_after": self.blocks_used_after,
             "blocks_total": self.total_blocks,
             "blocks_returned": self.blocks_returned,
@@ -158,10 +204,13 @@ class CapacityResult:
     predicted: dict[str, float]
     #: The closed-form expectation once full, from the run's own requests, length-biased.
     length_biased: dict[str, float]
-    plots: list[Path] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(run.blocks_returned for run in self.runs.values())
 
     def ratio(self, figure: str, policy: KVPolicy = PAGED, baseline: KVPolicy = CONTIGUOUS) -> float:
-        return getattr(self.runs[policy.name], figure) / getattr(self.runs[baseline.name], figure)
+        return self.runs[policy.name].figures[figure] / self.runs[baseline.name].figures[figure]
 
     def to_json(self) -> dict:
         return {
@@ -171,28 +220,74 @@ class CapacityResult:
                 "block_size": self.config.run_block_size,
                 "num_kv_blocks": self.config.num_kv_blocks,
             },
-            "policies": {name: run.figures() for name, run in self.runs.items()},
+            "policies": {name: run.figures for name, run in self.runs.items()},
             "simulator_predicted_running": self.predicted,
             "length_biased_predicted_running": self.length_biased,
-            "plots": [str(p) for p in self.plots],
         }
 
 
+def simulator_prediction(config: CapacityConfig, draws: int = SIM_DRAWS) -> dict[str, float]:
+    """Concurrent requests per policy that the simulator predicts for this workload and budget.
+
+    Its ``capacity`` experiment fills the budget with requests at uniformly random progress (the
+    steady state of a busy server) until one does not fit; the mean of ``draws`` such snapshots
+    at full scale (ratios do not depend on ``scale``)."""
+    workload = Workload(config.workload, config.max_model_len)
+    snapshots = [
+        capacity(workload, config.kv_tokens, config.engine.block_size, rng)
+        for rng in np.random.default_rng(config.seed).spawn(draws)
+    ]
+    return {p.name: mean([s[SIM_ALLOCATORS[p]] for s in snapshots]) for p in KV_POLICIES}
+
+
+def length_biased_prediction(
+    config: CapacityConfig, requests: list[tuple[list[int], int]]
+) -> dict[str, float]:
+    """Concurrent requests per policy expected once the batch is full, in closed form.
+
+    In a full batch a request keeps its place for as many steps as it generates tokens, so the
+    running set is a length-biased sample of the workload: a request is found there in proportion
+    to its ``max_tokens``, where the simulator's snapshot takes every request equally. The KV a
+    policy holds for a request, averaged over its decode steps and weighted so, is the mean held
+    per running request; the budget divided by it is the expected count."""
+    bs = config.run_block_size
+    held = dict.fromkeys(KV_POLICIES, 0)
+    steps = 0
+    for prompt_ids, output in requests:
+        stored = len(prompt_ids) + np.arange(output)  # tokens held at each of its decode steps
+        for policy in KV_POLICIES:
+            reserved = policy.reserved_tokens(len(prompt_ids), output, config.run_max_model_len)
+            held[policy] += int((-(-np.maximum(stored, reserved) // bs)).sum()) * bs
+        steps += output
+    budget = config.num_kv_blocks * bs
+    return {policy.name: budget * steps / held[policy] for policy in KV_POLICIES}
+
+
+def least_clocks(policy: KVPolicy, repeats: list[MeasuredEngine]) -> list[float]:
+    """The clock after each step, each step timed by the least of its repeats.
+
+    Every repeat runs the same requests on a fresh engine of the same policy: the same schedule,
+    step for step (checked here), so a step's fastest time is its cost without the bursts of
+    other work that a shared machine lands on one engine or another.
+    """
+    if len({tuple(step.num_tokens for step in run.steps) for run in repeats}) != 1:
+        raise RuntimeError(
+            f"the {policy} engine scheduled the same requests differently from one repeat to the next"
+        )
+    times = [
+        min(steps) for steps in zip(*([s.step_time_s for s in run.steps] for run in repeats), strict=True)
+    ]
+    return list(itertools.accumulate(times))
+
+
 def _policy_run(policy: KVPolicy, repeats: list[MeasuredEngine]) -> PolicyRun:
-    """The figures of one policy's engine, from its statistics records; with several repeats of
-    the same schedule, each step timed by its fastest repeat (:func:`least_clocks`)."""
-    measured = repeats[0]
-    clocks = least_clocks(policy, repeats)
+    """One policy's figures from its engines' statistics records, each step timed by its fastest repeat."""
+    measured, clocks = repeats[0], least_clocks(policy, repeats)
     samples = [
         StepSample(
-            elapsed=clock,
-            running=step.running,
-            waiting=step.waiting,
-            used_blocks=step.kv_blocks_used,
-            stored_tokens=step.kv_tokens_stored,
-            memory_blocked=step.admission_blocked_by_kv,
+            clock, s.running, s.waiting, s.kv_blocks_used, s.kv_tokens_stored, s.admission_blocked_by_kv
         )
-        for step, clock in zip(measured.steps, clocks, strict=True)
+        for s, clock in zip(measured.steps, clocks, strict=True)
     ]
     totals = measured.engine.stats()
     return PolicyRun(
@@ -210,66 +305,40 @@ def _policy_run(policy: KVPolicy, repeats: list[MeasuredEngine]) -> PolicyRun:
     )
 
 
-def least_clocks(policy: KVPolicy, repeats: list[MeasuredEngine]) -> list[float]:
-    """The clock after each step, each step timed by the least of its repeats.
-
-    Every repeat runs the same requests on a fresh engine of the same policy: the same schedule,
-    step for step (checked here), so a step's fastest time is its cost without the bursts of
-    other work that a shared machine lands on one engine or another. One run of the demo's
-    workload takes under a second per policy, and such a burst moved its ratios by 0.1-0.3.
-    """
-    schedules = {tuple(step.num_tokens for step in run.steps) for run in repeats}
-    if len(schedules) != 1:
-        raise RuntimeError(
-            f"the {policy} engine scheduled the same requests differently from one repeat to the next"
-        )
-    times = [
-        min(steps) for steps in zip(*([s.step_time_s for s in run.steps] for run in repeats), strict=True)
-    ]
-    return list(itertools.accumulate(times))
-
-
-def _warm_up(config: CapacityConfig) -> None:
-    """Pay the one-time costs (loading the attention kernel, first-call allocations) on a
-    throwaway engine, so they fall on no policy's clock. The prompt is long enough to take the
-    prefill path, and the request decodes a few tokens."""
+def run_capacity(config: CapacityConfig) -> CapacityResult:
+    """Run the workload under every KV policy, interleaved step by step, ``config.repeats``
+    times on fresh engines, after a warm-up engine has paid the one-time costs (the kernels'
+    loading, first-call allocations) that would otherwise fall on one policy's clock."""
     from pagedkv.engine import SamplingParams
 
-    warm = MeasuredEngine.start(config.engine_config(PAGED), prime=False)
-    prompt = list(range(min(64, config.run_max_model_len // 2)))
-    warm.submit("warm-up", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    warm.drain()
-
-
-def run_capacity(config: CapacityConfig, progress: bool = False) -> CapacityResult:
-    """Run the workload under every KV policy, interleaved step by step, ``config.repeats``
-    times on fresh engines, and measure each."""
     with run_settings(config.engine.threads):
-        _warm_up(config)
-        total = config.num_requests * len(KV_POLICIES) * config.repeats
-        with tqdm(total=total, desc="capacity", unit="req", disable=not progress) as bar:
-            repeats = [_run_once(config, bar, keep=r == 0) for r in range(config.repeats)]
-    requests = config.requests(repeats[0][0].engine.model_config.vocab_size)
+        warm = MeasuredEngine.start(config.engine_config(PAGED), prime=False)
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        warm.submit("warm-up", list(range(min(64, config.run_max_model_len // 2))), params)
+        warm.drain()
+        requests = config.requests(warm.engine.model_config.vocab_size)
+        repeats = []
+        for r in range(config.repeats):
+            progress(f"capacity: run {r + 1} of {config.repeats}, {len(requests)} requests per policy")
+            engines = [MeasuredEngine.start(config.engine_config(p), prime=False) for p in KV_POLICIES]
+            for measured in engines:
+                for i, (prompt, max_tokens) in enumerate(requests):
+                    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                    measured.submit(f"req-{i}", prompt, params)
+            step_in_turn(engines)
+            repeats.append(engines)
+            if r > 0:  # of the later runs only the step records are read
+                for measured in engines:
+                    measured.engine.shutdown()
     runs = {p.name: _policy_run(p, [r[i] for r in repeats]) for i, p in enumerate(KV_POLICIES)}
     return CapacityResult(
         config, runs, simulator_prediction(config), length_biased_prediction(config, requests)
     )
 
 
-def _run_once(config: CapacityConfig, bar: tqdm, keep: bool) -> list[MeasuredEngine]:
-    """The workload through a fresh engine per policy, stepped in turn; the engines, in policy
-    order (unless ``keep``, shut down once done: only their step records are read)."""
-    from pagedkv.engine import SamplingParams
-
-    engines = [MeasuredEngine.start(config.engine_config(p), prime=False) for p in KV_POLICIES]
-    requests = config.requests(engines[0].engine.model_config.vocab_size)
-    for measured in engines:
-        for i, (prompt, max_tokens) in enumerate(requests):
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            measured.submit(f"req-{i}", prompt, params)
-    for outputs in step_in_turn(engines):
-        bar.update(sum(out.finished for out in outputs))
-    if not keep:
-        for measured in engines:
-            measured.engine.shutdown()
-    return engines
+def demo_config(seed: int = 0) -> CapacityConfig:
+    """The ``pagedkv demo`` section: the benchmark at 1/8 scale with half the budget, three
+    times, on one torch thread (a tiny model's steps gain little from a second one and lose a
+    lot when the machine is busy with anything else)."""
+    engine = EngineOptions(max_num_seqs=CAPACITY_MAX_NUM_SEQS, scale=8, threads=1)
+    return CapacityConfig(num_requests=64, kv_tokens=8 * 2048, seed=seed, engine=engine, repeats=3)

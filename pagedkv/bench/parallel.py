@@ -1,48 +1,74 @@
 """``pagedkv bench parallel``: tensor parallelism's speed-up, and what its all-reduces cost.
 
-Two engines over the same model in one process: one rank with T threads, and two ranks with T
-threads each (rank 0 in this process, rank 1 in its own; see
-:mod:`pagedkv.engine.executor.multiproc`). Each workload runs on both, stepped in turn so a
-burst of other work on the machine hits both alike, each on its own clock (the engine's step
-times). Prefill-heavy: long prompts, one new token each; decode: short prompts, many new
+Two engines over the same model in one process: one rank with T threads, and N ranks with T
+threads each (rank 0 in this process, the others in their own; see
+:mod:`pagedkv.engine.executor.multiproc`). Each workload runs on both, stepped in turn, each on
+its own clock. Prefill-heavy: long prompts, one new token each; decode: short prompts, many new
 tokens. Rank 0 counts its calls to and time inside the forward pass's collectives (two
-all-reduces per layer, one for the embedding, the logits' gather), waiting for the other rank
-included: that is their cost per step. Greedy tokens of the two engines must agree.
+all-reduces per layer, one for the embedding, the logits' gather), waiting for the other ranks
+included: that is their cost per step. Then each workload's largest step's all-reduces are timed
+alone, between ranks that do nothing else (:func:`time_all_reduces`). Greedy tokens of the two
+engines must agree.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import random
 import statistics
+import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
-from pagedkv.bench.driver import FIRST_TOKEN_ID, EngineOptions, MeasuredEngine, run_settings, step_in_turn
+from rich.console import Console
 
+from pagedkv.bench.driver import (
+    FIRST_TOKEN_ID,
+    EngineOptions,
+    MeasuredEngine,
+    progress,
+    run_settings,
+    step_in_turn,
+    table,
+)
+from pagedkv.bench.options import check_options, option
+from pagedkv.cli_args import DEFAULT_OUT
 
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    num_requests: int
-    prompt_len: int
-    max_tokens: int
+WORKLOADS = "workloads: requests x prompt tokens + new tokens"
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    model: Path
-    engine: EngineOptions
-    workloads: tuple[Workload, ...]
-    threads: int = 1
-    tensor_parallel_size: int = 2
-    repeats: int = 3
-    seed: int = 0
+    tensor_parallel_size: int = option(2, "ranks of the parallel engine", positive=True)
+    threads: int = option(1, "threads per rank", positive=True)
+    repeats: int = option(3, "runs per figure", positive=True)
+    seed: int = option(0, "prompt seed")
+    prefill: tuple[int, ...] = option(
+        (4, 512, 1), "", positive=True, nargs=3, metavar=("R", "P", "N"), group=WORKLOADS
+    )
+    decode: tuple[int, ...] = option(
+        (8, 16, 64), "", positive=True, nargs=3, metavar=("R", "P", "N"), group=WORKLOADS
+    )
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    #: where the bench model is made when the engine options name no model
+    out: Path = Path(DEFAULT_OUT)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+    @property
+    def workloads(self) -> dict[str, tuple[int, ...]]:
+        return {"prefill": self.prefill, "decode": self.decode}
 
 
 @dataclass
 class WorkloadResult:
-    workload: Workload
+    name: str
+    num_requests: int
+    prompt_len: int
+    max_tokens: int
     #: tokens computed per second of engine time (prompt and generated), one figure per repeat
     single_tps: list[float] = field(default_factory=list)
     parallel_tps: list[float] = field(default_factory=list)
@@ -51,7 +77,7 @@ class WorkloadResult:
     collective_s: float = 0.0
     parallel_s: float = 0.0
     same_tokens: bool = True
-    #: a step's all-reduces timed alone (see parallel_collectives): rows of the largest step
+    #: the rows of the workload's largest step, and its all-reduces timed alone
     step_rows: int = 0
     all_reduce_alone_s: float = 0.0
 
@@ -59,24 +85,20 @@ class WorkloadResult:
     def speedup(self) -> float:
         return statistics.median(self.parallel_tps) / statistics.median(self.single_tps)
 
-    @property
-    def collective_ms_per_step(self) -> float:
-        return 1e3 * self.collective_s / max(1, self.steps)
-
-    @property
-    def collective_share(self) -> float:
-        return self.collective_s / self.parallel_s if self.parallel_s else 0.0
-
     def to_json(self) -> dict:
+        steps = max(1, self.steps)
         return {
-            **dataclasses.asdict(self.workload),
+            "name": self.name,
+            "num_requests": self.num_requests,
+            "prompt_len": self.prompt_len,
+            "max_tokens": self.max_tokens,
             "single_tokens_per_s": statistics.median(self.single_tps),
             "parallel_tokens_per_s": statistics.median(self.parallel_tps),
             "speedup": self.speedup,
             "steps": self.steps,
-            "collectives_per_step": self.collective_calls / max(1, self.steps),
-            "collective_ms_per_step": self.collective_ms_per_step,
-            "collective_share_of_step": self.collective_share,
+            "collectives_per_step": self.collective_calls / steps,
+            "collective_ms_per_step": 1e3 * self.collective_s / steps,
+            "collective_share_of_step": self.collective_s / self.parallel_s if self.parallel_s else 0.0,
             "same_tokens": self.same_tokens,
             "largest_step_tokens": self.step_rows,
             "all_reduces_alone_ms_per_step": 1e3 * self.all_reduce_alone_s,
@@ -86,6 +108,7 @@ class WorkloadResult:
 @dataclass
 class ParallelResult:
     config: ParallelConfig
+    model: Path
     results: list[WorkloadResult]
 
     @property
@@ -94,120 +117,164 @@ class ParallelResult:
 
     def to_json(self) -> dict:
         return {
-            "model": str(self.config.model),
-            "threads_per_rank": self.config.threads,
-            "tensor_parallel_size": self.config.tensor_parallel_size,
-            "repeats": self.config.repeats,
+            "config": dataclasses.asdict(self.config),
+            "model": str(self.model),
             "workloads": [r.to_json() for r in self.results],
         }
 
 
-def _prompts(workload: Workload, seed: int, vocab_size: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [
-        [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(workload.prompt_len)]
-        for _ in range(workload.num_requests)
-    ]
-
-
-def _run_once(engines: list[MeasuredEngine], prompts: list[list[int]], max_tokens: int, tag: str) -> None:
-    from pagedkv.engine import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for measured in engines:
-        for i, prompt in enumerate(prompts):
-            measured.submit(f"{tag}-{i}", prompt, params)
-    for _ in step_in_turn(engines):
-        pass
-
-
 def run_parallel(config: ParallelConfig) -> ParallelResult:
+    from pagedkv.bench.bench_model import bench_model_path
+
+    model = Path(config.engine.model) if config.engine.model else bench_model_path(config.out / "models")
+    shapes = config.workloads.values()
     with run_settings(config.threads):
-        needed = max(w.num_requests * (w.prompt_len + w.max_tokens) for w in config.workloads)
-        blocks = -(-needed // config.engine.run_block_size) + 8
-        base = config.engine.engine_config(blocks, max(w.prompt_len + w.max_tokens for w in config.workloads))
+        blocks = -(-max(r * (p + n) for r, p, n in shapes) // config.engine.run_block_size) + 8
+        base = config.engine.engine_config(blocks, max(p + n for _, p, n in shapes))
         base = dataclasses.replace(
-            base, model=str(config.model), enable_prefix_caching=False, threads_per_rank=config.threads
+            base, model=str(model), enable_prefix_caching=False, threads_per_rank=config.threads
         )
         single = MeasuredEngine.start(base)
-        tp = config.tensor_parallel_size
-        parallel = MeasuredEngine.start(dataclasses.replace(base, tensor_parallel_size=tp))
+        parallel = MeasuredEngine.start(
+            dataclasses.replace(base, tensor_parallel_size=config.tensor_parallel_size)
+        )
         try:
-            results = [_measure(config, w, single, parallel) for w in config.workloads]
+            results = [
+                _measure(config, name, shape, single, parallel) for name, shape in config.workloads.items()
+            ]
         finally:
             parallel.engine.shutdown()
-        _time_collectives_alone(results, single.engine.model_config, tp)
-        return ParallelResult(config, results)
-
-
-def _time_collectives_alone(results: list[WorkloadResult], model_config, world: int) -> None:
-    """Each workload's largest step: its ``2 * layers + 1`` all-reduces, timed with nothing else."""
-    from pagedkv.bench.parallel_collectives import time_all_reduces
-
-    shapes = [(r.step_rows, model_config.hidden_size) for r in results]
-    per_call = time_all_reduces(shapes, world=world)
-    for result, seconds in zip(results, per_call, strict=True):
-        result.all_reduce_alone_s = (2 * model_config.num_layers + 1) * seconds
+        model_config = single.engine.model_config
+        progress("parallel: the largest steps' all-reduces, timed alone")
+        per_call = time_all_reduces(
+            [(r.step_rows, model_config.hidden_size) for r in results], world=config.tensor_parallel_size
+        )
+        for result, seconds in zip(results, per_call, strict=True):
+            result.all_reduce_alone_s = (2 * model_config.num_layers + 1) * seconds
+        return ParallelResult(config, model, results)
 
 
 def _measure(
-    config: ParallelConfig, workload: Workload, single: MeasuredEngine, parallel: MeasuredEngine
+    config: ParallelConfig,
+    name: str,
+    shape: tuple[int, ...],
+    single: MeasuredEngine,
+    parallel: MeasuredEngine,
 ) -> WorkloadResult:
-    result = WorkloadResult(workload)
+    from pagedkv.engine import SamplingParams
+
+    result = WorkloadResult(name, *shape)
+    num_requests, prompt_len, max_tokens = shape
     stats = parallel.engine.executor.collective_stats
-    vocab = single.engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for repeat in range(config.repeats):
-        prompts = _prompts(workload, config.seed + repeat, vocab)
+        progress(f"parallel: {name}, run {repeat + 1} of {config.repeats}")
+        rng = random.Random(config.seed + repeat)
+        vocab = single.engine.model_config.vocab_size
+        prompts = [
+            [rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(prompt_len)] for _ in range(num_requests)
+        ]
         marks = [(len(m.steps), m.clock) for m in (single, parallel)]
         calls, seconds = stats.calls, stats.seconds
-        tag = f"{workload.name}-{repeat}"
-        _run_once([single, parallel], prompts, workload.max_tokens, tag)
+        ids = [f"{name}-{repeat}-{i}" for i in range(num_requests)]
+        for measured in (single, parallel):
+            for request_id, prompt in zip(ids, prompts, strict=True):
+                measured.submit(request_id, prompt, params)
+        step_in_turn([single, parallel])
         for measured, (first, start), rates in zip(
             (single, parallel), marks, (result.single_tps, result.parallel_tps), strict=True
         ):
-            tokens = sum(s.num_tokens for s in measured.steps[first:])
-            rates.append(tokens / (measured.clock - start))
+            rates.append(sum(s.num_tokens for s in measured.steps[first:]) / (measured.clock - start))
         result.steps += len(parallel.steps) - marks[1][0]
         result.step_rows = max(s.num_tokens for s in parallel.steps[marks[1][0] :])
         result.parallel_s += parallel.clock - marks[1][1]
         result.collective_calls += stats.calls - calls
         result.collective_s += stats.seconds - seconds
-        ids = [f"{tag}-{i}" for i in range(len(prompts))]
         result.same_tokens &= [single.outputs[i] for i in ids] == [parallel.outputs[i] for i in ids]
     return result
 
 
-def print_parallel(result: ParallelResult, console) -> None:
-    from rich.table import Table
+def _all_reduce_rounds(
+    rank: int, world: int, port: int, shapes: list[tuple[int, int]], repeats: int
+) -> list[float]:
+    import torch
+    import torch.distributed as dist
 
-    cfg = result.config
-    table = Table(
-        title=f"{cfg.tensor_parallel_size} ranks x {cfg.threads} thread(s) vs 1 rank x {cfg.threads} "
-        f"thread(s), {cfg.model.name}, median of {cfg.repeats}"
+    torch.set_num_threads(1)
+    address = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group(
+        "gloo", init_method=address, rank=rank, world_size=world, timeout=timedelta(minutes=5)
     )
-    for column in (
-        "workload", "requests x prompt + new", "1 rank tok/s", f"{cfg.tensor_parallel_size} ranks tok/s",
-        "speed-up", "collectives/step", "collective ms/step", "share of step", "all-reduces alone ms/step",
-        "same tokens",
-    ):  # fmt: skip
-        table.add_column(column, justify="right")
+    try:
+        seconds = []
+        for shape in shapes:
+            tensor = torch.ones(shape)
+            dist.all_reduce(tensor)  # warm the connection
+            best = float("inf")
+            for _ in range(repeats):
+                dist.barrier()
+                started = time.perf_counter()
+                dist.all_reduce(tensor)
+                best = min(best, time.perf_counter() - started)
+            seconds.append(best)
+        return seconds
+    finally:
+        dist.destroy_process_group()
+
+
+def time_all_reduces(shapes: list[tuple[int, int]], repeats: int = 20, world: int = 2) -> list[float]:
+    """Seconds of one all-reduce of each ``[tokens, hidden]`` shape among ``world`` ranks that
+    start each round together (a barrier) and do nothing else: the collective's own cost, best of
+    ``repeats`` (the least disturbed by other work); rank 0 here, the others spawned. Call it with
+    no tensor-parallel engine alive in this process."""
+    from pagedkv.distributed.rendezvous import free_port
+
+    port = free_port("127.0.0.1")
+    context = multiprocessing.get_context("spawn")
+    others = [
+        context.Process(target=_all_reduce_rounds, args=(rank, world, port, shapes, repeats), daemon=True)
+        for rank in range(1, world)
+    ]
+    for process in others:
+        process.start()
+    try:
+        return _all_reduce_rounds(0, world, port, shapes, repeats)
+    finally:
+        for process in others:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+
+
+def print_parallel(result: ParallelResult, console: Console) -> None:
+    cfg, ranks = result.config, result.config.tensor_parallel_size
+    parallel = table(
+        f"{ranks} ranks x {cfg.threads} thread(s) vs 1 rank x {cfg.threads} thread(s), {result.model.name}, "
+        f"median of {cfg.repeats}",
+        (
+            "workload", "requests x prompt + new", "1 rank tok/s", f"{ranks} ranks tok/s", "speed-up",
+            "collectives/step", "collective ms/step", "share of step", "all-reduces alone ms/step",
+            "same tokens",
+        ),
+        left=0,
+    )  # fmt: skip
     for r in result.results:
-        w = r.workload
-        table.add_row(
-            w.name,
-            f"{w.num_requests} x {w.prompt_len} + {w.max_tokens}",
-            f"{statistics.median(r.single_tps):,.0f}",
-            f"{statistics.median(r.parallel_tps):,.0f}",
+        figures = r.to_json()
+        parallel.add_row(
+            r.name,
+            f"{r.num_requests} x {r.prompt_len} + {r.max_tokens}",
+            f"{figures['single_tokens_per_s']:,.0f}",
+            f"{figures['parallel_tokens_per_s']:,.0f}",
             f"{r.speedup:.2f}x",
-            f"{r.collective_calls / max(1, r.steps):.0f}",
-            f"{r.collective_ms_per_step:.2f}",
-            f"{r.collective_share:.0%}",
+            f"{figures['collectives_per_step']:.0f}",
+            f"{figures['collective_ms_per_step']:.2f}",
+            f"{figures['collective_share_of_step']:.0%}",
             f"{1e3 * r.all_reduce_alone_s:.2f} ({r.step_rows} rows)",
             "yes" if r.same_tokens else "NO",
         )
-    console.print(table)
+    console.print(parallel)
     console.print(
         "tok/s: tokens computed (prompt + generated) per second of engine time. Collective time is "
-        "rank 0's, inside all-reduce and gather, waiting for the other rank included; 'alone': the "
-        "largest step's all-reduces between two idle ranks, best of 20."
+        "rank 0's, inside all-reduce and gather, waiting for the other ranks included; 'alone': the "
+        "largest step's all-reduces between idle ranks, best of 20."
     )

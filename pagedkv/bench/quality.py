@@ -14,9 +14,6 @@ same model, same pool of blocks, same scheduling; only the cache's storage diffe
    ignored), compared position by position with ``auto``'s continuation -- once two
    continuations part, the later positions mostly differ too, so the first divergence is given
    as well.
-
-The configuration is in :mod:`~pagedkv.bench.quality_config`, the table in ``quality_report``
-and the command line in ``quality_cli``.
 """
 
 from __future__ import annotations
@@ -26,19 +23,78 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from rich.console import Console
 
-from pagedkv.bench.driver import EngineOptions, run_settings
-from pagedkv.bench.quality_config import QualityConfig
-from pagedkv.engine import LLMEngine, SamplingParams
-from pagedkv.engine.executor import Executor, StepPlan
+from pagedkv.bench.driver import EngineOptions, cell, print_checks, progress, run_settings, table
+from pagedkv.bench.options import check_options, option
+from pagedkv.engine import SamplingParams
 from pagedkv.engine.perplexity import Perplexity, run_to_completion, sliding_windows, window_logprobs
-from pagedkv.models import ModelConfig, builtin_model_path, load_tokenizer
-from pagedkv.models.training import stdlib_text
+from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES
+
+if TYPE_CHECKING:
+    import torch
+
+    from pagedkv.engine import LLMEngine
+    from pagedkv.engine.executor import Executor, StepPlan
+
+#: The reference every other KV cache dtype is compared with: the model's own dtype.
+REFERENCE = "auto"
+TEXT, GREEDY = "held-out text", "greedy agreement"
 
 
-class LogitsTap(Executor):
+@dataclass(frozen=True)
+class QualityConfig:
+    """Perplexity of the held-out files (``max_heldout_chars`` of them; None: all) in windows of
+    ``window`` tokens every ``stride`` (None: ``window``), the first ``logits_rows`` logits rows
+    against ``auto``'s, and ``num_prompts`` greedy continuations. Every engine has the same pool
+    (``num_kv_blocks``), so each is scheduled alike and the logits rows line up."""
+
+    kv_cache_dtypes: tuple[str, ...] = option(
+        KV_CACHE_DTYPE_NAMES,
+        "KV cache dtypes; auto (the reference) always runs",
+        choices=KV_CACHE_DTYPE_NAMES,
+    )
+    goal_pct: float = option(1.0, "most perplexity rise over auto, in %% (exit status 1 above it)")
+    max_heldout_chars: int | None = option(
+        None,
+        "read held-out files up to this many characters (default: all, ~1.1 M characters, ~345 k tokens)",
+        positive=True,
+        group=TEXT,
+    )
+    window: int = option(256, "perplexity window", positive=True, group=TEXT)
+    stride: int | None = option(
+        None, "window stride; smaller: sliding windows (default: --window)", group=TEXT
+    )
+    logits_rows: int = option(8192, "logits rows compared", positive=True, group=TEXT)
+    num_prompts: int = option(8, "prompts", positive=True, group=GREEDY)
+    prompt_len: int = option(128, "prompt tokens", positive=True, group=GREEDY)
+    gen_tokens: int = option(256, "greedy tokens per prompt", positive=True, group=GREEDY)
+    num_kv_blocks: int = 2048
+    engine: EngineOptions = field(default_factory=EngineOptions)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        if self.window < 2:
+            raise ValueError(f"window must hold at least 2 tokens, got {self.window}")
+        if self.stride is not None and not 1 <= self.stride <= self.window:
+            raise ValueError(f"stride must be in [1, window = {self.window}], got {self.stride!r}")
+        if not self.goal_pct >= 0:
+            raise ValueError(f"goal_pct must be >= 0, got {self.goal_pct!r}")
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The dtypes to run, ``auto`` first (the others are compared with it)."""
+        return (REFERENCE, *(d for d in self.kv_cache_dtypes if d != REFERENCE))
+
+    @property
+    def max_model_len(self) -> int:
+        """Context of every engine: a window plus its one generated token, a prompt plus its output."""
+        return max(self.window + 1, self.prompt_len + self.gen_tokens)
+
+
+class LogitsTap:
     """An executor that hands every call to ``inner`` and keeps the first ``max_rows`` logits rows
     it returns, with the token each row was computed at (to prove two runs' rows line up)."""
 
@@ -66,6 +122,8 @@ class LogitsTap(Executor):
         self.inner.shutdown()
 
     def logits(self) -> torch.Tensor:
+        import torch
+
         return torch.cat(self.rows) if self.rows else torch.empty(0)
 
 
@@ -81,11 +139,13 @@ class HeldOut:
     def load(cls, model: str | None, max_chars: int | None) -> HeldOut:
         """The first ``max_chars`` characters of the held-out files (None: all of them; the last
         file read may be cut) as ``model``'s tokenizer encodes them (None: the built-in model's)."""
+        from pagedkv.models import ModelConfig, builtin_model_path, load_tokenizer
+        from pagedkv.models.training import stdlib_text
+
         path = builtin_model_path() if model is None else Path(model)
         tokenizer, eos = load_tokenizer(path), ModelConfig.from_pretrained(path).eos_token_ids[0]
-        _, heldout_files = stdlib_text.split_files()
         files, texts, total = [], [], 0
-        for relpath in heldout_files:
+        for relpath in stdlib_text.split_files()[1]:
             if max_chars is not None and total >= max_chars:
                 break
             (text,) = stdlib_text.read_sources([relpath])
@@ -101,9 +161,7 @@ class HeldOut:
         pieces = [
             ids[i : i + length] for ids in self.documents for i in range(0, len(ids) - length + 1, length)
         ]
-        if len(pieces) <= count:
-            return pieces
-        return [pieces[i * len(pieces) // count] for i in range(count)]
+        return pieces if len(pieces) <= count else [pieces[i * len(pieces) // count] for i in range(count)]
 
 
 @dataclass
@@ -127,21 +185,20 @@ class QualityRow:
     kv_cache_dtype: str
     bytes_per_token: int
     perplexity: float
-    perplexity_change_pct: float | None
-    #: Generated positions where the greedy token equals auto's, as a fraction.
-    token_agreement: float | None
-    #: Mean index of the first generated token that differs from auto's (gen_tokens if none).
-    first_divergence_mean: float | None
-    identical_continuations: int | None
-    logits_max_abs_error: float | None
-    logits_mean_abs_error: float | None
     seconds: float
+    perplexity_change_pct: float | None = None
+    #: Generated positions where the greedy token equals auto's, as a fraction.
+    token_agreement: float | None = None
+    #: Mean index of the first generated token that differs from auto's (gen_tokens if none).
+    first_divergence_mean: float | None = None
+    identical_continuations: int | None = None
+    logits_max_abs_error: float | None = None
+    logits_mean_abs_error: float | None = None
 
 
 @dataclass
 class QualityResult:
     config: QualityConfig
-    options: EngineOptions
     heldout_files: int
     heldout_chars: int
     scored_tokens: int
@@ -157,15 +214,11 @@ class QualityResult:
         return all(change <= self.config.goal_pct for change in changes)
 
     def to_json(self) -> dict:
+        heldout = ("files", "chars", "scored_tokens", "windows")
+        figures = (self.heldout_files, self.heldout_chars, self.scored_tokens, self.num_windows)
         return {
             "config": asdict(self.config),
-            "engine": asdict(self.options),
-            "heldout": {
-                "files": self.heldout_files,
-                "chars": self.heldout_chars,
-                "scored_tokens": self.scored_tokens,
-                "windows": self.num_windows,
-            },
+            "heldout": dict(zip(heldout, figures, strict=True)),
             "agreement_prompts": self.num_prompts,
             "logits_rows_compared": self.logits_rows,
             "rows": [asdict(row) for row in self.rows],
@@ -173,18 +226,18 @@ class QualityResult:
         }
 
 
-def quality_engine(options: EngineOptions, config: QualityConfig, kv_cache_dtype: str) -> LLMEngine:
-    """An engine of ``options`` with the run's pool and context; its KV cache in ``kv_cache_dtype``."""
-    options = dataclasses.replace(options, kv_cache_dtype=kv_cache_dtype)
+def quality_engine(config: QualityConfig, kv_cache_dtype: str) -> LLMEngine:
+    """An engine of the config's options, pool and context; its KV cache in ``kv_cache_dtype``."""
+    from pagedkv.engine import LLMEngine
+
+    options = dataclasses.replace(config.engine, kv_cache_dtype=kv_cache_dtype)
     return LLMEngine(options.engine_config(config.num_kv_blocks, config.max_model_len))
 
 
-def run_dtype(
-    options: EngineOptions, config: QualityConfig, kv_cache_dtype: str, heldout: HeldOut
-) -> DtypeRun:
+def run_dtype(config: QualityConfig, kv_cache_dtype: str, heldout: HeldOut) -> DtypeRun:
     """Perplexity (with the logits tapped), then the greedy continuations, on a fresh engine."""
     started = time.perf_counter()
-    engine = quality_engine(options, config, kv_cache_dtype)
+    engine = quality_engine(config, kv_cache_dtype)
     tap = LogitsTap(engine.executor, config.logits_rows)
     engine.executor = tap  # the engine's seam to the model: observed, not changed
     windows = [w for ids in heldout.documents for w in sliding_windows(ids, config.window, config.stride)]
@@ -192,9 +245,9 @@ def run_dtype(
     engine.executor = tap.inner
     greedy = SamplingParams(max_tokens=config.gen_tokens, temperature=0.0, ignore_eos=True)
     outputs = run_to_completion(engine, heldout.prompts(config.num_prompts, config.prompt_len), greedy)
-    generated = [out.outputs[0].token_ids for out in outputs]
     bytes_per_token = engine.kv_stats()["bytes_per_token"]
     engine.shutdown()
+    generated = [out.outputs[0].token_ids for out in outputs]
     seconds = time.perf_counter() - started
     return DtypeRun(
         kv_cache_dtype, bytes_per_token, perplexity, generated, tap.logits(), tap.token_ids, seconds
@@ -203,49 +256,41 @@ def run_dtype(
 
 def compare(run: DtypeRun, reference: DtypeRun) -> QualityRow:
     """``run``'s row of the table, against ``reference`` (auto)."""
-    ppl = run.perplexity.perplexity
+    row = QualityRow(run.kv_cache_dtype, run.bytes_per_token, run.perplexity.perplexity, run.seconds)
     if run is reference:
-        return QualityRow(
-            run.kv_cache_dtype, run.bytes_per_token, ppl, None, None, None, None, None, None, run.seconds
-        )
+        return row
     if run.logits_token_ids != reference.logits_token_ids:
         raise RuntimeError(
             f"{run.kv_cache_dtype}: its logits rows are not auto's tokens (scheduling differed)"
         )
     error = (run.logits - reference.logits).abs()
-    matches, divergence, identical = [], [], 0
+    matches, divergence = [], []
     for ours, theirs in zip(run.generated, reference.generated, strict=True):
         same = [a == b for a, b in zip(ours, theirs, strict=True)]
         matches.append(sum(same) / len(same))
         divergence.append(same.index(False) if False in same else len(same))
-        identical += all(same)
-    return QualityRow(
-        kv_cache_dtype=run.kv_cache_dtype,
-        bytes_per_token=run.bytes_per_token,
-        perplexity=ppl,
-        perplexity_change_pct=100 * (ppl / reference.perplexity.perplexity - 1),
+    return dataclasses.replace(
+        row,
+        perplexity_change_pct=100 * (row.perplexity / reference.perplexity.perplexity - 1),
         token_agreement=sum(matches) / len(matches) if matches else math.nan,
         first_divergence_mean=sum(divergence) / len(divergence) if divergence else math.nan,
-        identical_continuations=identical,
+        identical_continuations=sum(d == len(g) for d, g in zip(divergence, run.generated, strict=True)),
         logits_max_abs_error=error.max().item() if error.numel() else math.nan,
         logits_mean_abs_error=error.mean().item() if error.numel() else math.nan,
-        seconds=run.seconds,
     )
 
 
-def run_quality(options: EngineOptions, config: QualityConfig, progress: bool = False) -> QualityResult:
+def run_quality(config: QualityConfig) -> QualityResult:
     """Every dtype of ``config`` in turn, ``auto`` first; the table's rows against it."""
-    with run_settings(options.threads):
-        heldout = HeldOut.load(options.model, config.max_heldout_chars)
-        runs: list[DtypeRun] = []
+    with run_settings(config.engine.threads):
+        heldout = HeldOut.load(config.engine.model, config.max_heldout_chars)
+        runs = []
         for kv_cache_dtype in config.dtypes:
-            if progress:
-                print(f"kv_cache_dtype={kv_cache_dtype} ...", flush=True)
-            runs.append(run_dtype(options, config, kv_cache_dtype, heldout))
+            progress(f"quality: kv_cache_dtype={kv_cache_dtype}")
+            runs.append(run_dtype(config, kv_cache_dtype, heldout))
     reference = runs[0]
     return QualityResult(
         config=config,
-        options=options,
         heldout_files=len(heldout.files),
         heldout_chars=heldout.chars,
         scored_tokens=reference.perplexity.num_tokens,
@@ -253,4 +298,44 @@ def run_quality(options: EngineOptions, config: QualityConfig, progress: bool = 
         num_prompts=len(reference.generated),
         logits_rows=len(reference.logits_token_ids),
         rows=[compare(run, reference) for run in runs],
+    )
+
+
+def print_quality(result: QualityResult, console: Console) -> None:
+    """One row per KV cache dtype, what the columns mean, and the perplexity goal."""
+    from pagedkv.models import BUILTIN_NOTE
+
+    config, engine = result.config, result.config.engine
+    windows = f"windows of {config.window}" + (f" every {config.stride}" if config.stride else "")
+    console.print(
+        f"[bold]KV cache dtype vs quality[/] -- {BUILTIN_NOTE if engine.model is None else engine.model}; "
+        f"model dtype {engine.dtype}.\nPerplexity: {result.scored_tokens:,} held-out tokens "
+        f"({result.heldout_files} stdlib files never trained on, {windows}). Logits error: the first "
+        f"{result.logits_rows:,} rows of those windows vs auto. Greedy: {result.num_prompts} held-out "
+        f"prompts of {config.prompt_len} tokens, {config.gen_tokens} tokens each, vs auto."
+    )
+    columns = ("KV", "B/tok", "ppl", "vs auto", "agree", "1st diff", "same", "max err", "mean err")
+    rows = table(None, columns, no_wrap=True, show_edge=False, pad_edge=False)
+    for row in result.rows:
+        same = row.identical_continuations
+        rows.add_row(
+            row.kv_cache_dtype,
+            f"{row.bytes_per_token:,}",
+            f"{row.perplexity:.3f}",
+            cell(row.perplexity_change_pct, "+.2f", "%"),
+            cell(row.token_agreement, ".1%"),
+            cell(row.first_divergence_mean, ".0f"),
+            "-" if same is None else f"{same}/{result.num_prompts}",
+            cell(row.logits_max_abs_error, ".4f"),
+            cell(row.logits_mean_abs_error, ".5f"),
+        )
+    console.print(rows)
+    console.print(
+        "B/tok: KV cache bytes per token, scales included; agree: generated positions whose greedy "
+        "token equals auto's; 1st diff: mean position of the first token that differs (continuations "
+        "that part seldom meet again); same: continuations identical to auto's; max / mean err: "
+        "absolute logit difference from auto."
+    )
+    print_checks(
+        console, [(f"perplexity within +{config.goal_pct:g} % of auto for every KV cache dtype", result.ok)]
     )

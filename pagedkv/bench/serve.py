@@ -1,12 +1,12 @@
 """``pagedkv bench serve``: a serving benchmark in the style of vLLM's ``benchmark_serving``.
 
-A seeded workload (prompts of random corpus words, fixed output lengths with ``ignore_eos``)
-is sent as streaming completions whose arrival times follow a Poisson process at
-``request_rate`` (or all at once). From the client side it measures what users feel: time to
-first token (TTFT), inter-token latency (ITL: gaps between streamed chunks), time per output
-token, end-to-end latency and throughput. From the server's ``/metrics`` it reads the peak
-KV-cache usage during the run (polled, and exact when ``pagedkv:kv_cache_usage_peak_perc``
-rose during the run), preemptions and prefix-cache hits.
+A seeded workload (prompts of random corpus words, fixed output lengths with ``ignore_eos``) is
+sent as streaming completions whose arrival times follow a Poisson process at ``request_rate``
+(or all at once) to one of the servers of :mod:`~pagedkv.bench.serve_servers`. From the client
+side it measures what users feel: time to first token (TTFT), inter-token latency (ITL: gaps
+between streamed chunks), time per output token, end-to-end latency and throughput. From the
+server's ``/metrics`` it reads the peak KV-cache usage during the run (polled, and exact when
+``pagedkv:kv_cache_usage_peak_perc`` rose during the run), preemptions and prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -14,17 +14,21 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
-from rich.table import Table
 
-from pagedkv.models.corpus import CORPUS
+from pagedkv.bench.driver import table
+from pagedkv.bench.options import check_options, option
+from pagedkv.engine.config import EngineConfig
+from pagedkv.server.cli import API_KEY_ENV
 
 #: /metrics samples read for the report (names as exposed, after the ``_total`` suffix).
 _WATCHED = (
@@ -36,33 +40,56 @@ _WATCHED = (
 )
 PERCENTILES = (50, 90, 99)
 METRICS_POLL_SECONDS = 0.05
+TARGET, WORKLOAD, RIVAL = "target", "workload", "side by side with vLLM"
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    num_prompts: int = 100
-    request_rate: float = math.inf
-    max_concurrency: int | None = None
-    input_len: int = 64
-    output_len: int = 32
-    range_ratio: float = 0.0
-    seed: int = 0
-    model: str | None = None
-    api_key: str | None = None
+class ServeConfig:
+    base_url: str | None = option(
+        None, "a running server, e.g. http://127.0.0.1:8000 (default: start one)", group=TARGET
+    )
+    api_key: str | None = option(None, f"(default: ${API_KEY_ENV})", group=TARGET)
+    served_model_name: str | None = option(
+        None, "model name to request (default: the server's first)", group=TARGET
+    )
+    num_prompts: int = option(100, "requests", positive=True, group=WORKLOAD)
+    request_rate: float = option(
+        math.inf, "requests per second (Poisson), or inf", positive=True, group=WORKLOAD
+    )
+    max_concurrency: int | None = option(
+        None, "most requests in flight (default: no cap)", positive=True, group=WORKLOAD
+    )
+    input_len: int = option(64, "prompt length in words", positive=True, group=WORKLOAD)
+    output_len: int = option(32, "tokens to generate per request", positive=True, group=WORKLOAD)
+    range_ratio: float = option(
+        0.0, "lengths vary uniformly within +-ratio of --input-len/--output-len", group=WORKLOAD
+    )
+    seed: int = option(0, "workload seed", group=WORKLOAD)
+    vllm_python: str | None = option(
+        None,
+        "python of a virtual environment with vLLM's CPU build: run the workload against "
+        "`pagedkv serve` and vLLM's OpenAI server, each in its own process on --model, and print both",
+        group=RIVAL,
+    )
+    threads: int | None = option(
+        None, "CPU threads of each server (default: all)", positive=True, group=RIVAL
+    )
+    log_dir: Path = option(Path("bench-serve-logs"), "where the servers' logs go", group=RIVAL)
     timeout_s: float = 600.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
-        if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
-            raise ValueError(
-                f"num_prompts, input_len and output_len must be >= 1, got "
-                f"{self.num_prompts}, {self.input_len}, {self.output_len}"
-            )
-        if not self.request_rate > 0:
-            raise ValueError(f"request_rate must be > 0 (or inf), got {self.request_rate}")
+        check_options(self)
         if not 0 <= self.range_ratio < 1:
             raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.vllm_python is not None and (self.engine.model is None or self.base_url is not None):
+            raise ValueError(
+                "--vllm-python needs --model (a Hugging Face folder both servers load) and no --base-url"
+            )
+
+    @property
+    def key(self) -> str | None:
+        return self.api_key or os.environ.get(API_KEY_ENV)
 
 
 @dataclass(frozen=True)
@@ -71,10 +98,11 @@ class WorkItem:
     output_len: int
 
 
-def make_workload(config: BenchConfig) -> list[WorkItem]:
+def make_workload(config: ServeConfig) -> list[WorkItem]:
     """``num_prompts`` seeded prompts: the same config always gives the same requests."""
-    rng = random.Random(config.seed)
-    words = CORPUS.split()
+    from pagedkv.models.corpus import CORPUS
+
+    rng, words = random.Random(config.seed), CORPUS.split()
 
     def length(center: int) -> int:
         spread = int(center * config.range_ratio)
@@ -100,8 +128,8 @@ class RequestResult:
 
 
 @dataclass
-class BenchResult:
-    config: BenchConfig
+class ServeResult:
+    config: ServeConfig
     base_url: str
     model: str
     duration_s: float
@@ -122,6 +150,10 @@ class BenchResult:
     preemptions: int
     prefix_cache_hit_rate: float
 
+    @property
+    def ok(self) -> bool:
+        return self.failed == 0
+
     def to_json(self) -> dict:
         out = asdict(self)
         out["config"]["request_rate"] = str(self.config.request_rate)  # JSON has no inf
@@ -136,15 +168,20 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"mean": float(ms.mean()), **{f"p{p}": float(np.percentile(ms, p)) for p in PERCENTILES}}
 
 
+def metric_values(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The named samples of a /metrics page (as exposed, ``_total`` included), summed over labels."""
+    values = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in values:
+                values[sample.name] += sample.value
+    return values
+
+
 async def _scrape(client: httpx.AsyncClient) -> dict[str, float]:
     response = await client.get("/metrics")
     response.raise_for_status()
-    values: dict[str, float] = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            if sample.name in _WATCHED:
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
-    return values
+    return metric_values(response.text, _WATCHED)
 
 
 async def _poll_kv_usage(client: httpx.AsyncClient, peak: list[float], stop: asyncio.Event) -> None:
@@ -205,18 +242,10 @@ async def _send(client: httpx.AsyncClient, model: str, item: WorkItem, seed: int
     return result
 
 
-async def _model_name(client: httpx.AsyncClient, config: BenchConfig) -> str:
-    if config.model is not None:
-        return config.model
-    response = await client.get("/v1/models")
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
-
-
-async def _run(base_url: str, config: BenchConfig) -> BenchResult:
+async def _run(base_url: str, config: ServeConfig) -> ServeResult:
     workload = make_workload(config)
     arrivals = random.Random(config.seed + 1)
-    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    headers = {"Authorization": f"Bearer {config.key}"} if config.key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with (
         httpx.AsyncClient(
@@ -224,7 +253,11 @@ async def _run(base_url: str, config: BenchConfig) -> BenchResult:
         ) as client,
         httpx.AsyncClient(base_url=base_url, timeout=30.0) as metrics_client,
     ):
-        model = await _model_name(client, config)
+        model = config.served_model_name
+        if model is None:
+            response = await client.get("/v1/models")
+            response.raise_for_status()
+            model = response.json()["data"][0]["id"]
         before = await _scrape(metrics_client)
         peak, stop = [0.0], asyncio.Event()
         poller = asyncio.create_task(_poll_kv_usage(metrics_client, peak, stop))
@@ -245,23 +278,29 @@ async def _run(base_url: str, config: BenchConfig) -> BenchResult:
         stop.set()
         await poller
         after = await _scrape(metrics_client)
-    return _report(base_url, model, config, results, duration, before, after, peak[0])
-
-
-def _report(base_url, model, config, results, duration, before, after, polled_peak) -> BenchResult:
-    ok = [r for r in results if r.ok]
     peak_key = "pagedkv:kv_cache_usage_peak_perc"
-    peak = polled_peak
-    if after.get(peak_key, 0.0) > before.get(peak_key, 0.0):
-        peak = max(peak, after[peak_key])  # a new all-time peak: it happened during this run
+    if after.get(peak_key, 0.0) > before.get(peak_key, 0.0):  # a new all-time peak: it was in this run
+        peak[0] = max(peak[0], after[peak_key])
+    return _result(
+        base_url,
+        model,
+        config,
+        results,
+        duration,
+        lambda name: after.get(name, 0.0) - before.get(name, 0.0),
+        peak[0],
+    )
 
-    def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
 
+def _result(base_url, model, config, results, duration, delta, peak) -> ServeResult:
+    ok = [r for r in results if r.ok]
     queries = delta("vllm:prefix_cache_queries_total")
     input_tokens = sum(r.prompt_tokens for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
-    return BenchResult(
+    tpot = [
+        (r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1 and r.ttft is not None
+    ]
+    return ServeResult(
         config=config,
         base_url=base_url,
         model=model,
@@ -276,13 +315,7 @@ def _report(base_url, model, config, results, duration, before, after, polled_pe
         total_token_throughput=(input_tokens + output_tokens) / duration,
         ttft_ms=_summary([r.ttft for r in ok if r.ttft is not None]),
         itl_ms=_summary([gap for r in ok for gap in r.itl]),
-        tpot_ms=_summary(
-            [
-                (r.latency - r.ttft) / (r.output_tokens - 1)
-                for r in ok
-                if r.output_tokens > 1 and r.ttft is not None
-            ]
-        ),
+        tpot_ms=_summary(tpot),
         e2e_ms=_summary([r.latency for r in ok]),
         peak_kv_usage=peak,
         preemptions=int(delta("vllm:num_preemptions_total")),
@@ -290,20 +323,24 @@ def _report(base_url, model, config, results, duration, before, after, polled_pe
     )
 
 
-def run_benchmark(base_url: str, config: BenchConfig) -> BenchResult:
+def run_benchmark(base_url: str, config: ServeConfig) -> ServeResult:
     """Run the workload against the server at ``base_url`` (blocking; its own event loop)."""
     return asyncio.run(_run(base_url.rstrip("/"), config))
 
 
-def print_report(result: BenchResult, console: Console | None = None) -> None:
+def print_report(result, console: Console | None = None) -> None:
+    """The summary and latency tables (or, for two servers, the comparison)."""
     console = console or Console()
+    if not isinstance(result, ServeResult):  # two servers: their comparison
+        result.report(console)
+        return
     config = result.config
     rate = (
         "inf (all at once)" if math.isinf(config.request_rate) else f"{config.request_rate:g} req/s (Poisson)"
     )
-    summary = Table(title=f"pagedkv bench serve: {result.model} at {result.base_url}", show_header=False)
-    summary.add_column("metric")
-    summary.add_column("value", justify="right")
+    summary = table(
+        f"pagedkv bench serve: {result.model} at {result.base_url}", ("metric", "value"), show_header=False
+    )
     for row in (
         ("Request rate", rate),
         ("Successful / failed requests", f"{result.completed} / {result.failed}"),
@@ -317,10 +354,7 @@ def print_report(result: BenchResult, console: Console | None = None) -> None:
         ("Prefix-cache hit rate", f"{result.prefix_cache_hit_rate:.1%}"),
     ):
         summary.add_row(*row)
-    latency = Table(title="Latency (ms)")
-    latency.add_column("")
-    for key in result.ttft_ms:
-        latency.add_column(key, justify="right")
+    latency = table("Latency (ms)", ("", *result.ttft_ms))
     for label, stats in (
         ("Time to first token", result.ttft_ms),
         ("Inter-token latency", result.itl_ms),

@@ -3,41 +3,124 @@
 Two experiments on the same model and kernels:
 
 * **Shared system prompt.** ``N`` requests = one common ``S``-token prefix + a unique user part,
-  all submitted at once, through two engines that differ only in prefix caching. The engines are
-  stepped in turn and each keeps its own clock (:mod:`pagedkv.bench.driver`), so background
-  load hits both alike; every request arrives at its engine's clock when submitted, so time to
-  first token (TTFT) is that clock when the token came out minus the arrival. Greedy outputs must
-  be identical with caching on and off. With every request submitted at once, the requests that
-  fit in the first step's token budget all compute the prefix: the engine offers a block to other
-  requests only once a step has computed it (vLLM v1 registers full blocks when it schedules
-  them, so its later requests in the same step already hit). ``warm`` sends one request with the
-  same system prompt first: the steady state of a server that has seen the prompt before.
-* **Parallel sampling and beam search.** A batch of prompts with an Alpaca-like (or ShareGPT-like)
-  length mix, each decoded as ``n`` samples or ``beam_width`` beams. The samples and beams of a
-  request fork one block table (copy-on-write); "without sharing" is what the same sequences
-  would hold if each had a private copy of every block in its table.
+  all submitted at once, through two engines that differ only in prefix caching, stepped in turn
+  on their own clocks; greedy outputs must be identical. The requests of the first step all
+  compute the prefix: a block is offered to other requests once a step has computed it (vLLM v1
+  offers it when scheduled). ``warm`` first sends one request with the same system prompt: the
+  steady state of a server that has seen the prompt.
+* **Parallel sampling and beam search.** A batch of prompts with an Alpaca-like (or
+  ShareGPT-like) length mix, each decoded as ``n`` samples or ``beam_width`` beams, which fork one
+  block table (copy-on-write); "without sharing" is what the same sequences would hold if each
+  had a private copy of every block in its table.
 
-KV use is what each step's statistics record (``StepStats``) says the forward pass held -- after
-the scheduler allocated the step's slots and copy-on-write blocks, before anything was freed or
-deduplicated: the memory the step really needs. Averages over time are per engine step (a
-forward pass counts once), so they are reproducible. The experiments' configurations are in
-:mod:`~pagedkv.bench.sharing_config`; tables, plots and the command line in ``sharing_report``,
-``sharing_plots`` and ``sharing_cli``.
+KV use is what each step's statistics record says the forward pass held -- after the scheduler
+allocated the step's slots and copy-on-write blocks, before anything was freed: the memory the
+step really needs. Averages over time are per engine step, so they are reproducible. Tables and
+plots: :mod:`pagedkv.bench.sharing_report`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from tqdm.auto import tqdm
+import numpy as np
 
-from pagedkv.bench.driver import EngineOptions, MeasuredEngine, mean, run_settings, step_in_turn
-from pagedkv.bench.sharing_config import FORK_KINDS, PAPER_SAVING, ForkConfig, PrefixConfig
+from pagedkv.bench.driver import (
+    FIRST_TOKEN_ID,
+    EngineOptions,
+    MeasuredEngine,
+    mean,
+    progress,
+    run_settings,
+    step_in_turn,
+)
+from pagedkv.bench.options import check_options, option
 from pagedkv.engine import BeamSearchParams, SamplingParams
 from pagedkv.memory import blocks_for
+from pagedkv.sim.workloads import Workload
+
+PARTS = ("all", "prefix", "fork")
+MIXES = ("alpaca", "sharegpt")
+FORK_KINDS = ("parallel", "beam")
+PREFIX, FORK = "shared system prompt", "parallel sampling and beam search"
+#: Means of the PagedAttention paper's Alpaca trace (its Fig. 11). Log-normal spreads are our choice.
+ALPACA_PROMPT_MEAN, ALPACA_OUTPUT_MEAN, ALPACA_SIGMA = 19.3, 58.5, 0.5
+#: Memory saved by sharing in the paper (Fig. 15 and Sec. 6.3), OPT-13B, widths 2, 4 and 6.
+PAPER_SAVING = {
+    "alpaca": {"parallel": (0.061, 0.098), "beam": (0.376, 0.552)},
+    "sharegpt": {"parallel": (0.162, 0.305), "beam": (0.443, 0.663)},
+}
+
+
+@dataclass(frozen=True)
+class SharingConfig:
+    """The experiments of ``part``. Shared prompt: for each prefix length ``S`` and request count
+    ``N``, ``N`` requests of ``S`` common + ``user_len`` unique prompt tokens, ``output_len``
+    greedy tokens each. Forks: ``num_prompts`` prompts of the ``mix``, each decoded with every
+    width as ``n`` samples and as that many beams. Lengths are divided by the engine's ``scale``."""
+
+    part: str = option("all", "experiments to run", choices=PARTS)
+    prefix_lens: tuple[int, ...] = option((256, 1024), "common prefix lengths S", positive=True, group=PREFIX)
+    num_requests: tuple[int, ...] = option((1, 4, 16, 64), "request counts N", positive=True, group=PREFIX)
+    user_len: int = option(32, "unique prompt tokens per request", positive=True, group=PREFIX)
+    output_len: int = option(16, "greedy output tokens", positive=True, group=PREFIX)
+    warm: bool = option(False, "send one request with the system prompt first (steady state)", group=PREFIX)
+    mix: str = option("alpaca", "prompt/output length mix", choices=MIXES, group=FORK)
+    num_prompts: int = option(16, "prompts in the batch", positive=True, group=FORK)
+    widths: tuple[int, ...] = option((2, 4, 6), "samples n and beam widths", positive=True, group=FORK)
+    seed: int = option(0, "random seed")
+    max_model_len: int = 2048
+    engine: EngineOptions = field(default_factory=EngineOptions)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        scale = self.engine.scale
+        if self.part != "fork" and any(s % scale for s in self.prefix_lens):
+            raise ValueError(f"scale {scale} must divide every prefix length, got {self.prefix_lens}")
+
+    def prefix_lengths(self, prefix_len: int) -> tuple[int, int, int]:
+        """(prefix, user part, output) lengths of a run at the engine's scale."""
+        scale = self.engine.scale
+        return prefix_len // scale, max(1, self.user_len // scale), max(1, self.output_len // scale)
+
+    def prefix_prompts(self, prefix_len: int, user_len: int, count: int, vocab_size: int) -> list[list[int]]:
+        """``count`` prompts: one common prefix, then unique user parts (seeded per prefix length)."""
+        rng = np.random.default_rng([self.seed, prefix_len])
+        prefix = rng.integers(FIRST_TOKEN_ID, vocab_size, prefix_len).tolist()
+        return [
+            prefix + user for user in rng.integers(FIRST_TOKEN_ID, vocab_size, (count, user_len)).tolist()
+        ]
+
+    def fork_lengths(self) -> list[tuple[int, int]]:
+        """(prompt, output) length per prompt at the engine's scale: ``alpaca`` log-normal with the
+        paper's means, ``sharegpt`` the simulator's ShareGPT mix."""
+        rng = np.random.default_rng([self.seed, 7])
+        if self.mix == "alpaca":
+            pairs = [
+                np.rint(
+                    rng.lognormal(np.log(m) - ALPACA_SIGMA**2 / 2, ALPACA_SIGMA, self.num_prompts)
+                ).astype(int)
+                for m in (ALPACA_PROMPT_MEAN, ALPACA_OUTPUT_MEAN)
+            ]
+            pairs = list(zip(*pairs, strict=True))
+        else:
+            pairs = [
+                (r.prompt_len, r.output_len)
+                for r in Workload("sharegpt", self.max_model_len).sample(rng, self.num_prompts)
+            ]
+        scale, limit = self.engine.scale, self.max_model_len // self.engine.scale
+        lengths = []
+        for p, o in pairs:
+            p = min(max(1, int(p) // scale), limit - 1)
+            lengths.append((p, min(max(1, int(o) // scale), limit - p)))
+        return lengths
+
+    def fork_requests(self, vocab_size: int) -> list[tuple[list[int], int]]:
+        """(prompt token ids, output length) per prompt; token ids seeded apart from lengths."""
+        rng = np.random.default_rng([self.seed, 8])
+        return [(rng.integers(FIRST_TOKEN_ID, vocab_size, p).tolist(), o) for p, o in self.fork_lengths()]
 
 
 @dataclass(frozen=True)
@@ -62,7 +145,6 @@ def kv_samples(measured: MeasuredEngine, first_step: int = 0) -> list[KVSample]:
 class PrefixRun:
     """One engine's figures for the measured requests (a warm-up request excluded)."""
 
-    caching: bool
     samples: list[KVSample]
     prompt_tokens: int
     prefix_hit_tokens: int
@@ -93,13 +175,9 @@ class PrefixRun:
     def ttft_mean(self) -> float:
         return mean(self.ttft)
 
-    def figures(self) -> dict[str, float | int]:
-        return {
-            "peak_blocks": self.peak_blocks,
-            "mean_blocks": self.mean_blocks,
-            "prompt_tokens": self.prompt_tokens,
-            "prefill_computed": self.prefill_computed,
-            "prefill_skipped": self.prefill_skipped,
+    def to_json(self) -> dict:
+        figures = ("peak_blocks", "mean_blocks", "prompt_tokens", "prefill_computed", "prefill_skipped")
+        return {name: getattr(self, name) for name in figures} | {
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "ttft_mean_s": self.ttft_mean,
             "steps": len(self.samples),
@@ -136,80 +214,64 @@ class PrefixPoint:
         return sum(cached < shared for cached in self.on.cached_tokens)
 
     def to_json(self) -> dict:
-        return {
-            "prefix_len": self.prefix_len,
-            "num_requests": self.num_requests,
-            "user_len": self.user_len,
-            "output_len": self.output_len,
+        sizes = {
+            name: getattr(self, name) for name in ("prefix_len", "num_requests", "user_len", "output_len")
+        }
+        return sizes | {
             "outputs_identical": self.outputs_identical,
             "cold_requests": self.cold_requests,
             "peak_blocks_saved": self.blocks_saved,
-            "caching_on": self.on.figures(),
-            "caching_off": self.off.figures(),
+            "caching_on": self.on.to_json(),
+            "caching_off": self.off.to_json(),
         }
 
 
 def _prefix_run(
-    driver: MeasuredEngine, ids: list[str], prompt_tokens: int, first_step: int, hits_before: int
+    measured: MeasuredEngine, ids: list[str], prompt_tokens: int, first_step: int, hits: int
 ) -> PrefixRun:
-    engine = driver.engine
-    stats = engine.stats()
+    stats = measured.engine.stats()
     return PrefixRun(
-        caching=engine.config.enable_prefix_caching,
-        samples=kv_samples(driver, first_step),
+        samples=kv_samples(measured, first_step),
         prompt_tokens=prompt_tokens,
-        prefix_hit_tokens=stats.prefix_cache_hits - hits_before,
-        ttft=driver.ttft(ids),
-        outputs={r: driver.outputs[r] for r in ids},
-        cached_tokens=[driver.cached_tokens[r] for r in ids],
+        prefix_hit_tokens=stats.prefix_cache_hits - hits,
+        ttft=measured.ttft(ids),
+        outputs={r: measured.outputs[r] for r in ids},
+        cached_tokens=[measured.cached_tokens[r] for r in ids],
         preemptions=stats.preemptions,
         blocks_used_after=stats.kv.used_blocks,
     )
 
 
-def run_prefix_point(
-    config: PrefixConfig, options: EngineOptions, prefix_len: int, num_requests: int
-) -> PrefixPoint:
+def run_prefix_point(config: SharingConfig, prefix_len: int, num_requests: int) -> PrefixPoint:
     """``num_requests`` requests sharing a ``prefix_len``-token prefix, caching on vs off."""
-    s, user, out = config.lengths(prefix_len, options.scale)
-    bs = options.run_block_size
+    s, user, out = config.prefix_lengths(prefix_len)
     warm = int(config.warm)
     # Room for every request (and the warm-up) with nothing shared: no preemption either way.
+    bs = config.engine.run_block_size
     num_kv_blocks = (num_requests + warm) * blocks_for(s + user + out, bs)
-    drivers = [
+    engines = [
         MeasuredEngine.start(
-            options.engine_config(num_kv_blocks, s + user + out, num_requests + warm, caching)
+            config.engine.engine_config(num_kv_blocks, s + user + out, num_requests + warm, caching)
         )
         for caching in (True, False)
     ]
-    vocab = drivers[0].engine.model_config.vocab_size
-    prompts = config.prompts(s, user, num_requests + warm, vocab)
+    prompts = config.prefix_prompts(s, user, num_requests + warm, engines[0].engine.model_config.vocab_size)
     params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
     marks = []
-    for driver in drivers:
+    for measured in engines:
         if warm:
-            driver.submit("warm-up", prompts[-1], params)
-            driver.drain()
-        marks.append((len(driver.steps), driver.engine.stats().prefix_cache_hits))
+            measured.submit("warm-up", prompts[-1], params)
+            measured.drain()
+        marks.append((len(measured.steps), measured.engine.stats().prefix_cache_hits))
     ids = [f"req-{i}" for i in range(num_requests)]
-    for driver in drivers:
-        for request_id, prompt in zip(ids, prompts[:num_requests], strict=True):
-            driver.submit(request_id, prompt, params)
-    for _ in step_in_turn(drivers):
-        pass
-    runs = [
-        _prefix_run(driver, ids, num_requests * (s + user), *mark)
-        for driver, mark in zip(drivers, marks, strict=True)
-    ]
-    return PrefixPoint(s, num_requests, user, out, bs, on=runs[0], off=runs[1])
-
-
-def run_prefix(config: PrefixConfig, options: EngineOptions, progress: bool = False) -> list[PrefixPoint]:
-    grid = [(s, n) for s in config.prefix_lens for n in config.num_requests]
-    return [
-        run_prefix_point(config, options, s, n)
-        for s, n in tqdm(grid, desc="shared prefix", unit="point", disable=not progress)
-    ]
+    for measured in engines:
+        for request_id, prompt in zip(ids, prompts, strict=False):
+            measured.submit(request_id, prompt, params)
+    step_in_turn(engines)
+    on, off = (
+        _prefix_run(m, ids, num_requests * (s + user), *mark) for m, mark in zip(engines, marks, strict=True)
+    )
+    return PrefixPoint(s, num_requests, user, out, bs, on=on, off=off)
 
 
 # -- parallel sampling and beam search -----------------------------------------------------------
@@ -226,70 +288,61 @@ class ForkRun:
     @property
     def saving(self) -> float:
         """Time-averaged: 1 - block-steps held / block-steps without sharing."""
-        held = sum(s.used_blocks for s in self.samples)
         unshared = sum(s.table_blocks for s in self.samples)
-        return 1 - held / unshared if unshared else math.nan
+        return 1 - sum(s.used_blocks for s in self.samples) / unshared if unshared else math.nan
+
+    @property
+    def peak_blocks(self) -> int:
+        return max((s.used_blocks for s in self.samples), default=0)
+
+    @property
+    def peak_blocks_without_sharing(self) -> int:
+        return max((s.table_blocks for s in self.samples), default=0)
 
     @property
     def peak_saving(self) -> float:
         """1 - peak blocks held / peak blocks without sharing."""
-        peak = max((s.table_blocks for s in self.samples), default=0)
-        return 1 - max(s.used_blocks for s in self.samples) / peak if peak else math.nan
+        private = self.peak_blocks_without_sharing
+        return 1 - self.peak_blocks / private if private else math.nan
 
-    def figures(self) -> dict[str, float | int]:
-        return {
-            "saving": self.saving,
-            "peak_saving": self.peak_saving,
-            "peak_blocks": max((s.used_blocks for s in self.samples), default=0),
-            "peak_blocks_without_sharing": max((s.table_blocks for s in self.samples), default=0),
+    def to_json(self) -> dict:
+        names = ("kind", "width", "saving", "peak_saving", "peak_blocks", "peak_blocks_without_sharing")
+        figures = {name: getattr(self, name) for name in names}
+        return figures | {
             "steps": len(self.samples),
             "preemptions": self.preemptions,
             "blocks_used_after": self.blocks_used_after,
         }
 
 
-def run_fork(config: ForkConfig, options: EngineOptions, kind: str, width: int) -> ForkRun:
+def run_fork(config: SharingConfig, kind: str, width: int) -> ForkRun:
     """Every prompt of the mix decoded as ``width`` samples or beams, all submitted at once."""
-    if kind not in FORK_KINDS:
-        raise ValueError(f"kind must be one of {FORK_KINDS}, got {kind!r}")
-    bs = options.run_block_size
-    lengths = config.lengths(options.scale)
+    lengths = config.fork_lengths()
     # Every sequence with a private copy of its whole table fits: no preemption.
-    num_kv_blocks = sum(width * blocks_for(p + o, bs) for p, o in lengths) + width
+    num_kv_blocks = sum(width * blocks_for(p + o, config.engine.run_block_size) for p, o in lengths) + width
     max_len = max(p + o for p, o in lengths)
-    driver = MeasuredEngine.start(options.engine_config(num_kv_blocks, max_len, width * len(lengths), False))
-    requests = config.requests(driver.engine.model_config.vocab_size, options.scale)
-    for i, (prompt, output_len) in enumerate(requests):
+    measured = MeasuredEngine.start(
+        config.engine.engine_config(num_kv_blocks, max_len, width * len(lengths), False)
+    )
+    for i, (prompt, output_len) in enumerate(config.fork_requests(measured.engine.model_config.vocab_size)):
         if kind == "parallel":
             params = SamplingParams(
                 n=width, max_tokens=output_len, temperature=1.0, seed=config.seed + i, ignore_eos=True
             )
         else:
             params = BeamSearchParams(beam_width=width, max_tokens=output_len, ignore_eos=True)
-        driver.submit(f"{kind}-{i}", prompt, params)
-    driver.drain()
-    stats = driver.engine.stats()
-    return ForkRun(kind, width, kv_samples(driver), stats.preemptions, stats.kv.used_blocks)
-
-
-def run_forks(config: ForkConfig, options: EngineOptions, progress: bool = False) -> list[ForkRun]:
-    grid = [(kind, w) for kind in FORK_KINDS for w in config.widths]
-    return [
-        run_fork(config, options, kind, w)
-        for kind, w in tqdm(grid, desc="samples and beams", unit="run", disable=not progress)
-    ]
+        measured.submit(f"{kind}-{i}", prompt, params)
+    measured.drain()
+    stats = measured.engine.stats()
+    return ForkRun(kind, width, kv_samples(measured), stats.preemptions, stats.kv.used_blocks)
 
 
 # -- the whole benchmark -------------------------------------------------------------------------
 @dataclass
 class SharingResult:
-    options: EngineOptions
-    prefix_config: PrefixConfig | None
-    fork_config: ForkConfig | None
+    config: SharingConfig
     prefix: list[PrefixPoint] = field(default_factory=list)
     forks: list[ForkRun] = field(default_factory=list)
-    wall_s: float = 0.0
-    plots: list[Path] = field(default_factory=list)
 
     def fork(self, kind: str, width: int) -> ForkRun:
         return next(r for r in self.forks if r.kind == kind and r.width == width)
@@ -309,40 +362,39 @@ class SharingResult:
 
     def to_json(self) -> dict:
         return {
-            "options": asdict(self.options),
-            "prefix_config": asdict(self.prefix_config) if self.prefix_config else None,
-            "fork_config": asdict(self.fork_config) if self.fork_config else None,
+            "config": asdict(self.config),
             "shared_prefix": [p.to_json() for p in self.prefix],
-            "forks": [{"kind": r.kind, "width": r.width, **r.figures()} for r in self.forks],
+            "forks": [r.to_json() for r in self.forks],
             "paper_saving": PAPER_SAVING,
             "outputs_identical": self.outputs_identical,
             "blocks_returned": self.blocks_returned,
-            "wall_s": self.wall_s,
-            "plots": [str(p) for p in self.plots],
         }
 
 
-def run_sharing(
-    options: EngineOptions,
-    prefix_config: PrefixConfig | None,
-    fork_config: ForkConfig | None,
-    progress: bool = False,
-) -> SharingResult:
-    """Run the experiments that are given (None skips one)."""
-    start = time.perf_counter()
-    result = SharingResult(options, prefix_config, fork_config)
-    with run_settings(options.threads):
-        if prefix_config is not None:
-            result.prefix = run_prefix(prefix_config, options, progress)
-        if fork_config is not None:
-            result.forks = run_forks(fork_config, options, progress)
-    result.wall_s = time.perf_counter() - start
+def run_sharing(config: SharingConfig) -> SharingResult:
+    """Run the experiments of ``config.part``."""
+    result = SharingResult(config)
+    points = itertools.product(config.prefix_lens, config.num_requests)
+    forks = itertools.product(FORK_KINDS, config.widths)
+    with run_settings(config.engine.threads):
+        for s, n in points if config.part in ("all", "prefix") else ():
+            progress(f"sharing: {n} requests sharing a {s}-token prefix, caching on and off")
+            result.prefix.append(run_prefix_point(config, s, n))
+        for kind, width in forks if config.part in ("all", "fork") else ():
+            progress(f"sharing: {config.num_prompts} prompts as {width} {kind} sequences each")
+            result.forks.append(run_fork(config, kind, width))
     return result
 
 
-def parallel_saving_once_done(lengths: list[tuple[int, int]], block_size: int, width: int) -> float:
-    """The saving of ``width`` parallel samples once every token is generated: they share exactly
-    their prompt's full blocks (the partial last one is copied on the first write)."""
-    shared = sum((width - 1) * (p // block_size) for p, _ in lengths)
-    private = sum(width * blocks_for(p + o, block_size) for p, o in lengths)
-    return shared / private
+def demo_config(seed: int = 0) -> SharingConfig:
+    """The ``pagedkv demo`` section: 4 and 16 requests sharing a 256-token system prompt after a
+    warm-up request, and eight Alpaca-like prompts as four samples and four beams."""
+    return SharingConfig(
+        prefix_lens=(256,),
+        num_requests=(4, 16),
+        output_len=8,
+        warm=True,
+        num_prompts=8,
+        widths=(4,),
+        seed=seed,
+    )

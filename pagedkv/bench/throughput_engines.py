@@ -1,4 +1,4 @@
-"""The engines ``pagedkv bench throughput`` compares, behind one small interface.
+"""The engines ``pagedkv bench throughput`` compares, behind one small interface, and the run.
 
 Each engine is loaded once per dtype, warmed up, then asked to ``run`` workloads: every prompt
 generated greedily to its own ``max_tokens`` with EOS ignored. ``run`` returns the wall time from
@@ -12,20 +12,23 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
-import torch
-
-from pagedkv.bench.throughput_config import ENGINE_TITLES
-from pagedkv.bench.throughput_workloads import Workload
+from pagedkv.bench.bench_model import bench_model_path
+from pagedkv.bench.driver import progress, run_settings
+from pagedkv.bench.host import host_state
+from pagedkv.bench.throughput import ENGINE_TITLES, ThroughputConfig, Workload, build_workloads
+from pagedkv.bench.throughput_gemm import measure_gemm, roofline_seconds
+from pagedkv.bench.throughput_report import EngineStatus, ThroughputResult
 from pagedkv.memory import blocks_for
 
 RIVALS_DIR = Path(__file__).parent / "rivals"
 WORKER_SCRIPTS = {"vllm": RIVALS_DIR / "vllm_worker.py", "llamacpp": RIVALS_DIR / "llamacpp_worker.py"}
+#: What every engine in this process runs once before it is timed.
+WARM_UP = Workload("warm-up", ((5, 6, 7, 8, 9, 10, 11, 12),) * 2, (4, 4))
 
 
 class EngineUnavailable(RuntimeError):
@@ -59,6 +62,8 @@ class PagedkvEngine:
     without a tokenizer (``skip_tokenizer_init``): ids in, ids out, as vLLM's worker runs."""
 
     def __init__(self, spec: LoadSpec, block_size: int = 16) -> None:
+        import torch
+
         from pagedkv import LLM
 
         blocks = blocks_for(spec.max_tokens_in_flight, block_size) + spec.max_requests + 16
@@ -77,7 +82,7 @@ class PagedkvEngine:
             "torch_threads": torch.get_num_threads(),
             "runtime": self.llm.engine.describe(),  # dtype and the linear/attention kernels
         }
-        self.run(Workload("warm-up", ((5, 6, 7, 8, 9, 10, 11, 12),) * 2, (4, 4)))
+        self.run(WARM_UP)
 
     def run(self, workload: Workload) -> tuple[float, list[list[int]]]:
         from pagedkv import SamplingParams
@@ -97,6 +102,8 @@ class TransformersEngine:
     each row is cut to its own ``max_tokens``, which is all the work that counts."""
 
     def __init__(self, spec: LoadSpec) -> None:
+        import torch
+
         try:
             import transformers
         except ImportError as err:
@@ -107,9 +114,11 @@ class TransformersEngine:
         model.generation_config.pad_token_id = 0
         self.model = model.eval()
         self.info = {"engine": "transformers", "version": transformers.__version__}
-        self.run(Workload("warm-up", ((5, 6, 7, 8, 9, 10, 11, 12),) * 2, (4, 4)))
+        self.run(WARM_UP)
 
     def run(self, workload: Workload) -> tuple[float, list[list[int]]]:
+        import torch
+
         width = max(len(p) for p in workload.prompts)
         ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in workload.prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in workload.prompts])
@@ -145,17 +154,8 @@ class RivalEngine:
             text=True,
             env=env,
         )
-        command = {
-            "cmd": "load",
-            "model": str(spec.model),
-            "dtype": spec.dtype,
-            "threads": spec.threads,
-            "max_requests": spec.max_requests,
-            "max_tokens_in_flight": spec.max_tokens_in_flight,
-            "max_total_len": spec.max_total_len,
-        } | extra
         try:
-            reply = self._ask(command)
+            reply = self._ask({"cmd": "load"} | asdict(spec) | {"model": str(spec.model)} | extra)
         except EngineUnavailable:
             self.close()
             raise
@@ -212,5 +212,87 @@ def start_engine(name: str, spec: LoadSpec, rivals: dict[str, dict], log_dir: Pa
         flag = "--vllm-python" if name == "vllm" else "--llamacpp-python"
         raise EngineUnavailable(f"no {flag} given")
     log = log_dir / f"{name}-{spec.dtype}.log"
-    print(f"  starting {ENGINE_TITLES[name]} ({python}); its log: {log}", file=sys.stderr, flush=True)
+    progress(f"  starting {ENGINE_TITLES[name]} ({python}); its log: {log}")
     return RivalEngine(name, python, spec, log, rival.get("load", {}))
+
+
+# -- the run -------------------------------------------------------------------------------------
+def run_throughput(config: ThroughputConfig) -> ThroughputResult:
+    """Run everything the config asks for, on ``config.threads`` torch threads."""
+    import torch
+
+    model_path = Path(config.model) if config.model else bench_model_path(config.out / "models")
+    model_config = json.loads((model_path / "config.json").read_text(encoding="utf-8"))
+    workloads = build_workloads(config.workloads, config.shape, model_config["vocab_size"])
+    result = ThroughputResult(config, model_path, model_config, workloads)
+    with run_settings(config.threads):
+        result.host = host_state("start") | {"torch": torch.__version__}
+        for dtype in config.dtypes:
+            _run_dtype(result, dtype)
+            if config.gemm:
+                progress(f"[{dtype}] timing GEMMs at the model's shapes")
+                rates = measure_gemm(model_config, getattr(torch, dtype), workloads, config.prefill_chunk)
+                result.gemm[dtype] = rates.timings
+                for w in workloads:
+                    result.roofline_s[(dtype, w.name)] = roofline_seconds(
+                        model_config, w, rates, config.prefill_chunk
+                    )
+        result.host |= host_state("end")
+    failed = [s for by in result.status.values() for s in by.values() if s.state == "failed"]
+    if failed:
+        progress(f"{len(failed)} engine run(s) failed; see above")
+    return result
+
+
+def _run_dtype(result, dtype: str) -> None:
+    """Load every engine in ``dtype``, then let them take turns on every workload, repeat by repeat."""
+    config, workloads = result.config, result.workloads
+    spec = LoadSpec(
+        model=result.model_path,
+        dtype=dtype,
+        threads=config.threads,
+        max_requests=max(w.num_requests for w in workloads),
+        max_tokens_in_flight=max(w.prompt_tokens + w.generated_tokens for w in workloads),
+        max_total_len=max(w.max_total_len for w in workloads),
+    )
+    status, engines = result.status.setdefault(dtype, {}), {}
+    for name in config.engines:
+        progress(f"[{dtype}] loading {ENGINE_TITLES[name]}")
+        try:
+            engines[name] = start_engine(
+                name, spec, _rival_options(config, result.model_path, dtype), config.out / "logs"
+            )
+            status[name] = EngineStatus("ok", info=engines[name].info)
+        except EngineUnavailable as err:
+            status[name] = EngineStatus("not run", str(err))
+            progress(f"[{dtype}] {ENGINE_TITLES[name]}: not run: {err}")
+    try:
+        for rep in range(config.repeats):
+            for workload in workloads:
+                for name, engine in list(engines.items()):
+                    try:
+                        elapsed, token_ids = engine.run(workload)
+                    except EngineUnavailable as err:
+                        status[name] = EngineStatus("failed", f"{workload.name}: {err}", engine.info)
+                        progress(f"[{dtype}] {ENGINE_TITLES[name]} failed on {workload.name}: {err}")
+                        engines.pop(name).close()
+                        continue
+                    result.record(name, dtype, workload, elapsed, token_ids)
+                    rate = workload.generated_tokens / elapsed
+                    progress(
+                        f"[{dtype}] {rep + 1}/{config.repeats} {workload.name:>14s} "
+                        f"{ENGINE_TITLES[name]:>28s}: {rate:9,.1f} generated tok/s ({elapsed:.2f} s)"
+                    )
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def _rival_options(config: ThroughputConfig, model_path: Path, dtype: str) -> dict[str, dict]:
+    suffix = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+    gguf = (config.out / "models" / "gguf" / f"{model_path.name}-{suffix}.gguf").resolve()
+    load = {"gguf": str(gguf), "convert_script": config.llamacpp_convert, "kv_type": config.llamacpp_kv}
+    return {
+        "vllm": {"python": config.vllm_python},
+        "llamacpp": {"python": config.llamacpp_python, "load": load},
+    }

@@ -7,8 +7,8 @@ torch picks), oneDNN with the weight pre-packed once for the batch size
 does) and, in float32, pagedkv's tiled kernel (:mod:`pagedkv.models.tiled_gemm`) -- and take the
 fastest as what the hardware can do. Each shape is timed alone, its weight warm in cache; inside
 a step the weights come from DRAM, so the ceiling is a warm-cache one. A workload's *roofline* is
-then the time its linear layers need at those rates if nothing else ran (attention, sampling and Python are
-left out): generated tokens / that time is a ceiling no engine on these kernels can pass.
+then the time its linear layers need at those rates if nothing else ran (attention, sampling and
+Python are left out): generated tokens / that time is a ceiling no engine on these kernels can pass.
 
 Shapes follow the packed projections (q/k/v as one matrix, gate/up as one) every fast engine
 uses. Prefill runs in chunks of up to ``prefill_chunk`` tokens; decode step t runs the requests
@@ -23,12 +23,12 @@ import bisect
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+from pagedkv.bench.throughput import Workload
 
-from pagedkv.bench.throughput_workloads import Workload
-from pagedkv.models.tiled_gemm import runs_dtype, tiled_linear, to_tiles
+if TYPE_CHECKING:
+    import torch
 
 KERNELS = ("F.linear", "oneDNN packed", "pagedkv tiled")
 #: Decode batch sizes timed; other sizes are interpolated between neighbours.
@@ -52,6 +52,9 @@ class GemmTiming:
 
     def to_json(self) -> dict:
         return asdict(self) | {"gflops": self.gflops}
+
+    def cell(self) -> str:
+        return "n/a" if self.ms is None else f"{self.ms:.2f} ({self.gflops:,.0f})"
 
 
 def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
@@ -86,6 +89,11 @@ def _best_ms(call: Callable[[], object], budget_s: float = 0.1, min_calls: int =
 def time_gemm(
     dtype: torch.dtype, shape: str, m: int, k: int, n: int, kernel: str, budget_s: float = 0.1
 ) -> GemmTiming:
+    import torch
+    import torch.nn.functional as F
+
+    from pagedkv.models.tiled_gemm import runs_dtype, tiled_linear, to_tiles
+
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(dtype)
     w = (torch.randn(n, k, generator=gen) * 0.02).to(dtype)

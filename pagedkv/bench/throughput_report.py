@@ -1,70 +1,259 @@
-"""Tables of ``pagedkv bench throughput``: tokens/s, ratios, latency, agreement, GEMMs.
+"""The result of ``pagedkv bench throughput``, the figures derived from it, and its tables.
 
-The ``print_*`` functions lay out the rows :mod:`pagedkv.bench.throughput_result` derives (the
-same rows are the JSON) as rich tables narrow enough for an 80-column terminal.
+A :class:`ThroughputResult` holds what ran (each engine's state per dtype), every timed run and
+the GEMM rates; the ``*_rows`` functions derive plain dicts from it -- tokens/s and ratios,
+single-stream latency, agreement of the ids -- which are both its JSON and its tables (narrow
+enough for an 80-column terminal).
 """
 
 from __future__ import annotations
 
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
 from rich.console import Console
-from rich.table import Table
 
-from pagedkv.bench.throughput_config import ENGINE_TITLES
-from pagedkv.bench.throughput_gemm import KERNELS
-from pagedkv.bench.throughput_result import (
-    RIVALS,
-    ThroughputResult,
-    agreement_rows,
-    latency_rows,
-    throughput_rows,
-)
+from pagedkv.bench.driver import cell, table
+from pagedkv.bench.throughput import ENGINE_TITLES, ThroughputConfig, Workload
+from pagedkv.bench.throughput_gemm import KERNELS, GemmTiming
 
+#: The engines pagedkv's ratios are taken against.
+RIVALS = ("vllm", "llamacpp", "transformers")
 SHORT = {"pagedkv": "pagedkv", "vllm": "vLLM", "llamacpp": "llama.cpp", "transformers": "HF static"}
 DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16"}
 
 
-def _num(value: float | None, fmt: str = ",.0f") -> str:
-    return "-" if value is None else format(value, fmt)
+@dataclass
+class EngineStatus:
+    """Whether an engine ran in one dtype and, if not, why."""
+
+    state: str  # "ok", "not run" or "failed"
+    reason: str = ""
+    info: dict = field(default_factory=dict)
 
 
+@dataclass
+class Measurement:
+    engine: str
+    dtype: str
+    workload: str
+    generated_tokens: int
+    statistic: str = "median"
+    elapsed_s: list[float] = field(default_factory=list)
+    #: the ids of the first repetition (the ones compared across engines).
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def seconds(self) -> float:
+        """The run's figure: the median or the best (shortest) of the repetitions."""
+        return min(self.elapsed_s) if self.statistic == "best" else statistics.median(self.elapsed_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.seconds
+
+    def to_json(self) -> dict:
+        """Every field but the ids, with the figures derived from the repetitions."""
+        fields = {name: value for name, value in vars(self).items() if name != "token_ids"}
+        figures = {"median_s": statistics.median(self.elapsed_s), "best_s": min(self.elapsed_s)}
+        return fields | figures | {"tokens_per_s": self.tokens_per_s}
+
+
+@dataclass
+class ThroughputResult:
+    config: ThroughputConfig
+    model_path: Path
+    model_config: dict
+    workloads: list[Workload]
+    status: dict[str, dict[str, EngineStatus]] = field(default_factory=dict)  # dtype -> engine ->
+    runs: dict[tuple[str, str, str], Measurement] = field(default_factory=dict)  # (engine, dtype, wl)
+    gemm: dict[str, list[GemmTiming]] = field(default_factory=dict)  # dtype ->
+    roofline_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (dtype, workload) ->
+    #: the host's memory read rate and GEMM scaling at the start and the end (:mod:`~pagedkv.bench.host`)
+    host: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """Some engine ran and none failed."""
+        states = [s.state for by in self.status.values() for s in by.values()]
+        return "ok" in states and "failed" not in states
+
+    def record(self, engine: str, dtype: str, workload: Workload, elapsed: float, token_ids: list) -> None:
+        key = (engine, dtype, workload.name)
+        if key not in self.runs:  # the first repetition's ids are the ones compared
+            self.runs[key] = Measurement(
+                *key, workload.generated_tokens, self.config.statistic, [], token_ids
+            )
+        self.runs[key].elapsed_s.append(elapsed)
+
+    def measurement(self, engine: str, dtype: str, workload: str) -> Measurement | None:
+        return self.runs.get((engine, dtype, workload))
+
+    def workload(self, name: str) -> Workload:
+        return next(w for w in self.workloads if w.name == name)
+
+    def to_json(self) -> dict:
+        return {
+            "config": asdict(self.config),
+            "model": {"path": str(self.model_path), "config": self.model_config},
+            "workloads": [
+                {
+                    "name": w.name,
+                    "requests": w.num_requests,
+                    "prompt_tokens": w.prompt_tokens,
+                    "generated_tokens": w.generated_tokens,
+                }
+                for w in self.workloads
+            ],
+            "engines": {d: {e: asdict(s) for e, s in by.items()} for d, by in self.status.items()},
+            "runs": [m.to_json() for m in self.runs.values()],
+            "throughput": throughput_rows(self),
+            "latency": latency_rows(self),
+            "agreement": agreement_rows(self),
+            "gemm": {d: [t.to_json() for t in ts] for d, ts in self.gemm.items()},
+            "roofline": [
+                {
+                    "dtype": d,
+                    "workload": w,
+                    "seconds": s,
+                    "tokens_per_s": self.workload(w).generated_tokens / s,
+                }
+                for (d, w), s in self.roofline_s.items()
+            ],
+        }
+
+
+# -- figures derived from a result ---------------------------------------------------------------
+def _table_workloads(result: ThroughputResult) -> list[str]:
+    return [w.name for w in result.workloads if w.name != "single-prefill"]
+
+
+def throughput_rows(result: ThroughputResult) -> list[dict]:
+    """Per (workload, dtype): each engine's generated tokens/s, pagedkv's ratio to it, the roofline."""
+    rows = []
+    for workload in _table_workloads(result):
+        for dtype in result.config.dtypes:
+            rates = {}
+            for engine in result.config.engines:
+                run = result.measurement(engine, dtype, workload)
+                rates[engine] = run.tokens_per_s if run else None
+            ours = rates.get("pagedkv")
+            over = {e: ours / rates[e] if ours and rates.get(e) else None for e in RIVALS}
+            roof = result.roofline_s.get((dtype, workload))
+            roof_rate = result.workload(workload).generated_tokens / roof if roof else None
+            rows.append(
+                {
+                    "workload": workload,
+                    "dtype": dtype,
+                    "tokens_per_s": rates,
+                    "pagedkv_over": over,
+                    "roofline_tokens_per_s": roof_rate,
+                    "pagedkv_of_roofline": ours / roof_rate if ours and roof else None,
+                }
+            )
+    return rows
+
+
+def latency_rows(result: ThroughputResult) -> list[dict]:
+    """Single stream: time to first token (the 1-token twin), and decode ms per token from the
+    difference between the full run and that twin, so prefill is not counted in it."""
+    if "single" not in _table_workloads(result):
+        return []
+    rows, steps = [], result.workload("single").generated_tokens - 1
+    for dtype in result.config.dtypes:
+        for engine in result.config.engines:
+            full = result.measurement(engine, dtype, "single")
+            first = result.measurement(engine, dtype, "single-prefill")
+            if full is None or first is None:
+                continue
+            # None when noise made the one-token run the slower: no figure beats a wrong one
+            slower = steps and full.seconds > first.seconds
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "engine": engine,
+                    "first_token_ms": first.seconds * 1e3,
+                    "decode_ms_per_token": (full.seconds - first.seconds) / steps * 1e3 if slower else None,
+                    "end_to_end_ms_per_token": full.seconds / full.generated_tokens * 1e3,
+                }
+            )
+    return rows
+
+
+def _agreement(tokens: list[list[int]], reference: list[list[int]]) -> tuple[int, float]:
+    """(requests with identical ids, share of tokens generated before the first difference)."""
+    same = sum(a == b for a, b in zip(tokens, reference, strict=True))
+    agreed = 0
+    for a, b in zip(tokens, reference, strict=True):
+        agreed += next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    total = sum(len(b) for b in reference)
+    return same, agreed / total if total else 1.0
+
+
+def agreement_rows(result: ThroughputResult) -> list[dict]:
+    """Each engine's greedy ids against transformers' in the same dtype (pagedkv's when
+    transformers did not run). In float32 they should be equal; in bfloat16 rounding differs
+    between kernels, so ids part ways after a while and the share before that is what is shown."""
+    rows = []
+    for workload in _table_workloads(result):
+        for dtype in result.config.dtypes:
+            runs = {e: result.measurement(e, dtype, workload) for e in result.config.engines}
+            reference = next((e for e in ("transformers", "pagedkv") if runs.get(e)), None)
+            for engine, run in runs.items():
+                if reference is None or engine == reference or run is None:
+                    continue
+                same, share = _agreement(run.token_ids, runs[reference].token_ids)
+                rows.append(
+                    {
+                        "workload": workload,
+                        "dtype": dtype,
+                        "engine": engine,
+                        "reference": reference,
+                        "identical_requests": same,
+                        "requests": len(run.token_ids),
+                        "tokens_before_first_difference": share,
+                    }
+                )
+    return rows
+
+
+# -- tables --------------------------------------------------------------------------------------
 def print_throughput(result: ThroughputResult, console: Console) -> None:
-    engines = result.config.engines
-    reps = result.config.repeats
-    shape, stat = result.config.shape, result.config.statistic
+    config, engines = result.config, result.config.engines
+    uniform = f"{config.num_requests} x ({config.prompt_len} + {config.max_tokens})"
     console.print(
-        f"[bold]Generated tokens/s[/] ({stat} of {reps}; greedy, ignore_eos, {result.config.threads} "
-        f"threads; uniform = {shape.num_requests} x ({shape.prompt_len} + {shape.max_tokens}))"
+        f"[bold]Generated tokens/s[/] ({config.statistic} of {config.repeats}; greedy, ignore_eos, "
+        f"{config.threads} threads; uniform = {uniform})"
     )
     rows = throughput_rows(result)
-    table = Table(show_edge=False)
-    for title in ("workload", "dtype", *(SHORT[e] for e in engines), "roofline"):
-        table.add_column(title, justify="left" if title in ("workload", "dtype") else "right")
-    for row in rows:
-        cells = [_cell(result, e, row["dtype"], row["tokens_per_s"][e]) for e in engines]
-        table.add_row(row["workload"], DTYPE_LABELS[row["dtype"]], *cells, _num(row["roofline_tokens_per_s"]))
-    console.print(table)
+    rates = table(
+        None, ("workload", "dtype", *(SHORT[e] for e in engines), "roofline"), left=2, show_edge=False
+    )
     rivals = [e for e in RIVALS if e in engines]
-    table = Table(title="pagedkv / engine (tokens/s ratio)", show_edge=False)
-    for title in ("workload", "dtype", *(f"/ {SHORT[e]}" for e in rivals), "% of roofline"):
-        table.add_column(title, justify="left" if title in ("workload", "dtype") else "right")
+    ratios = table(
+        "pagedkv / engine (tokens/s ratio)",
+        ("workload", "dtype", *(f"/ {SHORT[e]}" for e in rivals), "% of roofline"),
+        left=2,
+        show_edge=False,
+    )
     for row in rows:
-        ratios = [_num(row["pagedkv_over"][e], ".2f") for e in rivals]
+        name, dtype = row["workload"], DTYPE_LABELS[row["dtype"]]
+        states = [result.status.get(row["dtype"], {}).get(e) for e in engines]
+        cells = [
+            cell(row["tokens_per_s"][e]) if row["tokens_per_s"][e] or not s else s.state
+            for e, s in zip(engines, states, strict=True)
+        ]
+        rates.add_row(name, dtype, *cells, cell(row["roofline_tokens_per_s"]))
         share = row["pagedkv_of_roofline"]
-        table.add_row(
-            row["workload"], DTYPE_LABELS[row["dtype"]], *ratios, _num(share * 100 if share else None, ".0f")
+        ratios.add_row(
+            name,
+            dtype,
+            *(cell(row["pagedkv_over"][e], ".2f") for e in rivals),
+            cell(share and share * 100, ".0f"),
         )
-    console.print(table)
-    _print_reasons(result, console)
-
-
-def _cell(result: ThroughputResult, engine: str, dtype: str, value: float | None) -> str:
-    if value is not None:
-        return _num(value)
-    status = result.status.get(dtype, {}).get(engine)
-    return status.state if status is not None else "-"
-
-
-def _print_reasons(result: ThroughputResult, console: Console) -> None:
+    console.print(rates)
+    console.print(ratios)
     for dtype, by_engine in result.status.items():
         for engine, status in by_engine.items():
             if status.state != "ok":
@@ -75,40 +264,35 @@ def print_latency(result: ThroughputResult, console: Console) -> None:
     rows = latency_rows(result)
     if not rows:
         return
-    shape = result.workload("single")
-    table = Table(
-        title=f"One request, {shape.prompt_tokens} prompt + {shape.generated_tokens} new "
+    single = result.workload("single")
+    latency = table(
+        f"One request, {single.prompt_tokens} prompt + {single.generated_tokens} new "
         "(pagedkv / engine: decode speed ratio)",
+        ("dtype", "engine", "first token ms", "decode ms/token", "pagedkv / engine"),
+        left=2,
         show_edge=False,
     )
-    for title in ("dtype", "engine", "first token ms", "decode ms/token", "pagedkv / engine"):
-        table.add_column(title, justify="left" if title in ("dtype", "engine") else "right")
     ours = {r["dtype"]: r["decode_ms_per_token"] for r in rows if r["engine"] == "pagedkv"}
     for r in rows:
         mine, theirs = ours.get(r["dtype"]), r["decode_ms_per_token"]
         speed = theirs / mine if mine and theirs and r["engine"] != "pagedkv" else None
-        table.add_row(
-            DTYPE_LABELS[r["dtype"]],
-            SHORT[r["engine"]],
-            _num(r["first_token_ms"], ".1f"),
-            _num(theirs, ".2f"),
-            _num(speed, ".2f") + ("x" if speed else ""),
-        )
-    console.print(table)
+        cells = (cell(r["first_token_ms"], ".1f"), cell(theirs, ".2f"), cell(speed, ".2f", "x"))
+        latency.add_row(DTYPE_LABELS[r["dtype"]], SHORT[r["engine"]], *cells)
+    console.print(latency)
 
 
 def print_agreement(result: ThroughputResult, console: Console) -> None:
     rows = agreement_rows(result)
     if not rows:
         return
-    table = Table(
-        title="Greedy ids against the reference: same requests, share of ids before the first difference",
+    agreement = table(
+        "Greedy ids against the reference: same requests, share of ids before the first difference",
+        ("workload", "dtype", "engine", "vs", "same requests", "ids agree"),
+        left=4,
         show_edge=False,
     )
-    for title in ("workload", "dtype", "engine", "vs", "same requests", "ids agree"):
-        table.add_column(title, justify="right" if title in ("same requests", "ids agree") else "left")
     for r in rows:
-        table.add_row(
+        agreement.add_row(
             r["workload"],
             DTYPE_LABELS[r["dtype"]],
             SHORT[r["engine"]],
@@ -116,34 +300,27 @@ def print_agreement(result: ThroughputResult, console: Console) -> None:
             f"{r['identical_requests']}/{r['requests']}",
             f"{r['tokens_before_first_difference']:.1%}",
         )
-    console.print(table)
+    console.print(agreement)
 
 
 def print_gemm(result: ThroughputResult, console: Console) -> None:
     """The measured rates at batch 1, the largest decode batch and the prefill chunk (all sizes in --json)."""
     for dtype, timings in result.gemm.items():
-        sizes = sorted({t.m for t in timings if t.shape == "lm_head"} | {t.m for t in timings})
-        shown = {sizes[0], max(t.m for t in timings if t.shape == "lm_head"), sizes[-1]}
-        table = Table(
-            title=f"GEMM rate, {dtype}, {result.config.threads} threads: ms (GFLOP/s)", show_edge=False
+        sizes = sorted({t.m for t in timings})
+        shown = sorted({sizes[0], max(t.m for t in timings if t.shape == "lm_head"), sizes[-1]})
+        gemm = table(
+            f"GEMM rate, {dtype}, {result.config.threads} threads: ms (GFLOP/s)",
+            ("matrix", "M x K -> N", *KERNELS),
+            show_edge=False,
         )
-        for title in ("matrix", "M x K -> N", *KERNELS):
-            table.add_column(title, justify="left" if title == "matrix" else "right")
         for shape in dict.fromkeys(t.shape for t in timings):
-            for m in sorted(shown):
+            for m in shown:
                 by_kernel = {t.kernel: t for t in timings if t.shape == shape and t.m == m}
-                if not by_kernel:
-                    continue
-                any_t = next(iter(by_kernel.values()))
-                cells = [_gemm_cell(by_kernel.get(k)) for k in KERNELS]
-                table.add_row(shape, f"{m} x {any_t.k} -> {any_t.n}", *cells)
-        console.print(table)
-
-
-def _gemm_cell(timing) -> str:
-    if timing is None or timing.ms is None:
-        return "n/a"
-    return f"{timing.ms:.2f} ({timing.gflops:,.0f})"
+                if by_kernel:
+                    any_t = next(iter(by_kernel.values()))
+                    cells = [t.cell() if t else "n/a" for t in map(by_kernel.get, KERNELS)]
+                    gemm.add_row(shape, f"{m} x {any_t.k} -> {any_t.n}", *cells)
+        console.print(gemm)
 
 
 def print_result(result: ThroughputResult, console: Console) -> None:
@@ -152,25 +329,5 @@ def print_result(result: ThroughputResult, console: Console) -> None:
     print_agreement(result, console)
     print_gemm(result, console)
     console.print(
-        f"model: {result.model_path} | roofline: linear layers only, at the fastest kernel's warm-cache "
-        f"rate | wall time {result.wall_s:.0f} s"
+        f"model: {result.model_path} | roofline: linear layers only, at the fastest kernel's warm-cache rate"
     )
-    load = result.machine_load
-    if load.get("other_cpu_share") is not None:
-        console.print(
-            f"other work on this machine during the run: {load['other_cpu_share']:.0%} of its "
-            f"{load['cpus']} CPUs (1-min load average {load['loadavg_1min_start']:.1f} -> "
-            f"{load['loadavg_1min_end']:.1f})"
-        )
-    if load.get("memory_read_gbs_start") is not None:
-        console.print(
-            f"memory read rate, start -> end: {load['memory_read_gbs_start']:.1f} -> "
-            f"{load['memory_read_gbs_end']:.1f} GB/s (a 64 MiB tensor sum; other tenants of a shared "
-            "host show here, not above)"
-        )
-    if load.get("parallel_speedup_start") is not None:
-        console.print(
-            f"a small GEMM on {result.config.threads} threads against one, start -> end: "
-            f"{load['parallel_speedup_start']:.2f}x -> {load['parallel_speedup_end']:.2f}x (near 1x: "
-            "the other CPUs were not really there)"
-        )

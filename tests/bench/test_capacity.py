@@ -9,11 +9,16 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from pagedkv.bench.capacity import PolicyRun, StepSample, least_clocks
-from pagedkv.bench.capacity_cli import add_bench_capacity_parser, run_capacity_demo
-from pagedkv.bench.capacity_config import CapacityConfig
-from pagedkv.bench.capacity_prediction import length_biased_prediction
-from pagedkv.bench.driver import EngineOptions, MeasuredEngine
+from pagedkv.bench.capacity import (
+    CapacityConfig,
+    PolicyRun,
+    StepSample,
+    demo_config,
+    least_clocks,
+    length_biased_prediction,
+)
+from pagedkv.bench.commands import CAPACITY
+from pagedkv.bench.driver import EngineOptions, MeasuredEngine, add_bench, run_section
 from pagedkv.engine import SamplingParams
 from pagedkv.engine.kv_policy import KV_POLICIES, PAGED
 from pagedkv.sim.workloads import Workload
@@ -23,30 +28,29 @@ from pagedkv.sim.workloads import Workload
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("capacity")
     console = Console(record=True, width=160)
-    result = run_capacity_demo(console, out, seed=0)
-    return result, console.export_text(), out
+    result, plots = run_section(CAPACITY, demo_config(seed=0), console, out)
+    return result, console.export_text(), out, plots
 
 
 def test_paged_runs_far_more_requests_at_once(demo):
-    result, _, _ = demo
-    config, runs = result.config, result.runs
-    assert runs["contiguous"].peak_running == config.kv_tokens // config.max_model_len
-    assert runs["paged"].peak_running >= 2 * runs["contiguous"].peak_running
-    assert runs["paged"].mean_running_full >= 2 * runs["contiguous"].mean_running_full
-    assert (
-        runs["contiguous"].peak_running < runs["contiguous-oracle"].peak_running < runs["paged"].peak_running
-    )
+    result, _, _, _ = demo
+    config = result.config
+    paged, contiguous, oracle = (result.runs[p.name].figures for p in KV_POLICIES)
+    assert contiguous["peak_running"] == config.kv_tokens // config.max_model_len
+    assert paged["peak_running"] >= 2 * contiguous["peak_running"]
+    assert paged["mean_running_full"] >= 2 * contiguous["mean_running_full"]
+    assert contiguous["peak_running"] < oracle["peak_running"] < paged["peak_running"]
 
 
 def test_paged_keeps_decode_headroom_and_throws_no_work_away(demo):
     """Admission leaves room for the running requests' growth: under 5 % of the computed tokens
     are recomputed after preemption (counted, not timed), and paged still runs more requests at
     once than the contiguous oracle."""
-    result, text, _ = demo
+    result, text, _, _ = demo
     paged = result.runs["paged"]
     assert paged.computed_tokens >= sum(len(p) + m - 1 for p, m in result.config.requests(2048))
-    assert paged.recomputed_share < 0.05
-    assert paged.mean_running_full > result.runs["contiguous-oracle"].mean_running_full
+    assert paged.figures["recomputed_share"] < 0.05
+    assert paged.figures["mean_running_full"] > result.runs["contiguous-oracle"].figures["mean_running_full"]
     assert "paged recomputes < 5% of computed tokens" in text
 
 
@@ -58,31 +62,36 @@ def test_every_policy_runs_without_a_prefix_cache():
 
 
 def test_paged_keeps_its_blocks_full_and_contiguous_does_not(demo):
-    result, _, _ = demo
-    assert result.runs["paged"].utilization_full >= 0.95
-    assert result.runs["contiguous"].utilization_full < 0.5
+    result, _, _, _ = demo
+    assert result.runs["paged"].figures["utilization_full"] >= 0.95
+    assert result.runs["contiguous"].figures["utilization_full"] < 0.5
 
 
 def test_every_policy_serves_everything_and_returns_every_block(demo):
-    result, _, _ = demo
+    result, _, _, _ = demo
     requests = result.config.requests(2048)
     expected_tokens = sum(max_tokens for _, max_tokens in requests)
     for run in result.runs.values():
         assert run.blocks_returned, run.policy
         assert run.generated_tokens == expected_tokens
         assert len(run.ttft) == len(requests)
-        assert 0 < run.ttft_mean <= run.ttft_p99 <= run.wall_s
+        figures = run.figures
+        assert 0 < figures["ttft_mean_s"] <= figures["ttft_p99_s"] <= figures["wall_s"]
         assert (run.preemptions > 0) == (run.recomputed_tokens > 0)
 
 
 def test_report_and_plots(demo):
-    result, text, out = demo
+    result, text, out, plots = demo
     blocks = result.config.num_kv_blocks
     for needle in ("paged/contig.", "predicted vs live engine", f"{blocks}/{blocks}"):
         assert needle in text
     assert "NOT met" not in text.split("every block back")[-1].splitlines()[0]
-    assert sorted(p.name for p in out.iterdir()) == ["capacity_concurrency.png", "capacity_utilization.png"]
-    assert all(p.stat().st_size > 10_000 for p in result.plots)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "capacity.json",
+        "capacity_concurrency.png",
+        "capacity_utilization.png",
+    ]
+    assert all(p.stat().st_size > 10_000 for p in plots) and len(plots) == 2
     assert result.predicted["contiguous"] == result.config.kv_tokens // result.config.max_model_len
     assert result.predicted["paged"] > 2 * result.predicted["contiguous"]
     assert result.length_biased["contiguous"] == result.config.kv_tokens // result.config.max_model_len
@@ -106,16 +115,16 @@ def test_full_window_runs_from_memory_blocked_until_nothing_waits():
     ]
     run = _run(samples)
     assert run.full_window == samples[1:3]
-    assert run.mean_running_full == 4
-    assert run.utilization_full == pytest.approx((1.0 + 0.5) / 2)
-    assert run.peak_running == 5
+    assert run.figures["mean_running_full"] == 4
+    assert run.figures["utilization_full"] == pytest.approx((1.0 + 0.5) / 2)
+    assert run.figures["peak_running"] == 5
 
 
 def test_a_batch_that_never_fills_memory_has_no_full_window():
     run = _run([_sample(3, 2, False), _sample(5, 0, False)])
     assert run.full_window == []
-    assert math.isnan(run.mean_running_full)
-    assert run.mean_running == 4
+    assert math.isnan(run.figures["mean_running_full"])
+    assert run.figures["mean_running"] == 4
 
 
 def test_length_biased_prediction_weights_each_request_by_its_output():
@@ -152,7 +161,7 @@ def test_repeats_time_each_step_by_its_fastest_run_of_the_same_schedule():
 
 
 def test_every_engine_policy_runs_in_table_order(demo):
-    result, _, _ = demo
+    result, _, _, _ = demo
     assert list(result.runs) == [p.name for p in KV_POLICIES] == ["paged", "contiguous", "contiguous-oracle"]
 
 
@@ -184,7 +193,7 @@ def test_bad_configs_are_rejected(options, message):
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedkv bench")
-    add_bench_capacity_parser(parser.add_subparsers(dest="bench", required=True))
+    add_bench(parser.add_subparsers(dest="bench", required=True), CAPACITY)
     return parser
 
 

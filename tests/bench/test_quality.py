@@ -12,10 +12,15 @@ import json
 import pytest
 from rich.console import Console
 
-from pagedkv.bench.driver import EngineOptions
-from pagedkv.bench.quality import HeldOut, QualityResult, compare, quality_engine, run_dtype
-from pagedkv.bench.quality_config import QualityConfig
-from pagedkv.bench.quality_report import print_quality
+from pagedkv.bench.quality import (
+    HeldOut,
+    QualityConfig,
+    QualityResult,
+    compare,
+    print_quality,
+    quality_engine,
+    run_dtype,
+)
 from pagedkv.cli import main
 from pagedkv.engine.perplexity import perplexity
 
@@ -41,21 +46,20 @@ def test_the_command_prints_json_and_writes_it(tmp_path, capsys):
     assert 0 <= fp8["token_agreement"] <= 1 and fp8["identical_continuations"] <= 2
     assert document["ok"] == (fp8["perplexity_change_pct"] <= 1.0)
     assert document["heldout"]["scored_tokens"] > 100 and document["logits_rows_compared"] == 50
-    assert document["config"]["window"] == 48 and document["engine"]["max_num_batched_tokens"] == 64
+    assert document["config"]["window"] == 48 and document["config"]["engine"]["max_num_batched_tokens"] == 64
 
 
 def test_auto_against_itself_has_no_error_and_the_perplexity_of_the_engine():
-    options = EngineOptions()
     heldout = HeldOut.load(None, SMALL.max_heldout_chars)
-    first, second = (run_dtype(options, SMALL, "auto", heldout) for _ in range(2))
+    first, second = (run_dtype(SMALL, "auto", heldout) for _ in range(2))
     row = compare(second, first)
     assert row.perplexity_change_pct == 0.0 and row.token_agreement == 1.0
     assert row.identical_continuations == 2 and row.first_divergence_mean == SMALL.gen_tokens
     assert row.logits_max_abs_error == 0.0 and first.logits.shape[0] == SMALL.logits_rows
     assert [len(g) for g in first.generated] == [SMALL.gen_tokens] * 2
-    direct = perplexity(quality_engine(options, SMALL, "auto"), heldout.documents, SMALL.window)
+    direct = perplexity(quality_engine(SMALL, "auto"), heldout.documents, SMALL.window)
     assert first.perplexity == direct
-    result = QualityResult(SMALL, options, 1, heldout.chars, direct.num_tokens, direct.num_windows, 2, 100)
+    result = QualityResult(SMALL, 1, heldout.chars, direct.num_tokens, direct.num_windows, 2, 100)
     result.rows = [compare(first, first), row]
     console = Console(width=80, record=True)
     print_quality(result, console)

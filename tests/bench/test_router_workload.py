@@ -2,7 +2,9 @@
 
 from collections import Counter
 
-from pagedkv.bench.router import RouterRun, RouterWorkload, format_runs
+from rich.console import Console
+
+from pagedkv.bench.router import RouterConfig, RouterResult, RouterRun, RouterWorkload, print_router
 
 
 def test_every_user_of_every_system_prompt_once_in_a_seeded_shuffle():
@@ -25,5 +27,12 @@ def test_the_table_gives_each_setup_its_share_of_the_single_replica_hit_rate():
         RouterRun("single replica, 2x KV", 0.8, 0.05, 0.1, (256,), 7.0),
         RouterRun("2 replicas, round_robin", 0.4, 0.02, 0.05, (128, 128), 3.0),
     ]
-    table = format_runs(runs).splitlines()
-    assert "100%" in table[1] and "50%" in table[2] and "128/128" in table[2]
+    result = RouterResult(RouterConfig(), runs)
+    assert result.ok  # every setup served all 8 x 32 requests
+    console = Console(record=True, width=120)
+    print_router(result, console)
+    single, pair = (line for line in console.export_text().splitlines() if "replica" in line)
+    assert "100%" in single and "50%" in pair and "128/128" in pair
+    assert not RouterResult(
+        RouterConfig(), [*runs[:1], RouterRun("lost", 0.4, 0.02, 0.05, (128, 127), 3.0)]
+    ).ok

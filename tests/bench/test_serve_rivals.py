@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.bench.serve import BenchConfig, run_benchmark
-from pagedkv.bench.serve_cli import add_bench_serve_parser
-from pagedkv.bench.serve_rivals import (
+from pagedkv.bench.commands import SERVE
+from pagedkv.bench.driver import add_bench
+from pagedkv.bench.serve import ServeConfig, run_benchmark
+from pagedkv.bench.serve_servers import (
     ServedModel,
     comparison_rows,
     pagedkv_command,
@@ -39,7 +40,7 @@ def measured(tmp_path_factory) -> tuple:
     served = ServedModel(str(builtin_model_path()), "float32", max_num_seqs=8, threads=1, kv_cache_gib=1)
     port = free_port()
     log = tmp_path_factory.mktemp("logs") / "pagedkv-server.log"
-    config = BenchConfig(num_prompts=4, input_len=8, output_len=5, seed=2)
+    config = ServeConfig(num_prompts=4, input_len=8, output_len=5, seed=2)
     with running_server(pagedkv_command(served, port), {"OMP_NUM_THREADS": "1"}, port, log, "pagedkv") as url:
         assert _listening(port)
         run_benchmark(url, warm_up(config))
@@ -102,7 +103,7 @@ def test_both_servers_get_the_same_model_dtype_limits_and_threads():
 
 def test_vllm_mode_needs_a_model_folder(capsys):
     parser = argparse.ArgumentParser()
-    add_bench_serve_parser(parser.add_subparsers())
+    add_bench(parser.add_subparsers(), SERVE)
     args = parser.parse_args(["serve", "--vllm-python", "/venv/bin/python"])
     with pytest.raises(SystemExit) as exit_info:
         args.func(args)

@@ -7,6 +7,7 @@ saves blocks, beams more than parallel samples.
 """
 
 import argparse
+import dataclasses
 import io
 import json
 
@@ -14,12 +15,10 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from pagedkv.bench.driver import EngineOptions, MeasuredEngine
-from pagedkv.bench.sharing import parallel_saving_once_done, run_prefix_point, run_sharing
-from pagedkv.bench.sharing_cli import add_bench_sharing_parser
-from pagedkv.bench.sharing_config import ForkConfig, PrefixConfig
-from pagedkv.bench.sharing_plots import write_sharing_plots
-from pagedkv.bench.sharing_report import print_sharing
+from pagedkv.bench.commands import SHARING
+from pagedkv.bench.driver import EngineOptions, MeasuredEngine, add_bench
+from pagedkv.bench.sharing import SharingConfig, run_prefix_point, run_sharing
+from pagedkv.bench.sharing_report import parallel_saving_once_done, print_sharing, write_sharing_plots
 from pagedkv.engine import SamplingParams
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -60,9 +59,12 @@ def test_second_identical_request_computes_only_the_tokens_after_the_last_cached
 
 @pytest.mark.parametrize("warm", [False, True])
 def test_greedy_outputs_are_identical_with_prefix_caching_on_and_off(warm):
-    config = PrefixConfig(prefix_lens=(64,), num_requests=(6,), user_len=8, output_len=6, warm=warm)
-    options = EngineOptions(max_num_batched_tokens=144)  # two whole prompts per step: a cold first wave
-    point = run_prefix_point(config, options, 64, 6)
+    # two whole prompts per step: a cold first wave
+    engine = EngineOptions(max_num_batched_tokens=144)
+    config = SharingConfig(
+        prefix_lens=(64,), num_requests=(6,), user_len=8, output_len=6, warm=warm, engine=engine
+    )
+    point = run_prefix_point(config, 64, 6)
 
     assert point.outputs_identical
     assert len(point.on.outputs) == 6 and all(len(o[0]) == 6 for o in point.on.outputs.values())
@@ -78,11 +80,8 @@ def test_greedy_outputs_are_identical_with_prefix_caching_on_and_off(warm):
 @pytest.fixture(scope="module")
 def scaled_run():
     """The whole benchmark at 1/4 scale: 4-token blocks, prefixes of 32 tokens."""
-    return run_sharing(
-        EngineOptions(scale=4),
-        PrefixConfig(prefix_lens=(128,), num_requests=(1, 16)),
-        ForkConfig(num_prompts=4, widths=(2, 4)),
-    )
+    config = SharingConfig(prefix_lens=(128,), num_requests=(1, 16), num_prompts=4, widths=(2, 4))
+    return run_sharing(dataclasses.replace(config, engine=EngineOptions(scale=4)))
 
 
 def test_scaled_run_shares_blocks_and_beams_share_more(scaled_run):
@@ -122,13 +121,13 @@ def test_parallel_saving_once_done_counts_only_full_prompt_blocks():
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pagedkv bench")
-    add_bench_sharing_parser(parser.add_subparsers(dest="bench", required=True))
+    add_bench(parser.add_subparsers(dest="bench", required=True), SHARING)
     return parser.parse_args(argv)
 
 
-def test_command_line_prints_one_json_document(capsys):
+def test_command_line_prints_one_json_document(capsys, tmp_path):
     argv = ["sharing", "--part", "fork", "--num-prompts", "2", "--widths", "2", "--scale", "8"]
-    args = _parse([*argv, "--json", "--no-plots"])
+    args = _parse([*argv, "--json", "--no-plots", "--out", str(tmp_path)])
     assert args.run(args) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["shared_prefix"] == [] and [f["kind"] for f in document["forks"]] == ["parallel", "beam"]
@@ -151,8 +150,8 @@ def test_command_line_rejects_bad_values(argv, message, capsys):
 
 def test_configs_reject_bad_values():
     with pytest.raises(ValueError, match="mix must be one of"):
-        ForkConfig(mix="chat")
+        SharingConfig(mix="chat")
     with pytest.raises(ValueError, match="user_len must be a positive integer"):
-        PrefixConfig(user_len=0)
+        SharingConfig(user_len=0)
     with pytest.raises(ValueError, match="block_size must be a positive integer"):
         EngineOptions(block_size=0)

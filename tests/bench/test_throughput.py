@@ -10,19 +10,19 @@ import time
 import pytest
 import torch
 
-from pagedkv.bench.host_probe import PROBE_ELEMENTS, memory_read_gbs, parallel_speedup
-from pagedkv.bench.machine_load import LoadMeter
-from pagedkv.bench.throughput_config import STATISTICS, ThroughputConfig
-from pagedkv.bench.throughput_gemm import GemmRates, GemmTiming, linear_shapes, measure_gemm, roofline_seconds
-from pagedkv.bench.throughput_model import BENCH_MODEL_CONFIG, word_tokenizer
-from pagedkv.bench.throughput_result import Measurement
-from pagedkv.bench.throughput_workloads import (
+from pagedkv.bench.bench_model import BENCH_MODEL_CONFIG, word_tokenizer
+from pagedkv.bench.host import PROBE_ELEMENTS, LoadMeter, memory_read_gbs, parallel_speedup
+from pagedkv.bench.throughput import (
     FIRST_PROMPT_ID,
+    STATISTICS,
+    ThroughputConfig,
     Workload,
     WorkloadShape,
     build_workload,
     build_workloads,
 )
+from pagedkv.bench.throughput_gemm import GemmRates, GemmTiming, linear_shapes, measure_gemm, roofline_seconds
+from pagedkv.bench.throughput_report import Measurement
 from pagedkv.cli import main
 from tests.checkpoints import make_checkpoint
 

@@ -9,16 +9,17 @@ import math
 
 import pytest
 
-from pagedkv.bench.serve import BenchConfig, make_workload, print_report, run_benchmark
-from pagedkv.bench.serve_cli import add_bench_serve_parser
+from pagedkv.bench.commands import SERVE
+from pagedkv.bench.driver import add_bench
+from pagedkv.bench.serve import ServeConfig, make_workload, print_report, run_benchmark
 from pagedkv.models import BUILTIN_NOTE
 from tests.server.helpers import API_KEY, wait_idle
 
 
 def test_workload_is_seeded():
-    config = BenchConfig(num_prompts=5, input_len=10, output_len=8, range_ratio=0.5, seed=3)
+    config = ServeConfig(num_prompts=5, input_len=10, output_len=8, range_ratio=0.5, seed=3)
     assert make_workload(config) == make_workload(config)
-    assert make_workload(config) != make_workload(BenchConfig(num_prompts=5, input_len=10, seed=4))
+    assert make_workload(config) != make_workload(ServeConfig(num_prompts=5, input_len=10, seed=4))
     lengths = [len(item.prompt.split()) for item in make_workload(config)]
     assert all(5 <= n <= 15 for n in lengths)
 
@@ -34,11 +35,11 @@ def test_workload_is_seeded():
 )
 def test_bad_bench_config_is_refused(options, message):
     with pytest.raises(ValueError, match=message):
-        BenchConfig(**options)
+        ServeConfig(**options)
 
 
 def test_poisson_run_against_the_server(base_url, capsys):
-    config = BenchConfig(
+    config = ServeConfig(
         num_prompts=8, request_rate=40.0, input_len=12, output_len=6, seed=1, api_key=API_KEY
     )
     result = run_benchmark(base_url, config)
@@ -55,9 +56,9 @@ def test_poisson_run_against_the_server(base_url, capsys):
     wait_idle(base_url)
 
 
-def test_bench_serve_command_prints_json(base_url, capsys):
+def test_bench_serve_command_prints_json(base_url, capsys, tmp_path):
     parser = argparse.ArgumentParser()
-    add_bench_serve_parser(parser.add_subparsers())
+    add_bench(parser.add_subparsers(), SERVE)
     args = parser.parse_args(
         [
             "serve",
@@ -70,6 +71,8 @@ def test_bench_serve_command_prints_json(base_url, capsys):
             "--output-len",
             "4",
             "--json",
+            "--out",
+            str(tmp_path),
         ]
     )
     assert math.isinf(args.request_rate)
@@ -77,11 +80,12 @@ def test_bench_serve_command_prints_json(base_url, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["completed"] == 4 and report["total_output_tokens"] == 16
     assert report["config"]["request_rate"] == "inf" and "api_key" not in report["config"]
+    assert json.loads((tmp_path / "serve.json").read_text()) == report
 
 
-def test_bench_serve_reports_failures_with_a_nonzero_status(base_url, capsys):
+def test_bench_serve_reports_failures_with_a_nonzero_status(base_url, capsys, tmp_path):
     parser = argparse.ArgumentParser()
-    add_bench_serve_parser(parser.add_subparsers())
+    add_bench(parser.add_subparsers(), SERVE)
     args = parser.parse_args(
         [
             "serve",
@@ -93,17 +97,19 @@ def test_bench_serve_reports_failures_with_a_nonzero_status(base_url, capsys):
             "x",
             "--num-prompts",
             "2",
+            "--out",
+            str(tmp_path),
         ]
     )
     assert args.func(args) == 1
     assert "HTTP 401" in capsys.readouterr().out
 
 
-def test_bench_serve_starts_its_own_server_without_a_base_url(capsys):
+def test_bench_serve_starts_its_own_server_without_a_base_url(capsys, tmp_path):
     parser = argparse.ArgumentParser()
-    add_bench_serve_parser(parser.add_subparsers())
+    add_bench(parser.add_subparsers(), SERVE)
     options = ["--num-prompts", "3", "--input-len", "8", "--output-len", "3", "--num-kv-blocks", "32"]
-    args = parser.parse_args(["serve", *options, "--max-model-len", "128", "--json"])
+    args = parser.parse_args(["serve", *options, "--max-model-len", "128", "--json", "--out", str(tmp_path)])
     assert args.func(args) == 0
     captured = capsys.readouterr()
     report = json.loads(captured.out)

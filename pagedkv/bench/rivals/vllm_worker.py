@@ -1,7 +1,7 @@
 """vLLM's CPU build as a ``pagedkv bench throughput`` rival: ``VLLM_PYTHON vllm_worker.py``.
 
 Imports only the standard library, vLLM and :mod:`worker_io` (see it for the protocol). Runs
-vLLM the way issue 12 measured it: the engine in this process
+vLLM the way the benchmark compares it: the engine in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache, no tokenizer
 (token-id prompts, ``skip_tokenizer_init=True``), eager mode, prefix caching off (every run
 repeats the same prompts, and pagedkv runs without it too). OpenMP threads are bound to CPUs

@@ -1,4 +1,4 @@
-"""The model of ``pagedkv bench throughput``: issue 12's Llama, as an ordinary Hugging Face folder.
+"""The model of ``pagedkv bench throughput`` and ``parallel``: a Llama as an ordinary Hugging Face folder.
 
 Hidden 512, 6 layers, 8 query / 4 KV heads, intermediate 1376, vocabulary 32,000, seeded random
 weights -- big enough that its matrix multiplies, not Python, dominate a step, small enough for
@@ -18,10 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
-
-from pagedkv.models.builtin import cached_checkpoint, random_llama_weights
 
 #: Bump when the recipe changes, so an old cached copy is not reused.
 BENCH_MODEL_NAME = "llama-h512-l6-v32000-v1"
@@ -67,6 +64,10 @@ def word_tokenizer(vocab_size: int) -> Tokenizer:
 
 def write_bench_model(folder: Path, config: dict[str, Any] = BENCH_MODEL_CONFIG) -> None:
     """config.json, generation_config.json, model.safetensors and the word-level tokenizer."""
+    from safetensors.torch import save_file
+
+    from pagedkv.models.builtin import random_llama_weights
+
     weights = random_llama_weights(config, BENCH_MODEL_SEED)
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
@@ -82,4 +83,6 @@ def write_bench_model(folder: Path, config: dict[str, Any] = BENCH_MODEL_CONFIG)
 
 def bench_model_path(cache_dir: Path) -> Path:
     """The bench model under ``cache_dir``, written on first use (atomically)."""
+    from pagedkv.models.builtin import cached_checkpoint
+
     return cached_checkpoint(cache_dir, BENCH_MODEL_NAME, write_bench_model)

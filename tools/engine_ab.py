@@ -2,9 +2,9 @@
 
 On a shared machine absolute tokens/s move with the neighbours' load; running variants
 alternately, several rounds, and keeping each one's best round gives ratios that hold. Example
-(the linear kernel, float32, issue 12's bench model, 1 thread)::
+(the linear kernel, float32, the throughput benchmark's model, 1 thread)::
 
-    .venv/bin/python benchmarks/engine_ab.py --dtype float32 --threads 1 \\
+    .venv/bin/python tools/engine_ab.py --dtype float32 --threads 1 \\
         --variant linear_kernel=torch --variant linear_kernel=auto
 
 Each variant is an ``EngineConfig`` override (``field=value``); tokens are checked equal
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.bench.throughput_model import bench_model_path
-from pagedkv.bench.throughput_workloads import WORKLOAD_NAMES, WorkloadShape, build_workload
+from pagedkv.bench.bench_model import bench_model_path
+from pagedkv.bench.throughput import WORKLOAD_NAMES, WorkloadShape, build_workload
 
 
 def _variant(text: str) -> dict[str, object]:
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--same-tokens", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = args.model or bench_model_path(Path("pagedkv-report"))
+    model = args.model or bench_model_path(Path("pagedkv-report") / "models")
     shape = WorkloadShape(args.num_requests, args.prompt_len, args.max_tokens)
     workload = build_workload(args.workload, shape, vocab_size=32000)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in workload.max_tokens]

@@ -1,6 +1,6 @@
 """What an open dashboard costs: ``pagedkv bench serve`` throughput with and without pages open.
 
-.venv/bin/python benchmarks/dashboard_cost.py [--rounds 3] [--pages 1] [--num-prompts 100]
+.venv/bin/python tools/dashboard_cost.py [--rounds 3] [--pages 1] [--num-prompts 100]
     [-- SERVE OPTIONS, e.g. --num-kv-blocks 2048]
 
 Starts one ``pagedkv serve`` process and runs the same seeded workload against it in alternating
@@ -16,16 +16,18 @@ one-off costs).
 from __future__ import annotations
 
 import argparse
-import signal
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
-from pagedkv.bench.serve import BenchConfig, run_benchmark
+from pagedkv.bench.serve import ServeConfig, run_benchmark
+from pagedkv.bench.serve_servers import running_server
+from pagedkv.server.replicas import free_port
 
 #: A page, minus the drawing: reads the event stream and throws it away.
 READER = (
@@ -33,26 +35,6 @@ READER = (
     "with httpx.stream('GET', sys.argv[1] + '/dashboard/stream', timeout=None) as r:\n"
     "    for _ in r.iter_raw(): pass\n"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(port: int, options: list[str]) -> subprocess.Popen:
-    command = [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--log-level", "warning"]
-    server = subprocess.Popen([*command, *options], stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return server
-        except httpx.TransportError:
-            time.sleep(0.2)
-    server.kill()
-    raise RuntimeError("pagedkv serve did not start")
 
 
 def publish_seconds(base_url: str) -> float:
@@ -73,12 +55,12 @@ def main() -> int:
     args, serve_options = parser.parse_known_args()
     serve_options = [o for o in serve_options if o != "--"]
     port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
-    config = BenchConfig(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len)
-    server = start_server(port, serve_options)
+    command = [sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    config = ServeConfig(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len)
     results: dict[str, list[float]] = {"A": [], "B": []}
     shares: list[float] = []  # of the B rounds' wall time, the worker's time publishing frames
-    try:
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    with running_server([*command, *serve_options], {}, port, log, "pagedkv serve") as base_url:
         run_benchmark(base_url, config)  # warm-up
         for round_ in range(args.rounds):
             for label in ("A", "B") if round_ % 2 == 0 else ("B", "A"):  # no order bias
@@ -100,9 +82,6 @@ def main() -> int:
                 results[label].append(result.output_throughput)
                 share = f" (publishing: {100 * shares[-1]:.2f} % of the time)" if label == "B" else ""
                 print(f"round {round_ + 1} {label}: {result.output_throughput:.1f} tok/s{share}", flush=True)
-    finally:
-        server.send_signal(signal.SIGINT)
-        server.wait(60)
     a, b = statistics.median(results["A"]), statistics.median(results["B"])
     print(f"median without a page: {a:.1f} tok/s; with {args.pages} page(s): {b:.1f} tok/s")
     print(f"cost of the open page(s): {100 * (a - b) / a:+.2f} % of output throughput")

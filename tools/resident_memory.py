@@ -1,20 +1,24 @@
 """Resident memory after loading against what the engine must hold: weights + KV cache.
 
-Issue 12 asks for at most 1.2x. Loads issue 12's bench model in a fresh process and prints how
-much the RSS grew over the load, next to the weights' and the KV cache's bytes (packed oneDNN
-weights count at their dense size)::
+Loads the throughput benchmark's model in a fresh process and prints how much the RSS grew
+over the load, next to the weights' bytes (every tensor of the checkpoint at the run's dtype,
+packed layouts counted at their dense size) and the KV cache's (``LLM.kv_stats()``)::
 
-    .venv/bin/python benchmarks/resident_memory.py float32 auto   # dtype, linear kernel
+    .venv/bin/python tools/resident_memory.py float32 auto   # dtype, linear kernel
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
+import torch
+from safetensors import safe_open
+
 import pagedkv.engine  # noqa: F401  (imported before the baseline is read)
 from pagedkv import LLM
-from pagedkv.bench.throughput_model import bench_model_path
+from pagedkv.bench.bench_model import bench_model_path
 
 
 def rss_bytes() -> int:
@@ -22,15 +26,23 @@ def rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
 
 
+def weight_bytes(folder: Path, dtype: torch.dtype) -> int:
+    """Every tensor of the folder's safetensors files, at ``dtype``."""
+    total = 0
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as tensors:
+            total += sum(math.prod(tensors.get_slice(name).get_shape()) for name in tensors.keys())
+    return total * torch.empty(0, dtype=dtype).element_size()
+
+
 def main() -> None:
     dtype, kernel = (sys.argv[1:] + ["float32", "auto"][len(sys.argv) - 1 :])[:2]
-    path = bench_model_path(Path("pagedkv-report"))
+    path = bench_model_path(Path("pagedkv-report") / "models")
     before = rss_bytes()
     llm = LLM(str(path), dtype=dtype, linear_kernel=kernel, kv_cache_memory="256MiB")
     grew = rss_bytes() - before
-    runner = llm.engine.executor.runner
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    kv = runner.kv_cache.data.numel() * runner.kv_cache.data.element_size()
+    weights = weight_bytes(path, getattr(torch, dtype))
+    kv = llm.kv_stats()["kv_cache_bytes"]
     mib = 2**20
     print(
         f"{dtype} {kernel}: RSS grew {grew / mib:.0f} MiB over the load; weights {weights / mib:.0f} MiB "

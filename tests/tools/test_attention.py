@@ -1,7 +1,7 @@
 """The decode-attention benchmark times quantized pools beside the unquantized one, and checks
 every method's output against SDPA before timing it."""
 
-from pagedkv.bench import attention
+from tools import attention
 
 
 def test_quantized_pools_are_timed_in_the_same_run(capsys):

@@ -24,11 +24,11 @@ is sampled only as often as fits in about a second.
 the native row kernel vs gather + SDPA, the two paths of the ``cpu`` backend, to place the
 switch between them (``NATIVE_MAX_QUERY_LEN`` in ``pagedkv/attention/backends/cpu.py``).
 
-    python benchmarks/attention.py            # batches 1/8/32/64, contexts 128..4096, fp32, CPU
-    python benchmarks/attention.py --quick    # fewer shapes and repeats
-    python benchmarks/attention.py --device cuda --dtype float16
-    python benchmarks/attention.py --prefill
-    python benchmarks/attention.py --batches 32 --contexts 1024 4096 --backends cpu \
+    python tools/attention.py            # batches 1/8/32/64, contexts 128..4096, fp32, CPU
+    python tools/attention.py --quick    # fewer shapes and repeats
+    python tools/attention.py --device cuda --dtype float16
+    python tools/attention.py --prefill
+    python tools/attention.py --batches 32 --contexts 1024 4096 --backends cpu \
         --kv-cache-dtypes auto fp8 int8        # quantized vs unquantized blocks, same run
 """
 
@@ -251,3 +251,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(
             f"goal: paged within 1.25x of the faster contiguous SDPA at batch 32, context 1024 -> {reached}"
         )
+
+
+if __name__ == "__main__":
+    main()

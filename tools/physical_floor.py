@@ -1,15 +1,15 @@
 """What the hardware allows a workload of ``pagedkv bench throughput``, against its GEMM roofline.
 
 The benchmark's roofline times each linear layer alone with its weight warm in cache. A step of
-issue 12's model cannot run that way: its weights (136 MB in float32) and the KV cache of 32
-requests do not fit in a 32 MiB L3, so every step streams both from DRAM. This script bounds a
+the benchmark's model cannot run that way: its weights (136 MB in float32) and the KV cache of
+32 requests do not fit in the last-level cache, so every step streams both from DRAM. This script bounds a
 workload's time from below with both limits: each step takes at least its multiply-adds at the
 fastest GEMM rate the benchmark measured, and at least its weights plus the KV cache it reads at
 the DRAM read bandwidth measured here (a 1 GiB ``torch.sum``, best of 8), whichever is longer --
 overlap assumed perfect, attention's arithmetic, sampling and Python free. It prints that floor,
 the roofline, and the share of the roofline the floor itself allows::
 
-    .venv/bin/python benchmarks/physical_floor.py /work/rivals/report/throughput.json
+    .venv/bin/python tools/physical_floor.py pagedkv-report/throughput.json
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import time
 
 import torch
 
+from pagedkv.bench.throughput import WorkloadShape, build_workload
 from pagedkv.bench.throughput_gemm import linear_shapes
-from pagedkv.bench.throughput_workloads import WorkloadShape, build_workload
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -65,7 +65,8 @@ def floor_seconds(
 def main() -> None:
     with open(sys.argv[1], encoding="utf-8") as f:
         report = json.load(f)
-    config, shape = report["model"]["config"], WorkloadShape(**report["config"]["shape"])
+    fields = ("num_requests", "prompt_len", "max_tokens", "seed")
+    config, shape = report["model"]["config"], WorkloadShape(*(report["config"][f] for f in fields))
     bandwidth = dram_read_bandwidth(report["config"]["threads"])
     print(f"DRAM read bandwidth, {report['config']['threads']} threads: {bandwidth / 1e9:.1f} GB/s")
     runs = [r for r in report["runs"] if r["engine"] == "pagedkv"]

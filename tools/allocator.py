@@ -5,8 +5,7 @@ token into each child (a copy-on-write of its partial last block), then frees ev
 baseline, run in the same process, is the floor any allocator pays in this loop: appending the
 token to a plain Python list per table. The ratio says what paging costs on top of that.
 
-    .venv/bin/python benchmarks/allocator.py [--tokens 1000000] [--tables 1000]
-    (or python -m pagedkv.bench.allocator)
+    .venv/bin/python tools/allocator.py [--tokens 1000000] [--tables 1000]
 """
 
 from __future__ import annotations
@@ -76,3 +75,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     for name, value in run(args.tokens, args.tables, args.block_size).items():
         print(f"{name:32s} {value:12.1f}")
+
+
+if __name__ == "__main__":
+    main()
