@@ -207,5 +207,12 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Release the model and the KV cache (and any worker process); idempotent."""
+        """Release the model and the KV cache (and any worker rank) now; idempotent. Dropping the
+        engine releases them too; steps afterwards raise ``ExecutorError``."""
         self.executor.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -33,8 +33,8 @@ def model_path(tmp_path_factory) -> Path:
 
 
 def _children(pid: int) -> list[int]:
-    """Live worker ranks of ``pid`` (spawned children; multiprocessing's resource tracker is
-    not one: it leaves with its parent), read from /proc."""
+    """Live worker ranks of ``pid`` (forked or spawned children; multiprocessing's resource
+    tracker is not one: it leaves with its parent), read from /proc."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -42,7 +42,7 @@ def _children(pid: int) -> list[int]:
             command = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in command:
+        if int(fields[1]) == pid and fields[0] != "Z" and b"resource_tracker" not in command:
             found.append(int(stat.parent.name))
     return found
 

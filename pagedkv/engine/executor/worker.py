@@ -82,10 +82,22 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
     return ModelRunner(model, kv_cache), tp
 
 
+def ignore_ctrl_c() -> None:
+    """Ctrl-C reaches every process of the terminal's group: the engine stops its ranks."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def run_rank(spec: RankSpec, rank: int, parent_pid: int | None) -> None:
-    """A worker rank's whole life (the target of its process)."""
+    """A worker rank's whole life (the target of a spawned rank's process; ``parent_pid`` None:
+    a rank torchrun started)."""
     if parent_pid is not None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the engine stops every rank
+        ignore_ctrl_c()
+    serve_rank(spec, rank, parent_pid)
+
+
+def serve_rank(spec: RankSpec, rank: int, parent_pid: int | None) -> None:
+    """Join the group, load the shard, run plans until rank 0 says stop; on failure leave the
+    error in the store and raise SystemExit(1)."""
     store = heartbeat.connect(spec.rendezvous)
     heartbeat.start(store, rank, parent_pid)
     try:
