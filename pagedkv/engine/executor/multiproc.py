@@ -11,8 +11,8 @@ every rank has started, and a rank that exits before that ends start-up at once 
 status. Faults end in an :class:`ExecutorError` that names the rank and the cause, never in a
 hang: a collective fails after ``distributed_timeout`` seconds; then the worker processes' exit
 codes, the error a dying rank left in the store and the heartbeat counters say which rank is to
-blame. After a failure every step and :meth:`check_health` raise (the server's ``/health``
-turns 503).
+blame. After a failure -- of a worker or of rank 0's own part of the step -- the workers are
+stopped, and every step and :meth:`check_health` raise (the server's ``/health`` turns 503).
 
 The workers and the process group are released by :meth:`shutdown`, or when the executor is
 garbage-collected, or at exit (a ``weakref.finalize`` that holds the ranks, not the executor),
@@ -159,7 +159,11 @@ class MultiprocExecutor(Executor):
             groups.send_object(self.ranks.groups, plan, self.timeout)
             return self.runner.execute(plan)
         except Exception as err:
-            raise ExecutorError(self.ranks.fail(self._diagnose(err, "running a step"))) from err
+            message = self.ranks.fail(self._diagnose(err, "running a step"))
+            # The ranks are out of step (some may wait inside a collective rank 0 left): none
+            # can run another step, so none is kept waiting for its timeout.
+            launch.stop(self.workers, grace=0.0)
+            raise ExecutorError(message) from err
 
     def check_health(self) -> None:
         if not self._release.alive:
