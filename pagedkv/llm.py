@@ -114,8 +114,9 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def kv_stats(self) -> dict[str, float | int | str]:
-        """The KV pool now (blocks, utilization, prefix-cache hits, preemptions) and its cost:
-        ``kv_cache_dtype``, ``bytes_per_token`` (scales included) and ``kv_cache_bytes``."""
+        """The KV pool now (blocks, utilization, prefix-cache hits, preemptions) and its cost on
+        each rank: ``kv_cache_dtype``, ``bytes_per_token`` (scales included), ``kv_cache_bytes``;
+        ``tensor_parallel_size`` ranks hold such a cache each."""
         return self.engine.kv_stats()
 
     def reset_prefix_cache(self) -> int:

@@ -184,10 +184,9 @@ class LLMEngine:
 
     def kv_stats(self) -> dict[str, float | int | str]:
         """Blocks total / used / cached, utilization, preemptions, prefix-cache hits, and what the
-        cache costs: its ``kv_cache_dtype``, bytes per token (scales included) and in all."""
-        memory = self.executor.kv_memory
-        figures = {"kv_cache_dtype": memory.kv_cache_dtype, "bytes_per_token": memory.bytes_per_token}
-        return self.stats().kv_stats() | figures | {"kv_cache_bytes": memory.total_bytes}
+        cache costs on each rank: its ``kv_cache_dtype``, bytes per token (scales included) and in
+        all, and how many ranks (``tensor_parallel_size``) hold such a cache."""
+        return self.stats().kv_stats() | self.executor.kv_memory.stats()
 
     def kv_snapshot(self) -> KVSnapshot:
         """The block map: every physical block's refcount, cache state and owners."""

@@ -190,3 +190,22 @@ def test_shutdown_releases_at_once_and_a_third_engine_starts(model_path, expecte
         llm.engine.check_health()
     with LLM(str(model_path), **OPTIONS) as again:
         assert _tokens(again) == expected
+
+
+@pytest.mark.parametrize(("kv_heads", "ratio"), [(2, 2), (1, 1)])
+def test_kv_cache_memory_is_per_rank(tmp_path, kv_heads, ratio):
+    """Each rank holds its share of the KV heads (one of two; a single head is replicated), so
+    the same memory per rank holds twice the blocks, or as many."""
+    path = make_checkpoint(tmp_path, "llama", num_key_value_heads=kv_heads)
+    budget = "96KiB"
+    with LLM(str(path), dtype="float32", kv_cache_memory=budget, block_size=4) as one:
+        single = one.kv_stats()
+    with LLM(str(path), dtype="float32", kv_cache_memory=budget, block_size=4, tensor_parallel_size=2) as two:
+        sharded = two.kv_stats()
+        described = two.engine.describe()
+    assert sharded["tensor_parallel_size"] == 2 and single["tensor_parallel_size"] == 1
+    assert sharded["bytes_per_token"] * ratio == single["bytes_per_token"]
+    assert sharded["blocks_total"] == 96 * 1024 // (sharded["bytes_per_token"] * 4)
+    assert sharded["blocks_total"] == ratio * single["blocks_total"]
+    assert sharded["kv_cache_bytes"] <= 96 * 1024
+    assert f"({sharded['blocks_total']} blocks)" in described and "MiB per rank" in described

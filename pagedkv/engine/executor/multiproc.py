@@ -139,8 +139,14 @@ class MultiprocExecutor(Executor):
         self.ranks.groups = joined.result()
         self.runner, self.tensor_parallel = build_runner(spec, 0, self.ranks.groups)
         kv_cache = self.runner.kv_cache
-        self.kv_memory = KVMemory(spec.config.kv_cache_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes)
-        self.runtime = {**runtime_of(self.runner.model), "tensor_parallel": str(self.world_size)}
+        self.kv_memory = KVMemory(
+            spec.config.kv_cache_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes, self.world_size
+        )
+        self.runtime = {
+            **runtime_of(self.runner.model),
+            "tensor_parallel": str(self.world_size),
+            "kv cache": f"{kv_cache.nbytes / 2**20:.1f} MiB per rank ({kv_cache.num_blocks} blocks)",
+        }
         torch.distributed.barrier(group=self.ranks.groups.control)
 
     @property

@@ -22,7 +22,7 @@ from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.memory import parse_bytes
 from pagedkv.models import ModelConfig, load_model
 from pagedkv.models.config import resolve_dtype
-from pagedkv.models.parallel import TensorParallel
+from pagedkv.models.parallel import TensorParallel, shard_config
 
 
 @dataclass(frozen=True)
@@ -37,16 +37,19 @@ class RankSpec:
 
 
 def pool_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
-    """Blocks of the whole pool: as many as tensor_parallel_size 1 would have (each rank then
-    holds its heads' share of every block, 1/N of the memory)."""
+    """Blocks of the pool: ``num_kv_blocks``, else as many as ``kv_cache_memory`` holds on each
+    rank. A rank holds only its KV heads of every block (1/N of them, at least one), so the
+    same memory per rank holds up to N times the blocks of one rank (vLLM sizes each worker's
+    cache from that worker's memory too)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     dtype = resolve_dtype(config.dtype, default=model_config.dtype, device=config.device)
-    per_block = KVCache.block_bytes(model_config.kv_spec(), config.block_size, dtype, config.kv_cache_dtype)
+    rank_spec = shard_config(model_config, config.tensor_parallel_size).kv_spec()
+    per_block = KVCache.block_bytes(rank_spec, config.block_size, dtype, config.kv_cache_dtype)
     blocks = parse_bytes(config.kv_cache_memory) // per_block
     if blocks < 1:
         budget = config.kv_cache_memory
-        raise ValueError(f"a KV memory budget of {budget} holds no block ({per_block} bytes each)")
+        raise ValueError(f"a KV memory budget of {budget} per rank holds no block ({per_block} bytes each)")
     return blocks
 
 
