@@ -22,12 +22,15 @@ import time
 import weakref
 from pathlib import Path
 
+import httpx
 import pytest
 import torch.distributed as dist
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.engine import EngineConfig
 from pagedkv.engine.executor import ExecutorError
 from pagedkv.engine.executor.launch import START_METHOD_ENV
+from pagedkv.server import ServerThread, create_app
 from tests.checkpoints import make_checkpoint
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -106,6 +109,45 @@ def test_a_script_without_main_guard_names_the_guard_when_its_ranks_are_spawned(
     assert 'Put the script\'s code under `if __name__ == "__main__":`' in done.stderr
     assert "bootstrapping phase" not in done.stderr  # ours, not Python's generic error
     assert elapsed < BOUND
+
+
+# What makes a fork unsafe, done before the engine starts: this thread ran OpenMP regions on two
+# threads (GNU OpenMP keeps a pool per thread, whose threads a fork does not copy) and the
+# process listens on a socket. The rank must compute (on two threads of its own) and must not
+# keep the socket open once its owner closes it.
+FORK_HAZARDS_SCRIPT = """
+import json, socket, sys
+import torch
+from pagedkv import LLM, SamplingParams
+torch.set_num_threads(2)
+matrix = torch.randn(512, 512)
+for _ in range(10):
+    matrix @ matrix
+listener = socket.create_server(("127.0.0.1", 0))
+port = listener.getsockname()[1]
+options = dict(tensor_parallel_size=2, threads_per_rank=2, num_kv_blocks=32, block_size=4, dtype="float32")
+with LLM(sys.argv[1], **options) as llm:
+    listener.close()
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()
+        refused = False
+    except ConnectionRefusedError:
+        refused = True
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = [out.outputs[0].token_ids for out in llm.generate([[5, 6, 7], [9, 10, 11, 12, 13, 14]], params)]
+    print(json.dumps({"method": llm.engine.executor.start_method, "refused": refused, "tokens": tokens}))
+"""
+
+
+def test_a_forked_rank_computes_after_openmp_ran_here_and_keeps_no_socket_of_ours(
+    tmp_path, model_path, expected
+):
+    done, _ = _run_script(tmp_path, FORK_HAZARDS_SCRIPT, str(model_path))
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert printed["method"] == "fork"
+    assert printed["refused"]  # the listening socket closed with its owner's close
+    assert printed["tokens"] == expected
 
 
 def test_a_bad_start_method_is_refused(model_path, monkeypatch):
@@ -190,6 +232,24 @@ def test_shutdown_releases_at_once_and_a_third_engine_starts(model_path, expecte
         llm.engine.check_health()
     with LLM(str(model_path), **OPTIONS) as again:
         assert _tokens(again) == expected
+
+
+def test_two_tensor_parallel_servers_in_a_row_in_one_process_answer_alike(model_path):
+    """A server that built its engine releases it (ranks and group) when its lifespan ends."""
+    with LLM(str(model_path), dtype="float32") as one:
+        expected = one.generate([PROMPTS[1]], GREEDY, use_tqdm=False)[0].outputs[0].text
+    texts = []
+    for _ in range(2):
+        app = create_app(EngineConfig(str(model_path), **OPTIONS))
+        body = {"model": app.state.context.model_name, "prompt": PROMPTS[1], "max_tokens": 8}
+        with ServerThread(app) as server:
+            answer = httpx.post(
+                f"{server.base_url}/v1/completions", json={**body, "temperature": 0, "ignore_eos": True}
+            )
+            assert answer.status_code == 200, answer.text
+            texts.append(answer.json()["choices"][0]["text"])
+        assert not dist.is_initialized() and _live_children() == []
+    assert texts == [expected, expected]
 
 
 @pytest.mark.parametrize(("kv_heads", "ratio"), [(2, 2), (1, 1)])
