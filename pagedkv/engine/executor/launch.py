@@ -71,7 +71,8 @@ def start_method(device: str) -> str:
 def refuse_to_start_while_bootstrapping() -> None:
     """In a spawned rank that is importing the main module, a script that builds a
     tensor-parallel engine at its top level would start ranks of its own: exit at once with
-    :data:`NO_MAIN_GUARD_EXIT` instead (the rank's parent reports it)."""
+    :data:`NO_MAIN_GUARD_EXIT` instead (the rank's parent reports it). ``_inheriting`` is what
+    multiprocessing itself checks before it raises its generic bootstrapping error."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         raise SystemExit(NO_MAIN_GUARD_EXIT)
 
@@ -175,9 +176,13 @@ def _release_sockets() -> None:
     """Point every inherited socket's descriptor at /dev/null: the rank drops its share of the
     connection, and the descriptor number stays taken, so a copied socket object that is
     collected later closes /dev/null, never a socket the rank opened since."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # no /proc (fork forced off Linux): the sockets stay shared
+        return
     null = os.open(os.devnull, os.O_RDWR)
     try:
-        for name in os.listdir("/proc/self/fd"):
+        for name in names:
             fd = int(name)
             try:
                 if fd != null and stat.S_ISSOCK(os.fstat(fd).st_mode):

@@ -1,9 +1,10 @@
 """One tensor-parallel rank: its shard of the model, its share of the KV pool, its step loop.
 
 Rank 0 builds its runner inside the engine's process (:class:`MultiprocExecutor`); every
-other rank runs :func:`run_rank` in a process of its own: join the group, load the shard,
-then run each plan rank 0 sends until it sends ``None``. A rank that fails leaves its error in
-the rendezvous store for rank 0 to report, and exits.
+other rank runs :func:`serve_rank` in a process of its own (spawned or started by torchrun:
+through :func:`run_rank`; forked: see :mod:`~pagedkv.engine.executor.launch`): join the group,
+load the shard, then run each plan rank 0 sends until it sends ``None``. A rank that fails
+leaves its error in the rendezvous store for rank 0 to report, and exits.
 """
 
 from __future__ import annotations
