@@ -227,7 +227,7 @@ ENGINE_OPTIONS = (
     ),
     EngineOption("block_size", f"tokens per KV block {DEFAULT}", positive_int),
     EngineOption("num_kv_blocks", "KV blocks in the pool (default: from --kv-cache-memory)", positive_int),
-    EngineOption("kv_cache_memory", "KV cache memory when --num-kv-blocks is not given (256MiB)", byte_size),
+    EngineOption("kv_cache_memory", "KV cache memory per rank, unless --num-kv-blocks (256MiB)", byte_size),
     EngineOption("max_model_len", "context length (default: the model's)", positive_int),
     EngineOption("max_num_seqs", f"most sequences per step {DEFAULT}", positive_int),
     EngineOption("max_num_batched_tokens", f"most tokens per step {DEFAULT}", positive_int),

@@ -13,7 +13,9 @@ class LLM:
     """Load a model once and generate for batches of prompts with continuous batching.
 
     ``LLM(model=None)`` loads the built-in tiny Llama trained on Python source (shipped, no download).
-    Keyword arguments are :class:`EngineConfig` fields.
+    Keyword arguments are :class:`EngineConfig` fields. :meth:`shutdown` (or leaving a ``with
+    LLM(...) as llm:`` block, or dropping the last reference) releases the model, the KV cache
+    and any tensor-parallel ranks, so another engine can start in the same process.
     """
 
     def __init__(self, model: str | None = None, **engine_options) -> None:
@@ -23,6 +25,17 @@ class LLM:
 
     def __repr__(self) -> str:
         return f"LLM({self.engine.describe()})"
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Release the model, the KV cache and the worker ranks now; idempotent. Generating
+        afterwards raises ``ExecutorError``."""
+        self.engine.shutdown()
 
     def generate(
         self,
@@ -101,8 +114,9 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def kv_stats(self) -> dict[str, float | int | str]:
-        """The KV pool now (blocks, utilization, prefix-cache hits, preemptions) and its cost:
-        ``kv_cache_dtype``, ``bytes_per_token`` (scales included) and ``kv_cache_bytes``."""
+        """The KV pool now (blocks, utilization, prefix-cache hits, preemptions) and its cost on
+        each rank: ``kv_cache_dtype``, ``bytes_per_token`` (scales included), ``kv_cache_bytes``;
+        ``tensor_parallel_size`` ranks hold such a cache each."""
         return self.engine.kv_stats()
 
     def reset_prefix_cache(self) -> int:

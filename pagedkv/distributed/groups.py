@@ -50,8 +50,9 @@ def store(rendezvous: Rendezvous, rank: int | None) -> dist.TCPStore:
     )
 
 
-def join(rendezvous: Rendezvous, rank: int, device_type: str) -> Groups:
-    """Join the group as ``rank``; blocks until every rank has joined."""
+def join(rendezvous: Rendezvous, rank: int, device_type: str, meeting: dist.Store | None = None) -> Groups:
+    """Join the group as ``rank`` through ``meeting`` (default: a new :func:`store`); blocks
+    until every rank has joined."""
     if dist.is_initialized():
         raise RuntimeError(
             "this process already belongs to a torch.distributed group: one engine with "
@@ -59,7 +60,7 @@ def join(rendezvous: Rendezvous, rank: int, device_type: str) -> Groups:
         )
     dist.init_process_group(
         "gloo",
-        store=store(rendezvous, rank),
+        store=meeting if meeting is not None else store(rendezvous, rank),
         rank=rank,
         world_size=rendezvous.world_size,
         timeout=IDLE_TIMEOUT,

@@ -49,6 +49,11 @@ def start(store: dist.TCPStore, rank: int, parent_pid: int | None) -> threading.
     return thread
 
 
+def started(store: dist.TCPStore, ranks: list[int]) -> bool:
+    """Whether each of ``ranks`` has started: its heartbeat thread wrote its first beat."""
+    return store.check([_BEAT.format(rank) for rank in ranks])
+
+
 def report_error(store: dist.TCPStore, rank: int, message: str) -> None:
     """Leave a dying rank's last words where rank 0 can read them."""
     try:

@@ -34,6 +34,7 @@ class EngineConfig:
     block_size: int = 16
     #: KV blocks in the pool; None: as many as ``kv_cache_memory`` holds.
     num_kv_blocks: int | None = None
+    #: KV cache memory of each rank (a tensor-parallel rank holds its share of the KV heads).
     kv_cache_memory: str | int = "256MiB"
     #: Context length; None: the model's.
     max_model_len: int | None = None

@@ -7,9 +7,10 @@
 2. execute -- an executor (:mod:`pagedkv.engine.executor`) runs the model over the step's plan
    and returns the logits of the slices that end a sequence (and of every prompt row whose
    prompt logprobs were asked for: :mod:`pagedkv.engine.prompt_logprobs` records those);
-3. sample -- :mod:`pagedkv.engine.sampler` draws one token per sequence (a finished prompt
-   first forks into its ``n`` samples); beams keep their log-probabilities. Through
-   :mod:`pagedkv.engine.fault_isolation`: a request whose sampling raises fails alone;
+3. sample -- :mod:`pagedkv.engine.sample_stage` has :mod:`pagedkv.engine.sampler` draw one
+   token per sequence (a finished prompt first forks into its ``n`` samples); beams keep their
+   log-probabilities. Through :mod:`pagedkv.engine.fault_isolation`: a request whose sampling
+   raises fails alone;
 4. process outputs -- :mod:`pagedkv.engine.output_processor` appends, detokenizes, stops,
    advances beam searches, ends failed requests with ``finish_reason="error"``, frees what
    finished and builds the ``RequestOutput``s.
@@ -23,17 +24,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
-
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor import Executor
 from pagedkv.engine.executor.factory import make_executor
-from pagedkv.engine.fault_isolation import sample_rows
 from pagedkv.engine.kv_policy import KVPolicy
 from pagedkv.engine.output_processor import OutputProcessor, ProcessedStep, SampledStep
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.prompt_logprobs import take_prompt_logprobs
-from pagedkv.engine.sampler import Sampler, make_generator, take_rows
+from pagedkv.engine.sample_stage import sample_step
+from pagedkv.engine.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.sequence import BeamState, Request, Sequence
@@ -157,7 +156,8 @@ class LLMEngine:
         plan = scheduled.plan(self.kv_manager)
         logits = self.executor.execute(plan)
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
-        sampled = self._sample(scheduled, take_prompt_logprobs(scheduled.scheduled, plan.slices, logits))
+        logits = take_prompt_logprobs(scheduled.scheduled, plan.slices, logits)
+        sampled = sample_step(scheduled, logits, self.sampler, self.scheduler, self.tokenizer)
         processed = self.output_processor.process(sampled, self.scheduler, computed_at, finished_only)
         self._publish(scheduled, sampled, processed, started)
         return processed.outputs
@@ -172,50 +172,6 @@ class LLMEngine:
         elapsed, generated = time.perf_counter() - started, processed.generated_tokens
         self.stats_collector.record_step(scheduled, sampled.prompt_tokens, generated, len(finished), elapsed)
 
-    def _sample(self, scheduled: SchedulerOutput, logits: torch.Tensor) -> SampledStep:
-        """One token per sequence whose slice ended at its last token (``logits`` row ``i`` is
-        the ``i``-th such slice). A request's first sample forks its ``n - 1`` siblings here;
-        beams only keep their log-probabilities, ranked once all of a request's beams have them."""
-        for item in scheduled.scheduled:
-            item.seq.num_computed_tokens = item.end
-        seqs: list[Sequence] = []  # sequences to sample, forked samples included
-        rows: list[int] = []  # the logits row each of them samples from
-        beams: dict[str, Request] = {}
-        prompt_tokens = 0
-        for row, item in enumerate(item for item in scheduled.scheduled if item.needs_logits):
-            seq = item.seq
-            if seq.num_output_tokens == 0:
-                prompt_tokens += seq.num_tokens
-            if seq.request.beam is not None:
-                seq.pending_logprobs = logits[row].log_softmax(dim=-1)
-                beams[seq.request.request_id] = seq.request
-                continue
-            group = self._fork_samples(seq) if seq.request.needs_fork else [seq]
-            rows.extend([row] * len(group))
-            seqs.extend(group)
-        result = sample_rows(self.sampler, take_rows(logits, rows), seqs)
-        # In step order (a set's order would follow memory addresses): when two sequences computed
-        # the same block, which one keeps it must not change from run to run.
-        self.scheduler.cache_computed_blocks(
-            dict.fromkeys([*(item.seq for item in scheduled.scheduled), *seqs])
-        )
-        return SampledStep(
-            seqs, result.token_ids, result.logprobs, list(beams.values()), prompt_tokens, result.failures
-        )
-
-    def _fork_samples(self, parent: Sequence) -> list[Sequence]:
-        """Turn a just-computed prompt into ``n`` samples sharing its blocks (copy-on-write)."""
-        request = parent.request
-        params, prompt_ids = request.params, request.prompt_token_ids
-        group = [parent]
-        for index in range(len(request.seqs), params.n):
-            child = parent.fork(index, make_generator(params.seed, index))
-            child.detokenizer = self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens)
-            self.scheduler.fork(parent, child)
-            request.seqs.append(child)
-            group.append(child)
-        return group
-
     # -- what the engine publishes ----------------------------------------------------------
     @property
     def last_step(self) -> StepStats | None:
@@ -228,10 +184,9 @@ class LLMEngine:
 
     def kv_stats(self) -> dict[str, float | int | str]:
         """Blocks total / used / cached, utilization, preemptions, prefix-cache hits, and what the
-        cache costs: its ``kv_cache_dtype``, bytes per token (scales included) and in all."""
-        memory = self.executor.kv_memory
-        figures = {"kv_cache_dtype": memory.kv_cache_dtype, "bytes_per_token": memory.bytes_per_token}
-        return self.stats().kv_stats() | figures | {"kv_cache_bytes": memory.total_bytes}
+        cache costs on each rank: its ``kv_cache_dtype``, bytes per token (scales included) and in
+        all, and how many ranks (``tensor_parallel_size``) hold such a cache."""
+        return self.stats().kv_stats() | self.executor.kv_memory.stats()
 
     def kv_snapshot(self) -> KVSnapshot:
         """The block map: every physical block's refcount, cache state and owners."""
@@ -251,5 +206,12 @@ class LLMEngine:
         self.executor.check_health()
 
     def shutdown(self) -> None:
-        """Release the model and the KV cache (and any worker process); idempotent."""
+        """Release the model and the KV cache (and any worker rank) now; idempotent. Dropping the
+        engine releases them too; steps afterwards raise ``ExecutorError``."""
         self.executor.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

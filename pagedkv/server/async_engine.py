@@ -259,7 +259,13 @@ class AsyncEngine:
         return min(delays, default=None)
 
     def _add(self, command: _Add) -> None:
-        """Admit every prompt of the command, or none (a refused one withdraws the others)."""
+        """Admit every prompt of the command, or none (a refused one withdraws the others).
+        An engine that can no longer run steps (a failed rank) admits nothing: 503 at once."""
+        try:
+            self.engine.check_health()
+        except Exception as err:
+            _settle(command.accepted, Aborted(f"engine unhealthy: {err}"))
+            return
         waiting, arriving = self.engine.stats().waiting, len(command.prompts)
         if self.max_waiting is not None and waiting + arriving > self.max_waiting:
             _settle(command.accepted, QueueFullError(waiting, arriving, self.max_waiting))

@@ -28,6 +28,7 @@ KV_STATS_KEYS = {
     "kv_cache_dtype",
     "bytes_per_token",
     "kv_cache_bytes",
+    "tensor_parallel_size",
 }
 SHARED = list(range(10, 30))
 

@@ -1,12 +1,15 @@
-"""A tensor-parallel engine whose worker dies or hangs fails naming the rank, and leaves nothing.
+"""A tensor-parallel engine whose worker dies or hangs, or whose rank 0 fails its part of a
+step, fails naming the rank, and leaves nothing.
 
 Real processes and real signals: SIGKILL a worker, SIGSTOP one (a hang), SIGKILL the engine
-itself, Ctrl-C a server. No test waits on the model's speed: a hang is detected by the
-collective timeout, and every wait below is for a process or an answer, with a generous bound.
+itself, Ctrl-C a server; rank 0's embedding rows replaced by an empty matrix under a live server.
+No test waits on the model's speed: a hang is detected by the collective timeout, and every wait
+below is for a process or an answer, with a generous bound.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,11 +20,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.engine import EngineConfig, LLMEngine
 from pagedkv.engine.executor import ExecutorError
+from pagedkv.server import ServerThread, create_app
 from tests.checkpoints import make_checkpoint
-from tests.server.helpers import wait_until
+from tests.server.helpers import EngineGate, wait_until
 from tests.server.process import ServeProcess
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -33,8 +39,8 @@ def model_path(tmp_path_factory) -> Path:
 
 
 def _children(pid: int) -> list[int]:
-    """Live worker ranks of ``pid`` (spawned children; multiprocessing's resource tracker is
-    not one: it leaves with its parent), read from /proc."""
+    """Live worker ranks of ``pid`` (forked or spawned children; multiprocessing's resource
+    tracker is not one: it leaves with its parent), read from /proc."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -42,7 +48,7 @@ def _children(pid: int) -> list[int]:
             command = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in command:
+        if int(fields[1]) == pid and fields[0] != "Z" and b"resource_tracker" not in command:
             found.append(int(stat.parent.name))
     return found
 
@@ -138,3 +144,51 @@ def test_ctrl_c_stops_a_healthy_server_and_its_ranks(model_path):
     assert server.returncode == 0, server.stderr
     wait_until(lambda: _gone(worker_pid), 30, "the worker rank to exit with the server")
     assert time.monotonic() - started < 60
+
+
+def _break_rank_0(engine: LLMEngine) -> None:
+    """A real fault in rank 0's part of the next forward pass: its embedding rows are gone (the
+    worker's are intact), so rank 0's lookup raises while rank 1 computes on."""
+    embedding = engine.executor.runner.model.model.embed_tokens
+    embedding.weight = torch.nn.Parameter(torch.empty(0, embedding.hidden_size))
+
+
+def test_a_rank_0_failure_answers_503_and_the_server_stays_up(model_path):
+    engine = LLMEngine(EngineConfig(str(model_path), tensor_parallel_size=2, num_kv_blocks=32, block_size=4))
+    workers = dict(engine.executor.workers)
+    app = create_app(engine)
+    name = app.state.context.model_name
+    body = {"model": name, "prompt": "def f():", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+    try:
+        with ServerThread(app) as server, EngineGate(engine) as gate:
+            client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+
+            def complete():
+                return client.completions.create(model=name, prompt="def g():", max_tokens=2, temperature=0)
+
+            assert complete().choices[0].text is not None
+            gate.open_until(bool)  # a streaming request's first step, then the engine is held
+            url = f"{server.base_url}/v1/completions"
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as response:
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                assert next(line for line in lines if line.startswith("data: {"))  # in flight
+                assert gate.holding.wait(120)
+                _break_rank_0(engine)
+                gate.open_until(lambda outputs: False)
+                rest = list(lines)
+            errors = [json.loads(line[6:])["error"] for line in rest if line.startswith('data: {"error"')]
+            assert [error["code"] for error in errors] == ["aborted"] and "data: [DONE]" in rest
+            health = httpx.get(f"{server.base_url}/health")
+            assert health.status_code == 503
+            assert "tensor-parallel rank 0 failed while running a step: RuntimeError" in health.text
+            with pytest.raises(openai.APIStatusError) as refused:
+                complete()
+            assert refused.value.status_code == 503 and "rank 0" in refused.value.message
+            assert httpx.get(f"{server.base_url}/v1/models").status_code == 200  # still serving
+            # the ranks are out of step: the worker was stopped with the step, not left to time out
+            assert all(process.exitcode is not None for process in workers.values())
+    finally:
+        engine.shutdown()
+    assert engine.kv_stats()["blocks_used"] == 0  # the aborted request's blocks came back
+    assert _children(os.getpid()) == []

@@ -25,17 +25,29 @@ class ExecutorError(RuntimeError):
 
 @dataclass(frozen=True)
 class KVMemory:
-    """What the KV cache costs: its element type, bytes per token (scales included) and in all."""
+    """What the KV cache costs on each rank: its element type, bytes per token (scales
+    included) and in all; ``ranks`` hold one such cache each (their shares of the KV heads)."""
 
     kv_cache_dtype: str
     bytes_per_token: int
     total_bytes: int
+    ranks: int = 1
+
+    def stats(self) -> dict[str, int | str]:
+        """The figures ``kv_stats()`` reports: ``bytes_per_token`` and ``kv_cache_bytes`` are
+        one rank's, ``tensor_parallel_size`` ranks hold as much each."""
+        return {
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "bytes_per_token": self.bytes_per_token,
+            "kv_cache_bytes": self.total_bytes,
+            "tensor_parallel_size": self.ranks,
+        }
 
 
 class Executor(ABC):
     #: Physical KV blocks every rank holds (the engine's block pool has exactly these).
     num_kv_blocks: int
-    #: One rank's KV cache in bytes.
+    #: One rank's KV cache (every rank holds one as large).
     kv_memory: KVMemory
     #: How the model runs, for logs and the CLI: dtype, linear kernel, attention backend.
     runtime: dict[str, str]

@@ -6,21 +6,25 @@ ranks run the same forward pass on their shards, and rank 0 returns the gathered
 runs inside the driver, as vLLM's first tensor-parallel worker long did: the plan needs no extra
 hop and the logits are already where the sampler is.
 
-Faults end in an :class:`ExecutorError` that names the rank and the cause, never in a hang: a
-collective fails after ``distributed_timeout`` seconds; then the worker processes' exit codes,
-the error a dying rank left in the store and the heartbeat counters say which rank is to blame.
-After a failure every step and :meth:`check_health` raise (the server's ``/health`` turns 503).
-Workers are daemon processes, terminated on :meth:`shutdown` and at exit; a worker whose engine
-died without a word ends itself (see :mod:`pagedkv.distributed.heartbeat`).
+Start-up is watched (:mod:`~pagedkv.engine.executor.launch`): rank 0 joins the group only once
+every rank has started, and a rank that exits before that ends start-up at once with its exit
+status. Faults end in an :class:`ExecutorError` that names the rank and the cause, never in a
+hang: a collective fails after ``distributed_timeout`` seconds; then the worker processes' exit
+codes, the error a dying rank left in the store and the heartbeat counters say which rank is to
+blame. After a failure -- of a worker or of rank 0's own part of the step -- the workers are
+stopped, and every step and :meth:`check_health` raise (the server's ``/health`` turns 503).
+
+The workers and the process group are released by :meth:`shutdown`, or when the executor is
+garbage-collected, or at exit (a ``weakref.finalize`` that holds the ranks, not the executor),
+so another tensor-parallel engine can start in the same process. A worker whose engine died
+without a word ends itself (see :mod:`pagedkv.distributed.heartbeat`).
 """
 
 from __future__ import annotations
 
-import atexit
-import multiprocessing
 import os
-import signal
 import threading
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,9 +33,10 @@ import torch
 from pagedkv.attention import check_backend_reads
 from pagedkv.distributed import Rendezvous, groups, heartbeat
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.executor import launch
 from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory, runtime_of
 from pagedkv.engine.executor.plan import StepPlan
-from pagedkv.engine.executor.worker import RankSpec, build_runner, pool_blocks, run_rank
+from pagedkv.engine.executor.worker import RankSpec, build_runner, pool_blocks
 from pagedkv.models import ModelConfig
 from pagedkv.models.parallel import check_divisible
 
@@ -59,35 +64,47 @@ def rank_spec(config: EngineConfig, model_path: Path, model_config: ModelConfig)
     return RankSpec(config, model_path, rendezvous, pool_blocks(config, model_config), threads)
 
 
-def spawn(spec: RankSpec) -> dict[int, multiprocessing.Process]:
-    """Start this machine's worker ranks as daemon processes (spawned: a fresh interpreter)."""
-    context = multiprocessing.get_context("spawn")
-    workers = {}
-    for rank in spec.rendezvous.spawn_ranks:
-        process = context.Process(
-            target=run_rank, args=(spec, rank, os.getpid()), name=f"pagedkv-tp-rank{rank}", daemon=True
-        )
-        process.start()
-        workers[rank] = process
-    return workers
+class Ranks:
+    """What the executor must give back: the worker processes, the store and the process group.
 
+    Kept apart from the executor so that the finalizer releasing them holds no reference to
+    it. ``failure`` (the first fault, once there is one) is set at most once.
+    """
 
-def stop(workers: dict[int, multiprocessing.Process], grace: float) -> None:
-    """Wait ``grace`` seconds for the workers to exit, then terminate, then kill."""
-    for process in workers.values():
-        process.join(grace)
-    for process in workers.values():
-        if process.is_alive():
-            process.kill()  # SIGKILL: also ends a stopped (SIGSTOP) process
-            process.join(5)
+    def __init__(self, workers: dict) -> None:
+        self.workers = workers
+        self.store = None
+        self.groups: groups.Groups | None = None
+        self.failure: str | None = None
+        self.lock = threading.Lock()
+        self._owner = os.getpid()
 
+    def fail(self, message: str) -> str:
+        with self.lock:
+            self.failure = self.failure or message
+            return self.failure
 
-def exit_cause(code: int) -> str:
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    def release(self) -> None:
+        """Stop the workers (a goodbye first when healthy) and leave the group."""
+        if os.getpid() != self._owner:  # a forked copy of the engine's process: not its ranks
+            return
+        if self.failure is None and self.groups is not None:
+            try:  # a clean stop: every worker leaves its loop and exits 0 (a worker still inside
+                # an interrupted step cannot take it: it is killed after the grace below)
+                groups.send_object(self.groups, None, GOODBYE_TIMEOUT)
+            except Exception:
+                pass
+        launch.stop(self.workers, grace=5.0 if self.failure is None else 0.0)
+        self.groups = self.store = None
+        try:
+            groups.leave()
+        except Exception:  # a group whose peers are gone; nothing more to release
+            pass
 
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig) -> None:
+        launch.refuse_to_start_while_bootstrapping()
         # Before any process starts: an unknown KV dtype, or one the backend cannot read.
         check_backend_reads(config.attention_backend, config.device, config.kv_cache_dtype)
         spec = rank_spec(config, model_path, model_config)
@@ -96,23 +113,46 @@ class MultiprocExecutor(Executor):
         self.num_kv_blocks = spec.num_kv_blocks
         self.world_size = spec.rendezvous.world_size
         self.timeout = timedelta(seconds=spec.rendezvous.timeout)
-        self._failure: str | None = None
-        self._closed = False
-        self._lock = threading.Lock()
-        self.workers = spawn(spec)
-        atexit.register(self.shutdown)
+        #: How this machine's worker ranks were started: "fork" or "spawn".
+        self.start_method = launch.start_method(config.device)
+        self.ranks = Ranks(launch.start_ranks(spec, self.start_method))
+        self._release = weakref.finalize(self, self.ranks.release)
         try:
-            self.groups = groups.join(spec.rendezvous, 0, config.device.split(":")[0])
-            self.store = heartbeat.connect(spec.rendezvous)
-            self.runner, self.tensor_parallel = build_runner(spec, 0, self.groups)
-            kv_cache = self.runner.kv_cache
-            self.kv_memory = KVMemory(config.kv_cache_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes)
-            self.runtime = {**runtime_of(self.runner.model), "tensor_parallel": str(self.world_size)}
-            torch.distributed.barrier(group=self.groups.control)  # every rank has loaded
+            self._start(spec, config.device.split(":")[0])
         except Exception as err:
-            message = self._diagnose(err, "starting")
-            self.shutdown()
+            message = self.ranks.fail(self._diagnose(err, "starting"))
+            self.shutdown()  # failed: the workers are killed, not waited for
             raise ExecutorError(message) from err
+
+    def _start(self, spec: RankSpec, device: str) -> None:
+        """Host the store; watching the workers, wait until every rank has started and then
+        until the group is formed; load rank 0's shard; the barrier: every rank has loaded."""
+        store = self.ranks.store = groups.store(spec.rendezvous, 0)
+        others = list(range(1, self.world_size))
+        timeout = groups.STARTUP_TIMEOUT.total_seconds()
+        exited = launch.first_exit(self.workers, lambda: heartbeat.started(store, others), timeout)
+        if exited is None:  # a rank that dies while the group forms would keep join waiting
+            joined = launch.in_background(lambda: groups.join(spec.rendezvous, 0, device, store))
+            exited = launch.first_exit(self.workers, joined.done, None)
+        if exited is not None:
+            raise ExecutorError(self._rank_failure(exited, self.workers[exited].exitcode))
+        self.ranks.groups = joined.result()
+        self.runner, self.tensor_parallel = build_runner(spec, 0, self.ranks.groups)
+        kv_cache = self.runner.kv_cache
+        self.kv_memory = KVMemory(
+            spec.config.kv_cache_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes, self.world_size
+        )
+        self.runtime = {
+            **runtime_of(self.runner.model),
+            "tensor_parallel": str(self.world_size),
+            "kv cache": f"{kv_cache.nbytes / 2**20:.1f} MiB per rank ({kv_cache.num_blocks} blocks)",
+        }
+        torch.distributed.barrier(group=self.ranks.groups.control)
+
+    @property
+    def workers(self) -> dict:
+        """This machine's worker ranks' processes, by rank."""
+        return self.ranks.workers
 
     @property
     def collective_stats(self):
@@ -122,39 +162,38 @@ class MultiprocExecutor(Executor):
     def execute(self, plan: StepPlan) -> torch.Tensor:
         self.check_health()
         try:
-            groups.send_object(self.groups, plan, self.timeout)
+            groups.send_object(self.ranks.groups, plan, self.timeout)
             return self.runner.execute(plan)
         except Exception as err:
-            raise ExecutorError(self._fail(self._diagnose(err, "running a step"))) from err
+            message = self.ranks.fail(self._diagnose(err, "running a step"))
+            # The ranks are out of step (some may wait inside a collective rank 0 left): none
+            # can run another step, so none is kept waiting for its timeout.
+            launch.stop(self.workers, grace=0.0)
+            raise ExecutorError(message) from err
 
     def check_health(self) -> None:
-        if self._closed:
+        if not self._release.alive:
             raise ExecutorError("the executor was shut down")
-        if self._failure is None:
+        if self.ranks.failure is None:
             dead = [(rank, p.exitcode) for rank, p in self.workers.items() if p.exitcode is not None]
             if dead:
                 rank, code = dead[0]
-                self._fail(self._rank_failure(rank, code))
-        if self._failure is not None:
-            raise ExecutorError(self._failure)
-
-    def _fail(self, message: str) -> str:
-        with self._lock:
-            self._failure = self._failure or message
-            return self._failure
+                self.ranks.fail(self._rank_failure(rank, code))
+        if self.ranks.failure is not None:
+            raise ExecutorError(self.ranks.failure)
 
     def _rank_failure(self, rank: int, code: int | None) -> str:
         pid = self.workers[rank].pid if rank in self.workers else None
         said = self._reported(rank)
         where = f"tensor-parallel rank {rank}" + (f" (pid {pid})" if pid else "")
         if code is not None:
-            what = exit_cause(code)
+            what = launch.exit_cause(code)
         else:
             what = "failed" if said else "stopped answering (hung, stopped or unreachable)"
         return f"{where} {what}" + (f": {said}" if said else "")
 
     def _reported(self, rank: int) -> str | None:
-        store = getattr(self, "store", None)
+        store = self.ranks.store
         try:
             return heartbeat.reported_error(store, rank) if store is not None else None
         except Exception:
@@ -163,6 +202,8 @@ class MultiprocExecutor(Executor):
     def _diagnose(self, err: BaseException, doing: str) -> str:
         """Name the rank behind a failed collective: a worker that exited, one that reported an
         error, else one whose heartbeat stopped; else rank 0's own error."""
+        if isinstance(err, ExecutorError):  # already says which rank and why
+            return str(err)
         for rank, process in self.workers.items():
             process.join(0.2)  # a worker that just died is reaped, one that lives is not waited for
             if process.exitcode is not None:
@@ -171,27 +212,13 @@ class MultiprocExecutor(Executor):
         for rank in others:
             if self._reported(rank):
                 return self._rank_failure(rank, None)
-        store = getattr(self, "store", None)
+        store = self.ranks.store
         silent = heartbeat.silent_ranks(store, others) if store is not None else []
         if silent:
             return "; ".join(self._rank_failure(rank, None) for rank in silent) + f" (rank 0 saw: {err})"
         return f"tensor-parallel rank 0 failed while {doing}: {type(err).__name__}: {err}"
 
     def shutdown(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        if self._failure is None and hasattr(self, "runner"):
-            try:  # a clean stop: every worker leaves its loop and exits 0 (a worker still inside
-                # an interrupted step cannot take it: it is killed after the grace below)
-                groups.send_object(self.groups, None, GOODBYE_TIMEOUT)
-            except Exception:
-                pass
-        stop(self.workers, grace=5.0 if self._failure is None else 0.0)
+        """Release the workers and the process group (at once; idempotent), then rank 0's model."""
+        self._release()
         self.runner = None
-        try:
-            groups.leave()
-        except Exception:  # a group whose peers are gone; nothing more to release
-            pass
-        atexit.unregister(self.shutdown)

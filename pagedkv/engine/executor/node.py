@@ -11,7 +11,8 @@ import multiprocessing.connection
 from pathlib import Path
 
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.executor.multiproc import exit_cause, rank_spec, rendezvous_of, spawn, stop
+from pagedkv.engine.executor.launch import exit_cause, start_method, start_ranks, stop
+from pagedkv.engine.executor.multiproc import rank_spec, rendezvous_of
 from pagedkv.engine.executor.worker import run_rank
 from pagedkv.models import ModelConfig, builtin_model_path
 
@@ -28,7 +29,7 @@ def run_worker_node(config: EngineConfig) -> int:
     if spec.rendezvous.external:
         run_rank(spec, spec.rendezvous.rank, None)
         return 0
-    workers = spawn(spec)
+    workers = start_ranks(spec, start_method(config.device))
     try:
         pending = dict(workers)
         while pending:

@@ -1,9 +1,10 @@
 """One tensor-parallel rank: its shard of the model, its share of the KV pool, its step loop.
 
 Rank 0 builds its runner inside the engine's process (:class:`MultiprocExecutor`); every
-other rank runs :func:`run_rank` in a process of its own: join the group, load the shard,
-then run each plan rank 0 sends until it sends ``None``. A rank that fails leaves its error in
-the rendezvous store for rank 0 to report, and exits.
+other rank runs :func:`serve_rank` in a process of its own (spawned or started by torchrun:
+through :func:`run_rank`; forked: see :mod:`~pagedkv.engine.executor.launch`): join the group,
+load the shard, then run each plan rank 0 sends until it sends ``None``. A rank that fails
+leaves its error in the rendezvous store for rank 0 to report, and exits.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.memory import parse_bytes
 from pagedkv.models import ModelConfig, load_model
 from pagedkv.models.config import resolve_dtype
-from pagedkv.models.parallel import TensorParallel
+from pagedkv.models.parallel import TensorParallel, shard_config
 
 
 @dataclass(frozen=True)
@@ -37,16 +38,19 @@ class RankSpec:
 
 
 def pool_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
-    """Blocks of the whole pool: as many as tensor_parallel_size 1 would have (each rank then
-    holds its heads' share of every block, 1/N of the memory)."""
+    """Blocks of the pool: ``num_kv_blocks``, else as many as ``kv_cache_memory`` holds on each
+    rank. A rank holds only its KV heads of every block (1/N of them, at least one), so the
+    same memory per rank holds up to N times the blocks of one rank (vLLM sizes each worker's
+    cache from that worker's memory too)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     dtype = resolve_dtype(config.dtype, default=model_config.dtype, device=config.device)
-    per_block = KVCache.block_bytes(model_config.kv_spec(), config.block_size, dtype, config.kv_cache_dtype)
+    rank_spec = shard_config(model_config, config.tensor_parallel_size).kv_spec()
+    per_block = KVCache.block_bytes(rank_spec, config.block_size, dtype, config.kv_cache_dtype)
     blocks = parse_bytes(config.kv_cache_memory) // per_block
     if blocks < 1:
         budget = config.kv_cache_memory
-        raise ValueError(f"a KV memory budget of {budget} holds no block ({per_block} bytes each)")
+        raise ValueError(f"a KV memory budget of {budget} per rank holds no block ({per_block} bytes each)")
     return blocks
 
 
@@ -82,10 +86,22 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
     return ModelRunner(model, kv_cache), tp
 
 
+def ignore_ctrl_c() -> None:
+    """Ctrl-C reaches every process of the terminal's group: the engine stops its ranks."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def run_rank(spec: RankSpec, rank: int, parent_pid: int | None) -> None:
-    """A worker rank's whole life (the target of its process)."""
+    """A worker rank's whole life (the target of a spawned rank's process; ``parent_pid`` None:
+    a rank torchrun started)."""
     if parent_pid is not None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the engine stops every rank
+        ignore_ctrl_c()
+    serve_rank(spec, rank, parent_pid)
+
+
+def serve_rank(spec: RankSpec, rank: int, parent_pid: int | None) -> None:
+    """Join the group, load the shard, run plans until rank 0 says stop; on failure leave the
+    error in the store and raise SystemExit(1)."""
     store = heartbeat.connect(spec.rendezvous)
     heartbeat.start(store, rank, parent_pid)
     try:

@@ -1,0 +1,67 @@
+"""The sample stage of a step: one token per sequence whose slice ended at its last token.
+
+A request's first sample forks its ``n - 1`` siblings here, sharing the prompt's blocks
+(copy-on-write); beams only keep their log-probabilities, ranked once all of a request's beams
+have them. Sampling itself goes through :mod:`pagedkv.engine.fault_isolation`, so a request
+whose sampling raises fails alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv.engine.fault_isolation import sample_rows
+from pagedkv.engine.output_processor import SampledStep
+from pagedkv.engine.sampler import Sampler, make_generator, take_rows
+from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
+from pagedkv.engine.sequence import Request, Sequence
+from pagedkv.models import NoTokenizer, Tokenizer
+
+
+def sample_step(
+    scheduled: SchedulerOutput,
+    logits: torch.Tensor,
+    sampler: Sampler,
+    scheduler: Scheduler,
+    tokenizer: Tokenizer | NoTokenizer,
+) -> SampledStep:
+    """Sample the step's sequences (``logits`` row ``i`` is the ``i``-th slice that needs logits)."""
+    for item in scheduled.scheduled:
+        item.seq.num_computed_tokens = item.end
+    seqs: list[Sequence] = []  # sequences to sample, forked samples included
+    rows: list[int] = []  # the logits row each of them samples from
+    beams: dict[str, Request] = {}
+    prompt_tokens = 0
+    for row, item in enumerate(item for item in scheduled.scheduled if item.needs_logits):
+        seq = item.seq
+        if seq.num_output_tokens == 0:
+            prompt_tokens += seq.num_tokens
+        if seq.request.beam is not None:
+            seq.pending_logprobs = logits[row].log_softmax(dim=-1)
+            beams[seq.request.request_id] = seq.request
+            continue
+        group = fork_samples(seq, scheduler, tokenizer) if seq.request.needs_fork else [seq]
+        rows.extend([row] * len(group))
+        seqs.extend(group)
+    result = sample_rows(sampler, take_rows(logits, rows), seqs)
+    # In step order (a set's order would follow memory addresses): when two sequences computed
+    # the same block, which one keeps it must not change from run to run.
+    scheduler.cache_computed_blocks(dict.fromkeys([*(item.seq for item in scheduled.scheduled), *seqs]))
+    return SampledStep(
+        seqs, result.token_ids, result.logprobs, list(beams.values()), prompt_tokens, result.failures
+    )
+
+
+def fork_samples(
+    parent: Sequence, scheduler: Scheduler, tokenizer: Tokenizer | NoTokenizer
+) -> list[Sequence]:
+    """Turn a just-computed prompt into ``n`` samples sharing its blocks (copy-on-write)."""
+    request, params = parent.request, parent.request.params
+    group = [parent]
+    for index in range(len(request.seqs), params.n):
+        child = parent.fork(index, make_generator(params.seed, index))
+        child.detokenizer = tokenizer.detokenizer(request.prompt_token_ids, params.skip_special_tokens)
+        scheduler.fork(parent, child)
+        request.seqs.append(child)
+        group.append(child)
+    return group
