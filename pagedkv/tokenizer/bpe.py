@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -77,8 +76,4 @@ def write_tokenizer_files(folder: str | Path, tokenizer: Tokenizer, model_max_le
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
     }
-    write_json(folder / "tokenizer_config.json", config)
-
-
-def write_json(file: Path, data: dict[str, Any]) -> None:
-    file.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
