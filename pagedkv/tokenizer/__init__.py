@@ -1,9 +1,10 @@
-"""Text <-> token ids: the tokenizer of a Hugging Face folder, its chat template, streaming
-detokenization, and the byte-level BPE recipe of the models pagedkv makes itself.
+"""Text <-> token ids: the tokenizer of a Hugging Face folder (:mod:`.tokenizer`), its chat
+template (:mod:`.chat_template`), streaming detokenization (:mod:`.detokenizer`), and the
+byte-level BPE recipe of the checkpoints pagedkv writes itself (:mod:`.bpe`).
 
-Nothing here knows of models or tensors: the engine, the server and the benchmarks take a
-:class:`Tokenizer` (or a :class:`NoTokenizer` when a folder has none) from
-:func:`engine_tokenizer` / :func:`load_tokenizer`.
+The package imports nothing else of pagedkv and no torch (the architecture test holds it to
+that): the engine, the server and the benchmarks take a :class:`Tokenizer`, or a
+:class:`NoTokenizer` when a folder has none, from :func:`engine_tokenizer` / :func:`load_tokenizer`.
 """
 
 from pagedkv.tokenizer.detokenizer import IncrementalDetokenizer

@@ -1,10 +1,11 @@
 """Byte-level BPE tokenizers for pagedkv's own models, written as Hugging Face tokenizer files.
 
-Both models pagedkv makes itself -- the trained built-in model and the random-weight models of
-the tests -- use the same recipe: a byte-level BPE from the ``tokenizers`` library with four
-special tokens (ids 0..3), a post-processor that puts BOS in front of every encoded text, and a
-ChatML template. Only the training text and the vocabulary size differ. BPE training on fixed
-text is deterministic, so the same text always yields the same ``tokenizer.json``.
+Both kinds of model pagedkv makes itself -- the trained built-in model and the random-weight
+models of tests and benchmarks -- use the same recipe: a byte-level BPE from the ``tokenizers``
+library with four special tokens (ids 0..3), a post-processor that puts BOS in front of every
+encoded text, and a ChatML template. Only the training text and the vocabulary size differ. BPE
+training on fixed text is deterministic, so the same text always yields the same
+``tokenizer.json``.
 """
 
 from __future__ import annotations

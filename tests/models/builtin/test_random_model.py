@@ -1,5 +1,5 @@
-"""The random-weight model (the built-in model before it was trained): created once, atomically,
-deterministic, and a valid Hugging Face checkpoint that transformers loads and agrees with."""
+"""The random-weight model of tests and benchmarks: created once, atomically, deterministic, and
+a valid Hugging Face checkpoint that transformers loads and agrees with."""
 
 from __future__ import annotations
 
