@@ -17,8 +17,9 @@ from rich.table import Table
 
 from pagedkv.engine import EngineConfig, LLMEngine, SamplingParams
 from pagedkv.memory import blocks_for
-from pagedkv.models import BUILTIN_NOTE, Tokenizer
-from pagedkv.models.training import stdlib_text
+from pagedkv.models import BUILTIN_NOTE
+from pagedkv.models.builtin.train import stdlib_text
+from pagedkv.tokenizer import Tokenizer
 
 
 @dataclass

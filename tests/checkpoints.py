@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pagedkv.models.builtin import write_tokenizer
+from pagedkv.models.builtin.random_model import write_tokenizer
 
 #: arch short name -> (transformers config class name, architecture)
 ARCHS: dict[str, tuple[str, str]] = {

@@ -9,6 +9,8 @@ they are the importer's own: a cycle through a package's re-exports shows too.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,11 @@ def test_no_two_layers_import_each_other():
         # attention/ knows nothing of requests
         ("pagedkv.attention", {"pagedkv.engine", "pagedkv.models", "pagedkv.server", "pagedkv.bench"}),
         ("pagedkv.models", {"pagedkv.engine", "pagedkv.server", "pagedkv.bench"}),
+        # tokenizer/ turns text into ids and back: no models, tensors or requests
+        (
+            "pagedkv.tokenizer",
+            {"pagedkv.models", "pagedkv.attention", "pagedkv.engine", "pagedkv.server", "pagedkv.bench"},
+        ),
         ("pagedkv.engine", {"pagedkv.server", "pagedkv.bench", "pagedkv.cli", "pagedkv.cli_args"}),
     ],
 )
@@ -131,3 +138,13 @@ def test_the_engine_reaches_the_model_only_through_the_executor():
         "pagedkv.engine.executor.worker",
     }
     assert touching <= executors | {"pagedkv.engine.model_runner"}
+
+
+def test_the_tokenizer_stands_alone():
+    """tokenizer/ reaches nothing of pagedkv outside itself, and imports without torch: text
+    handling in the server and the engine's output path never loads the model side for it."""
+    reached = {t for m, targets in GRAPH.items() if m.startswith("pagedkv.tokenizer") for t in targets}
+    assert "pagedkv.tokenizer.detokenizer" in reached  # the graph of the package was read
+    assert {t for t in reached if not t.startswith("pagedkv.tokenizer")} == set()
+    probe = "import sys, pagedkv.tokenizer; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT.parent).returncode == 0

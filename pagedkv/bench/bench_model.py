@@ -4,7 +4,7 @@ Hidden 512, 6 layers, 8 query / 4 KV heads, intermediate 1376, vocabulary 32,000
 weights -- big enough that its matrix multiplies, not Python, dominate a step, small enough for
 2 cores. config.json is what transformers' ``LlamaConfig.save_pretrained`` writes, so vLLM,
 transformers and llama.cpp's converter read it as a real checkpoint; the weights come from
-:func:`pagedkv.models.builtin.random_llama_weights` (no transformers needed).
+:func:`pagedkv.models.builtin.random_model.random_llama_weights` (no transformers needed).
 
 pagedkv still loads a tokenizer with every model, so the folder carries a word-level
 ``tokenizer.json`` of exactly the model's vocabulary (token ``i`` is the word ``w<i>``): prompts
@@ -66,7 +66,7 @@ def write_bench_model(folder: Path, config: dict[str, Any] = BENCH_MODEL_CONFIG)
     """config.json, generation_config.json, model.safetensors and the word-level tokenizer."""
     from safetensors.torch import save_file
 
-    from pagedkv.models.builtin import random_llama_weights
+    from pagedkv.models.builtin.random_model import random_llama_weights
 
     weights = random_llama_weights(config, BENCH_MODEL_SEED)
     save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -83,6 +83,6 @@ def write_bench_model(folder: Path, config: dict[str, Any] = BENCH_MODEL_CONFIG)
 
 def bench_model_path(cache_dir: Path) -> Path:
     """The bench model under ``cache_dir``, written on first use (atomically)."""
-    from pagedkv.models.builtin import cached_checkpoint
+    from pagedkv.models.builtin.hf_folder import cached_checkpoint
 
     return cached_checkpoint(cache_dir, BENCH_MODEL_NAME, write_bench_model)

@@ -1,7 +1,7 @@
 """``pagedkv bench quality``: what a KV cache dtype costs in quality, on a model that learned something.
 
 The built-in model is trained on the Python standard library; its held-out files are text it
-never saw (:mod:`pagedkv.models.training.stdlib_text`). For each KV cache dtype, one engine --
+never saw (:mod:`pagedkv.models.builtin.train.stdlib_text`). For each KV cache dtype, one engine --
 same model, same pool of blocks, same scheduling; only the cache's storage differs -- computes:
 
 1. **perplexity** of the held-out files through the paged path (prompt logprobs,
@@ -139,8 +139,9 @@ class HeldOut:
     def load(cls, model: str | None, max_chars: int | None) -> HeldOut:
         """The first ``max_chars`` characters of the held-out files (None: all of them; the last
         file read may be cut) as ``model``'s tokenizer encodes them (None: the built-in model's)."""
-        from pagedkv.models import ModelConfig, builtin_model_path, load_tokenizer
-        from pagedkv.models.training import stdlib_text
+        from pagedkv.models import ModelConfig, builtin_model_path
+        from pagedkv.models.builtin.train import stdlib_text
+        from pagedkv.tokenizer import load_tokenizer
 
         path = builtin_model_path() if model is None else Path(model)
         tokenizer, eos = load_tokenizer(path), ModelConfig.from_pretrained(path).eos_token_ids[0]

@@ -100,7 +100,7 @@ class WorkItem:
 
 def make_workload(config: ServeConfig) -> list[WorkItem]:
     """``num_prompts`` seeded prompts: the same config always gives the same requests."""
-    from pagedkv.models.corpus import CORPUS
+    from pagedkv.models.builtin.corpus import CORPUS
 
     rng, words = random.Random(config.seed), CORPUS.split()
 

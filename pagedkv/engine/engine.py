@@ -39,7 +39,8 @@ from pagedkv.engine.sequence import BeamState, Request, Sequence
 from pagedkv.engine.stats import EngineStats, KVSnapshot, StatsCollector, StepStats
 from pagedkv.engine.validation import InvalidRequestError, RequestValidator
 from pagedkv.memory import KVCacheManager
-from pagedkv.models import ModelConfig, builtin_model_path, engine_tokenizer
+from pagedkv.models import ModelConfig, builtin_model_path
+from pagedkv.tokenizer import engine_tokenizer
 
 __all__ = ["EngineConfig", "InvalidRequestError", "LLMEngine"]
 

@@ -15,7 +15,7 @@ from pagedkv.engine.beam_search import advance_beams
 from pagedkv.engine.fault_isolation import error_message
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedkv.engine.sequence import Request, Sequence
-from pagedkv.models import Tokenizer
+from pagedkv.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from pagedkv.engine.scheduler import Scheduler

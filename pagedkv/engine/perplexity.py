@@ -10,7 +10,7 @@ tokens start every ``stride`` tokens, and each scores only the tokens no earlier
 so every token is scored once, with at least ``window - stride`` tokens of context once the
 first window is past. ``stride == window`` (the default) cuts the text into consecutive,
 non-overlapping windows, each scored on all its tokens but the first: the training script's
-held-out perplexity (:mod:`pagedkv.models.training.windows`). A smaller stride costs
+held-out perplexity (:mod:`pagedkv.models.builtin.train.windows`). A smaller stride costs
 ``window / stride`` times the compute and gives every token more context.
 """
 

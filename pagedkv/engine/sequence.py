@@ -17,7 +17,7 @@ import torch
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.stop_strings import StopScan, StopStringMatcher
-from pagedkv.models.detokenizer import IncrementalDetokenizer
+from pagedkv.tokenizer import IncrementalDetokenizer
 
 _seq_ids = itertools.count()
 

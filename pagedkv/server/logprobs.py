@@ -8,8 +8,8 @@ field carries the UTF-8 of that string.
 from __future__ import annotations
 
 from pagedkv.engine.outputs import TokenLogprobs
-from pagedkv.models import Tokenizer
 from pagedkv.server.protocol import CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
+from pagedkv.tokenizer import Tokenizer
 
 
 class LogprobFormatter:

@@ -25,11 +25,11 @@ import jinja2
 
 from pagedkv.engine import InvalidRequestError, RequestLimits, SamplingParams
 from pagedkv.engine.validation import RequestValidator
-from pagedkv.models import Tokenizer
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.errors import APIError
 from pagedkv.server.prompts import PromptEncoder, PromptLimits
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.tokenizer import Tokenizer
 
 
 @dataclass

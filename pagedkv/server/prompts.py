@@ -43,7 +43,7 @@ from tokenizers.models import BPE
 
 from pagedkv.engine import InvalidRequestError
 from pagedkv.engine.validation import check_context
-from pagedkv.models import Tokenizer
+from pagedkv.tokenizer import Tokenizer
 
 #: Prompts of at least this many tokens give their transient memory back after tokenizing.
 RELEASE_AFTER_TOKENS = 1 << 14

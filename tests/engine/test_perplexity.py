@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from pagedkv import LLM
 from pagedkv.engine.perplexity import Perplexity, perplexity, sliding_windows, window_logprobs
 from pagedkv.models import builtin_model_path
-from pagedkv.models.training import stdlib_text
-from pagedkv.models.training.windows import document_windows
+from pagedkv.models.builtin.train import stdlib_text
+from pagedkv.models.builtin.train.windows import document_windows
 
 WINDOW, STRIDE = 96, 64
 

@@ -12,8 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.engine import InvalidRequestError
-from pagedkv.models import builtin_model_path, load_tokenizer
+from pagedkv.models import builtin_model_path
 from pagedkv.server.prompts import PromptEncoder, PromptLimits
+from pagedkv.tokenizer import load_tokenizer
 
 CONTEXT = 64
 #: Text the tokenizer takes: any character but a lone surrogate, runs of one character included

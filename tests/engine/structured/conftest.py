@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.engine.structured.compiler import GrammarCompiler, xgrammar_backend_factory
-from pagedkv.models import ModelConfig, builtin_model_path, load_tokenizer
+from pagedkv.models import ModelConfig, builtin_model_path
+from pagedkv.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="session")

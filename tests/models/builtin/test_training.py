@@ -10,13 +10,14 @@ import pytest
 import torch
 import transformers
 
-from pagedkv.models import load_model, load_tokenizer
-from pagedkv.models.bpe import BOS_ID, EOS_ID
-from pagedkv.models.training import stdlib_text
-from pagedkv.models.training.train import Recipe, learning_rate, packed_windows, train
-from pagedkv.models.training.windows import document_windows, scored_tokens
+from pagedkv.models import load_model
+from pagedkv.models.builtin.train import stdlib_text
+from pagedkv.models.builtin.train.recipe import Recipe, learning_rate, packed_windows, train
+from pagedkv.models.builtin.train.windows import document_windows, scored_tokens
+from pagedkv.tokenizer import load_tokenizer
+from pagedkv.tokenizer.bpe import BOS_ID, EOS_ID
 
-from .paging import PagedBatch
+from ..paging import PagedBatch
 
 TINY = Recipe(
     vocab_size=320,

@@ -1,6 +1,7 @@
-"""``python -m pagedkv.models.training --out DIR``: train the built-in model into ``DIR``.
+"""``python -m pagedkv.models.builtin.train --out DIR``: train the built-in model into ``DIR``.
 
-The shipped model was made with ``--out pagedkv/models/builtin_model`` and the defaults.
+The shipped model was made with ``--out pagedkv/models/builtin/checkpoints/stdlib-llama`` and
+the defaults.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ import dataclasses
 
 import torch
 
-from pagedkv.models.training.train import Recipe, train
+from pagedkv.models.builtin.train.recipe import Recipe, train
 
 
 def main(argv: list[str] | None = None) -> int:
     defaults = Recipe()
-    parser = argparse.ArgumentParser(prog="python -m pagedkv.models.training", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pagedkv.models.builtin.train", description=__doc__)
     parser.add_argument("--out", required=True, help="folder to write the Hugging Face checkpoint into")
     parser.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps")
     parser.add_argument("--seed", type=int, default=defaults.seed)

@@ -1,26 +1,16 @@
-"""The built-in models: a small trained Llama shipped in the package, and random-weight builders.
+"""Seeded random-weight Llama checkpoints, for tests and benchmarks that need a model of a given
+shape rather than a trained one.
 
-:func:`builtin_model_path` is the model ``LLM()`` and the CLI use when no ``--model`` is given:
-a 4-layer Llama of about a million parameters trained on the Python standard library's source
-by ``python -m pagedkv.models.training`` (see :mod:`pagedkv.models.training`), stored as an
-ordinary Hugging Face folder inside the package. It is shipped rather than trained at install
-because training takes minutes and is not bit-reproducible across CPUs and BLAS builds, while
-the folder is 2 MB.
-
-The random-weight builders stay for the places that need a model without a trained one:
-:func:`random_model_path` writes (once, atomically, into a cache folder) the earlier built-in
-model -- 4 layers, hidden 256, seeded random weights, a tokenizer trained on
-:data:`pagedkv.models.corpus.CORPUS` -- on which the older benchmark figures in the README were
-measured; :func:`write_tokenizer` gives test checkpoints of any vocabulary a real tokenizer.
+:func:`random_model_path` writes (once, into the cache) a 4-layer Llama of hidden 256 with seeded
+N(0, 0.02) weights and the tokenizer trained on :data:`~pagedkv.models.builtin.corpus.CORPUS`;
+:func:`random_llama_weights` gives the weights of any Llama config; :func:`write_tokenizer` gives
+test checkpoints of any vocabulary size a real tokenizer. Every file is a pure function of the
+recipe here: two builds are byte for byte the same.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +18,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
-from pagedkv.models.bpe import BOS_ID, EOS_TOKEN_IDS, train_bpe, write_json, write_tokenizer_files
-from pagedkv.models.corpus import CORPUS
-
-#: The trained built-in model's folder, package data beside this module.
-BUILTIN_MODEL_DIR = Path(__file__).resolve().parent / "builtin_model"
-
-#: What to tell users whenever the built-in model is in use.
-BUILTIN_NOTE = (
-    "built-in tiny Llama (4 layers, hidden 128, ~1M parameters) trained for minutes on the Python "
-    "standard library: it writes Python-looking code, not answers; pass --model PATH for a real "
-    "Hugging Face checkpoint"
-)
+from pagedkv.models.builtin.corpus import CORPUS
+from pagedkv.models.builtin.hf_folder import cached_checkpoint, default_cache_dir, write_json
+from pagedkv.tokenizer.bpe import BOS_ID, EOS_TOKEN_IDS, train_bpe, write_tokenizer_files
 
 #: Cache folder name of the random-weight model; bump when its recipe changes.
 RANDOM_MODEL_NAME = "builtin-tiny-llama-v1"
@@ -73,16 +54,6 @@ RANDOM_MODEL_CONFIG: dict[str, Any] = {
     "eos_token_id": EOS_TOKEN_IDS,
     "use_cache": True,
 }
-
-
-def builtin_model_path() -> Path:
-    """The trained built-in model's folder (shipped in the package)."""
-    if not (BUILTIN_MODEL_DIR / "model.safetensors").is_file():
-        raise FileNotFoundError(
-            f"the built-in model is missing from {BUILTIN_MODEL_DIR}; reinstall pagedkv, or recreate it "
-            "with `python -m pagedkv.models.training --out <that folder>`"
-        )
-    return BUILTIN_MODEL_DIR
 
 
 @functools.lru_cache(maxsize=4)
@@ -146,38 +117,8 @@ def write_random_model(folder: str | Path) -> None:
     write_tokenizer(folder, VOCAB_SIZE)
 
 
-def default_cache_dir() -> Path:
-    """``$PAGEDKV_CACHE``, else ``~/.cache/pagedkv``."""
-    env = os.environ.get("PAGEDKV_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "pagedkv"
-
-
 def random_model_path(cache_dir: str | Path | None = None) -> Path:
-    """The random-weight model's folder, created on first use (see :func:`cached_checkpoint`)."""
+    """The random-weight model's folder, created on first use (see
+    :func:`~pagedkv.models.builtin.hf_folder.cached_checkpoint`)."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     return cached_checkpoint(root, RANDOM_MODEL_NAME, write_random_model)
-
-
-def cached_checkpoint(root: Path, name: str, write: Callable[[Path], None]) -> Path:
-    """``root/name``, made by ``write(folder)`` on first use.
-
-    Creation is atomic: the files are written to a temporary folder beside the target, which is
-    then renamed into place, so a crash or a concurrent first use never leaves a half-written
-    model behind (the loser of a race simply discards its copy).
-    """
-    target = root / name
-    if target.is_dir():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-    try:
-        os.chmod(tmp, 0o755)
-        write(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not target.is_dir():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target

@@ -13,11 +13,12 @@ import transformers
 from safetensors import safe_open
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.models import BUILTIN_NOTE, ModelConfig, builtin_model_path, load_model, load_tokenizer
-from pagedkv.models.training import stdlib_text
-from pagedkv.models.training.windows import document_windows, encode_documents, perplexity, scored_tokens
+from pagedkv.models import BUILTIN_NOTE, ModelConfig, builtin_model_path, load_model
+from pagedkv.models.builtin.train import stdlib_text
+from pagedkv.models.builtin.train.windows import document_windows, encode_documents, perplexity, scored_tokens
+from pagedkv.tokenizer import load_tokenizer
 
-from .paging import PagedBatch
+from ..paging import PagedBatch
 
 #: The repository check warns above this size for any tracked file.
 MAX_FILE_BYTES = 2 * 2**20

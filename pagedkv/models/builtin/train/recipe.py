@@ -24,14 +24,15 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from pagedkv.models.bpe import BOS_ID, EOS_TOKEN_IDS, train_bpe, write_json, write_tokenizer_files
-from pagedkv.models.training import stdlib_text
-from pagedkv.models.training.windows import (
+from pagedkv.models.builtin.hf_folder import write_json
+from pagedkv.models.builtin.train import stdlib_text
+from pagedkv.models.builtin.train.windows import (
     document_windows,
     encode_documents,
     perplexity,
     scored_tokens,
 )
+from pagedkv.tokenizer.bpe import BOS_ID, EOS_TOKEN_IDS, train_bpe, write_tokenizer_files
 
 #: The manifest written beside the weights: recipe, text, results.
 MANIFEST = "training.json"
@@ -235,7 +236,7 @@ def train(recipe: Recipe, out: str | Path, progress: bool = True) -> dict[str, A
             "torch_threads": torch.get_num_threads(),
         },
         "text": {
-            "source": "the *.py files of the Python standard library (pagedkv.models.training.stdlib_text)",
+            "source": f"the *.py files of the Python standard library ({stdlib_text.__name__})",
             "train_files": len(train_files),
             "train_chars": sum(map(len, train_texts)),
             "train_tokens": sum(map(len, train_docs)),

@@ -1,5 +1,5 @@
-"""The random-weight model (the built-in model before it was trained): created once, atomically,
-deterministic, and a valid Hugging Face checkpoint that transformers loads and agrees with."""
+"""The random-weight model of tests and benchmarks: created once, atomically, deterministic, and
+a valid Hugging Face checkpoint that transformers loads and agrees with."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import threading
 import torch
 import transformers
 
-from pagedkv.models import ModelConfig, load_model, load_tokenizer
-from pagedkv.models.builtin import RANDOM_MODEL_NAME, random_model_path
+from pagedkv.models import ModelConfig, load_model
+from pagedkv.models.builtin.random_model import RANDOM_MODEL_NAME, random_model_path
+from pagedkv.tokenizer import load_tokenizer
 
-from .paging import PagedBatch
+from ..paging import PagedBatch
 
 
 def test_created_once_in_the_cache_dir(tmp_path, monkeypatch):

@@ -1,10 +1,11 @@
 """Byte-level BPE tokenizers for pagedkv's own models, written as Hugging Face tokenizer files.
 
-Both models pagedkv makes itself -- the trained built-in model and the random-weight models of
-the tests -- use the same recipe: a byte-level BPE from the ``tokenizers`` library with four
-special tokens (ids 0..3), a post-processor that puts BOS in front of every encoded text, and a
-ChatML template. Only the training text and the vocabulary size differ. BPE training on fixed
-text is deterministic, so the same text always yields the same ``tokenizer.json``.
+Both kinds of model pagedkv makes itself -- the trained built-in model and the random-weight
+models of tests and benchmarks -- use the same recipe: a byte-level BPE from the ``tokenizers``
+library with four special tokens (ids 0..3), a post-processor that puts BOS in front of every
+encoded text, and a ChatML template. Only the training text and the vocabulary size differ. BPE
+training on fixed text is deterministic, so the same text always yields the same
+``tokenizer.json``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -77,8 +77,4 @@ def write_tokenizer_files(folder: str | Path, tokenizer: Tokenizer, model_max_le
         "clean_up_tokenization_spaces": False,
         "model_max_length": model_max_length,
     }
-    write_json(folder / "tokenizer_config.json", config)
-
-
-def write_json(file: Path, data: dict[str, Any]) -> None:
-    file.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -1,8 +1,8 @@
-"""English text the built-in tokenizer is trained on.
+"""English text the random-weight models' tokenizer is trained on, and benchmark prompts' words.
 
-Fixed text in the package (not a download) so the built-in model's tokenizer is the same on
-every machine. Its subject is the one this package is about, so demo prompts about memory,
-paging and language models split into sensible tokens.
+Fixed text in the package (not a download) so that tokenizer is the same on every machine. Its
+subject is the one this package is about, so prompts about memory, paging and language models
+split into sensible tokens.
 """
 
 CORPUS = """\

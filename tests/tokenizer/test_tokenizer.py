@@ -9,10 +9,10 @@ import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.models import ModelConfig, builtin_model_path, load_tokenizer
-from pagedkv.models.builtin import train_tokenizer
-from pagedkv.models.detokenizer import IncrementalDetokenizer
-from pagedkv.models.tokenizer import Tokenizer
+from pagedkv.models import ModelConfig, builtin_model_path
+from pagedkv.models.builtin.random_model import train_tokenizer
+from pagedkv.tokenizer import Tokenizer, load_tokenizer
+from pagedkv.tokenizer.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello world",

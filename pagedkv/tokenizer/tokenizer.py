@@ -1,25 +1,24 @@
-"""The tokenizer and chat template of a Hugging Face folder, without transformers.
+"""The tokenizer of a Hugging Face folder, without transformers.
 
 ``tokenizer.json`` is run by the ``tokenizers`` library (the same Rust code transformers' fast
-tokenizers wrap); ``tokenizer_config.json`` supplies the special tokens and the chat template,
-which is rendered in a sandboxed jinja2 environment configured like transformers' own, so a
-prompt renders and encodes to the same ids with either library.
+tokenizers wrap); ``tokenizer_config.json`` supplies the special tokens and the chat template
+(rendered by :mod:`pagedkv.tokenizer.chat_template`), so a prompt encodes to the same ids with
+either library. A folder without ``tokenizer.json`` runs with a :class:`NoTokenizer`: token ids
+in, token ids out.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
-from pagedkv.models.detokenizer import IncrementalDetokenizer
+from pagedkv.tokenizer.chat_template import compile_chat_template, read_chat_template, render_chat
+from pagedkv.tokenizer.detokenizer import IncrementalDetokenizer
 
 #: The special-token names transformers exposes to chat templates.
 SPECIAL_TOKEN_NAMES = (
@@ -82,30 +81,16 @@ class Tokenizer:
         continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
-        """The conversation rendered to prompt text (``kwargs`` reach the template, e.g. tools).
-
-        ``add_generation_prompt`` opens an assistant turn after the last message;
-        ``continue_final_message`` instead leaves the last message open (the text ends with its
-        content, the template's end-of-turn markup cut off) so the model continues it -- a
-        "prefilled" answer. The two exclude each other, as in transformers.
-        """
+        """The conversation rendered to prompt text (``kwargs`` reach the template, e.g. tools);
+        see :func:`~pagedkv.tokenizer.chat_template.render_chat` for the two flags."""
         if self.chat_template is None:
             raise ValueError(
                 "this tokenizer has no chat template (tokenizer_config.json or chat_template.jinja)"
             )
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
         if self._template is None:
             self._template = compile_chat_template(self.chat_template)
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or "role" not in message:
-                raise ValueError(f"chat message {i} must be a dict with a 'role', got {message!r}")
-        rendered = self._template.render(
-            messages=_tagged_final_message(messages) if continue_final_message else messages,
-            add_generation_prompt=add_generation_prompt,
-            **{**self.special_tokens, **kwargs},
-        )
-        return _cut_at_tag(rendered) if continue_final_message else rendered
+        variables = {**self.special_tokens, **kwargs}
+        return render_chat(self._template, messages, add_generation_prompt, continue_final_message, variables)
 
     def encode_chat(
         self,
@@ -168,74 +153,7 @@ def engine_tokenizer(path: str | Path, skip_tokenizer_init: bool = False) -> Tok
     if not skip_tokenizer_init and (folder / "tokenizer.json").is_file():
         return load_tokenizer(folder)
     reason = "skip_tokenizer_init is set" if skip_tokenizer_init else f"no tokenizer.json in {folder}"
-    eos = _eos_ids(_read_json(folder / "config.json")) + _eos_ids(
-        _read_json(folder / "generation_config.json")
-    )
-    return NoTokenizer(reason, eos)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (assistant-mask markers): render the body as is."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-#: Appended to the final message so its end can be found in the rendered chat (transformers' tag).
-_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
-
-
-def _tagged_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation with :data:`_CONTINUE_TAG` after the final message's text."""
-    content = messages[-1].get("content") if messages else None
-    if not isinstance(content, str):
-        raise ValueError("continue_final_message needs a final message with text content")
-    return [*messages[:-1], {**messages[-1], "content": content + _CONTINUE_TAG}]
-
-
-def _cut_at_tag(rendered: str) -> str:
-    """``rendered`` up to the tag, as transformers cuts it: the content as the template wrote it,
-    or right-stripped where the template trimmed the tag's trailing space."""
-    if _CONTINUE_TAG.strip() not in rendered:
-        raise ValueError("continue_final_message: the final message does not appear in the rendered chat")
-    at = rendered.rindex(_CONTINUE_TAG.strip())
-    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
-        return rendered[:at]
-    return rendered[:at].rstrip()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: Any = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own tojson escapes HTML characters; chat templates expect plain json.dumps.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def compile_chat_template(source: str) -> jinja2.Template:
-    """A template compiled with transformers' settings: sandboxed, trim/lstrip blocks, loop
-    controls, json-dumping ``tojson``, ``raise_exception`` and ``strftime_now``."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    return NoTokenizer(reason, _config_eos_ids(folder))
 
 
 def _read_json(file: Path) -> dict[str, Any]:
@@ -266,17 +184,6 @@ def _config_eos_ids(folder: Path) -> list[int]:
     )
 
 
-def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
-    jinja_file = folder / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t["name"]: t["template"] for t in template}
-        template = named.get("default")
-    return template
-
-
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer of a Hugging Face folder (tokenizer.json + tokenizer_config.json).
 
@@ -298,4 +205,4 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         if token is not None:
             special[name] = token
     extra_eos = _config_eos_ids(folder)
-    return Tokenizer(backend, special, _chat_template(folder, config), extra_eos)
+    return Tokenizer(backend, special, read_chat_template(folder, config), extra_eos)

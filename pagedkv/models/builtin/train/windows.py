@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer
 
-from pagedkv.models.bpe import EOS_ID
+from pagedkv.tokenizer.bpe import EOS_ID
 
 
 def encode_documents(tokenizer: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
