@@ -15,7 +15,7 @@ from pagedkv.engine.output_processor import SampledStep
 from pagedkv.engine.sampler import Sampler, make_generator, take_rows
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.sequence import Request, Sequence
-from pagedkv.models import NoTokenizer, Tokenizer
+from pagedkv.tokenizer import NoTokenizer, Tokenizer
 
 
 def sample_step(
