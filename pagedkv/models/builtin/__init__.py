@@ -28,6 +28,10 @@ SHIPPED_MODELS: dict[str, str] = {
         "standard library: it writes Python-looking code, not answers; pass --model PATH for a real "
         "Hugging Face checkpoint"
     ),
+    "stdlib-llama-draft": (
+        "the built-in model's draft model for speculative decoding (2 layers, hidden 64, ~0.2M "
+        "parameters, the same tokenizer; made by python -m pagedkv.models.builtin.train.draft)"
+    ),
 }
 
 #: The model run when none is given.
