@@ -8,12 +8,11 @@ needs torch: import it directly); :mod:`.metrics` counts what was drafted and ac
 
 from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.spec.metrics import SpecDecodingStats
-from pagedkv.engine.spec.ngram import NgramIndex, NgramProposer
+from pagedkv.engine.spec.ngram import NgramProposer
 from pagedkv.engine.spec.policy import AcceptanceEstimate, SpecPolicy, StepCostModel
 
 __all__ = [
     "AcceptanceEstimate",
-    "NgramIndex",
     "NgramProposer",
     "SpecDecodingStats",
     "SpecPolicy",

@@ -8,82 +8,93 @@ tokens that followed it. When they run into the sequence's end before ``k`` toke
 proposal continues with itself, as a repeat would: proposal token ``i`` is token
 ``start + n + i`` of the sequence extended by the proposal, so a match always yields ``k``.
 
-Cost: each sequence keeps an index (:class:`NgramIndex`), a dict from every ``n``-gram but the
-last to its latest start, updated as tokens arrive: ``prompt_lookup_max - prompt_lookup_min + 1``
-dict writes per new token and as many reads per proposal, however long the context. A scan of
-the whole sequence per step (vLLM's KMP) grows with the context instead. The price is memory:
-about 150 bytes per token per ``n`` while the sequence lives.
-
-Invariant the caller keeps: a sequence's token list only grows by appending (proposals are
-never appended before they are verified), so the index never has to forget anything.
+Cost: one vectorised pass over the sequence per step (:func:`propose_from`): the positions
+where the last token recurs, narrowed one token further back at a time while any remain, so
+the work past the first comparison is proportional to the matches, not to the length. The
+first comparison is linear in the context, as the step's attention over that context is, and
+runs in C; nothing is kept but the tokens as a NumPy array (:class:`TokenArray`, four bytes a
+token, grown by the new tokens each step). A per-sequence dict of every n-gram would make the
+lookup constant-time, but costs tens of bytes per token and per ``n`` and a build in Python
+when a sequence first speculates; ``benchmarks/spec_ngram_cost.py`` compares the two.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-
-class NgramIndex:
-    """The latest start of every ``n``-gram (``min_n <= n <= max_n``) of one token list, except
-    the n-grams that end at its last token (the text's end is what is looked up)."""
-
-    def __init__(self, min_n: int, max_n: int) -> None:
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"n-gram bounds must satisfy 1 <= min_n <= max_n, got {min_n} and {max_n}")
-        self.min_n, self.max_n = min_n, max_n
-        #: n-gram (a tuple of n token ids) -> the start of its latest indexed occurrence
-        self._latest: dict[tuple[int, ...], int] = {}
-        #: n-grams ending at positions ``0 .. end - 1`` are indexed
-        self._end = 0
-
-    def _sync(self, tokens: Sequence[int]) -> None:
-        """Index the n-grams ending at every position before the last token."""
-        if len(tokens) < self._end + 1:  # the list shrank: not the list this index was built on
-            self._latest.clear()
-            self._end = 0
-        latest, min_n, max_n = self._latest, self.min_n, self.max_n
-        for end in range(self._end, len(tokens) - 1):
-            for n in range(min_n, min(max_n, end + 1) + 1):
-                latest[tuple(tokens[end - n + 1 : end + 1])] = end - n + 1
-        self._end = max(self._end, len(tokens) - 1)
-
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens to follow ``tokens`` (see the module docstring); [] when no suffix
-        of ``min_n`` tokens or more occurred before, or ``k`` is 0."""
-        if k <= 0:
-            return []
-        self._sync(tokens)
-        length = len(tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            start = self._latest.get(tuple(tokens[length - n :]))
-            if start is not None:
-                return _continuation(tokens, start + n, k)
-        return []
+import numpy as np
 
 
-def _continuation(tokens: Sequence[int], first: int, k: int) -> list[int]:
-    """``k`` tokens from position ``first`` of ``tokens`` extended by the result itself."""
+def propose_from(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to ``k`` tokens to follow ``tokens`` (see the module docstring); [] when no suffix of
+    ``min_n`` tokens or more occurred before, or ``k`` is 0."""
     length = len(tokens)
+    if k <= 0 or length < 2:
+        return []
+    #: positions before the last where a match of the last n tokens ends, n = 1, 2, ...
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])
+    best: tuple[int, int] | None = None
+    for n in range(1, max_n + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]
+            ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
+        if not len(ends):
+            break
+        if n >= min_n:
+            best = (n, int(ends[-1]) - n + 1)
+    if best is None:
+        return []
+    n, start = best
     out: list[int] = []
-    for position in range(first, first + k):
-        out.append(tokens[position] if position < length else out[position - length])
+    for position in range(start + n, start + n + k):
+        out.append(int(tokens[position]) if position < length else out[position - length])
     return out
 
 
+class TokenArray:
+    """A sequence's tokens as a NumPy array, following its token list as the list grows."""
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, dtype=np.int32)
+        self._length = 0
+
+    def sync(self, tokens: Sequence[int]) -> np.ndarray:
+        """The tokens of ``tokens`` as an array view; copies only those added since the last
+        call (all of them when the list is shorter than before: not the same list)."""
+        length = len(tokens)
+        if length < self._length:
+            self._length = 0
+        if length > len(self._buffer):
+            grown = np.empty(max(length, 2 * len(self._buffer), 64), dtype=np.int32)
+            grown[: self._length] = self._buffer[: self._length]
+            self._buffer = grown
+        if length > self._length:
+            self._buffer[self._length : length] = tokens[self._length : length]
+            self._length = length
+        return self._buffer[:length]
+
+
 class NgramProposer:
-    """Prompt lookup for a batch of sequences, each with its own index and its own ``k``."""
+    """Prompt lookup for a batch of sequences, each with its own ``k``."""
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
-        NgramIndex(prompt_lookup_min, prompt_lookup_max)  # validates the bounds
+        if not 1 <= prompt_lookup_min <= prompt_lookup_max:
+            raise ValueError(
+                "prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{prompt_lookup_min} and {prompt_lookup_max}"
+            )
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
-        self._indexes: dict[Hashable, NgramIndex] = {}
+        self._arrays: dict[Hashable, TokenArray] = {}
 
     def propose(
         self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]], num_tokens: Sequence[int]
     ) -> list[list[int]]:
         """Sequence ``i`` (``seq_ids[i]``, whose tokens are ``token_ids[i]``) gets up to
-        ``num_tokens[i]`` proposed tokens (0: none, and no index is built for it)."""
+        ``num_tokens[i]`` proposed tokens (0: none, and nothing is kept for it).
+
+        Invariant the caller keeps: a sequence's token list only grows by appending (proposals
+        are appended only once verified), so the array of a sequence never goes stale."""
         if not len(seq_ids) == len(token_ids) == len(num_tokens):
             raise ValueError(
                 f"NgramProposer.propose got {len(seq_ids)} sequence ids, {len(token_ids)} token "
@@ -94,16 +105,18 @@ class NgramProposer:
             if k <= 0:
                 proposals.append([])
                 continue
-            index = self._indexes.get(seq_id)
-            if index is None:
-                index = self._indexes[seq_id] = NgramIndex(self.prompt_lookup_min, self.prompt_lookup_max)
-            proposals.append(index.propose(tokens, k))
+            array = self._arrays.get(seq_id)
+            if array is None:
+                array = self._arrays[seq_id] = TokenArray()
+            proposals.append(
+                propose_from(array.sync(tokens), self.prompt_lookup_min, self.prompt_lookup_max, k)
+            )
         return proposals
 
     def release(self, seq_id: Hashable) -> None:
-        """Forget a finished sequence's index (idempotent)."""
-        self._indexes.pop(seq_id, None)
+        """Forget a finished sequence's tokens (idempotent)."""
+        self._arrays.pop(seq_id, None)
 
     @property
-    def num_indexed_sequences(self) -> int:
-        return len(self._indexes)
+    def num_tracked_sequences(self) -> int:
+        return len(self._arrays)
