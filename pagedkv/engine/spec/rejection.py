@@ -94,9 +94,7 @@ class RejectionSampler:
         _check_batch(logits, draft_token_ids, params, generators, output_token_ids, prompt_token_ids)
         _check_draft_probs(logits, draft_probs, offsets[-1] - len(offsets) + 1)
         logits = logits.to(torch.float32)
-        rows = _expand_rows(draft_token_ids, params, output_token_ids, prompt_token_ids)
-        processed = apply_penalties(logits, rows.params, rows.outputs, rows.prompts)
-        processed = ban_stop_tokens(processed, rows.params, rows.outputs, self.eos_token_ids)
+        processed = self._penalize(logits, draft_token_ids, params, output_token_ids, prompt_token_ids)
 
         tokens: list[list[int]] = [[] for _ in params]
         greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -114,6 +112,22 @@ class RejectionSampler:
                 tokens[i] = emitted
         accepted = [len(t) - 1 for t in tokens]
         return VerifiedTokens(tokens, accepted, _logprobs(logits, tokens, params, offsets))
+
+    def _penalize(
+        self,
+        logits: torch.Tensor,
+        drafts: list[list[int]],
+        params: list[SamplingParams],
+        outputs: list[list[int]],
+        prompts: list[list[int]],
+    ) -> torch.Tensor:
+        """Penalties and the ``min_tokens`` ban, row by row (``logits`` itself when no sequence
+        has either: the common case builds no per-row lists)."""
+        if not any(_reads_output(p, len(out)) for p, out in zip(params, outputs, strict=True)):
+            return logits
+        rows = _expand_rows(drafts, params, outputs, prompts)
+        processed = apply_penalties(logits, rows.params, rows.outputs, rows.prompts)
+        return ban_stop_tokens(processed, rows.params, rows.outputs, self.eos_token_ids)
 
 
 @dataclass
