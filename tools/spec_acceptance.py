@@ -1,6 +1,6 @@
 """How many proposed tokens the built-in model would accept, by proposer, before any engine work.
 
-    .venv/bin/python benchmarks/spec_acceptance.py [--prompts 8] [--prompt-tokens 128]
+    .venv/bin/python tools/spec_acceptance.py [--prompts 8] [--prompt-tokens 128]
         [--max-tokens 256] [-k 4] [--draft DIR (default: the shipped stdlib-llama-draft)]
 
 The target (the built-in model, float32) writes ``--max-tokens`` greedy tokens after the first

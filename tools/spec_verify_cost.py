@@ -1,6 +1,6 @@
 """What verifying k proposed tokens costs: one forward pass of k + 1 rows per sequence.
 
-    .venv/bin/python benchmarks/spec_verify_cost.py [--batch 1 8 32] [-k 0 1 2 4] [--context 256]
+    .venv/bin/python tools/spec_verify_cost.py [--batch 1 8 32] [-k 0 1 2 4] [--context 256]
         [--threads 1] [--repeats 30] [--model DIR]
 
 For each batch size, ``--batch`` sequences hold ``--context`` tokens of KV; one step plan gives

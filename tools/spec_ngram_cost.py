@@ -1,6 +1,6 @@
 """What prompt lookup costs per sequence and step, by context length: the scan against an index.
 
-    .venv/bin/python benchmarks/spec_ngram_cost.py [--contexts 1024 8192] [--steps 200]
+    .venv/bin/python tools/spec_ngram_cost.py [--contexts 1024 8192] [--steps 200]
         [--min-n 2] [--max-n 5] [-k 4]
 
 The token streams are held-out standard-library files run together (real text: repeats occur,
