@@ -15,7 +15,7 @@ first comparison is linear in the context, as the step's attention over that con
 runs in C; nothing is kept but the tokens as a NumPy array (:class:`TokenArray`, four bytes a
 token, grown by the new tokens each step). A per-sequence dict of every n-gram would make the
 lookup constant-time, but costs tens of bytes per token and per ``n`` and a build in Python
-when a sequence first speculates; ``benchmarks/spec_ngram_cost.py`` compares the two.
+when a sequence first speculates; ``tools/spec_ngram_cost.py`` compares the two.
 """
 
 from __future__ import annotations
