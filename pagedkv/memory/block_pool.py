@@ -13,11 +13,11 @@ Three disjoint states cover every block at all times:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from pagedkv.memory.errors import PoolExhaustedError
-from pagedkv.memory.prefix_cache import PrefixCache
+from pagedkv.memory.prefix_cache import PrefixCache, RemovedBlock
 
 
 class KVCacheListener(Protocol):
@@ -39,9 +39,13 @@ class KVCacheListener(Protocol):
 
 
 class BlockPool:
-    """A fixed number of physical blocks of ``block_size`` token slots each."""
+    """A fixed number of physical blocks of ``block_size`` token slots each.
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    ``hash_blocks`` names every cached block by its chained content hash as well (what a second
+    KV tier needs; see :class:`~pagedkv.memory.prefix_cache.PrefixCache`).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, hash_blocks: bool = False) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"BlockPool.num_blocks must be a positive integer, got {num_blocks!r}")
         if not isinstance(block_size, int) or block_size <= 0:
@@ -54,10 +58,14 @@ class BlockPool:
         # Reversed so that a fresh pool hands out block 0, 1, 2, ... (easier to read in plots).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self.prefix_cache = PrefixCache()
+        self.prefix_cache = PrefixCache(hash_blocks)
         self.num_evictions = 0
         #: Told about every change to the cached contents (None: nobody listens).
         self.listener: KVCacheListener | None = None
+        #: Told, during :meth:`allocate`, which cached-free blocks an eviction takes, before
+        #: their ids are handed out: their contents are intact until the step that reuses them
+        #: writes there, so they can still be copied to a second tier (None: nobody).
+        self.on_evict: Callable[[list[RemovedBlock]], None] | None = None
 
     # -- counts -----------------------------------------------------------------------------
     @property
@@ -194,8 +202,14 @@ class BlockPool:
         return forgotten
 
     def _forget(self, block_id: int, notify: bool = True) -> list[int]:
-        """Drop ``block_id`` and its cached descendants from the cache; free the unheld ones."""
-        forgotten = self.prefix_cache.remove(block_id)
+        """Drop ``block_id`` and its cached descendants from the cache; free the unheld ones.
+        ``notify``: an eviction (tell the listener and ``on_evict``), not a reset."""
+        if notify and self.on_evict is not None:
+            removed = self.prefix_cache.remove_entries(block_id)
+            self.on_evict([entry for entry in removed if self._refcount[entry.block_id] == 0])
+            forgotten = [entry.block_id for entry in removed]
+        else:
+            forgotten = self.prefix_cache.remove(block_id)
         if forgotten and notify and self.listener is not None:
             self.listener.blocks_removed(forgotten)
         for block in forgotten:

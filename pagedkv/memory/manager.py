@@ -59,10 +59,11 @@ class KVCacheManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
+        hash_blocks: bool = False,
     ) -> None:
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
-        self.pool = BlockPool(num_blocks, block_size)
+        self.pool = BlockPool(num_blocks, block_size, hash_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         #: Blocks kept free at admission so running sequences can still grow a little.
@@ -128,7 +129,20 @@ class KVCacheManager:
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds KV blocks")
         hits = self._cached_prefix(token_ids, use_cache)
-        needed = self.blocks_to_allocate(token_ids, reserve_tokens, use_cache)
+        self._allocate_with_hits(seq_id, token_ids, hits, reserve_tokens)
+        cached_tokens = len(hits) * self.block_size
+        if self.enable_prefix_caching and use_cache:
+            self.prefix_query_tokens += len(token_ids)
+            self.prefix_hit_tokens += cached_tokens
+        return cached_tokens
+
+    def _allocate_with_hits(
+        self, seq_id: SeqId, token_ids: Sequence[int], hits: list[int], reserve_tokens: int
+    ) -> BlockTable:
+        """A table for ``token_ids`` whose first blocks are the cached ``hits`` (shared) and the
+        rest new; all or nothing."""
+        revived = sum(1 for b in hits if self.pool.refcount(b) == 0)
+        needed = blocks_for(max(len(token_ids), reserve_tokens), self.block_size) - len(hits) + revived
         if needed > self.pool.num_free_blocks:
             raise PoolExhaustedError(needed, self.pool.num_free_blocks, self.num_blocks)
         for block in hits:
@@ -138,11 +152,7 @@ class KVCacheManager:
         table.append_slots(len(token_ids) - table.num_tokens)
         table.reserve(reserve_tokens)
         self._tables[seq_id] = table
-        cached_tokens = len(hits) * self.block_size
-        if self.enable_prefix_caching and use_cache:
-            self.prefix_query_tokens += len(token_ids)
-            self.prefix_hit_tokens += cached_tokens
-        return cached_tokens
+        return table
 
     # -- growth, sharing, release -----------------------------------------------------------
     def can_append(self, seq_id: SeqId, n: int = 1) -> bool:

@@ -10,11 +10,18 @@ shape as SGLang's radix cache, stored as a flat map.
 
 Only *full* blocks are cached. A shared prefix shorter than one block can never hit, and a hit
 never covers a prompt's last token: its logits must be computed.
+
+With ``hash_blocks`` the cache also names each block by its chained content hash
+(:mod:`pagedkv.memory.block_hash`), computed once when the block is inserted: what a second KV
+tier keys blocks by once they leave the pool.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from pagedkv.memory.block_hash import block_hash
 
 #: Parent id of a sequence's first block.
 ROOT = -1
@@ -22,13 +29,26 @@ ROOT = -1
 BlockKey = tuple[int, tuple[int, ...]]
 
 
+@dataclass(frozen=True)
+class RemovedBlock:
+    """A block the cache forgot, as it was cached: its key and (with ``hash_blocks``) its hash
+    and its parent's (None for a first block)."""
+
+    block_id: int
+    key: BlockKey
+    block_hash: int | None
+    parent_hash: int | None
+
+
 class PrefixCache:
     """Map (parent block id, token ids) -> block id, with the inverse for eviction."""
 
-    def __init__(self) -> None:
+    def __init__(self, hash_blocks: bool = False) -> None:
         self._by_key: dict[BlockKey, int] = {}
         self._key_of: dict[int, BlockKey] = {}
         self._children: dict[int, set[int]] = {}
+        #: block id -> chained content hash of every cached block (None: not hashing)
+        self._hash_of: dict[int, int] | None = {} if hash_blocks else None
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -60,34 +80,59 @@ class PrefixCache:
         self._key_of[block_id] = key
         if parent != ROOT:
             self._children.setdefault(parent, set()).add(block_id)
+        if self._hash_of is not None:  # a parent is always cached (the cache is a closed tree)
+            parent_hash = None if parent == ROOT else self._hash_of[parent]
+            self._hash_of[block_id] = block_hash(parent_hash, key[1])
         return True
 
     def remove(self, block_id: int) -> list[int]:
         """Forget ``block_id`` and all its cached descendants; return every block forgotten."""
+        return [removed.block_id for removed in self.remove_entries(block_id)]
+
+    def remove_entries(self, block_id: int) -> list[RemovedBlock]:
+        """:meth:`remove`, saying what each forgotten block held (parents before children)."""
         if not self._children.get(block_id):  # a leaf, as an evicted block usually is
-            key = self._key_of.pop(block_id, None)
-            if key is None:
+            if block_id not in self._key_of:
                 return []
-            del self._by_key[key]
+            removed = [self._forget(block_id)]
             self._children.pop(block_id, None)
-            siblings = self._children.get(key[0])
+            siblings = self._children.get(removed[0].key[0])
             if siblings is not None:
                 siblings.discard(block_id)
-            return [block_id]
-        forgotten: list[int] = []
-        stack = [block_id]
-        while stack:
-            block = stack.pop()
-            key = self._key_of.pop(block, None)
-            if key is None:
-                continue
-            del self._by_key[key]
-            parent = key[0]
-            if parent != ROOT and parent in self._children:
-                self._children[parent].discard(block)
-            stack.extend(self._children.pop(block, ()))
-            forgotten.append(block)
-        return forgotten
+        else:
+            removed = []
+            stack = [block_id]
+            while stack:
+                block = stack.pop()
+                if block not in self._key_of:
+                    continue
+                removed.append(self._forget(block))
+                parent = removed[-1].key[0]
+                if parent != ROOT and parent in self._children:
+                    self._children[parent].discard(block)
+                stack.extend(self._children.pop(block, ()))
+        if self._hash_of is not None:  # only now: a child's entry read its parent's hash
+            for entry in removed:
+                del self._hash_of[entry.block_id]
+        return removed
+
+    def _forget(self, block_id: int) -> RemovedBlock:
+        key = self._key_of.pop(block_id)
+        del self._by_key[key]
+        if self._hash_of is None:
+            return RemovedBlock(block_id, key, None, None)
+        parent_hash = None if key[0] == ROOT else self._hash_of[key[0]]
+        return RemovedBlock(block_id, key, self._hash_of[block_id], parent_hash)
+
+    def hash_of(self, block_id: int) -> int:
+        """The chained content hash of a cached block (a cache built with ``hash_blocks``)."""
+        if self._hash_of is None:
+            raise ValueError("this prefix cache does not hash its blocks (hash_blocks=False)")
+        return self._hash_of[block_id]
+
+    @property
+    def hashes_blocks(self) -> bool:
+        return self._hash_of is not None
 
     def blocks(self) -> Iterator[int]:
         return iter(self._key_of)
