@@ -1,25 +1,45 @@
-"""The paging itself: blocks, block tables, prefix cache. Pure Python, no torch import."""
+"""The paging itself: blocks, block tables, prefix cache, the second tier's bookkeeping. Pure
+Python, no torch import."""
 
+from pagedkv.memory.block_hash import ROOT_HASH_SEED, block_hash
 from pagedkv.memory.block_pool import BlockPool, KVCacheListener
 from pagedkv.memory.block_table import BlockTable, blocks_for
 from pagedkv.memory.errors import PoolExhaustedError
 from pagedkv.memory.manager import KVCacheManager, KVUsage, PoolSnapshot, TableSnapshot
 from pagedkv.memory.prefix_cache import ROOT, PrefixCache
 from pagedkv.memory.spec import GPT_STYLE_7B, KVSpec, parse_bytes
+from pagedkv.memory.tiered import PREEMPTION_MODES, Preemption, TieredKVCacheManager, TierUsage
+from pagedkv.memory.tiers import POOL_MEDIUM, TIER_MEDIUMS, KVTier, TierEvent
+from pagedkv.memory.transfers import BlockLoad, BlockSpill, KVTransfers, SwapCostModel, TransferReport
 
 __all__ = [
     "GPT_STYLE_7B",
+    "POOL_MEDIUM",
+    "PREEMPTION_MODES",
     "ROOT",
+    "ROOT_HASH_SEED",
+    "TIER_MEDIUMS",
+    "BlockLoad",
     "BlockPool",
+    "BlockSpill",
     "BlockTable",
     "KVCacheListener",
     "KVCacheManager",
     "KVSpec",
+    "KVTier",
+    "KVTransfers",
     "KVUsage",
     "PoolExhaustedError",
     "PoolSnapshot",
+    "Preemption",
     "PrefixCache",
+    "SwapCostModel",
     "TableSnapshot",
+    "TierEvent",
+    "TierUsage",
+    "TieredKVCacheManager",
+    "TransferReport",
+    "block_hash",
     "blocks_for",
     "parse_bytes",
 ]
