@@ -34,6 +34,7 @@ import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -92,43 +93,52 @@ def read_header(path: Path, layout: KVLayout) -> tuple[dict, int]:
     """A file's header, checked against ``layout`` and the file's size; and where its payload
     starts. Raises :class:`CorruptBlockError` saying what is wrong."""
     with open(path, "rb") as f:
-        preamble = f.read(_PREAMBLE.size)
-        if len(preamble) < _PREAMBLE.size:
-            raise CorruptBlockError(f"{path.name}: torn file ({len(preamble)} bytes, no header)")
-        magic, head_len, head_crc = _PREAMBLE.unpack(preamble)
-        if magic != MAGIC:
-            raise CorruptBlockError(f"{path.name}: not a pagedkv KV block file (magic {magic!r})")
-        if head_len > MAX_HEADER_BYTES:
-            raise CorruptBlockError(f"{path.name}: header length {head_len} is implausible")
-        head = f.read(head_len)
-    if len(head) < head_len or zlib.crc32(head) != head_crc:
-        raise CorruptBlockError(f"{path.name}: torn or damaged header (checksum mismatch)")
-    header = json.loads(head)
-    if header.get("layout") != layout.to_dict():
-        raise CorruptBlockError(
-            f"{path.name}: written for another KV layout {header.get('layout')}, this server's is "
-            f"{layout.to_dict()}"
-        )
-    start = _PREAMBLE.size + head_len
-    expected = start + header["payload_bytes"]
-    size = path.stat().st_size
-    if header["payload_bytes"] != layout.block_bytes or size != expected:
-        raise CorruptBlockError(f"{path.name}: torn file ({size} bytes where the header says {expected})")
-    return header, start
+        return _checked_header(f, path.name, layout)
 
 
-def read_payload(path: Path, layout: KVLayout, kind: str, block_hash: int | None = None) -> bytes:
-    """The checked payload of a ``kind`` file (of ``block_hash``, for a block file)."""
-    header, start = read_header(path, layout)
-    if header.get("kind") != kind or (kind == "block" and header.get("block_hash") != block_hash):
-        held = f"{header.get('kind')} {header.get('block_hash')}"
-        raise CorruptBlockError(f"{path.name}: holds {held}, not {kind} {block_hash}")
+def read_payload(path: Path, layout: KVLayout, kind: str, block_hash: int | None = None) -> bytearray:
+    """The checked payload of a ``kind`` file (of ``block_hash``, for a block file), read once."""
     with open(path, "rb") as f:
-        f.seek(start)
-        payload = f.read()
-    if len(payload) != header["payload_bytes"] or zlib.crc32(payload) != header["payload_crc32"]:
+        header, _ = _checked_header(f, path.name, layout)
+        if header.get("kind") != kind or (kind == "block" and header.get("block_hash") != block_hash):
+            held = f"{header.get('kind')} {header.get('block_hash')}"
+            raise CorruptBlockError(f"{path.name}: holds {held}, not {kind} {block_hash}")
+        payload = bytearray(header["payload_bytes"])
+        got = f.readinto(payload)
+    if got != len(payload) or zlib.crc32(payload) != header["payload_crc32"]:
         raise CorruptBlockError(f"{path.name}: damaged payload (checksum mismatch)")
     return payload
+
+
+def _checked_header(f: BinaryIO, name: str, layout: KVLayout) -> tuple[dict, int]:
+    preamble = f.read(_PREAMBLE.size)
+    if len(preamble) < _PREAMBLE.size:
+        raise CorruptBlockError(f"{name}: torn file ({len(preamble)} bytes, no header)")
+    magic, head_len, head_crc = _PREAMBLE.unpack(preamble)
+    if magic != MAGIC:
+        raise CorruptBlockError(f"{name}: not a pagedkv KV block file (magic {magic!r})")
+    if head_len > MAX_HEADER_BYTES:
+        raise CorruptBlockError(f"{name}: header length {head_len} is implausible")
+    head = f.read(head_len)
+    if len(head) < head_len or zlib.crc32(head) != head_crc:
+        raise CorruptBlockError(f"{name}: torn or damaged header (checksum mismatch)")
+    try:
+        header = json.loads(head)
+        payload_bytes = int(header["payload_bytes"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise CorruptBlockError(f"{name}: unreadable header ({err})") from None
+    if header.get("layout") != layout.to_dict():
+        raise CorruptBlockError(
+            f"{name}: written for another KV layout {header.get('layout')}, "
+            f"this server's is {layout.to_dict()}"
+        )
+    start = _PREAMBLE.size + head_len
+    size = os.fstat(f.fileno()).st_size
+    if payload_bytes != layout.block_bytes or size != start + payload_bytes:
+        raise CorruptBlockError(
+            f"{name}: torn file ({size} bytes where the header says {start + payload_bytes})"
+        )
+    return header, start
 
 
 def write_atomically(path: Path, pieces: list[bytes | memoryview]) -> None:
@@ -170,9 +180,10 @@ def payload_views(data: torch.Tensor, scales: torch.Tensor | None) -> list[memor
     return views
 
 
-def split_payload(payload: bytes, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The inverse of :func:`payload_views`: (bytes ``[*data_shape]``, scales or None)."""
-    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+def split_payload(payload: bytearray, layout: KVLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The inverse of :func:`payload_views`: (bytes ``[*data_shape]``, scales or None), sharing
+    ``payload``'s memory."""
+    raw = torch.frombuffer(payload, dtype=torch.uint8)
     data = raw[: layout.data_bytes].view(layout.data_shape)
     if not layout.quantized:
         return data, None
@@ -245,7 +256,7 @@ class DiskKVTier:
                 header, _ = read_header(path, self.layout)
                 if header.get("kind") != "block" or header.get("block_hash") != int(match.group(1), 16):
                     raise CorruptBlockError(f"{name}: its header names another block")
-            except (CorruptBlockError, json.JSONDecodeError, KeyError, TypeError) as err:
+            except CorruptBlockError as err:
                 logger.warning("KV tier: ignoring %s: %s", path, err)
                 continue
             parent = header["parent_hash"]

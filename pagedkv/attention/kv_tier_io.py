@@ -9,9 +9,11 @@ The executor runs, on every rank, for the step's :class:`~pagedkv.memory.KVTrans
     report = TransferReport(stored=mover.take_stored(), loaded=loaded)
 
 :class:`HostTierMover` does it all within the step. :class:`DiskTierMover` copies outbound
-blocks to host memory within the step (so the pool may reuse them) and hands the files to one
-writer thread, which deletes the files of forgotten hashes and writes new ones in the order it
-was given them; :meth:`DiskTierMover.take_stored` reports the writes that ended since. Inbound
+blocks to host memory within the step (so the pool may reuse them) and hands the files to
+writer threads, which delete the files of forgotten hashes and write new ones; a file's name
+always goes to the same thread, so what happens to one name happens in the order it was asked
+(several threads, because each write waits for its fsync and the disk takes concurrent ones
+together). :meth:`DiskTierMover.take_stored` reports the writes that ended since. Inbound
 files are read -- in parallel, on their own threads, never queued behind the writer -- and
 checked before the step's forward pass, so a step waits for the loads it needs and for nothing
 else. Writes waiting beyond ``max_pending_bytes`` are refused at once (reported failed: a spill
@@ -63,10 +65,17 @@ class HostTierMover:
 class DiskTierMover:
     """Moves a step's blocks between the pool and a :class:`DiskKVTier` (see the module doc)."""
 
-    def __init__(self, tier: DiskKVTier, max_pending_bytes: int = 256 << 20, read_threads: int = 4) -> None:
+    def __init__(
+        self,
+        tier: DiskKVTier,
+        max_pending_bytes: int = 256 << 20,
+        read_threads: int = 4,
+        write_threads: int = 4,
+    ) -> None:
         self.tier = tier
         self.max_pending_bytes = max_pending_bytes
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.write_threads = write_threads
+        self._queues: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(write_threads)]
         self._lock = threading.Lock()
         self._stored: list[tuple[int, bool]] = []
         self._pending_bytes = 0
@@ -74,15 +83,19 @@ class DiskTierMover:
         self.writes_refused = 0
         self.writes_failed = 0
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="pagedkv-kv-read")
-        self._writer = threading.Thread(target=self._write_loop, name="pagedkv-kv-write", daemon=True)
-        self._writer.start()
+        self._writers = [
+            threading.Thread(target=self._write_loop, args=(q,), name=f"pagedkv-kv-write-{i}", daemon=True)
+            for i, q in enumerate(self._queues)
+        ]
+        for writer in self._writers:
+            writer.start()
 
     # -- the step -------------------------------------------------------------------------------
     def store(self, kv_cache: KVCache, transfers: KVTransfers) -> None:
         """Forget ``transfers.forgotten``, then copy the outbound blocks to host memory and queue
         their files; returns once the pool blocks may be reused."""
         for digest in transfers.forgotten:
-            self._queue.put(("delete", digest))
+            self._queue_of(digest).put(("delete", digest))
         moves = [(s.block_id, s.slot, s) for s in transfers.spills]
         moves += [(block, slot, None) for block, slot in transfers.swap_outs]
         size = self.tier.layout.block_bytes
@@ -96,7 +109,8 @@ class DiskTierMover:
             return
         data, scales = gather_blocks(kv_cache, [block for block, _, _ in accepted])
         for i, (_, slot, spill) in enumerate(accepted):
-            self._queue.put(("write", slot, spill, data[i], None if scales is None else scales[i]))
+            name = slot if spill is None else spill.block_hash
+            self._queue_of(name).put(("write", slot, spill, data[i], None if scales is None else scales[i]))
 
     def load(self, kv_cache: KVCache, transfers: KVTransfers) -> list[tuple[int, bool]]:
         """Read and check this step's inbound files (in parallel), copy the good ones into the
@@ -114,7 +128,7 @@ class DiskTierMover:
             scatter_blocks(kv_cache, blocks, data, scales)
         for slot, _, digest in jobs:
             if digest is None:
-                self._queue.put(("delete_swap", slot))  # swapped in: its file is done with
+                self._queue_of(slot).put(("delete_swap", slot))  # swapped in: its file is done with
         return [(slot, found is not None) for (slot, _, _), found in zip(jobs, results, strict=True)]
 
     def take_stored(self) -> list[tuple[int, bool]]:
@@ -125,16 +139,23 @@ class DiskTierMover:
 
     def drain(self) -> None:
         """Wait until every queued delete and write has ended (shutdown, tests)."""
-        done = threading.Event()
-        self._queue.put(("flush", done))
-        done.wait()
+        flushed = [threading.Event() for _ in self._queues]
+        for q, done in zip(self._queues, flushed, strict=True):
+            q.put(("flush", done))
+        for done in flushed:
+            done.wait()
 
     def close(self) -> None:
         """Finish the queued writes, then stop the threads (idempotent)."""
-        if self._writer.is_alive():
-            self._queue.put(_STOP)
-            self._writer.join()
+        for q, writer in zip(self._queues, self._writers, strict=True):
+            if writer.is_alive():
+                q.put(_STOP)
+                writer.join()
         self._readers.shutdown(wait=True)
+
+    def _queue_of(self, name: int) -> queue.SimpleQueue:
+        """The one writer queue for a file name (a block hash, or a swap slot)."""
+        return self._queues[name % len(self._queues)]
 
     # -- threads --------------------------------------------------------------------------------
     def _read(self, job: tuple[int, int, int | None]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -146,8 +167,8 @@ class DiskTierMover:
             logger.warning("KV tier: not loading %s from slot %d: %s", what, slot, err)
             return None
 
-    def _write_loop(self) -> None:
-        while (item := self._queue.get()) is not _STOP:
+    def _write_loop(self, jobs: queue.SimpleQueue) -> None:
+        while (item := jobs.get()) is not _STOP:
             kind = item[0]
             if kind == "flush":
                 item[1].set()
@@ -167,9 +188,9 @@ class DiskTierMover:
             ok = True
         except OSError as err:
             logger.warning("KV tier: could not write slot %d to %s: %s", slot, self.tier.folder, err)
-            self.writes_failed += 1
             ok = False
         with self._lock:
+            self.writes_failed += not ok
             self._pending_bytes -= self.tier.layout.block_bytes
             self._stored.append((slot, ok))
 

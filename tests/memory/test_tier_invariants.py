@@ -140,13 +140,13 @@ class TieredMemoryMachine(RuleBasedStateMachine):
         self.kv.cache_computed_blocks(seq, tokens, self.running[seq][1])
 
     def _replay_events(self):
-        for event in self.kv.take_tier_events():
-            for digest in event.block_hashes:
-                if event.removed:
+        for change in self.kv.take_tier_events():
+            for digest in change.block_hashes:
+                if change.removed:
                     del self.mirror[digest]
                 else:
                     assert digest not in self.mirror, "stored twice without a removal"
-                    self.mirror[digest] = (event.parent_hash, event.token_ids)
+                    self.mirror[digest] = (change.parent_hash, change.token_ids)
 
     def _new_id(self):
         self.next_id += 1

@@ -106,7 +106,7 @@ def test_pinned_blocks_are_not_evicted_and_events_say_what_left():
     digests = chain_hashes(list(range(12)), BS, 0, 3, None)
     parents = [None, digests[0], digests[1]]
     slots = [tier.store(digests[i], parents[i], range(i * BS, (i + 1) * BS)) for i in range(2)]
-    for digest, slot in zip(digests, slots):
+    for digest, slot in zip(digests, slots, strict=False):
         tier.stored(digest, slot)
     (entry,) = tier.match(list(range(12)), BS, 0, 1, None)
     tier.pin([entry])
