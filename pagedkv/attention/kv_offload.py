@@ -10,8 +10,8 @@ block keeps its scales beside it. Pinned when the pool is on CUDA, so copies run
 Everything moves as raw bits (integer views of the cache): a block comes back with exactly the
 bits it left with, whatever its element type (fp8 has no CPU index kernels anyway). A block is
 one run of bytes per layer and key/value in the pool (``[layers, 2, blocks, ...]``) and one
-run in a slot, so each block moves as one strided copy of ``2 * layers`` runs: no temporary,
-and on CUDA one DMA straight into (or out of) the pinned slot.
+run in a slot, so each block moves as one strided copy of ``2 * layers`` runs, with no host
+temporary, into or out of (on CUDA) pinned memory.
 """
 
 from __future__ import annotations
@@ -179,9 +179,9 @@ def scatter_blocks(
 def _copy_out(kv_cache: KVCache, blocks, data: torch.Tensor, scales: torch.Tensor | None, rows) -> None:
     """Pool block ``blocks[i]`` -> row ``rows[i]`` of ``data`` (and ``scales``), then wait.
 
-    One strided copy per block: ``[layers, 2]`` runs of one block's contiguous bytes each (a
-    DMA on CUDA straight into the pinned rows). Index kernels that gather whole blocks at once
-    move these 1-byte elements one at a time and ran 10-20x slower on the CPU.
+    One strided copy per block: ``[layers, 2]`` runs of one block's contiguous bytes each. Index
+    kernels that gather many blocks at once treat every word as an element to index, and are
+    far slower on the CPU than these copies of whole runs.
     """
     device = kv_cache.device
     cuda = device.type == "cuda"
