@@ -1,6 +1,6 @@
 """How fast KV blocks move to and from the second tier: the rates the swap cost model wants.
 
-    .venv/bin/python benchmarks/kv_tier_rates.py [--device cpu|cuda] [--layers 32] [--kv-heads 8]
+    .venv/bin/python tools/kv_tier_rates.py [--device cpu|cuda] [--layers 32] [--kv-heads 8]
         [--head-dim 128] [--block-size 16] [--dtype bfloat16] [--kv-cache-dtype auto]
         [--blocks 32] [--repeats 5] [--disk-dir DIR]
 
