@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 from rich.console import Console
 
-from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.config import SCHEDULING_POLICIES, EngineConfig
 from pagedkv.engine.kv_policy import POLICY_NAMES
 from pagedkv.engine.validation import RequestLimits
 from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES, parse_bytes
@@ -63,6 +63,17 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0:  # also refuses nan
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def share_fraction(text: str) -> float:
+    """argparse type for a share of the engine: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {value}")
     return value
 
 
@@ -247,6 +258,18 @@ ENGINE_OPTIONS = (
         f"0: admit on the prompt alone and preempt when the pool runs dry {DEFAULT}",
         unit_fraction,
     ),
+    EngineOption(
+        "scheduling_policy",
+        "fcfs, or priority: a request's priority field orders admission and preemption, lower first "
+        f"{DEFAULT}",
+        choices=SCHEDULING_POLICIES,
+    ),
+    EngineOption(
+        "max_running_share",
+        "most of the running slots (--max-num-seqs) and KV blocks one client request may hold while "
+        f"others wait; 1: no limit {DEFAULT}",
+        share_fraction,
+    ),
     EngineOption("attention_backend", "torch, cpu or triton (default: triton on CUDA, else cpu)"),
     EngineOption(
         "tensor_parallel_size", f"ranks the model is sharded over, one process each {DEFAULT}", positive_int
@@ -273,8 +296,8 @@ ENGINE_OPTIONS = (
     EngineOption("max_beam_width", f"most beams of a beam search {DEFAULT}", positive_int, is_limit=True),
     EngineOption(
         "max_request_tokens",
-        f"most tokens one request may ask for: samples x (prompt + max_tokens), summed over its prompts "
-        f"{DEFAULT}",
+        "most tokens one request may ask for: samples x (prompt + max_tokens), summed over its prompts "
+        "(default: what the KV pool holds, at most --max-num-seqs x the context length)",
         positive_int,
         is_limit=True,
     ),

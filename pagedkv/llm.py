@@ -42,8 +42,12 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt (text or token ids) to completion; outputs in input order."""
+        """Run every prompt (text or token ids) to completion; outputs in input order.
+
+        ``priority``: one per prompt, lower first (vLLM's); needs ``scheduling_policy="priority"``.
+        """
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -51,10 +55,13 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         ids = self._submit(
             [
-                lambda rid, p=p, sp=sp: self.engine.add_request(rid, p, sp)
-                for p, sp in zip(prompts, params, strict=True)
+                lambda rid, p=p, sp=sp, pr=pr: self.engine.add_request(rid, p, sp, priority=pr)
+                for p, sp, pr in zip(prompts, params, priorities, strict=True)
             ]
         )
         return self._run(ids, use_tqdm)

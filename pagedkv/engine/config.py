@@ -16,6 +16,9 @@ from pagedkv.engine.validation import RequestLimits
 if TYPE_CHECKING:
     import torch
 
+#: vLLM's ``--scheduling-policy`` values (see ``engine/fairness.py``).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass
 class EngineConfig:
@@ -49,11 +52,18 @@ class EngineConfig:
     #: for (see ``engine/headroom.py``): 1.0 never over-commits when outputs run to max_tokens;
     #: 0 admits on the prompt alone and preempts when the pool runs dry.
     decode_headroom: float = 1.0
+    #: vLLM's "fcfs" or "priority": with "priority", a request's ``priority`` (lower first) orders
+    #: admission and preemption (see ``engine/fairness.py``).
+    scheduling_policy: str = "fcfs"
+    #: Most of the running slots and KV blocks one client request may hold while others wait
+    #: (see ``engine/fairness.py``); 1.0: no limit.
+    max_running_share: float = 0.5
     #: "torch", "cpu" or "triton"; None: triton on CUDA, else cpu.
     attention_backend: str | None = None
     #: "paged", or "contiguous" / "contiguous-oracle" to measure the reservation it replaces.
     kv_policy: str | KVPolicy = "paged"
-    #: The most one request may ask for (samples, beams, tokens).
+    #: The most one request may ask for (samples, beams, tokens); an unset token budget
+    #: derives from the KV pool (``RequestLimits.resolved``).
     limits: RequestLimits = field(default_factory=RequestLimits)
     #: Ranks the model is sharded over (one process each; see pagedkv.models.parallel).
     tensor_parallel_size: int = 1

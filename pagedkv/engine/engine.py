@@ -69,14 +69,8 @@ class LLMEngine:
         caching = config.enable_prefix_caching and self.kv_policy.allows_prefix_caching
         num_blocks = self.executor.num_kv_blocks
         self.kv_manager = KVCacheManager(num_blocks, config.block_size, caching, config.watermark)
-        self.scheduler = Scheduler(
-            self.kv_manager,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.kv_policy,
-            self.max_model_len,
-            config.decode_headroom,
-        )
+        self.scheduler = Scheduler.from_config(config, self.kv_manager, self.kv_policy, self.max_model_len)
+        pool_tokens = num_blocks * config.block_size
         self.validator = RequestValidator(
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
@@ -84,7 +78,7 @@ class LLMEngine:
             block_size=config.block_size,
             num_blocks=num_blocks,
             usable_blocks=num_blocks - self.kv_manager.watermark_blocks,
-            limits=config.limits,
+            limits=config.limits.resolved(pool_tokens, config.max_num_seqs, self.max_model_len),
         )
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
@@ -95,10 +89,20 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        client_request_id: str | None = None,
     ) -> Request:
-        """Validate and queue a request; raises :class:`InvalidRequestError` with the reason."""
-        return self._queue(request_id, prompt, params or SamplingParams())
+        """Validate and queue a request; raises :class:`InvalidRequestError` with the reason.
+
+        ``priority``: lower runs first, under the ``priority`` scheduling policy (vLLM's); requests
+        that share a ``client_request_id`` share one fair share of the engine (``engine/fairness.py``).
+        """
+        self.scheduler.check_priority(priority)
+        return self._queue(request_id, prompt, params or SamplingParams(), None, priority, client_request_id)
 
     def add_beam_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> Request:
         """Queue a beam search; its result arrives as one RequestOutput, beams best first."""
@@ -113,6 +117,8 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         beam: BeamSearchParams | None = None,
+        priority: int = 0,
+        client_request_id: str | None = None,
     ) -> Request:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -122,7 +128,15 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validator.check(token_ids, params, samples)
-        request = Request(request_id, text, token_ids, params, arrival_time=time.monotonic())
+        request = Request(
+            request_id,
+            text,
+            token_ids,
+            params,
+            arrival_time=time.monotonic(),
+            priority=priority,
+            client_request_id=client_request_id,
+        )
         seq = Sequence(request, 0, list(token_ids), make_generator(params.seed, 0))
         seq.detokenizer = self.tokenizer.detokenizer(token_ids, params.skip_special_tokens)
         request.seqs.append(seq)

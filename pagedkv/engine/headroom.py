@@ -153,14 +153,6 @@ class Headroom:
         """Steps of prompt chunks still to compute after this one (a full budget each)."""
         return -(-max(tokens_left, 0) // self.max_num_batched_tokens)
 
-    @staticmethod
-    def _copies(seq: Sequence) -> int:
-        """Sequences ``seq`` becomes: itself plus the samples or beams still to fork from it."""
-        request = seq.request
-        if request.beam is not None:
-            return request.beam.params.beam_width if seq.num_output_tokens == 0 else 1
-        return request.params.n - len(request.seqs) + 1
-
     def running_growth(
         self, seq: Sequence, scheduled_tokens: int, shared_soon: Collection[int] = ()
     ) -> Growth:
@@ -169,7 +161,7 @@ class Headroom:
         table = self.kv_manager.table(seq.seq_id)
         slots = table.num_tokens
         natural = blocks_for(slots + 1, table.block_size) - len(table.block_ids)
-        copies = self._copies(seq)
+        copies = seq.num_copies
         # Prompt tokens that hold slots but are not computed yet (between steps, a decoding
         # sequence's sampled token has no slot yet: that is its next append, not a delay).
         left = table.num_tokens - seq.num_computed_tokens - scheduled_tokens
@@ -187,7 +179,7 @@ class Headroom:
         """A waiting sequence about to take ``new_blocks`` blocks and ``budget`` tokens of the
         step (its prompt, or everything it had computed before a preemption)."""
         slots = seq.num_tokens
-        copies = self._copies(seq)
+        copies = seq.num_copies
         return Growth(
             slots=slots,
             remaining=self._remaining(seq, slots),
@@ -231,7 +223,7 @@ class Refusal:
 
     @classmethod
     def of(cls, seq: Sequence, budget: int, new_blocks: int, shortfall: int, headroom: bool) -> Refusal:
-        return cls(seq, budget, new_blocks, shortfall, 2 * Headroom._copies(seq) if headroom else 0)
+        return cls(seq, budget, new_blocks, shortfall, 2 * seq.num_copies if headroom else 0)
 
     def stands(self, seq: Sequence, budget: int, new_blocks: int) -> bool:
         """Admission would still refuse ``seq`` now, ``steps`` steps later."""
@@ -253,9 +245,13 @@ class Projection:
         self.scheduled = scheduled
         self.growths = [headroom.running_growth(s, scheduled.get(s.seq_id, 0)) for s in running]
 
-    def shortfall(self, candidate: Sequence, new_blocks: int, budget: int) -> int:
+    def shortfall(
+        self, candidate: Sequence, new_blocks: int, budget: int, unprotected: Collection[str] = ()
+    ) -> int:
         """Blocks missing for ``candidate``'s ``new_blocks`` plus the peak growth of the running
-        set with it to fit in the free blocks less the watermark (<= 0: it is admitted)."""
+        set with it to fit in the free blocks less the watermark (<= 0: it is admitted). The
+        growth of the client requests in ``unprotected`` is left out: they are over their fair
+        share (:mod:`pagedkv.engine.fairness`) and are preempted first if the pool runs dry."""
         headroom, manager = self.headroom, self.headroom.kv_manager
         growths = self.growths
         hits = manager.cached_prefix_blocks(candidate.token_ids, not candidate.needs_prompt_logits)
@@ -265,6 +261,9 @@ class Projection:
             growths = [
                 headroom.running_growth(s, self.scheduled.get(s.seq_id, 0), shared) for s in self.running
             ]
+        if unprotected:
+            running = zip(self.running, growths, strict=True)
+            growths = [g for s, g in running if s.request.client not in unprotected]
         growths = [*growths, headroom.waiting_growth(candidate, new_blocks, budget)]
         peak = peak_new_blocks(growths, manager.block_size)
         return new_blocks + peak - manager.allocatable_blocks

@@ -10,95 +10,39 @@ prompt's blocks, the contiguous policies a whole reservation up front. Under ``p
 is also admitted only while the running requests keep room to grow
 (:mod:`pagedkv.engine.headroom`), so an offline batch does not over-commit the pool.
 
-When a running sequence still needs a block and the pool is empty, the most recently admitted
-running sequence is preempted by recompute: its blocks go back to the pool and it returns to
-the front of the waiting queue; when readmitted, prefix caching usually finds its blocks again.
+Which waiting sequence goes in first, and how much of the engine one client request may hold
+while others wait, is fair admission (:mod:`pagedkv.engine.fairness`): fewest running slots
+first, at most ``max_running_share`` of the slots and blocks per client request while others
+wait, and what a request over its share holds is taken back for one within it.
+
+When a running sequence still needs a block and the pool is empty, a running sequence is
+preempted by recompute -- one of a request over its share first, else the most recently
+admitted (under the ``priority`` policy, the one with the highest ``priority`` value first):
+its blocks go back to the pool and it returns to the front of the waiting queue; when
+readmitted, prefix caching usually finds its blocks again.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections import Counter, deque
+from collections.abc import Collection, Iterable
 
-from pagedkv.engine.executor.plan import SeqSlice, StepPlan
+from pagedkv.engine.config import SCHEDULING_POLICIES, EngineConfig
+from pagedkv.engine.fairness import (
+    FairShare,
+    Holdings,
+    admission_order,
+    check_priority,
+    choose_victim,
+)
 from pagedkv.engine.headroom import Headroom, Projection, Refusal
 from pagedkv.engine.kv_policy import PAGED, KVPolicy
+from pagedkv.engine.scheduler_output import ScheduledSeq, SchedulerOutput  # the step's record
 from pagedkv.engine.sequence import Sequence, SequenceStatus
 from pagedkv.memory import KVCacheManager
 
 logger = logging.getLogger("pagedkv.scheduler")
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """A sequence and the slice ``start:end`` of its tokens this step computes.
-
-    Fixed when scheduled: the sequence itself moves on after the step.
-    """
-
-    seq: Sequence
-    start: int
-    end: int
-    #: The slice reaches the sequence's last token, so its logits are sampled.
-    needs_logits: bool
-
-    @classmethod
-    def next_chunk(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
-        start = seq.num_computed_tokens
-        end = start + num_new_tokens
-        return cls(seq, start, end, end == seq.num_tokens and seq.finish_reason is None)
-
-    @property
-    def num_new_tokens(self) -> int:
-        return self.end - self.start
-
-
-@dataclass
-class SchedulerOutput:
-    """One step's work as the scheduler decided it: the token slices to compute (with the block
-    copies due before them) and the sequences preempted to make room. The engine turns it into
-    the executor's plan and, after the forward pass, samples the slices that need logits."""
-
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    #: Copy-on-write block copies to perform before the forward pass.
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    #: Computed tokens the preempted sequences lost: they compute them again.
-    dropped_tokens: int = 0
-    #: Prompt tokens looked up in, and served by, the prefix cache at this step's admissions.
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    #: Blocks held once the step's slots and copies are allocated: what its forward pass needs.
-    kv_blocks_used: int = 0
-    #: Blocks the live block tables reference then, a shared block once per holder (what the
-    #: same sequences would hold without sharing).
-    kv_table_blocks: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    def plan(self, kv_manager: KVCacheManager) -> StepPlan:
-        """The executor's record of this step: token slices, block tables (copied: the tables
-        move on) and the block copies, as plain data."""
-        slices = [
-            SeqSlice(
-                token_ids=item.seq.token_ids[item.start : item.end],
-                start=item.start,
-                block_table=list(kv_manager.block_ids(item.seq.seq_id)),
-                needs_logits=item.needs_logits,
-                prompt_logits=item.seq.needs_prompt_logits,
-                prompt_len=item.seq.prompt_len,
-            )
-            for item in self.scheduled
-        ]
-        return StepPlan(slices, list(self.block_copies))
 
 
 class Scheduler:
@@ -117,6 +61,8 @@ class Scheduler:
         kv_policy: KVPolicy = PAGED,
         max_model_len: int = 2048,
         decode_headroom: float = 1.0,
+        scheduling_policy: str = "fcfs",
+        max_running_share: float = 0.5,
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(
@@ -125,6 +71,24 @@ class Scheduler:
             )
         if not 0.0 <= decode_headroom <= 1.0:
             raise ValueError(f"decode_headroom must be in [0, 1], got {decode_headroom}")
+        if scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}"
+            )
+        self.scheduling_policy = scheduling_policy
+        self.by_priority = scheduling_policy == "priority"
+        self.share = FairShare(
+            max_running_share,
+            max_num_seqs,
+            kv_manager.num_blocks,
+            kv_manager.block_size,
+            kv_policy,
+            max_model_len,
+        )
+        #: Waiting sequences per client request: whether others wait (fairness's rule 2).
+        self._waiting_clients: Counter[str] = Counter()
+        #: The running set's growth, built at most once a step (and again after a preemption).
+        self._projection: Projection | None = None
         self.kv_manager = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -149,10 +113,53 @@ class Scheduler:
         if decode_headroom and kv_policy.grows_on_demand:
             self.headroom = Headroom(kv_manager, decode_headroom, max_num_batched_tokens, max_model_len)
 
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, kv_manager: KVCacheManager, kv_policy: KVPolicy, max_model_len: int
+    ) -> Scheduler:
+        """The scheduler an engine of ``config`` runs."""
+        return cls(
+            kv_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            kv_policy,
+            max_model_len,
+            config.decode_headroom,
+            config.scheduling_policy,
+            config.max_running_share,
+        )
+
     # -- queue management -------------------------------------------------------------------
+    def check_priority(self, priority: object) -> None:
+        """Raise :class:`~pagedkv.engine.validation.InvalidRequestError` unless this policy takes
+        ``priority`` (a non-zero one needs the ``priority`` policy)."""
+        check_priority(self.scheduling_policy, priority)
+
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+        self._waiting_clients[seq.request.client] += 1
+
+    def _dequeue(self, seq: Sequence) -> None:
+        if self.waiting[0] is seq:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(seq)
+        client = seq.request.client
+        self._waiting_clients[client] -= 1
+        if not self._waiting_clients[client]:
+            del self._waiting_clients[client]
+
+    def _others_wait(self, client: str) -> bool:
+        """A client request other than ``client`` has a sequence waiting."""
+        waiting = self._waiting_clients
+        return len(waiting) > 1 or (bool(waiting) and client not in waiting)
 
     def reserve_tokens(self, seq: Sequence) -> int:
         """Slots to hold for ``seq`` at admission, beyond its current tokens."""
@@ -172,7 +179,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
-            self.waiting.remove(seq)
+            self._dequeue(seq)
         seq.status = SequenceStatus.FINISHED
         self.kv_manager.free(seq.seq_id)
         self._refusal = None  # blocks came back: the head may fit now
@@ -195,16 +202,35 @@ class Scheduler:
         return self.kv_manager.blocks_to_allocate(seq.token_ids, self.reserve_tokens(seq), use_cache)
 
     def _shortfall(
-        self, seq: Sequence, needed: int, budget: int, projection: Callable[[], Projection]
+        self, seq: Sequence, needed: int, budget: int, out: SchedulerOutput, unprotected: Collection[str]
     ) -> int:
         """Blocks missing for ``seq``'s ``needed`` blocks to fit, and (with headroom) the running
-        requests' growth with them (<= 0: it fits). With nothing running the prompt alone
-        decides, so a request always makes progress. ``projection`` is only called when the
-        prompt fits."""
+        requests' growth with them, but for the ``unprotected`` client requests' (<= 0: it fits).
+        With nothing running the prompt alone decides, so a request always makes progress. The
+        running set's projection is only built when the prompt fits."""
         shortfall = needed - self.kv_manager.allocatable_blocks
         if shortfall > 0 or self.headroom is None or not self.running:
             return shortfall
-        return projection().shortfall(seq, needed, budget)
+        if self._projection is None:  # a Growth per running sequence
+            scheduled = {item.seq.seq_id: item.num_new_tokens for item in out.scheduled}
+            self._projection = self.headroom.projection(self.running, scheduled)
+        return self._projection.shortfall(seq, needed, budget, unprotected)
+
+    def _kv_shortfall(
+        self, seq: Sequence, budget: int, out: SchedulerOutput, unprotected: Collection[str]
+    ) -> int:
+        """:meth:`_shortfall`, answered by a standing refusal where one stands (only when no
+        request over its share could give blocks back); records a new refusal."""
+        needed = self._blocks_to_admit(seq)
+        refusal = self._refusal
+        if not unprotected and refusal is not None and refusal.stands(seq, budget, needed):
+            return refusal.shortfall
+        shortfall = self._shortfall(seq, needed, budget, out, unprotected)
+        if shortfall <= 0 or unprotected:
+            self._refusal = None
+        else:
+            self._refusal = Refusal.of(seq, budget, needed, shortfall, self.headroom is not None)
+        return shortfall
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -244,58 +270,89 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting sequences in order while the budgets and the KV pool allow."""
-        projection: Projection | None = None
-
-        def running_projection() -> Projection:
-            # Built at most once a step, only when a prompt fits: a Growth per running sequence.
-            nonlocal projection
-            if projection is None:
-                scheduled = {item.seq.seq_id: item.num_new_tokens for item in out.scheduled}
-                projection = self.headroom.projection(self.running, scheduled)
-            return projection
-
+        """Admit waiting sequences in fair order (:mod:`pagedkv.engine.fairness`) while the
+        budgets and the KV pool allow; a sequence over its request's share while others wait is
+        passed over, one that does not fit stops admission (it is next)."""
         self.admission_blocked_by_kv = False
+        self._projection = None
         if self._refusal is not None:
             self._refusal.steps += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            needed = self._blocks_to_admit(seq)
-            if self._refusal is not None and self._refusal.stands(seq, budget, needed):
-                self.admission_blocked_by_kv = True
+        if not self.waiting:
+            return
+        holdings = self.share.holdings(self.running)
+        admitted: set[int] = set()  # ids admitted this step: spared by this step's reclaims
+        for seq in admission_order(self.waiting, holdings, self.by_priority):
+            if budget <= 0:
                 break
-            shortfall = self._shortfall(seq, needed, budget, running_projection)
-            if shortfall > 0:
-                self._refusal = Refusal.of(seq, budget, needed, shortfall, self.headroom is not None)
-                self.admission_blocked_by_kv = True
+            if self._others_wait(seq.request.client) and not holdings.may_start(seq):
+                continue  # over its share while others wait
+            preempted = len(out.preempted)
+            if not self._room_for(seq, out, budget, holdings, admitted):
                 break
-            self._refusal = None
-            self.waiting.popleft()
-            reserve = self.reserve_tokens(seq)
-            use_cache = not seq.needs_prompt_logits
-            cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids, reserve, use_cache)
-            seq.num_computed_tokens = cached
-            if seq.num_output_tokens == 0:
-                seq.request.num_cached_tokens = cached
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            n = min(seq.num_tokens - cached, budget)
-            out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
-            if projection is not None:
-                projection.add(seq, n)
-            budget -= n
+            if len(out.preempted) != preempted:
+                budget = self.max_num_batched_tokens - out.num_tokens  # victims gave theirs back
+            budget -= self._admit(seq, out, budget, holdings)
+            admitted.add(seq.seq_id)
+
+    def _room_for(
+        self, seq: Sequence, out: SchedulerOutput, budget: int, holdings: Holdings, admitted: set[int]
+    ) -> bool:
+        """Whether ``seq`` fits now -- a running slot, and its blocks with headroom -- after
+        taking back what it needs from client requests over their share (fairness's rule 3)."""
+        unprotected = holdings.unprotected(seq)
+        while True:
+            has_slot = len(self.running) < self.max_num_seqs
+            if has_slot and self._kv_shortfall(seq, budget, out, unprotected) <= 0:
+                return True
+            victim = None
+            if unprotected:
+                victim = choose_victim(self.running, holdings, self.by_priority, unprotected, admitted)
+            if victim is None:
+                self.admission_blocked_by_kv = has_slot
+                return False
+            self._preempt(victim, out)
+            holdings.release(victim)
+            budget = self.max_num_batched_tokens - out.num_tokens
+            unprotected = holdings.unprotected(seq)
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int, holdings: Holdings) -> int:
+        """Allocate ``seq``'s blocks and schedule its first chunk; returns the chunk's tokens."""
+        self._dequeue(seq)
+        reserve = self.reserve_tokens(seq)
+        use_cache = not seq.needs_prompt_logits
+        cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids, reserve, use_cache)
+        seq.num_computed_tokens = cached
+        if seq.num_output_tokens == 0:
+            seq.request.num_cached_tokens = cached
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        holdings.take(seq)
+        n = min(seq.num_tokens - cached, budget)
+        out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
+        if self._projection is not None:
+            self._projection.add(seq, n)
+        return n
 
     def _make_room(self, seq: Sequence, out: SchedulerOutput) -> list[tuple[int, int]] | None:
-        """Grow ``seq`` by one token, preempting the newest running sequences until it fits.
+        """Grow ``seq`` by one token, preempting running sequences (:meth:`_victim`) until it fits.
 
         Returns its copy-on-write block copies, or None if ``seq`` itself had to be preempted.
         """
         while (copies := self.kv_manager.try_append(seq.seq_id, 1)) is None:
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim, out)
             if victim is seq:
                 return None
         return copies
+
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt when the pool runs dry: the newest, unless the
+        priority policy or a request over its share says otherwise (see ``fairness``)."""
+        if not (self.share.enabled or self.by_priority):
+            return self.running[-1]
+        victim = choose_victim(self.running, self.share.holdings(self.running), self.by_priority)
+        assert victim is not None  # a sequence needs room, so one runs
+        return victim
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         lost = seq.num_computed_tokens
@@ -306,7 +363,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         out.preempted.append(seq)
         out.dropped_tokens += lost
         # The first preemption is worth a warning (the pool is too small for the load); every

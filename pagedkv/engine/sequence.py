@@ -98,6 +98,15 @@ class Sequence:
         return recorded is not None and len(recorded) < self.prompt_len
 
     @property
+    def num_copies(self) -> int:
+        """Sequences this one becomes: itself plus the samples or beams still to fork from it
+        (they fork when its prompt is computed)."""
+        request = self.request
+        if request.beam is not None:
+            return request.beam.params.beam_width if self.num_output_tokens == 0 else 1
+        return request.params.n - len(request.seqs) + 1
+
+    @property
     def in_prefill(self) -> bool:
         """More than one token still to compute (a prompt, or a recomputation after preemption)."""
         return self.num_tokens - self.num_computed_tokens > 1
@@ -150,6 +159,12 @@ class Request:
     stop_token_ids: frozenset[int] = field(default=frozenset(), init=False)
     #: The automaton of ``params.stop``, built once and shared by the request's sequences.
     stop_matcher: StopStringMatcher | None = field(default=None, init=False)
+    #: Scheduling priority under the ``priority`` policy: lower runs first (vLLM's).
+    priority: int = 0
+    #: The client request this one is part of, e.g. the HTTP request whose prompts it is one of;
+    #: None: itself. Fair admission (:mod:`pagedkv.engine.fairness`) shares the engine out per
+    #: client request.
+    client_request_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:
@@ -157,6 +172,11 @@ class Request:
         self.stop_token_ids = frozenset(self.params.stop_token_ids)
         if self.params.stop:
             self.stop_matcher = StopStringMatcher(self.params.stop)
+
+    @property
+    def client(self) -> str:
+        """The id fair admission counts this request's sequences under."""
+        return self.request_id if self.client_request_id is None else self.client_request_id
 
     @property
     def is_finished(self) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagedkv.engine.kv_policy import KVPolicy
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams, unpaired_surrogate_at
@@ -35,15 +35,17 @@ class RequestLimits:
 
     ``max_request_tokens`` bounds samples x (prompt + ``max_tokens``) of one engine request (the
     server also applies it to the sum over a batch of prompts): the tokens a request may make the
-    engine hold and compute, whatever ``n`` and the lengths are.
+    engine hold and compute, whatever ``n`` and the lengths are. Unset, the engine derives it
+    from its KV pool (:meth:`resolved`).
     """
 
     #: Most parallel samples (``n``) per prompt; OpenAI's own API caps ``n`` at 128.
     max_n: int = 128
     #: Most beams of a beam search.
     max_beam_width: int = 32
-    #: Most tokens one request may ask for: samples x (prompt + max_tokens), over its prompts.
-    max_request_tokens: int = 1 << 18
+    #: Most tokens one request may ask for: samples x (prompt + max_tokens), over its prompts;
+    #: None: derived from the engine's KV pool (:meth:`resolved`).
+    max_request_tokens: int | None = None
     #: Most stop strings (OpenAI allows 4, vLLM's ``VLLM_MAX_STOP_STRINGS`` defaults to 4): room for
     #: role markers, code fences and tag sets many times over.
     max_stop_strings: int = 128
@@ -63,8 +65,25 @@ class RequestLimits:
             "max_stop_token_ids",
         ):
             value = getattr(self, name)
+            if value is None and name == "max_request_tokens":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"RequestLimits.{name} must be a positive integer, got {value!r}")
+
+    def resolved(self, pool_tokens: int, max_num_seqs: int, max_model_len: int) -> RequestLimits:
+        """These limits with the token budget set: the deployer's, else the most tokens the engine
+        can hold at once -- the KV pool's ``pool_tokens``, or ``max_num_seqs`` sequences of
+        ``max_model_len`` if that is less.
+
+        Why that much: a request within it can have every sample resident at once, so it runs
+        in one pass over the pool; one asking for more could only run in waves, its samples
+        evicting each other by preemption, and would hold the engine for several times the work
+        the pool is sized for. Every single-sample request that fits the pool and the context is
+        within it, so only ``n``, beams and batches of prompts can reach it.
+        """
+        if self.max_request_tokens is not None:
+            return self
+        return replace(self, max_request_tokens=min(pool_tokens, max_num_seqs * max_model_len))
 
     def check_n(self, n: int) -> None:
         if n > self.max_n:
@@ -102,8 +121,9 @@ class RequestLimits:
             )
 
     def check_tokens(self, requested: int, detail: str) -> None:
-        """``requested``: samples x (prompt + max_tokens), summed over prompts; ``detail`` says how."""
-        if requested > self.max_request_tokens:
+        """``requested``: samples x (prompt + max_tokens), summed over prompts; ``detail`` says how.
+        An unresolved budget (None) checks nothing: the engine resolves it from its pool."""
+        if self.max_request_tokens is not None and requested > self.max_request_tokens:
             raise InvalidRequestError(
                 f"the request asks for up to {requested} tokens ({detail}), over the limit "
                 f"max_request_tokens = {self.max_request_tokens} (--max-request-tokens)",
@@ -189,10 +209,6 @@ class RequestValidator:
         check_token_ids(token_ids, self.vocab_size, "prompt")
         check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
         check_context(len(token_ids), params.max_tokens, self.max_model_len)
-        total = len(token_ids) + params.max_tokens
-        self.limits.check_tokens(
-            samples * total, f"{samples} x ({len(token_ids)} prompt + {params.max_tokens} max_tokens)"
-        )
         reserved = self.kv_policy.peak_tokens(len(token_ids), params.max_tokens, self.max_model_len)
         needed = blocks_for(reserved, self.block_size)
         if needed > self.usable_blocks:
@@ -202,3 +218,7 @@ class RequestValidator:
                 "are usable",
                 param="max_tokens",
             )
+        total = len(token_ids) + params.max_tokens
+        self.limits.check_tokens(
+            samples * total, f"{samples} x ({len(token_ids)} prompt + {params.max_tokens} max_tokens)"
+        )

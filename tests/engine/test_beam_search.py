@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedkv import LLM, BeamSearchParams
+from pagedkv.engine import RequestLimits
 from pagedkv.engine.beam_search import BeamState, Hypothesis, best_hypotheses, rank_candidates
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 
@@ -81,8 +82,16 @@ def test_beam_search_survives_preemption(model_path):
     roomy = LLM(str(model_path), dtype="float32", num_kv_blocks=256, block_size=4).beam_search(
         _prompts(), params, use_tqdm=False
     )
+    # Its beams outgrow the pool together, so they run by preemption: a budget set above the pool
+    # (the default, what the pool holds, refuses such a request).
     tight = LLM(
-        str(model_path), dtype="float32", num_kv_blocks=12, block_size=4, watermark=0.0, decode_headroom=0.0
+        str(model_path),
+        dtype="float32",
+        num_kv_blocks=12,
+        block_size=4,
+        watermark=0.0,
+        decode_headroom=0.0,
+        limits=RequestLimits(max_request_tokens=4096),
     )
     outs = tight.beam_search(_prompts(), params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in outs] == [

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 
 from pagedkv import LLM, BeamSearchParams, SamplingParams
+from pagedkv.engine import RequestLimits
 from tests.checkpoints import make_checkpoint
 
 KV_STATS_KEYS = {
@@ -39,8 +40,14 @@ def model_path(tmp_path_factory):
 
 
 def _engine(model_path, **options):
+    # A budget above the pool: the requests outgrow it together and run by preemption.
     defaults = dict(
-        num_kv_blocks=20, block_size=4, max_num_batched_tokens=24, watermark=0.0, decode_headroom=0.0
+        num_kv_blocks=20,
+        block_size=4,
+        max_num_batched_tokens=24,
+        watermark=0.0,
+        decode_headroom=0.0,
+        limits=RequestLimits(max_request_tokens=4096),
     )
     return LLM(str(model_path), **{**defaults, **options}).engine
 

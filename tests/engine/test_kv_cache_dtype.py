@@ -14,6 +14,7 @@ import pytest
 
 from pagedkv import LLM, BeamSearchParams, SamplingParams
 from pagedkv.attention.backends import BACKENDS, Backend
+from pagedkv.engine import RequestLimits
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 
 QUANTIZED = ["fp8", "int8"]
@@ -88,8 +89,12 @@ def test_beams_survive_preemption(model_path, kv_cache_dtype):
     prompts = _prompts()[:2]
     options = {"dtype": "float32", "block_size": 4, "kv_cache_dtype": kv_cache_dtype}
     roomy = LLM(str(model_path), num_kv_blocks=256, **options)
-    # no decode headroom: admit on the prompt alone, so the tiny pool must preempt
-    tight = LLM(str(model_path), num_kv_blocks=12, watermark=0.0, decode_headroom=0.0, **options)
+    # no decode headroom: admit on the prompt alone, so the tiny pool must preempt (and a budget
+    # above the pool, which holds less than the three beams)
+    budget = RequestLimits(max_request_tokens=4096)
+    tight = LLM(
+        str(model_path), num_kv_blocks=12, watermark=0.0, decode_headroom=0.0, limits=budget, **options
+    )
     expected = _tokens(roomy.beam_search(prompts, params, use_tqdm=False))
     assert _tokens(tight.beam_search(prompts, params, use_tqdm=False)) == expected
     assert all(len(beams) == 3 for beams in expected)

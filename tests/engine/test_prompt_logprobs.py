@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.engine import RequestLimits
 from pagedkv.engine.executor import SeqSlice, StepPlan
 from pagedkv.engine.prompt_logprobs import record
 from pagedkv.engine.sequence import Request
@@ -105,7 +106,8 @@ def test_a_prompt_logprobs_request_skips_prefix_cache_hits_and_others_still_use_
 
 
 def test_prompt_logprobs_survive_preemption_and_parallel_samples(reference, prompts):
-    # 20 blocks of 4 tokens for four requests growing to ~100 tokens: preemption must happen.
+    # 20 blocks of 4 tokens for four requests growing to ~100 tokens: preemption must happen (the
+    # budget is set above the pool, which holds less than the three samples' worth).
     llm = LLM(
         dtype="float32",
         num_kv_blocks=20,
@@ -113,6 +115,7 @@ def test_prompt_logprobs_survive_preemption_and_parallel_samples(reference, prom
         max_num_batched_tokens=8,
         watermark=0.0,
         decode_headroom=0.0,
+        limits=RequestLimits(max_request_tokens=4096),
     )
     long = prompts[3][:40]
     params = [

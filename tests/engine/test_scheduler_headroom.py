@@ -75,7 +75,9 @@ def test_without_headroom_the_same_batch_over_commits_and_recomputes(model_path)
 def engine_factory(model_path):
     # The step budget covers every decode plus any whole prompt, so a prompt admitted this step
     # finishes by the next and every running sequence gains one token per step: the projection
-    # the headroom makes is then exact, and a preemption would be an admission error.
+    # the headroom makes is then exact, and a preemption would be an admission error. Headroom
+    # alone: with a fair share, a request over its share yields its growth to the others by
+    # design (tests/engine/test_scheduler_fairness.py).
     return lambda: (
         LLM(
             str(model_path),
@@ -84,6 +86,7 @@ def engine_factory(model_path):
             max_num_seqs=6,
             max_num_batched_tokens=64,
             watermark=0.0,
+            max_running_share=1.0,
         ).engine
     )
 

@@ -1,0 +1,84 @@
+"""What the scheduler decided for one step: the token slices to compute, and what it cost.
+
+Plain records the engine reads after :meth:`~pagedkv.engine.scheduler.Scheduler.schedule`: it
+turns them into the executor's :class:`~pagedkv.engine.executor.plan.StepPlan`, samples the
+slices that need logits and publishes the step's statistics from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedkv.engine.executor.plan import SeqSlice, StepPlan
+from pagedkv.engine.sequence import Sequence
+from pagedkv.memory import KVCacheManager
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """A sequence and the slice ``start:end`` of its tokens this step computes.
+
+    Fixed when scheduled: the sequence itself moves on after the step.
+    """
+
+    seq: Sequence
+    start: int
+    end: int
+    #: The slice reaches the sequence's last token, so its logits are sampled.
+    needs_logits: bool
+
+    @classmethod
+    def next_chunk(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        return cls(seq, start, end, end == seq.num_tokens and seq.finish_reason is None)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work as the scheduler decided it: the token slices to compute (with the block
+    copies due before them) and the sequences preempted to make room. The engine turns it into
+    the executor's plan and, after the forward pass, samples the slices that need logits."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    #: Copy-on-write block copies to perform before the forward pass.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    #: Computed tokens the preempted sequences lost: they compute them again.
+    dropped_tokens: int = 0
+    #: Prompt tokens looked up in, and served by, the prefix cache at this step's admissions.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    #: Blocks held once the step's slots and copies are allocated: what its forward pass needs.
+    kv_blocks_used: int = 0
+    #: Blocks the live block tables reference then, a shared block once per holder (what the
+    #: same sequences would hold without sharing).
+    kv_table_blocks: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def plan(self, kv_manager: KVCacheManager) -> StepPlan:
+        """The executor's record of this step: token slices, block tables (copied: the tables
+        move on) and the block copies, as plain data."""
+        slices = [
+            SeqSlice(
+                token_ids=item.seq.token_ids[item.start : item.end],
+                start=item.start,
+                block_table=list(kv_manager.block_ids(item.seq.seq_id)),
+                needs_logits=item.needs_logits,
+                prompt_logits=item.seq.needs_prompt_logits,
+                prompt_len=item.seq.prompt_len,
+            )
+            for item in self.scheduled
+        ]
+        return StepPlan(slices, list(self.block_copies))
