@@ -77,6 +77,9 @@ class _Add:
     params: SamplingParams
     stream: Stream
     accepted: asyncio.Future
+    priority: int = 0
+    #: The HTTP request the prompts come from: they share one fair share of the engine.
+    client_request_id: str | None = None
     submitted: float = field(default_factory=time.monotonic)
 
 
@@ -141,14 +144,21 @@ class AsyncEngine:
 
     # -- called from the event loop ---------------------------------------------------------
     async def add(
-        self, request_ids: list[str], prompts: list[list[int]], params: SamplingParams, stream: Stream
+        self,
+        request_ids: list[str],
+        prompts: list[list[int]],
+        params: SamplingParams,
+        stream: Stream,
+        priority: int = 0,
+        client_request_id: str | None = None,
     ) -> None:
         """Queue every prompt or none; returns once accepted, raises ``InvalidRequestError`` /
-        ``QueueFullError``. Outputs of ``prompts[i]`` arrive on ``stream`` tagged ``i``."""
+        ``QueueFullError``. Outputs of ``prompts[i]`` arrive on ``stream`` tagged ``i``; the
+        prompts count as the one client request ``client_request_id`` for fair admission."""
         if len(request_ids) != len(prompts):
             raise ValueError(f"got {len(request_ids)} request ids for {len(prompts)} prompts")
         accepted = asyncio.get_running_loop().create_future()
-        self._send(_Add(request_ids, prompts, params, stream, accepted))
+        self._send(_Add(request_ids, prompts, params, stream, accepted, priority, client_request_id))
         await accepted
 
     def abort(self, request_ids: list[str]) -> None:
@@ -274,7 +284,9 @@ class AsyncEngine:
         error: Exception | None = None
         for index, (request_id, prompt) in enumerate(zip(command.request_ids, command.prompts, strict=True)):
             try:
-                self.engine.add_request(request_id, prompt, command.params)
+                self.engine.add_request(
+                    request_id, prompt, command.params, command.priority, command.client_request_id
+                )
             except InvalidRequestError as err:  # the handler turns it into a 400
                 error = err if arriving == 1 else InvalidRequestError(f"prompt {index}: {err}", err.param)
             except Exception as err:  # a bug: this request fails (500), the others go on

@@ -75,12 +75,18 @@ class Generation:
     """Submit with :meth:`start`, read with :meth:`deltas`, and always :meth:`close` at the end."""
 
     def __init__(
-        self, engine: AsyncEngine, request_id: str, prompts: list[list[int]], params: SamplingParams
+        self,
+        engine: AsyncEngine,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        priority: int = 0,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
+        self.priority = priority
         self.usage = Usage()
         #: Each prompt's prompt logprobs (by prompt index), once its first output brought them.
         self.prompt_logprobs: dict[int, list[TokenLogprobs | None]] = {}
@@ -94,11 +100,14 @@ class Generation:
         return self.request_id if len(self.prompts) == 1 else f"{self.request_id}-{prompt_index}"
 
     async def start(self) -> None:
-        """Queue every prompt as one unit; a refusal (of any prompt) is raised, nothing stays queued."""
+        """Queue every prompt as one unit, one client request for fair admission; a refusal (of
+        any prompt) is raised, nothing stays queued."""
         self._stream = Stream()
         self._unfinished = set(range(len(self.prompts)))
         try:
-            await self.engine.add(self._engine_ids, self.prompts, self.params, self._stream)
+            await self.engine.add(
+                self._engine_ids, self.prompts, self.params, self._stream, self.priority, self.request_id
+            )
         except BaseException:
             self.close()  # cancelled while waiting: withdraw whatever the worker admits
             raise

@@ -92,6 +92,9 @@ class _SamplingRequest(BaseModel):
         "logit_bias", "use_beam_search", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
         "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     )  # fmt: skip
+    #: vLLM's: lower runs first under --scheduling-policy priority (anything but 0 is refused
+    #: otherwise).
+    priority: Int = 0
 
     def check_text(self) -> None:
         """Refuse any string holding an unpaired surrogate: JSON can carry ``"\\ud800"``, Python

@@ -80,9 +80,9 @@ def _failure(err: Exception, request_id: str) -> APIError:
 
 
 async def _start(
-    ctx: ServingContext, request_id: str, prompts: list[list[int]], params: SamplingParams
+    ctx: ServingContext, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int
 ) -> Generation:
-    generation = Generation(ctx.engine, request_id, prompts, params)
+    generation = Generation(ctx.engine, request_id, prompts, params, priority)
     try:
         await generation.start()  # an APIError (a full queue) passes through as it is
     except Aborted as err:
@@ -122,7 +122,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     inputs = await preprocess_completion(ctx, body)
     params = inputs.params
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = await _start(ctx, request_id, inputs.prompts, params)
+    generation = await _start(ctx, request_id, inputs.prompts, params, body.priority)
     formatter = LogprobFormatter(ctx.tokenizer)
     wants_logprobs = params.logprobs is not None
     with_prompt_logprobs: set[int] = set()  # choices whose prompt logprobs went out
@@ -212,7 +212,7 @@ async def create_chat_completion(
     inputs = await preprocess_chat(ctx, body)
     prompt, params = inputs.prompt, inputs.params
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = await _start(ctx, request_id, [prompt], params)
+    generation = await _start(ctx, request_id, [prompt], params, body.priority)
     formatter = LogprobFormatter(ctx.tokenizer)
     wants_logprobs = params.logprobs is not None
 

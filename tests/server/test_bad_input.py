@@ -15,13 +15,23 @@ import pytest
 from pagedkv.engine import EngineConfig
 from pagedkv.server import ServerThread, create_app
 from tests.server.conftest import MAX_BODY_BYTES
-from tests.server.helpers import API_KEY, MODEL, EngineGate, assert_pool_whole, scrape, wait_idle
+from tests.server.helpers import (
+    API_KEY,
+    ENGINE_OPTIONS,
+    MODEL,
+    EngineGate,
+    assert_pool_whole,
+    scrape,
+    wait_idle,
+)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 JSON = {"Content-Type": "application/json"}
 #: The tight server: a 40-block (640-token) cache under a 1024-token context, one sequence at a
 #: time and at most one waiting request.
 TIGHT = dict(num_kv_blocks=40, block_size=16, max_model_len=1024, max_num_seqs=1)
+#: Tokens the main server's pool holds: its default --max-request-tokens.
+POOL_TOKENS = ENGINE_OPTIONS["num_kv_blocks"] * ENGINE_OPTIONS["block_size"]
 
 
 def _completion(**fields) -> dict:
@@ -148,9 +158,17 @@ BAD_INPUTS = [
         "prompts x n x (prompt + `max_tokens`) over `--max-request-tokens`",
         400,
         _completion(prompt=["hi"] * 200, n=16, max_tokens=100),
-        says="max_request_tokens = 262144",
+        says=f"max_request_tokens = {POOL_TOKENS}",  # by default, what the pool holds
         param="max_tokens",
     ),
+    BadInput(
+        "`priority` without `--scheduling-policy priority`",
+        400,
+        _completion(priority=1),
+        says="--scheduling-policy priority",
+        param="priority",
+    ),
+    BadInput("`priority` not an integer", 400, _completion(priority=0.5), param="priority"),
     BadInput("unknown model name", 400, _completion(model="gpt-4"), says="does not exist", param="model"),
     BadInput("`temperature` < 0", 400, _completion(temperature=-1), says=">= 0", param="temperature"),
     BadInput("`temperature` as a string", 400, _completion(temperature="hot"), param="temperature"),
