@@ -42,6 +42,15 @@ def _started(request) -> bool:
     return any(seq.status is not SequenceStatus.WAITING for seq in request.seqs)
 
 
+def test_the_engine_derives_the_request_budget_from_its_pool(model_path):
+    engine = _engine(model_path)
+    pool_tokens = OPTIONS["num_kv_blocks"] * OPTIONS["block_size"]
+    assert engine.validator.limits.max_request_tokens == pool_tokens
+    with pytest.raises(InvalidRequestError, match=f"max_request_tokens = {pool_tokens}"):
+        engine.add_request("r", [20, 21, 22], _long(30, n=7))  # 7 x 33 tokens: more than the pool
+    assert not engine.requests and not engine.scheduler.waiting
+
+
 # -- the share ---------------------------------------------------------------------------------
 def test_two_batches_queued_together_get_half_the_slots_each(model_path):
     engine = _engine(model_path)

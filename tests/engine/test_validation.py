@@ -125,3 +125,12 @@ def test_surrogates_are_found_only_when_unpaired():
 def test_limits_must_be_positive_integers(field, value):
     with pytest.raises(ValueError, match=f"RequestLimits.{field}"):
         RequestLimits(**{field: value})
+
+
+def test_the_token_budget_defaults_to_what_the_engine_can_hold_at_once():
+    unset = RequestLimits()
+    # the pool, or max_num_seqs full contexts where that is less
+    assert unset.resolved(pool_tokens=1024, max_num_seqs=64, max_model_len=2048).max_request_tokens == 1024
+    assert unset.resolved(pool_tokens=1 << 20, max_num_seqs=4, max_model_len=512).max_request_tokens == 2048
+    chosen = RequestLimits(max_request_tokens=1 << 18)  # a deployer's value stays
+    assert chosen.resolved(pool_tokens=1024, max_num_seqs=64, max_model_len=2048) == chosen
