@@ -16,24 +16,26 @@ waits: a lone request may still use the whole engine (admission stays work-conse
    blocks and cannot advance until it has caught up, so it is never passed over either).
 2. **Share.** While another client request waits, one may hold at most ``max_running_share`` of
    the running slots (``max_num_seqs``) and of the KV blocks; a waiting sequence that would take
-   its request past that is passed over for the others -- unless its request holds nothing yet
-   (a request may always start). KV is counted as *claimed*: each running sequence, and each
-   sample or beam still to fork from it, at its full length (blocks of prompt + ``max_tokens``,
-   the size the request budget counts and decode headroom reserves), so a request is over its
-   share from admission on, not only once its sequences have grown.
+   its request past that is passed over for the others, and the rest of its request's with it
+   for the step -- unless its request holds nothing yet (a request may always start). KV is
+   counted as *claimed*: each running sequence, and each sample or beam still to fork from it, at
+   its full length (blocks of prompt + ``max_tokens``, the size the request budget counts and
+   decode headroom reserves), so a request is over its share from admission on, not only once
+   its sequences have grown.
 3. **Reclaim.** A waiting sequence that keeps its request within its share is *protected*: the
    slots and blocks it needs are taken back from requests over their share. Their growth is not
    reserved against it (the headroom check leaves it out) and, while it still does not fit,
-   their newest sequences are preempted by recompute; one admitted in the same step is spared, so
-   a request that gets in always computes a step. When the pool runs dry, the sequences of
-   requests over their share are the first preempted -- after the running beams of a beam search
-   that already waits for a preempted beam: they are idle until it is back, and taking them
-   keeps two beam searches from each holding the blocks the other's missing beam needs.
+   their newest sequences are preempted by recompute; one admitted in the same step is spared,
+   so a request that gets in always computes a step. When the pool runs dry, the sequences of
+   requests over their share are the first preempted -- after the running beams of a beam
+   search that already waits for a preempted beam: they are idle until it is back, and taking
+   them keeps two beam searches from each holding the blocks the other's missing beam needs.
 
 ``max_running_share = 1`` turns rules 2 and 3 off (rule 1 then only reorders the sequences of
 requests that already run). Under ``--scheduling-policy priority`` (vLLM's) a request's
-``priority`` orders admission (lower first, ties by arrival) and the running sequence with the
-highest ``priority`` value, newest first, is the first preempted -- as in vLLM.
+``priority`` orders admission (lower first, ties by arrival) and, as in vLLM, the running
+sequence with the highest ``priority`` value is preempted first (idle beams aside; among equal
+values, one over its share, then the newest).
 """
 
 from __future__ import annotations
@@ -157,10 +159,13 @@ def stalls_siblings(seq: Sequence) -> bool:
     return request.beam is not None and any(s.status is SequenceStatus.RUNNING for s in request.seqs)
 
 
-def admission_order(waiting: Iterable[Sequence], holdings: Holdings, by_priority: bool) -> list[Sequence]:
-    """The waiting sequences in the order admission considers them (rule 1)."""
+def admission_order(
+    waiting: Iterable[Sequence], holdings: Holdings, by_priority: bool, waiting_clients: Collection[str]
+) -> list[Sequence]:
+    """The waiting sequences in the order admission considers them (rule 1); ``waiting_clients``:
+    their client requests (the queue's order stands unless one of them holds slots)."""
     queue = list(waiting)
-    if by_priority or any(holdings.holds(s.request.client) for s in queue):
+    if by_priority or not holdings.slots.keys().isdisjoint(waiting_clients):
 
         def key(seq: Sequence) -> tuple[bool, int, int]:
             priority = seq.request.priority if by_priority else 0

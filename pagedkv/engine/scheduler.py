@@ -281,11 +281,16 @@ class Scheduler:
             return
         holdings = self.share.holdings(self.running)
         admitted: set[int] = set()  # ids admitted this step: spared by this step's reclaims
-        for seq in admission_order(self.waiting, holdings, self.by_priority):
+        passed_over: set[str] = set()  # client requests at their share: the rest of theirs waits
+        for seq in admission_order(self.waiting, holdings, self.by_priority, self._waiting_clients):
+            client = seq.request.client
             if budget <= 0:
                 break
-            if self._others_wait(seq.request.client) and not holdings.may_start(seq):
-                continue  # over its share while others wait
+            if client in passed_over:
+                continue
+            if self._others_wait(client) and not holdings.may_start(seq):
+                passed_over.add(client)  # at its share while others wait
+                continue
             preempted = len(out.preempted)
             if not self._room_for(seq, out, budget, holdings, admitted):
                 break
