@@ -122,9 +122,10 @@ class PromptLimits:
         raise _prefixed(err, index)
 
     def check_batch(self, num_prompts: int, prompt_tokens: int, at_least: bool = False) -> None:
-        """``prompt_tokens``: the batch's prompt tokens, or (``at_least``) a lower bound on them."""
+        """``prompt_tokens``: the batch's prompt tokens, or (``at_least``) a lower bound on them.
+        One sequence is left to the engine, which says first whether it can fit at all."""
         requested = self.n * (prompt_tokens + num_prompts * self.max_tokens)
-        if requested <= self.max_request_tokens:
+        if requested <= self.max_request_tokens or num_prompts * self.n == 1:
             return
         bound = "at least " if at_least else ""
         raise InvalidRequestError(

@@ -16,13 +16,17 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from pagedkv.engine import EngineConfig
+from pagedkv.engine import EngineConfig, RequestLimits
 from pagedkv.server import ServerThread, create_app
 from pagedkv.server.prompts import PromptEncoder
 from tests.server.helpers import MODEL, assert_pool_whole, wait_idle
 
-#: The built-in model's own context (4,096 tokens) and the default 1 MiB body limit, as served.
-ENGINE = dict(num_kv_blocks=512, block_size=16, max_num_seqs=8)
+#: The built-in model's own context (4,096 tokens) and the default 1 MiB body limit, as served,
+#: with a request budget set far above the pool's 8,192 tokens (that default would refuse these
+#: bodies on their bounds alone, before any prompt is tokenized).
+ENGINE = dict(
+    num_kv_blocks=512, block_size=16, max_num_seqs=8, limits=RequestLimits(max_request_tokens=1 << 18)
+)
 PROMPTS = 256
 CHARS = 3_900
 _WORDS = "paged attention keeps the cache in blocks so that many requests share one pool".split()

@@ -51,7 +51,8 @@ def test_encode_prompts_refuses_exactly_what_does_not_fit(encoder, texts, max_to
     if truncate_to is not None:
         exact = [ids[-truncate_to:] for ids in exact]
     fits = all(len(ids) + max_tokens <= CONTEXT for ids in exact)
-    within = n * sum(len(ids) + max_tokens for ids in exact) <= budget
+    # (one sequence is left to the engine's checks: whether it can fit at all comes first there)
+    within = n * sum(len(ids) + max_tokens for ids in exact) <= budget or n * len(texts) == 1
     if fits and within:
         assert encoder.encode_prompts(texts, limits) == exact
     else:
