@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pagedkv import LLM, BeamSearchParams, SamplingParams
+from pagedkv.engine import RequestLimits
 from pagedkv.engine.executor import SeqSlice, StepPlan
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 from tests.engine.test_engine_exactness import CASES as EXACTNESS_CASES
@@ -91,9 +92,11 @@ def test_two_ranks_read_quantized_blocks_as_one_does(tmp_path):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """One engine per size over a pool small enough to preempt (16 blocks of 4 tokens)."""
+    """One engine per size over a pool small enough to preempt (16 blocks of 4 tokens), with a
+    request budget above it (the default, what the pool holds, refuses three samples of 23)."""
     path = make_checkpoint(tmp_path_factory.mktemp("tp"), "llama")
-    one, two = _pair(path, block_size=4, num_kv_blocks=16, watermark=0.0, decode_headroom=0.0)
+    budget = RequestLimits(max_request_tokens=4096)
+    one, two = _pair(path, block_size=4, num_kv_blocks=16, watermark=0.0, decode_headroom=0.0, limits=budget)
     yield one, two
     two.engine.shutdown()
 
