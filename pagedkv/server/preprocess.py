@@ -52,6 +52,14 @@ class ServingContext:
         """The engine's checks of a request's ids; immutable, so any thread may run them."""
         return self.engine.engine.validator
 
+    def check_priority(self, priority: int) -> None:
+        """A non-zero ``priority`` needs the engine's ``priority`` scheduling policy (vLLM's rule);
+        the policy never changes, so this reads nothing the engine's worker writes."""
+        try:
+            self.engine.engine.scheduler.check_priority(priority)
+        except InvalidRequestError as err:
+            raise APIError.from_value_error(err) from None
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
             raise APIError.bad_request(
@@ -117,6 +125,7 @@ class CompletionInputs:
 async def preprocess_completion(ctx: ServingContext, body: CompletionRequest) -> CompletionInputs:
     """Validate a completions request and tokenize its prompts; :class:`APIError` if refused."""
     ctx.check_model(body.model)
+    ctx.check_priority(body.priority)
     params = body.sampling_params()
     prompts = body.prompts()
     ctx.check_size(len(prompts), params)  # first: a 200k-prompt list is refused before it is read
@@ -161,6 +170,7 @@ class ChatInputs:
 async def preprocess_chat(ctx: ServingContext, body: ChatCompletionRequest) -> ChatInputs:
     """Validate a chat request, render and tokenize its conversation; :class:`APIError` if refused."""
     ctx.check_model(body.model)
+    ctx.check_priority(body.priority)
     if body.continue_final_message and body.add_generation_prompt is not False:
         raise APIError.bad_request(
             "continue_final_message and add_generation_prompt cannot both be true (add_generation_prompt "

@@ -239,6 +239,14 @@ BAD_INPUTS = [
         param="max_tokens",
     ),
     BadInput(
+        "chat render: `priority` without `--scheduling-policy priority`",
+        400,
+        _chat(priority=-3),
+        path="/v1/chat/completions/render",
+        says="--scheduling-policy priority",
+        param="priority",
+    ),
+    BadInput(
         "chat render: `n` over `--max-n`",
         400,
         _chat(n=1000),
