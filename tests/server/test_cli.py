@@ -7,7 +7,7 @@ import argparse
 import httpx
 import pytest
 
-from pagedkv.cli_args import request_limits
+from pagedkv.cli_args import engine_options, request_limits
 from pagedkv.engine import RequestLimits
 from pagedkv.models import BUILTIN_NOTE
 from pagedkv.server.cli import API_KEY_ENV, add_serve_parser
@@ -40,6 +40,14 @@ def test_serve_takes_the_request_limits():
     assert request_limits(_parser().parse_args(["serve"])) == RequestLimits()
 
 
+def test_serve_takes_the_scheduling_options():
+    args = _parser().parse_args(["serve", "--scheduling-policy", "priority", "--max-running-share", "0.25"])
+    assert engine_options(args)["scheduling_policy"] == "priority"
+    assert engine_options(args)["max_running_share"] == 0.25
+    defaults = engine_options(_parser().parse_args(["serve"]))
+    assert (defaults["scheduling_policy"], defaults["max_running_share"]) == ("fcfs", 0.5)
+
+
 def test_serve_takes_the_stop_list_limits():
     flags = ["--max-stop-strings", "8", "--max-stop-chars", "100", "--max-stop-token-ids", "16"]
     args = _parser().parse_args(["serve", *flags])
@@ -56,6 +64,9 @@ def test_serve_takes_the_stop_list_limits():
         ["--port", "x"],
         ["--max-n", "0"],
         ["--max-prompts-per-request", "-1"],
+        ["--max-running-share", "0"],
+        ["--max-running-share", "1.5"],
+        ["--scheduling-policy", "lifo"],
     ],
 )
 def test_serve_refuses_bad_options(option, capsys):
