@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from pagedkv import LLM
-from pagedkv.engine.executor.plan import SeqSlice, StepPlan
+from pagedkv.engine.plan import SeqSlice, StepPlan
 from pagedkv.engine.sampler import make_generator
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.spec.rejection import RejectionSampler

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from pagedkv.attention import AttentionMetadata, KVCache, copy_blocks
-from pagedkv.engine.executor.plan import StepPlan
 from pagedkv.engine.host_memory import reuse_freed_memory
+from pagedkv.engine.plan import StepPlan
 
 
 @dataclass

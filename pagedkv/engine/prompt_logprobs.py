@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedkv.engine.executor.plan import SeqSlice
+from pagedkv.engine.plan import SeqSlice
 from pagedkv.engine.sampler import token_logprobs
 from pagedkv.engine.sequence import Request
 

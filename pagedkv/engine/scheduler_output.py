@@ -1,7 +1,7 @@
 """What the scheduler decided for one step: the token slices to compute, and what it cost.
 
 Plain records the engine reads after :meth:`~pagedkv.engine.scheduler.Scheduler.schedule`: it
-turns them into the executor's :class:`~pagedkv.engine.executor.plan.StepPlan`, samples the
+turns them into the executor's :class:`~pagedkv.engine.plan.StepPlan`, samples the
 slices that need logits and publishes the step's statistics from them.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedkv.engine.executor.plan import SeqSlice, StepPlan
+from pagedkv.engine.plan import SeqSlice, StepPlan
 from pagedkv.engine.sequence import Sequence
 from pagedkv.memory import KVCacheManager
 

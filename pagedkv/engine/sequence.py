@@ -11,13 +11,15 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.stop_strings import StopScan, StopStringMatcher
 from pagedkv.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:  # the scheduler reads sequences without torch; only the sampler's fields hold tensors
+    import torch
 
 _seq_ids = itertools.count()
 

@@ -13,8 +13,9 @@ import torch
 
 from pagedkv.attention import set_per_call_checks
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.executor import ExecutorError, SeqSlice, StepPlan
+from pagedkv.engine.executor import ExecutorError
 from pagedkv.engine.executor.in_process import InProcessExecutor
+from pagedkv.engine.plan import SeqSlice, StepPlan
 from pagedkv.models import ModelConfig
 from tests.checkpoints import make_checkpoint
 

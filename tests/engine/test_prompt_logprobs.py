@@ -15,7 +15,7 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine import RequestLimits
-from pagedkv.engine.executor import SeqSlice, StepPlan
+from pagedkv.engine.plan import SeqSlice, StepPlan
 from pagedkv.engine.prompt_logprobs import record
 from pagedkv.engine.sequence import Request
 from pagedkv.models import builtin_model_path

@@ -16,7 +16,7 @@ import torch
 
 from pagedkv import LLM, BeamSearchParams, SamplingParams
 from pagedkv.engine import RequestLimits
-from pagedkv.engine.executor import SeqSlice, StepPlan
+from pagedkv.engine.plan import SeqSlice, StepPlan
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 from tests.engine.test_engine_exactness import CASES as EXACTNESS_CASES
 

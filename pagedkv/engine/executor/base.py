@@ -1,7 +1,7 @@
 """The seam between the engine and the model: whatever runs forward passes implements this.
 
 The engine schedules, samples and keeps every block table; an executor owns the model and the
-KV cache tensors and turns one :class:`~pagedkv.engine.executor.plan.StepPlan` into the logits
+KV cache tensors and turns one :class:`~pagedkv.engine.plan.StepPlan` into the logits
 of the rows that need them. Today one executor runs the model in the engine's own process
 (:class:`~pagedkv.engine.executor.in_process.InProcessExecutor`); a tensor-parallel executor
 sends the same plan to one worker process per rank and returns rank 0's gathered logits.
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.engine.executor.plan import StepPlan
+from pagedkv.engine.plan import StepPlan
 from pagedkv.models import decode_stack
 from pagedkv.models.config import dtype_name
 

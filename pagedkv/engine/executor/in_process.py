@@ -9,8 +9,8 @@ import torch
 from pagedkv.attention import KVCache, check_backend_reads
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory, runtime_of
-from pagedkv.engine.executor.plan import StepPlan
 from pagedkv.engine.model_runner import ModelRunner
+from pagedkv.engine.plan import StepPlan
 from pagedkv.memory import parse_bytes
 from pagedkv.models import ModelConfig, load_model
 

@@ -35,8 +35,8 @@ from pagedkv.distributed import Rendezvous, groups, heartbeat
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor import launch
 from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory, runtime_of
-from pagedkv.engine.executor.plan import StepPlan
 from pagedkv.engine.executor.worker import RankSpec, build_runner, pool_blocks
+from pagedkv.engine.plan import StepPlan
 from pagedkv.models import ModelConfig
 from pagedkv.models.parallel import check_divisible
 
