@@ -40,6 +40,22 @@ typedef _Float16 vh __attribute__((vector_size(VL * 2)));
 /* a where mask is set, else b */
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
+/* exp(x) = 2^n * p(r), Cephes-style: returns p(r), about 1 ulp for |r| <= ln2 / 2, and n =
+ * round(x / ln2); the caller clamps x to its range first and scales by 2^n as that range allows.
+ * Its arithmetic rounds as the including source compiles it (layer_ops.c: no fused multiply-add) */
+static inline vf exp_reduced(vf x, vf *n_out) {
+    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf y = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    *n_out = n;
+    return y;
+}
+
 /* bfloat16 to float32 is exact: a bfloat16 is a float32's upper half */
 static inline float bf16_to_f32(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;

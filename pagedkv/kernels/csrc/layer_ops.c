@@ -10,13 +10,16 @@
  * multiply-add would round once where torch rounds twice.
  */
 #include <math.h>
+#include <stdint.h>
+#include <string.h>
 
-#include "kernels.h"
-
+/* before kernels.h, whose inline helpers (exp_reduced) then round as the ops here do */
 #pragma GCC optimize("fp-contract=off")
 #ifdef __clang__
 #pragma clang fp contract(off)
 #endif
+
+#include "kernels.h"
 
 #define GRAIN 32768 /* elements per call below which one thread does it all (torch's grain) */
 #define MAX_HEAD_DIM 1024
@@ -69,20 +72,13 @@ static inline float hsum(vf x) {
 }
 static inline int64_t chunk(int64_t n, int64_t i) { return n - i < VL ? n - i : VL; }
 
-/* exp(x), Cephes-style 2^n * p(r) with |r| <= ln2 / 2, about 1 ulp; +inf above 88.72 (where
- * float32 overflows), and inputs below -80 give exp(-80) (only used as 1 + exp(x) in silu,
- * where anything below 1e-34 rounds away). */
+/* exp(x), about 1 ulp; +inf above 88.72 (where float32 overflows), and inputs below -80 give
+ * exp(-80) (only used as 1 + exp(x) in silu, where anything below 1e-34 rounds away). */
 static inline vf vexp(vf x) {
     const vi huge = x > 88.72283935546875f;
     x = vselect(x < -80.0f, (vf){0} - 80.0f, vselect(huge, (vf){0}, x));
-    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf y = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
+    vf n;
+    const vf y = exp_reduced(x, &n);
     const vf scale = (vf)((__builtin_convertvector(n, vi) + 126) << 23); /* 2^(n-1): n may be 128 */
     return vselect(huge, (vf){0} + __builtin_inff(), y * scale * 2.0f);
 }

@@ -146,14 +146,8 @@ static inline void hsum4(vf a, vf b, vf c, vf d, float sums[4]) {
 static inline vf vexp(vf x) {
     const vi tiny = x < -87.0f;
     x = (vf)(((vi)x & ~tiny) | ((vi)((vf){0} - 87.0f) & tiny));
-    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf y = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
+    vf n;
+    const vf y = exp_reduced(x, &n);
     const vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
     return (vf)((vi)(y * (vf)scale) & ~tiny);
 }
