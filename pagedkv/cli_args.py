@@ -29,6 +29,7 @@ from rich.console import Console
 from pagedkv.engine.config import SCHEDULING_POLICIES, EngineConfig
 from pagedkv.engine.kv_policy import POLICY_NAMES
 from pagedkv.engine.validation import RequestLimits
+from pagedkv.kernels import LINEAR_KERNELS
 from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES, parse_bytes
 
 #: Where plots and reports go unless ``--out`` says otherwise (``pagedkv demo`` writes there too).
@@ -232,9 +233,9 @@ ENGINE_OPTIONS = (
     ),
     EngineOption(
         "linear_kernel",
-        f"GEMM kernel of the linear layers: auto (oneDNN with packed weights on the CPU, else F.linear), "
-        f"onednn or torch (F.linear) {DEFAULT}",
-        choices=("auto", "onednn", "torch"),
+        f"GEMM kernel of the linear layers: auto (on the CPU pagedkv's tiled GEMM where it runs the dtype, "
+        f"else oneDNN with packed weights, else F.linear), tiled, onednn or torch (F.linear) {DEFAULT}",
+        choices=LINEAR_KERNELS,
     ),
     EngineOption("block_size", f"tokens per KV block {DEFAULT}", positive_int),
     EngineOption("num_kv_blocks", "KV blocks in the pool (default: from --kv-cache-memory)", positive_int),

@@ -107,6 +107,11 @@ def test_no_two_layers_import_each_other():
     [
         # memory/ is pure Python: no tensors, no requests
         ("pagedkv.memory", {"pagedkv.attention", "pagedkv.engine", "pagedkv.models", "pagedkv.server"}),
+        # kernels/ is the bottom of the tensor side: attention/ and models/ call it, never the reverse
+        (
+            "pagedkv.kernels",
+            {"pagedkv.attention", "pagedkv.models", "pagedkv.engine", "pagedkv.server", "pagedkv.bench"},
+        ),
         # attention/ knows nothing of requests
         ("pagedkv.attention", {"pagedkv.engine", "pagedkv.models", "pagedkv.server", "pagedkv.bench"}),
         ("pagedkv.models", {"pagedkv.engine", "pagedkv.server", "pagedkv.bench"}),
@@ -121,6 +126,14 @@ def test_no_two_layers_import_each_other():
 def test_lower_layers_never_import_upper_ones(layer, forbidden):
     imported = {_layer(t) for m, targets in GRAPH.items() if _layer(m) == layer for t in targets}
     assert not imported & forbidden
+
+
+def test_the_kernels_import_only_their_builder():
+    """The kernels package reaches nothing of pagedkv but the C builder, and its package module
+    imports nothing at all, so the command line can read its names without torch."""
+    outside = {t for m, targets in GRAPH.items() if m.startswith("pagedkv.kernels") for t in targets}
+    assert {t for t in outside if not t.startswith("pagedkv.kernels")} == {"pagedkv.cbuild"}
+    assert GRAPH["pagedkv.kernels"] == set()
 
 
 def test_the_engine_reaches_the_model_only_through_the_executor():

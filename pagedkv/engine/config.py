@@ -27,8 +27,8 @@ class EngineConfig:
     model: str | Path | None = None
     #: "auto": bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32; None: the checkpoint's
     dtype: str | torch.dtype | None = "auto"
-    #: "auto" (oneDNN with packed weights on the CPU where it runs the dtype, else F.linear),
-    #: "onednn" or "torch" (see pagedkv.models.linear)
+    #: "auto" (on the CPU pagedkv's tiled GEMM where it runs the dtype, else oneDNN with packed
+    #: weights where that does, else F.linear), "tiled", "onednn" or "torch" (pagedkv.kernels.LINEAR_KERNELS)
     linear_kernel: str = "auto"
     device: str = "cpu"
     #: Run without a tokenizer (vLLM's name): token-id prompts only, outputs without text. A

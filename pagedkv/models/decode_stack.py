@@ -1,77 +1,38 @@
-"""A decode step's decoder layers as one call into C (``csrc/decode_stack_cpu.c``).
+"""A decode step's decoder layers as one call into C (``pagedkv/kernels/csrc/decode_stack.c``).
 
 The step program (:mod:`pagedkv.models.step_program`) runs each layer as a handful of calls into
 compiled kernels with a little Python between them. On the CPU that Python runs with cold
 caches -- every projection has just streamed its weights through L2 and L3 -- and a decode step
-makes ~50 such calls. Replaying one step's C calls with nothing between them (issue 12's model,
-float32, 2 threads, a Zen 1 EPYC, mean of 30 alternating rounds) took 32 rows from 25.3 to 22.8
-ms, 8 rows from 9.9 to 7.9 and one row from 4.9 to 3.6: 1.3-2.5 ms of every step was the glue.
+makes about eight such calls per layer: on a small batch the glue is a share of the step worth
+removing.
 
-:class:`DecodeStack` hands the same kernels, weights and buffers to one C function that calls
-them in the program's order: the hidden states are bit for bit the program's. It takes a step
-when everything in it has a compiled kernel -- tiled projections (no tensor-parallel shards),
-the paired gate/up with its fused activation, the compiled norms and rotary + KV write, the
-``cpu`` attention backend's row kernel on unquantized pools -- every row is a decode, the batch
-fits its buffers (:data:`~pagedkv.models.linear.SLOT_ROWS` rows) and the per-call attention
-checks are off (they run in the program). Anything else runs the program, unchanged. Like the
-program, it reads each projection's weight as its module holds it at every step: a replaced
-weight is bound again (or, no longer tiled, leaves the steps to the program).
+:class:`DecodeStack` hands the same kernels' inputs -- weights, KV pools, buffers -- to one C
+function that calls them in the program's order: the hidden states are bit for bit the
+program's. It takes a step when everything in it has a compiled kernel -- tiled projections (no
+tensor-parallel shards), the paired gate/up with its fused activation, the compiled norms and
+rotary + KV write, the ``cpu`` attention backend's row kernel on unquantized pools -- every row
+is a decode, the batch fits its buffers (:data:`~pagedkv.models.linear.BUFFER_ROWS` rows) and
+the per-call attention checks are off (they run in the program). Anything else runs the
+program, unchanged. Like the program, it reads each projection's weight as its module holds it
+at every step: a replaced weight is bound again (or, no longer tiled, leaves the steps to the
+program).
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from pagedkv import cbuild
 from pagedkv.attention import AttentionMetadata, KVCache
 from pagedkv.attention.backends import cpu as cpu_attention
-from pagedkv.attention.backends import native as native_attention
 from pagedkv.attention.checks import per_call_checks
-from pagedkv.models import layer_ops, tiled_gemm
-from pagedkv.models.linear import SLOT_ROWS, GateUpLinear, Linear, PackedLinear
-
-SOURCE = Path(__file__).parent / "csrc" / "decode_stack_cpu.c"
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-def _fields(ctype: type, names: str) -> list[tuple[str, type]]:
-    return [(name, ctype) for name in names.split()]
-
-
-class _Kernels(ctypes.Structure):
-    _fields_ = _fields(_P, "rms_norm add_rms_norm rotary_write_kv linear gate_up attention epilogue")
-    _fields_ += _fields(_I, "linear_status hidden elem_size")
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = _fields(_P, "input_norm qkv qkv_bias q_norm k_norm o o_bias post_norm gate_up down down_bias")
-    _fields_ += _fields(_P, "key_pool value_pool")
-    _fields_ += _fields(_F, "input_eps qk_eps post_eps scale soft_cap")
-    _fields_ += _fields(_I, "qkv_width heads kv_heads head_dim block_size window intermediate")
-
-
-class _Buffers(ctypes.Structure):
-    _fields_ = _fields(_P, "residual y qkv q att act")
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | str:
-    lib = cbuild.load(SOURCE)
-    if isinstance(lib, str):
-        return lib
-    lib.decode_stack.restype = ctypes.c_int
-    lib.decode_stack.argtypes = [_P, _P, _I, _P, _F, _P, _P, _P, _I, _P, _P, _P, _P, _I, _P, _P, _P, _P]
-    return lib
-
-
-def _address(fn: object) -> int:
-    return ctypes.cast(fn, ctypes.c_void_p).value
+from pagedkv.kernels import library, paged_attention, tiled_gemm
+from pagedkv.kernels.signatures import I64, SUFFIXES, DecodeBuffers, DecodeLayer
+from pagedkv.models import layer_ops
+from pagedkv.models.linear import BUFFER_ROWS, GateUpLinear, Linear, PackedLinear
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -98,15 +59,12 @@ def _unsupported(model: nn.Module, dtype: torch.dtype) -> str | None:
     """Why the C stack cannot run ``model``'s layers in ``dtype``, or None when it can."""
     if model.model.norm.weight.device.type != "cpu":
         return f"{model.model.norm.weight.device.type}: the CPU only"
-    if layer_ops.native_ops(dtype) is None or layer_ops.silu_mul_epilogue(dtype) is None:
+    if (why := tiled_gemm.why_unavailable(dtype)) is not None:
+        return why  # no kernels library, or a dtype the tiled GEMM (and so the stack) lacks
+    if layer_ops.native_ops(dtype) is None:
         return f"no compiled layer ops for {dtype}"
-    if tiled_gemm.runs_dtype(dtype) is not None:
-        return f"the tiled GEMM cannot run {dtype}"
     if model.attention_backend.name != "cpu":
         return f"attention backend {model.attention_backend.name!r}"
-    kernel = native_attention.load()
-    if isinstance(kernel, str) or kernel.fn(dtype) is None:
-        return "no native attention kernel"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         plain = {type(attn.qkv_proj), type(attn.o_proj), type(mlp.down_proj)} <= {Linear, PackedLinear}
@@ -116,7 +74,7 @@ def _unsupported(model: nn.Module, dtype: torch.dtype) -> str | None:
         tiled = all(p.weight.dim() == 1 and p.weight.dtype == dtype for p in projections)
         if not (tiled and mlp.gate_up_proj.paired):
             return "linear layers not on the tiled kernel"
-        if attn.num_heads // attn.num_kv_heads > native_attention.MAX_GROUP or attn.head_dim % 2:
+        if attn.num_heads // attn.num_kv_heads > paged_attention.MAX_GROUP or attn.head_dim % 2:
             return "an attention shape the compiled kernels do not take"
         if attn.head_dim > layer_ops.native_ops(dtype).max_head_dim:
             return "a head wider than the rotary kernel takes"
@@ -128,28 +86,11 @@ class DecodeStack:
     or returns None for the program to run it."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
-        lib, ops = _library(), layer_ops.native_ops(dtype)
-        if isinstance(lib, str):
-            raise RuntimeError(lib)
-        cfg = model.config
-        self.dtype, self.hidden = dtype, cfg.hidden_size
-        self._run = lib.decode_stack
+        self.dtype, self.hidden = dtype, model.config.hidden_size
+        self._run = library.load().entry(f"decode_stack_{SUFFIXES[dtype]}")
         self._weights = tuple(self._layer_weights(layer) for layer in model.model.layers)
         norm = model.model.norm
         self._final_norm = (norm.weight, norm.eps)
-        linear_entry, gate_up_entry = tiled_gemm.entry_points(dtype)
-        self._kernels = _Kernels(
-            ops.address("rms_norm"),
-            ops.address("add_rms_norm"),
-            ops.address("rotary_write_kv"),
-            linear_entry,
-            gate_up_entry,
-            _address(native_attention.load().fn(dtype)),
-            layer_ops.silu_mul_epilogue(dtype),
-            int(dtype != torch.float32),  # bfloat16's linear returns a status (its workspace)
-            self.hidden,
-            torch.empty((), dtype=dtype).element_size(),
-        )
         attn0, mlp0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
         widths = {
             "residual": self.hidden,
@@ -159,15 +100,17 @@ class DecodeStack:
             "att": attn0.q_size,
             "act": mlp0.intermediate_size,
         }
-        self._buffers = {name: torch.empty((SLOT_ROWS, width), dtype=dtype) for name, width in widths.items()}
-        self._buffer_struct = _Buffers(*(t.data_ptr() for t in self._buffers.values()))
-        self._layers = (_Layer * len(self._weights))()
+        self._buffers = {
+            name: torch.empty((BUFFER_ROWS, width), dtype=dtype) for name, width in widths.items()
+        }
+        self._buffer_struct = DecodeBuffers(*(t.data_ptr() for t in self._buffers.values()))
+        self._layers = (DecodeLayer * len(self._weights))()
         self._kv_cache: KVCache | None = None
         #: each projection's parameter table, and the weights the layer records point at
         self._parameters = [p._parameters for w in self._weights for p in (w.qkv, w.o, w.gate_up, w.down)]
         self._bound: list[torch.Tensor | None] = [None] * len(self._parameters)
         n = len(self._weights)
-        self._chunks, self._threads = (_I * n)(), (_I * n)()
+        self._chunks, self._threads = (I64 * n)(), (I64 * n)()
         #: layer indexes by sliding window (0: none): the attention split is computed per window
         self._by_window: dict[int, list[int]] = {}
         for i, w in enumerate(self._weights):
@@ -203,7 +146,7 @@ class DecodeStack:
         self._bound = self._current_weights()
         for i, w in enumerate(self._weights):
             attn, kv = w.attention, kv_cache.layers[w.attention.layer]
-            self._layers[i] = _Layer(
+            self._layers[i] = DecodeLayer(
                 w.input_norm[0].data_ptr(),
                 w.qkv.weight.data_ptr(),
                 _ptr(w.qkv.bias),
@@ -262,7 +205,7 @@ class DecodeStack:
         """The final hidden states ``[T, hidden]`` of a decode step, or None when this step is not
         one the stack takes (the caller runs the program)."""
         tokens = x.shape[0]
-        if not (0 < tokens <= SLOT_ROWS and metadata.is_decode_only and tokens == metadata.num_seqs):
+        if not (0 < tokens <= BUFFER_ROWS and metadata.is_decode_only and tokens == metadata.num_seqs):
             return None
         if per_call_checks() or x.dtype != self.dtype or x.device.type != "cpu":
             return None
@@ -287,7 +230,6 @@ class DecodeStack:
         x = x.contiguous()
         out = torch.empty_like(x)
         status = self._run(
-            ctypes.byref(self._kernels),
             self._layers,
             len(self._weights),
             self._final_norm[0].data_ptr(),
@@ -296,6 +238,7 @@ class DecodeStack:
             x.data_ptr(),
             out.data_ptr(),
             tokens,
+            self.hidden,
             cos.data_ptr(),
             sin.data_ptr(),
             slots.data_ptr(),
@@ -311,19 +254,14 @@ class DecodeStack:
         return out
 
 
-def _why_not(model: nn.Module, dtype: torch.dtype) -> str | None:
-    lib = _library()
-    return lib if isinstance(lib, str) else _unsupported(model, dtype)
-
-
 def decode_stack(model: nn.Module, dtype: torch.dtype) -> DecodeStack | None:
     """The model's C decode stack for activations of ``dtype``, or None when it has none (see
     :func:`_unsupported`)."""
-    return None if _why_not(model, dtype) is not None else DecodeStack(model, dtype)
+    return None if _unsupported(model, dtype) is not None else DecodeStack(model, dtype)
 
 
 def describe(model: nn.Module) -> str:
     """What runs the model's decode steps, for the CLI's runtime line: the C stack, or the step
     program and why."""
-    why = _why_not(model, model.model.norm.weight.dtype)
+    why = _unsupported(model, model.model.norm.weight.dtype)
     return "C stack" if why is None else f"step program ({why})"

@@ -3,41 +3,34 @@ torch everywhere else.
 
 A small model's decode step on the CPU spends as much time between its matrix multiplies as in
 them: each RMSNorm is five to seven torch dispatches, rotary five, the KV write two ``index_copy_``
-and a host sync on the padding mask. :class:`NativeOps` runs each group as one call into
-``csrc/layer_ops_cpu.c`` (built and cached by :mod:`pagedkv.cbuild`, called through
-:mod:`ctypes`), rounding where transformers rounds, so float32 greedy tokens still equal
-transformers' and bfloat16 stays as close as before. :class:`TorchOps` is the reference and the
-fallback: CUDA, a dtype the library lacks, no C compiler, a quantized KV cache (its write).
-Both take and return the same tensors; :func:`select` picks one per forward pass.
+and a host sync on the padding mask. :class:`NativeOps` runs each group as one call into the
+kernels library (``pagedkv/kernels/csrc/layer_ops.c``, through :mod:`pagedkv.kernels.library`),
+rounding where transformers rounds, so float32 greedy tokens still equal transformers' and
+bfloat16 stays as close as torch's own ops. :class:`TorchOps` is the reference and the fallback:
+CUDA, a dtype the library lacks, no C compiler, a quantized KV cache (its write). Both take and
+return the same tensors; :func:`select` picks one per forward pass.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pagedkv import cbuild
 from pagedkv.attention import AttentionMetadata, LayerKV, per_call_checks, write_kv
 from pagedkv.attention.checks import check_slots
+from pagedkv.kernels import library
+from pagedkv.kernels.library import KernelLibrary, KernelsUnavailable
+from pagedkv.kernels.signatures import SUFFIXES
 from pagedkv.models.rope import apply_rotary
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "layer_ops_cpu.c"
-SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {
-    "rms_norm": [_P, _P, _P, _I, _I, _F],
-    "add_rms_norm": [_P, _P, _P, _I, _I, _F],
-    "silu_and_mul": [_P, _P, _I, _I],
-    "rotary_write_kv": [_P] * 6 + [_F, _P, _P, _P] + [_I] * 4,
-}
+#: the ops :class:`NativeOps` takes from the library, for each dtype
+_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_write_kv")
 
 
 @dataclass(frozen=True)
@@ -108,18 +101,11 @@ class NativeOps(TorchOps):
     """The compiled ops for one dtype, on contiguous CPU tensors of that dtype; a layer whose
     KV cache is quantized or of another dtype writes through :class:`TorchOps`."""
 
-    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+    def __init__(self, lib: KernelLibrary, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.max_head_dim = lib.layer_ops_max_head_dim()
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, f"{name}_{SUFFIXES[dtype]}")
-            fn.restype, fn.argtypes = None, argtypes
-            setattr(self, f"_{name}", fn)
-
-    def address(self, name: str) -> int:
-        """The address of op ``name`` (``rms_norm``...) for this dtype, for C that calls it itself
-        (:mod:`pagedkv.models.decode_stack`)."""
-        return ctypes.cast(getattr(self, f"_{name}"), ctypes.c_void_p).value
+        self.max_head_dim = lib.entry("layer_ops_max_head_dim")()
+        for name in _OPS:
+            setattr(self, f"_{name}", lib.entry(f"{name}_{SUFFIXES[dtype]}"))
 
     def _fits(self, weight: torch.Tensor, size: int) -> bool:
         """Whether ``weight`` is what the C reads for rows of ``size``: the C trusts shapes."""
@@ -204,32 +190,16 @@ class NativeOps(TorchOps):
 
 
 @functools.cache
-def load() -> ctypes.CDLL | str:
-    """The compiled library, or a string saying why it could not be built."""
-    return cbuild.load(SOURCE)
-
-
-@functools.cache
 def native_ops(dtype: torch.dtype) -> NativeOps | None:
     """The compiled ops for ``dtype``, or None (logged once) when there are none."""
-    lib = load()
-    if isinstance(lib, str):
-        logger.warning("fused CPU layer ops unavailable, using torch ops: %s", lib)
+    try:
+        lib = library.load()
+    except KernelsUnavailable as exc:
+        logger.warning("fused CPU layer ops unavailable, using torch ops: %s", exc)
         return None
-    if dtype not in SUFFIXES or not hasattr(lib, f"rms_norm_{SUFFIXES[dtype]}"):
+    if dtype not in SUFFIXES or lib.entry(f"rms_norm_{SUFFIXES[dtype]}") is None:
         return None  # float16 is missing from builds without _Float16
     return NativeOps(lib, dtype)
-
-
-@functools.cache
-def silu_mul_epilogue(dtype: torch.dtype) -> int | None:
-    """The address of ``silu_and_mul_rows_<dtype>`` for the tiled GEMM to apply to each block of
-    gate/up columns it makes (:func:`pagedkv.models.tiled_gemm.tiled_gate_up`), or None."""
-    lib = load()
-    entry = f"silu_and_mul_rows_{SUFFIXES.get(dtype, '')}"
-    if isinstance(lib, str) or not hasattr(lib, entry):
-        return None
-    return ctypes.cast(getattr(lib, entry), ctypes.c_void_p).value
 
 
 def select(x: torch.Tensor) -> TorchOps:

@@ -1,21 +1,22 @@
 """Linear layers and the GEMM kernel they run on.
 
 Nearly all of a decoder step's time is its matrix multiplies, and which library runs them
-matters more than anything else in the step: on an AMD EPYC, ``F.linear`` in float32 goes to
-MKL's sgemm, which skips its fast paths on non-Intel CPUs, while oneDNN -- shipped inside the
-same torch wheel -- is 2.5-4x faster at this model family's shapes once the weight is reordered
-into its blocked layout ("packed"), as vLLM's CPU build runs it. pagedkv's own tiled kernel
-(:mod:`pagedkv.models.tiled_gemm`) goes further: it streams a decode step's weights from DRAM
-1.1-1.3x faster than oneDNN and matches it at prefill sizes. So on the CPU every :class:`Linear`
-weight is packed once, after loading (:func:`pack_linears`): tiled in float32 and bfloat16 (where
-the CPU has AVX512-BF16, or AVX2 with FMA), else oneDNN's layout. ``F.linear`` stays on CUDA
-(cuBLAS) and wherever neither can run the dtype.
+matters more than anything else in the step: on AMD CPUs, ``F.linear`` in float32 goes to MKL's
+sgemm, which skips its fast paths there, while oneDNN -- shipped inside the same torch wheel --
+runs this model family's shapes several times faster once the weight is reordered into its
+blocked layout ("packed"), as vLLM's CPU build runs it. pagedkv's own tiled kernel
+(:mod:`pagedkv.kernels.tiled_gemm`) goes further on decode steps, which stream every weight from
+DRAM for a few rows, and keeps up at prefill sizes. So on the CPU every :class:`Linear` weight
+is packed once, after loading (:func:`pack_linears`): tiled in float32 and bfloat16 (where the
+CPU has AVX512-BF16, or AVX2 with FMA), else oneDNN's layout. ``F.linear`` stays on CUDA
+(cuBLAS) and wherever neither can run the dtype; ``linear_kernel`` forces one of the three.
 
 The packed tensor *replaces* the parameter (an opaque ``torch._mkldnn`` tensor, or a flat tiled
 one): the weight is never held twice. :func:`linear` dispatches on the weight it is given, so a
 subclass (tensor parallel shards) that keeps or restores a plain weight still works.
-A weight tied to the embedding (``tie_word_embeddings``) stays plain: the embedding lookup needs
-the row-major matrix, and a packed copy beside it would hold that matrix twice.
+A weight tied to the embedding (``tie_word_embeddings``) is tiled too, and the embedding reads
+its rows out of the tiles; under oneDNN it stays plain, since the embedding lookup cannot read
+oneDNN's opaque layout and a packed copy beside it would hold the matrix twice.
 """
 
 from __future__ import annotations
@@ -28,21 +29,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.models.layer_ops import TorchOps, silu_mul_epilogue
-from pagedkv.models.tiled_gemm import (
+from pagedkv.kernels import LINEAR_KERNELS, tiled_gemm
+from pagedkv.kernels.tiled_gemm import (
     from_paired_tiles,
     from_tiles,
-    runs_dtype,
     tiled_gate_up,
     tiled_linear,
     to_paired_tiles,
     to_tiles,
 )
+from pagedkv.models.layer_ops import TorchOps
 
 logger = logging.getLogger(__name__)
-
-#: Names accepted for ``linear_kernel`` (EngineConfig, ``--linear-kernel``, :func:`choose_linear_kernel`).
-LINEAR_KERNELS: tuple[str, ...] = ("auto", "tiled", "onednn", "torch")
 TILED = "pagedkv tiled"
 ONEDNN = "oneDNN packed"
 TORCH = "F.linear"
@@ -58,37 +56,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return F.linear(x, weight, bias)
 
 
-#: Rows up to which a step-program projection writes into the output it kept from its last call
-#: (decode batches); a larger batch (prefill) gets a new tensor, so no slot holds megabytes.
-SLOT_ROWS = 64
+#: Rows up to which a step-program projection writes into the output buffer it kept from its
+#: last call (decode batches); a larger batch (prefill) gets a new tensor, so no buffer holds
+#: megabytes. The decode stack's working buffers hold as many rows.
+BUFFER_ROWS = 64
 
 
-class OutputSlot:
+class OutputBuffer:
     """One step-program projection's output, kept from call to call for batches of at most
-    :data:`SLOT_ROWS` rows.
+    :data:`BUFFER_ROWS` rows.
 
-    A new output every call is a tensor allocation (~4 us here) whose lines the kernel then
-    writes cold. The bench model's projections for one decode step (six layers and the LM head,
-    which keeps new outputs: logits leave the step), float32, 2 threads, on a Zen 1 EPYC, best of 6
-    alternating rounds, two runs: 16 rows 17.9 / 17.1 -> 17.4 / 16.8 ms, 32 rows 35.3 / 34.4 ->
-    34.7 / 34.0 ms, 8 rows within the noise.
+    A new output every call is a tensor allocation whose lines the kernel then writes cold; a
+    kept one is warm and costs nothing to make (the LM head keeps none: logits leave the step).
     Safe because in the step program a projection's output is dead before the same projection
     runs again (the next step): the layer consumes it, and the program hands back a copy of the
     only one it returns (:meth:`pagedkv.models.step_program.StepProgram.run`)."""
 
     def __init__(self) -> None:
-        self.base: torch.Tensor | None = None  # [SLOT_ROWS, width]
+        self.base: torch.Tensor | None = None  # [BUFFER_ROWS, width]
         self.views: dict[int, torch.Tensor] = {}  # rows -> base[:rows]
 
     def get(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The kept ``[rows, width]`` output, or None for a larger batch (the kernel then makes
         one). ``width`` is the projection's own; ``dtype`` changes only if the model is cast."""
-        if rows > SLOT_ROWS:
+        if rows > BUFFER_ROWS:
             return None
         view = self.views.get(rows)
         if view is None or view.dtype is not dtype:
             if self.base is None or self.base.dtype is not dtype or self.base.shape[1] != width:
-                self.base, self.views = torch.empty((SLOT_ROWS, width), dtype=dtype), {}
+                self.base, self.views = torch.empty((BUFFER_ROWS, width), dtype=dtype), {}
             view = self.views[rows] = self.base[:rows]
         return view
 
@@ -108,12 +104,12 @@ class Linear(nn.Linear):
         """This layer's forward as a plain function of ``x``, without the module call: what
         :mod:`pagedkv.models.step_program` runs. It reads the weight from the module's parameter
         table at each call, so it stays right after :meth:`pack` replaces the weight."""
-        params, slot, width = self._parameters, OutputSlot(), self.out_features
+        params, buffer, width = self._parameters, OutputBuffer(), self.out_features
 
         def project(x: torch.Tensor) -> torch.Tensor:
             weight = params["weight"]
-            if weight.dim() == 1 and x.dim() == 2:  # tiled: into the slot (see OutputSlot)
-                return tiled_linear(x, weight, params["bias"], slot.get(x.shape[0], width, weight.dtype))
+            if weight.dim() == 1 and x.dim() == 2:  # tiled: into the kept buffer (OutputBuffer)
+                return tiled_linear(x, weight, params["bias"], buffer.get(x.shape[0], width, weight.dtype))
             return linear(x, weight, params["bias"])
 
         return project
@@ -171,7 +167,7 @@ class PackedLinear(Linear):
 class GateUpLinear(PackedLinear):
     """The MLP's gate and up projections as one GEMM whose product ``silu(gate) * up`` can be made
     in one pass: tiled (without a bias), the weight takes the paired layout of
-    :func:`~pagedkv.models.tiled_gemm.to_paired_tiles`, and :meth:`act_function` applies the
+    :func:`~pagedkv.kernels.tiled_gemm.to_paired_tiles`, and :meth:`act_function` applies the
     activation to each block of columns while it is in cache, through the same C function as
     the separate op (bit for bit its result). Every other kernel keeps the two passes."""
 
@@ -180,7 +176,7 @@ class GateUpLinear(PackedLinear):
         self.paired = False
 
     def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return tiled_gate_up(x, weight, None) if self.paired else linear(x, weight, bias)
+        return tiled_gate_up(x, weight, False) if self.paired else linear(x, weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(x, self.weight, self.bias)
@@ -191,17 +187,15 @@ class GateUpLinear(PackedLinear):
 
     def act_function(self) -> Callable[[torch.Tensor, TorchOps], torch.Tensor]:
         """``silu(gate) * up`` of ``x`` as a plain function of ``(x, ops)``: fused where the
-        weight is paired and the compiled epilogue exists for ``x``'s dtype, else the product
-        followed by ``ops.silu_and_mul``. Reads the weight at each call, like :meth:`as_function`."""
-        params, slot, width = self._parameters, OutputSlot(), self.out_features // 2
+        weight is paired and of ``x``'s dtype, else the product followed by ``ops.silu_and_mul``.
+        Reads the weight at each call, like :meth:`as_function`."""
+        params, buffer, width = self._parameters, OutputBuffer(), self.out_features // 2
 
         def act(x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
             weight = params["weight"]
             if self.paired and x.dtype == weight.dtype:
-                epilogue = silu_mul_epilogue(x.dtype)
-                if epilogue is not None:
-                    out = slot.get(x.shape[0], width, x.dtype) if x.dim() == 2 else None
-                    return tiled_gate_up(x, weight, epilogue, out)
+                out = buffer.get(x.shape[0], width, x.dtype) if x.dim() == 2 else None
+                return tiled_gate_up(x, weight, True, out)
             return ops.silu_and_mul(self._product(x, weight, params["bias"]))
 
         return act
@@ -263,7 +257,7 @@ def _tiled_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the tiled kernel cannot run this model's linears, or None when it can."""
     if device.type != "cpu":
         return f"{device.type}: the vendor BLAS"
-    return runs_dtype(dtype)
+    return tiled_gemm.why_unavailable(dtype)
 
 
 def _onednn_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -293,12 +287,10 @@ def pack_linears(model: nn.Module, kernel: LinearKernel, batch_hint: int) -> Lin
     tiles (nothing held twice); oneDNN's opaque layout cannot be read that way, so there it stays
     plain.
 
-    The layout hint (oneDNN only): oneDNN picks one blocked layout per hint, and a call whose row count the
-    layout does not suit is slower. Measured in float32, 1 thread, under load: packed for 1 row,
-    512 -> 2752 at 32 rows took 0.75 ms against 0.42-0.48 ms packed for 32, 256 or 2048, and the
-    512 -> 32000 head at 1 row 12.4 ms against 2.9-3.1 ms. Hints 32, 256 and 2048 ran every
-    shape of issue 12's model at 1, 32 and 2048 rows alike (within noise), in float32 and
-    bfloat16, so the engine passes its ``max_num_batched_tokens``.
+    The layout hint (oneDNN only): oneDNN picks one blocked layout per hint, and a call whose
+    row count the layout does not suit is slower. A layout packed for one row is several times
+    slower on a batch, while hints from a few dozen rows up suit decode batches and prefill
+    alike, so the engine passes its ``max_num_batched_tokens``.
     """
     if kernel.name == TORCH:
         return kernel

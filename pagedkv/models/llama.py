@@ -23,13 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache
+from pagedkv.kernels.tiled_gemm import tiled_rows
 from pagedkv.models import layer_ops
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.layer_ops import QKVLayout
 from pagedkv.models.linear import TORCH, GateUpLinear, Linear, LinearKernel, PackedLinear
 from pagedkv.models.rope import RotaryEmbedding
 from pagedkv.models.step_program import ForwardBatch, StepProgram
-from pagedkv.models.tiled_gemm import tiled_rows
 
 
 class RMSNorm(nn.Module):

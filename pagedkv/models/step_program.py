@@ -1,15 +1,13 @@
 """The decoder's forward pass as one flat loop over per-layer records.
 
 The layers are ``nn.Module`` objects so that checkpoints, tensor-parallel shards and packing
-find their weights by name; running them as a module tree is another matter. A decode step of
-issue 12's model made ~60 module calls and ~100 attribute look-ups through
-``Module.__getattr__`` (a Python function), and on the CPU each ran with cold caches: the
-weights of the previous layers had just streamed through them. Reading every layer's weights,
-norms, q/k/v layout and attention options once into a :class:`LayerRecord` and running the
-layers as one loop over those records made one request's decode 12 % faster (128 + 128 tokens,
-float32, 2 threads, median of 8 interleaved runs: 1.19 s -> 1.04 s) and the mixed workload
-2-6 % faster, with the same ops in the same order: the hidden states are bit for bit those of
-the module calls they replace.
+find their weights by name; running them as a module tree is another matter. A decode step
+would make about ten module calls and more than a dozen attribute look-ups through
+``Module.__getattr__`` (a Python function) per layer, and on the CPU each runs with cold caches:
+the weights of the previous layers have just streamed through them. So every layer's weights,
+norms, q/k/v layout and attention options are read once into a :class:`LayerRecord`, and the
+layers run as one loop over those records, with the same ops in the same order: the hidden
+states are bit for bit those of the module calls they replace.
 
 The records never go stale: a linear layer is read through :meth:`Linear.as_function`, which
 looks its weight up at each call (packing replaces it), and the norm weights are loaded in place.
@@ -28,9 +26,10 @@ from torch import nn
 from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache, attend
 from pagedkv.models.decode_stack import DecodeStack, decode_stack
 from pagedkv.models.layer_ops import QKVLayout, TorchOps
-from pagedkv.models.linear import SLOT_ROWS
+from pagedkv.models.linear import BUFFER_ROWS
 
-Projection = Callable[[torch.Tensor], torch.Tensor]
+#: a linear layer's forward as a plain function of its input (:meth:`Linear.as_function`)
+LinearFunction = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -56,16 +55,16 @@ class LayerRecord:
     """What one decoder layer's forward pass reads, captured once."""
 
     input_norm: tuple[torch.Tensor, float]  # (weight, eps)
-    qkv: Projection
+    qkv: LinearFunction
     layout: QKVLayout
     kv_layer: int
     attention: AttentionOptions
     q_size: int  # query heads x head_dim: the attention output's row width
-    o: Projection
+    o: LinearFunction
     post_norm: tuple[torch.Tensor, float]
     #: ``silu(gate) * up`` of the post-attention hidden states, given the step's ops
     gate_up_act: Callable[[torch.Tensor, TorchOps], torch.Tensor]
-    down: Projection
+    down: LinearFunction
 
 
 def _gate_up_act(gate_up: nn.Module) -> Callable[[torch.Tensor, TorchOps], torch.Tensor]:
@@ -139,6 +138,6 @@ class StepProgram:
             x, residual = ops.add_rms_norm(layer.o(out), residual, *layer.post_norm)
             x = layer.down(layer.gate_up_act(x, ops))
         hidden = ops.add_rms_norm(x, residual, *self.final_norm)[0]
-        # a small batch's hidden states are the last down projection's kept output (OutputSlot):
-        # the caller gets a copy, which the next forward pass cannot overwrite
-        return hidden.clone() if hidden.shape[0] <= SLOT_ROWS else hidden
+        # a small batch's hidden states are the last down projection's kept output buffer
+        # (OutputBuffer): the caller gets a copy, which the next forward pass cannot overwrite
+        return hidden.clone() if hidden.shape[0] <= BUFFER_ROWS else hidden

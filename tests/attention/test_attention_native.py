@@ -1,4 +1,5 @@
-"""The native CPU kernel: how it is built and cached, and the fallbacks around it."""
+"""The C paged-attention kernel through the ``cpu`` backend, and the fallbacks around it (its
+build and cache: tests/kernels)."""
 
 from __future__ import annotations
 
@@ -11,47 +12,43 @@ from pagedkv.attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
-from pagedkv.attention.backends import cpu, native
+from pagedkv.attention.backends import cpu
+from pagedkv.kernels import paged_attention
+from tests.kernels.no_compiler import run_without_compiler
 
 from .cases import contiguous_attention, make_case
 
+WITHOUT_COMPILER = """
+import warnings
+import torch
+from pagedkv.attention import paged_decode_attention, paged_prefill_attention
+from tests.attention.cases import contiguous_attention, make_case
 
-def test_kernel_builds_into_the_cache_dir_and_is_reused(tmp_path, monkeypatch):
-    monkeypatch.setenv("PAGEDKV_KERNEL_CACHE", str(tmp_path))
-    native.load.cache_clear()
-    try:
-        kernel = native.load()
-        assert isinstance(kernel, native.NativeKernel), kernel
-        assert kernel.path.parent == tmp_path and kernel.path.exists()
-        native.load.cache_clear()
-        again = native.load()
-        assert again.path == kernel.path  # same source, flags and CPU: the cached build is loaded
-        assert len(list(tmp_path.iterdir())) == 1  # and no temporary file is left behind
-    finally:
-        native.load.cache_clear()
-
-
-def test_without_a_compiler_the_cpu_backend_warns_and_stays_correct(monkeypatch):
-    monkeypatch.setattr(native, "load", lambda: "no C compiler found (set $CC)")
-    monkeypatch.setattr(cpu, "_warned", False)
-    case = make_case([3, 20], 8, 2, 16, device="cpu")
-    q = torch.randn(2, 4, 16)
-    with pytest.warns(UserWarning, match="no C compiler found"):
-        out = paged_decode_attention(q, case.layer, case.block_tables, case.context_lens, 0.25, backend="cpu")
+case = make_case([3, 20], 8, 2, 16, device="cpu")
+q = torch.randn(2, 4, 16)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = paged_decode_attention(q, case.layer, case.block_tables, case.context_lens, 0.25, backend="cpu")
     expected = torch.stack(
         [contiguous_attention(q[b : b + 1], case.keys[b], case.values[b], 0.25)[0] for b in range(2)]
     )
     torch.testing.assert_close(out, expected)
-    q = torch.randn(23, 4, 16)  # prefill rows also fall back (no second warning)
+    q = torch.randn(23, 4, 16)  # prefill rows also fall back
     cu = torch.tensor([0, 3, 23], dtype=torch.int32)
-    out = paged_prefill_attention(
-        q, case.layer, case.block_tables, cu, case.context_lens, 0.25, backend="cpu"
-    )
+    args = (q, case.layer, case.block_tables, cu, case.context_lens, 0.25)
+    out = paged_prefill_attention(*args, backend="cpu")
     torch.testing.assert_close(out[3:], contiguous_attention(q[3:], case.keys[1], case.values[1], 0.25))
+messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+assert len(messages) == 1 and "no C compiler found" in messages[0], messages  # warned once
+"""
+
+
+def test_without_a_compiler_the_cpu_backend_warns_once_and_stays_correct(tmp_path):
+    run_without_compiler(WITHOUT_COMPILER, tmp_path)
 
 
 def test_more_query_heads_per_kv_head_than_the_kernel_holds():
-    group = native.MAX_GROUP * 2
+    group = paged_attention.MAX_GROUP * 2
     case = make_case([9, 33], 16, 1, 16, device="cpu")
     q = torch.randn(2, group, 16)
     out = paged_decode_attention(q, case.layer, case.block_tables, case.context_lens, 0.25, backend="cpu")
@@ -131,7 +128,9 @@ def test_prefill_tiles_match_the_reference(dtype, heads, kv_heads, head_dim):
     q = torch.randn(sum(q_lens), heads, head_dim).to(dtype)
     options = AttentionOptions(head_dim**-0.5)
     rows_per_tile = cpu._tile_rows(q, case.layer, options)
-    assert 0 < rows_per_tile <= 16 and rows_per_tile * heads // kv_heads == native.load().prefill_lanes
+    assert (
+        0 < rows_per_tile <= 16 and rows_per_tile * heads // kv_heads == paged_attention.load().prefill_lanes
+    )
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     args = (q, case.layer, case.block_tables, cu, case.context_lens, options.scale)
     out = paged_prefill_attention(*args, backend="cpu")

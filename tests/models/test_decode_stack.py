@@ -10,10 +10,10 @@ from torch import nn
 
 from pagedkv.attention import set_per_call_checks
 from pagedkv.engine.executor.base import runtime_of
+from pagedkv.kernels.tiled_gemm import to_tiles
 from pagedkv.models import load_model
-from pagedkv.models.linear import SLOT_ROWS
+from pagedkv.models.linear import BUFFER_ROWS
 from pagedkv.models.step_program import StepProgram
-from pagedkv.models.tiled_gemm import to_tiles
 from tests.checkpoints import make_checkpoint
 
 from .paging import PagedBatch
@@ -70,12 +70,12 @@ def test_the_stack_leaves_to_the_program_what_it_does_not_take(tmp_path):
     path = make_checkpoint(tmp_path, "llama")
     model = load_model(path, dtype=torch.float32, linear_kernel="tiled")
     _, taken = _with_stack(model)
-    batch = PagedBatch(model, 8, SLOT_ROWS + 1)
-    batch.forward([[1]] * (SLOT_ROWS + 1))  # one-token prompts: a prefill step
-    batch.forward([[2]] * (SLOT_ROWS + 1))  # a decode step wider than the stack's buffers
+    batch = PagedBatch(model, 8, BUFFER_ROWS + 1)
+    batch.forward([[1]] * (BUFFER_ROWS + 1))  # one-token prompts: a prefill step
+    batch.forward([[2]] * (BUFFER_ROWS + 1))  # a decode step wider than the stack's buffers
     previous = set_per_call_checks(True)  # the checks run in the program
     try:
-        batch.forward([[3]] * (SLOT_ROWS + 1))
+        batch.forward([[3]] * (BUFFER_ROWS + 1))
     finally:
         set_per_call_checks(previous)
     assert taken == [False, False, False]

@@ -12,19 +12,19 @@ test_model_exactness.py, test_engine_exactness.py and test_bf16_agreement.py.
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.attention import AttentionMetadata, LayerKV
+from pagedkv.kernels import library
 from pagedkv.models import layer_ops, load_model
 from pagedkv.models.config import RopeConfig
 from pagedkv.models.layer_ops import TORCH_OPS, NativeOps, QKVLayout, TorchOps
 from pagedkv.models.rope import RotaryEmbedding
 from tests.checkpoints import make_checkpoint
+from tests.kernels.no_compiler import run_without_compiler
 from tests.models.test_model_exactness import PROMPT_LENS, prompts
 
 from .paging import PagedBatch
@@ -32,9 +32,22 @@ from .paging import PagedBatch
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+WITHOUT_COMPILER = """
+import torch
+from pagedkv.models import layer_ops, load_model
+from tests.models.paging import PagedBatch
+from tests.models.test_model_exactness import PROMPT_LENS, prompts
+
+assert layer_ops.select(torch.empty(0)) is layer_ops.TORCH_OPS
+model = load_model({model!r}, dtype=torch.float32)
+seqs = prompts()
+torch.save(PagedBatch(model, max(PROMPT_LENS) + 1, len(seqs)).step(seqs), {saved!r})
+"""
+
+
 def native(dtype: torch.dtype) -> NativeOps:
     ops = layer_ops.select(torch.empty(0, dtype=dtype))
-    assert isinstance(ops, NativeOps), layer_ops.load()  # CI has a C compiler
+    assert isinstance(ops, NativeOps), library.why_unavailable()  # CI has a C compiler
     return ops
 
 
@@ -145,26 +158,18 @@ def test_quantized_cache_writes_through_torch():
         assert torch.equal(getattr(layers[1], field), getattr(layers[0], field))
 
 
-def test_without_the_library_the_model_runs_on_torch_ops(tmp_path, monkeypatch, caplog):
+def test_without_the_library_the_model_runs_on_torch_ops(tmp_path):
     """No compiler: the torch ops are taken (with one warning) and give the same logits as the
     compiled ones, to float32 rounding."""
     path = make_checkpoint(tmp_path, "qwen3", head_dim=24)
     model = load_model(path, dtype=torch.float32)
     seqs = prompts()
-    fused = PagedBatch(model, max(PROMPT_LENS) + 1, len(seqs))
-    fused_logits = fused.step(seqs)
-
-    monkeypatch.setattr(layer_ops, "load", lambda: "no C compiler found (set $CC)")
-    layer_ops.native_ops.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger=layer_ops.__name__):
-            assert layer_ops.select(torch.empty(0)) is TORCH_OPS
-        assert "no C compiler found" in caplog.text
-        plain = PagedBatch(model, max(PROMPT_LENS) + 1, len(seqs))
-        for got, want in zip(plain.step(seqs), fused_logits, strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    finally:
-        layer_ops.native_ops.cache_clear()
+    fused_logits = PagedBatch(model, max(PROMPT_LENS) + 1, len(seqs)).step(seqs)
+    saved = tmp_path / "logits.pt"
+    done = run_without_compiler(WITHOUT_COMPILER.format(model=str(path), saved=str(saved)), tmp_path)
+    assert done.stderr.count("fused CPU layer ops unavailable, using torch ops: no C compiler found") == 1
+    for got, want in zip(torch.load(saved), fused_logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -4,30 +4,37 @@ dtype (or refused with a reason)."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
-import subprocess
 import weakref
 
 import pytest
 import torch
 
-from pagedkv.models import load_model
-from pagedkv.models.layer_ops import native_ops, silu_mul_epilogue
-from pagedkv.models.linear import ONEDNN, SLOT_ROWS, TILED, TORCH, Linear, OutputSlot, choose_linear_kernel
-from pagedkv.models.tiled_gemm import (
+from pagedkv import cbuild
+from pagedkv.kernels import library, tiled_gemm
+from pagedkv.kernels.library import KernelLibrary
+from pagedkv.kernels.tiled_gemm import (
     BF16_DOT,
     bf16_loop,
     from_paired_tiles,
     from_tiles,
-    runs_dtype,
     tiled_gate_up,
     tiled_linear,
     tiled_rows,
     to_paired_tiles,
     to_tiles,
 )
-from pagedkv.models.tiled_gemm import SOURCE as TILED_SOURCE
+from pagedkv.models import load_model
+from pagedkv.models.layer_ops import native_ops
+from pagedkv.models.linear import (
+    BUFFER_ROWS,
+    ONEDNN,
+    TILED,
+    TORCH,
+    Linear,
+    OutputBuffer,
+    choose_linear_kernel,
+)
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 
 from .paging import PagedBatch
@@ -38,8 +45,8 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(4, TEST_VOCAB_SIZE, (n,), generator=gen).tolist() for n in (9, 1, 4)]
 
 
-BF16_TILES = runs_dtype(torch.bfloat16) is None  # AVX512-BF16, or AVX2 with FMA
-# oneDNN multiplies bfloat16 natively from AVX-512 on; an AVX2-only host (a Zen 1 EPYC, seen here)
+BF16_TILES = tiled_gemm.why_unavailable(torch.bfloat16) is None  # AVX512-BF16, or AVX2 with FMA
+# oneDNN multiplies bfloat16 natively from AVX-512 on; an AVX2-only host
 # refuses it, and the tests below then check the refusal instead of the product.
 ONEDNN_BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
@@ -236,13 +243,13 @@ def test_fused_gate_up_is_the_product_then_silu_and_mul_bit_for_bit(dtype, inter
     weight = torch.randn(2 * intermediate, in_features, generator=gen).to(dtype)
     paired, tiles = to_paired_tiles(weight), to_tiles(weight)
     assert paired.shape == tiles.shape and torch.equal(from_paired_tiles(paired, in_features), weight)
-    epilogue, ops = silu_mul_epilogue(dtype), native_ops(dtype)
-    assert epilogue is not None and ops is not None
+    ops = native_ops(dtype)
+    assert ops is not None
     for rows in (1, 6, 13, 70):
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
         plain = tiled_linear(x, tiles, None)
-        assert torch.equal(tiled_gate_up(x, paired, None), plain)
-        assert torch.equal(tiled_gate_up(x, paired, epilogue), ops.silu_and_mul(plain))
+        assert torch.equal(tiled_gate_up(x, paired, False), plain)
+        assert torch.equal(tiled_gate_up(x, paired, True), ops.silu_and_mul(plain))
 
 
 def test_the_mlp_runs_fused_when_tiled_and_reads_its_weight_back(tmp_path):
@@ -258,35 +265,35 @@ def test_the_mlp_runs_fused_when_tiled_and_reads_its_weight_back(tmp_path):
     assert torch.equal(tiled.act_function()(x, ops), ops.silu_and_mul(product))
 
 
-def test_portable_build_of_the_tiled_kernel_gives_the_same_bits(tmp_path):
+def test_portable_build_of_the_tiled_kernel_gives_the_same_bits():
     """Without -march=native (no AVX-512: a machine this build cannot assume) the kernel's
     portable loop runs the same fused multiply-adds in the same order, so it must agree with
-    the vectorised build bit for bit."""
-    library = tmp_path / "tiled_portable.so"
-    command = ["cc", "-O2", "-fopenmp", "-shared", "-fPIC", "-o", str(library), str(TILED_SOURCE), "-lm"]
-    subprocess.run(command, check=True)
-    portable = ctypes.CDLL(str(library))
-    portable.tiled_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    the vectorised build bit for bit. Built by the same builder from the library's own sources
+    (the GEMM and the layer ops its fused gate/up calls), with the same signatures."""
+    sources = [library.CSRC / "tiled_gemm.c", library.CSRC / "layer_ops.c"]
+    path = cbuild.build_library("tiled_gemm_portable", sources, flag_sets=[("-O2", "-fopenmp")])
+    portable = KernelLibrary(path)
+    assert portable.entry("tiled_gemm_bf16_loop")() == 0 and portable.entry("decode_stack_f32") is None
     gen = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(150, 40, generator=gen), torch.randn(150, generator=gen)
     x = torch.randn(9, 40, generator=gen)
     tiles = to_tiles(weight)
     out = torch.empty(9, 150)
-    portable.tiled_linear_f32(x.data_ptr(), tiles.data_ptr(), bias.data_ptr(), out.data_ptr(), 9, 40, 150)
+    linear = portable.entry("tiled_linear_f32")
+    assert linear(x.data_ptr(), tiles.data_ptr(), bias.data_ptr(), out.data_ptr(), 9, 40, 150) == 0
     assert torch.equal(out, tiled_linear(x, tiles, bias))
-    portable.tiled_gate_up_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p]
-    paired, product = to_paired_tiles(weight), torch.empty(9, 150)
-    assert (
-        portable.tiled_gate_up_f32(x.data_ptr(), paired.data_ptr(), product.data_ptr(), 9, 40, 75, None) == 0
-    )
+    paired, product, fused = to_paired_tiles(weight), torch.empty(9, 150), torch.empty(9, 75)
+    gate_up = portable.entry("tiled_gate_up_f32")
+    assert gate_up(x.data_ptr(), paired.data_ptr(), product.data_ptr(), 9, 40, 75, 0) == 0
     assert torch.equal(product, tiled_linear(x, tiles, None))
+    assert gate_up(x.data_ptr(), paired.data_ptr(), fused.data_ptr(), 9, 40, 75, 1) == 0
+    assert torch.equal(fused, tiled_gate_up(x, paired, True))
     # bfloat16: the portable loop sums the pairs in vdpbf16ps' order too (odd ``in``: 41)
-    portable.tiled_linear_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
     weight, bias = torch.randn(150, 41, generator=gen).bfloat16(), bias.bfloat16()
     x = torch.randn(9, 41, generator=gen).bfloat16()
     out, tiles = torch.empty(9, 150, dtype=torch.bfloat16), to_tiles(weight)
     args = (x.data_ptr(), tiles.data_ptr(), bias.data_ptr(), out.data_ptr(), 9, 41, 150)
-    assert portable.tiled_linear_bf16(*args) == 0
+    assert portable.entry("tiled_linear_bf16")(*args) == 0
     assert torch.equal(out, _pairwise_bf16_product(x, weight, bias))
 
 
@@ -294,32 +301,31 @@ def test_a_kept_output_takes_the_same_bits_and_a_wrong_one_is_refused():
     gen = torch.Generator().manual_seed(9)
     weight, x = torch.randn(200, 48, generator=gen), torch.randn(5, 48, generator=gen)
     tiles, paired = to_tiles(weight), to_paired_tiles(weight)
-    epilogue = silu_mul_epilogue(torch.float32)
     out = torch.full((5, 200), float("nan"))
     assert tiled_linear(x, tiles, None, out) is out and torch.equal(out, tiled_linear(x, tiles, None))
     half = torch.full((5, 100), float("nan"))
-    assert tiled_gate_up(x, paired, epilogue, half) is half
-    assert torch.equal(half, tiled_gate_up(x, paired, epilogue))
+    assert tiled_gate_up(x, paired, True, half) is half
+    assert torch.equal(half, tiled_gate_up(x, paired, True))
     for wrong in (torch.empty(4, 200), torch.empty(5, 200, dtype=torch.float64), torch.empty(200, 5).t()):
         with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 \[5, 200\]"):
             tiled_linear(x, tiles, None, wrong)
 
 
-def test_an_output_slot_keeps_one_buffer_for_small_batches_only():
-    slot = OutputSlot()
-    first = slot.get(3, 7, torch.float32)
-    assert first.shape == (3, 7) and slot.get(3, 7, torch.float32) is first  # kept, not remade
-    assert slot.get(5, 7, torch.float32).data_ptr() == first.data_ptr()  # one buffer, row views
-    assert slot.get(SLOT_ROWS + 1, 7, torch.float32) is None  # a prefill gets a new tensor
-    assert slot.get(3, 7, torch.bfloat16).dtype == torch.bfloat16  # a cast model: a new buffer
+def test_an_output_buffer_is_kept_for_small_batches_only():
+    buffer = OutputBuffer()
+    first = buffer.get(3, 7, torch.float32)
+    assert first.shape == (3, 7) and buffer.get(3, 7, torch.float32) is first  # kept, not remade
+    assert buffer.get(5, 7, torch.float32).data_ptr() == first.data_ptr()  # one buffer, row views
+    assert buffer.get(BUFFER_ROWS + 1, 7, torch.float32) is None  # a prefill gets a new tensor
+    assert buffer.get(3, 7, torch.bfloat16).dtype == torch.bfloat16  # a cast model: a new buffer
 
 
 def test_a_forward_pass_leaves_the_previous_ones_hidden_states_alone(tmp_path):
-    """The step program's projections write small batches into kept outputs (OutputSlot); what
+    """The step program's projections write small batches into kept buffers (OutputBuffer); what
     a forward pass returns must not be one of them, or the next pass would overwrite it."""
     model = load_model(make_checkpoint(tmp_path, "llama"), dtype=torch.float32, linear_kernel="tiled")
     hidden, _ = PagedBatch(model, 16, 3).forward(_prompts())
     kept = hidden.clone()
-    other, _ = PagedBatch(model, 16, 3).forward([[7, 8], [9], [10, 11, 12]])  # rewrites the slots
+    other, _ = PagedBatch(model, 16, 3).forward([[7, 8], [9], [10, 11, 12]])  # rewrites the buffers
     assert not torch.equal(other[: hidden.shape[0]], kept)  # other tokens, other states
     assert torch.equal(hidden, kept)

@@ -1,15 +1,13 @@
 """The ``cpu`` backend: the default on CPU.
 
-Everything goes through the native kernel (:mod:`pagedkv.attention.backends.native`), which
-reads keys and values straight out of the block pool. Prompt rows take its tile entry (prompts,
+Everything goes through the C kernel (:mod:`pagedkv.kernels.paged_attention`), which reads
+keys and values straight out of the block pool. Prompt rows take its tile entry (prompts,
 chunks, continuations after a cached prefix), which reads the context once per tile of
-consecutive rows instead of once per row: in the mixed workload of ``pagedkv bench
-throughput`` prefill attention went from 120 to 49 ms (float32) and 133 to 49 ms (bfloat16).
-Generated rows -- decodes, and a preempted sequence's generated tokens computed again -- take
-its row entry, one query row per work item, so a recomputed token is attended exactly as the
-first time (the engine passes the prompt lengths; without them, runs of at least one tile are
-tiled). Layers the tiles do not take (a sliding
-window, a soft cap, a quantized pool, an unusual head shape) keep the row entry up to
+consecutive rows instead of once per row. Generated rows -- decodes, and a preempted
+sequence's generated tokens computed again -- take its row entry, one query row per work item,
+so a recomputed token is attended exactly as the first time (the engine passes the prompt
+lengths; without them, runs of at least one tile are tiled). Layers the tiles do not take (a
+sliding window, a soft cap, a quantized pool, an unusual head shape) keep the row entry up to
 ``NATIVE_MAX_QUERY_LEN`` tokens; longer runs then gather one sequence's context and call
 ``scaled_dot_product_attention`` (quadratic in the query length, so one linear-size gather is
 noise next to it), except soft-capped ones (SDPA has no soft-cap).
@@ -26,38 +24,39 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pagedkv.attention.backends import native, torch_backend
+from pagedkv.attention.backends import torch_backend
 from pagedkv.attention.kv_cache import LayerKV
 from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
+from pagedkv.kernels import paged_attention
+from pagedkv.kernels.library import KernelsUnavailable
+from pagedkv.kernels.paged_attention import PagedAttention
 
 #: blocks of every cache dtype: the kernel reads quantized ones in place
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
-#: query runs at most this long use the native kernel, longer ones gather + SDPA. Measured with
-#: `benchmarks/attention.py --prefill` (context 1024, fp32, 2 cores): the kernel was faster at
-#: every chunk length up to the whole 1024-token prompt (299 ms vs 631 ms). Longer prompts keep
-#: SDPA, whose tiling stays in cache where the row kernel re-reads the context once per token.
+#: query runs at most this long use the row kernel when the tiles cannot take them, longer ones
+#: gather + SDPA, whose tiling stays in cache where the row kernel re-reads the context once per
+#: query row.
 NATIVE_MAX_QUERY_LEN = 1024
 #: bounds on the positions one kernel task covers (flash-decoding split of long contexts)
 MIN_CHUNK, MAX_CHUNK = 64, 2048
-#: multiply-adds per pass below which the kernel runs on one thread. 1 << 20 (~0.1 ms of work)
-#: left one request's decode on one thread up to ~2,000 positions; its blocks come cold from DRAM
-#: then, and on a Zen 1 EPYC two threads took the call from 83-106 to 56-68 us and one request of
-#: 128 + 128 tokens from 80-105 to 99-107 tokens/s (float32, three alternating pairs of 4 runs).
-#: On a Zen 4 EPYC 1M, 64k and 16k ran one request alike.
+#: multiply-adds per pass below which the kernel runs on one thread. Low enough that one
+#: request's decode uses every thread once its context is more than a few blocks long: its
+#: blocks come cold from DRAM, and another thread's share of the stream pays for the fork/join.
 PARALLEL_MIN_WORK = 1 << 16
 
 _warned = False
 
 
-def _kernel() -> native.NativeKernel | None:
+def _kernel() -> PagedAttention | None:
+    """The C kernel, or None (warned once) when the kernels library cannot run here."""
     global _warned
-    kernel = native.load()
-    if isinstance(kernel, str):
+    try:
+        return paged_attention.load()
+    except KernelsUnavailable as exc:
         if not _warned:
-            warnings.warn(f"pagedkv cpu attention: {kernel}; using the slow torch reference", stacklevel=3)
+            warnings.warn(f"pagedkv cpu attention: {exc}; using the slow torch reference", stacklevel=3)
             _warned = True
         return None
-    return kernel
 
 
 @dataclass
@@ -105,8 +104,8 @@ def attend_rows(
     options: AttentionOptions,
 ) -> Tensor | None:
     """Each query row ``q[r]`` of sequence ``row_seq[r]`` at position ``row_pos[r]`` attends its
-    sequence's keys up to that position; ``None`` when the native kernel is unavailable or
-    cannot take these tensors."""
+    sequence's keys up to that position; ``None`` when the C kernel is unavailable or cannot
+    take these tensors."""
     return _attend(q, layer, KernelRows.of(block_tables, row_seq, row_pos), options)
 
 
@@ -117,8 +116,8 @@ def _attend(q: Tensor, layer: LayerKV, rows: KernelRows, options: AttentionOptio
         )
     kernel = _kernel()
     num_heads = q.shape[1]
-    entry = kernel.fn(q.dtype, layer.key.dtype) if kernel is not None else None
-    if entry is None or num_heads // layer.num_kv_heads > native.MAX_GROUP:
+    entry = kernel.rows_fn(q.dtype, layer.key.dtype) if kernel is not None else None
+    if entry is None or num_heads // layer.num_kv_heads > paged_attention.MAX_GROUP:
         return None
     key, value = layer.key, layer.value
     if not (key.is_contiguous() and value.is_contiguous()):

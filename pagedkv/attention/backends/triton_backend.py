@@ -1,6 +1,6 @@
 """The ``triton`` backend: the default for CUDA tensors.
 
-On a GPU the kernel in :mod:`pagedkv.attention.backends.triton_kernels` is compiled by Triton;
+On a GPU the kernel in :mod:`pagedkv.kernels.triton_attention` is compiled by Triton;
 for CPU tensors it runs in Triton's interpreter, which is how the test suite checks the very
 same kernel code without a GPU (slow: use small shapes).
 """
@@ -41,14 +41,14 @@ def num_splits(q: torch.Tensor, programs: int, longest: int, interpret: bool) ->
 
 def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: AttentionOptions) -> Tensor:
     try:
-        from pagedkv.attention.backends import triton_kernels
+        from pagedkv.kernels import triton_attention
     except ImportError as exc:  # pragma: no cover - triton is a declared test dependency
         raise RuntimeError("the triton attention backend needs `pip install triton`") from exc
     interpret = q.device.type != "cuda"
     block_tables, context_lens = metadata.block_tables, metadata.context_lens
     max_query_len = metadata.max_query_len
     sliding_window, soft_cap = options.sliding_window, options.soft_cap
-    kernel = triton_kernels.kernel_for(interpret)
+    kernel = triton_attention.kernel_for(interpret)
     num_seqs, num_tokens, num_heads = block_tables.shape[0], q.shape[0], q.shape[1]
     group = num_heads // layer.num_kv_heads
     block_g = _next_pow2(group)
@@ -86,7 +86,7 @@ def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: Att
         out = torch.empty_like(q)
         maxima = sums = out  # unused
     grid = (m_tiles * splits, num_seqs, layer.num_kv_heads)
-    scope = triton_kernels.interpreted_device_calls() if interpret else contextlib.nullcontext()
+    scope = triton_attention.interpreted_device_calls() if interpret else contextlib.nullcontext()
     with scope:
         kernel[grid](
             q,
@@ -128,7 +128,7 @@ def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: Att
             FP8=fp8,
         )
     if splits > 1:
-        return triton_kernels.merge_splits(out, maxima, sums, q.dtype)
+        return triton_attention.merge_splits(out, maxima, sums, q.dtype)
     return out
 
 

@@ -1,14 +1,14 @@
 /*
  * y = x . W^T + b on the CPU, W stored in column tiles: the linear layers' kernel, in float32
- * and bfloat16.
+ * and bfloat16. Entry points and arguments: kernels.h.
  *
  * Why not oneDNN: in a decode step every weight is read from DRAM once for a handful of rows,
- * and oneDNN's packed sgemm stalls on that stream (13-28 GB/s of the ~42 GB/s two cores read).
- * Here each tile of 64 output columns is one contiguous run of memory that the k loop reads front
- * to back (prefetched PF rows ahead, into L2), the first block of rows pulls it from DRAM and the others
+ * and a GEMM that packs its operands as it goes stalls on that stream. Here each tile of 64
+ * output columns is one contiguous run of memory that the k loop reads front to back
+ * (prefetched PF rows ahead, into L2), the first block of rows pulls it from DRAM and the others
  * reuse it from L2 while they pull the next tile there (NEXT_TILE). The same loop runs prefill's
- * thousands of rows at oneDNN's rate. float32 has three loops, chosen at compile time: AVX-512,
- * AVX2 with FMA (column passes over a tile, see block_columns) and a portable one.
+ * thousands of rows. float32 has three loops, chosen at compile time: AVX-512, AVX2 with FMA
+ * (column passes over a tile, see block_columns) and a portable one.
  *
  * Layout ("tiled"): W [N, K] becomes one flat run of N * K floats, tile after tile; full tile t
  * holds T[k, j] = W[64 t + j, k] (64 floats per k), and a last tile of r < 64 columns the same
@@ -18,27 +18,19 @@
  * count or the chunking: a row's result never depends on its batch. bfloat16 sums k in pairs,
  * each pair's odd product first (vdpbf16ps' order), on every path.
  *
- * Entry points (x [M, K], y [M, N] row-major; bias [N] or NULL):
- *   tiled_linear_f32(x, tiles, bias, y, M, K, N)
- *   tiled_linear_bf16(x, tiles, bias, y, M, K, N) -> 0, or 1 without memory
- *   tiled_gemm_bf16_loop() -> 2: AVX512-BF16's dot products, 1: AVX2 widening, 0: portable
- *
  * The MLP's gate/up projection ([2 I, K]: I gate rows, then I up rows) has a second layout,
  * "paired": for each run t of 64 output columns of width w = min(64, I - 64 t), the [2 w, K]
  * matrix of gate rows 64 t .. + w then up rows 64 t .. + w in the tiled layout above, pair after
  * pair. One pass then makes a block of gate columns and the up columns they multiply together,
- * and silu(gate) * up is applied while they are in cache -- what layer_ops' silu_and_mul did as a
- * separate pass over the whole [M, 2 I] product:
- *   tiled_gate_up_<f32|bf16>(x, tiles, y, M, K, I, epilogue) -> 0, or 1 without memory
- * epilogue is layer_ops' silu_and_mul_rows_<dtype> (so the arithmetic is the unfused op's, bit
- * for bit), and y is [M, I]; with a NULL epilogue y is the plain [M, 2 I] product.
+ * and silu(gate) * up (layer_ops.c's silu_and_mul_rows, bit for bit the unfused op) is applied
+ * while they are in cache, instead of a separate pass over the whole [M, 2 I] product.
  *
- * A tied LM head's tiles also serve the embedding: tiled_rows copies rows W[ids] out of them
- * (any dtype: element size and k group given), and returns 1 if an id is outside [0, N).
+ * A tied LM head's tiles also serve the embedding: tiled_rows copies rows W[ids] out of them.
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "kernels.h"
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -46,14 +38,11 @@
 #define NR 64    /* output columns per tile */
 #define MR 6     /* rows per register block: 6 x 4 accumulators + 4 weight vectors + 1 broadcast */
 #define KC 1024  /* k per pass: a 1024 x 64 float32 tile chunk (256 KiB) stays in L2 */
-#define PF 32    /* k rows to prefetch ahead (8 KiB), into L2 (prefetcht1): on a Zen 4 EPYC, one
-                  * decode step's weights streamed cold run 6-18 % faster at 1-16 rows than with
-                  * prefetcht0 16 rows ahead (float32; bfloat16 9-16 % at 1-12 rows), the same
-                  * from 24 rows (benchmarks/tiled_gemm_source_ab.py) */
+#define PF 32    /* k rows to prefetch ahead (8 KiB), into L2 (prefetcht1): a decode step's weights
+                  * stream cold, and lines pulled into L1 that early are evicted before use */
 /* NEXT_TILE: while the later row blocks of a tile compute from L2, row blocks 1 and 2 each pull
  * half of the next tile into L2, two cache lines per k step (the first row block of every tile
- * otherwise waits on DRAM); 5-8 % over a step's weights at 24-32 rows in float32. The part a
- * row block fetches, or NULL: */
+ * otherwise waits on DRAM). The part a row block fetches, or NULL: */
 #define NEXT_TILE(next, block_index, steps)                                                        \
     ((next) == NULL || (block_index) < 1 || (block_index) > 2 ? NULL                               \
                                                               : (next) + ((block_index) - 1) * 128 * (steps))
@@ -75,14 +64,6 @@ static void narrow_rows(const float *x, int64_t K, const float *tile, int64_t wi
 }
 
 #ifndef __AVX512BF16__
-/* bfloat16 widens exactly to float32: its bits are a float32's upper half */
-static inline float widen(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* narrow_rows for a bfloat16 tile in pairs (see "bfloat16" below): x in float32 (row stride K,
  * even), pair steps p0..p1, each pair's odd k first, as AVX512-BF16's vdpbf16ps adds them */
 static void narrow_pairs(const float *x, int64_t K, const uint16_t *tile, int64_t width, int64_t p0, int64_t p1,
@@ -94,8 +75,8 @@ static void narrow_pairs(const float *x, int64_t K, const uint16_t *tile, int64_
             const float odd = x[i * K + 2 * p + 1], even = x[i * K + 2 * p];
             const uint16_t *w = tile + p * width * 2;
             for (int64_t j = 0; j < width; j++) {
-                acc[j] = __builtin_fmaf(odd, widen(w[2 * j + 1]), acc[j]);
-                acc[j] = __builtin_fmaf(even, widen(w[2 * j]), acc[j]);
+                acc[j] = __builtin_fmaf(odd, bf16_to_f32(w[2 * j + 1]), acc[j]);
+                acc[j] = __builtin_fmaf(even, bf16_to_f32(w[2 * j]), acc[j]);
             }
         }
         memcpy(y + i * N, acc, width * sizeof(float));
@@ -105,7 +86,7 @@ static void narrow_pairs(const float *x, int64_t K, const uint16_t *tile, int64_
 
 #if defined(__AVX2__) && defined(__FMA__)
 /*
- * AVX2 (a Zen 1 EPYC, seen here): 16 registers of 8 floats. A block of `rows` rows by `vecs`
+ * AVX2: 16 registers of 8 floats. A block of `rows` rows by `vecs`
  * vectors of 8 columns, from column `col` of the tile, holds rows * vecs accumulators, vecs
  * weight vectors and one broadcast: 1 x 64 columns (the weights then fold into the multiply-adds'
  * memory operands), 2 x 32, or 3-6 x 16. Each k step issues 6-12 independent multiply-adds,
@@ -203,14 +184,11 @@ static inline __attribute__((always_inline)) void block8(const float *x, int64_t
 /* all 64 columns of `rows` rows (a constant after inlining), row block `index` of M rows, k steps
  * k0..k1, in PASSES(rows) column passes. The first pass of row block 0 streams the tile from DRAM;
  * all the others, over all row blocks, compute from L2 and share out the pull into L2 of `steps`
- * k steps (at most KC) of the next tile from next_tile on, each its slice, spread over its k steps. Pulled by the
- * first pass alone or not at all, DRAM idled while the others ran: on a Zen 1 EPYC 2 to 6 rows
- * read the bench model's LM head at 10-12 GB/s against one row's 18, and a step's weights at 8
- * rows took 13.3 ms against 7.5-8.3 ms at 1 to 6 rows.
+ * k steps (at most KC) of the next tile from next_tile on, each its slice, spread over its k
+ * steps: pulled by the first pass alone, DRAM would idle while the others run.
  * One row in all (one request's decode) reads each tile once: it streams past the caches
  * (prefetchnta) and pulls no next tile, which leaves L2 and L3 to the activations, the KV cache
- * and the Python between the calls. On a Zen 1 EPYC a step's weights took 6.7 ms against 7.3-7.8
- * (18.9 GB/s), and one request decoded 88-104 tokens/s against 79-94. */
+ * and the rest of the step. */
 static inline __attribute__((always_inline)) void block_columns(const float *x, int64_t K, const char *tile,
                                                                 int64_t steps, int64_t k0, int64_t k1, float *y,
                                                                 int64_t N, int rows, int64_t index, int64_t M,
@@ -356,21 +334,22 @@ static void tile_product(const float *x, const float *tile, const float *bias, f
             for (int64_t j = 0; j < width; j++) y[m * N + col + j] += bias[col + j];
 }
 
-void tiled_linear_f32(const float *x, const float *tiles, const float *bias, float *y, int64_t M, int64_t K,
-                      int64_t N) {
+int tiled_linear_f32(const float *x, const float *tiles, const float *bias, float *y, int64_t M, int64_t K,
+                     int64_t N) {
     int64_t count = (N + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < count; t++)
         tile_product(x, tiles + t * K * NR, bias, y, M, K, N, t * NR,
                      (t + 2) * NR <= N ? (const char *)(tiles + (t + 1) * K * NR) : NULL);
+    return 0; /* float32 needs no workspace */
 }
 
-/* one pair's [M, 2 w] product (gate | up), row stride 2 w, into tmp: then silu(gate) * up into
- * y's columns 64 t .. + w (row stride I), or with no epilogue gate and up to their own columns */
-#define FINISH_PAIR(T, epilogue, tmp, y, M, w, I, t)                                              \
+/* one pair's [M, 2 w] product (gate | up), row stride 2 w, into tmp: then (fused) silu(gate) * up
+ * into y's columns 64 t .. + w (row stride I), else gate and up to their own columns */
+#define FINISH_PAIR(T, S, fused, tmp, y, M, w, I, t)                                              \
     do {                                                                                           \
-        if (epilogue != NULL) {                                                                    \
-            epilogue(tmp, y + (t) * NR, M, w, I);                                                  \
+        if (fused) {                                                                               \
+            silu_and_mul_rows_##S(tmp, y + (t) * NR, M, w, I);                                     \
         } else {                                                                                   \
             for (int64_t m = 0; m < (M); m++) {                                                    \
                 memcpy(y + m * 2 * (I) + (t) * NR, tmp + m * 2 * (w), sizeof(T) * (w));           \
@@ -388,8 +367,6 @@ static inline const char *next_full_tile(const char *pair, const char *next_pair
     return NULL;
 }
 
-typedef void (*silu_mul_f32)(const float *gate_up, float *out, int64_t rows, int64_t n, int64_t out_stride);
-
 /* A pair runs a batch of more than PAIR_ROWS rows PAIR_ROWS at a time, both tiles and then the
  * epilogue: the [rows, 2 w] workspace stays in L2 with the pair's tiles (a prefill chunk's
  * 2,048 rows made it 1 MiB, written out and read back from L3 between the product and the
@@ -398,9 +375,9 @@ typedef void (*silu_mul_f32)(const float *gate_up, float *out, int64_t rows, int
 #define PAIR_ROWS 48
 
 int tiled_gate_up_f32(const float *x, const float *tiles, float *y, int64_t M, int64_t K, int64_t I,
-                      silu_mul_f32 epilogue) {
+                      int fused) {
     const int64_t pairs = (I + NR - 1) / NR, run = M < PAIR_ROWS ? M : PAIR_ROWS;
-    const int64_t y_stride = epilogue != NULL ? I : 2 * I;
+    const int64_t y_stride = fused ? I : 2 * I;
     int failed = 0;
 #pragma omp parallel
     {
@@ -422,7 +399,7 @@ int tiled_gate_up_f32(const float *x, const float *tiles, float *y, int64_t M, i
                                                         NR * K * sizeof(float))
                                        : NULL);
                 }
-                FINISH_PAIR(float, epilogue, tmp, y + m0 * y_stride, rows, w, I, t);
+                FINISH_PAIR(float, f32, fused, tmp, y + m0 * y_stride, rows, w, I, t);
             }
         }
         free(tmp);
@@ -540,10 +517,8 @@ int tiled_linear_bf16(const uint16_t *x, const uint16_t *tiles, const uint16_t *
     return 0;
 }
 
-typedef void (*silu_mul_bf16)(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t n, int64_t out_stride);
-
 int tiled_gate_up_bf16(const uint16_t *x, const uint16_t *tiles, uint16_t *y, int64_t M, int64_t K, int64_t I,
-                       silu_mul_bf16 epilogue) {
+                       int fused) {
     const int64_t pairs = (I + NR - 1) / NR, padded = K + K % 2;
     int failed = 0;
 #pragma omp parallel
@@ -567,7 +542,7 @@ int tiled_gate_up_bf16(const uint16_t *x, const uint16_t *tiles, uint16_t *y, in
                                     NEXT_TILE(next, m / MR, padded / 2));
                 }
             }
-            FINISH_PAIR(uint16_t, epilogue, tmp, y, M, w, I, t);
+            FINISH_PAIR(uint16_t, bf16, fused, tmp, y, M, w, I, t);
         }
         free(tmp);
     }
@@ -580,8 +555,8 @@ int tiled_gate_up_bf16(const uint16_t *x, const uint16_t *tiles, uint16_t *y, in
  * odd K's last k), each pair of weight rows is widened as it is loaded, and the products are
  * summed odd k first in float32 -- a product of two bfloat16 values is exact in float32, so each
  * fused multiply-add rounds as vdpbf16ps does. A tile's sums go to a float32 workspace, then
- * the bias is added and the result rounded to bfloat16 once, to nearest even. On AVX2 (a Zen 1
- * EPYC) the loop is block_columns' with widening loads; elsewhere the portable narrow_pairs.
+ * the bias is added and the result rounded to bfloat16 once, to nearest even. On AVX2 the loop
+ * is block_columns' with widening loads; elsewhere the portable narrow_pairs.
  */
 static void block_rows_pairs(const float *x, int64_t K, const uint16_t *tile, int64_t steps, int64_t p0, int64_t p1,
                              float *y, int64_t N, int rows, int64_t index, int64_t M, const char *next_tile) {
@@ -669,10 +644,7 @@ static void round_rows(const float *acc, const uint16_t *bias, uint16_t *y, int6
         }
 #endif
         for (; j < width; j++) {
-            const float sum = acc[m * NR + j] + (bias == NULL ? 0.0f : widen(bias[j]));
-            uint32_t u;
-            memcpy(&u, &sum, sizeof u);
-            y[m * N + j] = sum != sum ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+            y[m * N + j] = f32_to_bf16(acc[m * NR + j] + (bias == NULL ? 0.0f : bf16_to_f32(bias[j])));
         }
     }
 }
@@ -695,7 +667,7 @@ static float *widened_rows(const uint16_t *x, int64_t M, int64_t K) {
             _mm256_storeu_ps(swapped + m * padded + k, _mm256_permute_ps(v, 0xB1)); /* k ^ 1 */
         }
 #endif
-        for (; k < K; k++) wide[m * padded + k] = widen(x[m * K + k]);
+        for (; k < K; k++) wide[m * padded + k] = bf16_to_f32(x[m * K + k]);
         if (K % 2) wide[m * padded + K] = 0.0f;
         for (k = K / 8 * 8; k < padded; k++) swapped[m * padded + (k ^ 1)] = wide[m * padded + k];
     }
@@ -726,10 +698,8 @@ int tiled_linear_bf16(const uint16_t *x, const uint16_t *tiles, const uint16_t *
     return failed;
 }
 
-typedef void (*silu_mul_bf16)(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t n, int64_t out_stride);
-
 int tiled_gate_up_bf16(const uint16_t *x, const uint16_t *tiles, uint16_t *y, int64_t M, int64_t K, int64_t I,
-                       silu_mul_bf16 epilogue) {
+                       int fused) {
     const int64_t pairs = (I + NR - 1) / NR, padded = K + K % 2;
     float *wide = widened_rows(x, M, K);
     int failed = wide == NULL;
@@ -752,7 +722,7 @@ int tiled_gate_up_bf16(const uint16_t *x, const uint16_t *tiles, uint16_t *y, in
                                               NR * padded * sizeof(uint16_t)));
                 round_rows(acc, NULL, tmp + c, n, M, width);
             }
-            FINISH_PAIR(uint16_t, epilogue, tmp, y, M, w, I, t);
+            FINISH_PAIR(uint16_t, bf16, fused, tmp, y, M, w, I, t);
         }
         free(acc);
         free(tmp);
@@ -765,7 +735,7 @@ int tiled_gate_up_bf16(const uint16_t *x, const uint16_t *tiles, uint16_t *y, in
 
 /* out[r, :] = W[ids[r], :] for a tiled W of N rows of K elements of `elem` bytes, k stored in
  * groups of `group` (bfloat16: pairs, with a zero k when K is odd): one strided gather per row,
- * where torch needed a dozen small ops to index the tiles (~30-80 us a step). */
+ * where indexing the tiles in torch takes a dozen small ops. */
 int tiled_rows(const char *tiles, const int64_t *ids, char *out, int64_t n, int64_t K, int64_t N, int64_t elem,
                int64_t group) {
     for (int64_t r = 0; r < n; r++)

@@ -1,56 +1,31 @@
 /*
  * The decoder layer's element-wise ops on the CPU, fused (vLLM's fused_add_rms_norm,
- * rotary_embedding + reshape_and_cache, silu_and_mul): one pass over the data and one call from
- * Python instead of five to ten torch dispatches each.
+ * rotary_embedding + reshape_and_cache, silu_and_mul): one pass over the data and one call
+ * instead of five to ten torch dispatches each. Entry points and arguments: kernels.h.
  *
  * Every op computes in float32 and rounds to the storage dtype at exactly the points where
  * transformers' eager ops round (round_<dtype> below), so bfloat16 and float16 results equal
  * torch's bit for bit, except where a sum runs in another order (the RMSNorm mean of squares)
  * and silu's exp (Cephes, about 1 ulp, like torch's Sleef). fp-contract is off: a fused
  * multiply-add would round once where torch rounds twice.
- *
- * Entry points, <S> in f32, bf16, f16 (f16 needs _Float16; PAGEDKV_NO_F16 leaves it out):
- *   rms_norm_<S>(x, out, w, rows, n, eps)            out = rmsnorm(x) * w       ([rows, n])
- *   add_rms_norm_<S>(x, residual, w, rows, n, eps)   residual += x; x = rmsnorm(residual) * w
- *   silu_and_mul_<S>(gate_up, out, rows, n)          out = silu(gate_up[:, :n]) * gate_up[:, n:]
- *   silu_and_mul_rows_<S>(gate_up, out, rows, n, out_stride)   the same on one thread, out's rows
- *       out_stride apart: the tiled GEMM applies it to each block of gate/up columns it makes
- *   rotary_write_kv_<S>(qkv, q_out, cos, sin, q_w, k_w, eps, key_pool, value_pool, slots,
- *                       tokens, nq, nkv, d)
- *       qkv [tokens, (nq + 2 nkv) d] is the packed projection: each q and k head is optionally
- *       RMS-normalised over d with q_w / k_w (Qwen3; NULL for none), rotated with cos / sin
- *       [tokens, d] (rotate_half convention, sign folded into sin's first half), q written to
- *       q_out [tokens, nq, d], k and v to slot slots[t] of the pools [slots, nkv, d]; a negative
- *       slot is padding and writes nothing.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+/* before kernels.h, whose inline helpers (exp_reduced) then round as the ops here do */
 #pragma GCC optimize("fp-contract=off")
 #ifdef __clang__
 #pragma clang fp contract(off)
 #endif
 
-#if defined(__AVX512F__)
-#define VL 16
-#elif defined(__AVX__)
-#define VL 8
-#else
-#define VL 4
-#endif
+#include "kernels.h"
+
 #define GRAIN 32768 /* elements per call below which one thread does it all (torch's grain) */
 #define MAX_HEAD_DIM 1024
 
-typedef float vf __attribute__((vector_size(VL * 4)));
-typedef int32_t vi __attribute__((vector_size(VL * 4)));
-typedef uint32_t vu __attribute__((vector_size(VL * 4)));
-typedef uint16_t vu16 __attribute__((vector_size(VL * 2)));
-
 /* Loads of n <= VL elements into float32 lanes (the rest zero), stores of the first n lanes,
  * and the rounding to each storage dtype. Stores expect already-rounded values. */
-static inline vf select(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
-
 static inline vf load_f32(const float *p, int64_t n) {
     vf x = {0};
     if (n == VL) memcpy(&x, p, sizeof x); else memcpy(&x, p, n * sizeof *p);
@@ -74,11 +49,10 @@ static inline void store_bf16(uint16_t *p, vf x, int64_t n) {
 static inline vf round_bf16(vf x) {
     const vu u = (vu)x;
     const vu r = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-    return select(x != x, (vf)((vu){0} + 0x7FC00000u), (vf)r);
+    return vselect(x != x, (vf)((vu){0} + 0x7FC00000u), (vf)r);
 }
 
 #ifndef PAGEDKV_NO_F16
-typedef _Float16 vh __attribute__((vector_size(VL * 2)));
 static inline vf load_f16(const _Float16 *p, int64_t n) {
     vh h = {0};
     if (n == VL) memcpy(&h, p, sizeof h); else memcpy(&h, p, n * sizeof *p);
@@ -98,22 +72,15 @@ static inline float hsum(vf x) {
 }
 static inline int64_t chunk(int64_t n, int64_t i) { return n - i < VL ? n - i : VL; }
 
-/* exp(x), Cephes-style 2^n * p(r) with |r| <= ln2 / 2, about 1 ulp; +inf above 88.72 (where
- * float32 overflows), and inputs below -80 give exp(-80) (only used as 1 + exp(x) in silu,
- * where anything below 1e-34 rounds away). */
+/* exp(x), about 1 ulp; +inf above 88.72 (where float32 overflows), and inputs below -80 give
+ * exp(-80) (only used as 1 + exp(x) in silu, where anything below 1e-34 rounds away). */
 static inline vf vexp(vf x) {
     const vi huge = x > 88.72283935546875f;
-    x = select(x < -80.0f, (vf){0} - 80.0f, select(huge, (vf){0}, x));
-    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf y = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
+    x = vselect(x < -80.0f, (vf){0} - 80.0f, vselect(huge, (vf){0}, x));
+    vf n;
+    const vf y = exp_reduced(x, &n);
     const vf scale = (vf)((__builtin_convertvector(n, vi) + 126) << 23); /* 2^(n-1): n may be 128 */
-    return select(huge, (vf){0} + __builtin_inff(), y * scale * 2.0f);
+    return vselect(huge, (vf){0} + __builtin_inff(), y * scale * 2.0f);
 }
 
 /* 1 / sqrt(mean(x^2) + eps) of a float32 row, as torch's rsqrt (a true division). */
@@ -220,7 +187,7 @@ static inline float rms_scale(const float *x, int64_t n, float eps) {
         }                                                                                       \
     }
 
-int layer_ops_max_head_dim(void) { return MAX_HEAD_DIM; }
+int64_t layer_ops_max_head_dim(void) { return MAX_HEAD_DIM; }
 
 LAYER_OPS(float, f32)
 LAYER_OPS(uint16_t, bf16)

@@ -1,5 +1,6 @@
 /*
- * Paged attention on the CPU, reading keys and values in place from the block pool.
+ * Paged attention on the CPU, reading keys and values in place from the block pool. Entry
+ * points, layouts and arguments: kernels.h.
  *
  * Work is split into pieces: a piece is a run of at most `chunk` consecutive context positions
  * of one query row, all heads at once. Walking a piece token by token reads each token's keys
@@ -11,91 +12,55 @@
  * sequence: slots past a sequence's length are never touched. Arithmetic is float32 for every
  * storage dtype.
  *
- * Three things made it 1.9-2.6x faster in float32 and 1.5-1.7x in bfloat16 than its first
- * version (one thread, 32 rows x 200 positions, 8 query / 4 KV heads of 64):
- * every key or value vector is loaded (and converted) once for all query heads of its KV head
- * (grouped-query attention reads each KV head `group` times otherwise); scores are stored
- * head-major, so the softmax exponentials run along positions, VL at a time (with 8 heads and
- * VL 16 the head-wise vector loop never ran: every exponential was a scalar expf); and keys and
- * keys PREFETCH positions ahead are prefetched (into L2: see PREFETCH_L2), since the block
- * table breaks the stream into block-sized runs that the hardware prefetcher restarts on. The
- * weighted sum of values then runs one KV block (a segment of the piece) at a time and within it
+ * What keeps it fed: every key or value vector is loaded (and converted) once for all query
+ * heads of its KV head (grouped-query attention would read each KV head `group` times
+ * otherwise); scores are stored head-major, so the softmax exponentials run along positions,
+ * VL at a time; keys PREFETCH positions ahead are prefetched into L2 (PREFETCH_L2), since the
+ * block table breaks the stream into block-sized runs that the hardware prefetcher restarts on.
+ * The weighted sum of values runs one KV block (a segment of the piece) at a time and within it
  * one KV head at a time, with up to VGROUP query heads x VDIMS vectors of their sums held in
- * registers over the segment (it used to load and store every head's accumulator for each four
- * positions): the same sums in the same order, 0-12 % faster in cache and 2-6 % with the pool
- * cold (benchmarks/attention_kernel_ab.py, one and two threads). Walking block by block instead
- * of over the whole piece per head made the pass read each block as one 16 KiB run (prefetched a
- * block ahead) rather than 128-byte slices 1 KiB apart: on a Zen 1 EPYC, 32 rows of 100-400
- * positions with the pool cold went from 1.79-1.94 to 1.75-1.78 ms (two threads), and with two
- * query heads per key step (GROUPS) to 1.47-1.65 ms, bit for bit the same; in the mixed workload
- * of `pagedkv bench throughput` (float32) decode attention took 1.19 s against 1.33-1.43 s. Both passes' inner
- * loops are then instantiated for constant head and vector counts (keys_ and values_ below):
- * compiled for a run-time count, every position paid a dozen tests and flag stores around its
- * eight multiply-adds. With bfloat16 widened by one vpmovzxwd (GCC assembled the generic
- * conversion from halves) that made bfloat16 17-20 % faster at 32 rows x 200 positions and
- * float32 0-15 %, bit for bit the same (two threads, three A/B runs).
+ * registers over the segment, so each block is read as one run, prefetched a block ahead. Both
+ * passes' inner loops are instantiated for constant head and vector counts (keys_ and values_
+ * below): compiled for a run-time count, every position would pay a dozen tests and flag stores
+ * around its eight multiply-adds. None of this changes a sum's order: results are bit for bit
+ * those of the plain loops.
  *
  * Quantized pools (fp8 e4m3 or int8, one byte per element) are read in place too: each element
  * becomes a float in registers (int8 by conversion, fp8 by moving its bits into a float32's
  * exponent and mantissa) once, and serves every query head of its KV head from registers (up
  * to GROUPS at a time for keys); the float32 scale of each token and KV head multiplies the
  * whole dot product (keys) or the converted vector (values). Query and output keep the model's
- * dtype. Entry points: paged_attention_rows_<q dtype>[_<kv dtype>].
+ * dtype.
  *
- * Prefill has a second entry, paged_attention_prefill_<dtype> (unquantized pools, no window or
- * soft cap): a row kernel reads a prompt's keys and values once per query row, so a run of n new
- * tokens costs n passes over its context at about a tenth of the multiply-add rate. Its work item
- * is instead a tile of consecutive query rows of one sequence and one KV head, VL lanes wide (VL /
- * group rows, each with its group of query heads): every key or value element is loaded once
- * per tile and broadcast against all lanes, so the scores of a position come out lane-wise,
- * ready for a lane-wise softmax, with no horizontal sums. Measured against the row kernel (two
- * threads, 8 query / 4 KV heads of 64, fresh prompts): 1.9-2.8x in float32, 1.5-2.2x in
- * bfloat16 at 8 x 256, 16 x 128, 32 x 64 and 1 x 1000 tokens.
- *
- * Prefill tiles come as four int32 arrays [num_tiles]: the sequence, the first query row (its
- * index in q), that row's absolute position and the tile's row count (at most VL / group,
- * consecutive positions); the kernel needs D % 16 == 0 and group | VL, and returns 2 otherwise.
- *
- * Layouts (contiguous): q/out [R, Hq, D]; key/value pools [num_blocks, bs, Hkv, D]; their
- * scales (quantized pools only, else NULL) [num_blocks, bs, Hkv] float32;
- * block_tables [num_seqs, max_blocks] int32; row_seq/row_pos [R] int32: the row's sequence and
- * absolute position. A row attends keys at positions <= pos, and > pos - window when window > 0.
- * Query head j uses KV head j / (Hq / Hkv).
+ * Prefill has a second entry (unquantized pools, no window or soft cap): a row kernel reads a
+ * prompt's keys and values once per query row, so a run of n new tokens costs n passes over its
+ * context. Its work item is instead a tile of consecutive query rows of one sequence and one KV
+ * head, VL lanes wide (VL / group rows, each with its group of query heads): every key or value
+ * element is loaded once per tile and broadcast against all lanes, so the scores of a position
+ * come out lane-wise, ready for a lane-wise softmax, with no horizontal sums. It needs
+ * D % 16 == 0 and group | VL, and returns 2 otherwise.
  */
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "kernels.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#define VL 16
-#elif defined(__AVX__)
-#define VL 8
-#else
-#define VL 4
 #endif
 
-typedef float vf __attribute__((vector_size(VL * 4)));
-typedef int32_t vi __attribute__((vector_size(VL * 4)));
-typedef uint16_t vu16 __attribute__((vector_size(VL * 2)));
-
 #define TOKENS 4 /* tokens scored together: independent FMA chains, one q load for four keys */
-/* query heads scored together per loaded (and converted) key vector. With 16 registers (AVX2 and
- * below) four heads' 16 accumulators did not fit: GCC kept the array on the stack and cleared it
- * with a memset call per step; two heads stay in registers (a Zen 1 EPYC, 8 query / 4 KV heads:
- * 5 % faster decode attention). */
+/* query heads scored together per loaded (and converted) key vector: as many as keep their
+ * accumulators in registers (16 of them with AVX2 and below: four heads' 16 accumulators would
+ * spill to the stack and be cleared with a memset call per step) */
 #if VL == 16
 #define GROUPS 4
 #else
 #define GROUPS 2
 #endif
 #define PREFETCH 16 /* positions ahead whose keys are prefetched (values: a block ahead, in pass 2) */
-/* Prefetches go to L2, not L1 (prefetcht1, not t0). On a Zen 4 EPYC (2 threads, 8 query / 4 KV
- * heads of 64) the mixed workload's decode steps, replayed with a layer's weights streamed between
- * calls, read their blocks at 17-18 GB/s this way against 12 GB/s with L1 prefetches -- which
- * were no faster than none at all: 16 positions of keys are half of the 32 KiB L1, and the lines
- * pulled there early were evicted again before their turn. In cache both run alike. */
+/* Prefetches go to L2, not L1 (prefetcht1, not t0): 16 positions of keys are half of a 32 KiB
+ * L1, and lines pulled there early are evicted again before their turn. */
 #define PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
 #define VGROUP 4 /* query heads whose value sums stay in registers together */
 #define VDIMS 4 /* vectors of the head dimension whose value sums stay in registers together */
@@ -117,27 +82,15 @@ static inline vf vload_bf16(const uint16_t *p) {
 }
 #endif
 static inline float load_f32(const float *p) { return *p; }
-static inline float load_bf16(const uint16_t *p) {
-    uint32_t u = (uint32_t)*p << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
+static inline float load_bf16(const uint16_t *p) { return bf16_to_f32(*p); }
 static inline void store_f32(float *p, float x) { *p = x; }
 /* float16 needs the compiler's _Float16 (GCC >= 12, recent clang); PAGEDKV_NO_F16 leaves it out. */
 #ifndef PAGEDKV_NO_F16
-typedef _Float16 vh __attribute__((vector_size(VL * 2)));
 static inline vf vload_f16(const _Float16 *p) { vh x; memcpy(&x, p, sizeof x); return __builtin_convertvector(x, vf); }
 static inline float load_f16(const _Float16 *p) { return (float)*p; }
 static inline void store_f16(_Float16 *p, float x) { *p = (_Float16)x; }
 #endif
-static inline void store_bf16(uint16_t *p, float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    if (isnan(x)) { *p = 0x7FC0; return; }
-    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even, as torch does */
-    *p = (uint16_t)(u >> 16);
-}
+static inline void store_bf16(uint16_t *p, float x) { *p = f32_to_bf16(x); }
 static inline void vstore(float *p, vf x) { memcpy(p, &x, sizeof x); }
 static inline vf vmax(vf a, vf b) {
     const vi a_greater = a > b;
@@ -150,11 +103,10 @@ static inline vf vmax(vf a, vf b) {
  * conversion. The quantizer never stores NaN (0x7F/0xFF), so no lane needs special handling. */
 typedef uint8_t vu8 __attribute__((vector_size(VL)));
 typedef int8_t vi8 __attribute__((vector_size(VL)));
-typedef uint32_t vu32 __attribute__((vector_size(VL * 4)));
 static inline vf vload_fp8(const uint8_t *p) {
     vu8 x;
     memcpy(&x, p, sizeof x);
-    const vu32 b = __builtin_convertvector(x, vu32);
+    const vu b = __builtin_convertvector(x, vu);
     return (vf)(((b & 0x7Fu) << 20) | ((b & 0x80u) << 24)) * 0x1p120f;
 }
 static inline float load_fp8(const uint8_t *p) {
@@ -194,14 +146,8 @@ static inline void hsum4(vf a, vf b, vf c, vf d, float sums[4]) {
 static inline vf vexp(vf x) {
     const vi tiny = x < -87.0f;
     x = (vf)(((vi)x & ~tiny) | ((vi)((vf){0} - 87.0f) & tiny));
-    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf y = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
+    vf n;
+    const vf y = exp_reduced(x, &n);
     const vi scale = (__builtin_convertvector(n, vi) + 127) << 23;
     return (vf)((vi)(y * (vf)scale) & ~tiny);
 }
@@ -210,7 +156,7 @@ typedef struct {
     int64_t num_heads, kv_heads, head_dim, block_size;
     float scale, soft_cap;
     /* log2(block_size) when it is a power of two (16 by default), else -1: a slot is then a
-     * shift and a mask, not two integer divisions per position (~40 cycles each here) */
+     * shift and a mask, not two integer divisions per position */
     int block_shift;
 } Shape;
 
@@ -319,8 +265,7 @@ static void attend_piece_##NAME(const Shape *s, const float *qf, const KT *key, 
             ks[u] = SCALED ? key_scale + slot * s->kv_heads : NULL;                                \
         }                                                                                          \
         /* the keys PREFETCH positions ahead, each KV head's turn pulling its share: issued at once,\
-         * the 64 lines stalled the loop on a full miss queue (on a Zen 1 EPYC, 32 rows x 100-400  \
-         * positions, pool cold: 1.56-1.66 -> 1.31-1.37 ms) */                                     \
+         * the 64 lines would stall the loop on a full miss queue */                               \
         const char *next = NULL;                                                                   \
         int64_t ahead = 0;                                                                         \
         if (i0 + PREFETCH < n) {                                                                   \
@@ -376,8 +321,7 @@ static void attend_piece_##NAME(const Shape *s, const float *qf, const KT *key, 
      * head dimension at a time, the partial sums in registers over the segment; each value vector \
      * is loaded (converted and scaled) once per VGROUP query heads. The walks of a segment pull   \
      * the next segment's values into L2 between them: walked across all positions instead, each   \
-     * walk read a 128-byte slice of every position's values (1 KiB apart in float32), and the     \
-     * pass ran at 6 GB/s a core on a Zen 1 EPYC. */                                               \
+     * walk would read a 128-byte slice of every position's values (1 KiB apart in float32). */  \
     const int64_t walks = s->kv_heads * ((group + VGROUP - 1) / VGROUP) * ((vec_d + VL * VDIMS - 1) / (VL * VDIMS));\
     for (int64_t i0 = 0; i0 < n;) {                                                                \
         const int64_t into = (t0 + i0) % s->block_size, slot0 = slot_##NAME(s, table, t0 + i0);    \
@@ -508,7 +452,6 @@ int paged_attention_rows_##NAME(                                                
 #define TILE_VALUES 64
 #define TILE_DIMS 16
 _Static_assert(TILE_VALUES >= TILE_KEYS, "the staging buffer holds TILE_VALUES rows");
-static inline vf select_f(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 /* query rows x query heads per prefill tile: VL lanes */
 int64_t paged_attention_prefill_lanes(void) { return VL; }
 
@@ -554,7 +497,7 @@ static void prefill_tile_##NAME(const Shape *s, const QT *q, const KT *key, cons
         for (int u = 0; u < cnt; u++) {                                                                       \
             const int64_t t = t0 + u;                                                                         \
             vf score = acc[u] * s->scale;                                                                     \
-            if (t > pos0) score = select_f(lane_pos >= (vi){0} + (int32_t)t, score, (vf){0} - INFINITY);                \
+            if (t > pos0) score = vselect(lane_pos >= (vi){0} + (int32_t)t, score, (vf){0} - INFINITY);                \
             vstore(sc + t * VL, score);                                                                       \
             mv = vmax(mv, score);                                                                             \
         }                                                                                                     \

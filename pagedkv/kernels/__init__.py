@@ -1,0 +1,24 @@
+"""pagedkv's kernels: the CPU kernels in C, and the Triton attention kernel for CUDA.
+
+- ``csrc/``: the C sources and their one header, ``kernels.h`` (the shared vector prelude and
+  every entry point's prototype), compiled together into one shared library on first use for
+  the machine at hand (:mod:`.library`; see :mod:`pagedkv.cbuild` for the cache).
+- :mod:`.signatures`: the entry points Python calls, as ctypes sees them, declared once.
+- :mod:`.library`: the one loader; :class:`~.library.KernelsUnavailable` says why the library
+  cannot run here (no C compiler...), and each caller then falls back to torch.
+- :mod:`.tiled_gemm`: the tiled layout of linear weights and the GEMM on it.
+- :mod:`.paged_attention`: the CPU paged-attention entry points, by dtype.
+- :mod:`.triton_attention`: the Triton paged-attention kernel (imports triton).
+
+The fused layer ops (``layer_ops.c``) and the decode stack (``decode_stack.c``) are called from
+:mod:`pagedkv.models.layer_ops` and :mod:`pagedkv.models.decode_stack`, which decide when a
+model's layers can take them. This package imports nothing else of pagedkv but
+:mod:`pagedkv.cbuild`: ``attention/`` and ``models/`` sit above it. This module itself imports
+nothing, so the names below are free to read from the command line.
+"""
+
+#: The GEMM kernels a linear layer can run on (``EngineConfig.linear_kernel``,
+#: ``--linear-kernel``): auto (the first of tiled, onednn, torch that runs the model's device and
+#: dtype), tiled (pagedkv's, :mod:`.tiled_gemm`), onednn (oneDNN on packed weights) or torch
+#: (``F.linear``).
+LINEAR_KERNELS: tuple[str, ...] = ("auto", "tiled", "onednn", "torch")

@@ -1,0 +1,209 @@
+/*
+ * pagedkv's CPU kernels: what every source shares, and every entry point, declared once.
+ *
+ * The sources in this folder are compiled together into one shared library on first use, for
+ * the machine that runs them (-march=native, OpenMP; see pagedkv/kernels/library.py), so every
+ * entry point below can call any other directly. Each definition is checked against its
+ * prototype here by the compiler; pagedkv/kernels/signatures.py declares the ones Python calls
+ * for ctypes, and tests/kernels/test_signatures.py checks that table against these prototypes.
+ *
+ * Suffixes name the element type of the tensors: f32 (float), bf16 (bfloat16, as uint16_t
+ * bits), f16 (_Float16; left out when the compiler lacks it: PAGEDKV_NO_F16), and for a
+ * quantized KV pool the query's type then the pool's: fp8 (e4m3, uint8_t bits) or i8.
+ * Every tensor is contiguous and row-major.
+ */
+#ifndef PAGEDKV_KERNELS_H
+#define PAGEDKV_KERNELS_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* ---- the vector prelude ---------------------------------------------------------------- */
+
+/* float32 lanes per vector: the widest the target has */
+#if defined(__AVX512F__)
+#define VL 16
+#elif defined(__AVX__)
+#define VL 8
+#else
+#define VL 4
+#endif
+
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
+typedef uint16_t vu16 __attribute__((vector_size(VL * 2)));
+#ifndef PAGEDKV_NO_F16
+typedef _Float16 vh __attribute__((vector_size(VL * 2)));
+#endif
+
+/* a where mask is set, else b */
+static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+/* exp(x) = 2^n * p(r), Cephes-style: returns p(r), about 1 ulp for |r| <= ln2 / 2, and n =
+ * round(x / ln2); the caller clamps x to its range first and scales by 2^n as that range allows.
+ * Its arithmetic rounds as the including source compiles it (layer_ops.c: no fused multiply-add) */
+static inline vf exp_reduced(vf x, vf *n_out) {
+    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf y = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    *n_out = n;
+    return y;
+}
+
+/* bfloat16 to float32 is exact: a bfloat16 is a float32's upper half */
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* float32 to bfloat16, rounded to nearest even, NaN to 0x7FC0: c10::BFloat16's conversion */
+static inline uint16_t f32_to_bf16(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    if (x != x) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* ---- layer_ops.c: the decoder layer's element-wise ops, fused --------------------------- *
+ *   rms_norm_<S>(x, out, w, rows, n, eps)            out = rmsnorm(x) * w       ([rows, n])
+ *   add_rms_norm_<S>(x, residual, w, rows, n, eps)   residual += x; x = rmsnorm(residual) * w
+ *   silu_and_mul_<S>(gate_up, out, rows, n)          out = silu(gate_up[:, :n]) * gate_up[:, n:]
+ *   silu_and_mul_rows_<S>(gate_up, out, rows, n, out_stride)   the same on one thread, out's
+ *       rows out_stride apart: the tiled gate/up product applies it to each block it makes
+ *   rotary_write_kv_<S>(qkv, q_out, cos, sin, q_w, k_w, eps, key_pool, value_pool, slots,
+ *                       tokens, nq, nkv, d)
+ *       qkv [tokens, (nq + 2 nkv) d] is the packed projection: each q and k head is optionally
+ *       RMS-normalised over d with q_w / k_w (Qwen3; NULL for none), rotated with cos / sin
+ *       [tokens, d] (rotate_half convention, sign folded into sin's first half), q written to
+ *       q_out [tokens, nq, d], k and v to KV slot slots[t] of the pools [slots, nkv, d]; a
+ *       negative slot is padding and writes nothing. d <= layer_ops_max_head_dim(), even.
+ */
+#define PAGEDKV_LAYER_OPS(T, S)                                                                  \
+    void rms_norm_##S(const T *x, T *out, const T *w, int64_t rows, int64_t n, float eps);       \
+    void add_rms_norm_##S(T *x, T *residual, const T *w, int64_t rows, int64_t n, float eps);    \
+    void silu_and_mul_##S(const T *gate_up, T *out, int64_t rows, int64_t n);                    \
+    void silu_and_mul_rows_##S(const T *gate_up, T *out, int64_t rows, int64_t n, int64_t out_stride); \
+    void rotary_write_kv_##S(const T *qkv, T *q_out, const T *cos, const T *sin, const T *q_w,   \
+                             const T *k_w, float eps, T *key_pool, T *value_pool,                \
+                             const int64_t *slots, int64_t tokens, int64_t nq, int64_t nkv, int64_t d);
+PAGEDKV_LAYER_OPS(float, f32)
+PAGEDKV_LAYER_OPS(uint16_t, bf16)
+#ifndef PAGEDKV_NO_F16
+PAGEDKV_LAYER_OPS(_Float16, f16)
+#endif
+int64_t layer_ops_max_head_dim(void);
+
+/* ---- tiled_gemm.c: y = x . W^T + b on weights stored in column tiles --------------------- *
+ * x [M, K], y [M, N]; bias [N] or NULL; tiles: W [N, K] in the tiled layout (see the source).
+ *   tiled_linear_<f32|bf16>(x, tiles, bias, y, M, K, N) -> 0, or 1 without memory
+ *   tiled_gate_up_<f32|bf16>(x, tiles, y, M, K, I, fused) -> 0, or 1 without memory
+ *       the MLP's [2 I, K] gate/up weight in the paired layout: y [M, I] = silu(gate) * up
+ *       (silu_and_mul_rows_<S>, so the arithmetic is the unfused op's) when fused, else the plain
+ *       product y [M, 2 I]
+ *   tiled_rows(tiles, ids, out, n, K, N, elem, group) -> 0, or 1 for an id outside [0, N)
+ *       out[r] = W[ids[r]] (an embedding lookup on a tied head's tiles): elements of `elem`
+ *       bytes, k stored in groups of `group`
+ *   tiled_gemm_tile_width() -> output columns per tile
+ *   tiled_gemm_bf16_loop() -> 2: AVX512-BF16's dot products, 1: AVX2 widening, 0: portable
+ */
+int tiled_linear_f32(const float *x, const float *tiles, const float *bias, float *y, int64_t M, int64_t K,
+                     int64_t N);
+int tiled_linear_bf16(const uint16_t *x, const uint16_t *tiles, const uint16_t *bias, uint16_t *y, int64_t M,
+                      int64_t K, int64_t N);
+int tiled_gate_up_f32(const float *x, const float *tiles, float *y, int64_t M, int64_t K, int64_t I, int fused);
+int tiled_gate_up_bf16(const uint16_t *x, const uint16_t *tiles, uint16_t *y, int64_t M, int64_t K, int64_t I,
+                       int fused);
+int tiled_rows(const char *tiles, const int64_t *ids, char *out, int64_t n, int64_t K, int64_t N, int64_t elem,
+               int64_t group);
+int64_t tiled_gemm_tile_width(void);
+int64_t tiled_gemm_bf16_loop(void);
+
+/* ---- paged_attention.c: attention reading keys and values in place from the block pool ---- *
+ * q/out [R, Hq, D]; key/value pools [num_blocks, block_size, Hkv, D]; their float32 scales
+ * [num_blocks, block_size, Hkv] (quantized pools only, else NULL); block_tables [num_seqs,
+ * max_blocks]. Query head j reads KV head j / (Hq / Hkv), Hq / Hkv <= 64.
+ *   paged_attention_rows_<Q>[_<KV>](q, key, value, key_scale, value_scale, block_tables, row_seq,
+ *       row_pos, out, num_rows, num_heads, kv_heads, head_dim, block_size, max_blocks, scale,
+ *       window, soft_cap, chunk, num_threads) -> 0, or 1 without memory
+ *       row r of sequence row_seq[r] attends its positions <= row_pos[r] (and > row_pos[r] -
+ *       window when window > 0), in pieces of at most `chunk` positions on num_threads threads
+ *   paged_attention_prefill_<S>(q, key, value, block_tables, tile_seq, tile_row, tile_pos,
+ *       tile_rows, out, num_tiles, num_heads, kv_heads, head_dim, block_size, max_blocks, scale,
+ *       num_threads) -> 0, 1 without memory, 2 for a head shape it does not take
+ *       tiles of consecutive prompt rows: each tile's sequence, first row in q, that row's
+ *       position and its row count (at most paged_attention_prefill_lanes() / group)
+ */
+#define PAGEDKV_PAGED_ATTENTION_ROWS(NAME, QT, KT)                                                 \
+    int paged_attention_rows_##NAME(const QT *q, const KT *key, const KT *value, const float *key_scale, \
+                                    const float *value_scale, const int32_t *block_tables,         \
+                                    const int32_t *row_seq, const int32_t *row_pos, QT *out,       \
+                                    int64_t num_rows, int64_t num_heads, int64_t kv_heads,         \
+                                    int64_t head_dim, int64_t block_size, int64_t max_blocks,      \
+                                    float scale, int64_t window, float soft_cap, int64_t chunk,    \
+                                    int num_threads);
+#define PAGEDKV_PAGED_ATTENTION_PREFILL(NAME, T)                                                   \
+    int paged_attention_prefill_##NAME(const T *q, const T *key, const T *value,                   \
+                                       const int32_t *block_tables, const int32_t *tile_seq,       \
+                                       const int32_t *tile_row, const int32_t *tile_pos,           \
+                                       const int32_t *tile_rows, T *out, int64_t num_tiles,        \
+                                       int64_t num_heads, int64_t kv_heads, int64_t head_dim,      \
+                                       int64_t block_size, int64_t max_blocks, float scale,        \
+                                       int num_threads);
+PAGEDKV_PAGED_ATTENTION_ROWS(f32, float, float)
+PAGEDKV_PAGED_ATTENTION_ROWS(bf16, uint16_t, uint16_t)
+PAGEDKV_PAGED_ATTENTION_ROWS(f32_fp8, float, uint8_t)
+PAGEDKV_PAGED_ATTENTION_ROWS(f32_i8, float, int8_t)
+PAGEDKV_PAGED_ATTENTION_ROWS(bf16_fp8, uint16_t, uint8_t)
+PAGEDKV_PAGED_ATTENTION_ROWS(bf16_i8, uint16_t, int8_t)
+PAGEDKV_PAGED_ATTENTION_PREFILL(f32, float)
+PAGEDKV_PAGED_ATTENTION_PREFILL(bf16, uint16_t)
+#ifndef PAGEDKV_NO_F16
+PAGEDKV_PAGED_ATTENTION_ROWS(f16, _Float16, _Float16)
+PAGEDKV_PAGED_ATTENTION_ROWS(f16_fp8, _Float16, uint8_t)
+PAGEDKV_PAGED_ATTENTION_ROWS(f16_i8, _Float16, int8_t)
+PAGEDKV_PAGED_ATTENTION_PREFILL(f16, _Float16)
+#endif
+int64_t paged_attention_prefill_lanes(void);
+
+/* ---- decode_stack.c: a decode step's decoder layers in one call ------------------------- */
+
+/* one decoder layer: its weights (tiled projections, the gate/up paired; norm weights; NULL for
+ * no bias or no q/k norm), its KV pools (unquantized, the model's dtype) and its attention shape */
+typedef struct {
+    const void *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *o_bias, *post_norm, *gate_up, *down, *down_bias;
+    void *key_pool, *value_pool;
+    float input_eps, qk_eps, post_eps, scale, soft_cap;
+    int64_t qkv_width, heads, kv_heads, head_dim, block_size, window, intermediate;
+} DecodeLayer;
+
+/* the step's working rows, each room for the largest batch: residual and y [rows, hidden], qkv
+ * [rows, qkv_width], q and att [rows, heads * head_dim], act [rows, intermediate] */
+typedef struct {
+    void *residual, *y, *qkv, *q, *att, *act;
+} DecodeBuffers;
+
+/*   decode_stack_<f32|bf16>(layers, num_layers, final_norm, final_eps, buffers, x, out, tokens,
+ *       hidden, cos, sin, slots, tables, max_blocks, row_seq, row_pos, chunks, threads)
+ *       -> 0, or 1 when a kernel could not allocate its workspace
+ *       x [tokens, hidden] embedded tokens, one decode row per sequence; out [tokens, hidden]
+ *       the final hidden states; cos / sin / slots as rotary_write_kv's; tables / row_seq /
+ *       row_pos as paged_attention_rows'; chunks / threads [num_layers] its split per layer
+ */
+#define PAGEDKV_DECODE_STACK(T, S)                                                                 \
+    int decode_stack_##S(const DecodeLayer *layers, int64_t num_layers, const T *final_norm, float final_eps, \
+                         const DecodeBuffers *buffers, const T *x, T *out, int64_t tokens, int64_t hidden, \
+                         const T *cos, const T *sin, const int64_t *slots, const int32_t *tables,  \
+                         int64_t max_blocks, const int32_t *row_seq, const int32_t *row_pos,       \
+                         const int64_t *chunks, const int64_t *threads);
+PAGEDKV_DECODE_STACK(float, f32)
+PAGEDKV_DECODE_STACK(uint16_t, bf16)
+
+#endif

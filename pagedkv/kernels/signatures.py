@@ -1,0 +1,106 @@
+"""Every entry point of the kernels library that Python calls, as ctypes sees it: written once,
+here, after the prototypes in ``csrc/kernels.h``.
+
+ctypes cannot read a C header, so the two are kept together by a test
+(``tests/kernels/test_signatures.py`` parses the header and compares). :mod:`.library` gives each
+entry point its signature when it loads the library; nothing else declares one. Tensors travel
+as addresses (``data_ptr()``), ``None`` for an absent one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+ADDRESS, I64, F32, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+#: an entry point's suffix for tensors of a dtype
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+#: a quantized KV pool's suffix, after the query's (``paged_attention_rows_bf16_fp8``)
+POOL_SUFFIXES = {torch.float8_e4m3fn: "fp8", torch.int8: "i8"}
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What an entry point returns (``None``: nothing) and the ctypes of its arguments."""
+
+    result: type | None
+    arguments: tuple[type, ...]
+
+
+_LAYER = ("f32", "bf16", "f16")  # f16 is missing from builds without _Float16
+_TILED = ("f32", "bf16")
+_ROWS = ("f32", "bf16", "f16", "f32_fp8", "f32_i8", "bf16_fp8", "bf16_i8", "f16_fp8", "f16_i8")
+
+#: ``(name, suffixes, signature)``: entry point ``<name>_<suffix>`` for each suffix, or ``name``
+#: alone for none
+_FAMILIES: tuple[tuple[str, tuple[str, ...], Signature], ...] = (
+    # layer_ops.c
+    ("rms_norm", _LAYER, Signature(None, (ADDRESS, ADDRESS, ADDRESS, I64, I64, F32))),
+    ("add_rms_norm", _LAYER, Signature(None, (ADDRESS, ADDRESS, ADDRESS, I64, I64, F32))),
+    ("silu_and_mul", _LAYER, Signature(None, (ADDRESS, ADDRESS, I64, I64))),
+    (
+        "rotary_write_kv",
+        _LAYER,
+        Signature(None, (ADDRESS,) * 6 + (F32, ADDRESS, ADDRESS, ADDRESS) + (I64,) * 4),
+    ),
+    ("layer_ops_max_head_dim", (), Signature(I64, ())),
+    # tiled_gemm.c
+    ("tiled_linear", _TILED, Signature(INT, (ADDRESS,) * 4 + (I64,) * 3)),
+    ("tiled_gate_up", _TILED, Signature(INT, (ADDRESS,) * 3 + (I64,) * 3 + (INT,))),
+    ("tiled_rows", (), Signature(INT, (ADDRESS,) * 3 + (I64,) * 5)),
+    ("tiled_gemm_tile_width", (), Signature(I64, ())),
+    ("tiled_gemm_bf16_loop", (), Signature(I64, ())),
+    # paged_attention.c
+    (
+        "paged_attention_rows",
+        _ROWS,
+        Signature(INT, (ADDRESS,) * 9 + (I64,) * 6 + (F32, I64, F32, I64, INT)),
+    ),
+    ("paged_attention_prefill", _LAYER, Signature(INT, (ADDRESS,) * 9 + (I64,) * 6 + (F32, INT))),
+    ("paged_attention_prefill_lanes", (), Signature(I64, ())),
+    # decode_stack.c
+    (
+        "decode_stack",
+        _TILED,
+        Signature(
+            INT,
+            (ADDRESS, I64, ADDRESS, F32)
+            + (ADDRESS,) * 3
+            + (I64, I64)
+            + (ADDRESS,) * 4
+            + (I64,)
+            + (ADDRESS,) * 4,
+        ),
+    ),
+)
+
+#: entry point name -> its signature
+SIGNATURES: dict[str, Signature] = {
+    f"{name}_{suffix}" if suffix else name: signature
+    for name, suffixes, signature in _FAMILIES
+    for suffix in suffixes or ("",)
+}
+
+
+def _fields(ctype: type, names: str) -> list[tuple[str, type]]:
+    return [(name, ctype) for name in names.split()]
+
+
+class DecodeLayer(ctypes.Structure):
+    """``DecodeLayer`` of ``kernels.h``: one decoder layer as the decode stack reads it."""
+
+    _fields_ = _fields(
+        ADDRESS, "input_norm qkv qkv_bias q_norm k_norm o o_bias post_norm gate_up down down_bias"
+    )
+    _fields_ += _fields(ADDRESS, "key_pool value_pool")
+    _fields_ += _fields(F32, "input_eps qk_eps post_eps scale soft_cap")
+    _fields_ += _fields(I64, "qkv_width heads kv_heads head_dim block_size window intermediate")
+
+
+class DecodeBuffers(ctypes.Structure):
+    """``DecodeBuffers`` of ``kernels.h``: the decode stack's working rows."""
+
+    _fields_ = _fields(ADDRESS, "residual y qkv q att act")
