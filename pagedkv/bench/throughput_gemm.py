@@ -4,7 +4,7 @@ A decoder step is mostly matrix multiplies: q/k/v, o, gate/up, down per layer an
 We time each shape three ways on the configured threads -- ``F.linear`` (MKL or oneDNN, whichever
 torch picks), oneDNN with the weight pre-packed once for the batch size
 (``torch.ops.mkldnn._reorder_linear_weight`` then ``_linear_pointwise``, what vLLM's CPU build
-does) and, in float32, pagedkv's tiled kernel (:mod:`pagedkv.models.tiled_gemm`) -- and take the
+does) and, in float32, pagedkv's tiled kernel (:mod:`pagedkv.kernels.tiled_gemm`) -- and take the
 fastest as what the hardware can do. Each shape is timed alone, its weight warm in cache; inside
 a step the weights come from DRAM, so the ceiling is a warm-cache one. A workload's *roofline* is
 then the time its linear layers need at those rates if nothing else ran (attention, sampling and
@@ -92,7 +92,7 @@ def time_gemm(
     import torch
     import torch.nn.functional as F
 
-    from pagedkv.models.tiled_gemm import runs_dtype, tiled_linear, to_tiles
+    from pagedkv.kernels.tiled_gemm import tiled_linear, to_tiles, why_unavailable
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -101,7 +101,7 @@ def time_gemm(
     if kernel == "F.linear":
         return GemmTiming(name, shape, m, k, n, kernel, _best_ms(lambda: F.linear(x, w), budget_s))
     if kernel == "pagedkv tiled":
-        why_not = runs_dtype(dtype)
+        why_not = why_unavailable(dtype)
         if why_not is not None:
             return GemmTiming(name, shape, m, k, n, kernel, None, why_not)
         tiles = to_tiles(w)
