@@ -5,10 +5,10 @@ from pagedkv.memory.block_hash import ROOT_HASH_SEED, block_hash
 from pagedkv.memory.block_pool import BlockPool, KVCacheListener
 from pagedkv.memory.block_table import BlockTable, blocks_for
 from pagedkv.memory.errors import PoolExhaustedError
-from pagedkv.memory.manager import KVCacheManager, KVUsage, PoolSnapshot, TableSnapshot
+from pagedkv.memory.manager import KVCacheManager, KVUsage, PoolSnapshot, Preemption, TableSnapshot
 from pagedkv.memory.prefix_cache import ROOT, PrefixCache
 from pagedkv.memory.spec import GPT_STYLE_7B, KVSpec, parse_bytes
-from pagedkv.memory.tiered import PREEMPTION_MODES, Preemption, TieredKVCacheManager, TierUsage
+from pagedkv.memory.tiered import PREEMPTION_MODES, TieredKVCacheManager, TierUsage
 from pagedkv.memory.tiers import POOL_MEDIUM, TIER_MEDIUMS, KVTier, TierEvent
 from pagedkv.memory.transfers import BlockLoad, BlockSpill, KVTransfers, SwapCostModel, TransferReport
 

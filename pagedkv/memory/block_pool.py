@@ -18,6 +18,7 @@ from typing import Protocol
 
 from pagedkv.memory.errors import PoolExhaustedError
 from pagedkv.memory.prefix_cache import PrefixCache, RemovedBlock
+from pagedkv.memory.tiers import TierEvent
 
 
 class KVCacheListener(Protocol):
@@ -36,6 +37,10 @@ class KVCacheListener(Protocol):
 
     def all_blocks_cleared(self) -> None:
         """The whole prefix cache was reset."""
+
+    def tier_changed(self, events: Sequence[TierEvent]) -> None:
+        """Blocks became readable in a second KV tier, or left it (a tiered engine only; after
+        the step that moved them)."""
 
 
 class BlockPool:

@@ -13,8 +13,19 @@ from pagedkv.memory.block_pool import BlockPool, KVCacheListener
 from pagedkv.memory.block_table import BlockTable, CopyPair, blocks_for
 from pagedkv.memory.errors import PoolExhaustedError
 from pagedkv.memory.prefix_cache import ROOT
+from pagedkv.memory.transfers import KVTransfers
 
 SeqId = Hashable
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """How a sequence left the pool: ``swapped`` (its computed tokens are kept and come back at
+    readmission) or recomputed; ``blocks_moved`` blocks were copied out."""
+
+    swapped: bool
+    blocks_moved: int
+    tokens_kept: int
 
 
 @dataclass(frozen=True)
@@ -189,6 +200,22 @@ class KVCacheManager:
         table = self._tables.pop(seq_id, None)
         if table is not None:
             table.free()
+
+    def preempt(
+        self, seq_id: SeqId, token_ids: Sequence[int], num_computed: int, allow_swap: bool = True
+    ) -> Preemption:
+        """Take ``seq_id``'s blocks back to make room: without a second tier it recomputes what
+        the prefix cache does not keep (a tiered manager may swap its blocks out instead)."""
+        self.free(seq_id)
+        return Preemption(False, 0, 0)
+
+    def swap_ready(self, seq_id: SeqId) -> bool:
+        """Whether ``seq_id`` may be admitted now (a swap-out still being written may not)."""
+        return True
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The moves to a second tier planned since the last call (None: no tier)."""
+        return None
 
     def cache_computed_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_computed: int) -> None:
         """Register ``seq_id``'s full blocks whose keys/values are now computed.

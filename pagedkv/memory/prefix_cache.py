@@ -31,8 +31,8 @@ BlockKey = tuple[int, tuple[int, ...]]
 
 @dataclass(frozen=True)
 class RemovedBlock:
-    """A block the cache forgot, as it was cached: its key and (with ``hash_blocks``) its hash
-    and its parent's (None for a first block)."""
+    """A cached block as the cache holds it (or held it, once forgotten): its key and (with
+    ``hash_blocks``) its hash and its parent's (None for a first block)."""
 
     block_id: int
     key: BlockKey
@@ -116,13 +116,18 @@ class PrefixCache:
                 del self._hash_of[entry.block_id]
         return removed
 
-    def _forget(self, block_id: int) -> RemovedBlock:
-        key = self._key_of.pop(block_id)
-        del self._by_key[key]
+    def entry(self, block_id: int) -> RemovedBlock:
+        """What cached block ``block_id`` holds, as :meth:`remove_entries` would report it."""
+        key = self._key_of[block_id]
         if self._hash_of is None:
             return RemovedBlock(block_id, key, None, None)
         parent_hash = None if key[0] == ROOT else self._hash_of[key[0]]
         return RemovedBlock(block_id, key, self._hash_of[block_id], parent_hash)
+
+    def _forget(self, block_id: int) -> RemovedBlock:
+        removed = self.entry(block_id)
+        del self._key_of[block_id], self._by_key[removed.key]
+        return removed
 
     def hash_of(self, block_id: int) -> int:
         """The chained content hash of a cached block (a cache built with ``hash_blocks``)."""

@@ -26,23 +26,13 @@ from dataclasses import dataclass
 
 from pagedkv.memory.block_table import BlockTable, CopyPair, blocks_for
 from pagedkv.memory.errors import PoolExhaustedError
-from pagedkv.memory.manager import KVCacheManager, SeqId
+from pagedkv.memory.manager import KVCacheManager, Preemption, SeqId
 from pagedkv.memory.prefix_cache import RemovedBlock
 from pagedkv.memory.tiers import KVTier, SwapKey, TierBlock, TierEvent
 from pagedkv.memory.transfers import BlockLoad, BlockSpill, KVTransfers, SwapCostModel, TransferReport
 
 #: ``preemption_mode`` values (vLLM's): None lets the cost model choose per request.
 PREEMPTION_MODES = (None, "swap", "recompute")
-
-
-@dataclass(frozen=True)
-class Preemption:
-    """How a sequence left the pool: ``swapped`` (its computed tokens are kept and come back at
-    readmission) or recomputed; ``blocks_moved`` blocks were copied out."""
-
-    swapped: bool
-    blocks_moved: int
-    tokens_kept: int
 
 
 @dataclass(frozen=True)
@@ -284,6 +274,16 @@ class TieredKVCacheManager(KVCacheManager):
         record = self._swapped.pop(seq_id, None)
         if record is not None:
             self.tier.release_swap(record.keys)
+
+    def spill_cached(self) -> int:
+        """Plan a copy of every pool-cached block the tier lacks into it, least recently used
+        first (a disk tier then keeps them across a restart); returns how many were planned."""
+        pool = self.pool
+        cache = pool.prefix_cache
+        held = [block for block in cache.blocks() if pool.refcount(block) > 0]
+        planned = self.blocks_spilled
+        self._spill([cache.entry(block) for block in pool.cached_free_block_ids() + held])
+        return self.blocks_spilled - planned
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block, in the pool and in the tier (swap slots stay)."""

@@ -102,10 +102,13 @@ class KVTransfers:
 class TransferReport:
     """What the executor finished: outbound moves by tier slot, ``(slot, ok)`` (a spill or swap-out
     whose bytes are now in the tier), and inbound moves by tier slot (``ok`` False: the slot's
-    contents failed their check and were not loaded)."""
+    contents failed their check and were not loaded); and the time the steps spent on them, out
+    of the pool and into it (a disk tier's file writes, off the step, not included)."""
 
     stored: list[tuple[int, bool]] = field(default_factory=list)
     loaded: list[tuple[int, bool]] = field(default_factory=list)
+    seconds_out: float = 0.0
+    seconds_in: float = 0.0
 
 
 @dataclass
