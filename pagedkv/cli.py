@@ -27,6 +27,7 @@ from pagedkv.cli_args import (
     config_from_args,
     engine_config,
     show_report,
+    usage_errors,
 )
 from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES
 from pagedkv.server.cli import add_serve_parser
@@ -207,7 +208,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     console = Console()
     params = config_from_args(SamplingParams, args)
     config = engine_config(args)
-    llm = LLM(**{**config.__dict__})
+    with usage_errors(args):  # a configuration the engine refuses (a KV tier that cannot fit)
+        llm = LLM(**{**config.__dict__})
     if llm.engine.is_builtin:
         console.print(f"[yellow]note:[/] {BUILTIN_NOTE}")
     console.print(f"[dim]engine: {llm.engine.describe()}[/]")

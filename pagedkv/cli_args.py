@@ -67,6 +67,15 @@ def positive_float(text: str) -> float:
     return value
 
 
+def offload_size(text: str) -> int:
+    """argparse type for ``--kv-offloading-size``: a bare number is GiB (vLLM's unit), else a
+    size with its unit ('512MiB')."""
+    try:
+        return byte_size(f"{float(text)}GiB")
+    except ValueError:
+        return byte_size(text)
+
+
 def share_fraction(text: str) -> float:
     """argparse type for a share of the engine: a number in (0, 1]."""
     try:
@@ -271,6 +280,31 @@ ENGINE_OPTIONS = (
         f"others wait; 1: no limit {DEFAULT}",
         share_fraction,
     ),
+    EngineOption(
+        "kv_offload_memory",
+        "turn on a second KV tier of this size, all ranks together: a bare number is GiB (vLLM's), "
+        "or e.g. 512MiB; evicted blocks spill to it and come back on a prefix hit (default: off)",
+        offload_size,
+        flag="--kv-offloading-size",
+    ),
+    EngineOption(
+        "kv_offload",
+        "the second KV tier's backend: native (pagedkv's own; the default once "
+        "--kv-offloading-size is given)",
+        choices=("native",),
+        flag="--kv-offloading-backend",
+    ),
+    EngineOption(
+        "kv_offload_dir",
+        "keep the second KV tier on disk in this folder (default: host RAM); a restarted server "
+        "with the same model and KV layout finds its blocks again",
+    ),
+    EngineOption(
+        "preemption_mode",
+        "how a preempted request leaves the pool: swap (to the second tier) or recompute "
+        "(default: whichever costs less, per request)",
+        choices=("swap", "recompute"),
+    ),
     EngineOption("attention_backend", "torch, cpu or triton (default: triton on CUDA, else cpu)"),
     EngineOption(
         "tensor_parallel_size", f"ranks the model is sharded over, one process each {DEFAULT}", positive_int
@@ -339,7 +373,17 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     fields = {
         o.field: getattr(args, o.field) for o in ENGINE_OPTIONS if not o.is_limit and hasattr(args, o.field)
     }
-    return fields | {"limits": request_limits(args)}
+    return fields | offload_kind(fields) | {"limits": request_limits(args)}
+
+
+def offload_kind(fields: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's offloading flags as ``kv_offload``: a size, the (only) backend or a folder turns
+    the second tier on -- on disk with a folder, else in host RAM -- and the size must be
+    given (the engine says so otherwise)."""
+    chosen = ("kv_offload", "kv_offload_memory", "kv_offload_dir")
+    if not any(fields.get(name) is not None for name in chosen):
+        return {}
+    return {"kv_offload": "host" if fields.get("kv_offload_dir") is None else "disk"}
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -149,6 +149,7 @@ def test_the_engine_reaches_the_model_only_through_the_executor():
         "pagedkv.engine.executor.in_process",
         "pagedkv.engine.executor.multiproc",
         "pagedkv.engine.executor.worker",
+        "pagedkv.engine.executor.tier_io",  # a rank's second KV tier, built by the executors
     }
     assert touching <= executors | {"pagedkv.engine.model_runner"}
 

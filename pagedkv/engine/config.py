@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 #: vLLM's ``--scheduling-policy`` values (see ``engine/fairness.py``).
 SCHEDULING_POLICIES = ("fcfs", "priority")
+#: Where a second KV tier keeps the blocks the pool lets go (see ``engine/kv_tier.py``).
+KV_OFFLOAD_KINDS = ("host", "disk")
 
 
 @dataclass
@@ -77,3 +79,14 @@ class EngineConfig:
     #: torch CPU threads of each rank; None: the engine process's threads shared by the
     #: machine's ranks.
     threads_per_rank: int | None = None
+    #: A second KV tier behind the pool (see ``engine/kv_tier.py``): None (off), "host" (RAM)
+    #: or "disk" (files in ``kv_offload_dir``, found again by a restarted engine).
+    kv_offload: str | None = None
+    #: The second tier's size ("8GiB", bytes), all ranks together (each holds its share of
+    #: the KV heads); required with ``kv_offload``.
+    kv_offload_memory: str | int | None = None
+    #: The disk tier's folder (created if missing).
+    kv_offload_dir: str | Path | None = None
+    #: How a preempted request leaves the pool: "swap" (its blocks go to the second tier),
+    #: "recompute", or None: whichever the cost model finds cheaper, per request.
+    preemption_mode: str | None = None

@@ -28,6 +28,7 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor import Executor
 from pagedkv.engine.executor.factory import make_executor
 from pagedkv.engine.kv_policy import KVPolicy
+from pagedkv.engine.kv_tier import make_kv_manager
 from pagedkv.engine.output_processor import OutputProcessor, ProcessedStep, SampledStep
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.prompt_logprobs import take_prompt_logprobs
@@ -38,7 +39,6 @@ from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.sequence import BeamState, Request, Sequence
 from pagedkv.engine.stats import EngineStats, KVSnapshot, StatsCollector, StepStats
 from pagedkv.engine.validation import InvalidRequestError, RequestValidator
-from pagedkv.memory import KVCacheManager
 from pagedkv.models import ModelConfig, builtin_model_path
 from pagedkv.tokenizer import engine_tokenizer
 
@@ -68,7 +68,7 @@ class LLMEngine:
         self.executor: Executor = make_executor(config, path, self.model_config)
         caching = config.enable_prefix_caching and self.kv_policy.allows_prefix_caching
         num_blocks = self.executor.num_kv_blocks
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size, caching, config.watermark)
+        self.kv_manager, self.kv_tier = make_kv_manager(config, self.executor, caching)
         self.scheduler = Scheduler.from_config(config, self.kv_manager, self.kv_policy, self.max_model_len)
         pool_tokens = num_blocks * config.block_size
         self.validator = RequestValidator(
@@ -84,7 +84,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.sampler = Sampler(sorted(eos))
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.stats_collector = StatsCollector(self.scheduler)
+        self.stats_collector = StatsCollector(self.scheduler, self.kv_tier)
         self.requests: dict[str, Request] = {}
 
     # -- requests ---------------------------------------------------------------------------
@@ -165,11 +165,14 @@ class LLMEngine:
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            if self.scheduler.has_work:
+            waits_for_tier = self.kv_tier is not None and self.kv_tier.poll()
+            if self.scheduler.has_work and not waits_for_tier:
                 raise RuntimeError("scheduler made no progress with requests waiting (a bug)")
             return []
         plan = scheduled.plan(self.kv_manager)
         logits = self.executor.execute(plan)
+        if self.kv_tier is not None:  # acknowledged moves; a failed load leaves the step
+            plan, logits = self.kv_tier.settle(scheduled, plan, logits)
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
         logits = take_prompt_logprobs(scheduled.scheduled, plan.slices, logits)
         sampled = sample_step(scheduled, logits, self.sampler, self.scheduler, self.tokenizer)
@@ -185,7 +188,11 @@ class LLMEngine:
         for request_id in finished:
             self.requests.pop(request_id, None)
         elapsed, generated = time.perf_counter() - started, processed.generated_tokens
-        self.stats_collector.record_step(scheduled, sampled.prompt_tokens, generated, len(finished), elapsed)
+        step = self.stats_collector.record_step(
+            scheduled, sampled.prompt_tokens, generated, len(finished), elapsed
+        )
+        if self.kv_tier is not None:
+            self.kv_tier.observe(step)  # the swap cost model's prefill rate
 
     # -- what the engine publishes ----------------------------------------------------------
     @property
@@ -223,6 +230,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Release the model and the KV cache (and any worker rank) now; idempotent. Dropping the
         engine releases them too; steps afterwards raise ``ExecutorError``."""
+        if self.kv_tier is not None and self.executor.runner is not None:
+            self.kv_tier.flush()  # a disk tier keeps the prefix cache for the next start
         self.executor.shutdown()
 
     def __enter__(self) -> LLMEngine:

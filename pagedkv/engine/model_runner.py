@@ -45,6 +45,9 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
+        #: This rank's second KV tier (``executor/tier_io.RankTier``), moving the plan's
+        #: blocks around the copy-on-write copies; None: no tier.
+        self.tier = None
         if self.device.type == "cpu":
             reuse_freed_memory()
 
@@ -99,9 +102,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Copy-on-write copies, then the forward pass; float32 logits of the sampled rows."""
-        if plan.block_copies:
+        """The tier's moves and the copy-on-write copies, then the forward pass; float32 logits
+        of the sampled rows (none for a plan that only moves blocks)."""
+        if self.tier is not None:
+            self.tier.move(self.kv_cache, plan)
+        elif plan.block_copies:
             copy_blocks(self.kv_cache, plan.block_copies)
+        if not plan.slices:
+            return torch.empty(0, dtype=torch.float32)
         inputs = self.prepare(plan)
         rows = inputs.logits_indices
         every_row = rows.shape[0] == inputs.input_ids.shape[0]  # in order: a decode step

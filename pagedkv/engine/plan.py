@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from pagedkv.memory import KVTransfers
+
 
 @dataclass(frozen=True)
 class SeqSlice:
@@ -46,11 +48,14 @@ class SeqSlice:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Everything one forward pass computes: the slices in batch order, and the copy-on-write
-    block copies ``(source, destination)`` to perform before it."""
+    """Everything one forward pass computes: the slices in batch order, the copy-on-write block
+    copies ``(source, destination)`` to perform before it, and the moves between the pool and
+    a second KV tier (None: no tier), performed around those copies in the order
+    :mod:`pagedkv.memory.transfers` gives. A plan without slices only moves blocks."""
 
     slices: list[SeqSlice]
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    kv_transfers: KVTransfers | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -66,7 +71,9 @@ class StepPlan:
 
     @classmethod
     def from_dict(cls, data: dict) -> StepPlan:
+        transfers = data.get("kv_transfers")
         return cls(
             slices=[SeqSlice(**s) for s in data["slices"]],
             block_copies=[(int(src), int(dst)) for src, dst in data["block_copies"]],
+            kv_transfers=None if transfers is None else KVTransfers.from_dict(transfers),
         )

@@ -16,10 +16,13 @@ first, at most ``max_running_share`` of the slots and blocks per client request 
 wait, and what a request over its share holds is taken back for one within it.
 
 When a running sequence still needs a block and the pool is empty, a running sequence is
-preempted by recompute -- one of a request over its share first, else the most recently
-admitted (under the ``priority`` policy, the one with the highest ``priority`` value first):
-its blocks go back to the pool and it returns to the front of the waiting queue; when
-readmitted, prefix caching usually finds its blocks again.
+preempted -- one of a request over its share first, else the most recently admitted (under
+the ``priority`` policy, the one with the highest ``priority`` value first): its blocks go
+back to the pool and it returns to the front of the waiting queue. Without a second KV tier it
+is preempted by recompute: when readmitted, prefix caching usually finds its blocks again.
+With one, the KV manager swaps its blocks out instead when moving them costs less than
+recomputing them (:class:`~pagedkv.memory.TieredKVCacheManager`); such a sequence is not
+readmitted before its blocks are out.
 """
 
 from __future__ import annotations
@@ -286,8 +289,8 @@ class Scheduler:
             client = seq.request.client
             if budget <= 0:
                 break
-            if client in passed_over:
-                continue
+            if client in passed_over or not self.kv_manager.swap_ready(seq.seq_id):
+                continue  # at its share; or its blocks are still being swapped out
             if self._others_wait(client) and not holdings.may_start(seq):
                 passed_over.add(client)  # at its share while others wait
                 continue
@@ -360,26 +363,32 @@ class Scheduler:
         return victim
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        lost = seq.num_computed_tokens
+        """Take ``seq``'s blocks back and requeue it at the front: by swap (a second tier keeps
+        its computed tokens; never for prompt logprobs, which must be computed) or by
+        recompute, as the KV manager chooses."""
         self._refusal = None  # its blocks come back, and it heads the queue
         self.running.remove(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
-        self.kv_manager.free(seq.seq_id)
+        # Never the last token: readmission computes it, and its logits with it.
+        kept = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        outcome = self.kv_manager.preempt(seq.seq_id, seq.token_ids, kept, not seq.needs_prompt_logits)
+        lost = seq.num_computed_tokens - outcome.tokens_kept
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self._enqueue(seq, front=True)
         out.preempted.append(seq)
         out.dropped_tokens += lost
+        out.swapped_preemptions += outcome.swapped
         # The first preemption is worth a warning (the pool is too small for the load); every
         # one is logged, at INFO after that, so a busy server does not flood its stderr.
         log = logger.info if self._preempted_before else logger.warning
         self._preempted_before = True
         log(
-            "preempted request %s (sample %d) by recompute: %d computed tokens dropped, "
-            "%d KV blocks free of %d",
+            "preempted request %s (sample %d) by %s: %d computed tokens dropped, %d KV blocks free of %d",
             seq.request.request_id,
             seq.index,
+            "swap" if outcome.swapped else "recompute",
             lost,
             self.kv_manager.usage().free_blocks,
             self.kv_manager.num_blocks,

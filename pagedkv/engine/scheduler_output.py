@@ -50,6 +50,8 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     #: Computed tokens the preempted sequences lost: they compute them again.
     dropped_tokens: int = 0
+    #: Preemptions by swap (their computed tokens wait in the second tier); the others recompute.
+    swapped_preemptions: int = 0
     #: Prompt tokens looked up in, and served by, the prefix cache at this step's admissions.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -69,7 +71,7 @@ class SchedulerOutput:
 
     def plan(self, kv_manager: KVCacheManager) -> StepPlan:
         """The executor's record of this step: token slices, block tables (copied: the tables
-        move on) and the block copies, as plain data."""
+        move on), the block copies and the second tier's moves, as plain data."""
         slices = [
             SeqSlice(
                 token_ids=item.seq.token_ids[item.start : item.end],
@@ -81,4 +83,4 @@ class SchedulerOutput:
             )
             for item in self.scheduled
         ]
-        return StepPlan(slices, list(self.block_copies))
+        return StepPlan(slices, list(self.block_copies), kv_manager.take_transfers())

@@ -16,9 +16,9 @@ they are built from the scheduler's and the KV manager's counters by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedkv.memory import KVUsage
 
@@ -68,6 +68,18 @@ class StepStats:
     #: although the batch had room (decided when the step was scheduled).
     admission_blocked_by_kv: bool
     step_time_s: float
+    #: Of ``preemptions``, those by swap (their computed tokens wait in the second KV tier);
+    #: the others recompute.
+    swapped_preemptions: int = 0
+    #: The second KV tier (all 0 without one): prompt tokens loaded from it at this step's
+    #: admissions instead of computed, blocks moved out of the pool and into it, their bytes
+    #: (all ranks), and its blocks held (hashed and swapped) after the step, of its total.
+    tier_hit_tokens: int = 0
+    tier_blocks_out: int = 0
+    tier_blocks_in: int = 0
+    tier_bytes_moved: int = 0
+    tier_blocks_used: int = 0
+    tier_blocks_total: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +91,74 @@ class StepStats:
         (only each table's partly filled last block wastes slots). 1.0 when no table is live."""
         slots = self.kv_table_blocks * self.block_size
         return self.kv_tokens_stored / slots if slots else 1.0
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """The second tier now: its blocks, and counters since the engine started (tokens looked
+    up in and loaded from it, blocks and bytes moved each way, the steps' time moving them)."""
+
+    medium: str
+    capacity_blocks: int
+    cached_blocks: int
+    swap_blocks: int
+    query_tokens: int
+    hit_tokens: int
+    blocks_stored: int
+    blocks_loaded: int
+    bytes_out: int
+    bytes_in: int
+    seconds_out: float
+    seconds_in: float
+    evictions: int
+    load_failures: int
+
+    @property
+    def usage(self) -> float:
+        """Held slots / capacity (vLLM's ``kv_offload_cpu_cache_usage_perc``)."""
+        return (self.cached_blocks + self.swap_blocks) / self.capacity_blocks
+
+    def kv_stats(self) -> dict[str, Any]:
+        """The keys ``LLM.kv_stats()`` adds for the tier."""
+        return {
+            "tier_medium": self.medium,
+            "tier_blocks_total": self.capacity_blocks,
+            "tier_blocks_cached": self.cached_blocks,
+            "tier_blocks_swap": self.swap_blocks,
+            "tier_usage": self.usage,
+            "tier_queries_tokens": self.query_tokens,
+            "tier_hits_tokens": self.hit_tokens,
+            "tier_blocks_stored": self.blocks_stored,
+            "tier_blocks_loaded": self.blocks_loaded,
+            "tier_bytes_out": self.bytes_out,
+            "tier_bytes_in": self.bytes_in,
+            "tier_seconds_out": self.seconds_out,
+            "tier_seconds_in": self.seconds_in,
+            "tier_evictions": self.evictions,
+            "tier_load_failures": self.load_failures,
+        }
+
+
+@dataclass(frozen=True)
+class TierStep:
+    """One step's second-tier figures (``StepStats.tier_*``): prompt tokens loaded at its
+    admissions, blocks moved out of the pool and into it, their bytes, and the tier's blocks
+    held (hashed and swapped) after the step, of its total."""
+
+    hit_tokens: int = 0
+    blocks_out: int = 0
+    blocks_in: int = 0
+    bytes_moved: int = 0
+    blocks_used: int = 0
+    blocks_total: int = 0
+
+
+class TierReporter(Protocol):
+    """What the statistics read of a second KV tier (``engine/kv_tier.KVTierLink``)."""
+
+    def step_record(self) -> TierStep: ...
+
+    def stats(self) -> TierStats: ...
 
 
 @dataclass(frozen=True)
@@ -97,12 +177,18 @@ class EngineStats:
     prefix_cache_hits: int
     prompt_tokens: int
     generated_tokens: int
+    #: Of ``preemptions``, those by swap.
+    swapped_preemptions: int = 0
+    #: The second KV tier (None: no tier).
+    tier: TierStats | None = None
 
-    def kv_stats(self) -> dict[str, float | int]:
-        """Blocks total / used / free / cached, utilization, preemptions, prefix-cache tokens,
-        queues: the dictionary ``LLM.kv_stats()`` returns."""
+    def kv_stats(self) -> dict[str, float | int | str]:
+        """Blocks total / used / free / cached, utilization, preemptions (by swap and by
+        recompute), prefix-cache tokens, queues, and the second tier's figures when there is
+        one: the dictionary ``LLM.kv_stats()`` returns."""
         queries, hits = self.prefix_cache_queries, self.prefix_cache_hits
-        return {
+        tier = {} if self.tier is None else self.tier.kv_stats()
+        return tier | {
             "block_size": self.kv.block_size,
             "blocks_total": self.kv.total_blocks,
             "blocks_used": self.kv.used_blocks,
@@ -110,6 +196,8 @@ class EngineStats:
             "blocks_cached": self.kv.cached_blocks,
             "utilization": self.kv.utilization,
             "preemptions": self.preemptions,
+            "preemptions_swapped": self.swapped_preemptions,
+            "preemptions_recomputed": self.preemptions - self.swapped_preemptions,
             "prefix_cache_queries_tokens": queries,
             "prefix_cache_hits_tokens": hits,
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
@@ -169,14 +257,16 @@ class KVSnapshot:
 
 
 #: The counts of a step that :class:`EngineStats` sums over every step.
-SUMMED = ("preemptions", "dropped_tokens", "prompt_tokens", "generated_tokens")
+SUMMED = ("preemptions", "swapped_preemptions", "dropped_tokens", "prompt_tokens", "generated_tokens")
 
 
 class StatsCollector:
-    """Builds the records above from the scheduler and its KV manager; keeps the totals."""
+    """Builds the records above from the scheduler, its KV manager and the second KV tier's
+    link (None: no tier); keeps the totals."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, kv_tier: TierReporter | None = None) -> None:
         self.scheduler = scheduler
+        self.kv_tier = kv_tier
         self.last_step: StepStats | None = None
         self.totals = dict.fromkeys(("steps", *SUMMED), 0)
 
@@ -211,12 +301,19 @@ class StatsCollector:
             waiting=len(scheduler.waiting),
             admission_blocked_by_kv=scheduler.admission_blocked_by_kv,
             step_time_s=seconds,
+            swapped_preemptions=out.swapped_preemptions,
+            **self._tier_step(),
         )
         self.totals["steps"] = step.step
         for name in SUMMED:
             self.totals[name] += getattr(step, name)
         self.last_step = step
         return step
+
+    def _tier_step(self) -> dict[str, int]:
+        if self.kv_tier is None:
+            return {}
+        return {f"tier_{name}": value for name, value in asdict(self.kv_tier.step_record()).items()}
 
     def engine_stats(self) -> EngineStats:
         kv_manager, queues = self.scheduler.kv_manager, self.scheduler
@@ -231,6 +328,7 @@ class StatsCollector:
             waiting=len(queues.waiting),
             **prefix,
             **self.totals,
+            tier=None if self.kv_tier is None else self.kv_tier.stats(),
         )
 
     def kv_snapshot(self) -> KVSnapshot:

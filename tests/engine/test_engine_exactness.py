@@ -100,3 +100,56 @@ def test_prefix_caching_off_gives_the_same_tokens(references):
     outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.kv_stats()["prefix_cache_hits_tokens"] == 0
+
+
+# -- the second KV tier: spills, loads, swaps and a warm restart move bits, never change them ----
+#: A pool of 16 blocks of 4 tokens for six prompts of up to 60: blocks leave it all the time.
+TIGHT = dict(dtype="float32", block_size=4, num_kv_blocks=16, watermark=0.0, decode_headroom=0.0)
+
+
+def _greedy(llm) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("preemption_mode", [None, "swap"])
+def test_the_host_tier_changes_no_token(references, preemption_mode):
+    path, expected = references["llama-gqa-untied"]
+    llm = LLM(
+        str(path), kv_offload="host", kv_offload_memory="1MiB", preemption_mode=preemption_mode, **TIGHT
+    )
+    assert _greedy(llm) == expected
+    assert _greedy(llm) == expected  # again: the prompts' prefixes come back from the tier
+    stats = llm.kv_stats()
+    assert stats["tier_medium"] == "CPU" and stats["tier_blocks_stored"] > 0
+    assert stats["tier_hits_tokens"] > 0 and stats["tier_blocks_loaded"] > 0
+    assert stats["preemptions"] > 0
+    if preemption_mode == "swap":  # (one whose computed blocks are all cached has nothing to swap)
+        assert stats["preemptions_swapped"] > 0
+    assert stats["blocks_used"] == 0 and stats["tier_blocks_swap"] == 0
+
+
+def test_a_restarted_disk_tier_gives_the_same_tokens(references, tmp_path, caplog):
+    path, expected = references["qwen3-qknorm-tied"]
+    options = TIGHT | dict(kv_offload="disk", kv_offload_memory="2MiB", kv_offload_dir=tmp_path / "kv")
+    with LLM(str(path), **options) as first:
+        assert _greedy(first) == expected
+        assert first.kv_stats()["tier_blocks_stored"] > 0
+    with LLM(str(path), **options) as restarted:
+        assert restarted.kv_stats()["tier_blocks_cached"] > 0  # yesterday's prefixes, indexed
+        assert _greedy(restarted) == expected
+        stats = restarted.kv_stats()
+        assert stats["tier_hits_tokens"] > 0 and stats["tier_load_failures"] == 0
+    # a damaged file is found by its checksum when loaded: the sequence recomputes instead
+    files = sorted((tmp_path / "kv").glob("*.kvblock"))
+    for file in files:
+        data = bytearray(file.read_bytes())
+        data[-1] ^= 0xFF
+        file.write_bytes(bytes(data))
+    with LLM(str(path), **options) as damaged:
+        assert _greedy(damaged) == expected
+        assert damaged.kv_stats()["tier_load_failures"] > 0
+    # another model's files are never read: its layout names other weights
+    other, _ = references["llama-tied-headdim24"]
+    with caplog.at_level("WARNING"), LLM(str(other), **options) as stranger:
+        assert stranger.kv_stats()["tier_blocks_cached"] == 0
+    assert "written for another KV layout" in caplog.text

@@ -21,6 +21,8 @@ KV_STATS_KEYS = {
     "blocks_cached",
     "utilization",
     "preemptions",
+    "preemptions_swapped",
+    "preemptions_recomputed",
     "prefix_cache_queries_tokens",
     "prefix_cache_hits_tokens",
     "prefix_cache_hit_rate",
@@ -103,7 +105,8 @@ def test_steps_add_up_to_the_totals_and_the_pool_to_its_size(model_path):
     assert set(kv_stats) == KV_STATS_KEYS
     assert sum(r.prefix_cache_queries for r in records) == kv_stats["prefix_cache_queries_tokens"]
     assert sum(r.prefix_cache_hits for r in records) == kv_stats["prefix_cache_hits_tokens"] > 0
-    assert kv_stats["preemptions"] == totals.preemptions
+    assert kv_stats["preemptions"] == totals.preemptions == kv_stats["preemptions_recomputed"]
+    assert kv_stats["preemptions_swapped"] == 0  # no second tier to swap to
     assert totals.kv.used_blocks == totals.kv_sequences == kv_stats["running"] == 0
     # every prompt token was computed at least once; recomputation after preemption adds more
     computed_prompts = sum(r.prefill_tokens for r in records)

@@ -123,3 +123,26 @@ def test_bad_kv_cache_dtypes_fail_before_loading(model_path, monkeypatch):
     monkeypatch.setitem(BACKENDS, "plain", Backend("plain", reference.decode, reference.prefill, ("auto",)))
     with pytest.raises(ValueError, match="'plain' attention backend cannot read kv_cache_dtype='fp8'"):
         LLM(str(model_path), kv_cache_dtype="fp8", attention_backend="plain")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
+def test_the_second_tier_moves_quantized_blocks_with_their_scales(model_path, kv_cache_dtype, tmp_path):
+    """Spilled, loaded, swapped and restarted blocks carry their scales: the tokens are those of
+    a pool that never lets a block go."""
+    options = {"dtype": "float32", "block_size": 4, "kv_cache_dtype": kv_cache_dtype}
+    roomy = LLM(str(model_path), num_kv_blocks=256, **options)
+    expected = _tokens(roomy.generate(_prompts(), GREEDY, use_tqdm=False))
+    tight = options | {"num_kv_blocks": 16, "watermark": 0.0, "decode_headroom": 0.0}
+    host = LLM(str(model_path), kv_offload="host", kv_offload_memory="1MiB", preemption_mode="swap", **tight)
+    for _ in range(2):  # the second pass loads the prompts' prefixes from the tier
+        assert _tokens(host.generate(_prompts(), GREEDY, use_tqdm=False)) == expected
+    stats = host.kv_stats()
+    assert stats["preemptions_swapped"] > 0 and stats["tier_hits_tokens"] > 0
+    _assert_all_returned(host)
+    disk = tight | {"kv_offload": "disk", "kv_offload_memory": "1MiB", "kv_offload_dir": tmp_path}
+    with LLM(str(model_path), **disk) as first:
+        assert _tokens(first.generate(_prompts(), GREEDY, use_tqdm=False)) == expected
+    with LLM(str(model_path), **disk) as restarted:
+        assert _tokens(restarted.generate(_prompts(), GREEDY, use_tqdm=False)) == expected
+        assert restarted.kv_stats()["tier_hits_tokens"] > 0
+        _assert_all_returned(restarted)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.engine.plan import StepPlan
+from pagedkv.memory import TransferReport
 from pagedkv.models import decode_stack
 from pagedkv.models.config import dtype_name
 
@@ -44,6 +45,29 @@ class KVMemory:
         }
 
 
+@dataclass(frozen=True)
+class TierSpec:
+    """What every rank builds its tier from (plain data: pickled to tensor-parallel ranks).
+    ``capacity`` blocks, each ``block_bytes`` for the whole model (a rank holds its share of
+    the KV heads of each); ``model``: the weights' fingerprint a disk file's header names."""
+
+    kind: str
+    capacity: int
+    block_bytes: int
+    folder: str | None = None
+    model: str = ""
+
+    @property
+    def medium(self) -> str:
+        """vLLM's KV-event medium: "CPU" for host RAM, "DISK" for files."""
+        return "DISK" if self.kind == "disk" else "CPU"
+
+    @property
+    def transfer_types(self) -> tuple[str, str]:
+        """vLLM's ``transfer_type`` labels, out of the pool and into it."""
+        return f"GPU_to_{self.medium}", f"{self.medium}_to_GPU"
+
+
 class Executor(ABC):
     #: Physical KV blocks every rank holds (the engine's block pool has exactly these).
     num_kv_blocks: int
@@ -51,11 +75,43 @@ class Executor(ABC):
     kv_memory: KVMemory
     #: How the model runs, for logs and the CLI: dtype, linear kernel, attention backend.
     runtime: dict[str, str]
+    #: The second KV tier every rank holds its share of (None: no tier).
+    tier: TierSpec | None = None
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Copy-on-write copies, then one forward pass: float32 logits ``[plan.num_logits, vocab]``
-        of the slices that need them, in plan order."""
+        """The plan's tier moves and copy-on-write copies, then one forward pass: float32 logits
+        ``[plan.num_logits, vocab]`` of the slices that need them, in plan order (none for a
+        plan without slices, which only moves blocks)."""
+
+    # -- the second KV tier (every rank moves the same blocks; rank 0's account stands for all)
+    def tier_report(self) -> TransferReport:
+        """The tier moves that ended since the last call (see :class:`TransferReport`)."""
+        tier = self._rank_tier()
+        return TransferReport() if tier is None else tier.report()
+
+    def tier_blocks_found(self) -> list[tuple[int, int | None, tuple[int, ...]]]:
+        """The blocks a disk tier found at start-up, oldest first: (hash, parent, token ids)."""
+        tier = self._rank_tier()
+        return [] if tier is None else tier.found()
+
+    def discard_tier_blocks(self, hashes: list[int]) -> None:
+        """Delete what a disk tier holds of these blocks (found but not indexed)."""
+        tier = self._rank_tier()
+        if tier is not None:
+            tier.discard(hashes)
+
+    def drain_tier(self) -> None:
+        """Wait until a disk tier's queued writes have ended."""
+        tier = self._rank_tier()
+        if tier is not None:
+            tier.drain()
+
+    def _rank_tier(self):
+        """Rank 0's tier: the runner in this process holds it (none before start-up ends or
+        after shutdown)."""
+        runner = getattr(self, "runner", None)
+        return None if runner is None else runner.tier
 
     @abstractmethod
     def check_health(self) -> None:

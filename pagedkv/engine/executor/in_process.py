@@ -9,6 +9,7 @@ import torch
 from pagedkv.attention import KVCache, check_backend_reads
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory, runtime_of
+from pagedkv.engine.executor.tier_io import RankTier, plan_tier
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.engine.plan import StepPlan
 from pagedkv.memory import parse_bytes
@@ -23,6 +24,7 @@ class InProcessExecutor(Executor):
         # Before the weights or any block are allocated: an unknown dtype, or one the backend
         # cannot read, is a configuration error.
         check_backend_reads(config.attention_backend, config.device, config.kv_cache_dtype)
+        self.tier = plan_tier(config, model_path, model_config)  # refused before allocating
         model = load_model(
             model_path,
             config.dtype,
@@ -43,6 +45,8 @@ class InProcessExecutor(Executor):
         self.kv_memory = KVMemory(kv_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes)
         self.runtime = runtime_of(model)
         self.runner: ModelRunner | None = ModelRunner(model, kv_cache)
+        if self.tier is not None:
+            self.runner.tier = RankTier(self.tier, kv_cache)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         if self.runner is None:
@@ -54,4 +58,6 @@ class InProcessExecutor(Executor):
             raise ExecutorError("the executor was shut down")
 
     def shutdown(self) -> None:
+        if self.runner is not None and self.runner.tier is not None:
+            self.runner.tier.close()  # a disk tier's queued files are written first
         self.runner = None  # the model and the KV cache go with it

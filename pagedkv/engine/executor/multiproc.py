@@ -35,6 +35,7 @@ from pagedkv.distributed import Rendezvous, groups, heartbeat
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor import launch
 from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory, runtime_of
+from pagedkv.engine.executor.tier_io import plan_tier
 from pagedkv.engine.executor.worker import RankSpec, build_runner, pool_blocks
 from pagedkv.engine.plan import StepPlan
 from pagedkv.models import ModelConfig
@@ -61,7 +62,8 @@ def rank_spec(config: EngineConfig, model_path: Path, model_config: ModelConfig)
     rendezvous = rendezvous_of(config)
     local_ranks = len(rendezvous.spawn_ranks) + (1 if rendezvous.runs_engine else 0)
     threads = config.threads_per_rank or max(1, torch.get_num_threads() // max(1, local_ranks))
-    return RankSpec(config, model_path, rendezvous, pool_blocks(config, model_config), threads)
+    tier = plan_tier(config, model_path, model_config)
+    return RankSpec(config, model_path, rendezvous, pool_blocks(config, model_config), threads, tier)
 
 
 class Ranks:
@@ -111,6 +113,7 @@ class MultiprocExecutor(Executor):
         if not spec.rendezvous.runs_engine:
             raise ValueError("this process is not rank 0: run the worker node (pagedkv.engine.executor.node)")
         self.num_kv_blocks = spec.num_kv_blocks
+        self.tier = spec.tier
         self.world_size = spec.rendezvous.world_size
         self.timeout = timedelta(seconds=spec.rendezvous.timeout)
         #: How this machine's worker ranks were started: "fork" or "spawn".
@@ -221,4 +224,7 @@ class MultiprocExecutor(Executor):
     def shutdown(self) -> None:
         """Release the workers and the process group (at once; idempotent), then rank 0's model."""
         self._release()
+        runner = getattr(self, "runner", None)
+        if runner is not None and runner.tier is not None:
+            runner.tier.close()
         self.runner = None

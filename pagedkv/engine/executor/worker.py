@@ -19,6 +19,8 @@ import torch
 from pagedkv.attention import KVCache
 from pagedkv.distributed import Rendezvous, groups, heartbeat
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.executor.base import TierSpec
+from pagedkv.engine.executor.tier_io import RankTier
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.memory import parse_bytes
 from pagedkv.models import ModelConfig, load_model
@@ -35,6 +37,8 @@ class RankSpec:
     rendezvous: Rendezvous
     num_kv_blocks: int
     threads: int
+    #: The second KV tier each rank holds its share of (None: none).
+    tier: TierSpec | None = None
 
 
 def pool_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
@@ -83,7 +87,10 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
         device,
         spec.config.kv_cache_dtype,
     )
-    return ModelRunner(model, kv_cache), tp
+    runner = ModelRunner(model, kv_cache)
+    if spec.tier is not None:
+        runner.tier = RankTier(spec.tier, kv_cache, rank, spec.rendezvous.world_size)
+    return runner, tp
 
 
 def ignore_ctrl_c() -> None:
@@ -110,6 +117,8 @@ def serve_rank(spec: RankSpec, rank: int, parent_pid: int | None) -> None:
         torch.distributed.barrier(group=group.control)  # loaded: rank 0 may start
         while (plan := groups.receive_object(group)) is not None:
             runner.execute(plan)
+        if runner.tier is not None:
+            runner.tier.close()
         groups.leave()
     except BaseException as err:
         heartbeat.report_error(store, rank, f"{type(err).__name__}: {err}")
