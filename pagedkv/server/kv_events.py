@@ -14,16 +14,18 @@ module speaks the same protocol from pagedkv's real block pool:
 * the sequence number restarts at 0 with the process: the router takes a drop in it for a
   restarted worker and forgets what that worker held.
 
-Block hashes are what vLLM's are: a chain over the parent's hash and the block's tokens (sha256,
-first 8 bytes as a non-negative int), so two replicas that cache the same prefix announce the
-same hashes. The pool calls the :class:`~pagedkv.memory.KVCacheListener` methods on the engine
-thread, which only enqueue; a publisher thread hashes, batches and sends, so the engine step
-never waits on a socket.
+Block hashes are what vLLM's are: a chain over the parent's hash and the block's tokens
+(:func:`pagedkv.memory.block_hash`: sha256, first 8 bytes as a non-negative int), so two
+replicas that cache the same prefix announce the same hashes -- and a block keeps its hash when
+it moves to a second KV tier, whose changes are published with the tier's medium (``CPU`` for
+host RAM, ``DISK``) next to the pool's ``GPU``: a router sees which blocks a replica can load
+rather than recompute. The pool calls the :class:`~pagedkv.memory.KVCacheListener` methods on
+the engine thread, which only enqueue; a publisher thread hashes, batches and sends, so the
+engine step never waits on a socket.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import queue
@@ -35,14 +37,12 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
-from pagedkv.memory import ROOT
+from pagedkv.memory import POOL_MEDIUM, ROOT, TierEvent, block_hash
 
 logger = logging.getLogger("pagedkv.server.kv_events")
 
-#: The medium vLLM names for blocks held in the accelerator's KV cache.
-MEDIUM = "GPU"
-#: Parent hash of a sequence's first block: fixed, so every replica hashes alike.
-ROOT_HASH_SEED = b"pagedkv-kv-events"
+#: The medium vLLM names for blocks held in the accelerator's KV cache (the pool).
+MEDIUM = POOL_MEDIUM
 _STOP = object()
 
 
@@ -74,13 +74,6 @@ class KVEventsConfig:
     @property
     def enabled(self) -> bool:
         return self.enable_kv_cache_events and self.publisher == "zmq"
-
-
-def block_hash(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """The chained content hash of one full block (a non-negative 63-bit int)."""
-    prefix = ROOT_HASH_SEED if parent_hash is None else parent_hash.to_bytes(8, "big")
-    digest = hashlib.sha256(prefix + msgpack.packb(list(token_ids))).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
 
 
 class ZmqKVEventPublisher:
@@ -117,7 +110,16 @@ class ZmqKVEventPublisher:
     def all_blocks_cleared(self) -> None:
         self._queue.put(("cleared",))
 
+    def tier_changed(self, events: Sequence[TierEvent]) -> None:
+        self._queue.put(("tier", tuple(events)))
+
     # -- publisher thread ---------------------------------------------------------------------
+    def _events(self, item: tuple) -> list[dict]:
+        if item[0] != "tier":
+            event = self._event(item)
+            return [] if event is None else [event]
+        return [_tier_event(change, self.block_size) for change in item[1]]
+
     def _event(self, item: tuple) -> dict | None:
         kind = item[0]
         if kind == "stored":
@@ -155,9 +157,7 @@ class ZmqKVEventPublisher:
                 if item is _STOP:
                     stopping = True
                     break
-                event = self._event(item)
-                if event is not None:
-                    events.append(event)
+                events += self._events(item)
             if events:
                 self._send(events)
 
@@ -172,3 +172,19 @@ class ZmqKVEventPublisher:
             self._queue.put(_STOP)
             self._thread.join(timeout=10)
         self._socket.close()
+
+
+def _tier_event(change: TierEvent, block_size: int) -> dict:
+    """A second tier's change as vLLM's event, with the tier's medium."""
+    if change.removed:
+        return {"type": "BlockRemoved", "block_hashes": list(change.block_hashes), "medium": change.medium}
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(change.block_hashes),
+        "parent_block_hash": change.parent_hash,
+        "token_ids": list(change.token_ids),
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": change.medium,
+        "lora_name": None,
+    }

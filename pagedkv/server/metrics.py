@@ -7,7 +7,11 @@ latency, end-to-end) are histograms the worker observes as tokens arrive. Each a
 ``CollectorRegistry``, so several servers in one process (tests, the benchmark) never mix.
 
 ``pagedkv:kv_cache_usage_peak_perc`` (highest usage since start) has no vLLM counterpart; it
-lets ``pagedkv bench serve`` report the peak without depending on its polling rate.
+lets ``pagedkv bench serve`` report the peak without depending on its polling rate. With a
+second KV tier: vLLM's external prefix cache and KV offload series (tokens looked up in and
+loaded from the tier; bytes and seconds moved, by transfer type and by direction) and
+pagedkv's own for what vLLM has no name for (the tier's blocks, preemptions by swap and by
+recompute).
 """
 
 from __future__ import annotations
@@ -47,7 +51,17 @@ GAUGES = (
 )
 #: (name without _total, help, key) of the counters read at scrape time.
 COUNTERS = (
-    ("vllm:num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks.", "preemptions"),
+    ("vllm:num_preemptions", "Sequences preempted for lack of KV blocks.", "preemptions"),
+    (
+        "pagedkv:num_preemptions_swapped",
+        "Preemptions by swap: the blocks went to the second KV tier and come back.",
+        "preemptions_swapped",
+    ),
+    (
+        "pagedkv:num_preemptions_recomputed",
+        "Preemptions by recompute: the tokens the prefix cache does not keep are computed again.",
+        "preemptions_recomputed",
+    ),
     (
         "vllm:prefix_cache_queries",
         "Prompt tokens looked up in the prefix cache.",
@@ -57,6 +71,78 @@ COUNTERS = (
     ("vllm:prompt_tokens", "Prompt tokens processed.", "prompt_tokens"),
     ("vllm:generation_tokens", "Tokens generated.", "generation_tokens"),
 )
+
+#: The second KV tier's counters (when there is one): (name without _total, help, key).
+TIER_COUNTERS = (
+    (
+        "vllm:external_prefix_cache_queries",
+        "Prompt tokens looked up in the second KV tier.",
+        "tier_queries_tokens",
+    ),
+    (
+        "vllm:external_prefix_cache_hits",
+        "Prompt tokens loaded from the second KV tier instead of computed.",
+        "tier_hits_tokens",
+    ),
+    (
+        "vllm:kv_offload_store_bytes",
+        "Bytes of KV blocks moved from the pool to the second tier.",
+        "tier_bytes_out",
+    ),
+    (
+        "vllm:kv_offload_load_bytes",
+        "Bytes of KV blocks moved from the second tier to the pool.",
+        "tier_bytes_in",
+    ),
+    (
+        "vllm:kv_offload_store_time",
+        "Seconds steps spent moving KV blocks to the second tier.",
+        "tier_seconds_out",
+    ),
+    ("vllm:kv_offload_load_time", "Seconds steps spent moving KV blocks into the pool.", "tier_seconds_in"),
+    (
+        "pagedkv:kv_offload_evictions",
+        "Blocks the second KV tier evicted (least recently used).",
+        "tier_evictions",
+    ),
+    (
+        "pagedkv:kv_offload_load_failures",
+        "Sequences whose load from the second tier failed its check (they recomputed).",
+        "tier_load_failures",
+    ),
+)
+#: The second KV tier's gauges: (name, help, key).
+TIER_GAUGES = (
+    ("pagedkv:kv_offload_usage_perc", "Second KV tier: share of its slots held (1 = full).", "tier_usage"),
+    ("pagedkv:kv_offload_blocks_total", "Second KV tier: block slots.", "tier_blocks_total"),
+    ("pagedkv:kv_offload_blocks_cached", "Second KV tier: prefix blocks held.", "tier_blocks_cached"),
+    ("pagedkv:kv_offload_blocks_swap", "Second KV tier: blocks of swapped-out requests.", "tier_blocks_swap"),
+)
+
+
+def _tier_metrics(model_name: str, stats: Mapping[str, float]) -> Iterator[Metric]:
+    """The second tier's series, and vLLM's ``kv_offload_total_bytes`` / ``_time`` by transfer
+    type (``GPU_to_CPU``, ``CPU_to_GPU``; ``DISK`` for the disk tier; the pool is "GPU")."""
+    for name, documentation, key in TIER_COUNTERS:
+        counter = CounterMetricFamily(name, documentation, labels=["model_name"])
+        counter.add_metric([model_name], stats[key])
+        yield counter
+    for name, documentation, key in TIER_GAUGES:
+        gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
+        gauge.add_metric([model_name], stats[key])
+        yield gauge
+    medium = stats["tier_medium"]
+    directions = ((f"GPU_to_{medium}", "out"), (f"{medium}_to_GPU", "in"))
+    for what, unit in (("bytes", "Bytes"), ("time", "Seconds")):
+        counter = CounterMetricFamily(
+            f"vllm:kv_offload_total_{what}",
+            f"{unit} of KV blocks moved between the pool and the second tier, by transfer type.",
+            labels=["model_name", "transfer_type"],
+        )
+        for transfer_type, direction in directions:
+            key = f"tier_bytes_{direction}" if what == "bytes" else f"tier_seconds_{direction}"
+            counter.add_metric([model_name, transfer_type], stats[key])
+        yield counter
 
 
 class _EngineStatsCollector(Collector):
@@ -76,6 +162,8 @@ class _EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, documentation, labels=["model_name"])
             counter.add_metric([self.model_name], stats[key])
             yield counter
+        if "tier_medium" in stats:
+            yield from _tier_metrics(self.model_name, stats)
 
 
 class ServerMetrics:

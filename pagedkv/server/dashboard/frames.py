@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.engine import LLMEngine
+from pagedkv.engine.stats import TierStats
 
 #: A sequence's fields as the page reads them: request id, sample/beam index, block table,
 #: tokens, prompt tokens, prompt tokens served by the prefix cache.
@@ -76,8 +77,25 @@ def take_view(engine: LLMEngine, stamp: float) -> View:
         "prefixQueries": stats.prefix_cache_queries,
         "prefixHits": stats.prefix_cache_hits,
         "stepTime": round(last.step_time_s, 5) if last is not None else 0.0,
+        "tier": None if stats.tier is None else _tier_counters(stats.tier),
     }
     return View(snapshot.refcounts, snapshot.cached, seqs, counters)
+
+
+def _tier_counters(tier: TierStats) -> dict[str, int | str]:
+    """The second KV tier beside the pool: its blocks, what it served and what moved."""
+    return {
+        "medium": tier.medium,
+        "total": tier.capacity_blocks,
+        "cached": tier.cached_blocks,
+        "swap": tier.swap_blocks,
+        "queries": tier.query_tokens,
+        "hits": tier.hit_tokens,
+        "stored": tier.blocks_stored,
+        "loaded": tier.blocks_loaded,
+        "bytesOut": tier.bytes_out,
+        "bytesIn": tier.bytes_in,
+    }
 
 
 def full_frame(view: View, config: dict[str, Any]) -> dict[str, Any]:

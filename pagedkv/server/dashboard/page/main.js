@@ -63,6 +63,7 @@ const Page = {
       `${stats.cachedFree} cached-free · step ${stats.step}`;
     document.getElementById("request-summary").textContent =
       `${stats.running} running, ${stats.waiting} waiting (click one, or a cell)`;
+    TierView.render(stats.tier);
     Grid.render(this.selected);
     RequestList.render(requests, this.selected, (id) => this.pick(id));
     Detail.render(document.getElementById("detail"), this.selected, requests.get(this.selected));

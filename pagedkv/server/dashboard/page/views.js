@@ -160,3 +160,24 @@ const Contiguous = {
 function pct(fraction, nonEmpty = 1) {
   return nonEmpty ? `${Math.round(100 * Math.min(fraction, 99.99))} %` : "0 %";
 }
+
+/* The second KV tier beside the pool: its slots (cached prefix blocks, swapped-out requests'
+   blocks, free), what its loads saved and what moved. Hidden without a tier. */
+const TierView = {
+  render(tier) {
+    const panel = document.getElementById("tier");
+    panel.hidden = !tier;
+    if (!tier) return;
+    const share = (n) => `${((100 * n) / tier.total).toFixed(2)}%`;
+    const bar = document.getElementById("tier-bar");
+    bar.querySelector(".cached").style.width = share(tier.cached);
+    bar.querySelector(".swap").style.width = share(tier.swap);
+    Object.assign(panel.dataset, { medium: tier.medium, cached: tier.cached, swap: tier.swap, hits: tier.hits });
+    const mib = (bytes) => (bytes / 2 ** 20).toFixed(1);
+    document.getElementById("tier-summary").textContent =
+      `${tier.medium} · ${tier.total} blocks · ${tier.cached} cached, ${tier.swap} swapped out`;
+    document.getElementById("tier-text").textContent =
+      `${tier.hits} of ${tier.queries} prompt tokens loaded instead of computed · ` +
+      `${tier.stored} blocks stored (${mib(tier.bytesOut)} MiB), ${tier.loaded} loaded (${mib(tier.bytesIn)} MiB)`;
+  },
+};
