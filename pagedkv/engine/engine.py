@@ -163,6 +163,8 @@ class LLMEngine:
         """One forward pass; the outputs of every request that produced a token or finished (with
         ``finished_only``, of those that finished: all the offline ``LLM`` reads, and cheaper)."""
         started = time.perf_counter()
+        if self.kv_tier is not None:
+            self.kv_tier.settle_moves()  # a disk tier's files written meanwhile are readable now
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             waits_for_tier = self.kv_tier is not None and self.kv_tier.poll()

@@ -237,4 +237,5 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
         server.run()
+    engine.shutdown()  # a disk KV tier writes the prefix cache out, for the next start to find
     return 0 if server.started else 1
