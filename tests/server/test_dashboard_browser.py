@@ -18,6 +18,7 @@ from pagedkv.server import ServerThread, create_app
 from tests.browser import console_errors, save_screenshot
 from tests.server.helpers import (
     API_KEY,
+    MODEL,
     EngineGate,
     complete_in_background,
     prompts,
@@ -257,3 +258,24 @@ def test_with_an_api_key_the_page_asks_for_it_and_the_stream_needs_it(browser, s
     browser.get("about:blank")
     open_dashboard(browser, base_url, fragment=f"#key={API_KEY}")
     assert "key=" not in browser.current_url
+
+
+def test_the_second_tier_shows_beside_the_pool(browser, dashboard_server):
+    open_dashboard(browser, dashboard_server.base_url)
+    assert not browser.find_element(By.ID, "tier").is_displayed()  # this server has no tier
+    tiered = OPTIONS | dict(num_kv_blocks=24, max_model_len=512, kv_offload="host", kv_offload_memory="16MiB")
+    with ServerThread(create_app(EngineConfig(**tiered))) as server:
+        open_dashboard(browser, server.base_url)
+        panel = browser.find_element(By.ID, "tier")
+        assert panel.is_displayed() and panel.get_attribute("data-medium") == "CPU"
+        for seed in (1, 2):  # two prompts the pool cannot hold together: the first one spills
+            body = {"prompt": " ".join(prompts(1, seed, words=150)), "max_tokens": 2}
+            assert (
+                httpx.post(f"{server.base_url}/v1/completions", json={"model": MODEL, **body}).status_code
+                == 200
+            )
+        wait_idle(server.base_url)
+        tier = server.app.state.engine.engine.stats().tier
+        assert tier.cached_blocks > 0
+        wait_for(browser, lambda d: panel.get_attribute("data-cached") == str(tier.cached_blocks), "the tier")
+        assert f"CPU · {tier.capacity_blocks} blocks · {tier.cached_blocks} cached" in panel.text
