@@ -20,6 +20,8 @@ from pagedkv.bench.sharing_report import print_sharing, write_sharing_plots
 from pagedkv.bench.throughput import ThroughputConfig
 from pagedkv.bench.throughput_engines import run_throughput
 from pagedkv.bench.throughput_report import print_result
+from pagedkv.bench.tiers import TiersConfig, run_tiers
+from pagedkv.bench.tiers_report import print_tiers
 
 #: The engine options most benchmarks let users change (the pool and the limits are their own).
 MODEL_FIELDS = ("model", "dtype", "block_size", "max_num_batched_tokens", "attention_backend")
@@ -143,4 +145,22 @@ QUALITY = Bench(
 )
 
 
-BENCHES = (CAPACITY, SHARING, SERVE, ROUTER, THROUGHPUT, PARALLEL, QUALITY)
+TIERS = Bench(
+    name="tiers",
+    doc="""a second KV tier on multi-turn chat: recomputed prompts and TTFT with no tier, host, disk, restart
+
+    Run a seeded multi-turn chat workload -- every turn of every conversation at once, a KV pool
+    that holds about a quarter of the conversations' histories -- with no second tier, a host-RAM
+    tier, a disk tier, and a disk tier whose engine restarts before the last turn; print prompt
+    tokens computed, recomputed, loaded from the tier and served by the pool, TTFT p50/p99,
+    output tokens/s and bytes moved, and whether the targets are met (exit status 1 if not).
+    """,
+    config=TiersConfig,
+    run=run_tiers,
+    report=print_tiers,
+    # its own --model: builtin, bench or a folder
+    engine_fields=(*MODEL_FIELDS[1:], "kv_cache_dtype", "threads"),
+)
+
+
+BENCHES = (CAPACITY, SHARING, SERVE, ROUTER, THROUGHPUT, PARALLEL, QUALITY, TIERS)

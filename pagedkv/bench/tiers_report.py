@@ -1,0 +1,54 @@
+"""The tables of ``pagedkv bench tiers`` (:mod:`pagedkv.bench.tiers`)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from pagedkv.bench.driver import cell, print_checks, table
+from pagedkv.bench.tiers import TiersResult
+
+_MODE_NAMES = {"off": "no tier", "host": "host tier", "disk": "disk tier", "restart": "disk, restarted"}
+
+
+def print_tiers(result: TiersResult, console: Console) -> None:
+    """The prefill work and the latency per mode, then the targets."""
+    cfg = result.config
+    console.print(
+        f"[bold]Second KV tier on multi-turn chat[/] -- {result.model}; {cfg.conversations} chats x "
+        f"{cfg.turns} turns ({cfg.system_len}-token system prompt, {cfg.user_len} new user tokens and "
+        f"{cfg.reply_len} greedy reply tokens a turn), each turn of every chat at once; a pool of "
+        f"{cfg.pool_blocks} blocks of {result.block_size} tokens for a working set of "
+        f"{cfg.working_set_blocks}. Times on each engine's own clock."
+    )
+    work = table(
+        "Prompt tokens: computed (of which recomputed: computed by an earlier turn already), "
+        "loaded from the tier, served by the pool",
+        ("mode", "prompt", "computed", "recomputed", "loaded", "pool hits", "hit rate"),
+    )
+    latency = table(
+        "... latency, throughput and what moved",
+        ("mode", "TTFT p50 ms", "p99 ms", "out tok/s", "MiB out/in", "swapped/preempted", "last-turn hits"),
+    )
+    for mode, run in result.runs.items():
+        work.add_row(
+            _MODE_NAMES[mode],
+            cell(run.prompt_tokens),
+            cell(run.computed_tokens),
+            cell(run.recomputed_tokens),
+            cell(run.tier_hit_tokens),
+            cell(run.pool_hit_tokens),
+            cell(100 * run.hit_rate, ".1f", "%"),
+        )
+        throughput = run.output_tokens / run.engine_seconds if run.engine_seconds else None
+        latency.add_row(
+            _MODE_NAMES[mode],
+            cell(1e3 * run.percentile(50), ",.1f"),
+            cell(1e3 * run.percentile(99), ",.1f"),
+            cell(throughput),
+            f"{run.bytes_out / 2**20:,.1f} / {run.bytes_in / 2**20:,.1f}",
+            f"{run.swapped_preemptions} / {run.preemptions}",
+            cell(100 * run.last_turn_hit_rate, ".1f", "%"),
+        )
+    console.print(work)
+    console.print(latency)
+    print_checks(console, result.checks())
