@@ -196,17 +196,20 @@ class MeasuredEngine:
             measured.prime()
         return measured
 
-    def prime(self) -> None:
+    def prime(self, keep_cache: bool = False) -> None:
         """Run one one-token request and forget its cached blocks: the first forward passes of
         an engine pay one-off costs (thread pools, allocator growth) that would otherwise land
-        on whichever engine of a comparison steps first."""
+        on whichever engine of a comparison steps first. ``keep_cache``: leave the prefix cache
+        alone (a one-token prompt fills no block; a reset would also clear a second KV tier a
+        restarted engine found)."""
         from pagedkv.engine import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         self.engine.add_request("prime", [FIRST_TOKEN_ID], params)
         while self.engine.has_unfinished_requests():
             self.engine.step()
-        self.engine.reset_prefix_cache()
+        if not keep_cache:
+            self.engine.reset_prefix_cache()
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams | BeamSearchParams) -> None:
         from pagedkv.engine import BeamSearchParams

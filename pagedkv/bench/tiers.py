@@ -252,7 +252,8 @@ def _run_mode(config: TiersConfig, mode: str, engine: EngineConfig, vocab_size: 
         if mode == "restart" and turn == config.turns - 1:
             _account(run, measured)
             measured.engine.shutdown()  # the disk tier writes the pool's prefixes out
-            measured = MeasuredEngine.start(engine, prime=False)  # a reset would clear the tier
+            measured = MeasuredEngine.start(engine, prime=False)
+            measured.prime(keep_cache=True)  # a reset would clear the tier it found
         first_step = len(measured.steps)
         ids = [f"{turn}-{chat}" for chat in range(config.conversations)]
         for chat, request_id in enumerate(ids):

@@ -7,7 +7,7 @@ from rich.console import Console
 from pagedkv.bench.driver import cell, print_checks, table
 from pagedkv.bench.tiers import TiersResult
 
-_MODE_NAMES = {"off": "no tier", "host": "host tier", "disk": "disk tier", "restart": "disk, restarted"}
+_MODE_NAMES = {"off": "no tier", "host": "host", "disk": "disk", "restart": "restarted"}
 
 
 def print_tiers(result: TiersResult, console: Console) -> None:
@@ -21,13 +21,14 @@ def print_tiers(result: TiersResult, console: Console) -> None:
         f"{cfg.working_set_blocks}. Times on each engine's own clock."
     )
     work = table(
-        "Prompt tokens: computed (of which recomputed: computed by an earlier turn already), "
+        "Prompt tokens: computed (of which recomputed: an earlier turn computed them already), "
         "loaded from the tier, served by the pool",
-        ("mode", "prompt", "computed", "recomputed", "loaded", "pool hits", "hit rate"),
+        ("mode", "prompt", "computed", "recomputed", "loaded", "pool", "hit rate"),
     )
     latency = table(
-        "... latency, throughput and what moved",
-        ("mode", "TTFT p50 ms", "p99 ms", "out tok/s", "MiB out/in", "swapped/preempted", "last-turn hits"),
+        "TTFT (ms), output tokens/s, MiB moved out of the pool and into it, preemptions by swap / all, "
+        "and the last turn's hit rate",
+        ("mode", "TTFT p50", "p99", "tok/s", "out", "in", "swap", "last turn"),
     )
     for mode, run in result.runs.items():
         work.add_row(
@@ -42,12 +43,13 @@ def print_tiers(result: TiersResult, console: Console) -> None:
         throughput = run.output_tokens / run.engine_seconds if run.engine_seconds else None
         latency.add_row(
             _MODE_NAMES[mode],
-            cell(1e3 * run.percentile(50), ",.1f"),
-            cell(1e3 * run.percentile(99), ",.1f"),
+            cell(1e3 * run.percentile(50), ",.0f"),
+            cell(1e3 * run.percentile(99), ",.0f"),
             cell(throughput),
-            f"{run.bytes_out / 2**20:,.1f} / {run.bytes_in / 2**20:,.1f}",
-            f"{run.swapped_preemptions} / {run.preemptions}",
-            cell(100 * run.last_turn_hit_rate, ".1f", "%"),
+            cell(run.bytes_out / 2**20, ",.1f"),
+            cell(run.bytes_in / 2**20, ",.1f"),
+            f"{run.swapped_preemptions}/{run.preemptions}",
+            cell(100 * run.last_turn_hit_rate, ".0f", "%"),
         )
     console.print(work)
     console.print(latency)

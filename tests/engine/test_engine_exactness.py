@@ -153,3 +153,8 @@ def test_a_restarted_disk_tier_gives_the_same_tokens(references, tmp_path, caplo
     with caplog.at_level("WARNING"), LLM(str(other), **options) as stranger:
         assert stranger.kv_stats()["tier_blocks_cached"] == 0
     assert "written for another KV layout" in caplog.text
+    # a smaller tier indexes the newest blocks it holds, and deletes the other files
+    block_bytes = stats["bytes_per_token"] * TIGHT["block_size"]
+    with LLM(str(path), **options | {"kv_offload_memory": 3 * block_bytes}) as smaller:
+        assert smaller.kv_stats()["tier_blocks_cached"] == 3
+    assert len(list((tmp_path / "kv").glob("*.kvblock"))) == 3

@@ -310,6 +310,14 @@ class TieredMemoryMachine(RuleBasedStateMachine):
         self.kv.reset_prefix_cache()
         self._replay_events()
 
+    @rule()
+    def spill_the_cache(self):
+        """A disk tier's engine stopping: every pool-cached block the tier lacks is written
+        out (held ones too: a cached block is full and immutable), oldest first."""
+        planned = self.kv.spill_cached()
+        event(f"spilled the cache, {'some' if planned else 'no'} block(s) planned")
+        self._step()
+
     @precondition(lambda self: self.disk and self.files)
     @rule()
     def crash_and_restart(self):
