@@ -2,21 +2,25 @@
 
 A seeded workload of ``conversations`` chats of ``turns`` turns each: every prompt is a shared
 system prompt, the whole history so far (each earlier turn's user message and the engine's own
-greedy reply) and a new user message. Turn ``t`` of every conversation is sent at once, and run
-to completion, before turn ``t + 1``: between two turns of a conversation every other one runs,
-and with a pool of ``pool_share`` of the working set (the conversations' final histories) the
-pool's LRU has let a conversation's blocks go by the time it comes back -- most prompt tokens
-are then recomputed, turn after turn. The same workload runs under each of ``modes``, each on a
-fresh engine with the same model, pool and scheduler:
+greedy reply) and a new user message. Requests go out turn by turn, chat after chat, with
+``concurrency`` of them in flight (a chat's next turn waits for its reply): between two turns of
+a chat every other chat has a turn, and with a pool of ``pool_share`` of the working set (the
+chats' final histories) the pool's LRU has let a chat's blocks go by the time it comes back --
+without a second tier most prompt tokens are recomputed, turn after turn. Few requests in
+flight keep a request's time to first token its own prefill's, not a queue's. The same workload
+runs under each of ``modes``, each on a fresh engine with the same model, pool and scheduler:
 
 * ``off`` -- no second tier: what leaves the pool is recomputed;
 * ``host`` -- a host-RAM tier that holds the whole working set: evicted blocks spill to it and a
   returning conversation loads its history instead of recomputing it;
 * ``disk`` -- the same on disk (files in ``<out>/kv-tier``);
 * ``restart`` -- a disk tier whose engine runs every turn but the last, stops, and a new engine
-  on the same folder runs the last turn: its hit rate against the disk run's on that turn.
+  on the same folder runs the last turn: its hit rate (prompt tokens served by the pool or the
+  tier, over prompt tokens) against the disk run's on that turn.
 
-Figures per mode, on each engine's own clock (the sum of its step times): prompt tokens
+The modes' engines are stepped in turn, one step each per round, so that a burst of background
+load on a shared machine hits them all alike. Figures per mode, on each engine's own clock (the
+sum of its step times): prompt tokens
 computed, of which recomputed (tokens an earlier turn had already computed, or the shared
 system prompt once computed), loaded from the tier and served by the pool; TTFT percentiles;
 output tokens per second; bytes moved each way; preemptions by swap and by recompute. Greedy
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +60,9 @@ class TiersConfig:
     user_len: int = option(96, "new user tokens per turn", positive=True)
     reply_len: int = option(16, "greedy reply tokens per turn", positive=True)
     pool_share: float = option(0.25, "KV pool as a share of the working set (the final histories)")
+    concurrency: int = option(
+        4, "requests in flight at once (a chat's next turn waits for its reply)", positive=True
+    )
     modes: tuple[str, ...] = option(MODES, "what to run", choices=MODES)
     model: str = option(
         "builtin", "builtin, bench (the throughput bench's hidden-512 Llama: costlier prefill) or a folder"
@@ -225,54 +234,77 @@ class TiersResult:
 
 
 def run_tiers(config: TiersConfig) -> TiersResult:
-    """Every mode of ``config`` on a fresh engine each (see the module doc)."""
+    """Every mode of ``config``, each on a fresh engine, stepped in turn (see the module doc)."""
     from pagedkv.models import ModelConfig, builtin_model_path
 
     model = config.model_path()
     model_config = ModelConfig.from_pretrained(model or builtin_model_path())
     # float32 elements, the largest the engine stores: the tier holds the working set whatever the dtype
     block_bytes = model_config.kv_spec("float32").bytes_per_block(config.engine.run_block_size)
-    runs: dict[str, ModeRun] = {}
+    runs = {mode: ModeRun(mode) for mode in config.modes}
+    progress(f"tiers: {', '.join(config.modes)} ({config.conversations} chats x {config.turns} turns)")
     with run_settings(config.engine.threads):
-        for mode in config.modes:
+        active = []
+        for mode, run in runs.items():
             kv_dir = config.out / ("kv-tier" if mode == "disk" else "kv-tier-restart")
             shutil.rmtree(kv_dir, ignore_errors=True)
-            progress(f"tiers: {mode} ({config.conversations} chats x {config.turns} turns)")
             engine = config.engine_config(mode, kv_dir, model, block_bytes)
-            runs[mode] = _run_mode(config, mode, engine, model_config.vocab_size)
+            active.append(_mode_steps(config, run, engine, model_config.vocab_size))
+        # One step of each mode per round: a burst of background load hits them all alike.
+        while active:
+            active = [steps for steps in active if next(steps, StopIteration) is not StopIteration]
     name = "built-in model" if model is None else Path(model).name
     return TiersResult(config, name, config.engine.run_block_size, runs)
 
 
-def _run_mode(config: TiersConfig, mode: str, engine: EngineConfig, vocab_size: int) -> ModeRun:
-    run, chats = ModeRun(mode), Chats(config, vocab_size)
-    params = SamplingParams(max_tokens=config.reply_len, temperature=0.0, ignore_eos=True)
+def _mode_steps(config: TiersConfig, run: ModeRun, engine: EngineConfig, vocab_size: int) -> Iterator[None]:
+    """Run the workload under ``run.mode``, yielding after every engine step: turn by turn,
+    chat after chat, ``concurrency`` requests in flight (a chat's next turn waits for its
+    reply); the restart mode stops its engine once every turn but the last is done."""
+    chats = Chats(config, vocab_size)
     measured = MeasuredEngine.start(engine)
-    for turn in range(config.turns):
-        if mode == "restart" and turn == config.turns - 1:
+    last = config.turns - 1
+    phases = [range(last), range(last, config.turns)] if run.mode == "restart" else [range(config.turns)]
+    for turns in phases:
+        if turns.start == last and run.mode == "restart":
             _account(run, measured)
             measured.engine.shutdown()  # the disk tier writes the pool's prefixes out
             measured = MeasuredEngine.start(engine, prime=False)
             measured.prime(keep_cache=True)  # a reset would clear the tier it found
-        first_step = len(measured.steps)
-        ids = [f"{turn}-{chat}" for chat in range(config.conversations)]
-        for chat, request_id in enumerate(ids):
-            prompt = chats.prompt(chat, turn)
-            measured.submit(request_id, prompt, params)
-            run.prompt_tokens += len(prompt)
-            run.new_tokens += chats.new_tokens(chat, turn)
-        measured.drain()
-        for chat, request_id in enumerate(ids):
-            chats.replies[chat].append(measured.outputs[request_id][0])
-        run.ttft += measured.ttft(ids)
-        if turn == config.turns - 1:
-            steps = measured.steps[first_step:]
-            run.last_turn_queries = sum(s.prefix_cache_queries for s in steps)
-            run.last_turn_hits = sum(s.prefix_cache_hits + s.tier_hit_tokens for s in steps)
+        yield from _run_turns(config, run, chats, measured, turns)
     _account(run, measured)
     measured.engine.shutdown()
     run.replies = chats.replies
-    return run
+
+
+def _run_turns(
+    config: TiersConfig, run: ModeRun, chats: Chats, measured: MeasuredEngine, turns: range
+) -> Iterator[None]:
+    params = SamplingParams(max_tokens=config.reply_len, temperature=0.0, ignore_eos=True)
+    pending = deque((turn, chat) for turn in turns for chat in range(config.conversations))
+    in_flight: dict[str, tuple[int, int]] = {}
+    while pending or in_flight:
+        # the head's previous turn is done or in flight, so with nothing in flight it is ready
+        while (
+            pending
+            and len(in_flight) < config.concurrency
+            and len(chats.replies[pending[0][1]]) == pending[0][0]
+        ):
+            turn, chat = pending.popleft()
+            request_id, prompt = f"{turn}-{chat}", chats.prompt(chat, turn)
+            measured.submit(request_id, prompt, params)
+            in_flight[request_id] = (turn, chat)
+            run.prompt_tokens += len(prompt)
+            run.new_tokens += chats.new_tokens(chat, turn)
+        measured.step()
+        yield
+        for request_id in [r for r in in_flight if r in measured.outputs]:
+            turn, chat = in_flight.pop(request_id)
+            chats.replies[chat].append(measured.outputs[request_id][0])
+            run.ttft.append(measured.first_token[request_id] - measured.arrival[request_id])
+            if turn == config.turns - 1:
+                run.last_turn_queries += len(chats.prompt(chat, turn))
+                run.last_turn_hits += measured.cached_tokens[request_id]
 
 
 def _account(run: ModeRun, measured: MeasuredEngine) -> None:

@@ -16,7 +16,8 @@ def print_tiers(result: TiersResult, console: Console) -> None:
     console.print(
         f"[bold]Second KV tier on multi-turn chat[/] -- {result.model}; {cfg.conversations} chats x "
         f"{cfg.turns} turns ({cfg.system_len}-token system prompt, {cfg.user_len} new user tokens and "
-        f"{cfg.reply_len} greedy reply tokens a turn), each turn of every chat at once; a pool of "
+        f"{cfg.reply_len} greedy reply tokens a turn), turn by turn, {cfg.concurrency} requests in "
+        f"flight; a pool of "
         f"{cfg.pool_blocks} blocks of {result.block_size} tokens for a working set of "
         f"{cfg.working_set_blocks}. Times on each engine's own clock."
     )

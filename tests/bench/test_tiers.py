@@ -22,9 +22,10 @@ def test_the_tiers_bench_accounts_for_every_prompt_token(tmp_path):
     config = TiersConfig(
         conversations=5,
         turns=2,
+        concurrency=5,
         system_len=16,
         user_len=24,
-        reply_len=4,
+        reply_len=2,
         engine=EngineOptions(block_size=8),
         out=tmp_path,
     )
