@@ -168,6 +168,35 @@ def decode_rows(metadata: AttentionMetadata) -> KernelRows:
     return rows
 
 
+#: the latest multi-row step of generated tokens, and its kernel rows (held, as above)
+_last_generated: tuple[AttentionMetadata | None, KernelRows | None] = (None, None)
+
+
+def generated_rows(metadata: AttentionMetadata) -> KernelRows | None:
+    """The kernel rows of a step whose every query row is a generated token -- decodes, and
+    the ``k + 1`` rows of each sequence that verifies ``k`` proposed tokens -- or None for a
+    step with a prompt row or without the sequences' prompt lengths. These are the rows
+    :func:`prefill` gives the row kernel for such a step: each row attends its sequence's
+    positions up to its own, as a decode at that position would."""
+    global _last_generated
+    if metadata.is_decode_only and metadata.cu_seqlens_q.shape[0] - 1 == metadata.num_seqs:
+        return decode_rows(metadata)
+    seen, rows = _last_generated
+    if seen is metadata:
+        return rows
+    rows = None
+    if metadata.prompt_lens is not None:
+        cu = metadata.cu_seqlens_q.long()
+        q_lens = cu[1:] - cu[:-1]
+        first_pos = metadata.context_lens.long() - q_lens
+        if bool((first_pos >= metadata.prompt_lens).all()):
+            row_seq = torch.repeat_interleave(torch.arange(q_lens.shape[0]), q_lens)
+            row_pos = first_pos[row_seq] + torch.arange(row_seq.shape[0]) - cu[row_seq]
+            rows = KernelRows.of(metadata.block_tables, row_seq, row_pos)
+    _last_generated = (metadata, rows)
+    return rows
+
+
 def decode(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: AttentionOptions) -> Tensor:
     out = _attend(q, layer, decode_rows(metadata), options)
     if out is None:
