@@ -15,7 +15,7 @@ is a generated token, the batch fits its buffers (:data:`~pagedkv.models.linear.
 rows) and the per-call attention checks are off (they run in the program). Generated rows are
 decodes and, with speculative decoding, the ``k + 1`` rows of a sequence verifying ``k``
 proposed tokens: the row kernel takes any number of rows per sequence, each attending its
-sequence up to its own position (:func:`~pagedkv.attention.backends.cpu.generated_rows`, the
+sequence up to its own position (:func:`~pagedkv.attention.backends.cpu_rows.generated_rows`, the
 rows the program's prefill attention gives the same kernel), so a verifying step costs about a
 decode step of as many rows instead of a pass through the program. Anything else runs the
 program, unchanged. Like the program, it reads each projection's weight as its module holds it
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from pagedkv.attention import AttentionMetadata, KVCache
-from pagedkv.attention.backends import cpu as cpu_attention
+from pagedkv.attention.backends import cpu_rows
 from pagedkv.attention.checks import per_call_checks
 from pagedkv.kernels import library, paged_attention, tiled_gemm
 from pagedkv.kernels.signatures import I64, SUFFIXES, DecodeBuffers, DecodeLayer
@@ -214,7 +214,7 @@ class DecodeStack:
             return None
         if x.device.type != "cpu":
             return None
-        rows = cpu_attention.generated_rows(metadata)
+        rows = cpu_rows.generated_rows(metadata)
         if rows is None or rows.row_seq.shape[0] != tokens:
             return None
         replaced = any(
@@ -231,7 +231,7 @@ class DecodeStack:
             return None
         for window, layers in self._by_window.items():
             w = self._weights[layers[0]].attention
-            threads, chunk = cpu_attention.split_work(rows.total(window), w.num_heads, w.head_dim)
+            threads, chunk = cpu_rows.split_work(rows.total(window), w.num_heads, w.head_dim)
             for i in layers:
                 self._threads[i], self._chunks[i] = threads, chunk
         x = x.contiguous()
