@@ -64,6 +64,7 @@ class Speculator:
 
     def propose(self, running: list[EngineSequence]) -> None:
         """Set ``spec_token_ids`` of each decoding sequence in ``running`` (empty: none)."""
+        self.forget_gone(running)  # e.g. aborted since the last step
         decoding = [s for s in running if s.num_computed_tokens == s.num_tokens - 1]
         if not decoding:
             return
