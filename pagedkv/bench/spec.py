@@ -32,11 +32,11 @@ TEXTS = ("python", "text")
 #: Engines in table order: pagedkv's three modes, then llama.cpp's two.
 ENGINES = ("off", "ngram", "draft", "llamacpp", "llamacpp-lookup")
 ENGINE_TITLES = {
-    "off": "pagedkv, no speculation",
-    "ngram": "pagedkv, n-gram",
-    "draft": "pagedkv, draft model",
+    "off": "pagedkv",
+    "ngram": "+ n-gram",
+    "draft": "+ draft model",
     "llamacpp": "llama.cpp",
-    "llamacpp-lookup": "llama.cpp, prompt lookup",
+    "llamacpp-lookup": "+ lookup",
 }
 SPEC_GROUP = "speculation"
 
