@@ -88,7 +88,7 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         self.verifier = make_verifier(config, self.max_model_len, vocab, sorted(eos), num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.stats_collector = StatsCollector(self.scheduler)
+        self.stats_collector = StatsCollector(self.scheduler, speculating=self.verifier is not None)
         self.requests: dict[str, Request] = {}
 
     # -- requests ---------------------------------------------------------------------------
@@ -193,7 +193,9 @@ class LLMEngine:
         if self.verifier is not None:
             self.verifier.speculator.forget_gone(self.scheduler.running)
         elapsed, generated = time.perf_counter() - started, processed.generated_tokens
-        self.stats_collector.record_step(scheduled, sampled.prompt_tokens, generated, len(finished), elapsed)
+        self.stats_collector.record_step(
+            scheduled, sampled.prompt_tokens, generated, len(finished), elapsed, sampled.spec_decoding
+        )
 
     # -- what the engine publishes ----------------------------------------------------------
     @property

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv import LLM, BeamSearchParams, SamplingParams
+from pagedkv.engine.spec.metrics import SpecDecodingStats
 from tests.checkpoints import make_checkpoint
 from tests.engine.test_engine_exactness import CASES, _prompts
 
@@ -135,3 +136,31 @@ def test_a_draft_model_of_another_vocabulary_or_name_is_refused(llama):
         LLM(llama, speculative_config={"model": "stdlib-llama-draft", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="neither a model folder nor a shipped model"):
         LLM(speculative_config={"model": "no-such-draft", "num_speculative_tokens": 2})
+
+
+def test_step_stats_add_up_to_the_engine_totals_and_the_requests_metrics(llama):
+    """Each step's drafts (``StepStats.spec_decoding``) sum to the engine's totals, which equal
+    what the requests' metrics count; an engine without speculation publishes None."""
+    llm = LLM(llama, dtype="float32", speculative_config=NGRAM)
+    engine = llm.engine
+    for i, prompt in enumerate(_prompts()[:3]):
+        engine.add_request(str(i), prompt, GREEDY)
+    steps, outputs = [], {}
+    while engine.has_unfinished_requests():
+        outputs |= {o.request_id: o for o in engine.step() if o.finished}
+        steps.append(engine.last_step.spec_decoding)
+    totals = engine.stats().spec_decoding
+    assert totals.num_drafts > 0 and 0 < totals.num_accepted_tokens < totals.num_draft_tokens
+    summed = SpecDecodingStats()
+    for step in steps:
+        if step is not None:
+            summed.merge(step)
+    assert summed == totals == engine.verifier.speculator.totals
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert sum(o.metrics[f"spec_decode_{name}"] for o in outputs.values()) == getattr(totals, name)
+    per_pos = totals.num_accepted_tokens_per_pos
+    assert sum(per_pos) == totals.num_accepted_tokens and per_pos == sorted(per_pos, reverse=True)
+    plain = LLM(llama, dtype="float32").engine
+    plain.add_request("0", _prompts()[0], GREEDY)
+    plain.step()
+    assert plain.last_step.spec_decoding is None and plain.stats().spec_decoding is None
