@@ -50,8 +50,9 @@ class SamplerOutput:
 
 
 def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``logits[rows]``, by ``index_select``: ~8x faster on CPU than indexing with a list (the
-    general advanced-indexing path). All the rows in order: ``logits`` itself, no copy."""
+    """``logits[rows]``, by ``index_select``: one contiguous gather, where indexing with a list
+    takes torch's general advanced-indexing path. All the rows in order: ``logits`` itself, no
+    copy."""
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
         return logits
     return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
@@ -60,8 +61,8 @@ def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax: the lowest index of the row's maximum, a NaN counting as the maximum.
 
-    On CPU through NumPy, whose vectorised argmax is ~20x faster than ``torch.argmax`` over a
-    [32, 32000] float32 batch (1 thread) and picks the same index, ties and NaN included.
+    On CPU through NumPy, whose argmax is vectorised where torch's CPU argmax is not, and which
+    picks the same index, ties and NaN included (tests/engine/test_sampler.py holds them equal).
     """
     if logits.device.type != "cpu" or logits.dtype != torch.float32:
         return logits.argmax(dim=-1)
@@ -164,10 +165,11 @@ def inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | Non
     probability p_i).
 
     One uniform number per row, where an exponential race (``argmax(p / E)``) draws and takes the
-    log of one per token: at 32 rows of 32,000 that was 4.7 ms a step on 2 CPU cores against
-    0.5 ms for this float64 running sum. The sum is in float64 so that rounding cannot move mass
-    between tokens visibly; scaling ``u`` by the row's own total absorbs the softmax's rounding,
-    and a token of probability 0 (filtered out) never wins, since the mass does not grow there.
+    log of one per token: a running sum costs one pass over the row, no transcendental per
+    token (see docs/performance.md, the engine around the forward pass). The sum is in float64
+    so that rounding cannot move mass between tokens visibly; scaling ``u`` by the row's own
+    total absorbs the softmax's rounding, and a token of probability 0 (filtered out) never
+    wins, since the mass does not grow there.
     Rows without a generator share one draw from the global RNG; a seeded row takes exactly one
     number from its generator per step.
     """

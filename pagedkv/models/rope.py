@@ -66,8 +66,8 @@ class RotaryEmbedding:
 
     The tables are computed once for positions ``[0, n)`` (``n`` doubling on demand up to
     ``max_positions``) and a step gathers its rows: two index selects instead of eight small
-    ops per step, which on the CPU cost ~130 us a decode step (each op runs with cold caches
-    right after the LM head has streamed its weights). Every entry is the float the per-step
+    ops per step, each of which runs with cold caches right after the LM head has streamed its
+    weights. Every entry is the float the per-step
     formula gives: the angle is one float32 product either way, and torch's sin/cos return the
     same float for an element whether it lands in a vector or in the scalar tail.
     """
