@@ -181,10 +181,37 @@ def inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | Non
     for i, g in enumerate(generators):
         if g is not None:
             uniform[i : i + 1] = torch.rand(1, generator=g, dtype=torch.float64, device=g.device).to(device)
+    return inverse_cdf(probs, uniform)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row ``r``'s first token whose running mass passes ``uniforms[r]`` times the row's total,
+    in float64 (:func:`inverse_cdf_draw` with the uniform numbers given)."""
     mass = probs.to(torch.float64).cumsum(dim=-1)
-    targets = (uniform * mass[:, -1])[:, None]
-    tokens = torch.searchsorted(mass, targets, right=True).squeeze(1)
-    return tokens.clamp_(max=probs.shape[-1] - 1)
+    targets = (uniforms.to(mass.device) * mass[:, -1])[:, None]
+    return torch.searchsorted(mass, targets, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """What non-greedy rows are drawn from: temperature, ``min_p``, ``top_k``, ``top_p``, then
+    softmax. One function for the sampler and speculative verification, so a verified token is
+    drawn from the same numbers, row by row, as a sampled one."""
+    device, vocab = logits.device, logits.shape[-1]
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=device)
+
+    logits = logits / column([p.temperature for p in params])[:, None]
+    if any(p.min_p > 0 for p in params):
+        logits = apply_min_p(logits, column([p.min_p for p in params]))
+    # The sort behind top_k / top_p is the costliest step: only the rows that filter pay it.
+    filtered = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
+    if filtered:
+        ks = [params[j].top_k if 0 < params[j].top_k < vocab else vocab for j in filtered]
+        top_k = torch.tensor(ks, device=device)
+        top_p = column([params[j].top_p for j in filtered])
+        logits[filtered] = apply_top_k_top_p(take_rows(logits, filtered), top_k, top_p)
+    return logits.softmax(dim=-1)
 
 
 class Sampler:
@@ -237,22 +264,7 @@ class Sampler:
         logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> torch.Tensor:
         """Temperature, min_p, top_k, top_p, then the draw, for the non-greedy rows."""
-        device, vocab = logits.device, logits.shape[-1]
-
-        def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=logits.dtype, device=device)
-
-        logits = logits / column([p.temperature for p in params])[:, None]
-        if any(p.min_p > 0 for p in params):
-            logits = apply_min_p(logits, column([p.min_p for p in params]))
-        # The sort behind top_k / top_p is the costliest step: only the rows that filter pay it.
-        filtered = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
-        if filtered:
-            ks = [params[j].top_k if 0 < params[j].top_k < vocab else vocab for j in filtered]
-            top_k = torch.tensor(ks, device=device)
-            top_p = column([params[j].top_p for j in filtered])
-            logits[filtered] = apply_top_k_top_p(take_rows(logits, filtered), top_k, top_p)
-        return inverse_cdf_draw(logits.softmax(dim=-1), generators)
+        return inverse_cdf_draw(filtered_probs(logits, params), generators)
 
 
 def token_logprobs(raw_logprobs: torch.Tensor, chosen: list[int], ks: list[int]) -> list[TokenLogprobs]:
