@@ -19,7 +19,7 @@ temperature or filter: vLLM v1's default, and the only choice under which a gree
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sized
 from dataclasses import dataclass
 
 import torch
@@ -297,6 +297,11 @@ def _flatten(token_lists: list[list[int]], device: torch.device) -> tuple[torch.
     )
 
 
+def mismatched_lengths(count: int, **inputs: Sized) -> dict[str, int]:
+    """The lengths of the per-row ``inputs`` that are not ``count``, by name."""
+    return {name: len(values) for name, values in inputs.items() if len(values) != count}
+
+
 def _check_batch(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -306,13 +311,13 @@ def _check_batch(
 ) -> None:
     if logits.dim() != 2:
         raise ValueError(f"Sampler expects logits of shape [batch, vocab], got {tuple(logits.shape)}")
-    lengths = {
-        "params": len(params),
-        "generators": len(generators),
-        "output_token_ids": len(output_token_ids),
-        "prompt_token_ids": len(prompt_token_ids),
-    }
-    wrong = {name: n for name, n in lengths.items() if n != logits.shape[0]}
+    wrong = mismatched_lengths(
+        logits.shape[0],
+        params=params,
+        generators=generators,
+        output_token_ids=output_token_ids,
+        prompt_token_ids=prompt_token_ids,
+    )
     if wrong:
         raise ValueError(
             f"Sampler got logits for {logits.shape[0]} rows but per-row inputs of lengths {wrong}"

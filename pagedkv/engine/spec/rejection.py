@@ -44,6 +44,7 @@ from pagedkv.engine.sampler import (
     filtered_probs,
     greedy_tokens,
     inverse_cdf,
+    mismatched_lengths,
     take_rows,
     token_logprobs,
 )
@@ -296,13 +297,13 @@ def _check_batch(
 ) -> None:
     if logits.dim() != 2:
         raise ValueError(f"RejectionSampler expects logits of shape [rows, vocab], got {tuple(logits.shape)}")
-    lengths = {
-        "params": len(params),
-        "generators": len(generators),
-        "output_token_ids": len(output_token_ids),
-        "prompt_token_ids": len(prompt_token_ids),
-    }
-    wrong = {name: n for name, n in lengths.items() if n != len(drafts)}
+    wrong = mismatched_lengths(
+        len(drafts),
+        params=params,
+        generators=generators,
+        output_token_ids=output_token_ids,
+        prompt_token_ids=prompt_token_ids,
+    )
     if wrong:
         raise ValueError(f"RejectionSampler got {len(drafts)} drafts but per-sequence inputs of {wrong}")
     rows = sum(len(d) + 1 for d in drafts)
