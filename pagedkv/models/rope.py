@@ -78,6 +78,11 @@ class RotaryEmbedding:
         #: (dtype, device) -> (cos, sign-folded sin) ``[n, head_dim]`` for positions ``[0, n)``
         self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def positions_covered(self, dtype: torch.dtype, device: torch.device) -> int:
+        """Positions the tables for ``dtype`` on ``device`` cover now (0 before the first step)."""
+        cos, _ = self._tables.get((dtype, device), (None, None))
+        return 0 if cos is None else cos.shape[0]
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and sign-folded ``sin`` (first half negated), ``[T, 1, head_dim]`` in ``dtype``
         for ``positions [T]``, ready to broadcast over the heads of :func:`apply_rotary`."""
