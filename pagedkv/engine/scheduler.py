@@ -276,8 +276,7 @@ class Scheduler:
         return add_spec_tokens(out, self.kv_manager, budget) if num_decodes == len(running) else budget
 
     def rollback(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Drop ``seq``'s rejected proposed tokens: its table shrinks to ``num_computed_tokens``,
-        emptied blocks return to the pool (see ``KVCacheManager.truncate``)."""
+        """Drop ``seq``'s rejected proposals: its table shrinks, emptied blocks return to the pool."""
         seq.num_computed_tokens = num_computed_tokens
         self.kv_manager.truncate(seq.seq_id, num_computed_tokens, free_blocks=self.kv_policy.grows_on_demand)
         self._refusal = None  # blocks may have come back
