@@ -16,8 +16,7 @@ they are built from the scheduler's and the KV manager's counters by
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -248,8 +247,15 @@ class StatsCollector:
             waiting=len(queues.waiting),
             **prefix,
             **self.totals,
-            spec_decoding=copy.deepcopy(self.spec_totals),
+            spec_decoding=self._spec_totals_copy(),
         )
+
+    def _spec_totals_copy(self) -> SpecDecodingStats | None:
+        """The drafts so far, as a copy the next steps leave alone."""
+        totals = self.spec_totals
+        if totals is None:
+            return None
+        return replace(totals, num_accepted_tokens_per_pos=list(totals.num_accepted_tokens_per_pos))
 
     def kv_snapshot(self) -> KVSnapshot:
         pool = self.scheduler.kv_manager.snapshot()
