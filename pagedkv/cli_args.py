@@ -28,6 +28,7 @@ from rich.console import Console
 
 from pagedkv.engine.config import SCHEDULING_POLICIES, EngineConfig
 from pagedkv.engine.kv_policy import POLICY_NAMES
+from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.validation import RequestLimits
 from pagedkv.kernels import LINEAR_KERNELS
 from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES, parse_bytes
@@ -47,24 +48,24 @@ def byte_size(text: str) -> int:
     return value
 
 
-def positive_int(text: str) -> int:
+def _number(text: str, kind: type[int] | type[float], accept: Callable[[float], bool], wanted: str) -> Any:
+    """``text`` as a ``kind`` that ``accept`` takes, or argparse's error saying ``wanted``."""
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+        noun = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+    if not accept(value):  # a comparison with nan is false: refused too
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, lambda v: v > 0, "positive")
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
+    return _number(text, float, lambda v: v > 0, "positive")
 
 
 def offload_size(text: str) -> int:
@@ -78,13 +79,7 @@ def offload_size(text: str) -> int:
 
 def share_fraction(text: str) -> float:
     """argparse type for a share of the engine: a number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {value}")
-    return value
+    return _number(text, float, lambda v: 0.0 < v <= 1.0, "above 0 and at most 1")
 
 
 def unit_fraction(text: str) -> float:
@@ -95,6 +90,14 @@ def unit_fraction(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
     return value
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """argparse type for ``--speculative-config``: a JSON object in vLLM's shape."""
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_command(
@@ -306,6 +309,14 @@ ENGINE_OPTIONS = (
         choices=("swap", "recompute"),
     ),
     EngineOption("attention_backend", "torch, cpu or triton (default: triton on CUDA, else cpu)"),
+    EngineOption(
+        "speculative_config",
+        'speculative decoding, as JSON in vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} (prompt lookup) or {"model": DIR or '
+        '"stdlib-llama-draft", "num_speculative_tokens": 2} (a draft model with the same tokenizer); '
+        "default: off",
+        speculative_config,
+    ),
     EngineOption(
         "tensor_parallel_size", f"ranks the model is sharded over, one process each {DEFAULT}", positive_int
     ),

@@ -37,6 +37,7 @@ from pagedkv.engine.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.sequence import BeamState, Request, Sequence
+from pagedkv.engine.spec.factory import make_verifier
 from pagedkv.engine.stats import EngineStats, KVSnapshot, StatsCollector, StepStats
 from pagedkv.engine.validation import InvalidRequestError, RequestValidator
 from pagedkv.models import ModelConfig, builtin_model_path
@@ -83,8 +84,11 @@ class LLMEngine:
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.sampler = Sampler(sorted(eos))
+        #: Speculative decoding's proposer, policy and verifier (None: off).
+        vocab = self.model_config.vocab_size
+        self.verifier = make_verifier(config, self.max_model_len, vocab, sorted(eos), num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.stats_collector = StatsCollector(self.scheduler, self.kv_tier)
+        self.stats_collector = StatsCollector(self.scheduler, self.kv_tier, self.verifier is not None)
         self.requests: dict[str, Request] = {}
 
     # -- requests ---------------------------------------------------------------------------
@@ -165,10 +169,11 @@ class LLMEngine:
         started = time.perf_counter()
         if self.kv_tier is not None:
             self.kv_tier.settle_moves()  # a disk tier's files written meanwhile are readable now
+        if self.verifier is not None:
+            self.verifier.speculator.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            waits_for_tier = self.kv_tier is not None and self.kv_tier.poll()
-            if self.scheduler.has_work and not waits_for_tier:
+            if self.scheduler.has_work and not (self.kv_tier is not None and self.kv_tier.poll()):
                 raise RuntimeError("scheduler made no progress with requests waiting (a bug)")
             return []
         plan = scheduled.plan(self.kv_manager)
@@ -177,7 +182,7 @@ class LLMEngine:
             plan, logits = self.kv_tier.settle(scheduled, plan, logits)
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
         logits = take_prompt_logprobs(scheduled.scheduled, plan.slices, logits)
-        sampled = sample_step(scheduled, logits, self.sampler, self.scheduler, self.tokenizer)
+        sampled = sample_step(scheduled, logits, self.sampler, self.scheduler, self.tokenizer, self.verifier)
         processed = self.output_processor.process(sampled, self.scheduler, computed_at, finished_only)
         self._publish(scheduled, sampled, processed, started)
         return processed.outputs
@@ -189,9 +194,11 @@ class LLMEngine:
         finished = [output.request_id for output in processed.outputs if output.finished]
         for request_id in finished:
             self.requests.pop(request_id, None)
+        if self.verifier is not None:
+            self.verifier.speculator.forget_gone(self.scheduler.running)
         elapsed, generated = time.perf_counter() - started, processed.generated_tokens
         step = self.stats_collector.record_step(
-            scheduled, sampled.prompt_tokens, generated, len(finished), elapsed
+            scheduled, sampled.prompt_tokens, generated, len(finished), elapsed, sampled.spec_decoding
         )
         if self.kv_tier is not None:
             self.kv_tier.observe(step)  # the swap cost model's prefill rate

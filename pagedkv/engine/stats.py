@@ -16,10 +16,11 @@ they are built from the scheduler's and the KV manager's counters by
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.memory import KVUsage
 
 if TYPE_CHECKING:
@@ -80,6 +81,8 @@ class StepStats:
     tier_bytes_moved: int = 0
     tier_blocks_used: int = 0
     tier_blocks_total: int = 0
+    #: The drafts this step verified (vLLM's ``SpecDecodingStats``); None when none was.
+    spec_decoding: SpecDecodingStats | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -181,6 +184,8 @@ class EngineStats:
     swapped_preemptions: int = 0
     #: The second KV tier (None: no tier).
     tier: TierStats | None = None
+    #: Every draft verified since the engine started; None for an engine that does not speculate.
+    spec_decoding: SpecDecodingStats | None = None
 
     def kv_stats(self) -> dict[str, float | int | str]:
         """Blocks total / used / free / cached, utilization, preemptions (by swap and by
@@ -264,14 +269,24 @@ class StatsCollector:
     """Builds the records above from the scheduler, its KV manager and the second KV tier's
     link (None: no tier); keeps the totals."""
 
-    def __init__(self, scheduler: Scheduler, kv_tier: TierReporter | None = None) -> None:
+    def __init__(
+        self, scheduler: Scheduler, kv_tier: TierReporter | None = None, speculating: bool = False
+    ) -> None:
         self.scheduler = scheduler
         self.kv_tier = kv_tier
         self.last_step: StepStats | None = None
         self.totals = dict.fromkeys(("steps", *SUMMED), 0)
+        #: The drafts of every step so far (None when the engine does not speculate).
+        self.spec_totals = SpecDecodingStats() if speculating else None
 
     def record_step(
-        self, out: SchedulerOutput, prompt_tokens: int, generated: int, finished: int, seconds: float
+        self,
+        out: SchedulerOutput,
+        prompt_tokens: int,
+        generated: int,
+        finished: int,
+        seconds: float,
+        spec_decoding: SpecDecodingStats | None = None,
     ) -> StepStats:
         scheduler, kv_manager = self.scheduler, self.scheduler.kv_manager
         prefill = sum(max(0, min(i.end, i.seq.prompt_len) - i.start) for i in out.scheduled)
@@ -303,7 +318,10 @@ class StatsCollector:
             step_time_s=seconds,
             swapped_preemptions=out.swapped_preemptions,
             **self._tier_step(),
+            spec_decoding=spec_decoding,
         )
+        if spec_decoding is not None and self.spec_totals is not None:
+            self.spec_totals.merge(spec_decoding)
         self.totals["steps"] = step.step
         for name in SUMMED:
             self.totals[name] += getattr(step, name)
@@ -329,7 +347,15 @@ class StatsCollector:
             **prefix,
             **self.totals,
             tier=None if self.kv_tier is None else self.kv_tier.stats(),
+            spec_decoding=self._spec_totals_copy(),
         )
+
+    def _spec_totals_copy(self) -> SpecDecodingStats | None:
+        """The drafts so far, as a copy the next steps leave alone."""
+        totals = self.spec_totals
+        if totals is None:
+            return None
+        return replace(totals, num_accepted_tokens_per_pos=list(totals.num_accepted_tokens_per_pos))
 
     def kv_snapshot(self) -> KVSnapshot:
         pool = self.scheduler.kv_manager.snapshot()

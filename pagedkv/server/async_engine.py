@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedkv.engine import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
+from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.server.errors import QueueFullError
 from pagedkv.server.metrics import ServerMetrics
 
@@ -139,8 +140,9 @@ class AsyncEngine:
         self.observers: list[EngineObserver] = []
         self._peak_utilization = 0.0
         self._publish_stats()
-        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
-        self._thread.start()
+        #: The worker: it alone touches the engine (its id also serves CPU-time probes).
+        self.thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+        self.thread.start()
 
     # -- called from the event loop ---------------------------------------------------------
     async def add(
@@ -171,12 +173,18 @@ class AsyncEngine:
         return self._stats
 
     @property
+    def spec_decoding(self) -> SpecDecodingStats | None:
+        """Every draft verified since start (a copy the worker replaces after every loop); None
+        for an engine that does not speculate."""
+        return self._spec_decoding
+
+    @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.thread.is_alive()
 
     def health(self) -> str | None:
         """None while requests can be served, else why not (``/health``)."""
-        if not self._thread.is_alive():
+        if not self.thread.is_alive():
             return "engine stopped"
         try:
             self.engine.check_health()
@@ -189,7 +197,7 @@ class AsyncEngine:
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
-        self._thread.join(timeout)
+        self.thread.join(timeout)
 
     def wake(self) -> None:
         """Have the worker ask its observers again (one has something to send, e.g. a new page)."""
@@ -344,6 +352,7 @@ class AsyncEngine:
         stats = self.engine.stats()
         kv_stats = stats.kv_stats()
         self._peak_utilization = max(self._peak_utilization, kv_stats["utilization"])
+        self._spec_decoding = stats.spec_decoding
         self._stats = {
             **kv_stats,
             "peak_utilization": self._peak_utilization,
