@@ -151,8 +151,8 @@ TIERS = Bench(
     name="tiers",
     doc="""a second KV tier on multi-turn chat: recomputed prompts and TTFT with no tier, host, disk, restart
 
-    Run a seeded multi-turn chat workload -- every turn of every conversation at once, a KV pool
-    that holds about a quarter of the conversations' histories -- with no second tier, a host-RAM
+    Run a seeded multi-turn chat workload -- conversations sent turn by turn, a few requests in
+    flight, a KV pool that holds a quarter of their histories -- with no second tier, a host-RAM
     tier, a disk tier, and a disk tier whose engine restarts before the last turn; print prompt
     tokens computed, recomputed, loaded from the tier and served by the pool, TTFT p50/p99,
     output tokens/s and bytes moved, and whether the targets are met (exit status 1 if not).

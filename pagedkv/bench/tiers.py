@@ -23,8 +23,10 @@ load on a shared machine hits them all alike. Figures per mode, on each engine's
 sum of its step times): prompt tokens
 computed, of which recomputed (tokens an earlier turn had already computed, or the shared
 system prompt once computed), loaded from the tier and served by the pool; TTFT percentiles;
-output tokens per second; bytes moved each way; preemptions by swap and by recompute. Greedy
-replies must be identical in every mode. Tables: :mod:`pagedkv.bench.tiers_report`.
+output tokens per second; bytes moved each way; preemptions by swap and by recompute. In
+float32 greedy replies must be identical in every mode; in bfloat16 a prefix recomputed in a
+larger prefill rounds differently from the steps that first wrote it, so a near-tie may flip and
+identical replies are reported, not required. Tables: :mod:`pagedkv.bench.tiers_report`.
 """
 
 from __future__ import annotations
@@ -142,6 +144,8 @@ class ModeRun:
     """One mode's figures (see the module doc); ``last_turn_*``: the last turn's requests only."""
 
     mode: str
+    #: the model's dtype as the engine runs it ("float32", "bfloat16", ...)
+    dtype: str = ""
     prompt_tokens: int = 0
     new_tokens: int = 0
     computed_tokens: int = 0
@@ -175,7 +179,8 @@ class ModeRun:
         return float(np.percentile(self.ttft, q)) if self.ttft else float("nan")
 
     def to_json(self) -> dict:
-        figures = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("ttft", "replies")}
+        skipped = ("ttft", "replies", "dtype")
+        figures = {k: v for k, v in dataclasses.asdict(self).items() if k not in skipped}
         return figures | {
             "recomputed_tokens": self.recomputed_tokens,
             "hit_rate": self.hit_rate,
@@ -197,6 +202,15 @@ class TiersResult:
         return self.runs.get(mode)
 
     @property
+    def dtype(self) -> str:
+        return next(iter(self.runs.values())).dtype if self.runs else ""
+
+    @property
+    def exact(self) -> bool:
+        """Whether identical replies are a target: float32 only (see the module doc)."""
+        return self.dtype == "float32"
+
+    @property
     def same_replies(self) -> bool:
         replies = [run.replies for run in self.runs.values() if run.mode != "restart"]
         return all(r == replies[0] for r in replies)
@@ -204,7 +218,7 @@ class TiersResult:
     def checks(self) -> list[tuple[str, bool]]:
         """The issue's targets, where the modes they compare ran."""
         off, host, disk, restart = (self.runs.get(m) for m in MODES)
-        checks = [("greedy replies identical in every mode", self.same_replies)]
+        checks = [("greedy replies identical in every mode", self.same_replies)] if self.exact else []
         if off and host:
             cut = 1 - host.recomputed_tokens / off.recomputed_tokens if off.recomputed_tokens else 0.0
             checks.append((f"host tier: recomputed prompt tokens -{cut:.0%} (>= 70%)", cut >= RECOMPUTE_CUT))
@@ -225,6 +239,8 @@ class TiersResult:
         return {
             "config": config,
             "model": self.model,
+            "dtype": self.dtype,
+            "same_replies": self.same_replies,
             "block_size": self.block_size,
             "pool_blocks": self.config.pool_blocks,
             "working_set_blocks": self.config.working_set_blocks,
@@ -263,6 +279,7 @@ def _mode_steps(config: TiersConfig, run: ModeRun, engine: EngineConfig, vocab_s
     reply); the restart mode stops its engine once every turn but the last is done."""
     chats = Chats(config, vocab_size)
     measured = MeasuredEngine.start(engine)
+    run.dtype = measured.engine.executor.runtime["dtype"]
     last = config.turns - 1
     phases = [range(last), range(last, config.turns)] if run.mode == "restart" else [range(config.turns)]
     for turns in phases:

@@ -54,4 +54,10 @@ def print_tiers(result: TiersResult, console: Console) -> None:
         )
     console.print(work)
     console.print(latency)
+    if not result.exact:
+        same = "identical" if result.same_replies else "not identical"
+        console.print(
+            f"  greedy replies {same} in every mode ({result.dtype}: a near-tie may round apart, "
+            "not a target; --dtype float32 checks exactness)"
+        )
     print_checks(console, result.checks())
