@@ -26,7 +26,7 @@ def test_the_tiers_bench_accounts_for_every_prompt_token(tmp_path):
         system_len=16,
         user_len=24,
         reply_len=2,
-        engine=EngineOptions(block_size=8),
+        engine=EngineOptions(block_size=8, dtype="float32"),  # where identical replies are a target
         out=tmp_path,
     )
     assert config.pool_blocks < config.working_set_blocks  # the pool cannot hold the chats
@@ -50,4 +50,6 @@ def test_the_tiers_bench_accounts_for_every_prompt_token(tmp_path):
     finish(ReportOptions(tmp_path, json=True), TIERS, result, {})
     document = json.loads((tmp_path / "tiers.json").read_text())
     assert document["runs"]["host"]["tier_hit_tokens"] == host.tier_hit_tokens
-    assert {check["check"].split(":")[0] for check in document["checks"]} >= {"host tier"}
+    assert document["dtype"] == "float32" and document["same_replies"]
+    labels = {check["check"].split(":")[0] for check in document["checks"]}
+    assert labels >= {"host tier", "greedy replies identical in every mode"}
