@@ -58,6 +58,6 @@ def test_tables_grow_on_demand_and_equal_the_per_step_formula(dtype):
         assert cos.shape == (positions.shape[0], 1, 64)
         assert torch.equal(cos[:, 0], want_cos) and torch.equal(sin[:, 0], want_sin)
     # grown in powers of two from 4096, never past the model's positions
-    assert rotary._tables[(dtype, torch.device("cpu"))][0].shape[0] == 20000
+    assert rotary.positions_covered(dtype, torch.device("cpu")) == 20000
     with pytest.raises(IndexError):
         rotary.cos_sin(torch.tensor([20000]), dtype)
