@@ -92,7 +92,7 @@ def server():
     config = EngineConfig(
         num_kv_blocks=2048,
         block_size=16,
-        max_model_len=384,
+        max_model_len=1024,
         max_num_seqs=160,
         structured_outputs_config=StructuredOutputsConfig(disable_any_whitespace=True),
     )
