@@ -32,8 +32,9 @@ from tests.server.process import ServeProcess
 
 API_KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-#: Small limits keep every generated request cheap: short contexts, few samples.
-SERVER_OPTIONS = ("--api-key", API_KEY, "--num-kv-blocks", "64", "--max-model-len", "128",
+#: Small limits keep every generated request cheap: short contexts, few samples. The context
+#: holds the chat template's tools section with two generated tools.
+SERVER_OPTIONS = ("--api-key", API_KEY, "--num-kv-blocks", "160", "--max-model-len", "1024",
                   "--max-num-seqs", "16", "--max-n", "4", "--max-request-tokens", "2048",
                   "--max-prompts-per-request", "8", "--structured-outputs-max-compile-seconds", "5",
                   "--enable-auto-tool-choice", "--tool-call-parser", "hermes")  # fmt: skip
