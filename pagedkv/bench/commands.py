@@ -17,6 +17,8 @@ from pagedkv.bench.serve import ServeConfig, print_report
 from pagedkv.bench.serve_servers import run_serve
 from pagedkv.bench.sharing import SharingConfig, run_sharing
 from pagedkv.bench.sharing_report import print_sharing, write_sharing_plots
+from pagedkv.bench.spec import SpecConfig, run_spec
+from pagedkv.bench.spec_report import print_spec
 from pagedkv.bench.structured import StructuredConfig, print_structured, run_structured
 from pagedkv.bench.throughput import ThroughputConfig
 from pagedkv.bench.throughput_engines import run_throughput
@@ -144,9 +146,26 @@ QUALITY = Bench(
 )
 
 
+SPEC = Bench(
+    name="spec",
+    doc="""speculative decoding: tokens/s with n-gram and draft-model speculation against none and llama.cpp
+
+    The built-in model (or --model) writes --max-tokens greedy tokens after the first --prompt-len
+    tokens of texts it never trained on -- held-out standard-library Python files, and the language
+    reference's prose -- single stream and in batches, through pagedkv without speculation, with
+    n-gram speculation and with the shipped draft model, and through llama.cpp on the same weights
+    with and without its prompt lookup decoding (given --llamacpp-python). Engines take turns
+    workload by workload; prints tokens/s, the ratios, acceptance and whether greedy ids agree.
+    """,
+    config=SpecConfig,
+    run=run_spec,
+    report=print_spec,
+)
+
+
 STRUCTURED = Bench(
     name="structured",
-    doc="""structured output: tokens/s of batches with 0, 50 and 100 % of rows constrained by a JSON schema
+    doc="""structured output: tokens/s of batches with none, half or all rows constrained by a JSON schema
 
     On one engine, run a batch of chat requests with a share of its rows constrained to a small JSON
     schema, then the same prompts unconstrained with each row's length as it came out, interleaved
@@ -160,4 +179,4 @@ STRUCTURED = Bench(
 )
 
 
-BENCHES = (CAPACITY, SHARING, SERVE, ROUTER, THROUGHPUT, PARALLEL, QUALITY, STRUCTURED)
+BENCHES = (CAPACITY, SHARING, SERVE, ROUTER, THROUGHPUT, PARALLEL, QUALITY, SPEC, STRUCTURED)

@@ -37,6 +37,7 @@ from pagedkv.engine.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.sequence import BeamState, Request, Sequence
+from pagedkv.engine.spec.factory import make_verifier
 from pagedkv.engine.stats import EngineStats, KVSnapshot, StatsCollector, StepStats
 from pagedkv.engine.structured.manager import StructuredOutputManager
 from pagedkv.engine.validation import InvalidRequestError, RequestValidator
@@ -91,8 +92,11 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputManager(
             self.tokenizer, self.model_config.vocab_size, eos, config.structured_outputs_config
         )
+        #: Speculative decoding's proposer, policy and verifier (None: off).
+        vocab = self.model_config.vocab_size
+        self.verifier = make_verifier(config, self.max_model_len, vocab, sorted(eos), num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.stats_collector = StatsCollector(self.scheduler)
+        self.stats_collector = StatsCollector(self.scheduler, speculating=self.verifier is not None)
         self.requests: dict[str, Request] = {}
 
     # -- requests ---------------------------------------------------------------------------
@@ -109,8 +113,7 @@ class LLMEngine:
 
         ``priority``: lower runs first, under the ``priority`` scheduling policy (vLLM's); requests
         that share a ``client_request_id`` share one fair share of the engine (``engine/fairness.py``).
-        ``grammar``: the request's ``structured_outputs`` compiled ahead by
-        ``structured_outputs.compile_async`` (the server's way); else compiled here, blocking.
+        ``grammar``: ``params.structured_outputs`` compiled ahead (the server's way), else here.
         """
         self.scheduler.check_priority(priority)
         params = params or SamplingParams()
@@ -141,15 +144,9 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validator.check(token_ids, params, samples)
         matcher = self.structured_outputs.matcher(params, grammar)  # the last check: may compile
-        request = Request(
-            request_id,
-            text,
-            token_ids,
-            params,
-            arrival_time=time.monotonic(),
-            priority=priority,
-            client_request_id=client_request_id,
-        )
+        now = time.monotonic()
+        request = Request(request_id, text, token_ids, params, now, priority=priority)
+        request.client_request_id = client_request_id
         seq = Sequence(request, 0, list(token_ids), make_generator(params.seed, 0))
         seq.detokenizer = self.tokenizer.detokenizer(token_ids, params.skip_special_tokens)
         seq.grammar = matcher
@@ -177,6 +174,8 @@ class LLMEngine:
         """One forward pass; the outputs of every request that produced a token or finished (with
         ``finished_only``, of those that finished: all the offline ``LLM`` reads, and cheaper)."""
         started = time.perf_counter()
+        if self.verifier is not None:
+            self.verifier.speculator.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             if self.scheduler.has_work:
@@ -186,7 +185,7 @@ class LLMEngine:
         logits = self.executor.execute(plan)
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
         logits = take_prompt_logprobs(scheduled.scheduled, plan.slices, logits)
-        sampled = sample_step(scheduled, logits, self.sampler, self.scheduler, self.tokenizer)
+        sampled = sample_step(scheduled, logits, self.sampler, self.scheduler, self.tokenizer, self.verifier)
         processed = self.output_processor.process(sampled, self.scheduler, computed_at, finished_only)
         self._publish(scheduled, sampled, processed, started)
         return processed.outputs
@@ -198,8 +197,12 @@ class LLMEngine:
         finished = [output.request_id for output in processed.outputs if output.finished]
         for request_id in finished:
             self.requests.pop(request_id, None)
+        if self.verifier is not None:
+            self.verifier.speculator.forget_gone(self.scheduler.running)
         elapsed, generated = time.perf_counter() - started, processed.generated_tokens
-        self.stats_collector.record_step(scheduled, sampled.prompt_tokens, generated, len(finished), elapsed)
+        self.stats_collector.record_step(
+            scheduled, sampled.prompt_tokens, generated, len(finished), elapsed, sampled.spec_decoding
+        )
 
     # -- what the engine publishes ----------------------------------------------------------
     @property

@@ -248,3 +248,18 @@ def test_a_grammar_compiled_ahead_must_be_the_requests_own(llm):
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
     assert finished[0].outputs[0].text in ("yes", "no")
+
+
+def test_under_speculative_decoding_constrained_requests_do_not_speculate_and_still_validate():
+    """With n-gram speculation on, a constrained request decodes token by token (its grammar
+    does not judge drafts) and says why; an unconstrained one beside it still speculates."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    with LLM(num_kv_blocks=256, max_model_len=256, max_num_seqs=8, speculative_config=ngram) as spec_llm:
+        constrained = SamplingParams(max_tokens=48, temperature=1.0, seed=3, structured_outputs=JSON_PERSON)
+        plain = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+        prompts = [PROMPT, "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"]
+        person, free = spec_llm.generate(prompts, [constrained, plain], use_tqdm=False)
+    assert person.metrics["spec_decode_disabled_reason"] == "structured output"
+    assert person.outputs[0].finish_reason == "stop"
+    _valid_person(person.outputs[0].text)
+    assert "spec_decode_disabled_reason" not in free.metrics and free.metrics["spec_decode_num_drafts"] > 0
