@@ -42,7 +42,7 @@ import numpy as np
 
 from pagedkv.bench.driver import FIRST_TOKEN_ID, EngineOptions, MeasuredEngine, progress, run_settings
 from pagedkv.bench.options import check_options, option
-from pagedkv.cli_args import DEFAULT_OUT
+from pagedkv.cli_report import DEFAULT_OUT
 from pagedkv.engine import EngineConfig, SamplingParams
 from pagedkv.memory import blocks_for
 

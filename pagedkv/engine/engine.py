@@ -2,15 +2,13 @@
 
 ``step()`` is four calls, each stage in its own module:
 
-1. schedule -- :mod:`pagedkv.engine.scheduler` picks the token slices to compute and allocates
-   their KV blocks;
+1. schedule -- :mod:`pagedkv.engine.scheduler` picks the slices to compute and allocates their blocks;
 2. execute -- an executor (:mod:`pagedkv.engine.executor`) runs the model over the step's plan
    and returns the logits of the slices that end a sequence (and of every prompt row whose
    prompt logprobs were asked for: :mod:`pagedkv.engine.prompt_logprobs` records those);
-3. sample -- :mod:`pagedkv.engine.sample_stage` has :mod:`pagedkv.engine.sampler` draw one
-   token per sequence (a finished prompt first forks into its ``n`` samples); beams keep their
-   log-probabilities. Through :mod:`pagedkv.engine.fault_isolation`: a request whose sampling
-   raises fails alone;
+3. sample -- :mod:`pagedkv.engine.sample_stage` has :mod:`pagedkv.engine.sampler` draw one token per
+   sequence (a finished prompt first forks into its ``n`` samples); beams keep their log-probabilities.
+   Through :mod:`pagedkv.engine.fault_isolation`: a request whose sampling raises fails alone;
 4. process outputs -- :mod:`pagedkv.engine.output_processor` appends, detokenizes, stops,
    advances beam searches, ends failed requests with ``finish_reason="error"``, frees what
    finished and builds the ``RequestOutput``s.
@@ -23,6 +21,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor import Executor
@@ -39,9 +38,13 @@ from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.sequence import BeamState, Request, Sequence
 from pagedkv.engine.spec.factory import make_verifier
 from pagedkv.engine.stats import EngineStats, KVSnapshot, StatsCollector, StepStats
+from pagedkv.engine.structured.manager import StructuredOutputManager
 from pagedkv.engine.validation import InvalidRequestError, RequestValidator
 from pagedkv.models import ModelConfig, builtin_model_path
 from pagedkv.tokenizer import engine_tokenizer
+
+if TYPE_CHECKING:
+    from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
 
 __all__ = ["EngineConfig", "InvalidRequestError", "LLMEngine"]
 
@@ -84,6 +87,9 @@ class LLMEngine:
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.sampler = Sampler(sorted(eos))
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, eos, config.structured_outputs_config
+        )
         #: Speculative decoding's proposer, policy and verifier (None: off).
         vocab = self.model_config.vocab_size
         self.verifier = make_verifier(config, self.max_model_len, vocab, sorted(eos), num_blocks)
@@ -99,19 +105,21 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         client_request_id: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         """Validate and queue a request; raises :class:`InvalidRequestError` with the reason.
 
         ``priority``: lower runs first, under the ``priority`` scheduling policy (vLLM's); requests
         that share a ``client_request_id`` share one fair share of the engine (``engine/fairness.py``).
+        ``grammar``: ``params.structured_outputs`` compiled ahead (the server's way), else here.
         """
         self.scheduler.check_priority(priority)
-        return self._queue(request_id, prompt, params or SamplingParams(), None, priority, client_request_id)
+        params = params or SamplingParams()
+        return self._queue(request_id, prompt, params, None, priority, client_request_id, grammar)
 
     def add_beam_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> Request:
         """Queue a beam search; its result arrives as one RequestOutput, beams best first."""
-        sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos)
-        request = self._queue(request_id, prompt, sampling, params)
+        request = self._queue(request_id, prompt, params.sampling_params(), params)
         request.beam = BeamState(params, self.eos_token_ids)
         return request
 
@@ -123,6 +131,7 @@ class LLMEngine:
         beam: BeamSearchParams | None = None,
         priority: int = 0,
         client_request_id: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -132,17 +141,13 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validator.check(token_ids, params, samples)
-        request = Request(
-            request_id,
-            text,
-            token_ids,
-            params,
-            arrival_time=time.monotonic(),
-            priority=priority,
-            client_request_id=client_request_id,
-        )
+        matcher = self.structured_outputs.matcher(params, grammar)  # the last check: may compile
+        now = time.monotonic()
+        request = Request(request_id, text, token_ids, params, now, priority=priority)
+        request.client_request_id = client_request_id
         seq = Sequence(request, 0, list(token_ids), make_generator(params.seed, 0))
         seq.detokenizer = self.tokenizer.detokenizer(token_ids, params.skip_special_tokens)
+        seq.grammar = matcher
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
@@ -167,19 +172,16 @@ class LLMEngine:
         """One forward pass; the outputs of every request that produced a token or finished (with
         ``finished_only``, of those that finished: all the offline ``LLM`` reads, and cheaper)."""
         started = time.perf_counter()
-        if self.kv_tier is not None:
-            self.kv_tier.settle_moves()  # a disk tier's files written meanwhile are readable now
+        self.kv_tier.settle_moves()  # a disk tier's files written meanwhile are readable now
         if self.verifier is not None:
             self.verifier.speculator.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            if self.scheduler.has_work and not (self.kv_tier is not None and self.kv_tier.poll()):
+            if self.scheduler.has_work and not self.kv_tier.poll():  # (not while the tier moves)
                 raise RuntimeError("scheduler made no progress with requests waiting (a bug)")
             return []
         plan = scheduled.plan(self.kv_manager)
-        logits = self.executor.execute(plan)
-        if self.kv_tier is not None:  # acknowledged moves; a failed load leaves the step
-            plan, logits = self.kv_tier.settle(scheduled, plan, logits)
+        plan, logits = self.kv_tier.settle(scheduled, plan, self.executor.execute(plan))
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
         logits = take_prompt_logprobs(scheduled.scheduled, plan.slices, logits)
         sampled = sample_step(scheduled, logits, self.sampler, self.scheduler, self.tokenizer, self.verifier)
@@ -197,11 +199,9 @@ class LLMEngine:
         if self.verifier is not None:
             self.verifier.speculator.forget_gone(self.scheduler.running)
         elapsed, generated = time.perf_counter() - started, processed.generated_tokens
-        step = self.stats_collector.record_step(
+        self.stats_collector.record_step(
             scheduled, sampled.prompt_tokens, generated, len(finished), elapsed, sampled.spec_decoding
         )
-        if self.kv_tier is not None:
-            self.kv_tier.observe(step)  # the swap cost model's prefill rate
 
     # -- what the engine publishes ----------------------------------------------------------
     @property
@@ -239,8 +239,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Release the model and the KV cache (and any worker rank) now; idempotent. Dropping the
         engine releases them too; steps afterwards raise ``ExecutorError``."""
-        if self.kv_tier is not None and self.executor.runner is not None:
-            self.kv_tier.flush()  # a disk tier keeps the prefix cache for the next start
+        self.structured_outputs.close()
+        self.kv_tier.flush()  # a disk tier keeps the prefix cache for the next start
         self.executor.shutdown()
 
     def __enter__(self) -> LLMEngine:

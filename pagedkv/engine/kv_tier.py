@@ -43,12 +43,12 @@ MIN_RATE_TOKENS = 16
 
 def make_kv_manager(
     config: EngineConfig, executor: Executor, caching: bool
-) -> tuple[KVCacheManager, KVTierLink | None]:
+) -> tuple[KVCacheManager, KVTierLink | NoKVTier]:
     """The engine's KV manager over the executor's pool, tiered when the executor holds a tier
-    (whose blocks a restarted disk tier indexes again at once)."""
+    (whose blocks a restarted disk tier indexes again at once), and its link to the tier."""
     num_blocks, spec = executor.num_kv_blocks, executor.tier
     if spec is None:
-        return KVCacheManager(num_blocks, config.block_size, caching, config.watermark), None
+        return KVCacheManager(num_blocks, config.block_size, caching, config.watermark), NoKVTier()
     tier = KVTier(spec.capacity, spec.medium)
     manager = TieredKVCacheManager(
         num_blocks,
@@ -63,6 +63,31 @@ def make_kv_manager(
     link = KVTierLink(manager, executor, spec)
     link.restore()
     return manager, link
+
+
+class NoKVTier:
+    """The link of an engine without a second tier: nothing moves, so every hook is empty."""
+
+    def settle_moves(self) -> dict[Any, int]:
+        return {}
+
+    def poll(self) -> bool:
+        return False
+
+    def settle(self, scheduled: SchedulerOutput, plan: StepPlan, logits: Any) -> tuple[StepPlan, Any]:
+        return plan, logits
+
+    def flush(self) -> None:
+        pass
+
+    def observe(self, step: StepStats) -> None:
+        pass
+
+    def step_record(self) -> None:
+        return None
+
+    def stats(self) -> None:
+        return None
 
 
 class KVTierLink:
@@ -100,8 +125,9 @@ class KVTierLink:
 
     def flush(self) -> None:
         """Write the pool's cached blocks to a disk tier and wait for the files (shutdown): a
-        restarted engine finds them. A host tier ends with the process; nothing to do."""
-        if self.spec.kind != "disk":
+        restarted engine finds them. A host tier ends with the process, and an executor already
+        shut down holds nothing to write: nothing to do."""
+        if self.spec.kind != "disk" or self.executor.runner is None:
             return
         self.kv_manager.spill_cached()
         self._run_moves(self.kv_manager.take_transfers())

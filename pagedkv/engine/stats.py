@@ -157,11 +157,14 @@ class TierStep:
 
 
 class TierReporter(Protocol):
-    """What the statistics read of a second KV tier (``engine/kv_tier.KVTierLink``)."""
+    """What the statistics read of a second KV tier (``engine/kv_tier.KVTierLink``; None
+    without one), and the link's view of each step (the swap cost model's prefill rate)."""
 
-    def step_record(self) -> TierStep: ...
+    def step_record(self) -> TierStep | None: ...
 
-    def stats(self) -> TierStats: ...
+    def stats(self) -> TierStats | None: ...
+
+    def observe(self, step: StepStats) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -267,7 +270,7 @@ SUMMED = ("preemptions", "swapped_preemptions", "dropped_tokens", "prompt_tokens
 
 class StatsCollector:
     """Builds the records above from the scheduler, its KV manager and the second KV tier's
-    link (None: no tier); keeps the totals."""
+    link (whose records are None without a tier), which sees each step too; keeps the totals."""
 
     def __init__(
         self, scheduler: Scheduler, kv_tier: TierReporter | None = None, speculating: bool = False
@@ -326,12 +329,13 @@ class StatsCollector:
         for name in SUMMED:
             self.totals[name] += getattr(step, name)
         self.last_step = step
+        if self.kv_tier is not None:
+            self.kv_tier.observe(step)
         return step
 
     def _tier_step(self) -> dict[str, int]:
-        if self.kv_tier is None:
-            return {}
-        return {f"tier_{name}": value for name, value in asdict(self.kv_tier.step_record()).items()}
+        record = None if self.kv_tier is None else self.kv_tier.step_record()
+        return {} if record is None else {f"tier_{name}": value for name, value in asdict(record).items()}
 
     def engine_stats(self) -> EngineStats:
         kv_manager, queues = self.scheduler.kv_manager, self.scheduler

@@ -15,7 +15,7 @@ from pagedkv.bench.commands import TIERS
 from pagedkv.bench.driver import EngineOptions, finish
 from pagedkv.bench.tiers import TiersConfig, run_tiers
 from pagedkv.bench.tiers_report import print_tiers
-from pagedkv.cli_args import ReportOptions
+from pagedkv.cli_report import ReportOptions
 
 
 def test_the_tiers_bench_accounts_for_every_prompt_token(tmp_path):
