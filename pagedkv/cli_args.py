@@ -273,6 +273,16 @@ ENGINE_OPTIONS = (
     ),
     EngineOption("attention_backend", "torch, cpu or triton (default: triton on CUDA, else cpu)"),
     EngineOption(
+        "enforce_eager",
+        "capture no CUDA graphs: decode steps run eagerly (graphs are captured only on CUDA, one rank)",
+        action="store_true",
+    ),
+    EngineOption(
+        "load_format",
+        f"auto: the checkpoint's weights; dummy: seeded random weights of config.json's shape {DEFAULT}",
+        choices=("auto", "dummy"),
+    ),
+    EngineOption(
         "tensor_parallel_size", f"ranks the model is sharded over, one process each {DEFAULT}", positive_int
     ),
     EngineOption("nnodes", f"machines the ranks run on (or launch with torchrun) {DEFAULT}", positive_int),
