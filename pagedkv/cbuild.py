@@ -11,7 +11,6 @@ against, so they share a thread pool.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import platform
@@ -103,24 +102,3 @@ def build_library(name: str, sources: Sequence[Path], flag_sets: Sequence[Sequen
             errors.append(f"{cc} {' '.join(flags)}: {detail.strip()[:500]}")
     where = f"{cache_dir()} (set $PAGEDKV_KERNEL_CACHE)"
     raise BuildError(f"could not build {name} in {where}: " + " | ".join(errors))
-
-
-def build(source: Path) -> Path | str:
-    """The shared library built from the one C file ``source``, or a string saying why it could
-    not be built."""
-    try:
-        return build_library(source.stem, [source])
-    except BuildError as exc:
-        return str(exc)
-
-
-def load(source: Path) -> ctypes.CDLL | str:
-    """The shared library built from ``source``, loaded, or a string saying why it could not be
-    built or loaded (a cached file this machine cannot load)."""
-    built = build(source)
-    if isinstance(built, str):
-        return built
-    try:
-        return ctypes.CDLL(str(built))
-    except OSError as exc:
-        return f"could not load {built}: {exc}"

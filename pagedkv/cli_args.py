@@ -47,35 +47,29 @@ def byte_size(text: str) -> int:
     return value
 
 
-def positive_int(text: str) -> int:
+def _number(text: str, kind: type[int] | type[float], accept: Callable[[float], bool], wanted: str) -> Any:
+    """``text`` as a ``kind`` that ``accept`` takes, or argparse's error saying ``wanted``."""
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+        noun = "an integer" if kind is int else "a number"
+        raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+    if not accept(value):  # a comparison with nan is false: refused too
+        raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, lambda v: v > 0, "positive")
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
+    return _number(text, float, lambda v: v > 0, "positive")
 
 
 def share_fraction(text: str) -> float:
     """argparse type for a share of the engine: a number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {value}")
-    return value
+    return _number(text, float, lambda v: 0.0 < v <= 1.0, "above 0 and at most 1")
 
 
 def unit_fraction(text: str) -> float:

@@ -7,9 +7,9 @@ scale is fixed the moment :func:`pagedkv.attention.write_kv` writes it, so paged
 token at a time during decode, into a block other sequences may share) never have to re-read or
 re-quantize anything already stored, copy-on-write copies scales like any other slot data, and
 an outlier token cannot coarsen the quantization of its block's other tokens. On the built-in
-model's keys and values it is also the more accurate choice (relative RMS error, block size 16,
-``python -m pagedkv.bench.quant_error``): fp8 0.024 per token vs 0.026 per block, int8 0.0053 vs
-0.0081. The cost is 4 bytes per head_dim bytes (3 % at head_dim 128).
+model's keys and values it is also the more accurate choice (the relative RMS errors are in
+docs/kv-cache.md; ``pagedkv bench quality`` measures what each KV cache dtype costs). The cost is
+4 bytes of scale per head_dim bytes of a token's head.
 
 Dequantization is ``stored.float() * scale``: the kernels multiply a whole dot product by the key
 scale, and the converted value vector (CPU) or the softmax weight (Triton) by the value scale,

@@ -5,7 +5,8 @@ check foresaw -- would otherwise fail every request in the step. When the batche
 every row is sampled again on its own to find the request(s) at fault: those finish with
 ``finish_reason="error"`` and an error message; every other row gets the token the batched call
 would have given it. A seeded row's generator is rewound to its state before the failed call
-first, so its draw is the same as if nothing had failed (saving the states costs ~1.5 us a row).
+first, so its draw is the same as if nothing had failed (saving the states is a small copy per
+seeded row, taken before every batched call).
 """
 
 from __future__ import annotations

@@ -34,18 +34,12 @@ again only to refuse the same request.
 
 from __future__ import annotations
 
-import array
-import ctypes
-import functools
-import itertools
 import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from pagedkv import cbuild
 from pagedkv.engine.sequence import Sequence
 from pagedkv.memory import KVCacheManager, blocks_for
 
@@ -86,47 +80,27 @@ def peak_new_blocks(growths: Iterable[Growth], block_size: int) -> int:
     """The most blocks, beyond those in use now, that these sequences hold at any future step.
 
     At step ``k`` the sequences with ``finish_step >= k`` hold ``new_blocks(k)`` more than now;
-    those done earlier hold nothing: their growth is gone and their ``held`` blocks are back. Between two
-    finishes the total only grows, so the maximum is at one of the ``finish_step`` values; never
-    below 0 (step 0: nothing has grown yet). Computed by ``csrc/headroom.c`` where it builds
-    (see there why), else by :func:`peak_new_blocks_numpy`.
+    those done earlier hold nothing: their growth is gone and their ``held`` blocks are back.
+    Between two finishes the total only grows, so the maximum is at one of the ``finish_step``
+    values; never below 0 (step 0: nothing has grown yet).
+
+    In NumPy, one row per candidate step (every sequence's ``finish_step``; a repeated or zero
+    one changes no maximum) and one column per sequence: a few whole-array operations whatever
+    the number of sequences, where a Python loop over the n x n pairs would cost admission more
+    than the step it admits into.
     """
     rows = [(g.slots, g.remaining, g.delay, g.held, g.copies, g.copy_on_write) for g in growths]
     if not rows:
         return 0
-    lib = _native()
-    if isinstance(lib, str):
-        return peak_new_blocks_numpy(rows, block_size)
-    flat = array.array("q", itertools.chain.from_iterable(rows))  # 4x faster than a ctypes array
-    return lib.headroom_peak_new_blocks(flat.buffer_info()[0], len(rows), block_size)
-
-
-def peak_new_blocks_numpy(rows: list[tuple[int, ...]], block_size: int) -> int:
-    """:func:`peak_new_blocks` of ``(slots, remaining, delay, held, copies, copy_on_write)`` rows,
-    in NumPy: one row per candidate step, one column per sequence."""
-    slots, remaining, delay, held, copies, cow = np.array(rows, dtype=np.int64).T
+    slots, remaining, delay, held, copies, copy_on_write = np.array(rows, dtype=np.int64).T
     finish = delay + remaining
-    steps = np.unique(finish[finish > 0])[:, None]
-    if not steps.size:
-        return 0
-
-    def new_blocks(appended: np.ndarray) -> np.ndarray:
-        grown = -(-(slots + appended) // block_size) - -(-slots // block_size)
-        return copies * grown + cow * (appended > 0)
-
+    steps = finish[:, None]
+    appended = np.clip(steps - delay, 0, remaining)
+    round_up = block_size - 1
+    grown = (slots + appended + round_up) // block_size - (slots + round_up) // block_size
     alive = finish >= steps
-    grown = new_blocks(np.clip(steps - delay, 0, remaining))
-    demand = np.where(alive, grown, -held).sum(axis=1)
+    demand = np.where(alive, copies * grown + copy_on_write * (appended > 0), -held).sum(axis=1)
     return max(0, int(demand.max()))
-
-
-@functools.cache
-def _native() -> ctypes.CDLL | str:
-    lib = cbuild.load(Path(__file__).parent / "csrc" / "headroom.c")
-    if not isinstance(lib, str):
-        lib.headroom_peak_new_blocks.restype = ctypes.c_int64
-        lib.headroom_peak_new_blocks.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    return lib
 
 
 class Headroom:

@@ -4,10 +4,10 @@ glibc's ``malloc`` serves large requests (above a threshold that adapts between 
 32 MiB) with a fresh ``mmap`` and gives the memory back with ``munmap`` when freed, and it
 trims the top of its heap once enough is free there. A prefill step of 2048 tokens allocates
 buffers of tens of MiB per layer (a 2048 x 2752 float32 gate/up output is 22 MiB), so every
-step maps them anew and faults every page in again: 26,000-75,000 minor page faults per prefill
-of 16 x 256 tokens, about a third of its time. Keeping freed memory in the heap and reusing it,
-as vLLM's CPU build gets by preloading tcmalloc, removes them: the same prefill went from
-0.67-1.0 s to 0.60-0.65 s (``minflt`` near 0, 2 threads, issue 12's model).
+step maps them anew and faults every page in again, a large share of a prefill's time. Keeping
+freed memory in the heap and reusing it, as vLLM's CPU build gets by preloading tcmalloc,
+removes those faults (``minflt`` near 0 after the first step; the verdict is in
+docs/performance.md).
 
 The cost is that the process keeps the peak of its step buffers mapped after they are freed,
 which an engine that runs the same step sizes over and over reuses anyway.

@@ -19,7 +19,7 @@ temperature or filter: vLLM v1's default, and the only choice under which a gree
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sized
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +50,9 @@ class SamplerOutput:
 
 
 def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``logits[rows]``, by ``index_select``: ~8x faster on CPU than indexing with a list (the
-    general advanced-indexing path). All the rows in order: ``logits`` itself, no copy."""
+    """``logits[rows]``, by ``index_select``: one contiguous gather, where indexing with a list
+    takes torch's general advanced-indexing path. All the rows in order: ``logits`` itself, no
+    copy."""
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
         return logits
     return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
@@ -60,8 +61,8 @@ def take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax: the lowest index of the row's maximum, a NaN counting as the maximum.
 
-    On CPU through NumPy, whose vectorised argmax is ~20x faster than ``torch.argmax`` over a
-    [32, 32000] float32 batch (1 thread) and picks the same index, ties and NaN included.
+    On CPU through NumPy, whose argmax is vectorised where torch's CPU argmax is not, and which
+    picks the same index, ties and NaN included (tests/engine/test_sampler.py holds them equal).
     """
     if logits.device.type != "cpu" or logits.dtype != torch.float32:
         return logits.argmax(dim=-1)
@@ -164,10 +165,11 @@ def inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | Non
     probability p_i).
 
     One uniform number per row, where an exponential race (``argmax(p / E)``) draws and takes the
-    log of one per token: at 32 rows of 32,000 that was 4.7 ms a step on 2 CPU cores against
-    0.5 ms for this float64 running sum. The sum is in float64 so that rounding cannot move mass
-    between tokens visibly; scaling ``u`` by the row's own total absorbs the softmax's rounding,
-    and a token of probability 0 (filtered out) never wins, since the mass does not grow there.
+    log of one per token: a running sum costs one pass over the row, no transcendental per
+    token (see docs/performance.md, the engine around the forward pass). The sum is in float64
+    so that rounding cannot move mass between tokens visibly; scaling ``u`` by the row's own
+    total absorbs the softmax's rounding, and a token of probability 0 (filtered out) never
+    wins, since the mass does not grow there.
     Rows without a generator share one draw from the global RNG; a seeded row takes exactly one
     number from its generator per step.
     """
@@ -179,10 +181,37 @@ def inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | Non
     for i, g in enumerate(generators):
         if g is not None:
             uniform[i : i + 1] = torch.rand(1, generator=g, dtype=torch.float64, device=g.device).to(device)
+    return inverse_cdf(probs, uniform)
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row ``r``'s first token whose running mass passes ``uniforms[r]`` times the row's total,
+    in float64 (:func:`inverse_cdf_draw` with the uniform numbers given)."""
     mass = probs.to(torch.float64).cumsum(dim=-1)
-    targets = (uniform * mass[:, -1])[:, None]
-    tokens = torch.searchsorted(mass, targets, right=True).squeeze(1)
-    return tokens.clamp_(max=probs.shape[-1] - 1)
+    targets = (uniforms.to(mass.device) * mass[:, -1])[:, None]
+    return torch.searchsorted(mass, targets, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """What non-greedy rows are drawn from: temperature, ``min_p``, ``top_k``, ``top_p``, then
+    softmax. One function for the sampler and speculative verification, so a verified token is
+    drawn from the same numbers, row by row, as a sampled one."""
+    device, vocab = logits.device, logits.shape[-1]
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=device)
+
+    logits = logits / column([p.temperature for p in params])[:, None]
+    if any(p.min_p > 0 for p in params):
+        logits = apply_min_p(logits, column([p.min_p for p in params]))
+    # The sort behind top_k / top_p is the costliest step: only the rows that filter pay it.
+    filtered = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
+    if filtered:
+        ks = [params[j].top_k if 0 < params[j].top_k < vocab else vocab for j in filtered]
+        top_k = torch.tensor(ks, device=device)
+        top_p = column([params[j].top_p for j in filtered])
+        logits[filtered] = apply_top_k_top_p(take_rows(logits, filtered), top_k, top_p)
+    return logits.softmax(dim=-1)
 
 
 class Sampler:
@@ -235,22 +264,7 @@ class Sampler:
         logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
     ) -> torch.Tensor:
         """Temperature, min_p, top_k, top_p, then the draw, for the non-greedy rows."""
-        device, vocab = logits.device, logits.shape[-1]
-
-        def column(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=logits.dtype, device=device)
-
-        logits = logits / column([p.temperature for p in params])[:, None]
-        if any(p.min_p > 0 for p in params):
-            logits = apply_min_p(logits, column([p.min_p for p in params]))
-        # The sort behind top_k / top_p is the costliest step: only the rows that filter pay it.
-        filtered = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
-        if filtered:
-            ks = [params[j].top_k if 0 < params[j].top_k < vocab else vocab for j in filtered]
-            top_k = torch.tensor(ks, device=device)
-            top_p = column([params[j].top_p for j in filtered])
-            logits[filtered] = apply_top_k_top_p(take_rows(logits, filtered), top_k, top_p)
-        return inverse_cdf_draw(logits.softmax(dim=-1), generators)
+        return inverse_cdf_draw(filtered_probs(logits, params), generators)
 
 
 def token_logprobs(raw_logprobs: torch.Tensor, chosen: list[int], ks: list[int]) -> list[TokenLogprobs]:
@@ -283,6 +297,11 @@ def _flatten(token_lists: list[list[int]], device: torch.device) -> tuple[torch.
     )
 
 
+def mismatched_lengths(count: int, **inputs: Sized) -> dict[str, int]:
+    """The lengths of the per-row ``inputs`` that are not ``count``, by name."""
+    return {name: len(values) for name, values in inputs.items() if len(values) != count}
+
+
 def _check_batch(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -292,13 +311,13 @@ def _check_batch(
 ) -> None:
     if logits.dim() != 2:
         raise ValueError(f"Sampler expects logits of shape [batch, vocab], got {tuple(logits.shape)}")
-    lengths = {
-        "params": len(params),
-        "generators": len(generators),
-        "output_token_ids": len(output_token_ids),
-        "prompt_token_ids": len(prompt_token_ids),
-    }
-    wrong = {name: n for name, n in lengths.items() if n != logits.shape[0]}
+    wrong = mismatched_lengths(
+        logits.shape[0],
+        params=params,
+        generators=generators,
+        output_token_ids=output_token_ids,
+        prompt_token_ids=prompt_token_ids,
+    )
     if wrong:
         raise ValueError(
             f"Sampler got logits for {logits.shape[0]} rows but per-row inputs of lengths {wrong}"

@@ -145,7 +145,7 @@ class TensorParallel:
         model = LlamaForCausalLM(local, attention_backend=backend)
         hd = cfg.head_dim
         q_start = self.rank * local.num_heads * hd
-        kv_start = self._first_kv_head(cfg) * hd
+        kv_start = self.first_kv_head(cfg) * hd
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             kv = (kv_start, attn.kv_size)
@@ -163,7 +163,9 @@ class TensorParallel:
         model.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self)
         return model
 
-    def _first_kv_head(self, cfg: ModelConfig) -> int:
+    def first_kv_head(self, cfg: ModelConfig) -> int:
+        """The first KV head this rank holds: its share of them, or, with fewer KV heads than
+        ranks, the one head it holds a copy of."""
         if cfg.num_kv_heads >= self.size:
             return self.rank * cfg.num_kv_heads // self.size
         return self.rank // (self.size // cfg.num_kv_heads)  # replicated on consecutive ranks

@@ -66,8 +66,8 @@ class RotaryEmbedding:
 
     The tables are computed once for positions ``[0, n)`` (``n`` doubling on demand up to
     ``max_positions``) and a step gathers its rows: two index selects instead of eight small
-    ops per step, which on the CPU cost ~130 us a decode step (each op runs with cold caches
-    right after the LM head has streamed its weights). Every entry is the float the per-step
+    ops per step, each of which runs with cold caches right after the LM head has streamed its
+    weights. Every entry is the float the per-step
     formula gives: the angle is one float32 product either way, and torch's sin/cos return the
     same float for an element whether it lands in a vector or in the scalar tail.
     """
@@ -77,6 +77,11 @@ class RotaryEmbedding:
         self.max_positions = max_positions
         #: (dtype, device) -> (cos, sign-folded sin) ``[n, head_dim]`` for positions ``[0, n)``
         self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def positions_covered(self, dtype: torch.dtype, device: torch.device) -> int:
+        """Positions the tables for ``dtype`` on ``device`` cover now (0 before the first step)."""
+        cos, _ = self._tables.get((dtype, device), (None, None))
+        return 0 if cos is None else cos.shape[0]
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype, bound: int | None = None

@@ -139,8 +139,9 @@ class AsyncEngine:
         self.observers: list[EngineObserver] = []
         self._peak_utilization = 0.0
         self._publish_stats()
-        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
-        self._thread.start()
+        #: The worker: it alone touches the engine (its id also serves CPU-time probes).
+        self.thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+        self.thread.start()
 
     # -- called from the event loop ---------------------------------------------------------
     async def add(
@@ -172,11 +173,11 @@ class AsyncEngine:
 
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.thread.is_alive()
 
     def health(self) -> str | None:
         """None while requests can be served, else why not (``/health``)."""
-        if not self._thread.is_alive():
+        if not self.thread.is_alive():
             return "engine stopped"
         try:
             self.engine.check_health()
@@ -189,7 +190,7 @@ class AsyncEngine:
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
-        self._thread.join(timeout)
+        self.thread.join(timeout)
 
     def wake(self) -> None:
         """Have the worker ask its observers again (one has something to send, e.g. a new page)."""

@@ -1,8 +1,8 @@
 """Request prompts to token ids: the cheap checks first, the tokenizing off the event loop.
 
-Tokenizing is the costliest thing a request that will be refused can make the server do: about
-two seconds of a core for a 1 MiB body. So a request's prompts pass three stages, cheapest first,
-and the first prompt over a limit ends the work:
+Tokenizing is the costliest thing a request that will be refused can make the server do: its
+time grows with the body, to seconds of a core for a body of a few MiB. So a request's prompts
+pass three stages, cheapest first, and the first prompt over a limit ends the work:
 
 1. a lower bound on each text prompt's tokens from its length, without the tokenizer: a prompt
    whose bound plus ``max_tokens`` exceeds the context, or a batch whose bounds exceed
@@ -21,12 +21,13 @@ the ``tokenizers`` call used, ``encode_batch`` of one text, releases the GIL whi
 ``/health``, streams and other requests are served meanwhile. One thread, as vLLM's tokenizer
 executor: tokenizing takes at most one core from the engine, and bodies are tokenized in turn.
 
-Memory: tokenizing a 1 MiB prompt allocates ~140 MiB of transient ``Encoding`` data (ids, type
-ids, token strings, offsets, masks). glibc keeps what is freed in the arena of the thread that
-allocated it, and that transient fragments the arena instead of shrinking it: a server refusing
-~1 MiB prompts grew from 330 MiB to 1.6 GiB of RSS while no Python object stayed alive. So after
-a large prompt the thread asks glibc to return its free pages (``malloc_trim``): tens of
-milliseconds against the seconds of tokenizing, and nothing at all for ordinary prompts.
+Memory: tokenizing a large prompt allocates transient ``Encoding`` data (ids, type ids, token
+strings, offsets, masks) many times the prompt's size. glibc keeps what is freed in the arena of
+the thread that allocated it, and that transient fragments the arena instead of shrinking it: a
+server refusing large prompts would grow its RSS several-fold while no Python object stays alive
+(tests/server/test_fuzz.py holds it within 1.5x). So after a large prompt the thread asks glibc
+to return its free pages (``malloc_trim``): far less than the tokenizing it follows, and nothing
+at all for ordinary prompts.
 """
 
 from __future__ import annotations

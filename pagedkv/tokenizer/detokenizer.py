@@ -35,6 +35,11 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
+    @property
+    def num_held_ids(self) -> int:
+        """Ids kept for the next push: bounded, since ids whose text is out are dropped."""
+        return len(self._ids)
+
     def _text(self, ids: list[int]) -> str:
         return self._decode(ids, skip_special_tokens=self._skip)
 

@@ -127,7 +127,7 @@ def test_prefill_tiles_match_the_reference(dtype, heads, kv_heads, head_dim):
     case = make_case(context_lens, 16, kv_heads, head_dim, dtype=dtype, seed=11, device="cpu")
     q = torch.randn(sum(q_lens), heads, head_dim).to(dtype)
     options = AttentionOptions(head_dim**-0.5)
-    rows_per_tile = cpu._tile_rows(q, case.layer, options)
+    rows_per_tile = cpu.tile_rows(q, case.layer, options)
     assert (
         0 < rows_per_tile <= 16 and rows_per_tile * heads // kv_heads == paged_attention.load().prefill_lanes
     )
@@ -156,7 +156,7 @@ def test_prefill_tiles_match_the_reference(dtype, heads, kv_heads, head_dim):
 def test_what_the_tiles_cannot_take_keeps_the_row_kernel(heads, kv_heads, head_dim, options):
     case = make_case([30, 12], 16, kv_heads, head_dim, seed=4, device="cpu")
     q = torch.randn(42, heads, head_dim)
-    assert cpu._tile_rows(q, case.layer, options) == 0
+    assert cpu.tile_rows(q, case.layer, options) == 0
     cu = torch.tensor([0, 30, 42], dtype=torch.int32)
     window, cap = options.sliding_window, options.soft_cap
     args = (q, case.layer, case.block_tables, cu, case.context_lens, options.scale, window)
@@ -195,6 +195,6 @@ def test_a_recomputed_sequence_attends_its_generated_tokens_as_decodes_did():
     )
     metadata.prompt_lens = torch.tensor([prompt_len], dtype=torch.int32)
     again = cpu.prefill(q, case.layer, metadata, options)
-    assert cpu._tile_rows(q, case.layer, options) > 0
+    assert cpu.tile_rows(q, case.layer, options) > 0
     assert torch.equal(again[:prompt_len], first)
     assert torch.equal(again[prompt_len:], torch.cat(decodes))

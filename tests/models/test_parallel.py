@@ -41,9 +41,9 @@ def test_each_rank_holds_its_heads_and_kv_heads_are_replicated_when_too_few(conf
     assert shard_config(config, 2).num_heads == 2 and shard_config(config, 2).num_kv_heads == 1
     four = dataclasses.replace(config, num_heads=8)
     assert shard_config(four, 4).num_kv_heads == 1  # 2 KV heads, 4 ranks: each holds one copy
-    firsts = [TensorParallel(rank, 4)._first_kv_head(four) for rank in range(4)]
+    firsts = [TensorParallel(rank, 4).first_kv_head(four) for rank in range(4)]
     assert firsts == [0, 0, 1, 1]
-    assert [TensorParallel(rank, 2)._first_kv_head(config) for rank in range(2)] == [0, 1]
+    assert [TensorParallel(rank, 2).first_kv_head(config) for rank in range(2)] == [0, 1]
 
 
 def test_a_slice_reads_only_its_part_and_pads_the_vocabulary(tmp_path):

@@ -58,7 +58,7 @@ def test_tables_grow_on_demand_and_equal_the_per_step_formula(dtype):
         assert cos.shape == (positions.shape[0], 1, 64)
         assert torch.equal(cos[:, 0], want_cos) and torch.equal(sin[:, 0], want_sin)
     # grown in powers of two from 4096, never past the model's positions
-    assert rotary._tables[(dtype, torch.device("cpu"))][0].shape[0] == 20000
+    assert rotary.positions_covered(dtype, torch.device("cpu")) == 20000
     with pytest.raises(IndexError):
         rotary.cos_sin(torch.tensor([20000]), dtype)
 
@@ -73,9 +73,9 @@ def test_a_bound_from_the_plan_grows_the_tables_without_reading_the_positions():
     cos, sin = rotary.cos_sin(positions, torch.float32, bound=5001)
     want_cos, want_sin = _per_step_formula(rope, 32, positions, torch.float32)
     assert torch.equal(cos[:, 0], want_cos) and torch.equal(sin[:, 0], want_sin)
-    assert rotary._tables[(torch.float32, torch.device("cpu"))][0].shape[0] == 8192
+    cpu = torch.device("cpu")
+    assert rotary.positions_covered(torch.float32, cpu) == 8192
     rotary.cos_sin(torch.tensor([0]), torch.float32, bound=10000)
-    table = rotary._tables[(torch.float32, torch.device("cpu"))][0]
-    assert table.shape[0] == 10000
-    rotary.cos_sin(torch.tensor([9999]), torch.float32, bound=10000)
-    assert rotary._tables[(torch.float32, torch.device("cpu"))][0] is table
+    assert rotary.positions_covered(torch.float32, cpu) == 10000
+    cos, _ = rotary.cos_sin(torch.tensor([9999]), torch.float32, bound=10000)
+    assert torch.equal(cos[:, 0], _per_step_formula(rope, 32, torch.tensor([9999]), torch.float32)[0])

@@ -30,7 +30,7 @@ def worker(engine):
 
 
 def _cpu_seconds(async_engine: AsyncEngine) -> float:
-    return time.clock_gettime(time.pthread_getcpuclockid(async_engine._thread.ident))
+    return time.clock_gettime(time.pthread_getcpuclockid(async_engine.thread.ident))
 
 
 def test_an_idle_worker_sleeps(worker):
@@ -89,7 +89,7 @@ def test_a_crashed_worker_fails_its_callers_instead_of_hanging(worker, engine, m
 
     asyncio.run(run())
     monkeypatch.undo()
-    worker._thread.join(5)
+    worker.thread.join(5)
     assert not worker.is_alive
 
 

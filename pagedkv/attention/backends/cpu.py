@@ -299,7 +299,7 @@ def _tiles(
     return PrefillTiles(*map(as_int32, (seq, row, pos, count, metadata.block_tables)))
 
 
-def _tile_rows(q: Tensor, layer: LayerKV, options: AttentionOptions) -> int:
+def tile_rows(q: Tensor, layer: LayerKV, options: AttentionOptions) -> int:
     """Query rows per prefill tile for this layer, or 0 when the tile kernel cannot take it (a
     window, a soft cap, a quantized pool, or a head shape it was not built for)."""
     kernel = _kernel()
@@ -358,7 +358,7 @@ def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: Att
         raise ValueError(
             f"the cpu attention backend needs CPU tensors, got {q.device}; use 'triton' or 'torch'"
         )
-    split = _prefill_split(metadata, options.soft_cap is None, _tile_rows(q, layer, options))
+    split = _prefill_split(metadata, options.soft_cap is None, tile_rows(q, layer, options))
     if split.kernel_rows is not None and split.rows is None:  # every row on the row kernel
         result = _attend(q, layer, split.kernel_rows, options)
         if result is not None:

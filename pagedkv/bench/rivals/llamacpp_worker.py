@@ -15,8 +15,8 @@ Generation goes through llama.cpp's C API (``llama_decode`` on a ``llama_batch``
 ``llama-batched-bench`` drives it: every request a sequence of one unified KV cache, all prompts
 first in batches of ``n_batch`` tokens, then one decode batch per step holding the next token of
 every unfinished request; greedy is an argmax over the step's logits rows. The KV cache is f16,
-llama.cpp's default and its fastest on this CPU (at 32 x (128 + 128), f16 KV ran 1.2-1.8x the
-speed of an f32 or bf16 one); ``"kv_type": "model"`` keeps it in the model's dtype, as the
+llama.cpp's default and its fastest KV type on the CPU (docs/performance.md, the rivals'
+environments), so llama.cpp runs at its best; ``"kv_type": "model"`` keeps it in the model's dtype, as the
 other engines do.
 """
 

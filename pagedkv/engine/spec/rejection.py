@@ -39,11 +39,12 @@ import torch
 
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sampler import (
-    apply_min_p,
     apply_penalties,
-    apply_top_k_top_p,
     ban_stop_tokens,
+    filtered_probs,
     greedy_tokens,
+    inverse_cdf,
+    mismatched_lengths,
     take_rows,
     token_logprobs,
 )
@@ -176,26 +177,6 @@ def _keep_matching(draft: list[int], targets: list[int]) -> list[int]:
     return [*draft, targets[len(draft)]]
 
 
-def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """What the sampler draws non-greedy rows from: temperature, ``min_p``, ``top_k``, ``top_p``,
-    softmax (the same operations in the same order, so the same numbers row by row)."""
-    device, vocab = logits.device, logits.shape[-1]
-
-    def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=logits.dtype, device=device)
-
-    logits = logits / column([p.temperature for p in params])[:, None]
-    if any(p.min_p > 0 for p in params):
-        logits = apply_min_p(logits, column([p.min_p for p in params]))
-    filtered = [j for j, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1]
-    if filtered:
-        ks = [params[j].top_k if 0 < params[j].top_k < vocab else vocab for j in filtered]
-        top_p = column([params[j].top_p for j in filtered])
-        top_k = torch.tensor(ks, device=device)
-        logits[filtered] = apply_top_k_top_p(take_rows(logits, filtered), top_k, top_p)
-    return logits.softmax(dim=-1)
-
-
 class _Uniforms:
     """``k + 1`` uniform numbers per sequence, drawn up front; :meth:`rewind` leaves a seeded
     generator as if only the numbers used had been drawn, one at a time."""
@@ -220,14 +201,6 @@ class _Uniforms:
         if g is not None and state is not None and used < len(self.values[index]):
             g.set_state(state)
             torch.rand(used, generator=g, dtype=torch.float64, device=g.device)
-
-
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Row ``r``'s first token whose running mass passes ``uniforms[r]`` times the row's total,
-    in float64 (the sampler's draw, with the uniform numbers given)."""
-    mass = probs.to(torch.float64).cumsum(dim=-1)
-    targets = (uniforms.to(mass.device) * mass[:, -1])[:, None]
-    return torch.searchsorted(mass, targets, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 class _Drawn:
@@ -257,7 +230,7 @@ class _Drawn:
         """Draw ``y_j`` for every row at once; keep the proposal while ``x_j == y_j``."""
         values = self.uniforms.values
         flat_uniforms = torch.tensor([u for row in values for u in row], dtype=torch.float64)
-        drawn = _split(_inverse_cdf(self.probs, flat_uniforms).tolist(), [len(row) for row in values])
+        drawn = _split(inverse_cdf(self.probs, flat_uniforms).tolist(), [len(row) for row in values])
         emitted = []
         for position, (draft, targets) in enumerate(zip(self.drafts, drawn, strict=True)):
             tokens = _keep_matching(draft, targets)
@@ -282,7 +255,7 @@ class _Drawn:
             if j < len(draft):
                 residual = (row - draft_probs[self.draft_starts[position] + j]).clamp_(min=0)
                 row = residual if residual.sum() > 0 else row
-            token = _inverse_cdf(row[None], torch.tensor(values[j + int(j < len(draft))])[None])
+            token = inverse_cdf(row[None], torch.tensor(values[j + int(j < len(draft))])[None])
             emitted.append([*draft[:j], int(token)])
             self.uniforms.rewind(position, min(j + 2, len(values)))
         return emitted
@@ -324,13 +297,13 @@ def _check_batch(
 ) -> None:
     if logits.dim() != 2:
         raise ValueError(f"RejectionSampler expects logits of shape [rows, vocab], got {tuple(logits.shape)}")
-    lengths = {
-        "params": len(params),
-        "generators": len(generators),
-        "output_token_ids": len(output_token_ids),
-        "prompt_token_ids": len(prompt_token_ids),
-    }
-    wrong = {name: n for name, n in lengths.items() if n != len(drafts)}
+    wrong = mismatched_lengths(
+        len(drafts),
+        params=params,
+        generators=generators,
+        output_token_ids=output_token_ids,
+        prompt_token_ids=prompt_token_ids,
+    )
     if wrong:
         raise ValueError(f"RejectionSampler got {len(drafts)} drafts but per-sequence inputs of {wrong}")
     rows = sum(len(d) + 1 for d in drafts)
