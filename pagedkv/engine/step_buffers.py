@@ -29,6 +29,9 @@ from pagedkv.engine.step_inputs import StepArrays
 #: the fields, in buffer order: int64 ones, then int32 ones (two to a word)
 INT64_FIELDS = ("input_ids", "positions", "slot_mapping", "logits_indices")
 INT32_FIELDS = ("context_lens", "cu_seqlens_q", "prompt_lens", "block_tables")
+#: layouts whose views a buffer keeps: a run of decode steps at one batch size reuses one
+#: layout for ``block_size`` steps, and making the views costs more than filling them
+KEPT_LAYOUTS = 64
 
 
 @dataclass(frozen=True)
@@ -41,12 +44,12 @@ class StepLayout:
     table_width: int
     has_prompt_lens: bool
 
-    @classmethod
-    def of(cls, arrays: StepArrays) -> StepLayout:
-        return cls(
-            arrays.num_tokens,
+    @staticmethod
+    def of(arrays: StepArrays) -> StepLayout:
+        return _layout(
+            arrays.input_ids.shape[0],
             arrays.logits_indices.shape[0],
-            arrays.num_seqs,
+            arrays.context_lens.shape[0],
             arrays.block_tables.shape[1],
             arrays.prompt_lens is not None,
         )
@@ -78,6 +81,12 @@ class StepLayout:
     def words(self) -> int:
         first, count = self.spans["block_tables"]
         return first + -(-count // 2)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(*sizes: int | bool) -> StepLayout:
+    """One layout object per sizes, so that its spans are worked out once."""
+    return StepLayout(*sizes)
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,7 @@ class StepBuffers:
         self.buffer = torch.empty(words, dtype=torch.int64, device=self.device)
         self._staging = [torch.empty(words, dtype=torch.int64, pin_memory=self._pinned) for _ in range(2)]
         self._host = [staging.numpy() for staging in self._staging]
+        self._views: dict[StepLayout, StepTensors] = {}  # of this buffer
         #: recorded after each staging array's last copy (an event never recorded counts as done)
         self._copied = [torch.cuda.Event() for _ in range(2)] if self._pinned else []
 
@@ -147,7 +157,16 @@ class StepBuffers:
         return layout
 
     def views(self, layout: StepLayout) -> StepTensors:
-        """The fields of a step of ``layout`` as views of the device buffer."""
+        """The fields of a step of ``layout`` as views of the device buffer (the same view
+        objects for the same layout, until the buffer grows)."""
+        kept = self._views.get(layout)
+        if kept is None:
+            if len(self._views) >= KEPT_LAYOUTS:
+                self._views.clear()
+            kept = self._views[layout] = self._make_views(layout)
+        return kept
+
+    def _make_views(self, layout: StepLayout) -> StepTensors:
         tensors: dict[str, torch.Tensor | None] = {}
         for name, (first, count) in layout.spans.items():
             if name in INT64_FIELDS:
