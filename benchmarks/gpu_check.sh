@@ -5,19 +5,22 @@
 #   1. preflight: torch sees the GPU, triton, transformers and pagedkv import (else nothing runs);
 #   2. CUDA graphs: captured for every batch size, the same tokens as enforce_eager through forks,
 #      beams and preemption, and no host-device sync inside a step (torch's sync debug mode);
-#   3. exactness on CUDA: float32 greedy tokens equal transformers'; bfloat16 within the documented
+#   3. the Triton split-KV decode and its merge kernel, compiled (the engine tests' contexts are
+#      too short to split);
+#   4. exactness on CUDA: float32 greedy tokens equal transformers'; bfloat16 within the documented
 #      agreement criterion (tests/engine/test_bf16_agreement.py);
-#   4. bench throughput on Llama-3.2-1B's shape (seeded random weights drawn on the GPU): mixed,
+#   5. bench throughput on Llama-3.2-1B's shape (seeded random weights drawn on the GPU): mixed,
 #      uniform and single workloads, decode steps at batch 1 and 64 against the bandwidth floor,
-#      pagedkv with and without CUDA graphs, transformers on the same GPU, vLLM if importable;
-#   5. the same decode figures on Llama-3.1-8B's shape;
-#   6. tests/attention with every paged case on the GPU (backends torch and triton);
-#   7. the Triton decode kernel alone: against contiguous SDPA, on quantized blocks, and where a
+#      pagedkv with and without CUDA graphs, transformers on the same GPU, vLLM (its column says
+#      "not run" and why when this Python cannot import it);
+#   6. the same decode figures on Llama-3.1-8B's shape;
+#   7. tests/attention with every paged case on the GPU (backends torch and triton);
+#   8. the Triton decode kernel alone: against contiguous SDPA, on quantized blocks, and where a
 #      call's time goes (GPU time per kernel, the split merge among them, vs wall and host time).
 # Every section runs under its own time limit and the script's budget ($GPU_CHECK_BUDGET_S, default
-# 480 s: a section that would start past it is skipped and says so); a failing section is reported
-# and the next one runs. The exit status is 1 when any section failed or was skipped. Last come the
-# summary (each section's outcome) and the figures.
+# 480 s, which sections 1-6 fit in; 900 runs all): a section that would start past it is skipped
+# and says so; a failing section is reported and the next one runs. The exit status is 1 when any
+# section failed or was skipped. Last come the summary (each section's outcome) and the figures.
 # Output: everything on stdout; with $OUT set, also $OUT/gpu_check.log, $OUT/summary.txt and each
 # bench's JSON ($OUT/bench-<shape>.json).
 # Usage: benchmarks/gpu_check.sh   (from anywhere; uses .venv/bin/python if present, else python3;
@@ -215,18 +218,19 @@ main() {
         cat "$SUMMARY"
         return 1
     fi
-    local vllm="" collect=()
-    "$PY" -c "import vllm" 2>/dev/null && vllm=vllm
+    local collect=()
     [ -n "$DRY_RUN" ] && collect=(--collect-only)
     # --confcutdir: these tests need none of tests/conftest.py's browser fixtures (selenium)
     local pytest=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=5 "${collect[@]}")
     section "CUDA graphs: captured, same tokens as enforce_eager, no sync inside a step" 150 \
         "${pytest[@]}" --confcutdir=tests/engine tests/engine/test_cuda_graphs.py
+    section "Triton split-KV decode and its merge kernel, compiled" 90 \
+        "${pytest[@]}" --confcutdir=tests/attention tests/attention/test_attention_triton.py
     section "exactness on CUDA: float32 greedy = transformers, bfloat16 agreement" 240 \
         "${pytest[@]}" --confcutdir=tests/engine tests/engine/test_engine_exactness.py \
         tests/engine/test_bf16_agreement.py
     section "bench throughput, Llama-3.2-1B shape, bfloat16" 270 \
-        bench llama-3.2-1b "pagedkv pagedkv-eager transformers $vllm" "mixed uniform single" 2
+        bench llama-3.2-1b "pagedkv pagedkv-eager transformers vllm" "mixed uniform single" 2
     section "bench throughput, Llama-3.1-8B shape, bfloat16 (decode steps)" 150 \
         bench llama-3.1-8b "pagedkv pagedkv-eager transformers" "single" 1
     section "tests/attention on the GPU (torch + triton backends)" 150 \
