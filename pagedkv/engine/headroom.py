@@ -246,7 +246,15 @@ class Projection:
         """``seq`` was admitted and computes ``scheduled_tokens`` this step: it runs now."""
         self.running.append(seq)
         self.scheduled[seq.seq_id] = scheduled_tokens
-        self.growths.append(self.headroom.running_growth(seq, scheduled_tokens))
+        manager = self.headroom.kv_manager
+        if manager.private_blocks(seq.seq_id) < len(manager.table(seq.seq_id).block_ids):
+            # It shares blocks a running sequence held alone: those no longer come back when that
+            # one finishes, so every ``held`` is read again.
+            self.growths = [
+                self.headroom.running_growth(s, self.scheduled.get(s.seq_id, 0)) for s in self.running
+            ]
+        else:
+            self.growths.append(self.headroom.running_growth(seq, scheduled_tokens))
 
 
 def _cow(slots: int, block_size: int, copies: int) -> int:

@@ -362,6 +362,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         lost = seq.num_computed_tokens
         self._refusal = None  # its blocks come back, and it heads the queue
+        self._projection = None  # it projected the running set this sequence has just left
         self.running.remove(seq)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self.kv_manager.free(seq.seq_id)

@@ -7,14 +7,14 @@ preemption), never through time.
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine.headroom import Refusal
 from pagedkv.engine.sequence import SequenceStatus
 from tests.checkpoints import make_checkpoint
-from tests.engine.test_engine_invariants import prompts  # the same prompt mix, shared prefixes too
+from tests.engine.test_engine_invariants import SHARED, prompts  # the same prompt mix, shared prefixes too
 
 #: Requests in the offline batch: enough to over-commit a 48-block pool without headroom.
 BATCH = 16
@@ -112,8 +112,19 @@ def _check_blocks(engine):
     assert all(seq.status is SequenceStatus.RUNNING for seq in engine.scheduler.running)
 
 
+#: A request admitted in a step shares the prefix of a running one (whose blocks then no longer
+#: come back when it finishes) before a second request is weighed against the same projection.
+SHARED_THEN_ADMITTED = [
+    ("add", ([*SHARED, 20], 7, 1)),
+    ("step", 1),
+    ("add", ([*SHARED, *[20] * 6], 28, 2)),
+    ("add", ([20] * 12, 23, 1)),
+]
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(actions)
+@example(script=SHARED_THEN_ADMITTED)
 def test_with_headroom_random_workloads_never_leak_and_never_preempt(engine_factory, script):
     engine = engine_factory()
     for i, (kind, arg) in enumerate(script):
