@@ -207,8 +207,21 @@ chunky_engine = st.sampled_from([8, 64])
 STOP_IDS = 8  # a step budget that splits prompts into chunks, or not
 
 
+#: Chunked prompts (a step budget of 8) and a newcomer within its share that takes back blocks
+#: from a request over its share: a preemption in the middle of admission.
+RECLAIMED_DURING_ADMISSION = [
+    ("add", ([*SHARED, 20], 16, 2)),
+    ("step", 1),
+    ("add", ([*SHARED, *[20] * 10], 5, 3)),
+    ("add", ([20], 1, 1)),
+    ("add", ([20], 1, 1)),
+    ("add", ([*SHARED, 20], 1, 1)),
+]
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(actions, chunky_engine, st.booleans(), st.sampled_from([1.0, 0.5]))
+@example(script=RECLAIMED_DURING_ADMISSION, budget=8, early=False, ratio=1.0)
 def test_a_standing_refusal_schedules_exactly_as_projecting(
     model_path, monkeypatch, script, budget, early, ratio
 ):
