@@ -20,7 +20,9 @@
 # Every section runs under its own time limit and the script's budget ($GPU_CHECK_BUDGET_S, default
 # 480 s, which sections 1-6 fit in; 900 runs all): a section that would start past it is skipped
 # and says so; a failing section is reported and the next one runs. The exit status is 1 when any
-# section failed or was skipped. Last come the summary (each section's outcome) and the figures.
+# section failed or was skipped. The script ends within about 20 s of the budget (the preflight has
+# 90 s, a section past its limit gets SIGINT, then SIGKILL 15 s later). Last come the summary (each
+# section's outcome) and the figures.
 # Output: everything on stdout; with $OUT set, also $OUT/gpu_check.log, $OUT/summary.txt and each
 # bench's JSON ($OUT/bench-<shape>.json).
 # Usage: benchmarks/gpu_check.sh   (from anywhere; uses .venv/bin/python if present, else python3;
@@ -209,11 +211,11 @@ for path in sorted(Path(os.environ["RESULTS"]).glob("bench-*.json")):
 PY
 }
 
-export -f bench kernel_benchmarks
+export -f preflight bench kernel_benchmarks
 
 main() {
-    echo "== preflight =="
-    if ! preflight; then
+    echo "== preflight (at most 90 s) =="
+    if ! timeout --kill-after=10 90 bash -c preflight; then
         echo "FAILED   preflight: nothing else can run" >>"$SUMMARY"
         cat "$SUMMARY"
         return 1
