@@ -28,6 +28,7 @@ from rich.console import Console
 
 from pagedkv.engine.config import SCHEDULING_POLICIES, EngineConfig
 from pagedkv.engine.kv_policy import POLICY_NAMES
+from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.validation import RequestLimits
 from pagedkv.kernels import LINEAR_KERNELS
 from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES, parse_bytes
@@ -80,6 +81,14 @@ def unit_fraction(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {value}")
     return value
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """argparse type for ``--speculative-config``: a JSON object in vLLM's shape."""
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_command(
@@ -275,6 +284,14 @@ ENGINE_OPTIONS = (
         "load_format",
         f"auto: the checkpoint's weights; dummy: seeded random weights of config.json's shape {DEFAULT}",
         choices=("auto", "dummy"),
+    ),
+    EngineOption(
+        "speculative_config",
+        'speculative decoding, as JSON in vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} (prompt lookup) or {"model": DIR or '
+        '"stdlib-llama-draft", "num_speculative_tokens": 2} (a draft model with the same tokenizer); '
+        "default: off",
+        speculative_config,
     ),
     EngineOption(
         "tensor_parallel_size", f"ranks the model is sharded over, one process each {DEFAULT}", positive_int

@@ -146,6 +146,7 @@ def test_the_engine_reaches_the_model_only_through_the_executor():
         and any(t.startswith(("pagedkv.attention", "pagedkv.models.loader")) for t in targets)
     }
     executors = {
+        "pagedkv.engine.executor.draft",  # speculative decoding's draft model
         "pagedkv.engine.executor.in_process",
         "pagedkv.engine.executor.multiproc",
         "pagedkv.engine.executor.worker",

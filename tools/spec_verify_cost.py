@@ -4,12 +4,13 @@
         [--threads 1] [--repeats 30] [--model DIR]
 
 For each batch size, ``--batch`` sequences hold ``--context`` tokens of KV; one step plan gives
-each of them ``k + 1`` query rows (``k = 0`` is a plain decode step, which runs the decode-only
-path) and asks for every row's logits, as a verification step does. Printed per (batch, k): the
-median time of ``executor.execute`` over ``--repeats`` runs, its ratio to the plain decode step,
-and the median time of :class:`~pagedkv.engine.spec.rejection.RejectionSampler` over those
-logits (greedy rows and seeded temperature-1 rows, proposals drawn at random so most are
-rejected). Timings move with the machine's load: compare rows taken in one run.
+each of them ``k + 1`` query rows (``k = 0`` is a plain decode step) and asks for every row's
+logits, as a verification step does. The rows are generated tokens (past the prompt), so every
+step takes the C decode stack where the model has one. Printed per (batch, k): the median time
+of ``executor.execute`` over ``--repeats`` runs, its ratio to the plain decode step, and the
+median time of :class:`~pagedkv.engine.spec.rejection.RejectionSampler` over those logits
+(greedy rows and seeded temperature-1 rows, proposals drawn at random so most are rejected).
+Timings move with the machine's load: compare rows taken in one run.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def verify_plan(
             start=len(tokens),
             block_table=list(llm.engine.kv_manager.block_ids(seq_id)),
             needs_logits=True,
-            prompt_logits=k > 0,  # every row's logits, as verification needs
+            prompt_len=len(tokens),  # the context is the prompt, the k + 1 rows generated tokens
+            num_spec_tokens=k,  # every row's logits, as verification needs
         )
         for seq_id, tokens in zip(seq_ids, context, strict=True)
     ]

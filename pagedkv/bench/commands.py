@@ -17,6 +17,8 @@ from pagedkv.bench.serve import ServeConfig, print_report
 from pagedkv.bench.serve_servers import run_serve
 from pagedkv.bench.sharing import SharingConfig, run_sharing
 from pagedkv.bench.sharing_report import print_sharing, write_sharing_plots
+from pagedkv.bench.spec import SpecConfig, run_spec
+from pagedkv.bench.spec_report import print_spec
 from pagedkv.bench.throughput import ThroughputConfig
 from pagedkv.bench.throughput_engines import run_throughput
 from pagedkv.bench.throughput_report import print_result
@@ -147,4 +149,21 @@ QUALITY = Bench(
 )
 
 
-BENCHES = (CAPACITY, SHARING, SERVE, ROUTER, THROUGHPUT, PARALLEL, QUALITY)
+SPEC = Bench(
+    name="spec",
+    doc="""speculative decoding: tokens/s with n-gram and draft-model speculation against none and llama.cpp
+
+    The built-in model (or --model) writes --max-tokens greedy tokens after the first --prompt-len
+    tokens of texts it never trained on -- held-out standard-library Python files, and the language
+    reference's prose -- single stream and in batches, through pagedkv without speculation, with
+    n-gram speculation and with the shipped draft model, and through llama.cpp on the same weights
+    with and without its prompt lookup decoding (given --llamacpp-python). Engines take turns
+    workload by workload; prints tokens/s, the ratios, acceptance and whether greedy ids agree.
+    """,
+    config=SpecConfig,
+    run=run_spec,
+    report=print_spec,
+)
+
+
+BENCHES = (CAPACITY, SHARING, SERVE, ROUTER, THROUGHPUT, PARALLEL, QUALITY, SPEC)

@@ -188,6 +188,8 @@ class RivalEngine:
 
     def run(self, workload: Workload) -> tuple[float, list[list[int]]]:
         reply = self._ask({"cmd": "run", "workload": workload.to_json()})
+        #: what the worker counted of this run beyond its tokens (e.g. drafts), or {}
+        self.last_stats = reply.get("stats", {})
         return reply["elapsed_s"], reply["token_ids"]
 
     def _ask(self, command: dict) -> dict:

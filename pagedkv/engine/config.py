@@ -6,11 +6,13 @@ defaults from here, so this module imports neither torch nor the model code.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.kv_policy import KVPolicy
+from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.validation import RequestLimits
 
 if TYPE_CHECKING:
@@ -83,3 +85,15 @@ class EngineConfig:
     #: torch CPU threads of each rank; None: the engine process's threads shared by the
     #: machine's ranks.
     threads_per_rank: int | None = None
+    #: Speculative decoding (vLLM's ``speculative_config``): a :class:`SpeculativeConfig`, or its
+    #: dict or JSON text (parsed here, so a bad one is refused before anything loads); None: off.
+    speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
+
+    def __post_init__(self) -> None:
+        spec = self.speculative_config
+        if isinstance(spec, str):
+            self.speculative_config = SpeculativeConfig.from_json(spec)
+        elif isinstance(spec, Mapping):
+            self.speculative_config = SpeculativeConfig.from_dict(spec)
+        elif spec is not None and not isinstance(spec, SpeculativeConfig):
+            raise ValueError(f"speculative_config must be a dict or JSON text, got {type(spec).__name__}")

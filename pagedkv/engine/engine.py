@@ -36,6 +36,7 @@ from pagedkv.engine.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.sequence import BeamState, Request, Sequence
+from pagedkv.engine.spec.factory import make_verifier
 from pagedkv.engine.stats import EngineStats, KVSnapshot, StatsCollector, StepStats
 from pagedkv.engine.validation import InvalidRequestError, RequestValidator
 from pagedkv.memory import KVCacheManager
@@ -83,8 +84,11 @@ class LLMEngine:
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.sampler = Sampler(sorted(eos))
+        #: Speculative decoding's proposer, policy and verifier (None: off).
+        vocab = self.model_config.vocab_size
+        self.verifier = make_verifier(config, self.max_model_len, vocab, sorted(eos), num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
-        self.stats_collector = StatsCollector(self.scheduler)
+        self.stats_collector = StatsCollector(self.scheduler, speculating=self.verifier is not None)
         self.requests: dict[str, Request] = {}
 
     # -- requests ---------------------------------------------------------------------------
@@ -163,6 +167,8 @@ class LLMEngine:
         """One forward pass; the outputs of every request that produced a token or finished (with
         ``finished_only``, of those that finished: all the offline ``LLM`` reads, and cheaper)."""
         started = time.perf_counter()
+        if self.verifier is not None:
+            self.verifier.speculator.propose(self.scheduler.running)
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             if self.scheduler.has_work:
@@ -172,7 +178,7 @@ class LLMEngine:
         logits = self.executor.execute(plan)
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
         logits = take_prompt_logprobs(scheduled.scheduled, plan.slices, logits)
-        sampled = sample_step(scheduled, logits, self.sampler, self.scheduler, self.tokenizer)
+        sampled = sample_step(scheduled, logits, self.sampler, self.scheduler, self.tokenizer, self.verifier)
         processed = self.output_processor.process(sampled, self.scheduler, computed_at, finished_only)
         self._publish(scheduled, sampled, processed, started)
         return processed.outputs
@@ -184,8 +190,12 @@ class LLMEngine:
         finished = [output.request_id for output in processed.outputs if output.finished]
         for request_id in finished:
             self.requests.pop(request_id, None)
+        if self.verifier is not None:
+            self.verifier.speculator.forget_gone(self.scheduler.running)
         elapsed, generated = time.perf_counter() - started, processed.generated_tokens
-        self.stats_collector.record_step(scheduled, sampled.prompt_tokens, generated, len(finished), elapsed)
+        self.stats_collector.record_step(
+            scheduled, sampled.prompt_tokens, generated, len(finished), elapsed, sampled.spec_decoding
+        )
 
     # -- what the engine publishes ----------------------------------------------------------
     @property

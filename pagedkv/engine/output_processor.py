@@ -15,6 +15,7 @@ from pagedkv.engine.beam_search import advance_beams
 from pagedkv.engine.fault_isolation import error_message
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedkv.engine.sequence import Request, Sequence
+from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -35,6 +36,9 @@ class SampledStep:
     prompt_tokens: int
     #: The requests whose sampling raised (by request id), with what they raised.
     failures: dict[str, BaseException] = field(default_factory=dict)
+    #: The drafts this step verified (speculative decoding; None when it verified none). A
+    #: speculating sequence appears in ``seqs`` once per token it keeps, in order.
+    spec_decoding: SpecDecodingStats | None = None
 
 
 @dataclass
@@ -83,6 +87,8 @@ class OutputProcessor:
         for seq, token, logprobs in zip(sampled.seqs, sampled.token_ids, sampled.logprobs, strict=True):
             touched[seq.request.request_id] = seq.request
             if token is None:  # its request failed: ended in process()
+                continue
+            if seq.finish_reason is not None:  # a verified token after one that stopped it
                 continue
             self.append_token(seq, token, logprobs)
             generated += 1
@@ -144,6 +150,8 @@ class OutputProcessor:
         metrics = {"arrival_time": request.arrival_time}
         if request.first_token_time is not None:
             metrics["time_to_first_token"] = request.first_token_time - request.arrival_time
+        if request.spec_decoding is not None:
+            metrics |= request.spec_decoding.request_metrics(request.spec_disabled_reason)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,

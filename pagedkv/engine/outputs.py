@@ -44,7 +44,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
+    #: Timings (``arrival_time``, ``time_to_first_token``) and, with speculative decoding, the
+    #: request's drafts (``spec_decode_num_drafts``, ``..._num_draft_tokens``,
+    #: ``..._num_accepted_tokens``) or why it did not speculate (``spec_decode_disabled_reason``).
+    metrics: dict[str, float | str] = field(default_factory=dict)
     #: Set when the request failed inside the engine (its outputs end with ``finish_reason="error"``).
     error: str | None = None
     #: With ``SamplingParams.prompt_logprobs``: one entry per prompt token, None for the first

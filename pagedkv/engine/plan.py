@@ -31,6 +31,9 @@ class SeqSlice:
     #: generated ones, whose attention the backend computes the same way when a preempted
     #: sequence computes them again (see ``AttentionMetadata.prompt_lens``).
     prompt_len: int | None = None
+    #: The slice's last tokens are this many proposed ones (speculative decoding): the step
+    #: verifies them, so the logits of each of them and of the token before them are returned.
+    num_spec_tokens: int = 0
 
     @property
     def end(self) -> int:
@@ -38,10 +41,12 @@ class SeqSlice:
 
     def logits_rows(self) -> range:
         """The rows of this slice (0 = its first token) whose logits the step returns: all of
-        them for prompt logprobs, else the last one if it is sampled, else none."""
+        them for prompt logprobs, else the last ``1 + num_spec_tokens`` if it is sampled, else
+        none."""
+        length = len(self.token_ids)
         if self.prompt_logits:
-            return range(len(self.token_ids))
-        return range(len(self.token_ids) - 1, len(self.token_ids)) if self.needs_logits else range(0)
+            return range(length)
+        return range(length - 1 - self.num_spec_tokens, length) if self.needs_logits else range(0)
 
 
 @dataclass(frozen=True)

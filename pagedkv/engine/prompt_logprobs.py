@@ -47,7 +47,7 @@ def take_prompt_logprobs(
         if piece.prompt_logits:
             record(item.seq.request, piece.start, logits[offset : offset + count])
         if piece.needs_logits:
-            sampled_rows.append(offset + count - 1)
+            sampled_rows.extend(range(offset + count - 1 - piece.num_spec_tokens, offset + count))
         offset += count
     return logits[sampled_rows]
 

@@ -3,7 +3,9 @@
 A request's first sample forks its ``n - 1`` siblings here, sharing the prompt's blocks
 (copy-on-write); beams only keep their log-probabilities, ranked once all of a request's beams
 have them. Sampling itself goes through :mod:`pagedkv.engine.fault_isolation`, so a request
-whose sampling raises fails alone.
+whose sampling raises fails alone. A slice that ends with proposed tokens (speculative
+decoding) has ``1 + k`` logits rows and is verified instead (:mod:`pagedkv.engine.spec.verify`):
+its sequence keeps the accepted tokens and one more, and its KV table is rolled back to them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from pagedkv.engine.fault_isolation import sample_rows
 from pagedkv.engine.output_processor import SampledStep
 from pagedkv.engine.sampler import Sampler, make_generator, take_rows
 from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
+from pagedkv.engine.scheduler_output import ScheduledSeq
 from pagedkv.engine.sequence import Request, Sequence
+from pagedkv.engine.spec.verify import VerifiedStep, Verifier
 from pagedkv.tokenizer import NoTokenizer, Tokenizer
 
 
@@ -24,31 +28,45 @@ def sample_step(
     sampler: Sampler,
     scheduler: Scheduler,
     tokenizer: Tokenizer | NoTokenizer,
+    verifier: Verifier | None = None,
 ) -> SampledStep:
-    """Sample the step's sequences (``logits`` row ``i`` is the ``i``-th slice that needs logits)."""
+    """Sample the step's sequences: ``logits`` holds, in step order, one row per slice that
+    needs logits, ``1 + k`` for a slice ending with ``k`` proposed tokens."""
     for item in scheduled.scheduled:
-        item.seq.num_computed_tokens = item.end
+        item.seq.num_computed_tokens = item.end - item.num_spec_tokens
     seqs: list[Sequence] = []  # sequences to sample, forked samples included
     rows: list[int] = []  # the logits row each of them samples from
+    verifying: list[tuple[ScheduledSeq, int]] = []  # speculating slices and their first row
     beams: dict[str, Request] = {}
-    prompt_tokens = 0
-    for row, item in enumerate(item for item in scheduled.scheduled if item.needs_logits):
-        seq = item.seq
+    prompt_tokens = row = 0
+    for item in (item for item in scheduled.scheduled if item.needs_logits):
+        seq, first = item.seq, row
+        row += 1 + item.num_spec_tokens
+        if item.num_spec_tokens:
+            verifying.append((item, first))
+            continue
         if seq.num_output_tokens == 0:
             prompt_tokens += seq.num_tokens
         if seq.request.beam is not None:
-            seq.pending_logprobs = logits[row].log_softmax(dim=-1)
+            seq.pending_logprobs = logits[first].log_softmax(dim=-1)
             beams[seq.request.request_id] = seq.request
             continue
         group = fork_samples(seq, scheduler, tokenizer) if seq.request.needs_fork else [seq]
-        rows.extend([row] * len(group))
+        rows.extend([first] * len(group))
         seqs.extend(group)
-    result = sample_rows(sampler, take_rows(logits, rows), seqs)
+    result = sample_rows(sampler, take_rows(logits, rows) if rows else logits[:0], seqs)
+    verified = verifier.verify(verifying, logits, scheduler) if verifier is not None else VerifiedStep()
     # In step order (a set's order would follow memory addresses): when two sequences computed
     # the same block, which one keeps it must not change from run to run.
     scheduler.cache_computed_blocks(dict.fromkeys([*(item.seq for item in scheduled.scheduled), *seqs]))
     return SampledStep(
-        seqs, result.token_ids, result.logprobs, list(beams.values()), prompt_tokens, result.failures
+        seqs + verified.seqs,
+        result.token_ids + verified.token_ids,
+        result.logprobs + verified.logprobs,
+        list(beams.values()),
+        prompt_tokens,
+        result.failures | verified.failures,
+        verified.stats if verifying else None,
     )
 
 

@@ -1,9 +1,9 @@
 """Continuous batching: which sequences run this step, and how many tokens each computes.
 
-Every step the scheduler first serves the running sequences (decodes, then unfinished prompt
-chunks), then admits waiting ones while the token budget, the sequence budget and the KV cache
-allow. New requests join and finished ones leave at every step. A long prompt is computed in
-chunks so it never stalls the running decodes for a whole prompt's worth of compute.
+Every step the scheduler first serves the running sequences (decodes and the tokens they
+proposed, then unfinished prompt chunks), then admits waiting ones while the token budget, the
+sequence budget and the KV cache allow. New requests join and finished ones leave at every step.
+A long prompt is computed in chunks, never stalling the running decodes for a whole prompt.
 
 The KV policy (:mod:`pagedkv.engine.kv_policy`) decides what admission reserves: ``paged`` the
 prompt's blocks, the contiguous policies a whole reservation up front. Under ``paged`` a request
@@ -40,6 +40,7 @@ from pagedkv.engine.headroom import Headroom, Projection, Refusal
 from pagedkv.engine.kv_policy import PAGED, KVPolicy
 from pagedkv.engine.scheduler_output import ScheduledSeq, SchedulerOutput  # the step's record
 from pagedkv.engine.sequence import Sequence, SequenceStatus
+from pagedkv.engine.spec.scheduling import add_spec_tokens
 from pagedkv.memory import KVCacheManager
 
 logger = logging.getLogger("pagedkv.scheduler")
@@ -246,10 +247,15 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> int:
-        """Decodes first (they are cheap and keep inter-token latency steady), then unfinished
+        """Decodes first (they are cheap and keep inter-token latency steady), then the tokens
+        they proposed (:func:`~pagedkv.engine.spec.scheduling.add_spec_tokens`), then unfinished
         prompt chunks; returns the token budget left."""
         budget = self.max_num_batched_tokens
-        for seq in sorted(self.running, key=lambda s: s.in_prefill):
+        running = sorted(self.running, key=lambda s: s.in_prefill)
+        num_decodes = sum(not s.in_prefill for s in running)
+        for i, seq in enumerate(running):
+            if i == num_decodes:
+                budget = add_spec_tokens(out, self.kv_manager, budget)
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue  # preempted while making room for an earlier one
             if seq.num_computed_tokens == seq.num_tokens:
@@ -267,7 +273,13 @@ class Scheduler:
                 n = 1
             out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
             budget -= n
-        return budget
+        return add_spec_tokens(out, self.kv_manager, budget) if num_decodes == len(running) else budget
+
+    def rollback(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Drop ``seq``'s rejected proposals: its table shrinks, emptied blocks return to the pool."""
+        seq.num_computed_tokens = num_computed_tokens
+        self.kv_manager.truncate(seq.seq_id, num_computed_tokens, free_blocks=self.kv_policy.grows_on_demand)
+        self._refusal = None  # blocks may have come back
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in fair order (:mod:`pagedkv.engine.fairness`) while the
@@ -367,6 +379,7 @@ class Scheduler:
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         self.kv_manager.free(seq.seq_id)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self._enqueue(seq, front=True)

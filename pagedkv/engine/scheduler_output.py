@@ -18,7 +18,9 @@ from pagedkv.memory import KVCacheManager
 class ScheduledSeq:
     """A sequence and the slice ``start:end`` of its tokens this step computes.
 
-    Fixed when scheduled: the sequence itself moves on after the step.
+    Fixed when scheduled: the sequence itself moves on after the step. A speculating decode's
+    slice ends with its proposed tokens: positions ``end - num_spec_tokens .. end - 1`` hold
+    ``spec_token_ids``, which are not (yet) the sequence's tokens.
     """
 
     seq: Sequence
@@ -26,6 +28,8 @@ class ScheduledSeq:
     end: int
     #: The slice reaches the sequence's last token, so its logits are sampled.
     needs_logits: bool
+    #: The proposed tokens this step verifies after the sequence's last token.
+    spec_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def next_chunk(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
@@ -33,9 +37,17 @@ class ScheduledSeq:
         end = start + num_new_tokens
         return cls(seq, start, end, end == seq.num_tokens and seq.finish_reason is None)
 
+    def with_spec_tokens(self, spec_token_ids: tuple[int, ...]) -> ScheduledSeq:
+        """This decode, followed by ``spec_token_ids`` to verify in the same pass."""
+        return ScheduledSeq(self.seq, self.start, self.end + len(spec_token_ids), True, spec_token_ids)
+
     @property
     def num_new_tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return len(self.spec_token_ids)
 
 
 @dataclass
@@ -72,12 +84,14 @@ class SchedulerOutput:
         move on) and the block copies, as plain data."""
         slices = [
             SeqSlice(
-                token_ids=item.seq.token_ids[item.start : item.end],
+                token_ids=item.seq.token_ids[item.start : item.end - item.num_spec_tokens]
+                + list(item.spec_token_ids),
                 start=item.start,
                 block_table=list(kv_manager.block_ids(item.seq.seq_id)),
                 needs_logits=item.needs_logits,
                 prompt_logits=item.seq.needs_prompt_logits,
                 prompt_len=item.seq.prompt_len,
+                num_spec_tokens=item.num_spec_tokens,
             )
             for item in self.scheduled
         ]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
+from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.engine.stop_strings import StopScan, StopStringMatcher
 from pagedkv.tokenizer import IncrementalDetokenizer
 
@@ -59,6 +60,11 @@ class Sequence:
     pending_logprobs: torch.Tensor | None = None
     #: Where ``text`` stands among the request's stop strings (None when it has none).
     stop_scan: StopScan | None = field(default=None, init=False)
+    #: Tokens proposed to follow ``token_ids`` this step (vLLM's name), verified by the target
+    #: model in the step's forward pass. Never part of ``token_ids``: only what verification
+    #: accepts is appended, so nothing built on ``token_ids`` (the prefix cache, stop strings,
+    #: the detokenizer) ever sees an unverified token.
+    spec_token_ids: list[int] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if self.request.stop_matcher is not None:
@@ -167,6 +173,11 @@ class Request:
     #: None: itself. Fair admission (:mod:`pagedkv.engine.fairness`) shares the engine out per
     #: client request.
     client_request_id: str | None = None
+    #: What speculative decoding drafted and accepted for this request's sequences (None: the
+    #: engine does not speculate).
+    spec_decoding: SpecDecodingStats | None = field(default=None, init=False)
+    #: Why this request does not speculate although the engine does (e.g. beam search).
+    spec_disabled_reason: str | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None:

@@ -16,10 +16,11 @@ they are built from the scheduler's and the KV manager's counters by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.memory import KVUsage
 
 if TYPE_CHECKING:
@@ -68,6 +69,8 @@ class StepStats:
     #: although the batch had room (decided when the step was scheduled).
     admission_blocked_by_kv: bool
     step_time_s: float
+    #: The drafts this step verified (vLLM's ``SpecDecodingStats``); None when none was.
+    spec_decoding: SpecDecodingStats | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -97,6 +100,8 @@ class EngineStats:
     prefix_cache_hits: int
     prompt_tokens: int
     generated_tokens: int
+    #: Every draft verified since the engine started; None for an engine that does not speculate.
+    spec_decoding: SpecDecodingStats | None = None
 
     def kv_stats(self) -> dict[str, float | int]:
         """Blocks total / used / free / cached, utilization, preemptions, prefix-cache tokens,
@@ -175,13 +180,21 @@ SUMMED = ("preemptions", "dropped_tokens", "prompt_tokens", "generated_tokens")
 class StatsCollector:
     """Builds the records above from the scheduler and its KV manager; keeps the totals."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, speculating: bool = False) -> None:
         self.scheduler = scheduler
         self.last_step: StepStats | None = None
         self.totals = dict.fromkeys(("steps", *SUMMED), 0)
+        #: The drafts of every step so far (None when the engine does not speculate).
+        self.spec_totals = SpecDecodingStats() if speculating else None
 
     def record_step(
-        self, out: SchedulerOutput, prompt_tokens: int, generated: int, finished: int, seconds: float
+        self,
+        out: SchedulerOutput,
+        prompt_tokens: int,
+        generated: int,
+        finished: int,
+        seconds: float,
+        spec_decoding: SpecDecodingStats | None = None,
     ) -> StepStats:
         scheduler, kv_manager = self.scheduler, self.scheduler.kv_manager
         prefill = sum(max(0, min(i.end, i.seq.prompt_len) - i.start) for i in out.scheduled)
@@ -211,7 +224,10 @@ class StatsCollector:
             waiting=len(scheduler.waiting),
             admission_blocked_by_kv=scheduler.admission_blocked_by_kv,
             step_time_s=seconds,
+            spec_decoding=spec_decoding,
         )
+        if spec_decoding is not None and self.spec_totals is not None:
+            self.spec_totals.merge(spec_decoding)
         self.totals["steps"] = step.step
         for name in SUMMED:
             self.totals[name] += getattr(step, name)
@@ -231,7 +247,15 @@ class StatsCollector:
             waiting=len(queues.waiting),
             **prefix,
             **self.totals,
+            spec_decoding=self._spec_totals_copy(),
         )
+
+    def _spec_totals_copy(self) -> SpecDecodingStats | None:
+        """The drafts so far, as a copy the next steps leave alone."""
+        totals = self.spec_totals
+        if totals is None:
+            return None
+        return replace(totals, num_accepted_tokens_per_pos=list(totals.num_accepted_tokens_per_pos))
 
     def kv_snapshot(self) -> KVSnapshot:
         pool = self.scheduler.kv_manager.snapshot()

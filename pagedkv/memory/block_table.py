@@ -96,6 +96,26 @@ class BlockTable:
         self.num_tokens += n
         return copies
 
+    def truncate(self, num_tokens: int, free_blocks: bool = True) -> None:
+        """Forget the tokens from ``num_tokens`` on (rejected speculative tokens); with
+        ``free_blocks``, blocks past the last one still holding a token return to the pool.
+
+        Such a block only ever held tokens appended since they were computed, never registered
+        in the prefix cache nor shared (a fork or a cache hit shares blocks of verified tokens):
+        it is private and uncached, which is checked.
+        """
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"cannot truncate a table of {self.num_tokens} tokens to {num_tokens}")
+        keep = blocks_for(num_tokens, self.block_size) if free_blocks else len(self.block_ids)
+        emptied = self.block_ids[keep:]
+        for block in emptied:
+            if self.pool.refcount(block) != 1 or block in self.pool.prefix_cache:
+                raise RuntimeError(f"block {block} past the kept tokens is shared or cached")
+        self.num_tokens = num_tokens
+        if emptied:
+            del self.block_ids[keep:]
+            self.pool.free(reversed(emptied))
+
     def reserve(self, num_tokens: int) -> None:
         """Hold blocks for ``num_tokens`` slots now, as a contiguous allocator would.
 

@@ -166,6 +166,11 @@ class KVCacheManager:
         """Grow ``seq_id`` by ``n`` tokens if the pool allows (its block copies), else None."""
         return self.table(seq_id).try_append(n)
 
+    def truncate(self, seq_id: SeqId, num_tokens: int, free_blocks: bool = True) -> None:
+        """Shrink ``seq_id`` to its first ``num_tokens`` tokens (speculative tokens the target
+        model rejected); see :meth:`BlockTable.truncate`."""
+        self.table(seq_id).truncate(num_tokens, free_blocks)
+
     def fork(self, parent_id: SeqId, child_id: SeqId, share: bool = True) -> list[CopyPair]:
         """``child_id`` gets ``parent_id``'s tokens: shared blocks (parallel samples, beams), or,
         with ``share=False``, private blocks of the same capacity and the copies to fill them."""

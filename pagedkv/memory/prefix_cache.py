@@ -137,6 +137,10 @@ class PrefixCache:
     def blocks(self) -> Iterator[int]:
         return iter(self._key_of)
 
+    def token_ids_of(self, block_id: int) -> tuple[int, ...]:
+        """The tokens a cached block holds."""
+        return self._key_of[block_id][1]
+
     def parent_of(self, block_id: int) -> int:
         """The cached block that ``block_id`` is chained under (ROOT for a first block)."""
         return self._key_of[block_id][0]

@@ -11,8 +11,13 @@ function that calls them in the program's order: the hidden states are bit for b
 program's. It takes a step when everything in it has a compiled kernel -- tiled projections (no
 tensor-parallel shards), the paired gate/up with its fused activation, the compiled norms and
 rotary + KV write, the ``cpu`` attention backend's row kernel on unquantized pools -- every row
-is a decode, the batch fits its buffers (:data:`~pagedkv.models.linear.BUFFER_ROWS` rows) and
-the per-call attention checks are off (they run in the program). Anything else runs the
+is a generated token, the batch fits its buffers (:data:`~pagedkv.models.linear.BUFFER_ROWS`
+rows) and the per-call attention checks are off (they run in the program). Generated rows are
+decodes and, with speculative decoding, the ``k + 1`` rows of a sequence verifying ``k``
+proposed tokens: the row kernel takes any number of rows per sequence, each attending its
+sequence up to its own position (:func:`~pagedkv.attention.backends.cpu_rows.generated_rows`, the
+rows the program's prefill attention gives the same kernel), so a verifying step costs about a
+decode step of as many rows instead of a pass through the program. Anything else runs the
 program, unchanged. Like the program, it reads each projection's weight as its module holds it
 at every step: a replaced weight is bound again (or, no longer tiled, leaves the steps to the
 program).
@@ -27,7 +32,7 @@ import torch
 from torch import nn
 
 from pagedkv.attention import AttentionMetadata, KVCache
-from pagedkv.attention.backends import cpu as cpu_attention
+from pagedkv.attention.backends import cpu_rows
 from pagedkv.attention.checks import per_call_checks
 from pagedkv.kernels import library, paged_attention, tiled_gemm
 from pagedkv.kernels.signatures import I64, SUFFIXES, DecodeBuffers, DecodeLayer
@@ -202,12 +207,15 @@ class DecodeStack:
         kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor | None:
-        """The final hidden states ``[T, hidden]`` of a decode step, or None when this step is not
-        one the stack takes (the caller runs the program)."""
+        """The final hidden states ``[T, hidden]`` of a step of generated rows, or None when this
+        step is not one the stack takes (the caller runs the program)."""
         tokens = x.shape[0]
-        if not (0 < tokens <= BUFFER_ROWS and metadata.is_decode_only and tokens == metadata.num_seqs):
+        if not 0 < tokens <= BUFFER_ROWS or per_call_checks() or x.dtype != self.dtype:
             return None
-        if per_call_checks() or x.dtype != self.dtype or x.device.type != "cpu":
+        if x.device.type != "cpu":
+            return None
+        rows = cpu_rows.generated_rows(metadata)
+        if rows is None or rows.row_seq.shape[0] != tokens:
             return None
         replaced = any(
             now is not bound for now, bound in zip(self._current_weights(), self._bound, strict=True)
@@ -221,10 +229,9 @@ class DecodeStack:
             return None
         if not (cos.is_contiguous() and sin.is_contiguous()):
             return None
-        rows = cpu_attention.decode_rows(metadata)
         for window, layers in self._by_window.items():
             w = self._weights[layers[0]].attention
-            threads, chunk = cpu_attention.split_work(rows.total(window), w.num_heads, w.head_dim)
+            threads, chunk = cpu_rows.split_work(rows.total(window), w.num_heads, w.head_dim)
             for i in layers:
                 self._threads[i], self._chunks[i] = threads, chunk
         x = x.contiguous()

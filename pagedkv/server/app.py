@@ -153,7 +153,7 @@ def create_app(
         engine.kv_manager.set_listener(publisher)  # before the worker thread starts
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, metrics, max_waiting)
-    metrics.watch(lambda: async_engine.stats)
+    metrics.watch(lambda: async_engine.stats, lambda: async_engine.spec_decoding)
     ctx = ServingContext(
         engine=async_engine,
         tokenizer=engine.tokenizer,

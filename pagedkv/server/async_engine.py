@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedkv.engine import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
+from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.server.errors import QueueFullError
 from pagedkv.server.metrics import ServerMetrics
 
@@ -170,6 +171,12 @@ class AsyncEngine:
     def stats(self) -> dict[str, float]:
         """The latest engine statistics (a snapshot the worker replaces after every loop)."""
         return self._stats
+
+    @property
+    def spec_decoding(self) -> SpecDecodingStats | None:
+        """Every draft verified since start (a copy the worker replaces after every loop); None
+        for an engine that does not speculate."""
+        return self._spec_decoding
 
     @property
     def is_alive(self) -> bool:
@@ -345,6 +352,7 @@ class AsyncEngine:
         stats = self.engine.stats()
         kv_stats = stats.kv_stats()
         self._peak_utilization = max(self._peak_utilization, kv_stats["utilization"])
+        self._spec_decoding = stats.spec_decoding
         self._stats = {
             **kv_stats,
             "peak_utilization": self._peak_utilization,

@@ -8,6 +8,11 @@ latency, end-to-end) are histograms the worker observes as tokens arrive. Each a
 
 ``pagedkv:kv_cache_usage_peak_perc`` (highest usage since start) has no vLLM counterpart; it
 lets ``pagedkv bench serve`` report the peak without depending on its polling rate.
+
+A speculating engine adds vLLM's speculative-decoding counters, ``vllm:spec_decode_num_drafts``,
+``..._num_draft_tokens``, ``..._num_accepted_tokens`` and ``..._num_accepted_tokens_per_pos``
+(labelled ``position``, 0-based); the acceptance rate (accepted / draft tokens) and the mean
+acceptance length (1 + accepted / drafts) are ratios of them, as vLLM leaves them to PromQL.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from pagedkv.engine.spec.metrics import SpecDecodingStats
 
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -78,6 +85,39 @@ class _EngineStatsCollector(Collector):
             yield counter
 
 
+#: (name without _total, help, field of SpecDecodingStats) of the speculation counters.
+SPEC_COUNTERS = (
+    ("vllm:spec_decode_num_drafts", "Drafts verified (one per speculating sequence and step).", "num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified.", "num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Proposed tokens the target model kept.", "num_accepted_tokens"),
+)
+
+
+class _SpecDecodingCollector(Collector):
+    """Speculative decoding's counters, from the engine's totals (nothing when it does not speculate)."""
+
+    def __init__(self, model_name: str, spec_decoding: Callable[[], SpecDecodingStats | None]) -> None:
+        self.model_name = model_name
+        self.spec_decoding = spec_decoding
+
+    def collect(self) -> Iterator[Metric]:
+        totals = self.spec_decoding()
+        if totals is None:
+            return
+        for name, documentation, attribute in SPEC_COUNTERS:
+            counter = CounterMetricFamily(name, documentation, labels=["model_name"])
+            counter.add_metric([self.model_name], getattr(totals, attribute))
+            yield counter
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Drafts that kept their proposed token at each position (0-based).",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(totals.num_accepted_tokens_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], count)
+        yield per_pos
+
+
 class ServerMetrics:
     """The registry of one server; the worker calls ``observe_*``, ``/metrics`` calls ``render``."""
 
@@ -115,9 +155,15 @@ class ServerMetrics:
         for reason in FINISH_REASONS:  # every series exists from the start, at 0
             self._finished.labels(model_name, reason)
 
-    def watch(self, stats: Callable[[], Mapping[str, float]]) -> None:
-        """Expose the gauges and counters of ``stats()`` (the engine's snapshot) on every scrape."""
+    def watch(
+        self,
+        stats: Callable[[], Mapping[str, float]],
+        spec_decoding: Callable[[], SpecDecodingStats | None] = lambda: None,
+    ) -> None:
+        """Expose the gauges and counters of ``stats()`` (the engine's snapshot) and the
+        speculation counters of ``spec_decoding()`` (when not None) on every scrape."""
         self.registry.register(_EngineStatsCollector(self.model_name, stats))
+        self.registry.register(_SpecDecodingCollector(self.model_name, spec_decoding))
 
     def observe_ttft(self, seconds: float) -> None:
         self._ttft.observe(seconds)

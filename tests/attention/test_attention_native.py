@@ -12,7 +12,7 @@ from pagedkv.attention import (
     paged_decode_attention,
     paged_prefill_attention,
 )
-from pagedkv.attention.backends import cpu
+from pagedkv.attention.backends import cpu, cpu_rows
 from pagedkv.kernels import paged_attention
 from tests.kernels.no_compiler import run_without_compiler
 
@@ -60,7 +60,7 @@ def test_more_query_heads_per_kv_head_than_the_kernel_holds():
 
 def test_long_rows_split_into_pieces_merge_exactly():
     """A single long sequence is split across threads (flash-decoding); the merge is exact."""
-    case = make_case([cpu.MAX_CHUNK * 2 + 5], 16, 2, 64, seed=7, device="cpu")
+    case = make_case([cpu_rows.MAX_CHUNK * 2 + 5], 16, 2, 64, seed=7, device="cpu")
     q = torch.randn(1, 8, 64)
     out = paged_decode_attention(q, case.layer, case.block_tables, case.context_lens, 0.125, backend="cpu")
     torch.testing.assert_close(
@@ -92,6 +92,93 @@ def test_cpu_backend_refuses_tensors_off_the_cpu():
             torch.zeros(1),
             AttentionOptions(1.0),
         )
+
+
+def _row_kernel(q, case, row_seq, row_pos, chunk, window=0, soft_cap=0.0):
+    """The row kernel called directly, with the split ``chunk`` (one thread)."""
+    layer = case.layer
+    kernel = paged_attention.load().rows_fn(q.dtype, layer.key.dtype)
+    rows = cpu_rows.KernelRows.of(case.block_tables, torch.tensor(row_seq), torch.tensor(row_pos))
+    scales = (layer.key_scale.data_ptr(), layer.value_scale.data_ptr()) if layer.quantized else (None, None)
+    out, q = torch.empty_like(q), q.contiguous()
+    heads, head_dim = q.shape[1:]
+    status = kernel(
+        q.data_ptr(),
+        layer.key.data_ptr(),
+        layer.value.data_ptr(),
+        *scales,
+        rows.tables.data_ptr(),
+        rows.row_seq.data_ptr(),
+        rows.row_pos.data_ptr(),
+        out.data_ptr(),
+        len(row_seq),
+        heads,
+        layer.num_kv_heads,
+        head_dim,
+        layer.block_size,
+        rows.tables.shape[1],
+        head_dim**-0.5,
+        window,
+        soft_cap,
+        chunk,
+        1,
+    )
+    assert status == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"), [(torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.float32, "int8")]
+)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "chunk"),
+    [(4, 2, 32, 64), (8, 2, 16, 20), (16, 1, 16, 2048), (4, 4, 24, 64)],
+)
+def test_runs_of_rows_attend_causally_within_them(dtype, kv_cache_dtype, heads, kv_heads, head_dim, chunk):
+    """Consecutive rows of one sequence -- speculative decoding's k + 1 rows -- are computed
+    together, lanes across their query heads (where the head shape allows it; else row by row),
+    each row attending its context up to its own position: a run of 16, of 9 (two lane tiles
+    at 8 rows a tile), of 2, and a lone row beside them, over contexts split into pieces."""
+    case = make_case(
+        [150, 40, 30],
+        16,
+        kv_heads,
+        head_dim,
+        dtype=dtype,
+        seed=13,
+        device="cpu",
+        kv_cache_dtype=kv_cache_dtype,
+    )
+    runs = [(0, range(134, 150)), (1, range(31, 40)), (2, [10]), (2, range(28, 30))]
+    row_seq = [b for b, positions in runs for _ in positions]
+    row_pos = [p for _, positions in runs for p in positions]
+    q = torch.randn(len(row_seq), heads, head_dim).to(dtype)
+    out = _row_kernel(q, case, row_seq, row_pos, chunk)
+    exact = dtype == torch.float32 and kv_cache_dtype == "auto"
+    for r, (b, position) in enumerate(zip(row_seq, row_pos, strict=True)):
+        keys, values = case.keys[b][: position + 1], case.values[b][: position + 1]
+        expected = contiguous_attention(q[r : r + 1].float(), keys, values, head_dim**-0.5)[0]
+        tolerance = 1e-5 if exact else 5e-2
+        torch.testing.assert_close(out[r].float(), expected, atol=tolerance, rtol=tolerance)
+    assert torch.equal(out, _row_kernel(q, case, row_seq, row_pos, chunk))  # deterministic
+    lone = _row_kernel(q[-3:-2], case, row_seq[-3:-2], row_pos[-3:-2], chunk)
+    assert torch.equal(out[-3], lone[0])  # a lone row is its own computation, whatever is beside it
+
+
+@pytest.mark.parametrize(("window", "soft_cap"), [(0, 30.0), (7, 0.0)])
+def test_runs_with_a_soft_cap_or_a_window_attend_as_the_reference(window, soft_cap):
+    """A soft cap is applied lane by lane; a window's rows never run together (each row's first
+    position differs), so they are computed row by row."""
+    case = make_case([60], 16, 2, 32, seed=17, device="cpu")
+    row_pos = list(range(52, 60))
+    q = torch.randn(len(row_pos), 4, 32) * 4  # large scores: the cap bites
+    out = _row_kernel(q, case, [0] * len(row_pos), row_pos, 64, window, soft_cap)
+    for r, position in enumerate(row_pos):
+        keys, values = case.keys[0][: position + 1], case.values[0][: position + 1]
+        expected = contiguous_attention(
+            q[r : r + 1], keys, values, 32**-0.5, window or None, soft_cap or None
+        )[0]
+        torch.testing.assert_close(out[r], expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 5])

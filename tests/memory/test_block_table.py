@@ -82,3 +82,43 @@ def test_free_returns_everything():
 @pytest.mark.parametrize("n,bs,expected", [(0, 16, 0), (1, 16, 1), (16, 16, 1), (17, 16, 2), (25, 16, 2)])
 def test_blocks_for(n, bs, expected):
     assert blocks_for(n, bs) == expected
+
+
+def test_truncate_frees_the_blocks_left_empty():
+    """Rolled-back speculative tokens: the slots go, and so does a block holding nothing else."""
+    pool = BlockPool(10, block_size=4)
+    table = BlockTable(pool)
+    table.append_slots(6)  # a partial second block
+    kept = list(table.block_ids)
+    table.append_slots(5)  # proposals spill into a third block
+    assert len(table.block_ids) == 3
+    table.truncate(7)
+    assert table.block_ids == kept and table.num_tokens == 7
+    assert pool.num_used_blocks == 2
+    table.truncate(7)  # nothing to drop
+    assert table.num_tokens == 7 and pool.num_used_blocks == 2
+    with pytest.raises(ValueError, match="cannot truncate"):
+        table.truncate(8)
+
+
+def test_truncate_keeps_a_reservation_when_asked():
+    pool = BlockPool(10, block_size=4)
+    table = BlockTable(pool)
+    table.append_slots(2)
+    table.reserve(12)
+    table.truncate(1, free_blocks=False)
+    assert table.num_tokens == 1 and len(table.block_ids) == 3
+
+
+def test_truncate_refuses_to_free_a_shared_block():
+    """A block past the kept tokens only ever held unverified tokens: never a shared one."""
+    pool = BlockPool(10, block_size=4)
+    table = BlockTable(pool)
+    table.append_slots(8)
+    child = table.fork()
+    with pytest.raises(RuntimeError, match="shared or cached"):
+        table.truncate(3)
+    assert table.num_tokens == 8  # refused: nothing changed
+    child.free()
+    table.truncate(3)
+    assert len(table.block_ids) == 1 and pool.num_used_blocks == 1

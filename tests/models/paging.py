@@ -43,11 +43,15 @@ class PagedBatch:
         return [logits[cu[i] : cu[i + 1]] for i in range(len(new_tokens))]
 
     def forward(
-        self, new_tokens: list[list[int]], output_rows: list[int] | None = None
+        self,
+        new_tokens: list[list[int]],
+        output_rows: list[int] | None = None,
+        prompt_lens: list[int] | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """The model's packed hidden states for each sequence's ``new_tokens`` (only the packed
         rows ``output_rows``, when given), and where each sequence's rows start (its last entry:
-        the row count)."""
+        the row count). ``prompt_lens``: each sequence's prompt length, as the engine passes it
+        (positions from there on are generated tokens)."""
         ids, positions, slots, cu = [], [], [], [0]
         for seq, tokens in enumerate(new_tokens):
             start = self.lens[seq]
@@ -63,6 +67,7 @@ class PagedBatch:
             context_lens=torch.tensor(self.lens, dtype=torch.int32, device=self.device),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
             max_query_len=max(len(t) for t in new_tokens),
+            prompt_lens=None if prompt_lens is None else torch.tensor(prompt_lens, dtype=torch.int32),
         )
         with torch.inference_mode():
             rows = None if output_rows is None else torch.tensor(output_rows, device=self.device)

@@ -66,6 +66,48 @@ def test_the_stack_gives_the_programs_hidden_states_bit_for_bit(tmp_path, dtype,
     assert taken == [False] + [True] * 8  # the prompt step runs the program, every decode the stack
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("mistral", {"sliding_window": 5})])
+def test_verification_rows_run_in_the_stack_bit_for_bit(tmp_path, dtype, arch, overrides):
+    """Steps of several generated rows per sequence (speculative decoding's ``k + 1`` rows,
+    beside plain decodes): each row attends its sequence up to its own position, as the
+    program's prefill attention computes it, and the stack gives the same bits."""
+    path = make_checkpoint(tmp_path, arch, **overrides)
+    stacked = load_model(path, dtype=dtype, linear_kernel="tiled")
+    plain = load_model(path, dtype=dtype, linear_kernel="tiled")
+    _, taken = _with_stack(stacked)
+    _without_stack(plain)
+    a, b = PagedBatch(stacked, 32, 3), PagedBatch(plain, 32, 3)
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14]]
+    lens = [len(p) for p in prompts]
+    steps = [
+        prompts,
+        [[20, 21, 22], [30], [40, 41, 42, 43, 44]],
+        [[23], [31, 32], [45]],
+        [[24, 25], [33], [46]],
+    ]
+    for step in steps:
+        got, _ = a.forward(step, prompt_lens=lens)
+        want, _ = b.forward(step, prompt_lens=lens)
+        assert torch.equal(got, want)
+    assert taken == [False, True, True, True]
+    for mine, theirs in zip(a.kv_cache.layers, b.kv_cache.layers, strict=True):
+        assert torch.equal(mine.key, theirs.key) and torch.equal(mine.value, theirs.value)
+
+
+def test_rows_of_a_prompt_or_of_unknown_kind_go_to_the_program(tmp_path):
+    """A multi-row step takes the stack only when every row is past its prompt, which it can
+    tell only from the prompt lengths."""
+    model = load_model(make_checkpoint(tmp_path, "llama"), dtype=torch.float32, linear_kernel="tiled")
+    _, taken = _with_stack(model)
+    batch = PagedBatch(model, 24, 2)
+    batch.forward([[1, 2, 3], [4, 5]], prompt_lens=[6, 2])  # a first chunk of the first prompt
+    batch.forward([[6, 7, 8], [9, 10]], prompt_lens=[6, 2])  # its last chunk beside two generated rows
+    batch.forward([[11, 12], [13, 14]])  # generated rows, but no prompt lengths to say so
+    batch.forward([[15, 16], [17, 18]], prompt_lens=[6, 2])
+    assert taken == [False, False, False, True]
+
+
 def test_the_stack_leaves_to_the_program_what_it_does_not_take(tmp_path):
     path = make_checkpoint(tmp_path, "llama")
     model = load_model(path, dtype=torch.float32, linear_kernel="tiled")

@@ -16,15 +16,15 @@ Without a C compiler the kernel's share falls back to the ``torch`` reference, w
 
 from __future__ import annotations
 
-import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from pagedkv.attention.backends import torch_backend
+from pagedkv.attention.backends.cpu_rows import KernelRows, decode_rows, split_work
 from pagedkv.attention.kv_cache import LayerKV
 from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
 from pagedkv.kernels import paged_attention
@@ -37,12 +37,6 @@ KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 #: gather + SDPA, whose tiling stays in cache where the row kernel re-reads the context once per
 #: query row.
 NATIVE_MAX_QUERY_LEN = 1024
-#: bounds on the positions one kernel task covers (flash-decoding split of long contexts)
-MIN_CHUNK, MAX_CHUNK = 64, 2048
-#: multiply-adds per pass below which the kernel runs on one thread. Low enough that one
-#: request's decode uses every thread once its context is more than a few blocks long: its
-#: blocks come cold from DRAM, and another thread's share of the stream pays for the fork/join.
-PARALLEL_MIN_WORK = 1 << 16
 
 _warned = False
 
@@ -57,42 +51,6 @@ def _kernel() -> PagedAttention | None:
             warnings.warn(f"pagedkv cpu attention: {exc}; using the slow torch reference", stacklevel=3)
             _warned = True
         return None
-
-
-@dataclass
-class KernelRows:
-    """What the kernel reads besides ``q`` and the cache, as int32: the block tables and each
-    query row's sequence and position. Every layer of a step passes the same rows, so a decode
-    step builds them once (:func:`decode_rows`), not once per layer."""
-
-    tables: Tensor
-    row_seq: Tensor
-    row_pos: Tensor
-    #: attended positions summed over the rows, per sliding window (0: none); sizes the threads
-    totals: dict[int, int] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, block_tables: Tensor, row_seq: Tensor, row_pos: Tensor) -> KernelRows:
-        def as_int32(t: Tensor) -> Tensor:
-            return t.to(torch.int32).contiguous()
-
-        return cls(as_int32(block_tables), as_int32(row_seq), as_int32(row_pos))
-
-    def total(self, window: int) -> int:
-        if window not in self.totals:
-            lengths = self.row_pos.long() + 1
-            self.totals[window] = int((lengths.clamp(max=window) if window else lengths).sum())
-        return self.totals[window]
-
-
-def split_work(total: int, num_heads: int, head_dim: int) -> tuple[int, int]:
-    """The kernel's threads and positions per task for rows attending ``total`` positions in all.
-
-    Like torch's own grain size: small work stays on one thread, where a fork/join costs more
-    than it saves (and a thread descheduled on a busy machine stalls the whole region)."""
-    threads = torch.get_num_threads() if total * num_heads * head_dim >= PARALLEL_MIN_WORK else 1
-    per_task = math.ceil(total / (4 * threads))
-    return threads, min(MAX_CHUNK, max(MIN_CHUNK, per_task))
 
 
 def attend_rows(
@@ -151,21 +109,6 @@ def _attend(q: Tensor, layer: LayerKV, rows: KernelRows, options: AttentionOptio
     if status != 0:
         raise MemoryError("the native paged-attention kernel could not allocate its workspace")
     return out
-
-
-#: the latest decode step's metadata and its kernel rows (held, so its id cannot be reused)
-_last_decode: tuple[AttentionMetadata | None, KernelRows | None] = (None, None)
-
-
-def decode_rows(metadata: AttentionMetadata) -> KernelRows:
-    """The kernel rows of a decode step, built by its first layer and reused by the others."""
-    global _last_decode
-    seen, rows = _last_decode
-    if seen is not metadata or rows is None:
-        row_seq = torch.arange(metadata.context_lens.shape[0], dtype=torch.int32)
-        rows = KernelRows.of(metadata.block_tables, row_seq, metadata.context_lens - 1)
-        _last_decode = (metadata, rows)
-    return rows
 
 
 def decode(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: AttentionOptions) -> Tensor:

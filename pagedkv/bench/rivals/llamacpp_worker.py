@@ -18,6 +18,13 @@ every unfinished request; greedy is an argmax over the step's logits rows. The K
 llama.cpp's default and its fastest KV type on the CPU (docs/performance.md, the rivals'
 environments), so llama.cpp runs at its best; ``"kv_type": "model"`` keeps it in the model's dtype, as the
 other engines do.
+
+With ``"lookup": {"max_ngram_size": N, "num_pred_tokens": K}`` (``pagedkv bench spec``) it runs
+llama.cpp's prompt lookup decoding: each step every sequence's last token goes into the batch
+followed by the tokens llama-cpp-python's ``LlamaPromptLookupDecoding`` proposes from the
+sequence so far, every row's logits come back, the proposals are kept while they equal the
+argmax, and the rejected positions leave the KV cache (``llama_memory_seq_rm``), as llama.cpp's
+``lookup`` example does. A build without that class cannot load this mode.
 """
 
 from __future__ import annotations
@@ -52,6 +59,12 @@ def load(command: dict):
     gguf = Path(command["gguf"])
     if not gguf.is_file():
         convert_to_gguf(Path(command["model"]), gguf, command["dtype"], command.get("convert_script"))
+    if command.get("lookup"):
+        try:
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        except ImportError as err:
+            raise RuntimeError(f"this llama-cpp-python has no prompt lookup decoding ({err})") from None
+        return LookupEngine(llama_cpp, numpy, gguf, command, LlamaPromptLookupDecoding(**command["lookup"]))
     return LlamaCppEngine(llama_cpp, numpy, gguf, command)
 
 
@@ -174,6 +187,54 @@ class LlamaCppEngine:
             return []
         logits = self.np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx), shape=(rows, self.n_vocab))
         return logits.argmax(axis=1).tolist()
+
+
+class LookupEngine(LlamaCppEngine):
+    """llama.cpp with prompt lookup decoding (see the module docstring); ``run_stats`` counts the
+    proposed and the accepted tokens of the latest run."""
+
+    def __init__(self, lib, np, gguf: Path, command: dict, proposer) -> None:
+        self.proposer = proposer
+        self.run_stats = {"draft_tokens": 0, "accepted_tokens": 0, "drafts": 0}
+        super().__init__(lib, np, gguf, command)
+        self.info["lookup"] = {
+            "max_ngram_size": proposer.max_ngram_size,
+            "num_pred_tokens": proposer.num_pred_tokens,
+        }
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        self.run_stats = {"draft_tokens": 0, "accepted_tokens": 0, "drafts": 0}
+        memory = self.lib.llama_get_memory(self.ctx)
+        self.lib.llama_memory_clear(memory, True)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        pending = [(s, pos, t, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
+        for start in range(0, len(pending), N_BATCH):
+            chunk = pending[start : start + N_BATCH]
+            last = [s for s, _, _, wants in chunk if wants]
+            for s, token in zip(last, self._decode(chunk), strict=True):
+                outputs[s].append(token)
+        while active := [s for s, out in enumerate(outputs) if len(out) < max_tokens[s]]:
+            items, drafts = [], []
+            for s in active:
+                text = self.np.array(prompts[s] + outputs[s], dtype=self.np.intc)
+                room = max_tokens[s] - len(outputs[s]) - 1
+                draft = [int(t) for t in self.proposer(text)[:room]] if room > 0 else []
+                pos = len(prompts[s]) + len(outputs[s]) - 1
+                items += [(s, pos + i, t, True) for i, t in enumerate([outputs[s][-1], *draft])]
+                drafts.append(draft)
+            rows = self._decode(items)
+            for s, draft in zip(active, drafts, strict=True):
+                targets, rows = rows[: len(draft) + 1], rows[len(draft) + 1 :]
+                accepted = 0
+                while accepted < len(draft) and draft[accepted] == targets[accepted]:
+                    accepted += 1
+                outputs[s] += [*draft[:accepted], targets[accepted]]
+                self.run_stats["drafts"] += bool(draft)
+                self.run_stats["draft_tokens"] += len(draft)
+                self.run_stats["accepted_tokens"] += accepted
+                kept = len(prompts[s]) + len(outputs[s]) - 1  # positions below it hold kept tokens
+                self.lib.llama_memory_seq_rm(memory, s, kept, -1)
+        return outputs
 
 
 if __name__ == "__main__":

@@ -76,7 +76,10 @@ def timed_run(engine: WorkerEngine, workload: dict[str, Any]) -> dict[str, Any]:
     short = [i for i, (t, m) in enumerate(zip(token_ids, max_tokens, strict=True)) if len(t) != m]
     if short:
         raise RuntimeError(f"requests {short[:5]} did not generate exactly max_tokens tokens")
-    return {"ok": True, "elapsed_s": elapsed, "token_ids": token_ids}
+    reply = {"ok": True, "elapsed_s": elapsed, "token_ids": token_ids}
+    if getattr(engine, "run_stats", None):  # what an engine counts of its own run (e.g. drafts)
+        reply["stats"] = dict(engine.run_stats)
+    return reply
 
 
 def serve(load: Callable[[dict[str, Any]], WorkerEngine]) -> int:

@@ -61,6 +61,17 @@ class SpecDecodingStats:
         model adds after them (vLLM's ``1 + accepted / drafts``; None before any draft)."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
+    def request_metrics(self, disabled_reason: str | None = None) -> dict[str, float | str]:
+        """One request's counts for its ``RequestOutput.metrics``, by vLLM's metric names
+        without the ``vllm:`` prefix; with ``disabled_reason``, only why it did not speculate."""
+        if disabled_reason is not None:
+            return {"spec_decode_disabled_reason": disabled_reason}
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+        }
+
     def acceptance_rate_per_pos(self) -> list[float]:
         """Share of drafts that kept position ``i``: a draft shorter than ``i + 1`` counts as
         not keeping it, as in vLLM (all drafts there have the same length)."""

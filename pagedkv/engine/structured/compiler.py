@@ -173,7 +173,7 @@ class GrammarCompiler:
             return
         from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
 
-        self._finish(job, result=CompiledGrammar(job.key, grammar, seconds))
+        self._finish(job, result=CompiledGrammar(job.key, grammar, seconds, guard=backend.utf8_guard))
 
     def _too_costly(self, job: _Job) -> InvalidRequestError:
         field = field_name(job.params)

@@ -5,12 +5,16 @@ and the beams of a search each hold their own, copied at the fork (:meth:`Gramma
 so one sample's tokens never move another's state. Its invariant: the library's state is the
 grammar's start advanced by :attr:`GrammarMatcher.accepted_tokens`, in order -- a refused token
 changes nothing, and :meth:`GrammarMatcher.rollback` undoes the latest tokens exactly (for
-speculative decoding's rejected drafts).
+speculative decoding's rejected drafts). With a :class:`Utf8Guard` it never accepts, nor
+allows, a token that would make the text invalid UTF-8.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from pagedkv.engine.structured.utf8_guard import Utf8Guard
 
 
 class LibraryMatcher(Protocol):
@@ -26,9 +30,18 @@ class LibraryMatcher(Protocol):
 class GrammarMatcher:
     """The grammar state of one sequence; see the module docstring."""
 
-    def __init__(self, matcher: LibraryMatcher, accepted_tokens: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        matcher: LibraryMatcher,
+        accepted_tokens: list[int] | None = None,
+        guard: Utf8Guard | None = None,
+    ) -> None:
         self._matcher = matcher
         self._accepted: list[int] = accepted_tokens if accepted_tokens is not None else []
+        self._guard = guard
+
+    def _last_token(self) -> int | None:
+        return self._accepted[-1] if self._accepted else None
 
     @property
     def accepted_tokens(self) -> tuple[int, ...]:
@@ -42,6 +55,8 @@ class GrammarMatcher:
     def accept_token(self, token_id: int) -> bool:
         """Advance by ``token_id`` if the grammar allows it here; False (state unchanged) if
         not, or if the matcher has already terminated."""
+        if self._guard is not None and not self._guard.allows(self._last_token(), int(token_id)):
+            return False
         if not self._matcher.accept_token(int(token_id)):
             return False
         self._accepted.append(int(token_id))
@@ -58,10 +73,12 @@ class GrammarMatcher:
         if self.is_terminated():
             raise ValueError("a terminated grammar matcher allows no next token: its sequence is over")
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._guard is not None:
+            self._guard.restrict(bitmask, row, self._last_token())
 
     def fork(self) -> GrammarMatcher:
         """An independent copy of this state (for a new sample or beam that shares the tokens so far)."""
-        return GrammarMatcher(self._matcher.fork(), list(self._accepted))
+        return GrammarMatcher(self._matcher.fork(), list(self._accepted), self._guard)
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the latest ``num_tokens`` accepted tokens: the state is then as if they had never

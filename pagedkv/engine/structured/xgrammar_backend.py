@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from transformers import PreTrainedTokenizerFast
 
 from pagedkv.engine.structured.matcher import GrammarMatcher
+from pagedkv.engine.structured.utf8_guard import Utf8Guard
 
 #: xgrammar's C++ errors start with a timestamp and a source location: not for users.
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -50,12 +51,14 @@ class CompiledGrammar:
     grammar: xgr.CompiledGrammar = field(repr=False)
     #: Seconds the compile took.
     compile_seconds: float
+    #: The vocabulary's surrogate rule, given to every matcher (see :mod:`.utf8_guard`).
+    guard: Utf8Guard | None = field(default=None, repr=False)
     #: Name of the thread that compiled it (never the engine's: see the compiler).
     compiled_on: str = field(default_factory=lambda: threading.current_thread().name)
 
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar, for one sequence."""
-        return GrammarMatcher(xgr.GrammarMatcher(self.grammar))
+        return GrammarMatcher(xgr.GrammarMatcher(self.grammar), guard=self.guard)
 
 
 def json_schema_ebnf(schema: str, any_whitespace: bool) -> str:
@@ -92,6 +95,7 @@ class XgrammarBackend:
         # One thread per compile: the compiler's pool sets how many compiles run at once, so
         # compiles never take more cores than the deployer gave them.
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
+        self.utf8_guard = Utf8Guard(self.tokenizer_info.decoded_vocab, vocab_size)
 
     def compile(self, kind: str, spec: str, any_whitespace: bool) -> xgr.CompiledGrammar:
         """Compile ``spec`` of ``kind`` (a :data:`~pagedkv.engine.structured.params.KINDS`

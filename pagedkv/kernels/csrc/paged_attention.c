@@ -25,6 +25,14 @@
  * around its eight multiply-adds. None of this changes a sum's order: results are bit for bit
  * those of the plain loops.
  *
+ * Rows that come as a run -- 2 to MAX_RUN consecutive positions of one sequence and no other row
+ * of it beside them, as speculative decoding's k + 1 verified rows do -- share their pieces: a
+ * piece of a run is computed lanes across the run's query heads of one KV head (attend_lanes,
+ * the prefill tiles' layout), so each key and value element is loaded once for all of them and a
+ * position's scores need no horizontal sums; each row still sees only positions up to its own.
+ * Such a row's sums run in another order than a lone row's (its results agree to rounding);
+ * everything else is unchanged, and a run is computed the same way whatever else is in the call.
+ *
  * Quantized pools (fp8 e4m3 or int8, one byte per element) are read in place too: each element
  * becomes a float in registers (int8 by conversion, fp8 by moving its bits into a float32's
  * exponent and mantissa) once, and serves every query head of its KV head from registers (up
@@ -64,6 +72,15 @@
 #define PREFETCH_L2(p) __builtin_prefetch((p), 0, 2)
 #define VGROUP 4 /* query heads whose value sums stay in registers together */
 #define VDIMS 4 /* vectors of the head dimension whose value sums stay in registers together */
+#define MAX_RUN 16 /* the most rows of one sequence computed together (paged_attention_rows) */
+/* Prefill tiles (DEFINE_PREFILL) and runs of rows (attend_lanes): TILE_KEYS key positions scored together (one multiply-add per
+ * position for each element of the query tile), TILE_VALUES positions whose values are gathered
+ * (converted to float32 once) per pass over the value sums, TILE_DIMS vectors of value sums held
+ * in registers. */
+#define TILE_KEYS 8
+#define TILE_VALUES 64
+#define TILE_DIMS 16
+_Static_assert(TILE_VALUES >= TILE_KEYS, "the staging buffer holds TILE_VALUES rows");
 _Static_assert(TOKENS == 4, "hsum4 reduces exactly four accumulators");
 
 /* Loads of VL elements (vector) or one element (scalar) into float32; scalar stores back. */
@@ -373,6 +390,92 @@ static void attend_piece_##NAME(const Shape *s, const float *qf, const KT *key, 
             }                                                                                      \
 }                                                                                                  \
                                                                                                    \
+/* A key or value vector of one KV head as float32 (scaled by `scale`): in place for a float32     \
+ * pool, else converted into `stage`. */                                                           \
+static inline const float *lane_row_##NAME(const KT *src, float *stage, int64_t D, float scale) {  \
+    if (sizeof(KT) == sizeof(float) && !SCALED) return (const float *)(const void *)src;           \
+    for (int64_t d = 0; d < D; d++) stage[d] = load_##KS(src + d) * scale;                         \
+    return stage;                                                                                  \
+}                                                                                                  \
+                                                                                                   \
+/* One piece of a run of m rows of one sequence at consecutive positions (m * group <= VL), for KV \
+ * head h: lane r * group + g is row r's query head h * group + g (lanes past m * group repeat the \
+ * last row), row r covering positions [t0, t1[r]]. Every key or value element is loaded (and      \
+ * converted) once for all lanes and broadcast against them, so a position's scores come out       \
+ * lane-wise, ready for a lane-wise softmax with no horizontal sums: the k + 1 rows of a           \
+ * speculative verification cost about what one row does. Writes each row's partial max, sum and   \
+ * weighted values for its query heads of h at outs[r], in the row kernel's layout. */             \
+static void attend_lanes_##NAME(const Shape *s, const float *qf, const KT *key, const KT *value,   \
+                                const float *key_scale, const float *value_scale, const int32_t *table,\
+                                int64_t h, int64_t t0, const int64_t *t1, int64_t m, float *qt, float *sc,\
+                                float *ot, float *stage, float *const *outs) {                     \
+    const int64_t H = s->num_heads, D = s->head_dim, HD = s->kv_heads * D, group = H / s->kv_heads;\
+    const int64_t n = t1[m - 1] - t0 + 1;                                                          \
+    vi lane_end; /* each lane's last position, from t0 */                                          \
+    for (int64_t lane = 0; lane < VL; lane++) {                                                    \
+        const int64_t r = lane / group < m ? lane / group : m - 1;                                 \
+        lane_end[lane] = (int32_t)(t1[r] - t0);                                                    \
+        const float *qp = qf + r * H * D + (h * group + lane % group) * D;                         \
+        for (int64_t d = 0; d < D; d++) qt[d * VL + lane] = qp[d];                                 \
+    }                                                                                              \
+    vf mv = (vf){0} - INFINITY;                                                                    \
+    for (int64_t i0 = 0; i0 < n; i0 += TILE_KEYS) {                                                \
+        const int64_t cnt = n - i0 < TILE_KEYS ? n - i0 : TILE_KEYS;                               \
+        const float *k[TILE_KEYS];                                                                 \
+        float kscale[TILE_KEYS];                                                                   \
+        for (int u = 0; u < TILE_KEYS; u++) {                                                      \
+            const int64_t slot = slot_##NAME(s, table, t0 + i0 + (u < cnt ? u : cnt - 1));         \
+            k[u] = lane_row_##NAME(key + slot * HD + h * D, stage + u * D, D, 1.0f);               \
+            kscale[u] = SCALED ? key_scale[slot * s->kv_heads + h] : 1.0f;                         \
+        }                                                                                          \
+        vf acc[TILE_KEYS];                                                                         \
+        for (int u = 0; u < TILE_KEYS; u++) acc[u] = (vf){0};                                      \
+        for (int64_t d = 0; d < D; d++) {                                                          \
+            const vf qd = vload_f32(qt + d * VL);                                                  \
+            for (int u = 0; u < TILE_KEYS; u++) acc[u] += qd * k[u][d];                            \
+        }                                                                                          \
+        for (int u = 0; u < cnt; u++) {                                                            \
+            vf score = (SCALED ? acc[u] * kscale[u] : acc[u]) * s->scale;                          \
+            if (s->soft_cap > 0.0f)                                                                \
+                for (int l = 0; l < VL; l++) score[l] = s->soft_cap * tanhf(score[l] / s->soft_cap);\
+            score = vselect(lane_end >= (vi){0} + (int32_t)(i0 + u), score, (vf){0} - INFINITY);   \
+            vstore(sc + (i0 + u) * VL, score);                                                     \
+            mv = vmax(mv, score);                                                                  \
+        }                                                                                          \
+    }                                                                                              \
+    vf lv = {0};                                                                                   \
+    for (int64_t i = 0; i < n; i++) {                                                              \
+        const vf p = vexp(vload_f32(sc + i * VL) - mv);                                            \
+        vstore(sc + i * VL, p);                                                                    \
+        lv += p;                                                                                   \
+    }                                                                                              \
+    for (int64_t d = 0; d < D * VL; d++) ot[d] = 0.0f;                                             \
+    for (int64_t i0 = 0; i0 < n; i0 += TILE_VALUES) {                                              \
+        const int64_t cnt = n - i0 < TILE_VALUES ? n - i0 : TILE_VALUES;                           \
+        const float *v[TILE_VALUES];                                                               \
+        for (int64_t u = 0; u < cnt; u++) {                                                        \
+            const int64_t slot = slot_##NAME(s, table, t0 + i0 + u);                               \
+            const float vscale = SCALED ? value_scale[slot * s->kv_heads + h] : 1.0f;              \
+            v[u] = lane_row_##NAME(value + slot * HD + h * D, stage + u * D, D, vscale);           \
+        }                                                                                          \
+        for (int64_t d0 = 0; d0 < D; d0 += TILE_DIMS) {                                            \
+            vf o[TILE_DIMS];                                                                       \
+            for (int e = 0; e < TILE_DIMS; e++) o[e] = vload_f32(ot + (d0 + e) * VL);              \
+            for (int64_t u = 0; u < cnt; u++) {                                                    \
+                const vf p = vload_f32(sc + (i0 + u) * VL);                                        \
+                for (int e = 0; e < TILE_DIMS; e++) o[e] += p * v[u][d0 + e];                      \
+            }                                                                                      \
+            for (int e = 0; e < TILE_DIMS; e++) vstore(ot + (d0 + e) * VL, o[e]);                  \
+        }                                                                                          \
+    }                                                                                              \
+    for (int64_t lane = 0; lane < m * group; lane++) {                                             \
+        float *o = outs[lane / group];                                                             \
+        const int64_t j = h * group + lane % group;                                                \
+        o[j] = mv[lane];                                                                           \
+        o[H + j] = lv[lane];                                                                       \
+        for (int64_t d = 0; d < D; d++) o[2 * H + j * D + d] = ot[d * VL + lane];                  \
+    }                                                                                              \
+}                                                                                                  \
 int paged_attention_rows_##NAME(                                                                   \
     const QT *q, const KT *key, const KT *value, const float *key_scale, const float *value_scale, \
     const int32_t *block_tables,                                                                   \
@@ -381,39 +484,83 @@ int paged_attention_rows_##NAME(                                                
     int64_t window, float soft_cap, int64_t chunk, int num_threads) {                              \
     const Shape s = {num_heads, kv_heads, head_dim, block_size, scale, soft_cap,                   \
                      block_shift_of(block_size)};                                                  \
-    const int64_t H = num_heads, D = head_dim, stride = H * (D + 2);                               \
+    const int64_t H = num_heads, D = head_dim, stride = H * (D + 2), group = H / kv_heads;         \
+    /* runs: 2 to MAX_RUN rows of one sequence at consecutive positions, and no other row of it    \
+     * next to them (speculative decoding's k + 1 rows), are computed together, lanes across their \
+     * query heads, when the head shape allows it; any other row alone. Every row's pieces start   \
+     * at the same positions either way (a window's rows never run together). */                   \
+    const int laned = window <= 0 && VL % group == 0 && D % TILE_DIMS == 0;                        \
     int64_t *piece_start = malloc(sizeof(int64_t) * (num_rows + 1));                               \
-    if (!piece_start) return 1;                                                                    \
-    piece_start[0] = 0;                                                                            \
-    for (int64_t r = 0; r < num_rows; r++) {                                                       \
-        const int64_t last = row_pos[r];                                                           \
-        const int64_t first = (window > 0 && last + 1 > window) ? last + 1 - window : 0;           \
-        piece_start[r + 1] = piece_start[r] + (last - first + chunk) / chunk;                      \
+    int64_t *run_start = malloc(sizeof(int64_t) * (num_rows + 1));                                 \
+    if (!piece_start || !run_start) {                                                              \
+        free(piece_start), free(run_start);                                                        \
+        return 1;                                                                                  \
     }                                                                                              \
-    const int64_t num_pieces = piece_start[num_rows];                                              \
-    float *part = malloc(sizeof(float) * num_pieces * stride);                                     \
-    int64_t *piece_row = malloc(sizeof(int64_t) * num_pieces);                                     \
-    int failed = part == NULL || piece_row == NULL;                                                \
-    for (int64_t r = 0; r < num_rows && !failed; r++)                                              \
-        for (int64_t p = piece_start[r]; p < piece_start[r + 1]; p++) piece_row[p] = r;            \
+    piece_start[0] = 0;                                                                            \
+    int64_t num_runs = 0;                                                                          \
+    for (int64_t r = 0, end; r < num_rows; r = end) {                                              \
+        for (end = r + 1; end < num_rows && row_seq[end] == row_seq[r] && row_pos[end] == row_pos[end - 1] + 1;) end++;\
+        const int together = laned && end - r >= 2 && end - r <= MAX_RUN;                          \
+        for (int64_t i = r; i < end; i++) {                                                        \
+            const int64_t last = row_pos[i];                                                       \
+            const int64_t first = (window > 0 && last + 1 > window) ? last + 1 - window : 0;       \
+            piece_start[i + 1] = piece_start[i] + (last - first + chunk) / chunk;                  \
+            if (i == r || !together) run_start[num_runs++] = i;                                    \
+        }                                                                                          \
+    }                                                                                              \
+    run_start[num_runs] = num_rows;                                                                \
+    /* work items: (run, piece), a run having its last row's pieces, the most of its rows' */      \
+    int64_t num_items = 0;                                                                         \
+    for (int64_t u = 0; u < num_runs; u++)                                                         \
+        num_items += piece_start[run_start[u + 1]] - piece_start[run_start[u + 1] - 1];            \
+    float *part = malloc(sizeof(float) * piece_start[num_rows] * stride);                          \
+    int64_t *item_run = malloc(sizeof(int64_t) * (num_items + 1));                                 \
+    int64_t *item_piece = malloc(sizeof(int64_t) * (num_items + 1));                               \
+    int failed = part == NULL || item_run == NULL || item_piece == NULL;                           \
+    for (int64_t u = 0, i = 0; u < num_runs && !failed; u++) {                                     \
+        const int64_t last = run_start[u + 1] - 1;                                                 \
+        for (int64_t p = 0; p < piece_start[last + 1] - piece_start[last]; p++, i++)               \
+            item_run[i] = u, item_piece[i] = p;                                                    \
+    }                                                                                              \
     _Pragma("omp parallel num_threads(num_threads) if(!failed)")                                   \
     {                                                                                              \
-        float *qf = malloc(sizeof(float) * H * D);                                                 \
-        const int64_t ld = (chunk + VL - 1) / VL * VL + VL; /* +VL: rows off the 4 KiB stride */  \
-        float *scores = malloc(sizeof(float) * ld * H);                                            \
-        if (!qf || !scores) failed = 1;                                                            \
+        const int64_t ld = (chunk + VL - 1) / VL * VL + VL; /* +VL: rows off the 4 KiB stride */   \
+        float *qf = malloc(sizeof(float) * MAX_RUN * H * D);                                       \
+        float *scores = malloc(sizeof(float) * ld * (H > VL ? H : VL));                            \
+        float *lanes = malloc(sizeof(float) * (2 * D * VL + D * TILE_VALUES));                     \
+        if (!qf || !scores || !lanes) failed = 1;                                                  \
         _Pragma("omp for schedule(dynamic, 1)")                                                    \
-        for (int64_t p = 0; p < num_pieces; p++) {                                                 \
+        for (int64_t i = 0; i < num_items; i++) {                                                  \
             if (failed) continue;                                                                  \
-            const int64_t r = piece_row[p], last = row_pos[r];                                     \
+            const int64_t u = item_run[i], p = item_piece[i], r1 = run_start[u + 1];               \
+            const int64_t last = row_pos[r1 - 1];                                                  \
             const int64_t first = (window > 0 && last + 1 > window) ? last + 1 - window : 0;       \
-            const int64_t t0 = first + (p - piece_start[r]) * chunk;                               \
-            const int64_t t1 = t0 + chunk - 1 < last ? t0 + chunk - 1 : last;                      \
-            for (int64_t i = 0; i < H * D; i++) qf[i] = load_##QS(q + r * H * D + i);              \
-            float *pm = part + p * stride;                                                         \
-            attend_piece_##NAME(&s, qf, key, value, key_scale, value_scale,                        \
-                                block_tables + (int64_t)row_seq[r] * max_blocks, t0, t1, scores,   \
-                                ld, pm, pm + H, pm + 2 * H);                                       \
+            const int64_t t0 = first + p * chunk;                                                  \
+            /* the run's rows that reach this piece: a suffix, as rows are in ascending positions */\
+            int64_t r0 = run_start[u];                                                             \
+            while (piece_start[r0 + 1] - piece_start[r0] <= p) r0++;                               \
+            int64_t t1[MAX_RUN];                                                                   \
+            float *outs[MAX_RUN];                                                                  \
+            for (int64_t r = r0; r < r1; r++) {                                                    \
+                t1[r - r0] = t0 + chunk - 1 < row_pos[r] ? t0 + chunk - 1 : row_pos[r];            \
+                outs[r - r0] = part + (piece_start[r] + p) * stride;                               \
+                for (int64_t e = 0; e < H * D; e++) qf[(r - r0) * H * D + e] = load_##QS(q + r * H * D + e);\
+            }                                                                                      \
+            const int32_t *table = block_tables + (int64_t)row_seq[r1 - 1] * max_blocks;           \
+            if (r1 - run_start[u] == 1) {                                                          \
+                float *pm = outs[0];                                                               \
+                attend_piece_##NAME(&s, qf, key, value, key_scale, value_scale, table, t0, t1[0], scores,\
+                                    ld, pm, pm + H, pm + 2 * H);                                   \
+                continue;                                                                          \
+            }                                                                                      \
+            const int64_t per_tile = VL / group; /* rows whose query heads fill the lanes */       \
+            for (int64_t r = r0; r < r1; r += per_tile) {                                          \
+                const int64_t m = r1 - r < per_tile ? r1 - r : per_tile;                           \
+                for (int64_t h = 0; h < kv_heads; h++)                                             \
+                    attend_lanes_##NAME(&s, qf + (r - r0) * H * D, key, value, key_scale, value_scale, table, h,\
+                                        t0, t1 + (r - r0), m, lanes, scores, lanes + D * VL,       \
+                                        lanes + 2 * D * VL, outs + (r - r0));                      \
+            }                                                                                      \
         }                                                                                          \
         /* merge a row's pieces, each rescaled by exp(its max - the row's max) */                  \
         _Pragma("omp for schedule(static)")                                                        \
@@ -434,24 +581,20 @@ int paged_attention_rows_##NAME(                                                
                 for (int64_t d = 0; d < D; d++) store_##QS(out + (r * H + j) * D + d, o[d] / l);   \
             }                                                                                      \
         }                                                                                          \
+        free(lanes);                                                                               \
         free(scores);                                                                              \
         free(qf);                                                                                  \
     }                                                                                              \
     free(part);                                                                                    \
-    free(piece_row);                                                                               \
+    free(item_run);                                                                                \
+    free(item_piece);                                                                              \
+    free(run_start);                                                                               \
     free(piece_start);                                                                             \
     return failed;                                                                                 \
 }
 
 
-/* Prefill tiles (DEFINE_PREFILL): TILE_KEYS key positions scored together (one multiply-add per
- * position for each element of the query tile), TILE_VALUES positions whose values are gathered
- * (converted to float32 once) per pass over the value sums, TILE_DIMS vectors of value sums held
- * in registers. */
-#define TILE_KEYS 8
-#define TILE_VALUES 64
-#define TILE_DIMS 16
-_Static_assert(TILE_VALUES >= TILE_KEYS, "the staging buffer holds TILE_VALUES rows");
+
 /* query rows x query heads per prefill tile: VL lanes */
 int64_t paged_attention_prefill_lanes(void) { return VL; }
 

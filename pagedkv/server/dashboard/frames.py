@@ -77,6 +77,10 @@ def take_view(engine: LLMEngine, stamp: float) -> View:
         "prefixHits": stats.prefix_cache_hits,
         "stepTime": round(last.step_time_s, 5) if last is not None else 0.0,
     }
+    if stats.spec_decoding is not None:  # a speculating engine: its drafts since start
+        counters["specDrafts"] = stats.spec_decoding.num_drafts
+        counters["specDraftTokens"] = stats.spec_decoding.num_draft_tokens
+        counters["specAccepted"] = stats.spec_decoding.num_accepted_tokens
     return View(snapshot.refcounts, snapshot.cached, seqs, counters)
 
 

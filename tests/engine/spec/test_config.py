@@ -116,3 +116,32 @@ def test_bad_configs_are_refused_naming_the_field(data, field, words):
 def test_the_cli_value_must_be_a_json_object(text):
     with pytest.raises(ValueError, match="speculative_config"):
         SpeculativeConfig.from_json(text)
+
+
+def test_the_engine_config_takes_a_dict_or_json_and_refuses_a_bad_one():
+    from pagedkv.engine import EngineConfig
+
+    given = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
+    config = EngineConfig(speculative_config=given).speculative_config
+    assert config == SpeculativeConfig.from_dict(given)
+    assert EngineConfig(speculative_config='{"model": "stdlib-llama-draft", "num_speculative_tokens": 2}')
+    with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens"):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="speculative_config must be a dict or JSON text"):
+        EngineConfig(speculative_config=4)
+
+
+def test_the_command_line_flag_parses_json_and_refuses_bad_json(capsys):
+    from pagedkv.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(
+        ["generate", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    )
+    assert args.speculative_config == SpeculativeConfig("ngram", 3, None, 5, 5)
+    with pytest.raises(SystemExit) as exit_info:
+        parser.parse_args(
+            ["generate", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}']
+        )
+    assert exit_info.value.code == 2
+    assert "'eagle' is not supported" in capsys.readouterr().err

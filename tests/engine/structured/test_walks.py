@@ -12,7 +12,7 @@ import re
 
 import jsonschema
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pagedkv.engine.structured import StructuredOutputsParams
@@ -70,6 +70,7 @@ def walk_text(compiler, tokenizer, vocab_size, params: StructuredOutputsParams, 
 
 @settings(max_examples=40, deadline=None)
 @given(seed=SEEDS)
+@example(seed=20075)  # spelled a surrogate (ED A6 84) in "name": 14 characters once decoded
 def test_a_json_schema_walk_always_ends_in_json_the_schema_validates(compiler, tokenizer, vocab_size, seed):
     params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     text = walk_text(compiler, tokenizer, vocab_size, params, seed)

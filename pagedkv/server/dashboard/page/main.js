@@ -60,7 +60,7 @@ const Page = {
     const stats = Model.stats;
     document.getElementById("pool-summary").textContent =
       `${model} · ${numBlocks} blocks of ${blockSize} tokens · ${stats.used} in use, ` +
-      `${stats.cachedFree} cached-free · step ${stats.step}`;
+      `${stats.cachedFree} cached-free · step ${stats.step}` + speculation(stats);
     document.getElementById("request-summary").textContent =
       `${stats.running} running, ${stats.waiting} waiting (click one, or a cell)`;
     Grid.render(this.selected);
@@ -69,5 +69,14 @@ const Page = {
     Contiguous.render(document.getElementById("contiguous"), document.getElementById("contiguous-text"));
   },
 };
+
+/* A speculating engine's acceptance rate and mean acceptance length, as vLLM logs them. */
+function speculation(stats) {
+  if (stats.specDrafts === undefined) return "";
+  if (!stats.specDrafts) return " · speculation: no draft yet";
+  const rate = (100 * stats.specAccepted) / stats.specDraftTokens;
+  const length = 1 + stats.specAccepted / stats.specDrafts;
+  return ` · speculation: ${rate.toFixed(1)} % accepted, ${length.toFixed(2)} tokens per draft`;
+}
 
 Page.start();
