@@ -67,7 +67,9 @@ class PagedBatch:
             context_lens=torch.tensor(self.lens, dtype=torch.int32, device=self.device),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
             max_query_len=max(len(t) for t in new_tokens),
-            prompt_lens=None if prompt_lens is None else torch.tensor(prompt_lens, dtype=torch.int32),
+            prompt_lens=None
+            if prompt_lens is None
+            else torch.tensor(prompt_lens, dtype=torch.int32, device=self.device),
         )
         with torch.inference_mode():
             rows = None if output_rows is None else torch.tensor(output_rows, device=self.device)
