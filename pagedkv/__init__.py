@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagedkv.engine import BeamSearchParams, RequestOutput, SamplingParams
+    from pagedkv.engine import BeamSearchParams, RequestOutput, SamplingParams, StructuredOutputsParams
     from pagedkv.llm import LLM
 
-__all__ = ["LLM", "BeamSearchParams", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchParams", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 
@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
         from pagedkv.llm import LLM
 
         return LLM
-    if name in ("SamplingParams", "RequestOutput", "BeamSearchParams"):
+    if name in ("SamplingParams", "RequestOutput", "BeamSearchParams", "StructuredOutputsParams"):
         import pagedkv.engine
 
         return getattr(pagedkv.engine, name)

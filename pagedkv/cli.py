@@ -17,17 +17,8 @@ from rich.console import Console
 from pagedkv.bench import capacity, sharing
 from pagedkv.bench.commands import BENCHES, CAPACITY, SHARING
 from pagedkv.bench.driver import add_bench, run_section
-from pagedkv.cli_args import (
-    DEFAULT_OUT,
-    ReportOptions,
-    add_command,
-    add_engine_options,
-    add_report_options,
-    byte_size,
-    config_from_args,
-    engine_config,
-    show_report,
-)
+from pagedkv.cli_args import add_command, add_engine_options, byte_size, config_from_args, engine_config
+from pagedkv.cli_report import DEFAULT_OUT, ReportOptions, add_report_options, show_report
 from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES
 from pagedkv.server.cli import add_serve_parser
 from pagedkv.sim import WORKLOAD_NAMES, SimConfig, SimResult, simulate

@@ -1,9 +1,10 @@
-"""Command-line pieces shared by every subcommand: argument types, report options and the
-engine's options.
+"""Command-line pieces shared by every subcommand: argument types and the engine's options (how
+a measuring command shows its report is :mod:`pagedkv.cli_report`).
 
 Engine options are declared once, in :data:`ENGINE_OPTIONS`, with their defaults read from
 :class:`~pagedkv.engine.config.EngineConfig` (the request limits' from its ``limits``, a
-:class:`~pagedkv.engine.validation.RequestLimits`); a command takes all of them or the few it lets
+:class:`~pagedkv.engine.validation.RequestLimits`, the structured output settings' from its
+``structured_outputs_config``); a command takes all of them or the few it lets
 users change (a benchmark fixes the rest), and may give a default of its own where it must
 differ (the capacity benchmark lets the KV pool, not the sequence budget, limit admission).
 
@@ -17,24 +18,18 @@ import argparse
 import contextlib
 import dataclasses
 import inspect
-import json
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol, TypeVar
-
-from rich.console import Console
+from typing import Any, TypeVar
 
 from pagedkv.engine.config import SCHEDULING_POLICIES, EngineConfig
 from pagedkv.engine.kv_policy import POLICY_NAMES
 from pagedkv.engine.spec.config import SpeculativeConfig
+from pagedkv.engine.structured.config import StructuredOutputsConfig
 from pagedkv.engine.validation import RequestLimits
 from pagedkv.kernels import LINEAR_KERNELS
 from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES, parse_bytes
-
-#: Where plots and reports go unless ``--out`` says otherwise (``pagedkv demo`` writes there too).
-DEFAULT_OUT = "pagedkv-report"
 
 
 def byte_size(text: str) -> int:
@@ -104,68 +99,6 @@ def add_command(
     return parser
 
 
-def add_report_options(
-    parser: argparse.ArgumentParser, plots: bool = True, out_help: str = "folder for the PNG plots"
-) -> None:
-    """``--out``, ``--no-plots`` and ``--json``: how a command that measures shows its figures
-    (``plots=False``: a command that draws none has no ``--no-plots``; ``out_help`` says what
-    else its ``--out`` holds)."""
-    output = parser.add_argument_group("output")
-    output.add_argument(
-        "--out", type=Path, default=Path(DEFAULT_OUT), help=f"{out_help} (default: %(default)s)"
-    )
-    if plots:
-        output.add_argument("--no-plots", action="store_true", help="do not write plots")
-    output.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
-
-
-@dataclass(frozen=True)
-class ReportOptions:
-    """What ``--out``, ``--no-plots`` and ``--json`` say, for a report shown without a parser
-    (the sections of ``pagedkv demo``)."""
-
-    out: Path
-    no_plots: bool = False
-    json: bool = False
-
-
-class Report(Protocol):
-    def to_json(self) -> dict: ...
-
-
-R = TypeVar("R", bound=Report)
-
-
-def show_report(
-    options: argparse.Namespace | ReportOptions,
-    result: R,
-    write_plots: Callable[[R, Path], list[Path]] | None,
-    print_report: Callable[[R, Console], None],
-    console: Console | None = None,
-    extra_json: dict[str, Any] | None = None,
-) -> list[Path]:
-    """How every measuring command ends: its plots (unless ``--no-plots``, or ``write_plots``
-    is None for a command that draws none), then one JSON document (``--json``, with
-    ``extra_json``'s keys: other files the command wrote) or its tables and where the plots
-    went. Returns the plots written."""
-    if write_plots is None:
-        plots, listed = [], {}
-    else:
-        plots = [] if options.no_plots else write_plots(result, Path(options.out))
-        listed = {"plots": [str(p) for p in plots]}
-    if options.json:
-        print(json.dumps(result.to_json() | listed | (extra_json or {}), indent=2))
-        return plots
-    console = console or Console()
-    print_report(result, console)
-    if plots:
-        # soft_wrap: a path longer than the terminal stays one string the user can copy
-        console.print(f"\nPlots written to [bold]{plots[0].parent}/[/]:", soft_wrap=True)
-        for path in plots:
-            console.print(f"  {path}", soft_wrap=True)
-    return plots
-
-
 @contextlib.contextmanager
 def usage_errors(args: argparse.Namespace) -> Iterator[None]:
     """A ValueError while a command builds its configuration is a usage error (exit status 2)."""
@@ -189,13 +122,17 @@ def config_from_args(cls: type[C], args: argparse.Namespace, **overrides: Any) -
 
 ENGINE_GROUP = "engine"
 LIMITS_GROUP = "request limits (over a limit: refused, naming it)"
+STRUCTURED_GROUP = "structured output (JSON schema, regex, choice, grammar; tool calls)"
+#: The flag and destination prefix of StructuredOutputsConfig's fields (vLLM's config name).
+STRUCTURED_PREFIX = "structured_outputs_"
 
 
 @dataclass(frozen=True)
 class EngineOption:
     """One engine option: the EngineConfig field it sets (``--the-field-name`` unless ``flag``
     says otherwise) and how argparse reads it. A request limit sets the field of
-    ``EngineConfig.limits`` (a :class:`RequestLimits`) instead."""
+    ``EngineConfig.limits`` (a :class:`RequestLimits`) instead; a structured output option the
+    field of ``EngineConfig.structured_outputs_config`` (``--structured-outputs-the-field``)."""
 
     field: str
     help: str
@@ -205,15 +142,28 @@ class EngineOption:
     #: "store_false" for a switch that turns a default-on field off
     action: str | None = None
     is_limit: bool = False
+    is_structured: bool = False
 
     @property
     def default(self) -> Any:
-        return getattr(RequestLimits if self.is_limit else EngineConfig, self.field)
+        owner = (
+            RequestLimits
+            if self.is_limit
+            else StructuredOutputsConfig
+            if self.is_structured
+            else EngineConfig
+        )
+        return getattr(owner, self.field)
+
+    @property
+    def dest(self) -> str:
+        """The attribute of the parsed arguments."""
+        return STRUCTURED_PREFIX + self.field if self.is_structured else self.field
 
     def add_to(self, group: argparse._ArgumentGroup, default: Any) -> None:
-        flag = self.flag or "--" + self.field.replace("_", "-")
+        flag = self.flag or "--" + self.dest.replace("_", "-")
         keywords = {"action": self.action} if self.action else {"type": self.type, "choices": self.choices}
-        group.add_argument(flag, dest=self.field, default=default, help=self.help, **keywords)
+        group.add_argument(flag, dest=self.dest, default=default, help=self.help, **keywords)
 
 
 DEFAULT = "(default: %(default)s)"
@@ -333,6 +283,41 @@ ENGINE_OPTIONS = (
     EngineOption(
         "max_stop_token_ids", f"most stop_token_ids per request {DEFAULT}", positive_int, is_limit=True
     ),
+    EngineOption(
+        "max_compile_seconds",
+        f"a grammar still compiling after this many seconds is refused (400), and its spec from then on "
+        f"{DEFAULT}",
+        positive_float,
+        is_structured=True,
+    ),
+    EngineOption(
+        "max_spec_chars",
+        f"longest schema, regex, grammar or choice list, in characters {DEFAULT}",
+        positive_int,
+        is_structured=True,
+    ),
+    EngineOption(
+        "max_schema_depth", f"deepest nesting of a JSON schema {DEFAULT}", positive_int, is_structured=True
+    ),
+    EngineOption(
+        "cache_size",
+        f"compiled grammars kept, least recently used out first {DEFAULT}",
+        positive_int,
+        is_structured=True,
+    ),
+    EngineOption(
+        "compile_threads",
+        f"threads that compile grammars, off the engine's {DEFAULT}",
+        positive_int,
+        is_structured=True,
+    ),
+    EngineOption(
+        "disable_any_whitespace",
+        "JSON output without whitespace between its tokens beyond one space after ':' and ',', whatever "
+        "the request says (small models tend to loop on whitespace)",
+        action="store_true",
+        is_structured=True,
+    ),
 )
 
 
@@ -344,7 +329,9 @@ def add_engine_options(
     chosen = ENGINE_OPTIONS if only is None else [o for o in ENGINE_OPTIONS if o.field in set(only)]
     groups: dict[str, argparse._ArgumentGroup] = {}
     for option in chosen:
-        title = LIMITS_GROUP if option.is_limit else ENGINE_GROUP
+        title = (
+            LIMITS_GROUP if option.is_limit else STRUCTURED_GROUP if option.is_structured else ENGINE_GROUP
+        )
         group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
         option.add_to(group, defaults.get(option.field, option.default))
 
@@ -355,12 +342,26 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
     return RequestLimits(**given)
 
 
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig fields among the parsed options (the request limits as ``limits``)."""
-    fields = {
-        o.field: getattr(args, o.field) for o in ENGINE_OPTIONS if not o.is_limit and hasattr(args, o.field)
+def structured_outputs_config(args: argparse.Namespace) -> StructuredOutputsConfig:
+    """The engine's ``StructuredOutputsConfig``: its defaults, with the options given."""
+    given = {
+        o.field: getattr(args, o.dest) for o in ENGINE_OPTIONS if o.is_structured and hasattr(args, o.dest)
     }
-    return fields | {"limits": request_limits(args)}
+    return StructuredOutputsConfig(**given)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields among the parsed options (the request limits as ``limits``, the
+    structured output options as ``structured_outputs_config``)."""
+    fields = {
+        o.field: getattr(args, o.field)
+        for o in ENGINE_OPTIONS
+        if not (o.is_limit or o.is_structured) and hasattr(args, o.field)
+    }
+    return fields | {
+        "limits": request_limits(args),
+        "structured_outputs_config": structured_outputs_config(args),
+    }
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -19,6 +19,7 @@ from pagedkv.bench.sharing import SharingConfig, run_sharing
 from pagedkv.bench.sharing_report import print_sharing, write_sharing_plots
 from pagedkv.bench.spec import SpecConfig, run_spec
 from pagedkv.bench.spec_report import print_spec
+from pagedkv.bench.structured import StructuredConfig, print_structured, run_structured
 from pagedkv.bench.throughput import ThroughputConfig
 from pagedkv.bench.throughput_engines import run_throughput
 from pagedkv.bench.throughput_report import print_result
@@ -166,4 +167,20 @@ SPEC = Bench(
 )
 
 
-BENCHES = (CAPACITY, SHARING, SERVE, ROUTER, THROUGHPUT, PARALLEL, QUALITY, SPEC)
+STRUCTURED = Bench(
+    name="structured",
+    doc="""structured output: tokens/s of batches with none, half or all rows constrained by a JSON schema
+
+    On one engine, run a batch of chat requests with a share of its rows constrained to a small JSON
+    schema, then the same prompts unconstrained with each row's length as it came out, interleaved
+    over rounds; print tokens/s of both and the share kept, how many constrained outputs are valid,
+    and the grammar's compile time (first build, a new schema, a cached one).
+    """,
+    config=StructuredConfig,
+    run=run_structured,
+    report=print_structured,
+    engine_fields=(*MODEL_FIELDS, "threads"),
+)
+
+
+BENCHES = (CAPACITY, SHARING, SERVE, ROUTER, THROUGHPUT, PARALLEL, QUALITY, SPEC, STRUCTURED)

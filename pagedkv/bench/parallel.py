@@ -34,7 +34,7 @@ from pagedkv.bench.driver import (
     table,
 )
 from pagedkv.bench.options import check_options, option
-from pagedkv.cli_args import DEFAULT_OUT
+from pagedkv.cli_report import DEFAULT_OUT
 
 WORKLOADS = "workloads: requests x prompt tokens + new tokens"
 

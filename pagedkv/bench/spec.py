@@ -25,7 +25,7 @@ from pagedkv.bench.host import host_state
 from pagedkv.bench.options import check_options, option
 from pagedkv.bench.throughput import Workload
 from pagedkv.bench.throughput_engines import EngineUnavailable, LoadSpec, RivalEngine
-from pagedkv.cli_args import DEFAULT_OUT
+from pagedkv.cli_report import DEFAULT_OUT
 from pagedkv.memory import blocks_for
 
 TEXTS = ("python", "text")

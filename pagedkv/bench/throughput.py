@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.bench.options import check_options, option, require_positive
-from pagedkv.cli_args import DEFAULT_OUT
+from pagedkv.cli_report import DEFAULT_OUT
 from pagedkv.engine.config import EngineConfig
 
 #: Engine names in table order, and how tables title them. ``pagedkv-eager`` is pagedkv with

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
+from pagedkv.engine.structured import StructuredOutputsParams
 from pagedkv.engine.validation import InvalidRequestError, RequestLimits
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ __all__ = [
     "RequestLimits",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "TokenLogprobs",
 ]
 

@@ -11,6 +11,11 @@ likely tokens; proposals ending in EOS become finished hypotheses (unless ``igno
 rest are ranked by cumulative log-probability and the best ``beam_width`` survive. At the end,
 finished hypotheses and surviving beams are ranked by ``cumulative_logprob / length **
 length_penalty``, where ``length`` counts generated tokens, a final EOS excluded.
+
+Under structured output every beam holds its own grammar state (forked with the beam): a
+beam's log-probabilities are those of the tokens its grammar allows, a forbidden token is
+never proposed (fewer than ``2 * beam_width`` proposals when fewer tokens are allowed), and
+EOS is proposed only once the beam's grammar is complete.
 """
 
 from __future__ import annotations
@@ -21,11 +26,21 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedkv.engine.sequence import BeamState, Hypothesis, Request, Sequence
+from pagedkv.engine.structured.bitmask import apply_grammars
+from pagedkv.engine.structured.matcher import GrammarMatcher
 
 if TYPE_CHECKING:
     from pagedkv.engine.scheduler import Scheduler
 
-__all__ = ["BeamState", "Candidate", "Hypothesis", "advance_beams", "best_hypotheses", "rank_candidates"]
+__all__ = [
+    "BeamState",
+    "Candidate",
+    "Hypothesis",
+    "advance_beams",
+    "best_hypotheses",
+    "next_token_logprobs",
+    "rank_candidates",
+]
 
 
 @dataclass(frozen=True)
@@ -33,6 +48,15 @@ class Candidate:
     score: float
     parent: int  # index into the live beams
     token: int
+
+
+def next_token_logprobs(logits: torch.Tensor, grammar: GrammarMatcher | None) -> torch.Tensor:
+    """A beam's [vocab] log-probabilities from its [1, vocab] logits row: over the tokens its
+    grammar allows next when it has one (the row is masked in place)."""
+    logits = logits.to(torch.float32)
+    if grammar is not None:
+        apply_grammars(logits, [grammar])
+    return logits[0].log_softmax(dim=-1)
 
 
 def rank_candidates(
@@ -44,7 +68,8 @@ def rank_candidates(
     for parent, (row, base) in enumerate(zip(logprobs, cumulative, strict=True)):
         top = torch.topk(row, min(2 * width, row.shape[-1]))
         for value, token in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-            proposals.append(Candidate(base + value, parent, token))
+            if value != float("-inf"):  # a token the beam's grammar forbids
+                proposals.append(Candidate(base + value, parent, token))
     ended = [c for c in proposals if c.token in state.eos_token_ids and not state.params.ignore_eos]
     alive = [c for c in proposals if c.token not in state.eos_token_ids or state.params.ignore_eos]
     alive.sort(key=lambda c: c.score, reverse=True)
@@ -97,6 +122,8 @@ def advance_beams(request: Request, scheduler: Scheduler, max_model_len: int) ->
 
 
 def _extend(beam: Sequence, candidate: Candidate) -> Sequence:
+    if beam.grammar is not None and not beam.grammar.accept_token(candidate.token):
+        raise RuntimeError(f"a beam's grammar refused token {candidate.token}, which it allowed")
     beam.token_ids.append(candidate.token)
     beam.cumulative_logprob = candidate.score
     return beam

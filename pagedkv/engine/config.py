@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.kv_policy import KVPolicy
 from pagedkv.engine.spec.config import SpeculativeConfig
+from pagedkv.engine.structured.config import StructuredOutputsConfig
 from pagedkv.engine.validation import RequestLimits
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ class EngineConfig:
     #: The most one request may ask for (samples, beams, tokens); an unset token budget
     #: derives from the KV pool (``RequestLimits.resolved``).
     limits: RequestLimits = field(default_factory=RequestLimits)
+    #: Structured output's limits and compile threads (vLLM's ``structured_outputs_config``).
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     #: Ranks the model is sharded over (one process each; see pagedkv.models.parallel).
     tensor_parallel_size: int = 1
     #: Machines the ranks run on, this machine's index, and where they meet (node 0).

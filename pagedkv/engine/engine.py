@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor import Executor
@@ -38,10 +39,14 @@ from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.sequence import BeamState, Request, Sequence
 from pagedkv.engine.spec.factory import make_verifier
 from pagedkv.engine.stats import EngineStats, KVSnapshot, StatsCollector, StepStats
+from pagedkv.engine.structured.manager import StructuredOutputManager
 from pagedkv.engine.validation import InvalidRequestError, RequestValidator
 from pagedkv.memory import KVCacheManager
 from pagedkv.models import ModelConfig, builtin_model_path
 from pagedkv.tokenizer import engine_tokenizer
+
+if TYPE_CHECKING:
+    from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
 
 __all__ = ["EngineConfig", "InvalidRequestError", "LLMEngine"]
 
@@ -84,6 +89,9 @@ class LLMEngine:
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.sampler = Sampler(sorted(eos))
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, eos, config.structured_outputs_config
+        )
         #: Speculative decoding's proposer, policy and verifier (None: off).
         vocab = self.model_config.vocab_size
         self.verifier = make_verifier(config, self.max_model_len, vocab, sorted(eos), num_blocks)
@@ -99,19 +107,21 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         client_request_id: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         """Validate and queue a request; raises :class:`InvalidRequestError` with the reason.
 
         ``priority``: lower runs first, under the ``priority`` scheduling policy (vLLM's); requests
         that share a ``client_request_id`` share one fair share of the engine (``engine/fairness.py``).
+        ``grammar``: ``params.structured_outputs`` compiled ahead (the server's way), else here.
         """
         self.scheduler.check_priority(priority)
-        return self._queue(request_id, prompt, params or SamplingParams(), None, priority, client_request_id)
+        params = params or SamplingParams()
+        return self._queue(request_id, prompt, params, None, priority, client_request_id, grammar)
 
     def add_beam_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> Request:
         """Queue a beam search; its result arrives as one RequestOutput, beams best first."""
-        sampling = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=params.ignore_eos)
-        request = self._queue(request_id, prompt, sampling, params)
+        request = self._queue(request_id, prompt, params.sampling_params(), params)
         request.beam = BeamState(params, self.eos_token_ids)
         return request
 
@@ -123,6 +133,7 @@ class LLMEngine:
         beam: BeamSearchParams | None = None,
         priority: int = 0,
         client_request_id: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -132,17 +143,13 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validator.check(token_ids, params, samples)
-        request = Request(
-            request_id,
-            text,
-            token_ids,
-            params,
-            arrival_time=time.monotonic(),
-            priority=priority,
-            client_request_id=client_request_id,
-        )
+        matcher = self.structured_outputs.matcher(params, grammar)  # the last check: may compile
+        now = time.monotonic()
+        request = Request(request_id, text, token_ids, params, now, priority=priority)
+        request.client_request_id = client_request_id
         seq = Sequence(request, 0, list(token_ids), make_generator(params.seed, 0))
         seq.detokenizer = self.tokenizer.detokenizer(token_ids, params.skip_special_tokens)
+        seq.grammar = matcher
         request.seqs.append(seq)
         self.requests[request_id] = request
         self.scheduler.add(seq)
@@ -233,6 +240,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Release the model and the KV cache (and any worker rank) now; idempotent. Dropping the
         engine releases them too; steps afterwards raise ``ExecutorError``."""
+        self.structured_outputs.close()
         self.executor.shutdown()
 
     def __enter__(self) -> LLMEngine:

@@ -40,6 +40,7 @@ def _sample(sampler: Sampler, logits: torch.Tensor, rows: list[Sequence]):
         [s.generator for s in rows],
         [s.output_token_ids for s in rows],
         [s.request.prompt_token_ids for s in rows],
+        [s.grammar for s in rows],
     )
 
 

@@ -1,8 +1,9 @@
 """The last stage of a step: sampled tokens in, ``RequestOutput``s out.
 
-Appends each sampled token to its sequence, streams its text through the sequence's
-detokenizer, applies the stop conditions (EOS, stop tokens, stop strings, ``max_tokens``, the
-context length), advances beam searches, frees the blocks of whatever finished and builds the
+Appends each sampled token to its sequence (and advances its grammar, under structured
+output), streams its text through the sequence's detokenizer, applies the stop conditions (EOS,
+stop tokens, stop strings, a complete grammar, ``max_tokens``, the context length), advances
+beam searches, frees the blocks of whatever finished and builds the
 outputs of every request that moved (vLLM's output processor, nano-vllm's ``postprocess``).
 """
 
@@ -90,6 +91,11 @@ class OutputProcessor:
                 continue
             if seq.finish_reason is not None:  # a verified token after one that stopped it
                 continue
+            if seq.grammar is not None and not seq.grammar.accept_token(token):
+                # The mask allows only what the grammar accepts: a bug, ended like one in sampling.
+                error = RuntimeError(f"the grammar of the request refused token {token}, which it allowed")
+                sampled.failures.setdefault(seq.request.request_id, error)
+                continue
             self.append_token(seq, token, logprobs)
             generated += 1
             if seq.request.first_token_time is None:
@@ -120,6 +126,8 @@ class OutputProcessor:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif self._truncate_at_stop(seq):
             return
+        elif seq.grammar is not None and seq.grammar.is_terminated():  # its stop token, under ignore_eos
+            seq.finish_reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.engine.beam_search import next_token_logprobs
 from pagedkv.engine.fault_isolation import sample_rows
 from pagedkv.engine.output_processor import SampledStep
 from pagedkv.engine.sampler import Sampler, make_generator, take_rows
@@ -48,7 +49,7 @@ def sample_step(
         if seq.num_output_tokens == 0:
             prompt_tokens += seq.num_tokens
         if seq.request.beam is not None:
-            seq.pending_logprobs = logits[first].log_softmax(dim=-1)
+            seq.pending_logprobs = next_token_logprobs(logits[first : first + 1], seq.grammar)
             beams[seq.request.request_id] = seq.request
             continue
         group = fork_samples(seq, scheduler, tokenizer) if seq.request.needs_fork else [seq]

@@ -1,9 +1,18 @@
 """Turn one step's logits into one token per sequence, each row by its own request's rules.
 
-Processing order (vLLM v1 / transformers): repetition penalty (prompt and output tokens),
-frequency and presence penalties (output tokens), the ``min_tokens`` ban on stop tokens; then
-a greedy row takes the argmax, and any other row is divided by its temperature, filtered by
-``min_p``, ``top_k`` and ``top_p``, and drawn from the softmax of what is left.
+Processing order (vLLM v1 / transformers): a constrained row's grammar mask (structured
+output: the tokens its grammar forbids get -inf), repetition penalty (prompt and output
+tokens), frequency and presence penalties (output tokens), the ``min_tokens`` ban on stop
+tokens; then a greedy row takes the argmax, and any other row is divided by its temperature,
+filtered by ``min_p``, ``top_k`` and ``top_p``, and drawn from the softmax of what is left.
+
+The grammar mask comes first, written into the constrained rows of the logits given (only
+those rows: every other row keeps its exact bits, so an unconstrained request samples as it
+would alone). A -inf logit stays -inf through every later stage, so masking first draws the
+same tokens as masking last; it also makes a constrained row's logprobs those of the tokens
+its grammar allows, as in vLLM. Masking twice changes nothing more, so a row-by-row retry
+(:mod:`pagedkv.engine.fault_isolation`) may run on logits masked once already. Once a row's
+grammar is complete it allows only the stop tokens, and then it wins over ``min_tokens``.
 
 Reproducibility: a seeded row draws with its own ``torch.Generator`` and nothing else, by
 inverse transform sampling (one uniform number from that generator against the running
@@ -13,19 +22,21 @@ so a request's tokens depend on its seed and its logits only, never on its row i
 which other requests share the batch. Unseeded rows share one draw from the global RNG.
 
 Logprobs are those of the raw model output, ``log_softmax(logits)`` before any penalty,
-temperature or filter: vLLM v1's default, and the only choice under which a greedy row
-(temperature 0) still has a distribution to report.
+temperature or filter (after a grammar's mask): vLLM v1's default, and the only choice under
+which a greedy row (temperature 0) still has a distribution to report.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sized
+from collections.abc import Callable, Iterable, Sequence, Sized
 from dataclasses import dataclass
 
 import torch
 
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.structured.bitmask import allows_only, apply_grammars
+from pagedkv.engine.structured.matcher import GrammarMatcher
 
 
 def make_generator(
@@ -115,14 +126,21 @@ def ban_stop_tokens(
     params: list[SamplingParams],
     output_token_ids: list[list[int]],
     eos_token_ids: tuple[int, ...],
+    must_end: Callable[[int, set[int]], bool] | None = None,
 ) -> torch.Tensor:
     """Below ``min_tokens`` generated, EOS (unless ignored) and stop tokens get -inf: a new
-    tensor, or ``logits`` itself when no row bans anything (see :func:`apply_penalties`)."""
+    tensor, or ``logits`` itself when no row bans anything (see :func:`apply_penalties`).
+
+    ``must_end(i, banned)``: row ``i``'s grammar allows nothing but ``banned`` (it is complete).
+    The grammar wins there and nothing is banned: a row with every token at -inf has no token
+    to give."""
     rows: list[int] = []
     tokens: list[int] = []
     for i, p in enumerate(params):
         if len(output_token_ids[i]) < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            if must_end is not None and must_end(i, banned):
+                continue
             rows += [i] * len(banned)
             tokens += sorted(banned)
     if not rows:
@@ -228,15 +246,22 @@ class Sampler:
         generators: list[torch.Generator | None],
         output_token_ids: list[list[int]],
         prompt_token_ids: list[list[int]],
+        grammars: Sequence[GrammarMatcher | None] | None = None,
     ) -> SamplerOutput:
-        """Sample row i of ``logits`` by ``params[i]`` with ``generators[i]``; see the module doc."""
+        """Sample row i of ``logits`` by ``params[i]`` with ``generators[i]``, within what
+        ``grammars[i]`` allows next when it is set; see the module doc."""
         _check_batch(logits, params, generators, output_token_ids, prompt_token_ids)
-        logits = logits.to(torch.float32)  # no copy: nothing below writes into it
+        logits = logits.to(torch.float32)  # no copy: only the grammars write into it
+        bitmask = apply_grammars(logits, grammars) if grammars is not None else None
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = take_rows(logits, want_logprobs).log_softmax(dim=-1) if want_logprobs else None
 
         logits = apply_penalties(logits, params, output_token_ids, prompt_token_ids)
-        logits = ban_stop_tokens(logits, params, output_token_ids, self.eos_token_ids)
+        must_end = None
+        if bitmask is not None:
+            vocab = logits.shape[-1]
+            must_end = lambda i, banned: grammars[i] is not None and allows_only(bitmask, i, banned, vocab)
+        logits = ban_stop_tokens(logits, params, output_token_ids, self.eos_token_ids, must_end)
 
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if not drawn:

@@ -13,6 +13,8 @@ import numbers
 import re
 from dataclasses import dataclass
 
+from pagedkv.engine.structured.params import StructuredOutputsParams
+
 #: Below this temperature a request is greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by a
 #: near-zero temperature would overflow, and the limit of the distribution is the argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -128,6 +130,9 @@ class SamplingParams:
     min_tokens: int = 0
     #: Leave special tokens (EOS, chat-turn markers) out of the output text; their ids stay.
     skip_special_tokens: bool = True
+    #: Constrain the output to a JSON schema, a regex, a choice or a grammar (vLLM's name); the
+    #: engine compiles it before the request is queued (``engine/structured/``).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n, low=1)
@@ -158,6 +163,7 @@ class SamplingParams:
         self.min_tokens = _as_int("min_tokens", self.min_tokens, low=0)
         if self.min_tokens > self.max_tokens:
             raise _fail("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        _check_structured_outputs("SamplingParams.structured_outputs", self.structured_outputs)
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:
@@ -190,14 +196,24 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+def _check_structured_outputs(name: str, value: object) -> None:
+    if value is not None and not isinstance(value, StructuredOutputsParams):
+        raise _fail(name, "a StructuredOutputsParams or None", value)
+
+
 @dataclass
 class BeamSearchParams:
-    """Settings of one beam search (vLLM's ``BeamSearchParams``); see ``engine/beam_search.py``."""
+    """Settings of one beam search (vLLM's ``BeamSearchParams``); see ``engine/beam_search.py``.
+
+    ``structured_outputs`` constrains every beam (each holds its own grammar state); it excludes
+    ``ignore_eos``, since a beam whose grammar is complete can only end.
+    """
 
     beam_width: int
     max_tokens: int
     length_penalty: float = 1.0
     ignore_eos: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.beam_width = _as_int("BeamSearchParams.beam_width", self.beam_width, low=1)
@@ -205,3 +221,18 @@ class BeamSearchParams:
         self.length_penalty = _as_float("BeamSearchParams.length_penalty", self.length_penalty)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"BeamSearchParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        _check_structured_outputs("BeamSearchParams.structured_outputs", self.structured_outputs)
+        if self.ignore_eos and self.structured_outputs is not None:
+            raise ValueError(
+                "BeamSearchParams.ignore_eos cannot be set with structured_outputs: a beam whose "
+                "grammar is complete can only end"
+            )
+
+    def sampling_params(self) -> SamplingParams:
+        """What each beam's steps run with: greedy, to ``max_tokens``, under the constraint."""
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=0.0,
+            ignore_eos=self.ignore_eos,
+            structured_outputs=self.structured_outputs,
+        )

@@ -17,6 +17,7 @@ from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.engine.stop_strings import StopScan, StopStringMatcher
+from pagedkv.engine.structured.matcher import GrammarMatcher
 from pagedkv.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:  # the scheduler reads sequences without torch; only the sampler's fields hold tensors
@@ -60,6 +61,11 @@ class Sequence:
     pending_logprobs: torch.Tensor | None = None
     #: Where ``text`` stands among the request's stop strings (None when it has none).
     stop_scan: StopScan | None = field(default=None, init=False)
+    #: Structured output: where this sequence's generated tokens stand in its request's grammar
+    #: (None when unconstrained). Every sequence holds its own, forked like its block table;
+    #: it has accepted exactly the output tokens, so a preempted sequence that recomputes its
+    #: tokens keeps it as it is.
+    grammar: GrammarMatcher | None = field(default=None, init=False)
     #: Tokens proposed to follow ``token_ids`` this step (vLLM's name), verified by the target
     #: model in the step's forward pass. Never part of ``token_ids``: only what verification
     #: accepts is appended, so nothing built on ``token_ids`` (the prefix cache, stop strings,
@@ -71,10 +77,12 @@ class Sequence:
             self.stop_scan = StopScan(self.request.stop_matcher)
 
     def fork(self, index: int, generator: torch.Generator | None) -> Sequence:
-        """A new sequence of the same request with this one's tokens and progress; the scheduler
-        gives it this one's KV blocks (:meth:`~pagedkv.engine.scheduler.Scheduler.fork`)."""
+        """A new sequence of the same request with this one's tokens, progress and a copy of its
+        grammar state; the scheduler gives it this one's KV blocks
+        (:meth:`~pagedkv.engine.scheduler.Scheduler.fork`)."""
         child = Sequence(self.request, index, list(self.token_ids), generator)
         child.num_computed_tokens = self.num_computed_tokens
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
     @property

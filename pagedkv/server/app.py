@@ -30,17 +30,17 @@ from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, NoSniffMiddleware
 from pagedkv.server.openapi import error_responses, event_stream_or, install_openapi
 from pagedkv.server.prompts import PromptEncoder
-from pagedkv.server.protocol import (
-    ChatCompletionRequest,
+from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.render import install_render_routes
+from pagedkv.server.responses import (
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     HealthStatus,
     ModelCard,
     ModelList,
 )
-from pagedkv.server.render import install_render_routes
 from pagedkv.server.serving import ServingContext, create_chat_completion, create_completion
+from pagedkv.server.tool_parsers import tool_parser
 
 logger = logging.getLogger("pagedkv.server")
 
@@ -126,6 +126,8 @@ def create_app(
     max_waiting: int | None = DEFAULT_MAX_WAITING,
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
     kv_events: KVEventsConfig | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over ``engine`` (a ready ``LLMEngine``, or the config to build one).
 
@@ -135,6 +137,8 @@ def create_app(
     ``RequestLimits`` (n, beams, tokens per request) apply to each request as a whole.
     ``kv_events``: when enabled, the block pool's changes are published over ZMQ in vLLM's
     KV-event format (:mod:`pagedkv.server.kv_events`), for ``vllm-router --policy kv_aware``.
+    ``enable_auto_tool_choice`` with ``tool_call_parser`` (vLLM's ``hermes`` or ``llama3_json``):
+    serve ``tool_choice="auto"``, finding the model's calls with that parser.
     The engine's worker thread starts now and stops when the app's lifespan ends.
     """
     if api_key is not None and not api_key.strip():
@@ -143,6 +147,9 @@ def create_app(
         raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
     if max_prompts_per_request < 1:
         raise ValueError(f"max_prompts_per_request must be positive, got {max_prompts_per_request}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice needs a tool_call_parser to read the model's calls")
+    parser = tool_parser(tool_call_parser) if tool_call_parser is not None else None
     owns_engine = not isinstance(engine, LLMEngine)
     if owns_engine:
         engine = LLMEngine(engine or EngineConfig())
@@ -163,6 +170,7 @@ def create_app(
         kv_capacity_tokens=engine.validator.max_kv_tokens,
         limits=engine.validator.limits,
         max_prompts_per_request=max_prompts_per_request,
+        tool_parser=parser if enable_auto_tool_choice else None,
     )
 
     @asynccontextmanager

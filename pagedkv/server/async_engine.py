@@ -22,12 +22,15 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pagedkv.engine import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
 from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.server.errors import QueueFullError
 from pagedkv.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
 
 logger = logging.getLogger("pagedkv.server")
 
@@ -81,6 +84,8 @@ class _Add:
     priority: int = 0
     #: The HTTP request the prompts come from: they share one fair share of the engine.
     client_request_id: str | None = None
+    #: ``params.structured_outputs`` compiled (the handler awaited it): the worker never compiles.
+    grammar: CompiledGrammar | None = None
     submitted: float = field(default_factory=time.monotonic)
 
 
@@ -153,14 +158,16 @@ class AsyncEngine:
         stream: Stream,
         priority: int = 0,
         client_request_id: str | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> None:
         """Queue every prompt or none; returns once accepted, raises ``InvalidRequestError`` /
         ``QueueFullError``. Outputs of ``prompts[i]`` arrive on ``stream`` tagged ``i``; the
-        prompts count as the one client request ``client_request_id`` for fair admission."""
+        prompts count as the one client request ``client_request_id`` for fair admission.
+        ``grammar``: ``params.structured_outputs`` compiled, when it is set."""
         if len(request_ids) != len(prompts):
             raise ValueError(f"got {len(request_ids)} request ids for {len(prompts)} prompts")
         accepted = asyncio.get_running_loop().create_future()
-        self._send(_Add(request_ids, prompts, params, stream, accepted, priority, client_request_id))
+        self._send(_Add(request_ids, prompts, params, stream, accepted, priority, client_request_id, grammar))
         await accepted
 
     def abort(self, request_ids: list[str]) -> None:
@@ -293,7 +300,12 @@ class AsyncEngine:
         for index, (request_id, prompt) in enumerate(zip(command.request_ids, command.prompts, strict=True)):
             try:
                 self.engine.add_request(
-                    request_id, prompt, command.params, command.priority, command.client_request_id
+                    request_id,
+                    prompt,
+                    command.params,
+                    command.priority,
+                    command.client_request_id,
+                    grammar=command.grammar,
                 )
             except InvalidRequestError as err:  # the handler turns it into a 400
                 error = err if arriving == 1 else InvalidRequestError(f"prompt {index}: {err}", err.param)

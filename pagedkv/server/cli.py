@@ -73,6 +73,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help='publish KV cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
         '"publisher": "zmq", "endpoint": "tcp://*:5557"}\' (for vllm-router --policy kv_aware)',
     )
+    _add_tool_options(parser)
     _add_connection_options(parser)
     replicas = parser.add_argument_group("replicas behind vllm-router")
     replicas.add_argument(
@@ -95,6 +96,34 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="pass one more argument to vllm-router (repeat; e.g. --router-arg=--disable-retries)",
     )
     return parser
+
+
+def _add_tool_options(parser: argparse.ArgumentParser) -> None:
+    # The names are tool_parsers.TOOL_PARSERS', written out so that --help stays fast.
+    group = parser.add_argument_group("tool calling (tools and tool_choice on /v1/chat/completions)")
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (the default with tools): the model decides, --tool-call-parser '
+        'finds its calls; "required" and named functions need neither option',
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json"),
+        default=None,
+        help="the format the model writes tool calls in: hermes (<tool_call> tags; Hermes, Qwen, the "
+        "built-in model) or llama3_json (Llama 3's JSON calls)",
+    )
+
+
+def tool_options(args: argparse.Namespace) -> dict:
+    """``create_app``'s tool options; --enable-auto-tool-choice needs a parser to read the calls."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        args.parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    return {
+        "enable_auto_tool_choice": args.enable_auto_tool_choice,
+        "tool_call_parser": args.tool_call_parser,
+    }
 
 
 def _add_connection_options(parser: argparse.ArgumentParser) -> None:
@@ -170,6 +199,7 @@ def _run_replicas(args: argparse.Namespace) -> int:
         "max_body_bytes": args.max_body_size,
         "max_waiting": args.max_waiting_requests,
         "max_prompts_per_request": args.max_prompts_per_request,
+        **tool_options(args),
     }
     try:
         replicas = ReplicaSet(
@@ -220,6 +250,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting_requests,
         max_prompts_per_request=args.max_prompts_per_request,
         kv_events=kv_events,
+        **tool_options(args),
     )
     name = app.state.context.model_name
     auth = "API key required" if args.api_key else "no API key"

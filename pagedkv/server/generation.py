@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.types import Receive
 
@@ -26,7 +27,10 @@ from pagedkv.engine import CompletionOutput, RequestOutput, SamplingParams
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.server.async_engine import AsyncEngine, Stream
 from pagedkv.server.errors import ClientGoneError, EngineRequestError
-from pagedkv.server.protocol import Usage
+from pagedkv.server.responses import Usage
+
+if TYPE_CHECKING:
+    from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
 
 
 @dataclass
@@ -81,8 +85,10 @@ class Generation:
         prompts: list[list[int]],
         params: SamplingParams,
         priority: int = 0,
+        grammar: CompiledGrammar | None = None,
     ) -> None:
         self.engine = engine
+        self.grammar = grammar
         self.request_id = request_id
         self.prompts = prompts
         self.params = params
@@ -106,7 +112,13 @@ class Generation:
         self._unfinished = set(range(len(self.prompts)))
         try:
             await self.engine.add(
-                self._engine_ids, self.prompts, self.params, self._stream, self.priority, self.request_id
+                self._engine_ids,
+                self.prompts,
+                self.params,
+                self._stream,
+                self.priority,
+                self.request_id,
+                self.grammar,
             )
         except BaseException:
             self.close()  # cancelled while waiting: withdraw whatever the worker admits

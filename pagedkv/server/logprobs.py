@@ -8,7 +8,7 @@ field carries the UTF-8 of that string.
 from __future__ import annotations
 
 from pagedkv.engine.outputs import TokenLogprobs
-from pagedkv.server.protocol import CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
+from pagedkv.server.responses import CompletionLogprobs, PromptLogprob, TokenLogprob, TopLogprob
 from pagedkv.tokenizer import Tokenizer
 
 

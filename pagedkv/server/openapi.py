@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from pagedkv.server.protocol import ErrorResponse
+from pagedkv.server.responses import ErrorResponse
 
 #: What each error status means here; a route's ``responses`` picks the ones it can send.
 ERROR_MEANINGS = {

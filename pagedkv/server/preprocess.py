@@ -6,8 +6,10 @@ cheapest first, so that a request that will be refused costs little: on the even
 name, the sampling fields and the number of prompts; then on the tokenizer thread
 (:mod:`pagedkv.server.prompts`) what reads the whole body -- the text (no unpaired surrogate), the
 chat template, the prompt lengths (bounded before tokenizing, each prompt checked as soon as it is
-tokenized) and the engine's own checks of the ids (vocabulary, KV pool) -- so the engine's worker
-never has to refuse what passed here.
+tokenized) and the engine's own checks of the ids (vocabulary, KV pool); last the output's
+constraint, if any, compiled on the engine's grammar compiler while the event loop goes on
+(:mod:`pagedkv.server.structured`) -- so the engine's worker never has to refuse what passed
+here, nor wait for a grammar.
 
 Chat template options are vLLM's: ``add_generation_prompt`` (default true) opens an assistant
 turn after the last message; ``continue_final_message`` instead leaves the last message open for
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
@@ -29,7 +32,13 @@ from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.errors import APIError
 from pagedkv.server.prompts import PromptEncoder, PromptLimits
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.structured import Constraint, compile_constraint
+from pagedkv.server.tool_parsers import ToolParser
+from pagedkv.server.tools import resolve_tool_choice, tool_at_fault, tool_constraint
 from pagedkv.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
 
 
 @dataclass
@@ -46,6 +55,12 @@ class ServingContext:
     #: What one request may ask for (the engine's limits, applied here to a batch as a whole).
     limits: RequestLimits
     max_prompts_per_request: int
+    #: ``--tool-call-parser``'s parser: with it (and --enable-auto-tool-choice), tool_choice "auto".
+    tool_parser: ToolParser | None = None
+
+    async def compile(self, constraint: Constraint | None) -> CompiledGrammar | None:
+        """The output constraint's grammar (None without one); a 400 naming the field if refused."""
+        return await compile_constraint(self.engine.engine.structured_outputs, constraint)
 
     @property
     def validator(self) -> RequestValidator:
@@ -120,20 +135,25 @@ class CompletionInputs:
     params: SamplingParams
     #: With ``echo``: each prompt as sent, as text (token ids decoded); else None.
     echoes: list[str] | None
+    #: The compiled ``params.structured_outputs`` (None without one).
+    grammar: CompiledGrammar | None = None
 
 
 async def preprocess_completion(ctx: ServingContext, body: CompletionRequest) -> CompletionInputs:
     """Validate a completions request and tokenize its prompts; :class:`APIError` if refused."""
     ctx.check_model(body.model)
     ctx.check_priority(body.priority)
-    params = body.sampling_params()
+    constraint = body.constraint()
+    params = body.sampling_params(constraint)
     prompts = body.prompts()
     ctx.check_size(len(prompts), params)  # first: a 200k-prompt list is refused before it is read
     limits = ctx.prompt_limits(params, body.truncate_prompt_tokens, body.add_special_tokens is not False)
     try:
-        return await ctx.encoder.run(_encode_completion, ctx, body, prompts, limits, params)
+        inputs = await ctx.encoder.run(_encode_completion, ctx, body, prompts, limits, params)
     except InvalidRequestError as err:
         raise APIError.from_value_error(err) from None
+    inputs.grammar = await ctx.compile(constraint)
+    return inputs
 
 
 def _encode_completion(
@@ -165,6 +185,10 @@ class ChatInputs:
     role: str
     #: What ``echo`` prepends to the answer ('' when nothing).
     echo: str
+    #: The compiled ``params.structured_outputs`` (None without one).
+    grammar: CompiledGrammar | None = None
+    #: How tools are used: "none", "auto", "required" or "named" (:mod:`pagedkv.server.tools`).
+    tool_mode: str = "none"
 
 
 async def preprocess_chat(ctx: ServingContext, body: ChatCompletionRequest) -> ChatInputs:
@@ -177,34 +201,48 @@ async def preprocess_chat(ctx: ServingContext, body: ChatCompletionRequest) -> C
             "is true unless sent as false)",
             param="continue_final_message",
         )
+    tool_mode = resolve_tool_choice(body.tools, body.tool_choice, ctx.tool_parser is not None)
+    forced = tool_constraint(body.tools, tool_mode, body.tool_choice, body.parallel_tool_calls)
+    constraint = body.constraint(forced)
     # Without max_tokens a chat runs to the end of the context (vLLM's default), known once the
     # prompt is; until then the fields are checked with the least it can be.
-    params = body.sampling_params(default_max_tokens=max(1, body.min_tokens or 0))
+    params = body.sampling_params(max(1, body.min_tokens or 0), constraint)
     ctx.check_size(1, params)
     limits = ctx.prompt_limits(params, body.truncate_prompt_tokens, bool(body.add_special_tokens))
     messages = [m.as_template_dict() for m in body.messages]
     role = "assistant" if body.add_generation_prompt is not False else messages[-1]["role"]
     echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == role else ""
     try:
-        prompt, params = await ctx.encoder.run(_encode_chat, ctx, body, messages, limits, params)
+        prompt, params = await ctx.encoder.run(_encode_chat, ctx, body, messages, limits, params, constraint)
     except InvalidRequestError as err:
         raise APIError.from_value_error(err) from None
-    return ChatInputs(prompt, params, role, echo)
+    try:
+        grammar = await ctx.compile(constraint)
+    except APIError as refused:
+        if constraint is forced and tool_mode == "required":  # name the tool at fault, if one is
+            refused = await tool_at_fault(ctx.engine.engine.structured_outputs, body.tools) or refused
+        raise refused from None
+    return ChatInputs(prompt, params, role, echo, grammar, tool_mode)
 
 
 def _encode_chat(
     ctx: ServingContext,
     body: ChatCompletionRequest,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     limits: PromptLimits,
     params: SamplingParams,
+    constraint: Constraint | None,
 ) -> tuple[list[int], SamplingParams]:
     """The conversation rendered and tokenized, and the final sampling parameters (on the
-    tokenizer thread: the text scan and the template read the whole conversation)."""
+    tokenizer thread: the text scan and the template read the whole conversation). The tools
+    reach the template as transformers passes them: ``tools``, OpenAI's tool objects."""
     body.check_text()
+    tools: dict[str, Any] = {}
+    if body.tools:
+        tools["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
     try:
         text = ctx.tokenizer.apply_chat_template(
-            messages, body.add_generation_prompt is not False, bool(body.continue_final_message)
+            messages, body.add_generation_prompt is not False, bool(body.continue_final_message), **tools
         )
     except (ValueError, jinja2.TemplateError) as err:
         raise APIError.bad_request(
@@ -213,6 +251,6 @@ def _encode_chat(
     (prompt,) = ctx.encoder.encode_prompts([text], limits)
     if body.max_tokens_asked is None:
         ceiling = min(ctx.max_model_len, ctx.kv_capacity_tokens, ctx.limits.max_request_tokens // params.n)
-        params = body.sampling_params(default_max_tokens=max(ceiling - len(prompt), 1))
+        params = body.sampling_params(max(ceiling - len(prompt), 1), constraint)
     ctx.check_ids([prompt], params)
     return prompt, params

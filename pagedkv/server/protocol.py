@@ -1,24 +1,36 @@
-"""The OpenAI request and response shapes the server speaks (pydantic models).
+"""The OpenAI request shapes the server takes (pydantic models); responses are in
+:mod:`pagedkv.server.responses`.
 
 Request models accept what the official clients send -- unknown fields are ignored, as OpenAI
 does -- and map onto :class:`~pagedkv.engine.SamplingParams`, whose own validation then names
 any bad value. vLLM's extra fields mean what they mean in vLLM (``top_k``, ``min_p``,
 ``ignore_eos``, ``skip_special_tokens``, ``truncate_prompt_tokens``, ``echo``,
-``add_generation_prompt``, ``continue_final_message``, ...). Fields that would change the meaning
-of a request but are not implemented (``suffix``, ``logit_bias``, beam search, tools and
-functions, guided decoding, ...) are refused with a 400 naming the field rather than dropped.
+``add_generation_prompt``, ``continue_final_message``, ``structured_outputs`` and the older
+``guided_*``, ...). What constrains the output (``response_format``, ``structured_outputs``,
+``guided_*``) is read by :mod:`pagedkv.server.structured`, ``tools`` and ``tool_choice`` by
+:mod:`pagedkv.server.tools`. Fields that would change the meaning of a request but are not
+implemented (``suffix``, ``logit_bias``, beam search, the deprecated ``functions``, ...) are
+refused with a 400 naming the field rather than dropped.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Annotated, Any, ClassVar, Literal
+import json
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from pagedkv.engine import SamplingParams
 from pagedkv.engine.sampling_params import unpaired_surrogate_at
 from pagedkv.server.errors import APIError
+from pagedkv.server.structured import (
+    GUIDED_FIELDS,
+    Constraint,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    request_constraint,
+)
+from pagedkv.server.tools import ChatTool, ToolChoice
 
 # Strict scalars: JSON ``true`` is not the number 1, ``"0.5"`` is not a float, ``2.0`` is not a count.
 Int = Annotated[int, Strict()]
@@ -84,13 +96,19 @@ class _SamplingRequest(BaseModel):
     #: Keep only the prompt's last this many tokens; -1: as many as fit beside ``max_tokens``.
     truncate_prompt_tokens: Int | None = None
     logit_bias: dict[str, float] | None = None
+    # What constrains the output (pagedkv.server.structured): one of them at most.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     # Undeclared fields are kept (in ``model_extra``) so that vLLM's fields that are not
     # implemented here can be refused by name: those named in ``_refused`` (declared or not).
     model_config = ConfigDict(extra="allow")
     _refused: ClassVar[tuple[str, ...]] = (
         "logit_bias", "use_beam_search", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
-        "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     )  # fmt: skip
     #: vLLM's: lower runs first under --scheduling-policy priority (anything but 0 is refused
     #: otherwise).
@@ -118,8 +136,17 @@ class _SamplingRequest(BaseModel):
                 f"best_of ({self.best_of}) different from n ({n}) is not supported", param="best_of"
             )
 
+    def constraint(self, tools: Constraint | None = None) -> Constraint | None:
+        """What the request constrains its output to (``tools``: what its tool choice forces)."""
+        guided = {name: getattr(self, name) for name in GUIDED_FIELDS}
+        return request_constraint(self.structured_outputs, self.response_format, guided, tools)
+
     def _sampling_params(
-        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        constraint: Constraint | None = None,
     ) -> SamplingParams:
         """The engine's parameters; a bad value becomes a 400 naming the field."""
         options: dict[str, Any] = {
@@ -140,10 +167,11 @@ class _SamplingRequest(BaseModel):
             "repetition_penalty": self.repetition_penalty,
             "min_tokens": self.min_tokens,
             "skip_special_tokens": self.skip_special_tokens,
+            "structured_outputs": constraint.params if constraint is not None else None,
         }
         # None (absent or JSON null) means "the default": SamplingParams' own, except for the
         # fields where None itself is the value (no logprobs, no seed, no stops).
-        keep_none = {"logprobs", "prompt_logprobs", "seed", "stop", "stop_token_ids"}
+        keep_none = {"logprobs", "prompt_logprobs", "seed", "stop", "stop_token_ids", "structured_outputs"}
         options = {k: v for k, v in options.items() if v is not None or k in keep_none}
         try:
             return SamplingParams(**options)
@@ -188,13 +216,14 @@ class CompletionRequest(_SamplingRequest):
     def echo_only(self) -> bool:
         return bool(self.echo) and self.max_tokens == 0
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, constraint: Constraint | None = None) -> SamplingParams:
         self._refuse_unsupported()
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
         prompt_logprobs = self.prompt_logprobs
         if self.echo and prompt_logprobs is None:
             prompt_logprobs = self.logprobs  # echo's logprobs start with the prompt's (vLLM)
-        return self._sampling_params(1 if self.echo_only else max_tokens, self.logprobs, prompt_logprobs)
+        max_tokens = 1 if self.echo_only else max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, constraint)
 
 
 class TextPart(BaseModel):
@@ -206,9 +235,14 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    #: An assistant message's calls (OpenAI's shape: arguments as JSON text).
+    tool_calls: list[dict[str, Any]] | None = None
+    #: A ``tool`` message: the call it answers.
+    tool_call_id: str | None = None
 
-    def as_template_dict(self) -> dict[str, str]:
-        """The message as chat templates expect it: text content only."""
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it: text content, and tool calls whose JSON
+        arguments are decoded into objects (as vLLM and transformers give them)."""
         content = self.content
         if isinstance(content, list):
             kinds = sorted({part.type for part in content if part.type != "text"})
@@ -217,10 +251,28 @@ class ChatMessage(BaseModel):
                     f"only text content parts are supported, got {', '.join(kinds)}", param="messages"
                 )
             content = "".join(part.text or "" for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [_decoded_arguments(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _decoded_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """``call`` with ``function.arguments`` decoded when it is the JSON text of an object."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -237,160 +289,29 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: Bool | None = False
     #: Add the tokenizer's special tokens on top of what the chat template writes.
     add_special_tokens: Bool | None = False
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    #: "none", "auto" (the default with tools), "required" or a named function
+    #: (:mod:`pagedkv.server.tools`).
+    tool_choice: ToolChoice | None = None
+    #: False: a forced call is one call.
+    parallel_tool_calls: Bool | None = None
 
-    _refused = (*_SamplingRequest._refused, "tools", "tool_choice", "functions", "function_call",
+    _refused = (*_SamplingRequest._refused, "functions", "function_call",
                 "chat_template", "chat_template_kwargs", "documents")  # fmt: skip
 
     @property
     def max_tokens_asked(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(
+        self, default_max_tokens: int, constraint: Constraint | None = None
+    ) -> SamplingParams:
         """``default_max_tokens`` applies when neither max token field is given (the rest of the
-        context, as in vLLM)."""
-        kind = (self.response_format or {}).get("type", "text")
+        context, as in vLLM); ``constraint``: what :meth:`constraint` found."""
         self._refuse_unsupported()
-        if kind != "text":
-            raise APIError.bad_request(f"response_format {kind!r} is not supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_tokens_asked
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(default_max_tokens if max_tokens is None else max_tokens, logprobs)
-
-
-# -- responses -------------------------------------------------------------------------------------
-class Usage(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogprobs(BaseModel):
-    """The legacy completions shape: parallel lists, one entry per token (null for an echoed
-    prompt's first token, which nothing predicts)."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class PromptLogprob(BaseModel):
-    """vLLM's ``Logprob``: one candidate token at a prompt position."""
-
-    logprob: float
-    rank: int
-    decoded_token: str
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    #: vLLM's shape: per prompt token, None for the first, else candidates by token id (the
-    #: prompt's own token first, then the top ``prompt_logprobs``); in a stream, on a choice's
-    #: first chunk only.
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob]
-
-
-class ChatResponseMessage(BaseModel):
-    role: str = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(BaseModel):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "pagedkv"
-    root: str
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """Every error the server sends has this shape (OpenAI's)."""
-
-    error: ErrorDetail
-
-
-class HealthStatus(BaseModel):
-    """``/health``: "ok" with 200, or why not with 503."""
-
-    status: str
+        max_tokens = default_max_tokens if max_tokens is None else max_tokens
+        return self._sampling_params(max_tokens, logprobs, constraint=constraint)

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -27,10 +28,10 @@ from pagedkv.server.errors import APIError, EngineRequestError
 from pagedkv.server.generation import ChoiceDelta, Generation, collect_unless_disconnected
 from pagedkv.server.logprobs import LogprobFormatter
 from pagedkv.server.preprocess import ServingContext, preprocess_chat, preprocess_completion
-from pagedkv.server.protocol import (
+from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.responses import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
@@ -38,9 +39,12 @@ from pagedkv.server.protocol import (
     ChatStreamChoice,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
 )
+from pagedkv.server.tool_calls import AnswerTools
+
+if TYPE_CHECKING:
+    from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
 
 __all__ = ["ServingContext", "create_chat_completion", "create_completion"]
 
@@ -80,9 +84,14 @@ def _failure(err: Exception, request_id: str) -> APIError:
 
 
 async def _start(
-    ctx: ServingContext, request_id: str, prompts: list[list[int]], params: SamplingParams, priority: int
+    ctx: ServingContext,
+    request_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    priority: int,
+    grammar: CompiledGrammar | None,
 ) -> Generation:
-    generation = Generation(ctx.engine, request_id, prompts, params, priority)
+    generation = Generation(ctx.engine, request_id, prompts, params, priority, grammar)
     try:
         await generation.start()  # an APIError (a full queue) passes through as it is
     except Aborted as err:
@@ -122,7 +131,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     inputs = await preprocess_completion(ctx, body)
     params = inputs.params
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = await _start(ctx, request_id, inputs.prompts, params, body.priority)
+    generation = await _start(ctx, request_id, inputs.prompts, params, body.priority, inputs.grammar)
     formatter = LogprobFormatter(ctx.tokenizer)
     wants_logprobs = params.logprobs is not None
     with_prompt_logprobs: set[int] = set()  # choices whose prompt logprobs went out
@@ -212,12 +221,19 @@ async def create_chat_completion(
     inputs = await preprocess_chat(ctx, body)
     prompt, params = inputs.prompt, inputs.params
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = await _start(ctx, request_id, [prompt], params, body.priority)
+    generation = await _start(ctx, request_id, [prompt], params, body.priority, inputs.grammar)
     formatter = LogprobFormatter(ctx.tokenizer)
     wants_logprobs = params.logprobs is not None
 
     def logprobs(delta: ChoiceDelta) -> ChatLogprobs | None:
         return ChatLogprobs(content=formatter.chat(delta.logprobs)) if wants_logprobs else None
+
+    answers = None  # each choice's tool calls, when the request has tools in play
+    if inputs.tool_mode != "none":
+        named = body.tool_choice.function.name if inputs.tool_mode == "named" else None
+        answers = [
+            AnswerTools(inputs.tool_mode, ctx.tool_parser, named) for _ in range(generation.num_choices)
+        ]
 
     created = int(time.time())
     if body.stream:
@@ -239,14 +255,21 @@ async def create_chat_completion(
             for index in range(generation.num_choices) if inputs.echo else ():
                 yield chunk(ChatStreamChoice(index=index, delta=ChatDelta(content=inputs.echo)))
             async for delta in generation.deltas():
-                if not _shows(delta, wants_logprobs):
-                    continue
+                if answers is None:
+                    if not _shows(delta, wants_logprobs):
+                        continue
+                    content, calls, reason = delta.text, None, delta.finish_reason
+                else:
+                    content, calls, reason = answers[delta.index].stream(delta.text, delta.finish_reason)
+                    says_nothing = content is None and calls is None and reason is None
+                    if says_nothing and not (wants_logprobs and delta.token_ids):
+                        continue
                 yield chunk(
                     ChatStreamChoice(
                         index=delta.index,
-                        delta=ChatDelta(content=delta.text),
+                        delta=ChatDelta(content=content, tool_calls=calls),
                         logprobs=logprobs(delta),
-                        finish_reason=delta.finish_reason,
+                        finish_reason=reason,
                     )
                 )
             if body.include_usage:
@@ -257,15 +280,20 @@ async def create_chat_completion(
     per_choice = await _respond(request, generation)
     choices = []
     for deltas in per_choice:
-        content = [token for d in deltas for token in formatter.chat(d.logprobs)] if wants_logprobs else None
+        tokens = [token for d in deltas for token in formatter.chat(d.logprobs)] if wants_logprobs else None
+        text, reason = "".join(d.text for d in deltas), deltas[-1].finish_reason
+        if answers is None:
+            message = ChatResponseMessage(role=inputs.role, content=inputs.echo + text)
+        else:
+            content, calls, reason = answers[deltas[-1].index].complete(text, reason)
+            content = inputs.echo + content if content is not None else (inputs.echo or None)
+            message = ChatResponseMessage(role=inputs.role, content=content, tool_calls=calls)
         choices.append(
             ChatChoice(
                 index=deltas[-1].index,
-                message=ChatResponseMessage(
-                    role=inputs.role, content=inputs.echo + "".join(d.text for d in deltas)
-                ),
-                logprobs=ChatLogprobs(content=content) if content is not None else None,
-                finish_reason=deltas[-1].finish_reason,
+                message=message,
+                logprobs=ChatLogprobs(content=tokens) if tokens is not None else None,
+                finish_reason=reason,
             )
         )
     return _json(

@@ -23,13 +23,43 @@ BOS_ID, EOS_ID, IM_END_ID = 0, 1, 3
 #: Every id that ends generation: EOS ends a document, ``<|im_end|>`` a chat turn.
 EOS_TOKEN_IDS = [EOS_ID, IM_END_ID]
 
-#: ChatML turns; like Llama 3's template it starts with the BOS token itself.
+#: ChatML turns; like Llama 3's template it starts with the BOS token itself. With ``tools``
+#: (transformers' convention: OpenAI's tool objects) a system turn lists them, Hermes-style: one
+#: JSON signature a line within ``<tools></tools>``, calls within ``<tool_call></tool_call>`` as
+#: ``{"name": ..., "arguments": {...}}`` -- the format of the ``hermes`` tool-call parser. An
+#: assistant message's ``tool_calls`` render in that format; a ``tool`` message as a user turn
+#: within ``<tool_response></tool_response>``. Without tools or tool messages the text is plain
+#: ChatML.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions. Their signatures are within <tools></tools>:"
+    "\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call, write a JSON object with the function name and arguments "
+    'within <tool_call></tool_call>:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{%- set arguments = call['function']['arguments'] %}"
+    "{{- '<tool_call>\\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{- (arguments if arguments is string else arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 

@@ -10,11 +10,12 @@ pair of engines.
 """
 
 import random
+import re
 
 import pytest
 import torch
 
-from pagedkv import LLM, BeamSearchParams, SamplingParams
+from pagedkv import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from pagedkv.engine import RequestLimits
 from pagedkv.engine.plan import SeqSlice, StepPlan
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
@@ -122,4 +123,19 @@ def test_n_samples_and_beams_are_the_same(pair):
     assert _tokens(two.beam_search(prompts, beams, use_tqdm=False)) == _tokens(
         one.beam_search(prompts, beams, use_tqdm=False)
     )
+    assert two.kv_stats()["blocks_used"] == 0
+
+
+def test_constrained_outputs_are_the_same(pair):
+    """Grammar state lives on the driver with the sampler: the ranks only compute the logits it masks."""
+    one, two = pair
+    regex = "[a-d]{2,6}"
+    params = SamplingParams(
+        n=2, max_tokens=8, temperature=0.8, seed=3, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    prompts = _prompts(2)[:2]
+    expected = one.generate(prompts, params, use_tqdm=False)
+    got = two.generate(prompts, params, use_tqdm=False)
+    assert _tokens(got) == _tokens(expected)
+    assert all(re.fullmatch(regex, c.text) for out in got for c in out.outputs)
     assert two.kv_stats()["blocks_used"] == 0

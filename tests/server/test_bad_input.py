@@ -34,6 +34,9 @@ TIGHT = dict(num_kv_blocks=40, block_size=16, max_model_len=1024, max_num_seqs=1
 POOL_TOKENS = ENGINE_OPTIONS["num_kv_blocks"] * ENGINE_OPTIONS["block_size"]
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 def _completion(**fields) -> dict:
     return {"model": MODEL, "prompt": "hello", "max_tokens": 4, **fields}
 
@@ -279,7 +282,134 @@ BAD_INPUTS = [
         param="top_logprobs",
     ),
     BadInput(
-        "chat: tools (not supported)", 400, _chat(tools=[{"type": "function"}]), path="/v1/chat/completions"
+        "an invalid JSON schema (`guided_json`)",
+        400,
+        _completion(guided_json={"type": "nonsense"}),
+        says="guided_json is not valid",
+        param="guided_json",
+    ),
+    BadInput(
+        "an invalid regex (`structured_outputs.regex`)",
+        400,
+        _completion(structured_outputs={"regex": "(unclosed"}),
+        says="structured_outputs.regex is not valid",
+        param="structured_outputs.regex",
+    ),
+    BadInput(
+        "an invalid grammar (`guided_grammar`)",
+        400,
+        _completion(guided_grammar="root ::= undefined_rule"),
+        says="guided_grammar is not valid",
+        param="guided_grammar",
+    ),
+    BadInput(
+        "`structured_outputs` with two constraints",
+        400,
+        _completion(structured_outputs={"regex": "a", "choice": ["a"]}),
+        says="needs exactly one of",
+        param="structured_outputs",
+    ),
+    BadInput(
+        "two ways of constraining the output at once",
+        400,
+        _completion(guided_regex="a+", response_format={"type": "json_object"}),
+        says="cannot be combined with",
+        param="guided_regex",
+    ),
+    BadInput(
+        "a `guided_choice` that is not a list of non-empty strings",
+        400,
+        _completion(guided_choice=["a", ""]),
+        says="guided_choice must be a list of non-empty strings",
+        param="guided_choice",
+    ),
+    BadInput(
+        "`response_format` `json_schema` without its schema",
+        400,
+        _chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        path="/v1/chat/completions",
+        says="needs json_schema.schema",
+        param="response_format.json_schema",
+    ),
+    BadInput(
+        "`response_format` with an invalid schema",
+        400,
+        _chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}),
+        path="/v1/chat/completions",
+        says="response_format.json_schema.schema is not valid",
+        param="response_format.json_schema.schema",
+    ),
+    BadInput(
+        "an unknown `response_format` type",
+        400,
+        _chat(response_format={"type": "xml"}),
+        path="/v1/chat/completions",
+        param="response_format.type",
+    ),
+    BadInput(
+        "chat: a tool without its function",
+        400,
+        _chat(tools=[{"type": "function"}]),
+        path="/v1/chat/completions",
+        param="tools.0.function",
+    ),
+    BadInput(
+        "chat: a function name outside [a-zA-Z0-9_-]{1,64}",
+        400,
+        _chat(tools=[{"type": "function", "function": {"name": "no spaces"}}], tool_choice="required"),
+        path="/v1/chat/completions",
+        param="tools.0.function.name",
+    ),
+    BadInput(
+        "chat: two tools of one name",
+        400,
+        _chat(tools=[TOOL, TOOL], tool_choice="required"),
+        path="/v1/chat/completions",
+        says="the name of an earlier tool",
+        param="tools.1.function.name",
+    ),
+    BadInput(
+        "chat: a tool whose parameters are not a valid schema (`tool_choice` required)",
+        400,
+        _chat(
+            tools=[TOOL, {"type": "function", "function": {"name": "g", "parameters": {"type": "wat"}}}],
+            tool_choice="required",
+        ),
+        path="/v1/chat/completions",
+        says="tools.1.function.parameters is not valid",
+        param="tools.1.function.parameters",
+    ),
+    BadInput(
+        "chat: `tool_choice` naming a function not among the tools",
+        400,
+        _chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+        path="/v1/chat/completions",
+        says="not among the tools",
+        param="tool_choice",
+    ),
+    BadInput(
+        "chat: `tool_choice` required without tools",
+        400,
+        _chat(tool_choice="required"),
+        path="/v1/chat/completions",
+        says="needs tools",
+        param="tool_choice",
+    ),
+    BadInput(
+        "chat: tools with `tool_choice` auto (their default) on a server without a tool call parser",
+        400,
+        _chat(tools=[TOOL]),
+        path="/v1/chat/completions",
+        says="--enable-auto-tool-choice",
+        param="tool_choice",
+    ),
+    BadInput(
+        "chat: forced tool calls and `response_format` at once",
+        400,
+        _chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}),
+        path="/v1/chat/completions",
+        says="response_format cannot be combined with tools",
+        param="response_format",
     ),
     BadInput(
         "chat: `functions` (not supported)",

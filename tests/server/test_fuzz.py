@@ -4,7 +4,11 @@ Schemathesis generates requests from the server's own ``/openapi.json`` -- bodie
 schema and bodies that break it -- for a bounded, derandomized number of examples per route.
 Whatever it sends, the server answers within the timeout, never with a 5xx other than the
 documented 503, always as its OpenAPI document says; afterwards nothing runs or waits, every KV
-block is back in the pool and the resident memory has not grown past a bound.
+block is back in the pool and the resident memory has not grown past a bound. The fields that
+constrain the output (``response_format``, ``structured_outputs``, ``guided_*``, ``tools`` and
+``tool_choice``) are in the schema, so schemathesis fills them too; a property test also throws
+random specs of every kind at them -- arbitrary regexes, grammars, schemas, choice lists and tool
+definitions -- and the answer must be a 200 or a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -27,10 +32,12 @@ from tests.server.process import ServeProcess
 
 API_KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-#: Small limits keep every generated request cheap: short contexts, few samples.
-SERVER_OPTIONS = ("--api-key", API_KEY, "--num-kv-blocks", "64", "--max-model-len", "128",
+#: Small limits keep every generated request cheap: short contexts, few samples. The context
+#: holds the chat template's tools section with two generated tools.
+SERVER_OPTIONS = ("--api-key", API_KEY, "--num-kv-blocks", "160", "--max-model-len", "1024",
                   "--max-num-seqs", "16", "--max-n", "4", "--max-request-tokens", "2048",
-                  "--max-prompts-per-request", "8")  # fmt: skip
+                  "--max-prompts-per-request", "8", "--structured-outputs-max-compile-seconds", "5",
+                  "--enable-auto-tool-choice", "--tool-call-parser", "hermes")  # fmt: skip
 ROUTES = [
     ("POST", "/v1/completions"),
     ("POST", "/v1/chat/completions"),
@@ -121,3 +128,91 @@ def test_rejected_one_mib_prompts_do_not_grow_the_server(server):
         wait_idle(server.base_url)
         after_big = server.rss_bytes()
     assert after_big <= 1.5 * after_short, (after_short / MiB, after_big / MiB)
+
+
+#: JSON values a schema may hold (small: a compile is per distinct spec).
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-5, 5)
+    | st.sampled_from(["object", "string", "integer", "array", "x"]),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(["type", "properties", "items", "enum", "required", "maxLength", "a"]),
+            inner,
+            max_size=3,
+        )
+    ),
+    max_leaves=8,
+)
+_TOOL = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["f", "g"])}, optional={"parameters": _JSON}
+        ),
+    }
+)
+#: One way of constraining the output each, with the field a 400 must name.
+_CONSTRAINTS = st.one_of(
+    st.tuples(
+        st.just("/v1/completions"),
+        st.builds(lambda v: {"guided_regex": v}, st.text(max_size=12)),
+        st.just("guided_regex"),
+    ),
+    st.tuples(
+        st.just("/v1/completions"),
+        st.builds(lambda v: {"guided_grammar": v}, st.text(max_size=24)),
+        st.just("guided_grammar"),
+    ),
+    st.tuples(
+        st.just("/v1/completions"),
+        st.builds(lambda v: {"guided_choice": v}, st.lists(st.text(max_size=4), max_size=3)),
+        st.just("guided_choice"),
+    ),
+    st.tuples(
+        st.just("/v1/completions"),
+        st.builds(lambda v: {"structured_outputs": {"json": v}}, _JSON),
+        st.just("structured_outputs"),
+    ),
+    st.tuples(
+        st.just("/v1/chat/completions"),
+        st.builds(
+            lambda v: {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": v}}},
+            _JSON,
+        ),
+        st.just("response_format"),
+    ),
+    st.tuples(
+        st.just("/v1/chat/completions"),
+        st.builds(
+            lambda tools, choice: {"tools": tools, "tool_choice": choice},
+            st.lists(_TOOL, max_size=2),
+            st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
+        ),
+        st.just("tool"),
+    ),
+)
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(case=_CONSTRAINTS)
+def test_random_constraints_are_served_or_refused_naming_their_field(server, case):
+    path, fields, field = case
+    body = {"model": MODEL, "max_tokens": 8, **fields}
+    if path == "/v1/completions":
+        body["prompt"] = "x = "
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    response = httpx.post(f"{server.base_url}{path}", json=body, headers=AUTH, timeout=60)
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        assert response.json()["error"]["param"].startswith(field), (fields, response.text)
+    wait_idle(server.base_url, timeout=60)

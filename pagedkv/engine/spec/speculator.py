@@ -9,9 +9,10 @@ what was scheduled (:mod:`.verify`).
 
 Some requests never speculate, with the reason in ``Request.spec_disabled_reason`` (and their
 output's metrics): beam search, whose beams rank every candidate of every step rather than
-sample one. The proposer is anything with ``propose(seq_ids, token_ids, num_tokens)`` and
-``release(seq_id)``: prompt lookup (:class:`.ngram.NgramProposer`) or a draft model
-(:class:`.draft.DraftModelProposer`).
+sample one, and structured output, whose grammar would have to judge every drafted token
+before verification could keep it. The proposer is anything with ``propose(seq_ids,
+token_ids, num_tokens)`` and ``release(seq_id)``: prompt lookup
+(:class:`.ngram.NgramProposer`) or a draft model (:class:`.draft.DraftModelProposer`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def disabled_reason(request: Request) -> str | None:
     """Why ``request`` does not speculate, or None when it may."""
     if request.beam is not None:
         return "beam search"
+    if request.params.structured_outputs is not None:
+        return "structured output"
     return None
 
 

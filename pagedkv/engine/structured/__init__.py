@@ -4,6 +4,8 @@
 - :mod:`~pagedkv.engine.structured.config` -- ``StructuredOutputsConfig``, the deployer's limits;
 - :mod:`~pagedkv.engine.structured.compiler` -- ``GrammarCompiler``: compiles off the engine
   thread, cached by spec, within the limits;
+- :mod:`~pagedkv.engine.structured.manager` -- ``StructuredOutputManager``: the engine's one
+  compiler, and a fresh matcher for each constrained request;
 - :mod:`~pagedkv.engine.structured.xgrammar_backend` -- the grammar library (xgrammar);
 - :mod:`~pagedkv.engine.structured.matcher` -- ``GrammarMatcher``, one sequence's grammar state;
 - :mod:`~pagedkv.engine.structured.bitmask` -- token bitmasks and their application to logits

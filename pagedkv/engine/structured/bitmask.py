@@ -9,8 +9,9 @@ untouched, bit for bit, so unconstrained requests sample exactly as they would a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from pagedkv.engine.structured.matcher import GrammarMatcher
@@ -66,3 +67,26 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Seque
     xgrammar.apply_token_bitmask_inplace(
         logits, bitmask.to(logits.device, non_blocking=True), indices=list(rows)
     )
+
+
+def apply_grammars(logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> torch.Tensor | None:
+    """Row ``i`` of ``logits`` keeps only the tokens ``matchers[i]`` allows next (in place; rows
+    without a matcher untouched); returns the step's bitmask, or None when no row is constrained
+    (then nothing was allocated or written)."""
+    if all(m is None for m in matchers):
+        return None
+    bitmask = allocate_token_bitmask(len(matchers), logits.shape[-1])
+    apply_token_bitmask(logits, bitmask, fill_token_bitmask(bitmask, matchers))
+    return bitmask
+
+
+def allows_only(bitmask: torch.Tensor, row: int, tokens: Iterable[int], vocab_size: int) -> bool:
+    """Whether ``bitmask[row]`` allows no token of the vocabulary outside ``tokens`` (e.g. a
+    complete grammar, which allows only the stop tokens)."""
+    words = bitmask[row].numpy().view(np.uint32).copy()
+    for token in tokens:
+        if 0 <= token < vocab_size:
+            words[token // 32] &= ~np.uint32(1 << (token % 32))
+    if vocab_size % 32:  # bits past the vocabulary mean nothing
+        words[-1] &= np.uint32((1 << (vocab_size % 32)) - 1)
+    return not words.any()

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from pagedkv.engine.structured import StructuredOutputsParams
 from pagedkv.engine.structured.bitmask import (
     allocate_token_bitmask,
+    allows_only,
     apply_token_bitmask,
     bitmask_width,
     fill_token_bitmask,
@@ -86,3 +87,17 @@ def test_fill_writes_the_constrained_rows_only(compiler, tokenizer, vocab_size):
 def test_rows_outside_the_batch_are_refused(rows):
     with pytest.raises(ValueError, match="are not all rows"):
         apply_token_bitmask(torch.randn(2, 64), allocate_token_bitmask(2, 64), rows)
+
+
+@pytest.mark.parametrize("vocab", [33, 64, 70])
+def test_allows_only_reads_the_vocabulary_bits_and_nothing_past_them(vocab):
+    bitmask = torch.zeros(2, bitmask_width(vocab), dtype=torch.int32)
+    words = bitmask[1].numpy().view(np.uint32)
+    for token in (1, 31, vocab - 1):
+        words[token // 32] |= np.uint32(1 << (token % 32))
+    if vocab % 32:
+        words[-1] |= np.uint32(1 << 31)  # a bit past the vocabulary: means nothing
+    assert allows_only(bitmask, 1, {1, 31, vocab - 1}, vocab)
+    assert allows_only(bitmask, 1, {1, 31, vocab - 1, 5}, vocab)
+    assert not allows_only(bitmask, 1, {1, 31}, vocab)
+    assert allows_only(bitmask, 0, set(), vocab)  # nothing allowed at all

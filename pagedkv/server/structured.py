@@ -1,0 +1,176 @@
+"""Structured output on the HTTP API: the request fields that constrain the output, and their grammar.
+
+A request may constrain its output in one of these ways (two at once is a 400 naming the second):
+
+- OpenAI's ``response_format``: ``{"type": "json_object"}`` (any JSON object), or
+  ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}``
+  (a JSON value the schema validates; ``strict`` or not, the schema is enforced);
+  ``{"type": "text"}`` asks for nothing;
+- vLLM's ``structured_outputs``: ``{"json": ...}``, ``{"regex": ...}``, ``{"choice": [...]}``,
+  ``{"grammar": ...}`` or ``{"json_object": true}``, with ``disable_any_whitespace``;
+- vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``;
+- tools with ``tool_choice`` ``"required"`` or a named function (:mod:`pagedkv.server.tools`).
+
+:class:`Constraint` carries the engine's :class:`StructuredOutputsParams` and the request field it
+came from, so every refusal -- its shape here, its size and cost in the engine's compiler --
+names the field the client wrote. :func:`compile_constraint` compiles it on the engine's grammar
+compiler and awaits the result off the event loop, before anything is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedkv.engine import InvalidRequestError, StructuredOutputsParams
+from pagedkv.engine.structured.config import field_name
+from pagedkv.server.errors import APIError
+
+if TYPE_CHECKING:
+    from pagedkv.engine.structured.manager import StructuredOutputManager
+    from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's ``structured_outputs`` field: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A request's output constraint and the request field it came from."""
+
+    params: StructuredOutputsParams
+    #: The field errors name, e.g. ``response_format.json_schema.schema`` or ``guided_regex``.
+    field: str
+
+    def refusal(self, err: InvalidRequestError) -> APIError:
+        """The engine's refusal (which names ``structured_outputs.<kind>``) as a 400 naming
+        :attr:`field` instead."""
+        engine_field = field_name(self.params)
+        message = str(err)
+        if message.startswith(engine_field):
+            message = self.field + message[len(engine_field) :]
+        return APIError.bad_request(message, param=self.field)
+
+
+def _make(field: str, **kwargs: Any) -> Constraint:
+    """``StructuredOutputsParams(**kwargs)``; its refusal becomes a 400 in the request's words."""
+    try:
+        return Constraint(StructuredOutputsParams(**kwargs), field)
+    except ValueError as err:
+        if field == "structured_outputs" or field.startswith("structured_outputs."):
+            message = str(err).replace("StructuredOutputsParams", "structured_outputs")
+        else:
+            message = re.sub(r"StructuredOutputsParams\.\w+", field, str(err))
+        raise APIError.bad_request(message, param=field) from None
+
+
+def _from_structured_outputs(value: StructuredOutputsRequest) -> Constraint:
+    given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if _set(value, name)]
+    field = f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs"
+    return _make(
+        field,
+        json=value.json_,
+        regex=value.regex,
+        choice=value.choice,
+        grammar=value.grammar,
+        json_object=value.json_object,
+        disable_any_whitespace=value.disable_any_whitespace,
+    )
+
+
+def _set(value: StructuredOutputsRequest, name: str) -> bool:
+    item = value.json_ if name == "json" else getattr(value, name)
+    return item is not None and item is not False
+
+
+def _from_response_format(value: ResponseFormat) -> Constraint | None:
+    if value.type == "text":
+        return None
+    if value.type == "json_object":
+        return _make("response_format", json_object=True)
+    if value.json_schema is None or value.json_schema.schema_ is None:
+        raise APIError.bad_request(
+            'response_format of type "json_schema" needs json_schema.schema',
+            param="response_format.json_schema",
+        )
+    return _make("response_format.json_schema.schema", json=value.json_schema.schema_)
+
+
+#: vLLM's older fields, each the StructuredOutputsParams field it sets.
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def request_constraint(
+    structured_outputs: StructuredOutputsRequest | None,
+    response_format: ResponseFormat | None,
+    guided: dict[str, Any],
+    tools: Constraint | None = None,
+) -> Constraint | None:
+    """The one constraint a request asks for (None: none); ``guided`` maps each ``guided_*``
+    field to its value, ``tools`` is what ``tool_choice`` asks for. Two at once: a 400."""
+    found: list[Constraint] = []
+    if tools is not None:
+        found.append(tools)
+    if structured_outputs is not None:
+        found.append(_from_structured_outputs(structured_outputs))
+    if response_format is not None and (made := _from_response_format(response_format)) is not None:
+        found.append(made)
+    for name, kind in GUIDED_FIELDS.items():
+        if guided.get(name) is not None:
+            found.append(_make(name, **{kind: guided[name]}))
+    if len(found) > 1:
+        first, second = found[0].field.split(".")[0], found[1].field.split(".")[0]
+        raise APIError.bad_request(
+            f"{second} cannot be combined with {first}: a request constrains its output one way",
+            param=second,
+        )
+    return found[0] if found else None
+
+
+async def compile_constraint(
+    manager: StructuredOutputManager, constraint: Constraint | None
+) -> CompiledGrammar | None:
+    """The constraint's grammar, compiled on the engine's compile threads while the event loop
+    goes on; an invalid or too costly spec is a 400 naming the request's field."""
+    if constraint is None:
+        return None
+    try:
+        future = manager.compile_async(constraint.params)
+        return await asyncio.wrap_future(future)
+    except InvalidRequestError as err:
+        raise constraint.refusal(err) from None
