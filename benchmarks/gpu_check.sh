@@ -1,43 +1,149 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, as one script (the CPU suite runs the same Triton kernel in
-# Triton's interpreter; this compiles it for the GPU):
-#   1. tests/attention with every paged case on the GPU (backends torch and triton);
-#   2. the decode benchmark, paged triton vs contiguous SDPA, fp32 (quick) and fp16 (full grid);
-#   3. triton on quantized (fp8, int8) blocks vs float16 blocks at batch 32;
-#   4. where a triton decode call's time goes: the GPU's time in each kernel (torch.profiler)
-#      against the call's wall time and its host part (the benchmarks above time whole calls).
-# Usage: benchmarks/gpu_check.sh            (from anywhere; uses .venv/bin/python if present)
-set -euo pipefail
+# The checks that need a CUDA GPU, as one script that finishes in a few minutes. The CPU suite runs
+# the same code (the Triton kernels in Triton's interpreter, the padded decode steps without
+# recording graphs); this runs it on the GPU. Sections, most important first:
+#   1. preflight: torch sees the GPU, triton, transformers and pagedkv import (else nothing runs);
+#   2. CUDA graphs: captured for every batch size, the same tokens as enforce_eager through forks,
+#      beams and preemption, and no host-device sync inside a step (torch's sync debug mode);
+#   3. the Triton split-KV decode and its merge kernel, compiled (the engine tests' contexts are
+#      too short to split);
+#   4. exactness on CUDA: float32 greedy tokens equal transformers'; bfloat16 within the documented
+#      agreement criterion (tests/engine/test_bf16_agreement.py);
+#   5. bench throughput on Llama-3.2-1B's shape (seeded random weights drawn on the GPU): mixed,
+#      uniform and single workloads, decode steps at batch 1 and 64 against the bandwidth floor,
+#      pagedkv with and without CUDA graphs, transformers on the same GPU, vLLM (its column says
+#      "not run" and why when this Python cannot import it);
+#   6. the same decode figures on Llama-3.1-8B's shape;
+#   7. tests/attention with every paged case on the GPU (backends torch and triton);
+#   8. the Triton decode kernel alone: against contiguous SDPA, on quantized blocks, and where a
+#      call's time goes (GPU time per kernel, the split merge among them, vs wall and host time).
+# Every section runs under its own time limit and the script's budget ($GPU_CHECK_BUDGET_S, default
+# 480 s, which sections 1-6 fit in; 900 runs all): a section that would start past it is skipped
+# and says so; a failing section is reported and the next one runs. The exit status is 1 when any
+# section failed or was skipped. The script ends within about 20 s of the budget (the preflight has
+# 90 s, a section past its limit gets SIGINT, then SIGKILL 15 s later). Last come the summary (each
+# section's outcome) and the figures.
+# Output: everything on stdout; with $OUT set, also $OUT/gpu_check.log, $OUT/summary.txt and each
+# bench's JSON ($OUT/bench-<shape>.json).
+# Usage: benchmarks/gpu_check.sh   (from anywhere; uses .venv/bin/python if present, else python3;
+#        wheels under .whl/, if any, are installed into /tmp/site first: see docs/gpu.md)
+#        GPU_CHECK_DRY_RUN=1 benchmarks/gpu_check.sh   runs the script's own logic on the CPU: the
+#        tests are only collected, the benches run a tiny model's shape, the kernel section is left out.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
+DRY_RUN=${GPU_CHECK_DRY_RUN:-}
+DEVICE=cuda
+[ -n "$DRY_RUN" ] && DEVICE=cpu
+export PY DEVICE PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PAGEDKV_TEST_DEVICE=$DEVICE
+BUDGET=${GPU_CHECK_BUDGET_S:-480}
+export RESULTS=${OUT:-$(mktemp -d)}
+mkdir -p "$RESULTS"
+SUMMARY="$RESULTS/summary.txt"
+: >"$SUMMARY"
+STARTED=$SECONDS
+STATUS=0
 
-"$PY" - <<'PY'
-import torch, triton
-assert torch.cuda.is_available(), "no CUDA GPU visible: this script is for a GPU machine"
-print(f"{torch.cuda.get_device_name(0)}  torch {torch.__version__}  triton {triton.__version__}")
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+
+# section NAME LIMIT_S COMMAND...: run COMMAND (a program or an exported function of this script)
+# under the smaller of LIMIT_S and the budget left; its failure is reported, never fatal.
+section() {
+    local name=$1 limit=$2 why
+    shift 2
+    local left=$((BUDGET - (SECONDS - STARTED)))
+    if [ "$left" -lt 30 ]; then
+        echo "== $name: SKIPPED (the script's ${BUDGET} s budget is spent)"
+        echo "SKIPPED  $name: the ${BUDGET} s budget was spent" >>"$SUMMARY"
+        STATUS=1
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    echo
+    echo "== $name (at most ${limit} s) =="
+    local start=$SECONDS rc=0
+    timeout --signal=INT --kill-after=15 "$limit" bash -c '"$@"' section "$@" || rc=$?
+    local took=$((SECONDS - start))
+    if [ "$rc" -eq 0 ]; then
+        echo "-- $name: ok (${took} s)"
+        echo "ok       $name (${took} s)" >>"$SUMMARY"
+    else
+        if [ "$rc" -eq 124 ]; then why="timed out after ${limit} s"; else why="exit status $rc"; fi
+        echo "-- $name: FAILED ($why, ${took} s)"
+        echo "FAILED   $name ($why, ${took} s)" >>"$SUMMARY"
+        STATUS=1
+    fi
+}
+
+preflight() {
+    "$PY" - <<'PY'
+import importlib, os, sys
+import torch
+if os.environ["DEVICE"] == "cuda":
+    assert torch.cuda.is_available(), "no CUDA GPU visible: this script is for a GPU machine"
+    print(f"{torch.cuda.get_device_name(0)}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs")
+print(f"torch {torch.__version__}, python {sys.version.split()[0]}")
+for name in ("triton", "transformers", "pagedkv.llm", "pagedkv.bench.throughput_engines", "vllm"):
+    try:
+        module = importlib.import_module(name)
+        print(f"  {name}: {getattr(module, '__version__', 'imports')}")
+    except ImportError as err:
+        if name == "vllm":
+            print(f"  vllm: not installed in this image ({err}): its column says 'not run'")
+        else:
+            sys.exit(f"  {name} does not import: {err} (carry its wheels under .whl/, see docs/gpu.md)")
 PY
+}
 
-echo "== tests/attention on the GPU (torch + triton backends) =="
-# --confcutdir: the attention tests need none of tests/conftest.py's browser fixtures, whose
-# selenium a GPU image may lack. Every failure is listed (no -x) and the benchmarks still run:
-# one device lease shows all of it; the script's status is pytest's.
-tests_status=0
-PAGEDKV_TEST_DEVICE=cuda "$PY" -m pytest tests/attention -q -p no:cacheprovider \
-    --confcutdir=tests/attention --durations=5 || tests_status=$?
+# bench SHAPE ENGINES WORKLOADS REPEATS: what `pagedkv bench throughput --device cuda --model-shape
+# SHAPE --dtypes bfloat16 --engines ENGINES --workloads WORKLOADS --decode-batches 1 64 --repeats
+# REPEATS` runs, through the bench's Python API (the same code; the command line would import the
+# server's dependencies too); its JSON goes to $RESULTS/bench-SHAPE.json. A dry run takes a tiny
+# model of config.json alone and smaller shapes.
+bench() {
+    "$PY" - "$@" <<'PY'
+import json, os, sys, tempfile
+from pathlib import Path
+from rich.console import Console
+from pagedkv.bench.throughput import ThroughputConfig
+from pagedkv.bench.throughput_engines import run_throughput
+from pagedkv.bench.throughput_report import print_result
 
-echo "== decode benchmark: paged triton vs contiguous SDPA, float32 =="
-"$PY" tools/attention.py --device cuda --dtype float32 --quick --backends triton torch
+shape, engines, workloads, repeats = sys.argv[1:]
+work = Path(tempfile.mkdtemp(prefix="pagedkv-bench-"))
+model = {"model_shape": shape}
+sizes = {}
+if os.environ["DEVICE"] == "cpu":  # the dry run
+    from tests.checkpoints import hf_config
 
-echo "== decode benchmark: paged triton vs contiguous SDPA, float16 =="
-"$PY" tools/attention.py --device cuda --dtype float16 --repeats 20 --backends triton
+    (work / "config.json").write_text(json.dumps(hf_config("llama").to_dict()))
+    model = {"model": str(work), "load_format": "dummy"}
+    sizes = {"num_requests": 4, "prompt_len": 8, "max_tokens": 6}
+config = ThroughputConfig(
+    device=os.environ["DEVICE"], dtypes=("bfloat16",), engines=tuple(engines.split()),
+    workloads=tuple(workloads.split()), decode_batches=(1, 64), repeats=int(repeats),
+    vllm_python=sys.executable, threads=8, out=work / "out", **model, **sizes,
+)
+result = run_throughput(config)
+print_result(result, Console(width=160))
+Path(os.environ["RESULTS"], f"bench-{shape}.json").write_text(json.dumps(result.to_json(), indent=1, default=str))
+sys.exit(0 if result.ok else 1)
+PY
+}
 
-echo "== decode benchmark: triton on fp8 / int8 blocks vs float16 blocks, same run =="
-"$PY" tools/attention.py --device cuda --dtype float16 --batches 32 --contexts 1024 4096 \
-    --repeats 20 --backends triton --kv-cache-dtypes auto fp8 int8
-
-echo "== a triton decode call: GPU time per kernel against wall and host time, float16 =="
-"$PY" - <<'PY'
+kernel_benchmarks() {
+    echo "-- decode benchmark: paged triton vs contiguous SDPA, float16 --"
+    "$PY" tools/attention.py --device cuda --dtype float16 --quick --backends triton torch || return
+    echo "-- triton on fp8 / int8 blocks vs float16 blocks, same run --"
+    "$PY" tools/attention.py --device cuda --dtype float16 --batches 32 --contexts 1024 4096 \
+        --repeats 10 --backends triton --kv-cache-dtypes auto fp8 int8 || return
+    echo "-- a triton decode call: GPU time per kernel against wall and host time, float16 --"
+    "$PY" - <<'PY'
 import statistics, time
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -45,7 +151,7 @@ from pagedkv.attention import KVCache, paged_decode_attention
 from pagedkv.memory.spec import KVSpec
 
 dev, heads, kv_heads, dim, bs = torch.device("cuda"), 32, 8, 128, 16
-for batch, ctx in [(1, 128), (32, 1024), (32, 4096), (64, 4096), (256, 1024)]:
+for batch, ctx in [(1, 128), (1, 4096), (32, 1024), (32, 4096), (64, 4096), (256, 1024)]:
     per_seq = -(-ctx // bs)
     layer = KVCache(KVSpec(1, kv_heads, dim, "float16"), batch * per_seq + 1, bs, torch.float16, dev).layers[0]
     layer.key.normal_(), layer.value.normal_()
@@ -78,5 +184,69 @@ for batch, ctx in [(1, 128), (32, 1024), (32, 4096), (64, 4096), (256, 1024)]:
           f"{statistics.median(host) * 1e6:5.0f} us, GPU {gpu_us:6.1f} us ({kv_bytes / gpu_us / 1e6:.2f} TB/s "
           f"of keys and values; us per kernel: {top})")
 PY
+}
 
-exit $tests_status
+# the figures of every bench JSON, one line each
+figures() {
+    "$PY" - <<'PY'
+import json, os
+from pathlib import Path
+
+titles = {"pagedkv": "pagedkv", "pagedkv-eager": "pagedkv enforce_eager", "transformers": "transformers", "vllm": "vLLM"}
+for path in sorted(Path(os.environ["RESULTS"]).glob("bench-*.json")):
+    data = json.loads(path.read_text())
+    print(f"{path.stem.removeprefix('bench-')}, bfloat16, device copy rate {data['copy_rate_gbs']:,.0f} GB/s:")
+    for f in data["decode"]:
+        step = "no figure (noise)" if f["step_ms"] is None else (
+            f"{f['step_ms']:8.3f} ms/step {f['tokens_per_s']:9,.0f} tok/s {100 * f['floor_share']:4.0f}% of the floor")
+        print(f"  decode batch {f['batch']:>2} {titles[f['engine']]:<22} {step} (floor {f['floor_ms']:.3f} ms)")
+    for row in data["throughput"]:
+        rates, over = row["tokens_per_s"], row["pagedkv_over"].get("transformers")
+        if rates.get("pagedkv"):
+            ratio = f" = {over:.2f}x transformers" if over else ""
+            print(f"  {row['workload']:<9} pagedkv {rates['pagedkv']:9,.0f} generated tok/s{ratio}")
+    for engine, status in data["engines"].get("bfloat16", {}).items():
+        if status["state"] != "ok":
+            print(f"  {titles.get(engine, engine)}: {status['state']}: {status['reason'][:160]}")
+PY
+}
+
+export -f preflight bench kernel_benchmarks
+
+main() {
+    echo "== preflight (at most 90 s) =="
+    if ! timeout --kill-after=10 90 bash -c preflight; then
+        echo "FAILED   preflight: nothing else can run" >>"$SUMMARY"
+        cat "$SUMMARY"
+        return 1
+    fi
+    local collect=()
+    [ -n "$DRY_RUN" ] && collect=(--collect-only)
+    # --confcutdir: these tests need none of tests/conftest.py's browser fixtures (selenium)
+    local pytest=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=5 "${collect[@]}")
+    section "CUDA graphs: captured, same tokens as enforce_eager, no sync inside a step" 150 \
+        "${pytest[@]}" --confcutdir=tests/engine tests/engine/test_cuda_graphs.py
+    section "Triton split-KV decode and its merge kernel, compiled" 90 \
+        "${pytest[@]}" --confcutdir=tests/attention tests/attention/test_attention_triton.py
+    section "exactness on CUDA: float32 greedy = transformers, bfloat16 agreement" 240 \
+        "${pytest[@]}" --confcutdir=tests/engine tests/engine/test_engine_exactness.py \
+        tests/engine/test_bf16_agreement.py
+    section "bench throughput, Llama-3.2-1B shape, bfloat16" 270 \
+        bench llama-3.2-1b "pagedkv pagedkv-eager transformers vllm" "mixed uniform single" 2
+    section "bench throughput, Llama-3.1-8B shape, bfloat16 (decode steps)" 150 \
+        bench llama-3.1-8b "pagedkv pagedkv-eager transformers" "single" 1
+    section "tests/attention on the GPU (torch + triton backends)" 150 \
+        "${pytest[@]}" --confcutdir=tests/attention tests/attention
+    if [ -z "$DRY_RUN" ]; then
+        section "the Triton decode kernel alone: vs SDPA, quantized blocks, time per kernel" 150 kernel_benchmarks
+    fi
+    echo >>"$SUMMARY"
+    figures >>"$SUMMARY" || STATUS=1
+    echo
+    echo "== summary: every section, then the figures ($((SECONDS - STARTED)) s in all) =="
+    cat "$SUMMARY"
+    return $STATUS
+}
+
+main 2>&1 | tee "$RESULTS/gpu_check.log"
+exit "${PIPESTATUS[0]}"

@@ -260,6 +260,16 @@ ENGINE_OPTIONS = (
     ),
     EngineOption("attention_backend", "torch, cpu or triton (default: triton on CUDA, else cpu)"),
     EngineOption(
+        "enforce_eager",
+        "capture no CUDA graphs: decode steps run eagerly (graphs are captured only on CUDA, one rank)",
+        action="store_true",
+    ),
+    EngineOption(
+        "load_format",
+        f"auto: the checkpoint's weights; dummy: seeded random weights of config.json's shape {DEFAULT}",
+        choices=("auto", "dummy"),
+    ),
+    EngineOption(
         "speculative_config",
         'speculative decoding, as JSON in vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 5} (prompt lookup) or {"model": DIR or '

@@ -138,7 +138,7 @@ def test_the_kernels_import_only_their_builder():
 
 def test_the_engine_reaches_the_model_only_through_the_executor():
     """Only the executors (a tensor-parallel rank's worker among them) and the model runner they
-    own import the model and KV tensor code."""
+    own (with its CUDA graphs) import the model and KV tensor code."""
     touching = {
         m
         for m, targets in GRAPH.items()
@@ -152,7 +152,7 @@ def test_the_engine_reaches_the_model_only_through_the_executor():
         "pagedkv.engine.executor.worker",
         "pagedkv.engine.executor.tier_io",  # a rank's second KV tier, built by the executors
     }
-    assert touching <= executors | {"pagedkv.engine.model_runner"}
+    assert touching <= executors | {"pagedkv.engine.model_runner", "pagedkv.engine.cuda_graphs"}
 
 
 def test_the_tokenizer_stands_alone():

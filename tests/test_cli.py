@@ -115,6 +115,14 @@ def test_generate_with_the_builtin_model(capsys):
     assert text.count("(length)") == 4
 
 
+def test_enforce_eager_reaches_the_engine_and_its_description(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # the engine line unwrapped
+    assert main(["generate", "Hello", "--max-tokens", "3", "--num-kv-blocks", "64", "--enforce-eager"]) == 0
+    assert "cuda graphs off (enforce_eager)" in capsys.readouterr().out
+    assert main(["generate", "Hello", "--max-tokens", "3", "--num-kv-blocks", "64"]) == 0
+    assert "cuda graphs off (cpu device: graphs are a CUDA feature)" in capsys.readouterr().out
+
+
 def test_generate_reports_an_impossible_request(capsys):
     assert main(["generate", "Hello", "--max-tokens", "100", "--num-kv-blocks", "4"]) == 1
     assert "can never fit in the KV cache" in capsys.readouterr().out

@@ -145,6 +145,19 @@ class KVCache:
         kv_cache_dtype: str = "auto",
     ) -> KVCache:
         """As many whole blocks as fit in ``memory_bytes``; an error when not even one fits."""
+        num_blocks = cls.blocks_in(memory_bytes, spec, block_size, dtype, kv_cache_dtype)
+        return cls(spec, num_blocks, block_size, dtype, device, kv_cache_dtype)
+
+    @classmethod
+    def blocks_in(
+        cls,
+        memory_bytes: int,
+        spec: KVSpec,
+        block_size: int,
+        dtype: torch.dtype | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> int:
+        """How many whole blocks fit in ``memory_bytes``; an error when not even one fits."""
         per_block = cls.block_bytes(spec, block_size, dtype, kv_cache_dtype)
         num_blocks = int(memory_bytes) // per_block
         if num_blocks < 1:
@@ -152,7 +165,7 @@ class KVCache:
                 f"a KV memory budget of {memory_bytes} bytes holds no block of {block_size} tokens "
                 f"({per_block} bytes each)"
             )
-        return cls(spec, num_blocks, block_size, dtype, device, kv_cache_dtype)
+        return num_blocks
 
     @property
     def num_layers(self) -> int:

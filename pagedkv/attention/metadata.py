@@ -3,8 +3,10 @@ layer tells the kernels about itself.
 
 The model runner builds one :class:`AttentionMetadata` per step from the executor's plan; every
 attention layer reads it. It is the whole contract between the engine (requests, block tables)
-and the attention kernels (tensors): nothing about requests crosses it. :class:`AttentionOptions`
-is fixed per layer when the model is built.
+and the attention kernels (tensors): nothing about requests crosses it. An object describes one
+step: a backend may keep what it derives from it for the step's other layers (the CPU backend's
+kernel rows), so every step gets a new one, even over the same tensors (a CUDA graph's inputs).
+:class:`AttentionOptions` is fixed per layer when the model is built.
 """
 
 from __future__ import annotations
@@ -58,6 +60,15 @@ class AttentionMetadata:
         positions one way, generated ones the other -- so a token's attention is computed the
         same way when a preempted sequence computes it again, and its outputs do not change.
         None (standalone calls): by the length of each run.
+
+    The last three fields are what the host already knows of the tensors (vLLM's names), so that
+    no kernel launch waits on the device to learn a shape: the model runner fills them from the
+    step plan. None (standalone calls) reads them from the tensors, which on CUDA is a host sync.
+
+    max_seq_len: at least the longest of ``context_lens`` (exactly it, or a CUDA graph's bound:
+        it sizes launches, never what a kernel reads); also bounds the positions (< it).
+    num_actual_tokens: ``cu_seqlens_q[-1]``, the query rows that belong to sequences.
+    slots_padded: whether any ``slot_mapping`` entry is negative.
     """
 
     slot_mapping: torch.Tensor
@@ -66,6 +77,9 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor
     max_query_len: int
     prompt_lens: torch.Tensor | None = None
+    max_seq_len: int | None = None
+    num_actual_tokens: int | None = None
+    slots_padded: bool | None = None
 
     @classmethod
     def for_attention_only(
@@ -85,9 +99,24 @@ class AttentionMetadata:
 
     @functools.cached_property
     def has_padding(self) -> bool:
-        """Whether a slot is negative (a token whose key/value is not written): asked once per
-        step instead of once per layer, since on CUDA each ask waits for the device."""
+        """Whether a slot is negative (a token whose key/value is not written): ``slots_padded``,
+        else asked once per step instead of once per layer, since on CUDA each ask waits for the
+        device."""
+        if self.slots_padded is not None:
+            return self.slots_padded
         return bool((self.slot_mapping < 0).any())
+
+    def longest_context(self) -> int:
+        """``max_seq_len``, else the longest of ``context_lens`` (a host sync on CUDA)."""
+        if self.max_seq_len is not None:
+            return self.max_seq_len
+        return int(self.context_lens.max()) if self.context_lens.numel() else 0
+
+    def query_rows(self) -> int:
+        """``num_actual_tokens``, else ``cu_seqlens_q[-1]`` (a host sync on CUDA)."""
+        if self.num_actual_tokens is not None:
+            return self.num_actual_tokens
+        return int(self.cu_seqlens_q[-1]) if self.cu_seqlens_q.numel() else 0
 
     @property
     def is_decode_only(self) -> bool:

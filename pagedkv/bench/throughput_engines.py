@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Protocol
 
-from pagedkv.bench.bench_model import bench_model_path
+from pagedkv.bench.bench_model import bench_model_path, shape_model_path
 from pagedkv.bench.driver import progress, run_settings
 from pagedkv.bench.host import host_state
 from pagedkv.bench.throughput import ENGINE_TITLES, ThroughputConfig, Workload, build_workloads
+from pagedkv.bench.throughput_floor import measure_copy_rate
 from pagedkv.bench.throughput_gemm import measure_gemm, roofline_seconds
 from pagedkv.bench.throughput_report import EngineStatus, ThroughputResult
 from pagedkv.memory import blocks_for
@@ -46,6 +47,9 @@ class LoadSpec:
     #: prompt + output tokens of the largest workload: what its KV cache must hold at once.
     max_tokens_in_flight: int
     max_total_len: int
+    device: str = "cpu"
+    #: "auto", or "dummy": seeded random weights drawn on the device (a ``--model-shape``)
+    load_format: str = "auto"
 
 
 class Engine(Protocol):
@@ -59,9 +63,11 @@ class Engine(Protocol):
 # -- in this process -----------------------------------------------------------------------------
 class PagedkvEngine:
     """pagedkv's offline ``LLM``, prefix caching off (every repetition sends the same prompts),
-    without a tokenizer (``skip_tokenizer_init``): ids in, ids out, as vLLM's worker runs."""
+    without a tokenizer (``skip_tokenizer_init``): ids in, ids out, as vLLM's worker runs. Its
+    context length is the longest workload's (on CUDA it sizes the graphs' block tables, which
+    every decode step copies); ``enforce_eager``: no CUDA graphs."""
 
-    def __init__(self, spec: LoadSpec, block_size: int = 16) -> None:
+    def __init__(self, spec: LoadSpec, block_size: int = 16, enforce_eager: bool = False) -> None:
         import torch
 
         from pagedkv import LLM
@@ -70,14 +76,18 @@ class PagedkvEngine:
         self.llm = LLM(
             str(spec.model),
             dtype=spec.dtype,
+            device=spec.device,
+            load_format=spec.load_format,
             block_size=block_size,
             num_kv_blocks=blocks,
             max_num_seqs=max(64, spec.max_requests),
+            max_model_len=max(spec.max_total_len, WARM_UP.max_total_len),
             enable_prefix_caching=False,
             skip_tokenizer_init=True,
+            enforce_eager=enforce_eager,
         )
         self.info = {
-            "engine": "pagedkv",
+            "engine": "pagedkv-eager" if enforce_eager else "pagedkv",
             "kv_blocks": blocks,
             "torch_threads": torch.get_num_threads(),
             "runtime": self.llm.engine.describe(),  # dtype and the linear/attention kernels
@@ -99,7 +109,9 @@ class PagedkvEngine:
 
 class TransformersEngine:
     """transformers' ``generate`` on one left-padded static batch, decoded to the longest output;
-    each row is cut to its own ``max_tokens``, which is all the work that counts."""
+    each row is cut to its own ``max_tokens``, which is all the work that counts. A dummy model
+    is built on the device from its config and filled with pagedkv's dummy weights, name by
+    name: the same network pagedkv runs."""
 
     def __init__(self, spec: LoadSpec) -> None:
         import torch
@@ -109,10 +121,19 @@ class TransformersEngine:
         except ImportError as err:
             raise EngineUnavailable(f"transformers is not installed ({err})") from None
         dtype = getattr(torch, spec.dtype)
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(spec.model), dtype=dtype)
+        if spec.load_format == "dummy":
+            from pagedkv.models.dummy_weights import fill_dummy_weights
+
+            config = transformers.AutoConfig.from_pretrained(str(spec.model))
+            with torch.device(spec.device):
+                model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+            fill_dummy_weights(dict(model.named_parameters()))
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(spec.model), dtype=dtype)
         model.generation_config.eos_token_id = None
         model.generation_config.pad_token_id = 0
-        self.model = model.eval()
+        self.model = model.to(spec.device).eval()
+        self.device = spec.device
         self.info = {"engine": "transformers", "version": transformers.__version__}
         self.run(WARM_UP)
 
@@ -120,12 +141,16 @@ class TransformersEngine:
         import torch
 
         width = max(len(p) for p in workload.prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in workload.prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in workload.prompts])
+        ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in workload.prompts], device=self.device)
+        mask = torch.tensor(
+            [[0] * (width - len(p)) + [1] * len(p) for p in workload.prompts], device=self.device
+        )
         longest = max(workload.max_tokens)
         with torch.inference_mode():
             start = time.perf_counter()
             out = self.model.generate(ids, attention_mask=mask, max_new_tokens=longest, do_sample=False)
+            if self.device != "cpu":
+                torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - start
         rows = out[:, width:].tolist()
         return elapsed, [row[:m] for row, m in zip(rows, workload.max_tokens, strict=True)]
@@ -204,8 +229,8 @@ class RivalEngine:
 
 def start_engine(name: str, spec: LoadSpec, rivals: dict[str, dict], log_dir: Path) -> Engine:
     """Load one engine; :class:`EngineUnavailable` says why it cannot run."""
-    if name == "pagedkv":
-        return PagedkvEngine(spec)
+    if name in ("pagedkv", "pagedkv-eager"):
+        return PagedkvEngine(spec, enforce_eager=name == "pagedkv-eager")
     if name == "transformers":
         return TransformersEngine(spec)
     rival = rivals.get(name) or {}
@@ -223,15 +248,22 @@ def run_throughput(config: ThroughputConfig) -> ThroughputResult:
     """Run everything the config asks for, on ``config.threads`` torch threads."""
     import torch
 
-    model_path = Path(config.model) if config.model else bench_model_path(config.out / "models")
+    if config.model_shape is not None:
+        model_path = shape_model_path(config.out / "models", config.model_shape)
+    else:
+        model_path = Path(config.model) if config.model else bench_model_path(config.out / "models")
     model_config = json.loads((model_path / "config.json").read_text(encoding="utf-8"))
-    workloads = build_workloads(config.workloads, config.shape, model_config["vocab_size"])
+    vocab = model_config["vocab_size"]
+    workloads = build_workloads(config.workloads, config.shape, vocab, config.decode_batches)
     result = ThroughputResult(config, model_path, model_config, workloads)
     with run_settings(config.threads):
         result.host = host_state("start") | {"torch": torch.__version__}
+        if config.decode_batches:
+            progress(f"measuring the {config.device} copy rate (the bandwidth floor's)")
+            result.copy_rate_gbs = measure_copy_rate(config.device)
         for dtype in config.dtypes:
             _run_dtype(result, dtype)
-            if config.gemm:
+            if config.gemm and config.device == "cpu":  # the CPU kernels' roofline
                 progress(f"[{dtype}] timing GEMMs at the model's shapes")
                 rates = measure_gemm(model_config, getattr(torch, dtype), workloads, config.prefill_chunk)
                 result.gemm[dtype] = rates.timings
@@ -256,6 +288,8 @@ def _run_dtype(result, dtype: str) -> None:
         max_requests=max(w.num_requests for w in workloads),
         max_tokens_in_flight=max(w.prompt_tokens + w.generated_tokens for w in workloads),
         max_total_len=max(w.max_total_len for w in workloads),
+        device=config.device,
+        load_format=config.load_format,
     )
     status, engines = result.status.setdefault(dtype, {}), {}
     for name in config.engines:

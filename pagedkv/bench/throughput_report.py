@@ -16,11 +16,18 @@ from rich.console import Console
 
 from pagedkv.bench.driver import cell, table
 from pagedkv.bench.throughput import ENGINE_TITLES, ThroughputConfig, Workload
+from pagedkv.bench.throughput_floor import DecodeFigure, decode_figure, floor_seconds, print_decode
 from pagedkv.bench.throughput_gemm import KERNELS, GemmTiming
 
 #: The engines pagedkv's ratios are taken against.
 RIVALS = ("vllm", "llamacpp", "transformers")
-SHORT = {"pagedkv": "pagedkv", "vllm": "vLLM", "llamacpp": "llama.cpp", "transformers": "HF static"}
+SHORT = {
+    "pagedkv": "pagedkv",
+    "pagedkv-eager": "pagedkv eager",
+    "vllm": "vLLM",
+    "llamacpp": "llama.cpp",
+    "transformers": "HF static",
+}
 DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16"}
 
 
@@ -72,6 +79,9 @@ class ThroughputResult:
     roofline_s: dict[tuple[str, str], float] = field(default_factory=dict)  # (dtype, workload) ->
     #: the host's memory read rate and GEMM scaling at the start and the end (:mod:`~pagedkv.bench.host`)
     host: dict = field(default_factory=dict)
+    #: the device's measured copy rate, GB/s (:mod:`~pagedkv.bench.throughput_floor`), when
+    #: decode batches ran
+    copy_rate_gbs: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -111,6 +121,8 @@ class ThroughputResult:
             "throughput": throughput_rows(self),
             "latency": latency_rows(self),
             "agreement": agreement_rows(self),
+            "copy_rate_gbs": self.copy_rate_gbs,
+            "decode": [f.to_json() for f in decode_rows(self)],
             "gemm": {d: [t.to_json() for t in ts] for d, ts in self.gemm.items()},
             "roofline": [
                 {
@@ -126,7 +138,29 @@ class ThroughputResult:
 
 # -- figures derived from a result ---------------------------------------------------------------
 def _table_workloads(result: ThroughputResult) -> list[str]:
-    return [w.name for w in result.workloads if w.name != "single-prefill"]
+    return [w.name for w in result.workloads if not w.name.endswith("-prefill")]
+
+
+def decode_rows(result: ThroughputResult) -> list[DecodeFigure]:
+    """Each engine's decode step at each ``--decode-batches`` size, against the floor."""
+    config, rate, figures = result.config, result.copy_rate_gbs, []
+    if rate is None:
+        return figures
+    for batch in config.decode_batches:
+        full_name = f"decode-{batch}"
+        steps = max(result.workload(full_name).max_tokens) - 1
+        for dtype in config.dtypes:
+            floor = floor_seconds(
+                result.model_config, dtype, batch, config.prompt_len, config.max_tokens, rate
+            )
+            for engine in config.engines:
+                full = result.measurement(engine, dtype, full_name)
+                first = result.measurement(engine, dtype, f"{full_name}-prefill")
+                if full is not None and first is not None:
+                    figures.append(
+                        decode_figure(engine, dtype, batch, full.seconds, first.seconds, steps, floor)
+                    )
+    return figures
 
 
 def throughput_rows(result: ThroughputResult) -> list[dict]:
@@ -326,6 +360,7 @@ def print_gemm(result: ThroughputResult, console: Console) -> None:
 def print_result(result: ThroughputResult, console: Console) -> None:
     print_throughput(result, console)
     print_latency(result, console)
+    print_decode(decode_rows(result), ENGINE_TITLES, result.copy_rate_gbs, console)
     print_agreement(result, console)
     print_gemm(result, console)
     console.print(

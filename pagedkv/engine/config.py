@@ -65,6 +65,12 @@ class EngineConfig:
     max_running_share: float = 0.5
     #: "torch", "cpu" or "triton"; None: triton on CUDA, else cpu.
     attention_backend: str | None = None
+    #: Run decode steps eagerly (vLLM's name): no CUDA graphs are captured. Graphs are a CUDA
+    #: feature: on the CPU, and with tensor parallelism, every step is eager anyway.
+    enforce_eager: bool = False
+    #: "auto": the checkpoint's safetensors; "dummy" (vLLM's): seeded random weights made on the
+    #: device from config.json alone, for benchmarks of a model's shape (pagedkv.models.dummy_weights).
+    load_format: str = "auto"
     #: "paged", or "contiguous" / "contiguous-oracle" to measure the reservation it replaces.
     kv_policy: str | KVPolicy = "paged"
     #: The most one request may ask for (samples, beams, tokens); an unset token budget

@@ -3,29 +3,27 @@
 This is the only place where block tables become tensors: the packed token ids and positions,
 the slot each new key/value is written to, the padded block tables and the context lengths that
 the attention kernels follow. It reads nothing but the plan, so a worker process that received
-the plan builds exactly the same step.
+the plan builds exactly the same step. The plan becomes host arrays, checked on the way
+(:mod:`pagedkv.engine.step_inputs`), then device tensors with one copy into buffers kept from
+step to step (:mod:`pagedkv.engine.step_buffers`); the host-side facts that size the kernels'
+launches travel beside them in the metadata, so no step waits on the device to learn a shape.
 
-It also checks the plan, once per step for every layer, as it reads it: each slice's block
-table covers its positions with blocks inside the pool, and it computes at least one position
-(the pool bounds on the tables' array at once; the first bad slice is named when one fails).
-The other invariants of :func:`pagedkv.attention.checks.check_step` (slots inside the pool,
-non-decreasing query offsets no longer than the contexts, ``max_query_len``) hold by
-construction then. check_step runs ~20 small tensor ops a step; these checks are a few NumPy
-reductions over arrays the step builds anyway.
+A decode step replays a CUDA graph when the runner has them (:mod:`pagedkv.engine.cuda_graphs`);
+every other step runs the model eagerly.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
-from typing import NoReturn
 
-import numpy as np
 import torch
 
 from pagedkv.attention import AttentionMetadata, KVCache, copy_blocks
+from pagedkv.engine.cuda_graphs import DecodeGraphs, DecodeGraphSpec
 from pagedkv.engine.host_memory import reuse_freed_memory
 from pagedkv.engine.plan import StepPlan
+from pagedkv.engine.step_buffers import StepBuffers
+from pagedkv.engine.step_inputs import StepArrays, step_arrays
 
 
 @dataclass
@@ -39,9 +37,14 @@ class StepInputs:
 
 
 class ModelRunner:
-    """Owns the model and its KV cache tensors; :meth:`execute` performs one step's forward pass."""
+    """Owns the model and its KV cache tensors; :meth:`execute` performs one step's forward pass.
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache) -> None:
+    With ``decode_graphs`` the cache's last block is the padding rows' scratch block: plans may
+    use every other block (the pool)."""
+
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: KVCache, decode_graphs: DecodeGraphSpec | None = None
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
@@ -50,55 +53,34 @@ class ModelRunner:
         self.tier = None
         if self.device.type == "cpu":
             reuse_freed_memory()
+        self.buffers = StepBuffers(self.device)
+        self.num_pool_blocks = kv_cache.num_blocks - (decode_graphs is not None)
+        if self.num_pool_blocks < 1:
+            raise ValueError("a KV cache with decode graphs needs a block beside its scratch block")
+        self.graphs = None if decode_graphs is None else DecodeGraphs(model, kv_cache, decode_graphs)
+
+    def arrays(self, plan: StepPlan) -> StepArrays:
+        """The plan's inputs on the host, checked against the pool."""
+        return step_arrays(plan, self.kv_cache.block_size, self.num_pool_blocks)
 
     def prepare(self, plan: StepPlan) -> StepInputs:
-        bs, num_blocks = self.kv_cache.block_size, self.kv_cache.num_blocks
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        context_lens: list[int] = []
-        cu_seqlens = [0]
-        logits_indices: list[int] = []
-        for piece in plan.slices:
-            table, start, end = piece.block_table, piece.start, piece.end
-            if start < 0 or end <= start or len(table) * bs < end:
-                _refuse(plan, bs, num_blocks)
-            input_ids += piece.token_ids
-            positions += range(start, end)
-            # Slot runs block by block (a decode is one run): no Python step per token.
-            for block in range(start // bs, (end - 1) // bs + 1):
-                base = table[block] * bs - block * bs
-                slots += range(base + max(start, block * bs), base + min(end, (block + 1) * bs))
-            context_lens.append(end)
-            cu_seqlens.append(cu_seqlens[-1] + end - start)
-            rows = piece.logits_rows()
-            logits_indices += range(cu_seqlens[-2] + rows.start, cu_seqlens[-2] + rows.stop)
-        # The tables, as one array and checked as one (a Python min and max over every table
-        # took as long as the rest of this method at 2-token blocks).
-        tables = _padded_tables([piece.block_table for piece in plan.slices])
-        if tables.min() < 0 or tables.max() >= num_blocks:
-            _refuse(plan, bs, num_blocks)
-        prompt_lens = [piece.prompt_len for piece in plan.slices]
+        """The plan's inputs on the device, for an eager forward pass."""
+        return self._stage(self.arrays(plan))
 
-        def tensor(values: list | np.ndarray, dtype: type[np.signedinteger]) -> torch.Tensor:
-            # Through NumPy: one bulk conversion, where torch.tensor(list) converts element by
-            # element.
-            return torch.from_numpy(np.asarray(values, dtype=dtype)).to(self.device)
-
+    def _stage(self, arrays: StepArrays) -> StepInputs:
+        tensors = self.buffers.stage(arrays)
         metadata = AttentionMetadata(
-            slot_mapping=tensor(slots, np.int64),
-            block_tables=tensor(tables, np.int32),
-            context_lens=tensor(context_lens, np.int32),
-            cu_seqlens_q=tensor(cu_seqlens, np.int32),
-            max_query_len=max(len(piece.token_ids) for piece in plan.slices),
-            prompt_lens=None if None in prompt_lens else tensor(prompt_lens, np.int32),
+            slot_mapping=tensors.slot_mapping,
+            block_tables=tensors.block_tables,
+            context_lens=tensors.context_lens,
+            cu_seqlens_q=tensors.cu_seqlens_q,
+            max_query_len=arrays.max_query_len,
+            prompt_lens=tensors.prompt_lens,
+            max_seq_len=arrays.max_seq_len,
+            num_actual_tokens=arrays.num_tokens,
+            slots_padded=False,
         )
-        return StepInputs(
-            input_ids=tensor(input_ids, np.int64),
-            positions=tensor(positions, np.int64),
-            metadata=metadata,
-            logits_indices=tensor(logits_indices, np.int64),
-        )
+        return StepInputs(tensors.input_ids, tensors.positions, metadata, tensors.logits_indices)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
@@ -110,36 +92,13 @@ class ModelRunner:
             copy_blocks(self.kv_cache, plan.block_copies)
         if not plan.slices:
             return torch.empty(0, dtype=torch.float32)
-        inputs = self.prepare(plan)
-        rows = inputs.logits_indices
-        every_row = rows.shape[0] == inputs.input_ids.shape[0]  # in order: a decode step
-        hidden = self.model(
-            inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata, None if every_row else rows
-        )
+        arrays = self.arrays(plan)
+        if self.graphs is not None:
+            hidden = self.graphs.run(arrays)
+            if hidden is not None:
+                return self.model.compute_logits(hidden)
+        inputs = self._stage(arrays)
+        every_row = arrays.samples_every_row  # in order: a decode step
+        rows = None if every_row else inputs.logits_indices
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata, rows)
         return self.model.compute_logits(hidden)
-
-
-def _padded_tables(tables: list[list[int]]) -> np.ndarray:
-    """The block tables as one int32 array padded with block 0 (never read: a row reads only
-    its context's blocks). Through one flat array and one scatter, where NumPy reading a list of
-    padded lists walks every Python list again."""
-    widths = np.fromiter(map(len, tables), np.int64, len(tables))
-    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(widths.sum()))
-    padded = np.zeros((len(tables), int(widths.max())), np.int32)
-    padded[np.arange(padded.shape[1]) < widths[:, None]] = flat
-    return padded
-
-
-def _refuse(plan: StepPlan, bs: int, num_blocks: int) -> NoReturn:
-    """Raise for the first slice whose block table does not cover its positions with blocks
-    of the pool (or that computes nothing)."""
-    for i, piece in enumerate(plan.slices):
-        table, start, end = piece.block_table, piece.start, piece.end
-        used = table[: -(-end // bs)]  # the blocks the attention reads and the slots written
-        if start < 0 or end <= start or len(used) * bs < end or min(used) < 0 or max(used) >= num_blocks:
-            raise ValueError(
-                f"step plan slice {i} computes positions {start}..{end - 1}, but its block table "
-                f"{table} does not cover them with blocks of the pool's {num_blocks} "
-                f"(block size {bs})"
-            )
-    raise ValueError(f"a step plan's block tables hold ids outside the pool's {num_blocks} blocks")

@@ -8,10 +8,15 @@ online softmax (flash-attention style) in float32. Loads are masked to the posit
 may see (causal, sliding window, inside the context), so slots never written are never read.
 Decode is the case ``BLOCK_M = 1`` with one query per sequence.
 
-Split context (flash-decoding): with ``num_splits > 1`` the programs of one query tile each take
-``split_len`` consecutive positions and write an un-normalised partial (running max, sum of
-exponentials, weighted values) instead of the output; :func:`merge_splits` combines them. A
-decode batch of a few long sequences then fills the GPU instead of launching B * Hkv programs.
+Split context (flash-decoding): with ``num_splits > 1`` the programs of one query tile share the
+positions it may see, each ``num_splits``-th of them in whole ``BLOCK_N`` tiles, and write an
+un-normalised partial (running max, sum of exponentials, weighted values) instead of the output;
+:func:`merge_splits` combines them in one more kernel. A decode batch of a few long sequences
+then fills the GPU instead of launching B * Hkv programs. Each sequence's share is computed in
+the kernel from its own context length, so the launch depends on no device value: the host
+picks ``num_splits`` from what it knows (the step plan's longest context, or a CUDA graph's
+bound), and a split that gets no position writes an empty partial (max -1e30, sum 0) that the
+merge weighs zero.
 
 Quantized pools (``QUANT``): keys and values arrive as one byte per element (fp8 e4m3 as raw
 uint8, int8) and become floats in registers -- fp8 by moving its bits into a float32's exponent
@@ -26,7 +31,7 @@ whose results must match SDPA to 1e-5, and for bfloat16 under the interpreter, w
 mishandles bfloat16.
 
 This module imports triton; :mod:`pagedkv.attention.backends.triton_backend` imports it lazily.
-The kernel body is a plain function, decorated at first use: for CUDA tensors with
+The kernel bodies are plain functions, decorated at first use: for CUDA tensors with
 ``triton.jit``, for CPU tensors with Triton's interpreter (what ``TRITON_INTERPRET=1`` does),
 whatever the environment said when triton was imported.
 """
@@ -67,7 +72,6 @@ def paged_attention_kernel(
     soft_cap,
     window,
     num_splits,
-    split_len,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -118,8 +122,12 @@ def paged_attention_kernel(
     first_pos = 0
     if USE_WINDOW:
         first_pos = tl.maximum(context_len - q_len + m_tile * BLOCK_M - window + 1, 0)
-    lo = tl.maximum((first_pos // BLOCK_N) * BLOCK_N, split * split_len)
-    hi = tl.minimum(last_pos + 1, (split + 1) * split_len)
+    lo = (first_pos // BLOCK_N) * BLOCK_N
+    hi = last_pos + 1
+    if SPLIT:  # this program's share: whole tiles, so every split starts on a tile boundary
+        split_len = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
+        lo = lo + split * split_len
+        hi = tl.minimum(hi, lo + split_len)
 
     m_i = tl.full([BLOCK_M * BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.full([BLOCK_M * BLOCK_G], 0.0, dtype=tl.float32)
@@ -176,29 +184,91 @@ def paged_attention_kernel(
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+def merge_splits_kernel(
+    acc_ptr,  # [num_splits, rows, HEAD_DIM] float32 partial sums of weighted values
+    max_ptr,  # [num_splits, rows] float32 partial maxima
+    sum_ptr,  # [num_splits, rows] float32 partial sums of exponentials
+    out_ptr,  # [rows, HEAD_DIM] in the query's dtype
+    num_splits,
+    num_rows,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per output row (a token's query head): each split's partial is rescaled by
+    ``exp(its max - the overall max)`` (log-sum-exp) and the sum normalised. A row whose splits
+    are all empty (sum 0) is written as zeros, as the unsplit kernel writes it."""
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    maxima = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        part = tl.load(max_ptr + s.to(tl.int64) * num_rows + row, mask=s < num_splits, other=float("-inf"))
+        maxima = tl.maximum(maxima, part)
+    top = tl.max(maxima, axis=0)
+    sums = tl.zeros([BLOCK_S], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        valid = s < num_splits
+        offs = s.to(tl.int64) * num_rows + row
+        weight = tl.exp(tl.load(max_ptr + offs, mask=valid, other=float("-inf")) - top)
+        sums += weight * tl.load(sum_ptr + offs, mask=valid, other=0.0)
+        values = tl.load(
+            acc_ptr + offs[:, None] * HEAD_DIM + d[None, :], mask=valid[:, None] & d_valid[None, :], other=0.0
+        )
+        acc += tl.sum(weight[:, None] * values, axis=0)
+    total = tl.sum(sums, axis=0)
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d_valid)
+
+
 def merge_splits(
     acc: torch.Tensor, maxima: torch.Tensor, sums: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Combine per-split partials ``acc [S, T, Hq, D]``, ``maxima/sums [S, T, Hq]``: each split
-    is rescaled by ``exp(its max - the overall max)`` (log-sum-exp), then normalised."""
-    weights = torch.exp(maxima - maxima.amax(dim=0, keepdim=True))
-    total = (weights * sums).sum(dim=0)
-    return ((weights[..., None] * acc).sum(dim=0) / total[..., None]).to(dtype)
+    """Combine the per-split partials ``acc [S, T, Hq, D]``, ``maxima/sums [S, T, Hq]`` (float32,
+    contiguous) into ``[T, Hq, D]`` in ``dtype``, with one launch of :func:`merge_splits_kernel`."""
+    splits, tokens, heads, dim = acc.shape
+    out = torch.empty((tokens, heads, dim), dtype=dtype, device=acc.device)
+    interpret = acc.device.type != "cuda"
+    block_s = min(16, 1 << max(0, (splits - 1).bit_length()))
+    scope = interpreted_device_calls() if interpret else contextlib.nullcontext()
+    with scope:
+        jitted(merge_splits_kernel, interpret)[(tokens * heads,)](
+            acc,
+            maxima,
+            sums,
+            out,
+            splits,
+            tokens * heads,
+            HEAD_DIM=dim,
+            BLOCK_S=block_s,
+            BLOCK_D=max(16, 1 << max(0, (dim - 1).bit_length())),
+        )
+    return out
 
 
-_compiled: dict[bool, object] = {}
+_compiled: dict[tuple[str, bool], object] = {}
 
 
-def kernel_for(interpret: bool):
-    """The kernel, jitted for a GPU or wrapped in Triton's CPU interpreter."""
-    if interpret not in _compiled:
+def jitted(kernel, interpret: bool):
+    """``kernel`` (a plain function of this module), jitted for a GPU or wrapped in Triton's CPU
+    interpreter; made once per kernel and mode."""
+    key = (kernel.__name__, interpret)
+    if key not in _compiled:
         if interpret:
             from triton.runtime.interpreter import InterpretedFunction
 
-            _compiled[interpret] = InterpretedFunction(paged_attention_kernel)
+            _compiled[key] = InterpretedFunction(kernel)
         else:
-            _compiled[interpret] = triton.jit(paged_attention_kernel)
-    return _compiled[interpret]
+            _compiled[key] = triton.jit(kernel)
+    return _compiled[key]
+
+
+def kernel_for(interpret: bool):
+    """The paged-attention kernel, jitted for a GPU or wrapped in Triton's CPU interpreter."""
+    return jitted(paged_attention_kernel, interpret)
 
 
 @contextlib.contextmanager

@@ -153,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
                 f"and {tuple(positions.shape)}"
             )
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype, metadata.max_seq_len)
         batch = ForwardBatch(layer_ops.select(x), cos, sin, kv_cache, metadata, output_rows)
         if self.step_program is None:
             self.step_program = StepProgram.of(self)

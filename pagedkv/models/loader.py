@@ -22,12 +22,15 @@ from safetensors import safe_open
 
 from pagedkv.attention import resolve_backend
 from pagedkv.models.config import ModelConfig, resolve_dtype
+from pagedkv.models.dummy_weights import fill_dummy_weights
 from pagedkv.models.linear import PackedLinear, choose_linear_kernel, pack_linears
 from pagedkv.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from pagedkv.models.parallel import TensorParallel
 
+#: vLLM's ``load_format`` values pagedkv reads: the checkpoint's safetensors, or seeded random weights
+LOAD_FORMATS = ("auto", "dummy")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -65,6 +68,7 @@ def load_model(
     linear_kernel: str = "auto",
     batch_hint: int = 2048,
     tensor_parallel: TensorParallel | None = None,
+    load_format: str = "auto",
 ) -> LlamaForCausalLM:
     """The model of folder ``path`` in eval mode, weights cast to ``dtype`` (default: the
     checkpoint's own dtype; "auto": see :func:`~pagedkv.models.config.resolve_dtype`) on
@@ -72,7 +76,11 @@ def load_model(
     :mod:`pagedkv.attention.backends`), its linear layers packed for ``linear_kernel`` once the
     weights are in (see :mod:`pagedkv.models.linear`; ``batch_hint``: the most rows per call).
     With ``tensor_parallel``: that rank's shard of the model, each tensor read as the slice it
-    holds (packed like any other weight: the parallel layers are linear layers on their shard)."""
+    holds (packed like any other weight: the parallel layers are linear layers on their shard).
+    ``load_format="dummy"``: no weights are read, every tensor is drawn on the device
+    (:mod:`pagedkv.models.dummy_weights`); ``path`` needs only its config.json."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; choose one of {list(LOAD_FORMATS)}")
     backend = resolve_backend(attention_backend, torch.device(device))
     cfg = ModelConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, default=cfg.dtype, device=device)
@@ -89,8 +97,11 @@ def load_model(
     finally:
         torch.set_default_dtype(previous)
     model.tie_weights()
-    read = None if tensor_parallel is None else tensor_parallel.tensor_reader(model)
-    load_weights(model, weight_files(path), read)
+    if load_format == "dummy":
+        fill_dummy_weights(checkpoint_targets(model))
+    else:
+        read = None if tensor_parallel is None else tensor_parallel.tensor_reader(model)
+        load_weights(model, weight_files(path), read)
     model.requires_grad_(False)
     model.linear_kernel = pack_linears(model, kernel, batch_hint)
     return model.eval()

@@ -83,29 +83,39 @@ class RotaryEmbedding:
         cos, _ = self._tables.get((dtype, device), (None, None))
         return 0 if cos is None else cos.shape[0]
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, bound: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and sign-folded ``sin`` (first half negated), ``[T, 1, head_dim]`` in ``dtype``
-        for ``positions [T]``, ready to broadcast over the heads of :func:`apply_rotary`."""
+        for ``positions [T]``, ready to broadcast over the heads of :func:`apply_rotary`.
+
+        ``bound`` (above every position: the step's longest context, from the plan) decides on
+        the host whether the tables must grow; without it the positions are read back, which on
+        CUDA waits for the device. Tables only ever grow, so a CUDA graph captured after they
+        cover every position the engine admits keeps reading live tensors."""
         cos, sin = self._tables.get((dtype, positions.device), (None, None))
-        if cos is None or (
+        if bound is not None:
+            if cos is None or cos.shape[0] < min(bound, self.max_positions):
+                cos, sin = self._grow(bound, positions.device, dtype)
+        elif cos is None or (
             cos.shape[0] < self.max_positions and positions.numel() and int(positions.max()) >= cos.shape[0]
         ):
-            cos, sin = self._grow(positions, dtype)
+            top = int(positions.max()) + 1 if positions.numel() else 1
+            cos, sin = self._grow(top, positions.device, dtype)
         return cos.index_select(0, positions)[:, None, :], sin.index_select(0, positions)[:, None, :]
 
-    def _grow(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables covering ``positions``: the next power of two at least 4096, capped at
-        ``max_positions`` (a position past it fails the gather with an index error)."""
-        top = int(positions.max()) + 1 if positions.numel() else 1
-        size = min(self.max_positions, max(4096, 1 << (top - 1).bit_length()))
-        if self.inv_freq.device != positions.device:
-            self.inv_freq = self.inv_freq.to(positions.device)
-        freqs = torch.arange(size, device=positions.device)[:, None].float() * self.inv_freq
+    def _grow(self, top: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables covering positions below ``top``: the next power of two at least 4096, capped
+        at ``max_positions`` (a position past it fails the gather with an index error)."""
+        size = min(self.max_positions, max(4096, 1 << (max(top, 1) - 1).bit_length()))
+        if self.inv_freq.device != device:
+            self.inv_freq = self.inv_freq.to(device)
+        freqs = torch.arange(size, device=device)[:, None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         sin = emb.sin().to(dtype)
         sin[:, : freqs.shape[-1]].neg_()
         tables = emb.cos().to(dtype), sin
-        self._tables[(dtype, positions.device)] = tables
+        self._tables[(dtype, device)] = tables
         return tables
 
 

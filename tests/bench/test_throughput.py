@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from pagedkv.bench.bench_model import BENCH_MODEL_CONFIG, word_tokenizer
+from pagedkv.bench.bench_model import BENCH_MODEL_CONFIG, MODEL_SHAPES, word_tokenizer
 from pagedkv.bench.host import PROBE_ELEMENTS, LoadMeter, memory_read_gbs, parallel_speedup
 from pagedkv.bench.throughput import (
     FIRST_PROMPT_ID,
@@ -21,10 +21,17 @@ from pagedkv.bench.throughput import (
     build_workload,
     build_workloads,
 )
+from pagedkv.bench.throughput_floor import (
+    decode_figure,
+    floor_seconds,
+    kv_bytes_per_token,
+    measure_copy_rate,
+    weight_bytes,
+)
 from pagedkv.bench.throughput_gemm import GemmRates, GemmTiming, linear_shapes, measure_gemm, roofline_seconds
 from pagedkv.bench.throughput_report import Measurement
 from pagedkv.cli import main
-from tests.checkpoints import make_checkpoint
+from tests.checkpoints import hf_config, make_checkpoint
 
 
 # -- workloads -----------------------------------------------------------------------------------
@@ -146,7 +153,7 @@ def test_a_rival_with_a_wrong_python_is_reported_not_run(tiny_run, capsys, monke
     monkeypatch.setenv("COLUMNS", "400")  # one reason per line, unwrapped
     assert main([a for a in argv if a != "--json"]) == 0
     text = capsys.readouterr().out
-    assert "vLLM-cpu (float32): not run:" in text and "no such Python executable" in text
+    assert "vLLM (float32): not run:" in text and "no such Python executable" in text
     assert "llama.cpp (float32): not run: llama_cpp is not importable by" in text
     assert "pass the python of the venv" in text
     assert "memory read rate, start -> end:" in text  # the host's state, printed under the tables
@@ -219,3 +226,73 @@ def test_median_or_best_of_the_repeats():
     assert runs["best"].to_json()["median_s"] == 2.0 and runs["median"].to_json()["best_s"] == 1.0
     with pytest.raises(ValueError, match="statistic"):
         ThroughputConfig(statistic="mean")
+
+
+# -- decode steps against the bandwidth floor ----------------------------------------------------
+def test_weight_bytes_are_the_published_parameter_counts_less_an_untied_embedding():
+    """Llama-3.2-1B has 1,235,814,400 parameters, its LM head tied to the embedding: a decode step
+    reads them all once. Llama-3.1-8B has 8,030,261,248, of which its untied embedding's
+    128256 x 4096 are read only at the batch's rows."""
+    assert weight_bytes(MODEL_SHAPES["llama-3.2-1b"], "bfloat16") == 2 * 1_235_814_400
+    assert weight_bytes(MODEL_SHAPES["llama-3.1-8b"], "bfloat16") == 2 * (8_030_261_248 - 128256 * 4096)
+    assert weight_bytes(MODEL_SHAPES["llama-3.2-1b"], "float32") == 4 * 1_235_814_400
+    assert kv_bytes_per_token(MODEL_SHAPES["llama-3.2-1b"], "bfloat16") == 16 * 2 * 8 * 64 * 2
+
+
+def test_the_floor_reads_the_weights_and_each_steps_mean_context_at_the_copy_rate():
+    config = MODEL_SHAPES["llama-3.2-1b"]
+    one = floor_seconds(config, "bfloat16", 1, 128, 128, copy_rate_gbs=4000.0)
+    many = floor_seconds(config, "bfloat16", 64, 128, 128, copy_rate_gbs=4000.0)
+    per_token = kv_bytes_per_token(config, "bfloat16")
+    assert one == pytest.approx((2 * 1_235_814_400 + 192 * per_token) / 4e12)
+    assert many - one == pytest.approx(63 * 192 * per_token / 4e12)
+    figure = decode_figure("pagedkv", "bfloat16", 64, full_s=1.2, first_s=0.2, steps=100, floor_s=0.005)
+    assert figure.step_ms == pytest.approx(10.0) and figure.tokens_per_s == pytest.approx(6400.0)
+    assert figure.floor_share == pytest.approx(0.5)
+    assert decode_figure("pagedkv", "bfloat16", 1, 0.1, 0.2, 10, 0.001).step_ms is None  # noise: no figure
+
+
+def test_the_copy_rate_counts_reads_and_writes_of_a_timed_copy():
+    started = time.perf_counter()
+    rate = measure_copy_rate("cpu", repeats=2)
+    elapsed = time.perf_counter() - started
+    assert rate >= 2 * (1 << 28) / elapsed / 1e9  # the fastest of three copies took at most all of it
+
+
+def test_the_device_chooses_the_default_engines_and_decode_batches(tmp_path):
+    cpu, cuda = ThroughputConfig(), ThroughputConfig(device="cuda")
+    assert "pagedkv-eager" not in cpu.engines and cpu.decode_batches == ()
+    assert "pagedkv-eager" in cuda.engines and cuda.decode_batches == (1, 64)
+    assert ThroughputConfig(model_shape="llama-3.1-8b").load_format == "dummy"
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="give one"):
+        ThroughputConfig(model=str(tmp_path), model_shape="llama-3.2-1b")
+
+
+def test_decode_steps_of_a_dummy_model_run_on_the_cpu_with_graphs_on_and_off_and_agree_with_transformers(
+    tmp_path, capsys
+):
+    """The CUDA bench's path on the CPU: a folder with only config.json, the weights drawn by
+    name (the same in pagedkv and transformers: their float32 tokens agree), decode steps at
+    two batch sizes timed against the floor, pagedkv with and without graphs."""
+    folder = tmp_path / "shape"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf_config("llama").to_dict()))
+    argv = [
+        "bench", "throughput", "--device", "cpu", "--model", str(folder), "--load-format", "dummy",
+        "--engines", "pagedkv", "pagedkv-eager", "transformers", "--dtypes", "float32", "--workloads",
+        "single", "--decode-batches", "1", "3", "--prompt-len", "8", "--max-tokens", "6", "--repeats", "1",
+        "--out", str(tmp_path / "out"), "--json",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["copy_rate_gbs"] > 0
+    figures = {(f["engine"], f["batch"]): f for f in out["decode"]}
+    assert set(figures) == {(e, b) for e in ("pagedkv", "pagedkv-eager", "transformers") for b in (1, 3)}
+    for figure in figures.values():
+        assert figure["floor_ms"] > 0 and (figure["step_ms"] is None or figure["step_ms"] > 0)
+    agreement = {(r["workload"], r["engine"]): r for r in out["agreement"]}
+    for engine in ("pagedkv", "pagedkv-eager"):
+        row = agreement[("decode-3", engine)]
+        assert row["reference"] == "transformers" and row["identical_requests"] == row["requests"] == 3
+    assert {r["workload"] for r in out["throughput"]} == {"single", "decode-1", "decode-3"}

@@ -9,6 +9,9 @@ The criterion, measured on these checkpoints (in the perf notes):
 - greedy, 24 new tokens per prompt: every prompt agrees on its first 4 tokens (measured: the
   earliest divergence was at token 6), and at least 85 % of all (prompt, position) pairs lie
   before their prompt's first divergence (measured 95 % over 32 tokens).
+
+Both run on ``PAGEDKV_TEST_DEVICE`` (the CPU unless it says otherwise): on a GPU the criterion
+holds pagedkv's kernels to transformers' on the same device.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import transformers
 from pagedkv import LLM, SamplingParams
 from pagedkv.models import load_model
 from tests.checkpoints import make_checkpoint
+from tests.devices import TEST_DEVICE
 from tests.models.paging import PagedBatch
 
 from .test_engine_exactness import CASES, _prompts
@@ -36,24 +40,24 @@ def _first_divergence(a: list[int], b: list[int]) -> int:
 def test_bfloat16_tracks_transformers_bfloat16(tmp_path, case):
     arch, overrides = CASES[case]
     path = make_checkpoint(tmp_path, arch, **overrides)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(TEST_DEVICE).eval()
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     prompts = _prompts()
 
-    ours = PagedBatch(load_model(path, dtype="bfloat16"), 64, len(prompts)).step(prompts)
+    ours = PagedBatch(load_model(path, dtype="bfloat16", device=TEST_DEVICE), 64, len(prompts)).step(prompts)
     for ids, got in zip(prompts, ours, strict=True):
         with torch.no_grad():
-            want = hf(torch.tensor([ids])).logits[0].float()
+            want = hf(torch.tensor([ids], device=TEST_DEVICE)).logits[0].float()
         assert (got - want).abs().max().item() < 0.1 * want.std().item()
 
-    llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=256)
+    llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=256, device=TEST_DEVICE)
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, greedy, use_tqdm=False)
     agreed = []
     for ids, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            x = torch.tensor([ids])
+            x = torch.tensor([ids], device=TEST_DEVICE)
             mask = torch.ones_like(x)
             ref = hf.generate(x, max_new_tokens=NEW_TOKENS, do_sample=False, attention_mask=mask)
         agreed.append(_first_divergence(list(out.outputs[0].token_ids), ref[0, len(ids) :].tolist()))

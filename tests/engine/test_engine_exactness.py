@@ -2,7 +2,8 @@
 
 Greedy decoding is deterministic, so any difference -- a wrong slot, a block table that points
 at someone else's block, a missed copy-on-write, a chunk boundary off by one -- shows up as a
-different token.
+different token. The engine runs on ``PAGEDKV_TEST_DEVICE`` (the CPU unless it says otherwise;
+on CUDA with its decode graphs), transformers on the CPU.
 """
 
 import random
@@ -12,6 +13,7 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
+from tests.devices import TEST_DEVICE
 
 MAX_NEW = 12
 CASES = {
@@ -72,6 +74,7 @@ def test_greedy_tokens_equal_transformers(references, case, block_size):
     llm = LLM(
         str(path),
         dtype="float32",
+        device=TEST_DEVICE,
         block_size=block_size,
         num_kv_blocks=2048 // block_size,
         max_num_batched_tokens=20,
@@ -86,7 +89,15 @@ def test_greedy_tokens_equal_transformers(references, case, block_size):
 def test_preemption_under_a_tiny_pool_changes_nothing(references):
     path, expected = references["llama-gqa-untied"]
     # 16 blocks of 4 tokens = 64 slots for six prompts of up to 60 tokens: preemption must happen.
-    llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=16, watermark=0.0, decode_headroom=0.0)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        device=TEST_DEVICE,
+        block_size=4,
+        num_kv_blocks=16,
+        watermark=0.0,
+        decode_headroom=0.0,
+    )
     outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     stats = llm.kv_stats()
@@ -96,7 +107,14 @@ def test_preemption_under_a_tiny_pool_changes_nothing(references):
 
 def test_prefix_caching_off_gives_the_same_tokens(references):
     path, expected = references["qwen2-bias"]
-    llm = LLM(str(path), dtype="float32", block_size=8, num_kv_blocks=256, enable_prefix_caching=False)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        device=TEST_DEVICE,
+        block_size=8,
+        num_kv_blocks=256,
+        enable_prefix_caching=False,
+    )
     outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.kv_stats()["prefix_cache_hits_tokens"] == 0

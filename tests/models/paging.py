@@ -26,7 +26,8 @@ class PagedBatch:
         self.block_size = block_size
         self.blocks_per_seq = -(-max_len // block_size)
         num_blocks = num_seqs * self.blocks_per_seq
-        self.kv_cache = KVCache(model.config.kv_spec(), num_blocks, block_size)
+        self.device = model.model.norm.weight.device  # the model's
+        self.kv_cache = KVCache(model.config.kv_spec(), num_blocks, block_size, device=self.device)
         self.tables = torch.arange(num_blocks, dtype=torch.int32).reshape(num_seqs, self.blocks_per_seq)
         self.lens = [0] * num_seqs
 
@@ -61,14 +62,20 @@ class PagedBatch:
             self.lens[seq] += len(tokens)
             cu.append(cu[-1] + len(tokens))
         metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=self.tables,
-            context_lens=torch.tensor(self.lens, dtype=torch.int32),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            block_tables=self.tables.to(self.device),
+            context_lens=torch.tensor(self.lens, dtype=torch.int32, device=self.device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
             max_query_len=max(len(t) for t in new_tokens),
-            prompt_lens=None if prompt_lens is None else torch.tensor(prompt_lens, dtype=torch.int32),
+            prompt_lens=None
+            if prompt_lens is None
+            else torch.tensor(prompt_lens, dtype=torch.int32, device=self.device),
         )
         with torch.inference_mode():
-            rows = None if output_rows is None else torch.tensor(output_rows, dtype=torch.int64)
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_cache, metadata, rows)
+            rows = None if output_rows is None else torch.tensor(output_rows, device=self.device)
+            ids_t, positions_t = (
+                torch.tensor(ids, device=self.device),
+                torch.tensor(positions, device=self.device),
+            )
+            hidden = self.model(ids_t, positions_t, self.kv_cache, metadata, rows)
         return hidden, cu

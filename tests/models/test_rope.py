@@ -61,3 +61,21 @@ def test_tables_grow_on_demand_and_equal_the_per_step_formula(dtype):
     assert rotary.positions_covered(dtype, torch.device("cpu")) == 20000
     with pytest.raises(IndexError):
         rotary.cos_sin(torch.tensor([20000]), dtype)
+
+
+def test_a_bound_from_the_plan_grows_the_tables_without_reading_the_positions():
+    """With ``bound`` (the step's longest context) the growth is decided on the host: the same
+    rows as without it, and a bound at the model's limit sizes the tables once for good (what a
+    CUDA graph captured afterwards relies on)."""
+    rope = RopeConfig(theta=10000.0, type="default", params={})
+    rotary = RotaryEmbedding(rope, 32, max_positions=10000)
+    positions = torch.tensor([7, 5000, 2])
+    cos, sin = rotary.cos_sin(positions, torch.float32, bound=5001)
+    want_cos, want_sin = _per_step_formula(rope, 32, positions, torch.float32)
+    assert torch.equal(cos[:, 0], want_cos) and torch.equal(sin[:, 0], want_sin)
+    cpu = torch.device("cpu")
+    assert rotary.positions_covered(torch.float32, cpu) == 8192
+    rotary.cos_sin(torch.tensor([0]), torch.float32, bound=10000)
+    assert rotary.positions_covered(torch.float32, cpu) == 10000
+    cos, _ = rotary.cos_sin(torch.tensor([9999]), torch.float32, bound=10000)
+    assert torch.equal(cos[:, 0], _per_step_formula(rope, 32, torch.tensor([9999]), torch.float32)[0])

@@ -17,7 +17,7 @@ from pagedkv.attention.metadata import AttentionMetadata, AttentionOptions
 
 #: blocks of every cache dtype: the kernel reads quantized ones in place
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
-#: a split covers at least this many positions (a multiple of every BLOCK_N below)
+#: the longest context is split into runs of at least this many positions
 MIN_SPLIT_LEN = 512
 
 
@@ -29,14 +29,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def num_splits(q: torch.Tensor, programs: int, longest: int, interpret: bool) -> int:
-    """Decode only: enough splits of the context to give the GPU ~2 programs per SM (the
-    interpreter splits every long context, so the tests exercise the merge)."""
+def num_splits(programs: int, longest: int, multiprocessors: int | None) -> int:
+    """Decode only: into how many runs the kernel splits each context, from host-side facts
+    alone (the step plan's longest context or a CUDA graph's bound, and ``programs`` launched
+    per split): enough to give the GPU's ``multiprocessors`` ~2 programs each, at most one per
+    :data:`MIN_SPLIT_LEN` positions of ``longest``. The interpreter (None) splits every long
+    context as far as that allows, so the tests exercise the merge."""
     most = _cdiv(longest, MIN_SPLIT_LEN)
-    if interpret:
-        return most
-    wanted = _cdiv(2 * torch.cuda.get_device_properties(q.device).multi_processor_count, programs)
-    return max(1, min(most, wanted))
+    if multiprocessors is None:
+        return max(1, most)
+    return max(1, min(most, _cdiv(2 * multiprocessors, programs)))
 
 
 def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: AttentionOptions) -> Tensor:
@@ -69,13 +71,12 @@ def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: Att
         key, value = key.view(torch.uint8), value.view(torch.uint8)
     q = q.contiguous()
     m_tiles = _cdiv(max_query_len, block_m)
-    splits, split_len = 1, 2**31 - 1
+    splits = 1
     if max_query_len == 1:
-        longest = int(context_lens.max())
-        splits = num_splits(q, m_tiles * num_seqs * layer.num_kv_heads, longest, interpret)
-        if splits > 1:
-            split_len = _cdiv(_cdiv(longest, splits), MIN_SPLIT_LEN) * MIN_SPLIT_LEN
-            splits = _cdiv(longest, split_len)  # rounding the length up may leave fewer splits
+        multiprocessors = (
+            None if interpret else torch.cuda.get_device_properties(q.device).multi_processor_count
+        )
+        splits = num_splits(num_seqs * layer.num_kv_heads, metadata.longest_context(), multiprocessors)
     if splits > 1:
         out = torch.empty(
             (splits, num_tokens, num_heads, layer.head_dim), dtype=torch.float32, device=q.device
@@ -104,7 +105,6 @@ def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: Att
             float(soft_cap or 1.0),
             int(sliding_window or 0),
             splits,
-            split_len,
             q.stride(0),
             q.stride(1),
             key.stride(0),

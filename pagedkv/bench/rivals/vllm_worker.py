@@ -1,12 +1,18 @@
-"""vLLM's CPU build as a ``pagedkv bench throughput`` rival: ``VLLM_PYTHON vllm_worker.py``.
+"""vLLM as a ``pagedkv bench throughput`` rival: ``VLLM_PYTHON vllm_worker.py``.
 
 Imports only the standard library, vLLM and :mod:`worker_io` (see it for the protocol). Runs
 vLLM the way the benchmark compares it: the engine in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache, no tokenizer
-(token-id prompts, ``skip_tokenizer_init=True``), eager mode, prefix caching off (every run
-repeats the same prompts, and pagedkv runs without it too). OpenMP threads are bound to CPUs
-``0..threads-1`` unless ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise: vLLM's ``auto`` binding
-keeps one core of a 2-core machine for its scheduler and would run its kernels on one thread.
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), no tokenizer (token-id prompts,
+``skip_tokenizer_init=True``), prefix caching off (every run repeats the same prompts, and
+pagedkv runs without it too), the benchmark's ``load_format`` (``dummy``: vLLM's own random
+weights of the config's shape).
+
+Its CPU build runs eagerly with ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache; OpenMP threads are
+bound to CPUs ``0..threads-1`` unless ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise: vLLM's
+``auto`` binding keeps one core of a 2-core machine for its scheduler and would run its kernels
+on one thread. On CUDA it runs as it is served, with its CUDA graphs, on
+:data:`GPU_MEMORY_SHARE` of the GPU's memory: the benchmark's other engines hold theirs in the
+driver's process meanwhile.
 """
 
 from __future__ import annotations
@@ -30,17 +36,26 @@ def load(command: dict):
     return VllmEngine(vllm, command)
 
 
+#: the share of the GPU's memory vLLM takes on CUDA (its default, 0.9, would leave none to the others)
+GPU_MEMORY_SHARE = 0.3
+
+
 class VllmEngine:
     def __init__(self, vllm, command: dict) -> None:
         self.vllm = vllm
+        cuda = command.get("device", "cpu") == "cuda"
+        device_options = {"gpu_memory_utilization": GPU_MEMORY_SHARE} if cuda else {}
         self.llm = vllm.LLM(
             model=command["model"],
             dtype=command["dtype"],
             skip_tokenizer_init=True,
-            enforce_eager=True,
+            enforce_eager=not cuda,
             enable_prefix_caching=False,
             max_num_seqs=max(int(command["max_requests"]), 1),
+            max_model_len=max(int(command["max_total_len"]), 16),  # the workloads' and the warm-up's
+            load_format=command.get("load_format", "auto"),
             seed=0,
+            **device_options,
         )
         self.info = {
             "engine": "vLLM",

@@ -8,6 +8,7 @@ import torch
 
 from pagedkv.attention import KVCache, check_backend_reads
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.cuda_graphs import DecodeGraphSpec, eager_reason
 from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory, runtime_of
 from pagedkv.engine.executor.tier_io import RankTier, plan_tier
 from pagedkv.engine.model_runner import ModelRunner
@@ -18,7 +19,11 @@ from pagedkv.models import ModelConfig, load_model
 
 class InProcessExecutor(Executor):
     """Loads the model and allocates the KV cache (``num_kv_blocks`` blocks, or as many as
-    ``kv_cache_memory`` holds) on ``config.device``; runs each step on the calling thread."""
+    ``kv_cache_memory`` holds) on ``config.device``; runs each step on the calling thread.
+
+    On CUDA (unless ``enforce_eager``) the runner captures decode graphs at start-up and the
+    cache gets one block more than the pool: the padding rows' scratch block
+    (:mod:`pagedkv.engine.cuda_graphs`)."""
 
     def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig) -> None:
         # Before the weights or any block are allocated: an unknown dtype, or one the backend
@@ -32,19 +37,27 @@ class InProcessExecutor(Executor):
             config.attention_backend,
             config.linear_kernel,
             batch_hint=config.max_num_batched_tokens,
+            load_format=config.load_format,
         )
         dtype = model.config.dtype
         spec = model_config.kv_spec()
         kv_dtype = config.kv_cache_dtype
-        if config.num_kv_blocks is not None:
-            kv_cache = KVCache(spec, config.num_kv_blocks, config.block_size, dtype, config.device, kv_dtype)
-        else:
+        blocks = config.num_kv_blocks
+        if blocks is None:
             memory = parse_bytes(config.kv_cache_memory)
-            kv_cache = KVCache.from_memory(spec, memory, config.block_size, dtype, config.device, kv_dtype)
-        self.num_kv_blocks = kv_cache.num_blocks
+            blocks = KVCache.blocks_in(memory, spec, config.block_size, dtype, kv_dtype)
+        eager = eager_reason(config.device, config.enforce_eager, config.tensor_parallel_size)
+        graphs = None
+        if eager is None:
+            max_model_len = config.max_model_len or model_config.max_position_embeddings
+            graphs = DecodeGraphSpec.for_engine(config.max_num_seqs, max_model_len, config.device)
+        kv_cache = KVCache(
+            spec, blocks + (graphs is not None), config.block_size, dtype, config.device, kv_dtype
+        )
+        self.num_kv_blocks = blocks
         self.kv_memory = KVMemory(kv_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes)
-        self.runtime = runtime_of(model)
-        self.runner: ModelRunner | None = ModelRunner(model, kv_cache)
+        self.runner: ModelRunner | None = ModelRunner(model, kv_cache, graphs)
+        self.runtime = runtime_of(model) | {"cuda graphs": eager or graphs.describe()}
         if self.tier is not None:
             self.runner.tier = RankTier(self.tier, kv_cache)
 

@@ -33,6 +33,7 @@ import torch
 from pagedkv.attention import check_backend_reads
 from pagedkv.distributed import Rendezvous, groups, heartbeat
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.cuda_graphs import eager_reason
 from pagedkv.engine.executor import launch
 from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory, runtime_of
 from pagedkv.engine.executor.tier_io import plan_tier
@@ -148,6 +149,7 @@ class MultiprocExecutor(Executor):
         self.runtime = {
             **runtime_of(self.runner.model),
             "tensor_parallel": str(self.world_size),
+            "cuda graphs": eager_reason(spec.config.device, spec.config.enforce_eager, self.world_size),
             "kv cache": f"{kv_cache.nbytes / 2**20:.1f} MiB per rank ({kv_cache.num_blocks} blocks)",
         }
         torch.distributed.barrier(group=self.ranks.groups.control)

@@ -77,6 +77,7 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
         spec.config.linear_kernel,
         batch_hint=spec.config.max_num_batched_tokens,
         tensor_parallel=tp,
+        load_format=spec.config.load_format,
     )
     dtype = model.config.dtype
     kv_cache = KVCache(
