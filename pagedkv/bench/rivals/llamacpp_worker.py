@@ -153,7 +153,9 @@ class LlamaCppEngine:
         warm = min(2, params.n_seq_max)  # sequence ids past n_seq_max fail (one-request runs)
         self.generate([[5, 6, 7, 8, 9, 10, 11, 12]] * warm, [4] * warm)  # warm-up
 
-    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+    def _prefill(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Clear the KV cache and decode every prompt, N_BATCH tokens a call: each sequence's
+        first generated token."""
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
         outputs: list[list[int]] = [[] for _ in prompts]
         pending = [(s, pos, t, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
@@ -162,6 +164,10 @@ class LlamaCppEngine:
             last = [s for s, _, _, wants in chunk if wants]
             for s, token in zip(last, self._decode(chunk), strict=True):
                 outputs[s].append(token)
+        return outputs
+
+    def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
+        outputs = self._prefill(prompts)
         while True:
             active = [s for s, out in enumerate(outputs) if len(out) < max_tokens[s]]
             if not active:
@@ -205,14 +211,7 @@ class LookupEngine(LlamaCppEngine):
     def generate(self, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
         self.run_stats = {"draft_tokens": 0, "accepted_tokens": 0, "drafts": 0}
         memory = self.lib.llama_get_memory(self.ctx)
-        self.lib.llama_memory_clear(memory, True)
-        outputs: list[list[int]] = [[] for _ in prompts]
-        pending = [(s, pos, t, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
-        for start in range(0, len(pending), N_BATCH):
-            chunk = pending[start : start + N_BATCH]
-            last = [s for s, _, _, wants in chunk if wants]
-            for s, token in zip(last, self._decode(chunk), strict=True):
-                outputs[s].append(token)
+        outputs = self._prefill(prompts)
         while active := [s for s, out in enumerate(outputs) if len(out) < max_tokens[s]]:
             items, drafts = [], []
             for s in active:
