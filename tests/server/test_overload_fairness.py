@@ -95,6 +95,9 @@ def _large_then_bystander(server, large: dict, engine_requests: int) -> tuple[Fi
         (small_id,) = set(engine.requests) - large_ids
         gate.open_until(lambda outputs: False)
         large_body, small_body = large_reply.result().json(), small_reply.result().json()
+    # A reply can reach its client before the worker's loop that finished it calls its observers.
+    everyone = large_ids | {small_id}
+    wait_until(lambda: everyone <= order.finished_at.keys(), 30, "the worker to observe every finish")
     server.app.state.engine.observers.remove(order)
     samples = large.get("n", 1) * (len(large["prompt"]) if isinstance(large["prompt"], list) else 1)
     assert [c["finish_reason"] for c in large_body["choices"]] == ["length"] * samples
@@ -135,6 +138,7 @@ def test_a_request_priority_orders_admission_over_http(priority_server):
             ids.append(new)
         gate.open_until(lambda outputs: False)
         assert [reply.result().status_code for reply in replies] == [200] * 3
+    wait_until(lambda: set(ids) <= order.finished_at.keys(), 30, "the worker to observe every finish")
     priority_server.app.state.engine.observers.remove(order)
     finished = sorted(ids, key=lambda i: order.finished_at[i])
     assert finished == [ids[1], ids[2], ids[0]]  # priority 0, 1, 2
