@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
+
 if TYPE_CHECKING:
     from pagedkv.engine.structured.utf8_guard import Utf8Guard
 
@@ -66,15 +68,22 @@ class GrammarMatcher:
         """The grammar is complete and a stop token was accepted: no token may follow."""
         return self._matcher.is_terminated()
 
-    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+    def fill_bitmask(self, bitmask: Any, row: int, restrict: bool = True) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (int32 words, bit ``t % 32`` of
         word ``t // 32`` set for an allowed token ``t``). A stop token is allowed exactly when
-        the grammar is complete."""
+        the grammar is complete. ``restrict=False`` leaves out the guard's :meth:`utf8_mask`, for
+        a caller that ANDs it into many rows at once."""
         if self.is_terminated():
             raise ValueError("a terminated grammar matcher allows no next token: its sequence is over")
         self._matcher.fill_next_token_bitmask(bitmask, row)
-        if self._guard is not None:
-            self._guard.restrict(bitmask, row, self._last_token())
+        if restrict and self._guard is not None:
+            words = bitmask[row].numpy()  # a CPU tensor's row: shares its memory
+            words &= self._guard.mask_after(self._last_token())
+
+    def utf8_mask(self) -> np.ndarray | None:
+        """The bitmask row :meth:`fill_bitmask` ANDs into the grammar's (see :class:`Utf8Guard`);
+        None without a guard."""
+        return None if self._guard is None else self._guard.mask_after(self._last_token())
 
     def fork(self) -> GrammarMatcher:
         """An independent copy of this state (for a new sample or beam that shares the tokens so far)."""

@@ -1,23 +1,46 @@
-"""Keeps constrained text valid UTF-8: no token may spell a UTF-16 surrogate.
+"""Keeps constrained text valid UTF-8, whatever the grammar allows.
 
-xgrammar matches a grammar against the UTF-8 bytes of the tokens, and its wide character
-classes (a JSON string's ``[^"\\]``, a regex's ``.``) span U+D800..U+DFFF. Those code points
-have a UTF-8 spelling (``ED A0..BF xx``) that no decoder accepts, so a byte-level vocabulary
-could walk a grammar to text that decodes to replacement characters -- a string longer than its
-``maxLength``, JSON its own schema refuses. The guard removes from every mask, whatever the
-grammar, the tokens that would complete such a spelling: those holding ``ED A0..BF`` anywhere,
-and, after a token that ends in the lead byte ``ED``, those that start with ``A0..BF``. Every
-other UTF-8 rule xgrammar already keeps.
+xgrammar matches a grammar against the UTF-8 bytes of the tokens, but its wide character
+classes (a JSON string's ``[^"\\]``, a regex's ``.``) accept byte sequences no decoder does:
+UTF-16 surrogates (``ED A0..BF``) and overlong forms (``E0 80..9F``, ``F0 80..8F``), among
+others. A byte-level vocabulary can walk such a grammar to text that decodes to replacement
+characters -- a string longer than its ``maxLength``, JSON its own schema refuses. The guard
+removes from every mask the tokens whose own bytes are not valid UTF-8 (leading continuation
+bytes aside: they finish the sequence before them), and, after a token that ends in one of the
+lead bytes that restrict the byte after them (``E0 ED F0 F4``), the tokens that start with a
+byte that lead does not allow.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 import numpy as np
 
-SURROGATE_LEAD = 0xED
-SURROGATE_SECOND = range(0xA0, 0xC0)
+#: The lead bytes that narrow the range of the next byte (RFC 3629 section 4), and that range.
+NARROW_LEADS: dict[int, range] = {
+    0xE0: range(0xA0, 0xC0),  # below is an overlong three-byte form
+    0xED: range(0x80, 0xA0),  # above is a UTF-16 surrogate
+    0xF0: range(0x90, 0xC0),  # below is an overlong four-byte form
+    0xF4: range(0x80, 0x90),  # above is past U+10FFFF
+}
+
+
+def is_continuation(byte: int) -> bool:
+    return 0x80 <= byte < 0xC0
+
+
+def valid_inside(data: bytes) -> bool:
+    """``data``, after its leading continuation bytes, is valid UTF-8 that may end mid-character."""
+    start = 0
+    while start < len(data) and start < 3 and is_continuation(data[start]):
+        start += 1
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(data[start:], final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def bitmask_of(allowed: np.ndarray) -> np.ndarray:
@@ -27,40 +50,39 @@ def bitmask_of(allowed: np.ndarray) -> np.ndarray:
     return np.packbits(bits, bitorder="little").view(np.int32)
 
 
-def spells_surrogate(data: bytes) -> bool:
-    """``data`` holds a lead byte ``ED`` followed by ``A0..BF``: the start of a surrogate."""
-    return any(data[i] == SURROGATE_LEAD and data[i + 1] in SURROGATE_SECOND for i in range(len(data) - 1))
-
-
 class Utf8Guard:
-    """The surrogate rule for one vocabulary; shared, read-only, by every matcher built on it."""
+    """The UTF-8 rule for one vocabulary; shared, read-only, by every matcher built on it."""
 
     def __init__(self, token_bytes: Sequence[bytes], vocab_size: int) -> None:
-        """``token_bytes[t]`` is token ``t``'s UTF-8 bytes; ids from ``len(token_bytes)`` up to
+        """``token_bytes[t]`` is token ``t``'s bytes; ids from ``len(token_bytes)`` up to
         ``vocab_size`` (padding of the model's logits) have none and are never forbidden here."""
         anywhere = np.ones(vocab_size, dtype=bool)
-        after_lead = np.ones(vocab_size, dtype=bool)
-        ends_with_lead = set()
+        first = np.full(vocab_size, -1)
+        self._lead_of: dict[int, int] = {}  # token -> the narrowing lead byte it ends with
         for token, data in enumerate(token_bytes[:vocab_size]):
-            anywhere[token] = not spells_surrogate(data)
-            after_lead[token] = not (data and data[0] in SURROGATE_SECOND)
-            if data.endswith(bytes([SURROGATE_LEAD])):
-                ends_with_lead.add(token)
+            anywhere[token] = valid_inside(data)
+            if data:
+                first[token] = data[0]
+                if data[-1] in NARROW_LEADS:
+                    self._lead_of[token] = data[-1]
         self._anywhere = bitmask_of(anywhere)
-        self._after_lead = bitmask_of(anywhere & after_lead)
-        self._forbidden_after_lead = frozenset(np.flatnonzero(~after_lead).tolist())
         self._forbidden = frozenset(np.flatnonzero(~anywhere).tolist())
-        self._ends_with_lead = frozenset(ends_with_lead)
+        self._after: dict[int, np.ndarray] = {}
+        self._forbidden_after: dict[int, frozenset[int]] = {}
+        for lead, allowed_next in NARROW_LEADS.items():
+            wrong = np.isin(first, [b for b in range(0x80, 0xC0) if b not in allowed_next])
+            self._after[lead] = bitmask_of(anywhere & ~wrong)
+            self._forbidden_after[lead] = frozenset(np.flatnonzero(wrong).tolist())
 
     def allows(self, previous: int | None, token: int) -> bool:
-        """``token`` may follow ``previous`` (None at the start) without spelling a surrogate."""
+        """``token`` may follow ``previous`` (None at the start) and keep the text valid UTF-8."""
         if token in self._forbidden:
             return False
-        return previous not in self._ends_with_lead or token not in self._forbidden_after_lead
+        lead = self._lead_of.get(previous)
+        return lead is None or token not in self._forbidden_after[lead]
 
-    def restrict(self, bitmask, row: int, previous: int | None) -> None:
-        """Clear in ``bitmask[row]`` (a CPU tensor, changed in place) the tokens :meth:`allows`
-        refuses after ``previous``."""
-        mask = self._after_lead if previous in self._ends_with_lead else self._anywhere
-        words = bitmask[row].numpy()  # shares the tensor's memory
-        words &= mask
+    def mask_after(self, previous: int | None) -> np.ndarray:
+        """The bitmask row (int32 words) of the tokens :meth:`allows` after ``previous``: AND it
+        into a grammar's row."""
+        lead = self._lead_of.get(previous)
+        return self._anywhere if lead is None else self._after[lead]

@@ -1,4 +1,4 @@
-"""No grammar walks a byte-level vocabulary into invalid UTF-8 (a UTF-16 surrogate's spelling)."""
+"""No grammar walks a byte-level vocabulary into invalid UTF-8 (surrogates, overlong forms)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.engine.structured import StructuredOutputsParams
-from pagedkv.engine.structured.utf8_guard import SURROGATE_LEAD, SURROGATE_SECOND, spells_surrogate
+from pagedkv.engine.structured.utf8_guard import NARROW_LEADS, valid_inside
 from tests.engine.structured.walks import next_allowed, random_walk
 
-#: Wide classes that span the surrogates in xgrammar: a bounded and an unbounded JSON string,
+#: Wide classes that accept invalid UTF-8 in xgrammar: a bounded and an unbounded JSON string,
 #: a pattern inside a schema, a regex's ".", an EBNF negated class.
 SPECS = [
     StructuredOutputsParams(json={"type": "string", "maxLength": 12}),
@@ -35,36 +35,45 @@ def token_bytes(compiler, tokenizer, vocab_size) -> list[bytes]:
     ).decoded_vocab
 
 
-def test_the_spelling_rule():
-    assert spells_surrogate(bytes([0x61, SURROGATE_LEAD, 0xA0, 0x80]))
-    assert spells_surrogate(bytes([SURROGATE_LEAD, 0xBF]))
-    assert not spells_surrogate("\ud7ff\ue000 \u20ac".encode("utf-8", "surrogatepass"))
-    assert not spells_surrogate(bytes([SURROGATE_LEAD, 0x9F, 0xBF]))  # U+D7FF, the last before them
+def test_what_counts_as_valid_inside_a_token():
+    assert valid_inside("a\u20ac\U0001f600".encode())
+    assert valid_inside(bytes([0x82, 0xAC, 0x61]))  # continuation bytes first: they end the last character
+    assert valid_inside(bytes([0x61, 0xE2, 0x82]))  # ends mid-character
+    assert not valid_inside(bytes([0x61, 0xED, 0xA0, 0x80]))  # a surrogate
+    assert not valid_inside(bytes([0xE0, 0x80]))  # an overlong form
+    assert not valid_inside(bytes([0xF4, 0x90]))  # past U+10FFFF
+    assert not valid_inside(bytes([0xC0]))  # never a lead byte
+    assert valid_inside(bytes([0xED, 0x9F, 0xBF]))  # U+D7FF, the last before the surrogates
 
 
+@pytest.mark.parametrize("lead", sorted(NARROW_LEADS))
 @pytest.mark.parametrize("params", SPECS, ids=IDS)
-def test_after_a_lead_byte_no_surrogate_second_byte_is_allowed_or_accepted(
-    compiler, token_bytes, vocab_size, params
+def test_after_a_narrowing_lead_byte_only_the_bytes_it_allows_may_follow(
+    compiler, token_bytes, vocab_size, params, lead
 ):
-    lead = token_bytes.index(bytes([SURROGATE_LEAD]))
-    seconds = [t for t, data in enumerate(token_bytes) if data and data[0] in SURROGATE_SECOND]
-    inside = [t for t, data in enumerate(token_bytes) if spells_surrogate(data)]
-    assert seconds  # the byte-level vocabulary has them
+    lead_token = token_bytes.index(bytes([lead]))
+    wrong = [
+        t
+        for t, data in enumerate(token_bytes)
+        if data and 0x80 <= data[0] < 0xC0 and data[0] not in NARROW_LEADS[lead]
+    ]
+    invalid = [t for t, data in enumerate(token_bytes) if not valid_inside(data)]
+    assert wrong and invalid  # the byte-level vocabulary has them
     matcher = compiler.compile(params).matcher()
     if params.kind == "json":
         assert matcher.accept_token(token_bytes.index(b'"'))
-    assert not set(next_allowed(matcher, vocab_size)) & set(inside)
-    assert matcher.accept_token(lead)  # a lead byte is fine: U+D000..U+D7FF start with it
+    assert not set(next_allowed(matcher, vocab_size)) & set(invalid)
+    assert matcher.accept_token(lead_token)
     allowed = set(next_allowed(matcher, vocab_size))
-    assert allowed, "the lead byte's other continuations (80..9F) stay allowed"
-    assert not allowed & set(seconds)
-    assert not matcher.accept_token(seconds[0])
-    assert matcher.accepted_tokens[-1] == lead
+    assert allowed, "the bytes the lead allows stay allowed"
+    assert not allowed & set(wrong)
+    assert not matcher.accept_token(wrong[0])
+    assert matcher.accepted_tokens[-1] == lead_token
 
 
 @pytest.mark.parametrize("params", SPECS, ids=IDS)
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(seed=st.integers(min_value=0, max_value=2**32 - 1))
 def test_every_walk_decodes_as_strict_utf8(compiler, token_bytes, vocab_size, params, seed):
     tokens = random_walk(compiler.compile(params).matcher(), vocab_size, seed)
-    b"".join(token_bytes[t] for t in tokens[:-1]).decode("utf-8")  # raises on a surrogate
+    b"".join(token_bytes[t] for t in tokens[:-1]).decode("utf-8")  # raises on invalid UTF-8
