@@ -223,7 +223,7 @@ main() {
     local collect=()
     [ -n "$DRY_RUN" ] && collect=(--collect-only)
     # --confcutdir: these tests need none of tests/conftest.py's browser fixtures (selenium)
-    local pytest=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=5 "${collect[@]}")
+    local pytest=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=5 -m "cuda or not cuda" "${collect[@]}")
     section "CUDA graphs: captured, same tokens as enforce_eager, no sync inside a step" 150 \
         "${pytest[@]}" --confcutdir=tests/engine tests/engine/test_cuda_graphs.py
     section "Triton split-KV decode and its merge kernel, compiled" 90 \
