@@ -9,6 +9,7 @@ untouched, bit for bit, so unconstrained requests sample exactly as they would a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -31,15 +32,25 @@ def fill_token_bitmask(bitmask: torch.Tensor, matchers: Sequence[GrammarMatcher 
     """Row ``i`` of ``bitmask`` gets the tokens ``matchers[i]`` allows next; rows whose matcher
     is None (unconstrained) are not written. Returns the constrained rows, in order.
 
-    One matcher at a time, on the calling thread: a row is mostly a copy from the grammar's
-    precomputed mask cache, too little work to hand to other threads.
+    Every row in one library call on the calling thread (a row is mostly a copy from the
+    grammar's precomputed mask cache, too little work to hand to other threads; one call saves
+    the per-row crossings into the library), then the UTF-8 guards' rows in one AND per mask.
+    Raises ValueError for a terminated matcher, as :meth:`GrammarMatcher.fill_bitmask` does.
     """
     rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return rows
+    try:
+        _batch_matcher().batch_fill_next_token_bitmask(
+            [matchers[row].library_matcher for row in rows], bitmask, rows
+        )
+    except RuntimeError:
+        for row in rows:  # the library's reason is a C++ check; say which row and why
+            matchers[row].fill_bitmask(bitmask, row)
+        raise
     by_mask: dict[int, tuple[np.ndarray, list[int]]] = {}  # a guard has two masks, shared by rows
     for row in rows:
-        matcher = matchers[row]
-        matcher.fill_bitmask(bitmask, row, restrict=False)
-        mask = matcher.utf8_mask()
+        mask = matchers[row].utf8_mask()
         if mask is not None:
             by_mask.setdefault(id(mask), (mask, []))[1].append(row)
     if by_mask:
@@ -47,6 +58,16 @@ def fill_token_bitmask(bitmask: torch.Tensor, matchers: Sequence[GrammarMatcher 
         for mask, guarded in by_mask.values():
             words[guarded] &= mask
     return rows
+
+
+@functools.cache
+def _batch_matcher():
+    """xgrammar's batch filler, one thread: the engine's threads are busy with the model."""
+    # Deferred: only a step with a constrained row gets here, once xgrammar has compiled its
+    # grammar; importing it at engine start would cost every engine seconds.
+    import xgrammar
+
+    return xgrammar.BatchGrammarMatcher(max_threads=1)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:

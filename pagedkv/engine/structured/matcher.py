@@ -64,6 +64,12 @@ class GrammarMatcher:
         self._accepted.append(int(token_id))
         return True
 
+    @property
+    def library_matcher(self) -> LibraryMatcher:
+        """The library's matcher, for a caller that fills many rows in one library call; its
+        rows still need :meth:`utf8_mask` ANDed in."""
+        return self._matcher
+
     def is_terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted: no token may follow."""
         return self._matcher.is_terminated()
