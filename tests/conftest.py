@@ -1,6 +1,9 @@
-"""Fixtures shared by every test folder: the real headless browser (see ``tests/browser.py``)."""
+"""Fixtures shared by every test folder: the real headless browser (see ``tests/browser.py``) and
+the real pretrained model (see ``tests/real_model.py``)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -28,3 +31,11 @@ def browser(browser_session):
     yield browser_session
     errors = console_errors(browser_session)
     assert not errors, f"the page logged JavaScript errors: {errors}"
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct as a float32 Hugging Face folder (see ``tests/real_model.py``)."""
+    from tests.real_model import real_model_dir
+
+    return real_model_dir()
