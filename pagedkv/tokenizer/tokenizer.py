@@ -54,6 +54,7 @@ class Tokenizer:
         #: every id that ends generation: the tokenizer's eos plus config/generation_config's.
         self.eos_token_ids: set[int] = set(extra_eos_token_ids) | ({eos} if eos is not None else set())
         self._template: jinja2.Template | None = None
+        self._override: tuple[str, jinja2.Template] | None = None
 
     def _token_id(self, name: str) -> int | None:
         token = self.special_tokens.get(name)
@@ -79,18 +80,33 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        *,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
-        """The conversation rendered to prompt text (``kwargs`` reach the template, e.g. tools);
-        see :func:`~pagedkv.tokenizer.chat_template.render_chat` for the two flags."""
-        if self.chat_template is None:
-            raise ValueError(
-                "this tokenizer has no chat template (tokenizer_config.json or chat_template.jinja)"
-            )
-        if self._template is None:
-            self._template = compile_chat_template(self.chat_template)
+        """The conversation rendered to prompt text (``kwargs`` reach the template as variables:
+        tools, or a model's own switches such as Qwen3's ``enable_thinking``); see
+        :func:`~pagedkv.tokenizer.chat_template.render_chat` for the two flags. ``chat_template``
+        (Jinja source) replaces the model's template for this call."""
+        template = self._compiled(chat_template)
         variables = {**self.special_tokens, **kwargs}
-        return render_chat(self._template, messages, add_generation_prompt, continue_final_message, variables)
+        return render_chat(template, messages, add_generation_prompt, continue_final_message, variables)
+
+    def _compiled(self, source: str | None) -> jinja2.Template:
+        """The model's template, or ``source`` compiled (the last one kept: a server with
+        ``--chat-template`` sends the same source every time)."""
+        if source is None:
+            if self.chat_template is None:
+                raise ValueError(
+                    "this tokenizer has no chat template (tokenizer_config.json or chat_template.jinja); "
+                    "give one (chat_template, --chat-template)"
+                )
+            if self._template is None:
+                self._template = compile_chat_template(self.chat_template)
+            return self._template
+        if self._override is None or self._override[0] != source:
+            self._override = (source, compile_chat_template(source))
+        return self._override[1]
 
     def encode_chat(
         self,
