@@ -19,6 +19,7 @@ After each step the engine publishes a :class:`~pagedkv.engine.stats.StepStats`.
 
 from __future__ import annotations
 
+import copy
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -138,15 +139,22 @@ class LLMEngine:
         samples = self.validator.check_before_encoding(prompt, params, beam)
         if not self.tokenizer.has_text and (isinstance(prompt, str) or params.stop):
             raise InvalidRequestError(f"{self.tokenizer.reason}: send token ids, no stop strings", "prompt")
+        if not self.tokenizer.has_text and params.bad_words:
+            raise InvalidRequestError(f"{self.tokenizer.reason}: bad_words cannot be tokenized", "bad_words")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if params.bad_words:  # a copy: the caller's params may serve other prompts, other models
+            params = copy.copy(params)
+            params.update_from_tokenizer(self.tokenizer)
         self.validator.check(token_ids, params, samples)
         matcher = self.structured_outputs.matcher(params, grammar)  # the last check: may compile
         now = time.monotonic()
         request = Request(request_id, text, token_ids, params, now, priority=priority)
         request.client_request_id = client_request_id
         seq = Sequence(request, 0, list(token_ids), make_generator(params.seed, 0))
-        seq.detokenizer = self.tokenizer.detokenizer(token_ids, params.skip_special_tokens)
+        seq.detokenizer = self.tokenizer.detokenizer(
+            token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+        )
         seq.grammar = matcher
         request.seqs.append(seq)
         self.requests[request_id] = request
