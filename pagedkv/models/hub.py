@@ -128,7 +128,7 @@ def _failure(repo_id: str, revision: str | None, cache: Path, offline: bool, err
     elif isinstance(err, RevisionNotFoundError):
         reason = f"the repository has no revision {revision!r}"
     elif isinstance(err, LocalEntryNotFoundError) and offline:
-        reason = "the cache holds no snapshot of this revision, and HF_HUB_OFFLINE=1 forbids downloading it"
+        reason = "the cache holds no snapshot of this revision, and downloads are off"
     elif isinstance(err, LocalEntryNotFoundError):
         reason = "the Hub could not be reached and the cache holds no snapshot of this revision"
     else:
