@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.models.builtin import builtin_model_path
+from pagedkv.models.loader import INDEX_FILE
 
 #: What a Hub repository id looks like: ``org/name`` (letters, digits, ``-``, ``_``, ``.``).
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
@@ -38,16 +39,14 @@ METADATA_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
-INDEX_FILE = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A model's folder, and the Hub id and revision it was resolved from (None: a local folder)."""
+    """A model's folder, and the Hub id it was resolved from (None: a local folder)."""
 
     folder: Path
     repo_id: str | None = None
-    revision: str | None = None
 
 
 def is_hub_id(model: str) -> bool:
@@ -66,7 +65,7 @@ def resolve_model(
         return ModelSource(builtin_model_path())
     if isinstance(model, Path) or os.path.exists(model) or not is_hub_id(model):
         return ModelSource(Path(model))
-    return ModelSource(_snapshot(model, revision, download_dir, weights), model, revision)
+    return ModelSource(_snapshot(model, revision, download_dir, weights), model)
 
 
 def _offline() -> bool:
@@ -83,12 +82,12 @@ def _snapshot(repo_id: str, revision: str | None, download_dir: str | Path | Non
     offline = _offline()
     cache = Path(download_dir or constants.HF_HUB_CACHE).expanduser()
 
-    def fetch(allow_patterns: list[str], ignore_patterns: list[str] | None = None) -> Path:
+    def fetch(allow_patterns: list[str], at: str | None, ignore_patterns: list[str] | None = None) -> Path:
         try:
             return Path(
                 snapshot_download(
                     repo_id,
-                    revision=revision,
+                    revision=at,
                     cache_dir=str(cache),
                     allow_patterns=allow_patterns,
                     ignore_patterns=ignore_patterns,
@@ -98,15 +97,15 @@ def _snapshot(repo_id: str, revision: str | None, download_dir: str | Path | Non
         except (OSError, ValueError) as err:
             raise FileNotFoundError(_failure(repo_id, revision, cache, offline, err)) from None
 
-    folder = fetch(list(METADATA_FILES))
-    if weights:
+    folder = fetch(list(METADATA_FILES), revision)
+    if weights:  # the weights of the very commit just fetched (its folder's name), even if a branch moved
         index = folder / INDEX_FILE
         if index.is_file():
             with open(index, encoding="utf-8") as f:
                 shards = sorted(set((json.load(f).get("weight_map") or {}).values()))
-            folder = fetch(shards or ["*.safetensors"])
+            folder = fetch(shards or ["*.safetensors"], folder.name)
         else:
-            folder = fetch(["*.safetensors"], ignore_patterns=["*/*"])
+            folder = fetch(["*.safetensors"], folder.name, ignore_patterns=["*/*"])
     return folder
 
 

@@ -104,3 +104,14 @@ def test_what_reads_as_a_hub_id(model, hub_id):
 def test_a_path_that_is_no_hub_id_keeps_the_folder_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         LLM(str(tmp_path / "nowhere" / "to" / "be"))
+
+
+def test_a_sharded_snapshot_loads_through_its_index(tmp_path):
+    sharded = make_checkpoint(tmp_path, max_shard_size="40KB")
+    snapshot = add_snapshot(tmp_path / "hub", "org/sharded", sharded)
+    assert len(list(snapshot.glob("*.safetensors"))) > 1
+    with LLM("org/sharded", download_dir=str(tmp_path / "hub"), num_kv_blocks=64) as llm:
+        assert llm.engine.model_path == snapshot
+        from_hub = _tokens(llm)
+    with LLM(str(sharded), num_kv_blocks=64) as llm:
+        assert from_hub == _tokens(llm)
