@@ -47,11 +47,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt (text or token ids) to completion; outputs in input order.
 
+        Without ``sampling_params``: :meth:`get_default_sampling_params` (the model's defaults).
         ``priority``: one per prompt, lower first (vLLM's); needs ``scheduling_policy="priority"``.
         """
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -106,6 +107,12 @@ class LLM:
         for output, text in zip(outputs, texts, strict=True):
             output.prompt = text
         return outputs
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters ``generate`` uses when given none (vLLM's name): the sampling
+        fields of the model's generation_config.json (``generation_config="auto"``, the default;
+        "vllm" ignores them; a folder reads the file there), else ``SamplingParams()``."""
+        return self.engine.get_default_sampling_params()
 
     @staticmethod
     def _as_prompt_list(prompts) -> list[str | list[int]]:

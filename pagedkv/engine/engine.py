@@ -20,9 +20,9 @@ After each step the engine publishes a :class:`~pagedkv.engine.stats.StepStats`.
 from __future__ import annotations
 
 import copy
+import logging
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor import Executor
@@ -41,13 +41,17 @@ from pagedkv.engine.spec.factory import make_verifier
 from pagedkv.engine.stats import EngineStats, KVSnapshot, StatsCollector, StepStats
 from pagedkv.engine.structured.manager import StructuredOutputManager
 from pagedkv.engine.validation import InvalidRequestError, RequestValidator
-from pagedkv.models import ModelConfig, builtin_model_path
+from pagedkv.models import ModelConfig
+from pagedkv.models.generation_config import default_sampling_params
+from pagedkv.models.hub import resolve_model
 from pagedkv.tokenizer import engine_tokenizer
 
 if TYPE_CHECKING:
     from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
 
 __all__ = ["EngineConfig", "InvalidRequestError", "LLMEngine"]
+
+logger = logging.getLogger("pagedkv.engine")
 
 
 class LLMEngine:
@@ -61,10 +65,15 @@ class LLMEngine:
         config = config or EngineConfig(**overrides)
         self.config = config
         self.kv_policy = KVPolicy.named(config.kv_policy)
-        path = Path(config.model) if config.model is not None else builtin_model_path()
+        #: The model's folder, and the Hub id it came from (``pagedkv.models.hub``).
+        self.model_source = resolve_model(
+            config.model, config.revision, config.download_dir, weights=config.load_format != "dummy"
+        )
+        path = self.model_source.folder
         self.model_path = path
         self.is_builtin = config.model is None
         self.model_config = ModelConfig.from_pretrained(path)
+        self.default_sampling_params = self._model_sampling_defaults()
         limit = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
@@ -98,6 +107,27 @@ class LLMEngine:
         self.stats_collector = StatsCollector(self.scheduler, self.kv_tier, self.verifier is not None)
         self.requests: dict[str, Request] = {}
 
+    def _model_sampling_defaults(self) -> dict[str, Any]:
+        """generation_config.json's sampling fields (per ``config.generation_config``), checked
+        once here: a bad value stops the start instead of failing every request."""
+        defaults = default_sampling_params(self.model_path, self.config.generation_config)
+        try:
+            SamplingParams(**defaults)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"the model's generation_config.json sets a bad default: {err}") from None
+        if defaults:
+            logger.warning(
+                "Default sampling parameters have been overridden by the model's Hugging Face generation "
+                "config: %s (--generation-config vllm ignores them)",
+                defaults,
+            )
+        return defaults
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling parameters runs with (vLLM's name): the model's
+        defaults (:attr:`default_sampling_params`), else ``SamplingParams()``."""
+        return SamplingParams(**self.default_sampling_params)
+
     # -- requests ---------------------------------------------------------------------------
     def add_request(
         self,
@@ -113,9 +143,10 @@ class LLMEngine:
         ``priority``: lower runs first, under the ``priority`` scheduling policy (vLLM's); requests
         that share a ``client_request_id`` share one fair share of the engine (``engine/fairness.py``).
         ``grammar``: ``params.structured_outputs`` compiled ahead (the server's way), else here.
+        Without ``params``: :meth:`get_default_sampling_params`.
         """
         self.scheduler.check_priority(priority)
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         return self._queue(request_id, prompt, params, None, priority, client_request_id, grammar)
 
     def add_beam_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> Request:
@@ -237,7 +268,7 @@ class LLMEngine:
 
     def describe(self) -> str:
         """One line for logs and the CLI: the model, its dtype and the kernels it runs on."""
-        model = "built-in model" if self.is_builtin else str(self.model_path)
+        model = "built-in model" if self.is_builtin else self.model_source.repo_id or str(self.model_path)
         return f"{model}: " + ", ".join(f"{key} {value}" for key, value in self.executor.runtime.items())
 
     def check_health(self) -> None:

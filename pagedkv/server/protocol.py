@@ -18,6 +18,7 @@ refused with a 400 naming the field rather than dropped.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
@@ -154,8 +155,10 @@ class _SamplingRequest(BaseModel):
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         constraint: Constraint | None = None,
+        defaults: Mapping[str, Any] = {},
     ) -> SamplingParams:
-        """The engine's parameters; a bad value becomes a 400 naming the field."""
+        """The engine's parameters; a bad value becomes a 400 naming the field. ``defaults``: the
+        model's (``LLMEngine.default_sampling_params``), for the fields the request leaves unset."""
         options: dict[str, Any] = {
             "n": self.n,
             "max_tokens": max_tokens,
@@ -181,8 +184,9 @@ class _SamplingRequest(BaseModel):
             "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "structured_outputs": constraint.params if constraint is not None else None,
         }
-        # None (absent or JSON null) means "the default": SamplingParams' own, except for the
-        # fields where None itself is the value (no logprobs, no seed, no stops).
+        # None (absent or JSON null) means "the default": the model's, else SamplingParams' own,
+        # except for the fields where None itself is the value (no logprobs, no seed, no stops).
+        options |= {k: v for k, v in defaults.items() if k in options and options[k] is None}
         keep_none = {"logprobs", "prompt_logprobs", "seed", "stop", "stop_token_ids", "structured_outputs"}
         keep_none |= {"logit_bias", "allowed_token_ids", "bad_words"}
         options = {k: v for k, v in options.items() if v is not None or k in keep_none}
@@ -244,14 +248,17 @@ class CompletionRequest(_SamplingRequest):
     def echo_only(self) -> bool:
         return bool(self.echo) and self.max_tokens == 0
 
-    def sampling_params(self, constraint: Constraint | None = None) -> SamplingParams:
+    def sampling_params(
+        self, constraint: Constraint | None = None, defaults: Mapping[str, Any] = {}
+    ) -> SamplingParams:
+        """``defaults``: the model's sampling defaults; its ``max_tokens`` replaces a null one."""
         self._refuse_unsupported()
-        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        max_tokens = defaults.get("max_tokens", 16) if self.max_tokens is None else self.max_tokens
         prompt_logprobs = self.prompt_logprobs
         if self.echo and prompt_logprobs is None:
             prompt_logprobs = self.logprobs  # echo's logprobs start with the prompt's (vLLM)
         max_tokens = 1 if self.echo_only else max_tokens
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, constraint)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, constraint, defaults)
 
 
 class TextPart(BaseModel):
@@ -332,14 +339,16 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def sampling_params(
-        self, default_max_tokens: int, constraint: Constraint | None = None
+        self, default_max_tokens: int, constraint: Constraint | None = None, defaults: Mapping[str, Any] = {}
     ) -> SamplingParams:
         """``default_max_tokens`` applies when neither max token field is given (the rest of the
-        context, as in vLLM); ``constraint``: what :meth:`constraint` found."""
+        context, as in vLLM, capped by the ``max_tokens`` of ``defaults``, the model's sampling
+        defaults); ``constraint``: what :meth:`constraint` found."""
         self._refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_tokens_asked
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = default_max_tokens if max_tokens is None else max_tokens
-        return self._sampling_params(max_tokens, logprobs, constraint=constraint)
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, defaults.get("max_tokens", default_max_tokens))
+        return self._sampling_params(max_tokens, logprobs, constraint=constraint, defaults=defaults)

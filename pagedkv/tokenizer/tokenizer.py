@@ -209,11 +209,15 @@ def _eos_ids(raw: dict[str, Any]) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
+def read_generation_config(folder: str | Path) -> dict[str, Any]:
+    """A model folder's generation_config.json ({} without one): its ``eos_token_id`` ends
+    generation here, its sampling fields are the model's defaults (``pagedkv.models.generation_config``)."""
+    return _read_json(Path(folder) / "generation_config.json")
+
+
 def _config_eos_ids(folder: Path) -> list[int]:
     """The ``eos_token_id`` of config.json and generation_config.json (chat models list several)."""
-    return _eos_ids(_read_json(folder / "config.json")) + _eos_ids(
-        _read_json(folder / "generation_config.json")
-    )
+    return _eos_ids(_read_json(folder / "config.json")) + _eos_ids(read_generation_config(folder))
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
