@@ -21,10 +21,11 @@ from pagedkv.server.protocol import ChatMessage
 from pagedkv.server.tools import ChatTool
 from pagedkv.tokenizer import Tokenizer
 
-#: What the server passes to every template (and transformers' own arguments): never a kwarg.
+#: What the server passes to every template (and transformers' own arguments, and the helpers
+#: templates call): never a kwarg.
 RESERVED_TEMPLATE_KWARGS = (
     "messages", "add_generation_prompt", "continue_final_message", "tools", "documents",
-    "chat_template", "tokenize",
+    "chat_template", "tokenize", "raise_exception", "strftime_now",
 )  # fmt: skip
 
 
@@ -64,8 +65,9 @@ def check_chat_options(body: ChatPromptRequest, trust_request_chat_template: boo
 def render_conversation(
     tokenizer: Tokenizer, server_template: str | None, body: ChatPromptRequest, messages: list[dict[str, Any]]
 ) -> str:
-    """``messages`` (the request's, as templates expect them) rendered to prompt text; a template
-    that fails on them is a 400. The tools reach the template as transformers passes them:
+    """``messages`` (the request's, as templates expect them) rendered to prompt text. Whatever
+    the template raises is the request's doing (its messages, its kwargs, maybe its template): a
+    400, never a 500. The tools reach the template as transformers passes them:
     ``tools``, OpenAI's tool objects. Blocking: run it on the tokenizer thread."""
     variables: dict[str, Any] = dict(body.chat_template_kwargs or {})
     if body.tools:
@@ -83,7 +85,7 @@ def render_conversation(
         raise APIError.bad_request(
             f"chat_template is not a valid template: {err}", param="chat_template"
         ) from None
-    except (ValueError, jinja2.TemplateError) as err:
+    except Exception as err:  # the template runs on the request's data (and maybe is the request's)
         raise APIError.bad_request(
-            f"the chat template failed on these messages: {err}", param="messages"
+            f"the chat template failed on these messages: {type(err).__name__}: {err}", param="messages"
         ) from None

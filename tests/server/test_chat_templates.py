@@ -73,7 +73,9 @@ def test_template_kwargs_reach_the_template(trusting, client, reference):
     assert response.usage.prompt_tokens == len(loud)
 
 
-@pytest.mark.parametrize("key", ["messages", "add_generation_prompt", "tools", "chat_template"])
+@pytest.mark.parametrize(
+    "key", ["messages", "add_generation_prompt", "tools", "chat_template", "raise_exception"]
+)
 def test_kwargs_that_would_override_the_servers_arguments_are_refused(client, key):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
@@ -83,12 +85,20 @@ def test_kwargs_that_would_override_the_servers_arguments_are_refused(client, ke
     assert error["param"] == f"chat_template_kwargs.{key}" and repr(key) in error["message"]
 
 
-def test_a_template_that_does_not_compile_is_a_400(client):
+@pytest.mark.parametrize(
+    ("template", "param"),
+    [
+        ("{% for %}", "chat_template"),
+        ("{{ 1 / 0 }}", "messages"),
+        ("{{ raise_exception('no') }}", "messages"),
+    ],
+)
+def test_a_template_that_fails_is_a_400(client, template, param):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"chat_template": "{% for %}"}
+            model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"chat_template": template}
         )
-    assert refused.value.body["param"] == "chat_template"
+    assert refused.value.body["param"] == param
 
 
 def test_a_server_that_does_not_trust_requests_refuses_their_template(base_url):
