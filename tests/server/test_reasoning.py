@@ -98,13 +98,19 @@ FEW_SHOT = [
     {"role": "assistant", "content": "<think>2 plus 2 makes 4.</think>The answer is 4."},
     {"role": "user", "content": "What is 3+3?"},
 ]
-GREEDY = dict(max_tokens=30, temperature=0)
+GREEDY = dict(max_tokens=60, temperature=0)
 
 
 @pytest.fixture(scope="module")
 def real_server(real_model):
     config = EngineConfig(model=str(real_model), dtype="float32")
-    app = create_app(config, served_model_name=MODEL_NAME, reasoning_parser="qwen3")
+    app = create_app(
+        config,
+        served_model_name=MODEL_NAME,
+        reasoning_parser="qwen3",
+        enable_auto_tool_choice=True,
+        tool_call_parser="hermes",
+    )
     with ServerThread(app) as running:
         yield running
 
@@ -121,10 +127,14 @@ def reference(real_model):
         yield llm
 
 
-def _greedy_answer(reference: LLM, messages: list[dict], continue_final_message: bool = False) -> str:
+def _greedy_answer(
+    reference: LLM, messages: list[dict], continue_final_message: bool = False, **variables
+) -> str:
     """``LLM.generate``'s greedy text for the conversation, rendered as the server renders it."""
     tokenizer = reference.tokenizer
-    text = tokenizer.apply_chat_template(messages, not continue_final_message, continue_final_message)
+    text = tokenizer.apply_chat_template(
+        messages, not continue_final_message, continue_final_message, **variables
+    )
     ids = tokenizer.encode(text, add_special_tokens=False)
     return reference.generate([ids], SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0].text
 
@@ -169,3 +179,42 @@ def test_an_answer_without_thinking_is_all_content(client, reference):
     assert "<think>" not in text
     message = client.chat.completions.create(model=MODEL_NAME, messages=messages, **GREEDY).choices[0].message
     assert (message.reasoning_content, message.content) == (None, text)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+TOOL_SHOT = [
+    {"role": "system", "content": "You think inside <think></think> tags first, then call a tool."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": '<think>I need the weather tool.</think><tool_call>\n{"name": "weather", "arguments": '
+        '{"city": "Paris"}}\n</tool_call>',
+    },
+    {"role": "user", "content": "Weather in Rome?"},
+]
+
+
+def test_tool_calls_are_read_from_the_content_after_the_thinking(client, reference):
+    text = _greedy_answer(reference, TOOL_SHOT, tools=[WEATHER])
+    assert text.startswith("<think>I need the weather tool.</think><tool_call>")  # what this test is about
+    options = dict(model=MODEL_NAME, messages=TOOL_SHOT, tools=[WEATHER], **GREEDY)
+    response = client.chat.completions.create(**options)
+    message, choice = response.choices[0].message, response.choices[0]
+    assert message.reasoning_content == "I need the weather tool." and message.content is None
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [
+        ("weather", '{"city": "Rome"}')
+    ]
+    assert choice.finish_reason == "tool_calls"
+    reasoning, calls = "", []
+    for chunk in client.chat.completions.create(**options, stream=True):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        assert not delta.content
+        calls += [(c.function.name, c.function.arguments) for c in delta.tool_calls or ()]
+    assert reasoning == "I need the weather tool." and calls == [("weather", '{"city": "Rome"}')]
