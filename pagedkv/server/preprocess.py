@@ -13,7 +13,9 @@ here, nor wait for a grammar.
 
 Chat template options are vLLM's: ``add_generation_prompt`` (default true) opens an assistant
 turn after the last message; ``continue_final_message`` instead leaves the last message open for
-the model to continue; the two exclude each other. The answer's role is the assistant's, or
+the model to continue; the two exclude each other; which template renders the conversation, and
+with which variables, is :mod:`pagedkv.server.chat_prompt`'s (shared with ``/tokenize``). The
+answer's role is the assistant's, or
 without a generation prompt the last message's (vLLM's ``get_chat_request_role``), and chat
 ``echo`` prepends the last message's content to the answer when its role is that one.
 """

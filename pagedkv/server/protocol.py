@@ -1,8 +1,9 @@
 """The OpenAI request shapes the server takes (pydantic models); responses are in
 :mod:`pagedkv.server.responses`.
 
-Request models accept what the official clients send -- unknown fields are ignored, as OpenAI
-does -- and map onto :class:`~pagedkv.engine.SamplingParams`, whose own validation then names
+Request models accept what the official clients send -- unknown fields are accepted, as vLLM
+accepts them, and named in a warning and a response header (:mod:`pagedkv.server.ignored_fields`)
+-- and map onto :class:`~pagedkv.engine.SamplingParams`, whose own validation then names
 any bad value. vLLM's extra fields mean what they mean in vLLM (``top_k``, ``min_p``,
 ``ignore_eos``, ``skip_special_tokens``, ``truncate_prompt_tokens``, ``echo``,
 ``add_generation_prompt``, ``continue_final_message``, ``structured_outputs`` and the older
