@@ -118,7 +118,8 @@ async def _start(
         await generation.start()
     except QueueFullError as err:
         logger.warning("request %s refused: %s", request_id, err.message)
-        raise
+        message = f"{err.message} (request id {request_id})"
+        raise APIError(err.status, message, type=err.type, code=err.code) from None
     except (Aborted, EngineRequestError) as err:
         raise _failure(err, request_id) from None
     except InvalidRequestError as err:  # too long, never fits, bad token ids, over a limit

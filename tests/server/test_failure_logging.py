@@ -104,3 +104,15 @@ def test_a_bug_in_a_route_without_a_request_id(server, errors, monkeypatch):
     request_id = REQUEST_ID.search(response.json()["error"]["message"]).group(1)
     assert request_id.startswith("err-") and response.headers["x-content-type-options"] == "nosniff"
     _logged_once(errors(), request_id)
+
+
+def test_a_full_queue_is_a_warning_with_the_id(caplog):
+    with ServerThread(create_app(EngineConfig(**ENGINE_OPTIONS), max_waiting=0)) as full:
+        with caplog.at_level(logging.WARNING, logger="pagedkv.server"):
+            response = httpx.post(
+                f"{full.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=30
+            )
+    assert response.status_code == 503 and response.json()["error"]["code"] == "queue_full"
+    request_id = REQUEST_ID.search(response.json()["error"]["message"]).group(1)
+    records = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [(r.levelno, request_id in r.getMessage()) for r in records] == [(logging.WARNING, True)]
