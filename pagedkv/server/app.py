@@ -8,7 +8,6 @@ several servers in one process. uvicorn (``pagedkv serve``) or any ASGI server r
 from __future__ import annotations
 
 import asyncio
-import logging
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from pathlib import Path
@@ -49,8 +48,6 @@ from pagedkv.server.serving import ServingContext, create_chat_completion, creat
 from pagedkv.server.tokenize import install_tokenize_routes
 from pagedkv.server.tool_parsers import tool_parser
 from pagedkv.tokenizer.chat_template import compile_chat_template
-
-logger = logging.getLogger("pagedkv.server")
 
 #: Request bodies above this many bytes get 413 (a 1 MiB JSON body is ~250k tokens of text).
 DEFAULT_MAX_BODY_BYTES = 1 << 20
