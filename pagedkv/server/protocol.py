@@ -149,6 +149,8 @@ class _SamplingRequest(BaseModel):
             value = getattr(self, name) if name in type(self).model_fields else extra.get(name)
             if _asks_for_something(value):
                 raise APIError.bad_request(f"{name} is not supported by this server", param=name)
+        if self.stream_options is not None and not self.stream:  # vLLM's rule: it would do nothing
+            raise APIError.bad_request("stream_options needs stream to be true", param="stream_options")
         n = 1 if self.n is None else self.n
         if self.best_of is not None and self.best_of != n:
             raise APIError.bad_request(

@@ -136,6 +136,13 @@ def test_completion_chunks_carry_the_usage_so_far(client, reference):
     assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
 
 
+def test_stream_options_without_stream_are_refused(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        usage = {"include_usage": True}
+        client.completions.create(model=MODEL, prompt="a", max_tokens=1, stream_options=usage)
+    assert refused.value.body["param"] == "stream_options"
+
+
 def test_chat_chunks_carry_the_usage_so_far(client):
     options = dict(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
     usage = {"include_usage": True, "continuous_usage_stats": True}
