@@ -247,7 +247,7 @@ def connection_limits(args: argparse.Namespace):
         args.parser.error(str(err).replace("_", "-"))
 
 
-def _run_replicas(args: argparse.Namespace) -> int:
+def _run_replicas(args: argparse.Namespace, chat: dict) -> int:
     from pagedkv.cli_args import engine_config
     from pagedkv.server.replicas import ReplicaSet, serve_replicas
 
@@ -258,7 +258,7 @@ def _run_replicas(args: argparse.Namespace) -> int:
         "max_waiting": args.max_waiting_requests,
         "max_prompts_per_request": args.max_prompts_per_request,
         **tool_options(args),
-        **chat_options(args),
+        **chat,
     }
     try:
         replicas = ReplicaSet(
@@ -294,7 +294,7 @@ def run_serve(args: argparse.Namespace) -> int:
             args.parser.error(
                 "--kv-events-config is set per replica by --data-parallel-size; give one or the other"
             )
-        return _run_replicas(args)
+        return _run_replicas(args, chat)
     kv_events = None
     if args.kv_events_config is not None:
         try:
