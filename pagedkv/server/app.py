@@ -8,12 +8,11 @@ several servers in one process. uvicorn (``pagedkv serve``) or any ASGI server r
 from __future__ import annotations
 
 import asyncio
-import logging
-import uuid
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from pathlib import Path
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -27,10 +26,16 @@ from pagedkv.server.dashboard import install_dashboard
 from pagedkv.server.errors import APIError, ClientGoneError
 from pagedkv.server.kv_events import KVEventsConfig, ZmqKVEventPublisher
 from pagedkv.server.metrics import ServerMetrics
-from pagedkv.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, NoSniffMiddleware
+from pagedkv.server.middleware import (
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    InternalErrorMiddleware,
+    NoSniffMiddleware,
+)
 from pagedkv.server.openapi import error_responses, event_stream_or, install_openapi
 from pagedkv.server.prompts import PromptEncoder
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.reasoning import reasoning_parser_class
 from pagedkv.server.render import install_render_routes
 from pagedkv.server.responses import (
     ChatCompletionResponse,
@@ -40,9 +45,9 @@ from pagedkv.server.responses import (
     ModelList,
 )
 from pagedkv.server.serving import ServingContext, create_chat_completion, create_completion
+from pagedkv.server.tokenize import install_tokenize_routes
 from pagedkv.server.tool_parsers import tool_parser
-
-logger = logging.getLogger("pagedkv.server")
+from pagedkv.tokenizer.chat_template import compile_chat_template
 
 #: Request bodies above this many bytes get 413 (a 1 MiB JSON body is ~250k tokens of text).
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -109,15 +114,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def client_gone(_: Request, err: ClientGoneError) -> Response:
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
-    @app.exception_handler(Exception)
-    async def server_error(request: Request, err: Exception) -> JSONResponse:
-        """A bug: the client gets a plain message and an id; the log gets the exception."""
-        error_id = f"err-{uuid.uuid4().hex[:16]}"
-        logger.error("internal error %s on %s %s", error_id, request.method, request.url.path, exc_info=err)
-        message = f"internal server error (request id {error_id}); the details are in the server log"
-        return APIError(
-            HTTPStatus.INTERNAL_SERVER_ERROR, message, type="server_error", code="internal_error"
-        ).response()
+    # Any other exception is a bug: InternalErrorMiddleware logs it once and answers 500.
 
 
 def create_app(
@@ -131,6 +128,9 @@ def create_app(
     kv_events: KVEventsConfig | None = None,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
+    chat_template: str | None = None,
+    trust_request_chat_template: bool = False,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible app over ``engine`` (a ready ``LLMEngine``, or the config to build one).
 
@@ -142,6 +142,10 @@ def create_app(
     KV-event format (:mod:`pagedkv.server.kv_events`), for ``vllm-router --policy kv_aware``.
     ``enable_auto_tool_choice`` with ``tool_call_parser`` (vLLM's ``hermes`` or ``llama3_json``):
     serve ``tool_choice="auto"``, finding the model's calls with that parser.
+    ``chat_template``: Jinja source that replaces the model's chat template;
+    ``trust_request_chat_template``: accept a request's own ``chat_template`` (vLLM refuses it
+    otherwise). ``reasoning_parser`` (vLLM's ``qwen3`` or ``deepseek_r1``): chat answers carry the
+    model's thinking in ``reasoning_content`` (:mod:`pagedkv.server.reasoning`).
     The engine's worker thread starts now and stops when the app's lifespan ends.
     """
     if api_key is not None and not api_key.strip():
@@ -153,6 +157,13 @@ def create_app(
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("enable_auto_tool_choice needs a tool_call_parser to read the model's calls")
     parser = tool_parser(tool_call_parser) if tool_call_parser is not None else None
+    if reasoning_parser is not None:
+        reasoning_parser_class(reasoning_parser)  # an unknown name fails now, not on a request
+    if chat_template is not None:
+        try:
+            compile_chat_template(chat_template)
+        except jinja2.TemplateSyntaxError as err:
+            raise ValueError(f"the chat template is not a valid template: {err}") from None
     owns_engine = not isinstance(engine, LLMEngine)
     if owns_engine:
         engine = LLMEngine(engine or EngineConfig())
@@ -174,6 +185,9 @@ def create_app(
         limits=engine.validator.limits,
         max_prompts_per_request=max_prompts_per_request,
         tool_parser=parser if enable_auto_tool_choice else None,
+        chat_template=chat_template,
+        trust_request_chat_template=trust_request_chat_template,
+        reasoning_parser=reasoning_parser,
     )
 
     @asynccontextmanager
@@ -216,6 +230,7 @@ def create_app(
         return await create_chat_completion(body, request, ctx)
 
     install_render_routes(app, ctx)
+    install_tokenize_routes(app, ctx)
 
     @app.get("/v1/models", responses=error_responses(401))
     async def models() -> ModelList:
@@ -235,7 +250,8 @@ def create_app(
         return PrometheusResponse(metrics.render())
 
     # The last added runs first: the key check comes before reading any body, and every answer,
-    # a refusal too, gets nosniff.
+    # a refusal or a 500 too, gets nosniff.
+    app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_body_bytes)
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)

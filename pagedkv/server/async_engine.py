@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pagedkv.engine import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
 from pagedkv.engine.spec.metrics import SpecDecodingStats
-from pagedkv.server.errors import QueueFullError
+from pagedkv.server.errors import EngineRequestError, QueueFullError
 from pagedkv.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -309,9 +309,9 @@ class AsyncEngine:
                 )
             except InvalidRequestError as err:  # the handler turns it into a 400
                 error = err if arriving == 1 else InvalidRequestError(f"prompt {index}: {err}", err.param)
-            except Exception as err:  # a bug: this request fails (500), the others go on
+            except Exception:  # a bug: this request fails (500, logged here only), the others go on
                 logger.exception("add_request failed for %s", request_id)
-                error = err
+                error = EngineRequestError(request_id)
             if error is not None:
                 for added_id in added:
                     self.engine.abort(added_id)

@@ -76,6 +76,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         '"publisher": "zmq", "endpoint": "tcp://*:5557"}\' (for vllm-router --policy kv_aware)',
     )
     _add_tool_options(parser)
+    _add_chat_options(parser)
     _add_connection_options(parser)
     replicas = parser.add_argument_group("replicas behind vllm-router")
     replicas.add_argument(
@@ -125,6 +126,61 @@ def tool_options(args: argparse.Namespace) -> dict:
     return {
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "tool_call_parser": args.tool_call_parser,
+    }
+
+
+def _add_chat_options(parser: argparse.ArgumentParser) -> None:
+    # The parser names are reasoning.REASONING_PARSERS', written out so that --help stays fast.
+    group = parser.add_argument_group("chat (/v1/chat/completions)")
+    group.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template to use instead of the model's: a file, or the Jinja source itself",
+    )
+    group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a request's own chat_template (refused otherwise: a template is code the server runs)",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        choices=("qwen3", "deepseek_r1"),
+        default=None,
+        help="split a thinking model's <think>...</think> into the answer's reasoning_content",
+    )
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``'s source, as vLLM reads it: a readable file's contents, else the value
+    itself when it looks like a template (it holds ``{``); ValueError for a missing file."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    if "{" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a readable file nor a Jinja template")
+
+
+def chat_options(args: argparse.Namespace) -> dict:
+    """``create_app``'s chat options; a template that does not compile is refused before the
+    engine loads."""
+    import jinja2
+
+    from pagedkv.tokenizer.chat_template import compile_chat_template
+
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = read_chat_template(args.chat_template)
+            compile_chat_template(template)
+        except (OSError, ValueError) as err:
+            args.parser.error(str(err))
+        except jinja2.TemplateSyntaxError as err:
+            args.parser.error(f"--chat-template is not a valid template: {err}")
+    return {
+        "chat_template": template,
+        "trust_request_chat_template": args.trust_request_chat_template,
+        "reasoning_parser": args.reasoning_parser,
     }
 
 
@@ -191,7 +247,7 @@ def connection_limits(args: argparse.Namespace):
         args.parser.error(str(err).replace("_", "-"))
 
 
-def _run_replicas(args: argparse.Namespace) -> int:
+def _run_replicas(args: argparse.Namespace, chat: dict) -> int:
     from pagedkv.cli_args import engine_config
     from pagedkv.server.replicas import ReplicaSet, serve_replicas
 
@@ -202,6 +258,7 @@ def _run_replicas(args: argparse.Namespace) -> int:
         "max_waiting": args.max_waiting_requests,
         "max_prompts_per_request": args.max_prompts_per_request,
         **tool_options(args),
+        **chat,
     }
     try:
         replicas = ReplicaSet(
@@ -230,13 +287,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_waiting_requests < 0:
         args.parser.error(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     limits = connection_limits(args)
+    chat = chat_options(args)  # a bad template is refused before the engine loads
     raise_open_file_limit()  # before the engine opens files (replicas inherit it); the cap is sized from it
     if args.data_parallel_size > 1:
         if args.kv_events_config is not None:
             args.parser.error(
                 "--kv-events-config is set per replica by --data-parallel-size; give one or the other"
             )
-        return _run_replicas(args)
+        return _run_replicas(args, chat)
     kv_events = None
     if args.kv_events_config is not None:
         try:
@@ -253,6 +311,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_prompts_per_request=args.max_prompts_per_request,
         kv_events=kv_events,
         **tool_options(args),
+        **chat,
     )
     name = app.state.context.model_name
     auth = "API key required" if args.api_key else "no API key"

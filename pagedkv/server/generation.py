@@ -169,6 +169,11 @@ class Generation:
                 deltas.append(delta)
         return deltas
 
+    def usage_so_far(self) -> Usage:
+        """The usage up to the last delta handed out (vLLM's ``continuous_usage_stats``)."""
+        prompt, completion = self.usage.prompt_tokens, self.usage.completion_tokens
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
     @property
     def num_choices(self) -> int:
         return len(self._choices)

@@ -2,7 +2,9 @@
 
 Token strings are the single-token decodes (special tokens kept), so a byte-level BPE token
 that is half of a UTF-8 character reads as U+FFFD, as with OpenAI's own API; chat's ``bytes``
-field carries the UTF-8 of that string.
+field carries the UTF-8 of that string. With ``return_tokens_as_token_ids`` (vLLM's) a token
+reads ``"token_id:N"`` instead -- for tokens that do not decode alone -- and chat's ``bytes`` are
+those of that string; a completion's ``text_offset`` still counts the text's characters.
 """
 
 from __future__ import annotations
@@ -15,16 +17,22 @@ from pagedkv.tokenizer import Tokenizer
 class LogprobFormatter:
     """Formats the logprobs of one response; remembers each choice's text offset across deltas."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, tokens_as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.tokens_as_ids = tokens_as_ids
         self._strings: dict[int, str] = {}
         self._offsets: dict[int, int] = {}
 
-    def token(self, token_id: int) -> str:
+    def text(self, token_id: int) -> str:
+        """The token's text, decoded alone (special tokens kept)."""
         text = self._strings.get(token_id)
         if text is None:
             text = self._strings[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
+
+    def token(self, token_id: int) -> str:
+        """How a logprob names the token: its text, or ``"token_id:N"``."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else self.text(token_id)
 
     def completion(self, choice: int, logprobs: list[TokenLogprobs]) -> CompletionLogprobs:
         """Parallel lists; ``top_logprobs`` also holds the sampled token (up to ``logprobs + 1``)."""
@@ -38,7 +46,7 @@ class LogprobFormatter:
             out.token_logprobs.append(entry.logprob)
             out.top_logprobs.append(top)
             out.text_offset.append(offset)
-            offset += len(token)
+            offset += len(self.text(entry.token_id))
         self._offsets[choice] = offset
         return out
 
@@ -54,7 +62,7 @@ class LogprobFormatter:
             token = self.token(token_id)
             out.tokens.append(token)
             out.text_offset.append(offset)
-            offset += len(token)
+            offset += len(self.text(token_id))
             if entry is None:
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
@@ -89,7 +97,7 @@ class LogprobFormatter:
             for token_id, logprob, rank in candidates:
                 position.setdefault(
                     str(token_id),
-                    PromptLogprob(logprob=logprob, rank=rank, decoded_token=self.token(token_id)),
+                    PromptLogprob(logprob=logprob, rank=rank, decoded_token=self.text(token_id)),
                 )
             out.append(position)
         return out

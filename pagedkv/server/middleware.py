@@ -1,5 +1,5 @@
-"""ASGI middleware that runs before any route: the API key check, the body size limit, and the
-``X-Content-Type-Options`` header on every response.
+"""ASGI middleware that runs before any route: the API key check, the body size limit, the
+``X-Content-Type-Options`` header on every response, and the answer to a bug in a handler.
 
 All are plain ASGI (not ``BaseHTTPMiddleware``) so they never buffer or wrap streaming
 responses; they only look at the request and answer early when it is refused.
@@ -8,14 +8,19 @@ responses; they only look at the request and answer early when it is refused.
 from __future__ import annotations
 
 import hmac
+import logging
+import uuid
 from http import HTTPStatus
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.server.errors import APIError
 
-#: Paths under these need the key: the API and the dashboard's data (its page holds none).
-PROTECTED_PREFIXES = ("/v1", "/dashboard/stream")
+logger = logging.getLogger("pagedkv.server")
+
+#: Paths under these need the key: the API, the tokenizer's routes and the dashboard's data (its
+#: page holds none).
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/dashboard/stream")
 
 
 class APIKeyMiddleware:
@@ -125,3 +130,50 @@ class BodySizeLimitMiddleware:
         response = error.response()
         response.headers["connection"] = "close"  # rather than read the rest of the body to keep it
         await response(scope, receive, send)
+
+
+class InternalErrorMiddleware:
+    """A bug in a handler (an exception no handler turned into an answer) is logged once, with
+    its traceback and the request's id, and answered with a 500 that carries the same id and
+    nothing of the exception.
+
+    The id is the one the handler gave the request (``request.state.request_id``, e.g.
+    ``chatcmpl-...``), or a fresh ``err-...`` when it failed before giving one. The exception is
+    not raised further: Starlette's own handler for ``Exception`` re-raises it after answering, and
+    the ASGI server would then log it a second time. A failure after the response started (a
+    stream) can no longer change its status; it is logged and the response is left unfinished, so
+    the client sees a broken stream rather than a complete one.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as err:
+            request_id = scope.get("state", {}).get("request_id") or f"err-{uuid.uuid4().hex[:16]}"
+            logger.error(
+                "internal error on request %s (%s %s)",
+                request_id,
+                scope["method"],
+                scope["path"],
+                exc_info=err,
+            )
+            if started:
+                return
+            message = f"internal server error (request id {request_id}); the details are in the server log"
+            error = APIError(
+                HTTPStatus.INTERNAL_SERVER_ERROR, message, type="server_error", code="internal_error"
+            )
+            await error.response()(scope, receive, send)

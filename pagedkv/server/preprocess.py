@@ -13,7 +13,9 @@ here, nor wait for a grammar.
 
 Chat template options are vLLM's: ``add_generation_prompt`` (default true) opens an assistant
 turn after the last message; ``continue_final_message`` instead leaves the last message open for
-the model to continue; the two exclude each other. The answer's role is the assistant's, or
+the model to continue; the two exclude each other; which template renders the conversation, and
+with which variables, is :mod:`pagedkv.server.chat_prompt`'s (shared with ``/tokenize``). The
+answer's role is the assistant's, or
 without a generation prompt the last message's (vLLM's ``get_chat_request_role``), and chat
 ``echo`` prepends the last message's content to the answer when its role is that one.
 """
@@ -24,11 +26,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import jinja2
-
 from pagedkv.engine import InvalidRequestError, RequestLimits, SamplingParams
 from pagedkv.engine.validation import RequestValidator
 from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.chat_prompt import check_chat_options, render_conversation
 from pagedkv.server.errors import APIError
 from pagedkv.server.prompts import PromptEncoder, PromptLimits
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -57,6 +58,12 @@ class ServingContext:
     max_prompts_per_request: int
     #: ``--tool-call-parser``'s parser: with it (and --enable-auto-tool-choice), tool_choice "auto".
     tool_parser: ToolParser | None = None
+    #: ``--chat-template``: replaces the model's (None: the model's own).
+    chat_template: str | None = None
+    #: ``--trust-request-chat-template``: a request's ``chat_template`` is accepted.
+    trust_request_chat_template: bool = False
+    #: ``--reasoning-parser``: splits an answer's reasoning from its content (None: no split).
+    reasoning_parser: str | None = None
 
     async def compile(self, constraint: Constraint | None) -> CompiledGrammar | None:
         """The output constraint's grammar (None without one); a 400 naming the field if refused."""
@@ -195,18 +202,15 @@ class ChatInputs:
     grammar: CompiledGrammar | None = None
     #: How tools are used: "none", "auto", "required" or "named" (:mod:`pagedkv.server.tools`).
     tool_mode: str = "none"
+    #: The rendered conversation (a reasoning parser reads whether it opened a thinking block).
+    prompt_text: str = ""
 
 
 async def preprocess_chat(ctx: ServingContext, body: ChatCompletionRequest) -> ChatInputs:
     """Validate a chat request, render and tokenize its conversation; :class:`APIError` if refused."""
     ctx.check_model(body.model)
     ctx.check_priority(body.priority)
-    if body.continue_final_message and body.add_generation_prompt is not False:
-        raise APIError.bad_request(
-            "continue_final_message and add_generation_prompt cannot both be true (add_generation_prompt "
-            "is true unless sent as false)",
-            param="continue_final_message",
-        )
+    check_chat_options(body, ctx.trust_request_chat_template)
     tool_mode = resolve_tool_choice(body.tools, body.tool_choice, ctx.tool_parser is not None)
     forced = tool_constraint(body.tools, tool_mode, body.tool_choice, body.parallel_tool_calls)
     constraint = body.constraint(forced)
@@ -219,7 +223,9 @@ async def preprocess_chat(ctx: ServingContext, body: ChatCompletionRequest) -> C
     role = "assistant" if body.add_generation_prompt is not False else messages[-1]["role"]
     echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == role else ""
     try:
-        prompt, params = await ctx.encoder.run(_encode_chat, ctx, body, messages, limits, params, constraint)
+        prompt, params, text = await ctx.encoder.run(
+            _encode_chat, ctx, body, messages, limits, params, constraint
+        )
     except InvalidRequestError as err:
         raise APIError.from_value_error(err) from None
     try:
@@ -228,7 +234,7 @@ async def preprocess_chat(ctx: ServingContext, body: ChatCompletionRequest) -> C
         if constraint is forced and tool_mode == "required":  # name the tool at fault, if one is
             refused = await tool_at_fault(ctx.engine.engine.structured_outputs, body.tools) or refused
         raise refused from None
-    return ChatInputs(prompt, params, role, echo, grammar, tool_mode)
+    return ChatInputs(prompt, params, role, echo, grammar, tool_mode, text)
 
 
 def _encode_chat(
@@ -238,25 +244,15 @@ def _encode_chat(
     limits: PromptLimits,
     params: SamplingParams,
     constraint: Constraint | None,
-) -> tuple[list[int], SamplingParams]:
-    """The conversation rendered and tokenized, and the final sampling parameters (on the
-    tokenizer thread: the text scan and the template read the whole conversation). The tools
-    reach the template as transformers passes them: ``tools``, OpenAI's tool objects."""
+) -> tuple[list[int], SamplingParams, str]:
+    """The conversation rendered (:mod:`pagedkv.server.chat_prompt`) and tokenized, and the final
+    sampling parameters (on the tokenizer thread: the text scan and the template read the whole
+    conversation)."""
     body.check_text()
-    tools: dict[str, Any] = {}
-    if body.tools:
-        tools["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
-    try:
-        text = ctx.tokenizer.apply_chat_template(
-            messages, body.add_generation_prompt is not False, bool(body.continue_final_message), **tools
-        )
-    except (ValueError, jinja2.TemplateError) as err:
-        raise APIError.bad_request(
-            f"the chat template failed on these messages: {err}", param="messages"
-        ) from None
+    text = render_conversation(ctx.tokenizer, ctx.chat_template, body, messages)
     (prompt,) = ctx.encoder.encode_prompts([text], limits)
     if body.max_tokens_asked is None:
         ceiling = min(ctx.max_model_len, ctx.kv_capacity_tokens, ctx.limits.max_request_tokens // params.n)
         params = body.sampling_params(max(ceiling - len(prompt), 1), constraint, ctx.sampling_defaults)
     ctx.check_ids([prompt], params)
-    return prompt, params
+    return prompt, params, text

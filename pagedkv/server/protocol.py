@@ -1,8 +1,9 @@
 """The OpenAI request shapes the server takes (pydantic models); responses are in
 :mod:`pagedkv.server.responses`.
 
-Request models accept what the official clients send -- unknown fields are ignored, as OpenAI
-does -- and map onto :class:`~pagedkv.engine.SamplingParams`, whose own validation then names
+Request models accept what the official clients send -- unknown fields are accepted, as vLLM
+accepts them, and named in a warning and a response header (:mod:`pagedkv.server.ignored_fields`)
+-- and map onto :class:`~pagedkv.engine.SamplingParams`, whose own validation then names
 any bad value. vLLM's extra fields mean what they mean in vLLM (``top_k``, ``min_p``,
 ``ignore_eos``, ``skip_special_tokens``, ``truncate_prompt_tokens``, ``echo``,
 ``add_generation_prompt``, ``continue_final_message``, ``structured_outputs`` and the older
@@ -63,8 +64,22 @@ def _invalid_text_at(value: object, path: str) -> str | None:
     return None
 
 
+def refuse_invalid_text(value: object) -> None:
+    """A 400 naming the first string (or key) in ``value`` holding an unpaired surrogate: JSON can
+    carry ``"\\ud800"``, Python holds it, but it is not Unicode text, and the tokenizer would fail
+    on it mid-request."""
+    path = _invalid_text_at(value, "")
+    if path is not None:
+        raise APIError.bad_request(
+            f"{path} holds an unpaired UTF-16 surrogate (U+D800..U+DFFF): it is not valid Unicode text",
+            param=path,
+        )
+
+
 class StreamOptions(BaseModel):
     include_usage: Bool = False
+    #: vLLM's: with ``include_usage``, every chunk carries the usage so far.
+    continuous_usage_stats: Bool = False
 
 
 def _asks_for_something(value: object) -> bool:
@@ -121,16 +136,12 @@ class _SamplingRequest(BaseModel):
     #: vLLM's: lower runs first under --scheduling-policy priority (anything but 0 is refused
     #: otherwise).
     priority: Int = 0
+    #: vLLM's: logprob tokens read ``"token_id:N"`` instead of their text.
+    return_tokens_as_token_ids: Bool | None = None
 
     def check_text(self) -> None:
-        """Refuse any string holding an unpaired surrogate: JSON can carry ``"\\ud800"``, Python
-        holds it, but it is not Unicode text, and the tokenizer would fail on it mid-request."""
-        path = _invalid_text_at(self, "")
-        if path is not None:
-            raise APIError.bad_request(
-                f"{path} holds an unpaired UTF-16 surrogate (U+D800..U+DFFF): it is not valid Unicode text",
-                param=path,
-            )
+        """Refuse any string holding an unpaired surrogate (:func:`refuse_invalid_text`)."""
+        refuse_invalid_text(self)
 
     def _refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
@@ -138,6 +149,8 @@ class _SamplingRequest(BaseModel):
             value = getattr(self, name) if name in type(self).model_fields else extra.get(name)
             if _asks_for_something(value):
                 raise APIError.bad_request(f"{name} is not supported by this server", param=name)
+        if self.stream_options is not None and not self.stream:  # vLLM's rule: it would do nothing
+            raise APIError.bad_request("stream_options needs stream to be true", param="stream_options")
         n = 1 if self.n is None else self.n
         if self.best_of is not None and self.best_of != n:
             raise APIError.bad_request(
@@ -213,6 +226,11 @@ class _SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk: ``continuous_usage_stats`` with ``include_usage``."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingRequest):
@@ -330,9 +348,15 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: ToolChoice | None = None
     #: False: a forced call is one call.
     parallel_tool_calls: Bool | None = None
+    #: Jinja source replacing the server's chat template for this request (vLLM's; needs
+    #: --trust-request-chat-template).
+    chat_template: str | None = None
+    #: More variables for the chat template, e.g. Qwen3's ``{"enable_thinking": false}``.
+    chat_template_kwargs: dict[str, Any] | None = None
+    #: vLLM's: the prompt tokens' logprobs on the response (not with ``stream``).
+    prompt_logprobs: Int | None = None
 
-    _refused = (*_SamplingRequest._refused, "functions", "function_call",
-                "chat_template", "chat_template_kwargs", "documents")  # fmt: skip
+    _refused = (*_SamplingRequest._refused, "functions", "function_call", "documents")
 
     @property
     def max_tokens_asked(self) -> int | None:
@@ -345,10 +369,16 @@ class ChatCompletionRequest(_SamplingRequest):
         context, as in vLLM, capped by the ``max_tokens`` of ``defaults``, the model's sampling
         defaults); ``constraint``: what :meth:`constraint` found."""
         self._refuse_unsupported()
+        if self.stream and self.prompt_logprobs is not None:
+            raise APIError.bad_request(
+                "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_tokens_asked
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         if max_tokens is None:
             max_tokens = min(default_max_tokens, defaults.get("max_tokens", default_max_tokens))
-        return self._sampling_params(max_tokens, logprobs, constraint=constraint, defaults=defaults)
+        return self._sampling_params(
+            max_tokens, logprobs, self.prompt_logprobs, constraint=constraint, defaults=defaults
+        )

@@ -1,9 +1,10 @@
 """The OpenAI response shapes the server sends (pydantic models), errors included.
 
-Responses follow OpenAI's API with vLLM's additions where vLLM has them (a completion choice's
-``prompt_logprobs``); a chat answer that calls tools carries ``tool_calls`` as the OpenAI
-clients read them: an id, ``type: "function"``, the function's name and its arguments as JSON
-text, and in a stream one delta per call with its ``index``.
+Responses follow OpenAI's API with vLLM's additions where vLLM has them (``prompt_logprobs`` on
+a completion choice and on a chat response, a chat answer's ``reasoning_content``); a chat
+answer that calls tools carries ``tool_calls`` as the OpenAI clients read them: an id,
+``type: "function"``, the function's name and its arguments as JSON text, and in a stream one
+delta per call with its ``index``.
 """
 
 from __future__ import annotations
@@ -100,8 +101,11 @@ class DeltaToolCall(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
-    #: The text answer; null when the answer is only tool calls.
+    #: The text answer; null when the answer is only tool calls (or, with a reasoning parser, only
+    #: reasoning).
     content: str | None
+    #: With --reasoning-parser: the answer's thinking (null when it has none).
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -119,11 +123,14 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    #: vLLM's, with the request's ``prompt_logprobs``: as a completion choice's.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -4,8 +4,16 @@ Both endpoints validate everything (model name, sampling values, prompt length, 
 queue room; :mod:`pagedkv.server.preprocess`) *before* the response starts, so a refused request
 gets a real HTTP status rather than a 200 stream with an error inside. Once streaming, the
 response is server-sent events, one ``data: {chunk}`` per choice delta, an optional usage chunk,
-then ``data: [DONE]``. ``echo`` (vLLM's) puts the prompt, or for chat the last message, before a
-choice's first delta.
+then ``data: [DONE]``; with ``stream_options.continuous_usage_stats`` (and ``include_usage``)
+every chunk also carries the usage so far. ``echo`` (vLLM's) puts the prompt, or for chat the
+last message, before a choice's first delta. A response to a body with fields the server does
+not know carries their names (:mod:`pagedkv.server.ignored_fields`).
+
+A failure is logged once, with the request's id, which the answer carries too: a generation that
+fails after admission here (:func:`_failure`), a failure the engine reports by the engine itself
+(its request ids are this request's, or ``<id>-<n>`` for prompt n of a batch), a bug anywhere
+else by :class:`~pagedkv.server.middleware.InternalErrorMiddleware`, which finds the id in
+``request.state``.
 """
 
 from __future__ import annotations
@@ -24,11 +32,13 @@ from pydantic import BaseModel
 
 from pagedkv.engine import InvalidRequestError, SamplingParams
 from pagedkv.server.async_engine import Aborted
-from pagedkv.server.errors import APIError, EngineRequestError
+from pagedkv.server.errors import APIError, EngineRequestError, QueueFullError
 from pagedkv.server.generation import ChoiceDelta, Generation, collect_unless_disconnected
+from pagedkv.server.ignored_fields import ignored_headers
 from pagedkv.server.logprobs import LogprobFormatter
-from pagedkv.server.preprocess import ServingContext, preprocess_chat, preprocess_completion
+from pagedkv.server.preprocess import ChatInputs, ServingContext, preprocess_chat, preprocess_completion
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.reasoning import ReasoningParser, reasoning_parser_class
 from pagedkv.server.responses import (
     ChatChoice,
     ChatCompletionChunk,
@@ -51,9 +61,19 @@ __all__ = ["ServingContext", "create_chat_completion", "create_completion"]
 logger = logging.getLogger("pagedkv.server")
 
 
-def _json(body: BaseModel) -> Response:
+def _json(body: BaseModel, headers: dict[str, str]) -> Response:
     """pydantic's JSON (a -inf logprob becomes null, where ``json.dumps`` would refuse it)."""
-    return Response(body.model_dump_json(), media_type="application/json")
+    return Response(body.model_dump_json(), media_type="application/json", headers=headers)
+
+
+def _stream(generation: Generation, chunks: AsyncIterator[str], headers: dict[str, str]) -> Response:
+    return StreamingResponse(_sse_events(generation, chunks), media_type="text/event-stream", headers=headers)
+
+
+def _new_request_id(request: Request, prefix: str) -> str:
+    """The request's id, also left where a failure's log and answer find it."""
+    request.state.request_id = request_id = f"{prefix}-{uuid.uuid4().hex}"
+    return request_id
 
 
 def _sse(chunk: BaseModel | dict) -> str:
@@ -69,12 +89,14 @@ def _shows(delta: ChoiceDelta, wants_logprobs: bool) -> bool:
 
 def _failure(err: Exception, request_id: str) -> APIError:
     """What a generation that failed after admission answers: a plain message and the request id
-    (the exception itself is in the server log, under that id)."""
+    (the exception itself is in the server log, under that id: logged here, or by the engine for
+    an :class:`EngineRequestError`)."""
     if isinstance(err, Aborted):
+        logger.warning("request %s was aborted: %s", request_id, err)
         message = f"{err} (request id {request_id})"
         return APIError(HTTPStatus.SERVICE_UNAVAILABLE, message, type="server_error", code="aborted")
     if not isinstance(err, EngineRequestError):
-        logger.error("request %s failed while streaming", request_id, exc_info=err)
+        logger.error("request %s failed", request_id, exc_info=err)
     return APIError(
         HTTPStatus.INTERNAL_SERVER_ERROR,
         f"the server failed on this request (request id {request_id}); the details are in its log",
@@ -93,8 +115,12 @@ async def _start(
 ) -> Generation:
     generation = Generation(ctx.engine, request_id, prompts, params, priority, grammar)
     try:
-        await generation.start()  # an APIError (a full queue) passes through as it is
-    except Aborted as err:
+        await generation.start()
+    except QueueFullError as err:
+        logger.warning("request %s refused: %s", request_id, err.message)
+        message = f"{err.message} (request id {request_id})"
+        raise APIError(err.status, message, type=err.type, code=err.code) from None
+    except (Aborted, EngineRequestError) as err:
         raise _failure(err, request_id) from None
     except InvalidRequestError as err:  # too long, never fits, bad token ids, over a limit
         raise APIError.from_value_error(err) from None
@@ -128,11 +154,12 @@ async def _respond(request: Request, generation: Generation) -> list[list[Choice
 
 # -- /v1/completions ---------------------------------------------------------------------------
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext) -> Response:
+    request_id = _new_request_id(request, "cmpl")
     inputs = await preprocess_completion(ctx, body)
     params = inputs.params
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    headers = ignored_headers(body, request_id)
     generation = await _start(ctx, request_id, inputs.prompts, params, body.priority, inputs.grammar)
-    formatter = LogprobFormatter(ctx.tokenizer)
+    formatter = LogprobFormatter(ctx.tokenizer, bool(body.return_tokens_as_token_ids))
     wants_logprobs = params.logprobs is not None
     with_prompt_logprobs: set[int] = set()  # choices whose prompt logprobs went out
     to_echo = set(range(generation.num_choices)) if inputs.echoes is not None else set()
@@ -174,9 +201,14 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
             async for delta in generation.deltas():
                 if not shows(delta):
                     continue
+                usage = generation.usage_so_far() if body.continuous_usage else None
                 yield _sse(
                     CompletionResponse(
-                        id=request_id, created=created, model=ctx.model_name, choices=[choice(delta)]
+                        id=request_id,
+                        created=created,
+                        model=ctx.model_name,
+                        choices=[choice(delta)],
+                        usage=usage,
                     )
                 )
             if body.include_usage:
@@ -190,7 +222,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
                     )
                 )
 
-        return StreamingResponse(_sse_events(generation, chunks()), media_type="text/event-stream")
+        return _stream(generation, chunks(), headers)
 
     per_choice = await _respond(request, generation)
     choices = []
@@ -210,20 +242,34 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     return _json(
         CompletionResponse(
             id=request_id, created=created, model=ctx.model_name, choices=choices, usage=generation.usage
-        )
+        ),
+        headers,
     )
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------
+def _reasoning_parsers(
+    ctx: ServingContext, inputs: ChatInputs, num_choices: int
+) -> list[ReasoningParser] | None:
+    """One reasoning parser per choice, with --reasoning-parser. Not for a constrained answer:
+    its grammar (a response format, a forced tool call) leaves no room for thinking."""
+    if ctx.reasoning_parser is None or inputs.grammar is not None:
+        return None
+    parser = reasoning_parser_class(ctx.reasoning_parser)
+    return [parser(inputs.prompt_text) for _ in range(num_choices)]
+
+
 async def create_chat_completion(
     body: ChatCompletionRequest, request: Request, ctx: ServingContext
 ) -> Response:
+    request_id = _new_request_id(request, "chatcmpl")
     inputs = await preprocess_chat(ctx, body)
     prompt, params = inputs.prompt, inputs.params
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    headers = ignored_headers(body, request_id)
     generation = await _start(ctx, request_id, [prompt], params, body.priority, inputs.grammar)
-    formatter = LogprobFormatter(ctx.tokenizer)
+    formatter = LogprobFormatter(ctx.tokenizer, bool(body.return_tokens_as_token_ids))
     wants_logprobs = params.logprobs is not None
+    reasoning = _reasoning_parsers(ctx, inputs, generation.num_choices)
 
     def logprobs(delta: ChoiceDelta) -> ChatLogprobs | None:
         return ChatLogprobs(content=formatter.chat(delta.logprobs)) if wants_logprobs else None
@@ -239,6 +285,8 @@ async def create_chat_completion(
     if body.stream:
 
         def chunk(choice: ChatStreamChoice | None, usage=None) -> str:
+            if usage is None and body.continuous_usage:
+                usage = generation.usage_so_far()
             return _sse(
                 ChatCompletionChunk(
                     id=request_id,
@@ -255,19 +303,26 @@ async def create_chat_completion(
             for index in range(generation.num_choices) if inputs.echo else ():
                 yield chunk(ChatStreamChoice(index=index, delta=ChatDelta(content=inputs.echo)))
             async for delta in generation.deltas():
+                thought, text = None, delta.text
+                if reasoning is not None:  # the text is the content part only
+                    thought, text = reasoning[delta.index].feed(text, final=delta.finish_reason is not None)
+                    thought = thought or None
                 if answers is None:
-                    if not _shows(delta, wants_logprobs):
+                    shown = bool(text) or thought is not None or delta.finish_reason is not None
+                    if not (shown or (wants_logprobs and delta.token_ids)):
                         continue
-                    content, calls, reason = delta.text, None, delta.finish_reason
+                    content, calls, reason = text, None, delta.finish_reason
+                    if reasoning is not None and not text:
+                        content = None
                 else:
-                    content, calls, reason = answers[delta.index].stream(delta.text, delta.finish_reason)
-                    says_nothing = content is None and calls is None and reason is None
+                    content, calls, reason = answers[delta.index].stream(text, delta.finish_reason)
+                    says_nothing = content is None and calls is None and reason is None and thought is None
                     if says_nothing and not (wants_logprobs and delta.token_ids):
                         continue
                 yield chunk(
                     ChatStreamChoice(
                         index=delta.index,
-                        delta=ChatDelta(content=content, tool_calls=calls),
+                        delta=ChatDelta(content=content, reasoning_content=thought, tool_calls=calls),
                         logprobs=logprobs(delta),
                         finish_reason=reason,
                     )
@@ -275,19 +330,28 @@ async def create_chat_completion(
             if body.include_usage:
                 yield chunk(None, usage=generation.usage)
 
-        return StreamingResponse(_sse_events(generation, chunks()), media_type="text/event-stream")
+        return _stream(generation, chunks(), headers)
 
     per_choice = await _respond(request, generation)
     choices = []
     for deltas in per_choice:
         tokens = [token for d in deltas for token in formatter.chat(d.logprobs)] if wants_logprobs else None
         text, reason = "".join(d.text for d in deltas), deltas[-1].finish_reason
+        thought = None
+        if reasoning is not None:
+            thought, text = reasoning[deltas[-1].index].split(text)
+            text = text or ""
         if answers is None:
-            message = ChatResponseMessage(role=inputs.role, content=inputs.echo + text)
+            content = inputs.echo + text
+            if reasoning is not None and not content:
+                content = None
+            message = ChatResponseMessage(role=inputs.role, content=content, reasoning_content=thought)
         else:
             content, calls, reason = answers[deltas[-1].index].complete(text, reason)
             content = inputs.echo + content if content is not None else (inputs.echo or None)
-            message = ChatResponseMessage(role=inputs.role, content=content, tool_calls=calls)
+            message = ChatResponseMessage(
+                role=inputs.role, content=content, reasoning_content=thought, tool_calls=calls
+            )
         choices.append(
             ChatChoice(
                 index=deltas[-1].index,
@@ -296,8 +360,15 @@ async def create_chat_completion(
                 finish_reason=reason,
             )
         )
+    prompt_logprobs = generation.prompt_logprobs.get(0)
     return _json(
         ChatCompletionResponse(
-            id=request_id, created=created, model=ctx.model_name, choices=choices, usage=generation.usage
-        )
+            id=request_id,
+            created=created,
+            model=ctx.model_name,
+            choices=choices,
+            usage=generation.usage,
+            prompt_logprobs=formatter.prompt(prompt_logprobs) if prompt_logprobs is not None else None,
+        ),
+        headers,
     )

@@ -125,7 +125,7 @@ def test_an_unexpected_error_answers_a_plain_message_with_an_id(base_url, monkey
     response = httpx.post(f"{base_url}/v1/completions", json=body, headers=AUTH, timeout=30)
     assert response.status_code == 500
     message = response.json()["error"]["message"]
-    assert "request id err-" in message and "secret" not in message and "RuntimeError" not in message
+    assert "request id cmpl-" in message and "secret" not in message and "RuntimeError" not in message
 
 
 def test_openapi_documents_what_the_server_sends(base_url):
