@@ -44,6 +44,8 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
+    #: With a ``stop`` finish: the stop string or stop token id that ended it (None for EOS).
+    stop_reason: int | str | None = None
 
 
 class _ChoiceState:
@@ -74,7 +76,7 @@ class _ChoiceState:
         self.sent_chars, self.sent_tokens, self.done = end, len(output.token_ids), finished
         if not (text or token_ids or finished):
             return None
-        return ChoiceDelta(index, text, token_ids, logprobs, output.finish_reason)
+        return ChoiceDelta(index, text, token_ids, logprobs, output.finish_reason, output.stop_reason)
 
 
 class Generation:

@@ -44,6 +44,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    #: vLLM's: the stop string or stop token id that ended a ``stop`` finish (null: EOS or none).
+    stop_reason: int | str | None = None
     #: vLLM's shape: per prompt token, None for the first, else candidates by token id (the
     #: prompt's own token first, then the top ``prompt_logprobs``); in a stream, on a choice's
     #: first chunk only.
@@ -114,6 +116,8 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    #: vLLM's: the stop string or stop token id that ended a ``stop`` finish (null: EOS or none).
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -139,6 +143,8 @@ class ChatStreamChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    #: vLLM's: the stop string or stop token id that ended a ``stop`` finish (null: EOS or none).
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):

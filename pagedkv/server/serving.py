@@ -188,6 +188,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
             text=text,
             logprobs=formatter.merge(parts) if wants_logprobs else None,
             finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
             prompt_logprobs=shown_prompt_logprobs,
         )
 
@@ -236,6 +237,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
                 text=text,
                 logprobs=logprobs,
                 finish_reason=deltas[-1].finish_reason,
+                stop_reason=deltas[-1].stop_reason,
                 prompt_logprobs=merged[0].prompt_logprobs,
             )
         )
@@ -325,6 +327,7 @@ async def create_chat_completion(
                         delta=ChatDelta(content=content, reasoning_content=thought, tool_calls=calls),
                         logprobs=logprobs(delta),
                         finish_reason=reason,
+                        stop_reason=delta.stop_reason if reason is not None else None,
                     )
                 )
             if body.include_usage:
@@ -358,6 +361,7 @@ async def create_chat_completion(
                 message=message,
                 logprobs=ChatLogprobs(content=tokens) if tokens is not None else None,
                 finish_reason=reason,
+                stop_reason=deltas[-1].stop_reason,
             )
         )
     prompt_logprobs = generation.prompt_logprobs.get(0)

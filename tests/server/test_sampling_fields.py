@@ -95,11 +95,12 @@ def test_include_stop_str_in_output_keeps_the_stop_string(client, reference, str
     if stream:
         chunks = list(client.completions.create(**options, extra_body=extra, stream=True))
         text = "".join(c.choices[0].text for c in chunks if c.choices)
-        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        last = [c.choices[0] for c in chunks if c.choices][-1]
     else:
-        choice = client.completions.create(**options, extra_body=extra).choices[0]
-        text, finish = choice.text, choice.finish_reason
-    assert text == free[: free.index(stop) + len(stop)] and finish == "stop"
+        last = client.completions.create(**options, extra_body=extra).choices[0]
+        text = last.text
+    assert text == free[: free.index(stop) + len(stop)] and last.finish_reason == "stop"
+    assert last.model_extra["stop_reason"] == stop  # vLLM's field: which stop ended it
     without = client.completions.create(**options).choices[0].text
     assert without == free[: free.index(stop)]
 
