@@ -187,14 +187,20 @@ def _add_generate(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="each prompt is comma-separated token ids (e.g. 1,15,27), as a model without a tokenizer needs",
     )
-    sampling = parser.add_argument_group("sampling")
-    sampling.add_argument("--max-tokens", type=int, default=32)
-    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    sampling.add_argument("--top-p", type=float, default=1.0)
-    sampling.add_argument("--top-k", type=int, default=-1)
+    sampling = parser.add_argument_group(
+        "sampling (unset: the model's generation_config.json, else greedy and 32 tokens)"
+    )
+    sampling.add_argument("--max-tokens", type=int, default=None)
+    sampling.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    sampling.add_argument("--top-p", type=float, default=None)
+    sampling.add_argument("--top-k", type=int, default=None)
     sampling.add_argument("--seed", type=int, default=None)
     sampling.add_argument("-n", type=int, default=1, help="samples per prompt (share the prompt's blocks)")
     add_engine_options(parser)
+
+
+#: What ``pagedkv generate`` samples with where neither a flag nor the model says: greedy, short.
+_GENERATE_FALLBACKS = {"max_tokens": 32, "temperature": 0.0, "top_p": 1.0, "top_k": -1}
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -203,10 +209,13 @@ def _run_generate(args: argparse.Namespace) -> int:
     from pagedkv.models import BUILTIN_NOTE
 
     console = Console()
-    params = config_from_args(SamplingParams, args)
     config = engine_config(args)
     with usage_errors(args):  # a configuration the engine refuses (a KV tier that cannot fit)
         llm = LLM(**{**config.__dict__})
+    # a flag given wins; then the model's generation_config defaults; then the command's own
+    given = {name: getattr(args, name) for name in _GENERATE_FALLBACKS if getattr(args, name) is not None}
+    values = _GENERATE_FALLBACKS | llm.engine.default_sampling_params | given
+    params = config_from_args(SamplingParams, args, **values)
     if llm.engine.is_builtin:
         console.print(f"[yellow]note:[/] {BUILTIN_NOTE}")
     console.print(f"[dim]engine: {llm.engine.describe()}[/]")

@@ -128,6 +128,23 @@ def test_generate_reports_an_impossible_request(capsys):
     assert "can never fit in the KV cache" in capsys.readouterr().out
 
 
+def test_generate_takes_unset_sampling_flags_from_the_model(capsys, tmp_path):
+    """A flag left unset takes generation_config.json's value; a flag given wins over it."""
+    from tests.checkpoints import make_checkpoint
+
+    folder = make_checkpoint(tmp_path)
+    config_file = folder / "generation_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "max_new_tokens": 2}))
+
+    def answers(*flags: str) -> list[str]:
+        assert main(["generate", "Hello", "--model", str(folder), "--num-kv-blocks", "64", *flags]) == 0
+        return [line for line in capsys.readouterr().out.splitlines() if line.startswith("[0]")]
+
+    from_model = answers()
+    assert from_model == answers("--max-tokens", "2", "--temperature", "0")  # greedy, the model's length
+    assert from_model != answers("--max-tokens", "12")
+
+
 def test_generate_rejects_bad_sampling_values(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "Hello", "--temperature", "-1"])
