@@ -203,7 +203,8 @@ class Scheduler:
 
     def _blocks_to_admit(self, seq: Sequence) -> int:
         use_cache = not seq.needs_prompt_logits  # a cached token has no logits to score it
-        return self.kv_manager.blocks_to_allocate(seq.token_ids, self.reserve_tokens(seq), use_cache)
+        reserve = self.reserve_tokens(seq)
+        return self.kv_manager.blocks_to_allocate(seq.token_ids, reserve, use_cache, seq.request.cache_salt)
 
     def _shortfall(
         self, seq: Sequence, needed: int, budget: int, out: SchedulerOutput, unprotected: Collection[str]
@@ -340,7 +341,9 @@ class Scheduler:
         self._dequeue(seq)
         reserve = self.reserve_tokens(seq)
         use_cache = not seq.needs_prompt_logits
-        cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids, reserve, use_cache)
+        cached = self.kv_manager.allocate(
+            seq.seq_id, seq.token_ids, reserve, use_cache, seq.request.cache_salt
+        )
         seq.num_computed_tokens = cached
         if seq.num_output_tokens == 0:
             seq.request.num_cached_tokens = cached

@@ -113,6 +113,9 @@ class _SamplingRequest(BaseModel):
     #: vLLM's: lower runs first under --scheduling-policy priority (anything but 0 is refused
     #: otherwise).
     priority: Int = 0
+    #: vLLM's: a non-empty string; the request reuses cached KV blocks only of requests with the
+    #: same salt (one tenant cannot time another's prompts through the prefix cache).
+    cache_salt: str | None = None
 
     def check_text(self) -> None:
         """Refuse any string holding an unpaired surrogate: JSON can carry ``"\\ud800"``, Python

@@ -90,8 +90,9 @@ async def _start(
     params: SamplingParams,
     priority: int,
     grammar: CompiledGrammar | None,
+    cache_salt: str | None,
 ) -> Generation:
-    generation = Generation(ctx.engine, request_id, prompts, params, priority, grammar)
+    generation = Generation(ctx.engine, request_id, prompts, params, priority, grammar, cache_salt)
     try:
         await generation.start()  # an APIError (a full queue) passes through as it is
     except Aborted as err:
@@ -131,7 +132,9 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     inputs = await preprocess_completion(ctx, body)
     params = inputs.params
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = await _start(ctx, request_id, inputs.prompts, params, body.priority, inputs.grammar)
+    generation = await _start(
+        ctx, request_id, inputs.prompts, params, body.priority, inputs.grammar, body.cache_salt
+    )
     formatter = LogprobFormatter(ctx.tokenizer)
     wants_logprobs = params.logprobs is not None
     with_prompt_logprobs: set[int] = set()  # choices whose prompt logprobs went out
@@ -221,7 +224,9 @@ async def create_chat_completion(
     inputs = await preprocess_chat(ctx, body)
     prompt, params = inputs.prompt, inputs.params
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = await _start(ctx, request_id, [prompt], params, body.priority, inputs.grammar)
+    generation = await _start(
+        ctx, request_id, [prompt], params, body.priority, inputs.grammar, body.cache_salt
+    )
     formatter = LogprobFormatter(ctx.tokenizer)
     wants_logprobs = params.logprobs is not None
 
