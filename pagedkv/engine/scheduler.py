@@ -44,6 +44,7 @@ from pagedkv.engine.kv_policy import PAGED, KVPolicy
 from pagedkv.engine.scheduler_output import ScheduledSeq, SchedulerOutput  # the step's record
 from pagedkv.engine.sequence import Sequence, SequenceStatus
 from pagedkv.engine.spec.scheduling import add_spec_tokens
+from pagedkv.engine.validation import check_priority_range
 from pagedkv.memory import KVCacheManager
 
 logger = logging.getLogger("pagedkv.scheduler")
@@ -67,6 +68,7 @@ class Scheduler:
         decode_headroom: float = 1.0,
         scheduling_policy: str = "fcfs",
         max_running_share: float = 0.5,
+        priority_range: tuple[int, int] = (-100, 100),
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(
@@ -81,6 +83,9 @@ class Scheduler:
             )
         self.scheduling_policy = scheduling_policy
         self.by_priority = scheduling_policy == "priority"
+        check_priority_range(*priority_range)
+        #: The ``priority`` values a request may carry: (min, max), 0 included.
+        self.priority_range = priority_range
         self.share = FairShare(
             max_running_share,
             max_num_seqs,
@@ -131,13 +136,15 @@ class Scheduler:
             config.decode_headroom,
             config.scheduling_policy,
             config.max_running_share,
+            (config.min_priority, config.max_priority),
         )
 
     # -- queue management -------------------------------------------------------------------
     def check_priority(self, priority: object) -> None:
         """Raise :class:`~pagedkv.engine.validation.InvalidRequestError` unless this policy takes
-        ``priority`` (a non-zero one needs the ``priority`` policy)."""
-        check_priority(self.scheduling_policy, priority)
+        ``priority`` (a non-zero one needs the ``priority`` policy, and any is bounded by
+        :attr:`priority_range`)."""
+        check_priority(self.scheduling_policy, priority, *self.priority_range)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
