@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 
 from pagedkv.engine import InvalidRequestError, RequestLimits, SamplingParams
-from pagedkv.engine.validation import RequestValidator, check_cache_salt
+from pagedkv.engine.validation import RequestValidator
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.errors import APIError
 from pagedkv.server.prompts import PromptEncoder, PromptLimits
@@ -72,14 +72,6 @@ class ServingContext:
         the policy never changes, so this reads nothing the engine's worker writes."""
         try:
             self.engine.engine.scheduler.check_priority(priority)
-        except InvalidRequestError as err:
-            raise APIError.from_value_error(err) from None
-
-    @staticmethod
-    def check_cache_salt(cache_salt: str | None) -> None:
-        """``cache_salt`` is null or a non-empty string (vLLM's rule)."""
-        try:
-            check_cache_salt(cache_salt)
         except InvalidRequestError as err:
             raise APIError.from_value_error(err) from None
 
@@ -151,7 +143,6 @@ async def preprocess_completion(ctx: ServingContext, body: CompletionRequest) ->
     """Validate a completions request and tokenize its prompts; :class:`APIError` if refused."""
     ctx.check_model(body.model)
     ctx.check_priority(body.priority)
-    ctx.check_cache_salt(body.cache_salt)
     constraint = body.constraint()
     params = body.sampling_params(constraint)
     prompts = body.prompts()
@@ -204,7 +195,6 @@ async def preprocess_chat(ctx: ServingContext, body: ChatCompletionRequest) -> C
     """Validate a chat request, render and tokenize its conversation; :class:`APIError` if refused."""
     ctx.check_model(body.model)
     ctx.check_priority(body.priority)
-    ctx.check_cache_salt(body.cache_salt)
     if body.continue_final_message and body.add_generation_prompt is not False:
         raise APIError.bad_request(
             "continue_final_message and add_generation_prompt cannot both be true (add_generation_prompt "

@@ -115,7 +115,7 @@ class _SamplingRequest(BaseModel):
     priority: Int = 0
     #: vLLM's: a non-empty string; the request reuses cached KV blocks only of requests with the
     #: same salt (one tenant cannot time another's prompts through the prefix cache).
-    cache_salt: str | None = None
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     def check_text(self) -> None:
         """Refuse any string holding an unpaired surrogate: JSON can carry ``"\\ud800"``, Python
