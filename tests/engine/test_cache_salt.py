@@ -7,6 +7,7 @@ the keys and values come from changes.
 """
 
 import random
+import re
 
 import pytest
 
@@ -105,3 +106,19 @@ def test_a_salted_disk_block_is_not_found_unsalted_after_a_restart(model_path, t
         again = restarted.generate(salted[:1], GREEDY, use_tqdm=False)
         assert restarted.kv_stats()["tier_hits_tokens"] > 0 and again[0].num_cached_tokens > 0
         assert again[0].outputs[0].token_ids == expected[0]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "says"),
+    [
+        ({"prompt": "hi", "prompt_token_ids": [5]}, "exactly one of"),
+        ({"cache_salt": "a"}, "exactly one of"),
+        ({"prompt": [5, 6]}, "'prompt' is text"),
+        ({"prompt": "hi", "multi_modal_data": {}}, "unsupported keys ['multi_modal_data']"),
+    ],
+)
+def test_a_malformed_prompt_dict_is_refused_before_anything_is_queued(model_path, prompt, says):
+    with LLM(str(model_path), dtype="float32", num_kv_blocks=64) as llm:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}, prompt], GREEDY, use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
