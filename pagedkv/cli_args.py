@@ -180,7 +180,20 @@ DEFAULT = "(default: %(default)s)"
 ENGINE_OPTIONS = (
     EngineOption(
         "model",
-        "Hugging Face model folder (default: the built-in tiny Llama trained on the Python standard library)",
+        "Hugging Face model folder, or a Hub id org/name (found in the Hugging Face cache, downloaded "
+        "if missing; HF_HUB_OFFLINE=1 only reads the cache) (default: the built-in tiny Llama trained "
+        "on the Python standard library)",
+    ),
+    EngineOption("revision", "branch, tag or commit of a --model given as a Hub id (default: main)"),
+    EngineOption(
+        "download_dir",
+        "the Hugging Face cache that Hub models are read from and downloaded to (default: $HF_HUB_CACHE)",
+    ),
+    EngineOption(
+        "generation_config",
+        "the model's default sampling parameters, for the fields a request leaves unset: auto (the "
+        "sampling fields of the model's generation_config.json), vllm (ignore them), or a folder "
+        f"holding a generation_config.json {DEFAULT}",
     ),
     EngineOption(
         "dtype",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -51,12 +52,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt (text, token ids, or a prompt dict) to completion; outputs in input order.
 
+        Without ``sampling_params``: :meth:`get_default_sampling_params` (the model's defaults).
         ``priority``: one per prompt, lower first (vLLM's); needs ``scheduling_policy="priority"``.
         A prompt dict's ``cache_salt`` (vLLM's) keeps its prefix cache apart from other salts'.
         """
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -73,6 +75,52 @@ class LLM:
             ]
         )
         return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}`` dicts) or a list of them;
+        outputs in input order, as :meth:`generate` gives them (vLLM's ``LLM.chat``).
+
+        Each conversation is rendered by the model's chat template (or ``chat_template``, Jinja
+        source), which also sees ``tools`` and the ``chat_template_kwargs`` as variables, then
+        tokenized without special tokens: the template places any BOS itself. The output's
+        ``prompt`` is the rendered text. ``add_generation_prompt`` opens the assistant's turn;
+        ``continue_final_message`` instead leaves the last message open for the model to go on.
+        """
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        conversations = [messages] if not messages or isinstance(messages[0], dict) else list(messages)
+        variables = {**({"tools": tools} if tools is not None else {}), **(chat_template_kwargs or {})}
+        texts = [
+            self.tokenizer.apply_chat_template(
+                list(conversation),
+                add_generation_prompt,
+                continue_final_message,
+                chat_template=chat_template,
+                **variables,
+            )
+            for conversation in conversations
+        ]
+        prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for output, text in zip(outputs, texts, strict=True):
+            output.prompt = text
+        return outputs
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters ``generate`` uses when given none (vLLM's name): the sampling
+        fields of the model's generation_config.json (``generation_config="auto"``, the default;
+        "vllm" ignores them; a folder reads the file there), else ``SamplingParams()``."""
+        return self.engine.get_default_sampling_params()
 
     @staticmethod
     def _as_prompt_list(prompts) -> list[tuple[str | list[int], str | None]]:

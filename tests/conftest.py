@@ -1,13 +1,20 @@
 """Fixtures shared by every test folder: the real headless browser (see ``tests/browser.py``) and
-the real pretrained model (see ``tests/real_model.py``)."""
+the real pretrained model (see ``tests/real_model.py``).
+
+Tests never reach the Hugging Face Hub: HF_HUB_OFFLINE is set before anything imports
+huggingface_hub, for this process and the servers it starts; a Hub id resolves from a cache
+the test builds."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.browser import WINDOW, BrowserMissingError, console_errors, start_chromium
+
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 @pytest.fixture(scope="session")

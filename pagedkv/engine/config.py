@@ -30,6 +30,16 @@ class EngineConfig:
     """Everything that sizes the engine. ``model=None`` means the built-in trained tiny Llama."""
 
     model: str | Path | None = None
+    #: The Hub revision (branch, tag or commit) of a ``model`` given as a Hub id (vLLM's
+    #: ``--revision``); None: "main". See ``pagedkv/models/hub.py``.
+    revision: str | None = None
+    #: huggingface_hub's cache, where Hub models are found and downloaded (vLLM's
+    #: ``--download-dir``); None: HF_HUB_CACHE (~/.cache/huggingface/hub).
+    download_dir: str | Path | None = None
+    #: The model's sampling defaults (vLLM's ``--generation-config``): "auto" reads its
+    #: generation_config.json, "vllm" ignores it, a folder reads the one there
+    #: (``pagedkv/models/generation_config.py``).
+    generation_config: str = "auto"
     #: "auto": bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32; None: the checkpoint's
     dtype: str | torch.dtype | None = "auto"
     #: "auto" (on the CPU pagedkv's tiled GEMM where it runs the dtype, else oneDNN with packed

@@ -19,9 +19,10 @@ After each step the engine publishes a :class:`~pagedkv.engine.stats.StepStats`.
 
 from __future__ import annotations
 
+import copy
+import logging
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor import Executor
@@ -40,13 +41,17 @@ from pagedkv.engine.spec.factory import make_verifier
 from pagedkv.engine.stats import EngineStats, KVSnapshot, StatsCollector, StepStats
 from pagedkv.engine.structured.manager import StructuredOutputManager
 from pagedkv.engine.validation import InvalidRequestError, RequestValidator, check_cache_salt
-from pagedkv.models import ModelConfig, builtin_model_path
+from pagedkv.models import ModelConfig
+from pagedkv.models.generation_config import default_sampling_params
+from pagedkv.models.hub import resolve_model
 from pagedkv.tokenizer import engine_tokenizer
 
 if TYPE_CHECKING:
     from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
 
 __all__ = ["EngineConfig", "InvalidRequestError", "LLMEngine"]
+
+logger = logging.getLogger("pagedkv.engine")
 
 
 class LLMEngine:
@@ -60,10 +65,15 @@ class LLMEngine:
         config = config or EngineConfig(**overrides)
         self.config = config
         self.kv_policy = KVPolicy.named(config.kv_policy)
-        path = Path(config.model) if config.model is not None else builtin_model_path()
+        #: The model's folder, and the Hub id it came from (``pagedkv.models.hub``).
+        self.model_source = resolve_model(
+            config.model, config.revision, config.download_dir, weights=config.load_format != "dummy"
+        )
+        path = self.model_source.folder
         self.model_path = path
         self.is_builtin = config.model is None
         self.model_config = ModelConfig.from_pretrained(path)
+        self.default_sampling_params = self._model_sampling_defaults()
         limit = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
@@ -97,6 +107,27 @@ class LLMEngine:
         self.stats_collector = StatsCollector(self.scheduler, self.kv_tier, self.verifier is not None)
         self.requests: dict[str, Request] = {}
 
+    def _model_sampling_defaults(self) -> dict[str, Any]:
+        """generation_config.json's sampling fields (per ``config.generation_config``), checked
+        once here: a bad value stops the start instead of failing every request."""
+        defaults = default_sampling_params(self.model_path, self.config.generation_config)
+        try:
+            SamplingParams(**defaults)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"the model's generation_config.json sets a bad default: {err}") from None
+        if defaults:
+            logger.warning(
+                "Default sampling parameters have been overridden by the model's Hugging Face generation "
+                "config: %s (--generation-config vllm ignores them)",
+                defaults,
+            )
+        return defaults
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling parameters runs with (vLLM's name): the model's
+        defaults (:attr:`default_sampling_params`), else ``SamplingParams()``."""
+        return SamplingParams(**self.default_sampling_params)
+
     # -- requests ---------------------------------------------------------------------------
     def add_request(
         self,
@@ -113,11 +144,12 @@ class LLMEngine:
         ``priority``: lower runs first, under the ``priority`` scheduling policy (vLLM's); requests
         that share a ``client_request_id`` share one fair share of the engine (``engine/fairness.py``).
         ``grammar``: ``params.structured_outputs`` compiled ahead (the server's way), else here.
-        ``cache_salt`` (vLLM's): a non-empty string; the request reuses cached KV blocks only of
-        requests with the same salt, so one tenant cannot time another's prompts.
+        Without ``params``: :meth:`get_default_sampling_params`. ``cache_salt`` (vLLM's): a
+        non-empty string; the request reuses cached KV blocks only of requests with the same salt,
+        so one tenant cannot time another's prompts.
         """
         self.scheduler.check_priority(priority)
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         return self._queue(request_id, prompt, params, None, priority, client_request_id, grammar, cache_salt)
 
     def add_beam_request(
@@ -149,8 +181,13 @@ class LLMEngine:
         samples = self.validator.check_before_encoding(prompt, params, beam)
         if not self.tokenizer.has_text and (isinstance(prompt, str) or params.stop):
             raise InvalidRequestError(f"{self.tokenizer.reason}: send token ids, no stop strings", "prompt")
+        if not self.tokenizer.has_text and params.bad_words:
+            raise InvalidRequestError(f"{self.tokenizer.reason}: bad_words cannot be tokenized", "bad_words")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if params.bad_words:  # a copy: the caller's params may serve other prompts, other models
+            params = copy.copy(params)
+            params.update_from_tokenizer(self.tokenizer)
         self.validator.check(token_ids, params, samples)
         matcher = self.structured_outputs.matcher(params, grammar)  # the last check: may compile
         now = time.monotonic()
@@ -158,7 +195,9 @@ class LLMEngine:
         request.client_request_id = client_request_id
         request.cache_salt = cache_salt
         seq = Sequence(request, 0, list(token_ids), make_generator(params.seed, 0))
-        seq.detokenizer = self.tokenizer.detokenizer(token_ids, params.skip_special_tokens)
+        seq.detokenizer = self.tokenizer.detokenizer(
+            token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+        )
         seq.grammar = matcher
         request.seqs.append(seq)
         self.requests[request_id] = request
@@ -241,7 +280,7 @@ class LLMEngine:
 
     def describe(self) -> str:
         """One line for logs and the CLI: the model, its dtype and the kernels it runs on."""
-        model = "built-in model" if self.is_builtin else str(self.model_path)
+        model = "built-in model" if self.is_builtin else self.model_source.repo_id or str(self.model_path)
         return f"{model}: " + ", ".join(f"{key} {value}" for key, value in self.executor.runtime.items())
 
     def check_health(self) -> None:

@@ -136,7 +136,8 @@ class OutputProcessor:
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence) -> bool:
-        """End ``seq`` at the earliest stop string in its text, cutting the text before it.
+        """End ``seq`` at the earliest stop string in its text, cutting the text before it (after
+        it under ``include_stop_str_in_output``).
 
         Only the characters added since the last call are read (see
         :mod:`pagedkv.engine.stop_strings`): the cost per token does not grow with the stop list.
@@ -146,7 +147,8 @@ class OutputProcessor:
         match = seq.stop_scan.find(seq.text)
         if match is None:
             return False
-        seq.text = seq.text[: match.start]
+        kept = len(match.stop) if seq.request.params.include_stop_str_in_output else 0
+        seq.text = seq.text[: match.start + kept]
         seq.finish_reason, seq.stop_reason = "stop", match.stop
         return True
 

@@ -79,7 +79,9 @@ def fork_samples(
     group = [parent]
     for index in range(len(request.seqs), params.n):
         child = parent.fork(index, make_generator(params.seed, index))
-        child.detokenizer = tokenizer.detokenizer(request.prompt_token_ids, params.skip_special_tokens)
+        child.detokenizer = tokenizer.detokenizer(
+            request.prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+        )
         scheduler.fork(parent, child)
         request.seqs.append(child)
         group.append(child)

@@ -1,10 +1,12 @@
 """Turn one step's logits into one token per sequence, each row by its own request's rules.
 
 Processing order (vLLM v1 / transformers): a constrained row's grammar mask (structured
-output: the tokens its grammar forbids get -inf), repetition penalty (prompt and output
-tokens), frequency and presence penalties (output tokens), the ``min_tokens`` ban on stop
-tokens; then a greedy row takes the argmax, and any other row is divided by its temperature,
-filtered by ``min_p``, ``top_k`` and ``top_p``, and drawn from the softmax of what is left.
+output: the tokens its grammar forbids get -inf), the request's token-id edits
+(``allowed_token_ids``, ``bad_words``, ``logit_bias``: :mod:`pagedkv.engine.token_constraints`),
+repetition penalty (prompt and output tokens), frequency and presence penalties (output
+tokens), the ``min_tokens`` ban on stop tokens; then a greedy row takes the argmax, and any
+other row is divided by its temperature, filtered by ``min_p``, ``top_k`` and ``top_p``, and
+drawn from the softmax of what is left.
 
 The grammar mask comes first, written into the constrained rows of the logits given (only
 those rows: every other row keeps its exact bits, so an unconstrained request samples as it
@@ -21,9 +23,10 @@ of the generator every step,
 so a request's tokens depend on its seed and its logits only, never on its row index or on
 which other requests share the batch. Unseeded rows share one draw from the global RNG.
 
-Logprobs are those of the raw model output, ``log_softmax(logits)`` before any penalty,
-temperature or filter (after a grammar's mask): vLLM v1's default, and the only choice under
-which a greedy row (temperature 0) still has a distribution to report.
+Logprobs are those of the raw model output, ``log_softmax(logits)`` before any token-id edit
+(``logit_bias`` included), penalty, temperature or filter (after a grammar's mask): vLLM v1's
+default (``logprobs_mode="raw_logprobs"``), and the only choice under which a greedy row
+(temperature 0) still has a distribution to report.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.structured.bitmask import allows_only, apply_grammars
 from pagedkv.engine.structured.matcher import GrammarMatcher
+from pagedkv.engine.token_constraints import apply_token_constraints
 
 
 def make_generator(
@@ -256,6 +260,7 @@ class Sampler:
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = take_rows(logits, want_logprobs).log_softmax(dim=-1) if want_logprobs else None
 
+        logits = apply_token_constraints(logits, params, output_token_ids)
         logits = apply_penalties(logits, params, output_token_ids, prompt_token_ids)
         must_end = None
         if bitmask is not None:

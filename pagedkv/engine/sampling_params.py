@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from pagedkv.engine.structured.params import StructuredOutputsParams
 
@@ -24,6 +25,10 @@ MAX_LOGPROBS = 20
 
 #: The seeds ``torch.Generator.manual_seed`` accepts: a signed or unsigned 64-bit integer.
 SEED_RANGE = (-(2**63), 2**64 - 1)
+
+#: The bound on a ``logit_bias`` value (the OpenAI API's): +-100 already makes a token certain or
+#: impossible next to any logit a model gives.
+LOGIT_BIAS_BOUND = 100.0
 
 #: A surrogate code point standing alone (a valid pair is one code point in a Python str).
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -133,6 +138,21 @@ class SamplingParams:
     #: Constrain the output to a JSON schema, a regex, a choice or a grammar (vLLM's name); the
     #: engine compiles it before the request is queued (``engine/structured/``).
     structured_outputs: StructuredOutputsParams | None = None
+    #: Token id -> a value in [-100, 100] added to its logit before penalties and sampling.
+    logit_bias: dict[int, float] | None = None
+    #: Only these token ids can be generated (every other logit becomes -inf); None: any.
+    allowed_token_ids: list[int] | None = None
+    #: Words that never appear in the output: each word's last token is banned wherever the
+    #: output so far ends with its other tokens (as tokenized with and without a leading space).
+    bad_words: list[str] | None = None
+    #: Keep the matched stop string at the end of the output text (``stop_reason`` still names it).
+    include_stop_str_in_output: bool = False
+    #: With special tokens shown: False writes an added token that follows another one without
+    #: the space a decoder may put before it (vLLM's); True: the text is the tokenizer's ``decode``.
+    spaces_between_special_tokens: bool = True
+    #: ``bad_words`` as token sequences, set by :meth:`update_from_tokenizer` (vLLM's name) when
+    #: the engine takes the request: the sampler reads this, never the words.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n, low=1)
@@ -164,6 +184,66 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise _fail("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         _check_structured_outputs("SamplingParams.structured_outputs", self.structured_outputs)
+        self._normalise_token_fields()
+
+    def _normalise_token_fields(self) -> None:
+        """The fields that act on token ids or text: ``logit_bias``, ``allowed_token_ids``,
+        ``bad_words`` and the two text switches."""
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = self._normalise_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise _fail("allowed_token_ids", "a non-empty list of token ids", self.allowed_token_ids)
+        self.bad_words = self._normalise_bad_words(self.bad_words)
+        for name in ("include_stop_str_in_output", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _fail(name, "a bool", getattr(self, name))
+
+    @staticmethod
+    def _normalise_logit_bias(bias: object) -> dict[int, float] | None:
+        """A dict of token id -> finite bias within +-``LOGIT_BIAS_BOUND``; None or empty: None.
+
+        vLLM clamps a bias outside the bound; the OpenAI API refuses it, and so does this: a
+        value the caller did not mean is worth an error."""
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise _fail("logit_bias", "a dict of token id -> bias", bias)
+        return {
+            _as_int("logit_bias", token, low=0): _as_float(
+                f"SamplingParams.logit_bias[{token!r}]", value, low=-LOGIT_BIAS_BOUND, high=LOGIT_BIAS_BOUND
+            )
+            for token, value in bias.items()
+        } or None
+
+    @staticmethod
+    def _normalise_bad_words(words: object) -> list[str] | None:
+        if words is None:
+            return None
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+            raise _fail("bad_words", "a list of strings", words)
+        if any(not w.strip() for w in words):
+            raise _fail("bad_words", "made of words that are not blank", words)
+        if any(unpaired_surrogate_at(w) is not None for w in words):
+            raise _fail("bad_words", "valid Unicode text (no unpaired surrogate)", words)
+        return list(words) or None
+
+    def update_from_tokenizer(self, tokenizer: _Encoder) -> None:
+        """Set :attr:`bad_words_token_ids` from ``bad_words``, as vLLM does: each word (its
+        leading spaces stripped) is encoded without special tokens, then again after one space,
+        and the second form is kept when it is a different word of the same length (a tokenizer
+        whose words carry their leading space, so the word mid-text is other tokens)."""
+        if not self.bad_words:
+            self.bad_words_token_ids = None
+            return
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                sequences.append(spaced)
+        self.bad_words_token_ids = [s for s in sequences if s]
 
     @staticmethod
     def _normalise_stop(stop: object) -> list[str]:
@@ -180,20 +260,33 @@ class SamplingParams:
 
     @staticmethod
     def _normalise_stop_token_ids(ids: object) -> list[int]:
-        if ids is None:
-            return []
+        return [] if ids is None else SamplingParams._normalise_ids("stop_token_ids", ids)
+
+    @staticmethod
+    def _normalise_ids(name: str, ids: object) -> list[int]:
+        """A list of non-negative ints (the vocabulary is checked by the engine, which knows it)."""
         if not isinstance(ids, (list, tuple)):
-            raise _fail("stop_token_ids", "a list of integers", ids)
+            raise _fail(name, "a list of integers", ids)
         # Plain non-negative ints (what JSON gives) pass in one cheap sweep: an oversized list
         # reaches the request limits at once instead of through a Python call per id.
         if all(type(i) is int for i in ids) and min(ids, default=0) >= 0:
             return list(ids)
-        return [_as_int("stop_token_ids", i, low=0) for i in ids]
+        return [_as_int(name, i, low=0) for i in ids]
+
+    @property
+    def constrains_tokens(self) -> bool:
+        """Whether the sampler must edit this request's logits for ``logit_bias``,
+        ``allowed_token_ids`` or ``bad_words`` (see :mod:`pagedkv.engine.token_constraints`)."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids)
 
     @property
     def greedy(self) -> bool:
         """True when the request takes the argmax instead of drawing (temperature ~ 0)."""
         return self.temperature < GREEDY_TEMPERATURE
+
+
+class _Encoder(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
 
 def _check_structured_outputs(name: str, value: object) -> None:

@@ -228,6 +228,13 @@ class RequestValidator:
         the sequences the request will run (``n``, or the beam width)."""
         check_token_ids(token_ids, self.vocab_size, "prompt")
         check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids")
+        if params.logit_bias:
+            check_token_ids(list(params.logit_bias), self.vocab_size, "logit_bias")
+        if params.allowed_token_ids:
+            check_token_ids(params.allowed_token_ids, self.vocab_size, "allowed_token_ids")
+        if params.bad_words_token_ids:
+            ids = [t for word in params.bad_words_token_ids for t in word]
+            check_token_ids(ids, self.vocab_size, "bad_words")
         check_context(len(token_ids), params.max_tokens, self.max_model_len)
         reserved = self.kv_policy.peak_tokens(len(token_ids), params.max_tokens, self.max_model_len)
         needed = blocks_for(reserved, self.block_size)

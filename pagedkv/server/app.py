@@ -62,8 +62,11 @@ class PrometheusResponse(Response):
 
 
 def default_model_name(engine: LLMEngine) -> str:
-    """The model folder's name, or :data:`BUILTIN_MODEL_NAME` for the built-in model."""
-    return BUILTIN_MODEL_NAME if engine.is_builtin else Path(engine.model_path).name
+    """The Hub id a model was loaded by (as vLLM serves it), else the model folder's name, or
+    :data:`BUILTIN_MODEL_NAME` for the built-in model."""
+    if engine.is_builtin:
+        return BUILTIN_MODEL_NAME
+    return engine.model_source.repo_id or Path(engine.model_path).name
 
 
 def _validation_error(err: RequestValidationError) -> APIError:

@@ -46,7 +46,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         f"(default: ${API_KEY_ENV}, else none)",
     )
     server.add_argument(
-        "--served-model-name", default=None, help="model name clients use (default: the model folder's name)"
+        "--served-model-name",
+        default=None,
+        help="model name clients use (default: the Hub id given to --model, else the model folder's name)",
     )
     server.add_argument(
         "--max-body-size",

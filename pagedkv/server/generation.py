@@ -11,7 +11,9 @@ error is raised for the response to report.
 Stop strings: the engine cuts a sample's text where a stop string completes, which may be in
 text an earlier step already showed. So while a sample with stop strings runs, its last
 ``len(longest stop) - 1`` characters are held back (as vLLM does); the held text can never be
-cut, since a stop string that ends after it must start inside it.
+cut, since a stop string that ends after it must start inside it. Under
+``include_stop_str_in_output`` nothing is held: the text is cut after the stop string, which ends
+in what the step added.
 """
 
 from __future__ import annotations
@@ -101,7 +103,8 @@ class Generation:
         self._engine_ids = [self._engine_id(i) for i in range(len(prompts))]
         self._unfinished: set[int] = set()
         self._stream: Stream | None = None
-        holdback = max((len(s) for s in params.stop), default=1) - 1
+        # Text kept up to the end of a stop string is never cut where an earlier step showed it.
+        holdback = 0 if params.include_stop_str_in_output else max(map(len, params.stop), default=1) - 1
         self._choices = [_ChoiceState(holdback) for _ in range(len(prompts) * params.n)]
 
     def _engine_id(self, prompt_index: int) -> str:

@@ -63,6 +63,12 @@ class ServingContext:
         return await compile_constraint(self.engine.engine.structured_outputs, constraint)
 
     @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's sampling defaults (its generation_config.json, per --generation-config):
+        what a request's unset fields take; fixed at start, so any thread may read them."""
+        return self.engine.engine.default_sampling_params
+
+    @property
     def validator(self) -> RequestValidator:
         """The engine's checks of a request's ids; immutable, so any thread may run them."""
         return self.engine.engine.validator
@@ -144,7 +150,7 @@ async def preprocess_completion(ctx: ServingContext, body: CompletionRequest) ->
     ctx.check_model(body.model)
     ctx.check_priority(body.priority)
     constraint = body.constraint()
-    params = body.sampling_params(constraint)
+    params = body.sampling_params(constraint, ctx.sampling_defaults)
     prompts = body.prompts()
     ctx.check_size(len(prompts), params)  # first: a 200k-prompt list is refused before it is read
     limits = ctx.prompt_limits(params, body.truncate_prompt_tokens, body.add_special_tokens is not False)
@@ -206,7 +212,7 @@ async def preprocess_chat(ctx: ServingContext, body: ChatCompletionRequest) -> C
     constraint = body.constraint(forced)
     # Without max_tokens a chat runs to the end of the context (vLLM's default), known once the
     # prompt is; until then the fields are checked with the least it can be.
-    params = body.sampling_params(max(1, body.min_tokens or 0), constraint)
+    params = body.sampling_params(max(1, body.min_tokens or 0), constraint, ctx.sampling_defaults)
     ctx.check_size(1, params)
     limits = ctx.prompt_limits(params, body.truncate_prompt_tokens, bool(body.add_special_tokens))
     messages = [m.as_template_dict() for m in body.messages]
@@ -251,6 +257,6 @@ def _encode_chat(
     (prompt,) = ctx.encoder.encode_prompts([text], limits)
     if body.max_tokens_asked is None:
         ceiling = min(ctx.max_model_len, ctx.kv_capacity_tokens, ctx.limits.max_request_tokens // params.n)
-        params = body.sampling_params(max(ceiling - len(prompt), 1), constraint)
+        params = body.sampling_params(max(ceiling - len(prompt), 1), constraint, ctx.sampling_defaults)
     ctx.check_ids([prompt], params)
     return prompt, params

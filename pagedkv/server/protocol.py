@@ -6,16 +6,19 @@ does -- and map onto :class:`~pagedkv.engine.SamplingParams`, whose own validati
 any bad value. vLLM's extra fields mean what they mean in vLLM (``top_k``, ``min_p``,
 ``ignore_eos``, ``skip_special_tokens``, ``truncate_prompt_tokens``, ``echo``,
 ``add_generation_prompt``, ``continue_final_message``, ``structured_outputs`` and the older
-``guided_*``, ...). What constrains the output (``response_format``, ``structured_outputs``,
-``guided_*``) is read by :mod:`pagedkv.server.structured`, ``tools`` and ``tool_choice`` by
+``guided_*``, ``allowed_token_ids``, ``bad_words``, ``include_stop_str_in_output``,
+``spaces_between_special_tokens``, ...); OpenAI's ``logit_bias`` maps token-id strings to
+biases. What constrains the output (``response_format``, ``structured_outputs``, ``guided_*``)
+is read by :mod:`pagedkv.server.structured`, ``tools`` and ``tool_choice`` by
 :mod:`pagedkv.server.tools`. Fields that would change the meaning of a request but are not
-implemented (``suffix``, ``logit_bias``, beam search, the deprecated ``functions``, ...) are
+implemented (``suffix``, beam search, the deprecated ``functions``, ...) are
 refused with a 400 naming the field rather than dropped.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
@@ -95,7 +98,12 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: Bool | None = True
     #: Keep only the prompt's last this many tokens; -1: as many as fit beside ``max_tokens``.
     truncate_prompt_tokens: Int | None = None
-    logit_bias: dict[str, float] | None = None
+    #: OpenAI's: token id (a string, as JSON keys are) -> bias in [-100, 100].
+    logit_bias: dict[str, Float] | None = None
+    allowed_token_ids: list[Int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: Bool | None = False
+    spaces_between_special_tokens: Bool | None = True
     # What constrains the output (pagedkv.server.structured): one of them at most.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -108,7 +116,7 @@ class _SamplingRequest(BaseModel):
     # implemented here can be refused by name: those named in ``_refused`` (declared or not).
     model_config = ConfigDict(extra="allow")
     _refused: ClassVar[tuple[str, ...]] = (
-        "logit_bias", "use_beam_search", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
+        "use_beam_search",
     )  # fmt: skip
     #: vLLM's: lower runs first under --scheduling-policy priority (anything but 0 is refused
     #: otherwise).
@@ -150,8 +158,10 @@ class _SamplingRequest(BaseModel):
         logprobs: int | None,
         prompt_logprobs: int | None = None,
         constraint: Constraint | None = None,
+        defaults: Mapping[str, Any] = {},
     ) -> SamplingParams:
-        """The engine's parameters; a bad value becomes a 400 naming the field."""
+        """The engine's parameters; a bad value becomes a 400 naming the field. ``defaults``: the
+        model's (``LLMEngine.default_sampling_params``), for the fields the request leaves unset."""
         options: dict[str, Any] = {
             "n": self.n,
             "max_tokens": max_tokens,
@@ -170,16 +180,38 @@ class _SamplingRequest(BaseModel):
             "repetition_penalty": self.repetition_penalty,
             "min_tokens": self.min_tokens,
             "skip_special_tokens": self.skip_special_tokens,
+            "logit_bias": self._logit_bias(),
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "structured_outputs": constraint.params if constraint is not None else None,
         }
-        # None (absent or JSON null) means "the default": SamplingParams' own, except for the
-        # fields where None itself is the value (no logprobs, no seed, no stops).
+        # None (absent or JSON null) means "the default": the model's, else SamplingParams' own,
+        # except for the fields where None itself is the value (no logprobs, no seed, no stops).
+        options |= {k: v for k, v in defaults.items() if k in options and options[k] is None}
         keep_none = {"logprobs", "prompt_logprobs", "seed", "stop", "stop_token_ids", "structured_outputs"}
+        keep_none |= {"logit_bias", "allowed_token_ids", "bad_words"}
         options = {k: v for k, v in options.items() if v is not None or k in keep_none}
         try:
             return SamplingParams(**options)
         except ValueError as err:
             raise APIError.from_value_error(err) from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's string keys as token ids; a key that is not an integer is a 400 (the
+        vocabulary and the bounds are checked by the engine, naming ``logit_bias`` too)."""
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise APIError.bad_request(
+                    f"logit_bias keys must be token ids (integers), got {key!r}", param="logit_bias"
+                ) from None
+        return bias
 
     @property
     def include_usage(self) -> bool:
@@ -219,14 +251,17 @@ class CompletionRequest(_SamplingRequest):
     def echo_only(self) -> bool:
         return bool(self.echo) and self.max_tokens == 0
 
-    def sampling_params(self, constraint: Constraint | None = None) -> SamplingParams:
+    def sampling_params(
+        self, constraint: Constraint | None = None, defaults: Mapping[str, Any] = {}
+    ) -> SamplingParams:
+        """``defaults``: the model's sampling defaults; its ``max_tokens`` replaces a null one."""
         self._refuse_unsupported()
-        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        max_tokens = defaults.get("max_tokens", 16) if self.max_tokens is None else self.max_tokens
         prompt_logprobs = self.prompt_logprobs
         if self.echo and prompt_logprobs is None:
             prompt_logprobs = self.logprobs  # echo's logprobs start with the prompt's (vLLM)
         max_tokens = 1 if self.echo_only else max_tokens
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, constraint)
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, constraint, defaults)
 
 
 class TextPart(BaseModel):
@@ -307,14 +342,16 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def sampling_params(
-        self, default_max_tokens: int, constraint: Constraint | None = None
+        self, default_max_tokens: int, constraint: Constraint | None = None, defaults: Mapping[str, Any] = {}
     ) -> SamplingParams:
         """``default_max_tokens`` applies when neither max token field is given (the rest of the
-        context, as in vLLM); ``constraint``: what :meth:`constraint` found."""
+        context, as in vLLM, capped by the ``max_tokens`` of ``defaults``, the model's sampling
+        defaults); ``constraint``: what :meth:`constraint` found."""
         self._refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         max_tokens = self.max_tokens_asked
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = default_max_tokens if max_tokens is None else max_tokens
-        return self._sampling_params(max_tokens, logprobs, constraint=constraint)
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, defaults.get("max_tokens", default_max_tokens))
+        return self._sampling_params(max_tokens, logprobs, constraint=constraint, defaults=defaults)

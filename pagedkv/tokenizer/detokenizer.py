@@ -6,11 +6,16 @@ split one UTF-8 character over several tokens (each alone decodes to U+FFFD), an
 like vLLM, each step decodes a short window twice -- from ``prefix_offset`` up to the tokens
 already emitted, and up to the newest -- and emits the difference, holding it back while it
 ends in U+FFFD (an unfinished character). Cost per token is O(window), not O(sequence).
+
+Special tokens shown (``skip_special_tokens=False``), the text is the tokenizer's ``decode``,
+which for some decoders (WordPiece, or none) puts a space between two added tokens. With
+``spaces_between_special_tokens=False`` an added token that follows another one is written as
+its bare content instead, as vLLM's detokenizer does; the text of every other token is unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 #: Prompt tokens kept as left context so the first generated token decodes as it would mid-text.
 PROMPT_CONTEXT = 5
@@ -28,9 +33,14 @@ class IncrementalDetokenizer:
         decode: Callable[..., str],
         prompt_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
+        added_tokens: Mapping[int, str] | None = None,
     ) -> None:
+        """``added_tokens``: id -> content of the tokenizer's added tokens, given to write one
+        that follows another without a space between (``spaces_between_special_tokens=False``)."""
         self._decode = decode
         self._skip = skip_special_tokens
+        self._added = added_tokens if added_tokens and not skip_special_tokens else None
+        self._last_added = False  # the last generated token was an added token
         self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:]) if prompt_ids else []
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -45,6 +55,21 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: int | Sequence[int]) -> str:
         """Add generated token(s); return the text they complete (possibly '')."""
+        if self._added is not None:
+            return "".join(
+                self._push_added(t) for t in ([token_ids] if isinstance(token_ids, int) else token_ids)
+            )
+        return self._push(token_ids)
+
+    def _push_added(self, token_id: int) -> str:
+        """One token, an added token after an added token written as its bare content."""
+        text = self._push(token_id)
+        follows_added, self._last_added = self._last_added, token_id in self._added
+        if follows_added and self._last_added and text:
+            return self._added[token_id]
+        return text
+
+    def _push(self, token_ids: int | Sequence[int]) -> str:
         self._ids.extend([token_ids] if isinstance(token_ids, int) else token_ids)
         prefix_text = self._text(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._text(self._ids[self._prefix_offset :])

@@ -9,6 +9,7 @@ in, token ids out.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -119,11 +120,21 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
     def detokenizer(
-        self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+        self,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> IncrementalDetokenizer:
         """A streaming decoder for tokens generated after ``prompt_ids``: on the backend's own
-        ``decode`` (its windows are lists already), twice a generated token."""
-        return IncrementalDetokenizer(self.backend.decode, prompt_ids, skip_special_tokens)
+        ``decode`` (its windows are lists already), twice a generated token. See
+        :mod:`pagedkv.tokenizer.detokenizer` for ``spaces_between_special_tokens``."""
+        added = None if spaces_between_special_tokens or skip_special_tokens else self.added_tokens
+        return IncrementalDetokenizer(self.backend.decode, prompt_ids, skip_special_tokens, added)
+
+    @functools.cached_property
+    def added_tokens(self) -> dict[int, str]:
+        """Id -> content of every added token (special or not), as vLLM's detokenizer reads them."""
+        return {i: token.content for i, token in self.backend.get_added_tokens_decoder().items()}
 
 
 class NoTokenizerError(ValueError):
@@ -148,7 +159,12 @@ class NoTokenizer:
 
     encode = decode = apply_chat_template = encode_chat = _refuse
 
-    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> _NoText:
+    def detokenizer(
+        self,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> _NoText:
         return _NoText()
 
 
@@ -193,11 +209,15 @@ def _eos_ids(raw: dict[str, Any]) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
+def read_generation_config(folder: str | Path) -> dict[str, Any]:
+    """A model folder's generation_config.json ({} without one): its ``eos_token_id`` ends
+    generation here, its sampling fields are the model's defaults (``pagedkv.models.generation_config``)."""
+    return _read_json(Path(folder) / "generation_config.json")
+
+
 def _config_eos_ids(folder: Path) -> list[int]:
     """The ``eos_token_id`` of config.json and generation_config.json (chat models list several)."""
-    return _eos_ids(_read_json(folder / "config.json")) + _eos_ids(
-        _read_json(folder / "generation_config.json")
-    )
+    return _eos_ids(_read_json(folder / "config.json")) + _eos_ids(read_generation_config(folder))
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

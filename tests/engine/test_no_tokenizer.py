@@ -43,6 +43,9 @@ def test_text_and_stop_strings_fail_only_when_asked_for(bare_model, skip):
         llm.generate("some text", GREEDY, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="no stop strings"):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, stop=["x"]), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="bad_words cannot be tokenized") as refused:
+        llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, bad_words=["x"]), use_tqdm=False)
+    assert refused.value.param == "bad_words"
     assert len(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 6
     assert llm.kv_stats()["blocks_used"] == 0 and not llm.engine.has_unfinished_requests()
 

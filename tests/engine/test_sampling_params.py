@@ -60,6 +60,30 @@ def test_defaults_follow_vllm() -> None:
         ("repetition_penalty", float("inf"), "SamplingParams.repetition_penalty must be finite, got inf"),
         ("min_tokens", -1, "SamplingParams.min_tokens must be >= 0, got -1"),
         ("min_tokens", 17, "SamplingParams.min_tokens must be <= max_tokens (16), got 17"),
+        ("logit_bias", [1], "SamplingParams.logit_bias must be a dict of token id -> bias, got [1]"),
+        ("logit_bias", {"5": 1}, "SamplingParams.logit_bias must be an integer, got '5'"),
+        ("logit_bias", {-1: 1}, "SamplingParams.logit_bias must be >= 0, got -1"),
+        ("logit_bias", {5: 100.5}, "SamplingParams.logit_bias[5] must be in [-100.0, 100.0], got 100.5"),
+        ("logit_bias", {5: float("nan")}, "SamplingParams.logit_bias[5] must be finite, got nan"),
+        (
+            "allowed_token_ids",
+            [],
+            "SamplingParams.allowed_token_ids must be a non-empty list of token ids, got []",
+        ),
+        ("allowed_token_ids", [1, -2], "SamplingParams.allowed_token_ids must be >= 0, got -2"),
+        ("allowed_token_ids", 3, "SamplingParams.allowed_token_ids must be a list of integers, got 3"),
+        ("bad_words", "word", "SamplingParams.bad_words must be a list of strings, got 'word'"),
+        (
+            "bad_words",
+            ["a", " "],
+            "SamplingParams.bad_words must be made of words that are not blank, got ['a', ' ']",
+        ),
+        ("include_stop_str_in_output", 1, "SamplingParams.include_stop_str_in_output must be a bool, got 1"),
+        (
+            "spaces_between_special_tokens",
+            None,
+            "SamplingParams.spaces_between_special_tokens must be a bool, got None",
+        ),
     ],
 )
 def test_invalid_values_are_rejected_naming_field_and_value(field: str, value: object, message: str) -> None:
@@ -95,3 +119,31 @@ def test_boundary_values_are_accepted() -> None:
     )
     assert p.min_tokens == p.max_tokens and p.logprobs == MAX_LOGPROBS and p.seed == -(2**63)
     assert p.prompt_logprobs == 0 and SamplingParams(prompt_logprobs=MAX_LOGPROBS).prompt_logprobs == 20
+
+
+def test_token_fields_default_to_off_and_normalise() -> None:
+    p = SamplingParams()
+    assert p.logit_bias is None and p.allowed_token_ids is None and p.bad_words is None
+    assert not p.include_stop_str_in_output and p.spaces_between_special_tokens and not p.constrains_tokens
+    q = SamplingParams(logit_bias={np.int64(3): -100, 4: 100}, allowed_token_ids=(np.int32(7),), bad_words=[])
+    assert q.logit_bias == {3: -100.0, 4: 100.0} and type(next(iter(q.logit_bias))) is int
+    assert q.allowed_token_ids == [7] and q.bad_words is None and q.constrains_tokens
+    assert SamplingParams(logit_bias={}).logit_bias is None
+
+
+class _Words:
+    """A tokenizer whose words carry their leading space, as byte-level BPE's do."""
+
+    VOCAB = {"bad": 1, " bad": 2, "wo": 3, "rd": 4, " wo": 5, "x": 6, " x": 6}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        assert not add_special_tokens
+        pieces = {"bad": ["bad"], " bad": [" bad"], "word": ["wo", "rd"], " word": [" wo", "rd"]}
+        return [self.VOCAB[p] for p in pieces.get(text, [text])]
+
+
+def test_bad_words_are_tokenized_with_and_without_a_leading_space() -> None:
+    """vLLM's rule: the spaced form is kept when it is other tokens of the same length."""
+    p = SamplingParams(bad_words=["bad", "  word", "x"])
+    p.update_from_tokenizer(_Words())
+    assert p.bad_words_token_ids == [[1], [2], [3, 4], [5, 4], [6]]

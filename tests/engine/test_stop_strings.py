@@ -147,3 +147,20 @@ def test_samples_stop_at_the_earliest_string_even_one_spanning_tokens(llm):
         assert out.finish_reason == ("stop" if want_stop is not None else "length")
     assert forked.outputs[0].stop_reason is not None  # at the latest, the spanning string
     assert llm.kv_stats()["blocks_used"] == 0
+
+
+def test_include_stop_str_in_output_keeps_the_string_and_cuts_after_it(llm):
+    prompt = llm.tokenizer.encode("def parse_header(line):\n")
+    free = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    tokens = llm.generate([prompt], SamplingParams(**free), use_tqdm=False)[0].outputs[0].token_ids
+    text = llm.tokenizer.decode(tokens)
+    stop = text[len(text) // 3 : len(text) // 3 + 3]  # mid-text: tokens and text follow it
+    assert len(stop) == 3 and stop.strip()
+    cut = llm.generate([prompt], SamplingParams(stop=stop, **free), use_tqdm=False)[0].outputs[0]
+    kept = llm.generate(
+        [prompt], SamplingParams(stop=stop, include_stop_str_in_output=True, **free), use_tqdm=False
+    )[0].outputs[0]
+    start = text.index(stop)
+    assert cut.text == text[:start] and kept.text == text[: start + len(stop)]
+    assert kept.token_ids == cut.token_ids and len(kept.token_ids) < len(tokens)
+    assert (kept.finish_reason, kept.stop_reason) == ("stop", stop)

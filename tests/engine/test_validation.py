@@ -47,6 +47,13 @@ def _refused(llm: LLM, run) -> InvalidRequestError:
             f"[0, {TEST_VOCAB_SIZE})",
         ),
         ([5, TEST_VOCAB_SIZE + 1], SamplingParams(), "prompt", "vocabulary"),
+        ([5, 6], SamplingParams(logit_bias={3: 1, TEST_VOCAB_SIZE: 5}), "logit_bias", f"[{TEST_VOCAB_SIZE}]"),
+        (
+            [5, 6],
+            SamplingParams(allowed_token_ids=[3, TEST_VOCAB_SIZE + 2]),
+            "allowed_token_ids",
+            f"holds [{TEST_VOCAB_SIZE + 2}], which are not token ids of the vocabulary",
+        ),
         ([5, -1], SamplingParams(), "prompt", "vocabulary"),
         ([5, "6"], SamplingParams(), "prompt", "vocabulary"),
         ("a\ud800b", SamplingParams(), "prompt", "unpaired UTF-16 surrogate"),

@@ -257,7 +257,38 @@ BAD_INPUTS = [
         says="max_n = 128",
         param="n",
     ),
-    BadInput("`logit_bias` (not supported)", 400, _completion(logit_bias={"5": 1}), param="logit_bias"),
+    BadInput(
+        "`logit_bias` key not a token id",
+        400,
+        _completion(logit_bias={"a": 1}),
+        says="'a'",
+        param="logit_bias",
+    ),
+    BadInput(
+        "`logit_bias` id outside the vocabulary",
+        400,
+        _completion(logit_bias={"99999999": 1}),
+        says="99999999",
+        param="logit_bias",
+    ),
+    BadInput(
+        "`logit_bias` over 100", 400, _completion(logit_bias={"5": 101}), says="101", param="logit_bias"
+    ),
+    BadInput(
+        "`allowed_token_ids` empty",
+        400,
+        _chat(allowed_token_ids=[]),
+        path="/v1/chat/completions",
+        param="allowed_token_ids",
+    ),
+    BadInput(
+        "`allowed_token_ids` outside the vocabulary",
+        400,
+        _completion(allowed_token_ids=[1, 99999999]),
+        says="99999999",
+        param="allowed_token_ids",
+    ),
+    BadInput("`bad_words` not strings", 400, _completion(bad_words=[3]), param="bad_words.0"),
     BadInput("chat: no messages", 400, _chat(messages=[]), path="/v1/chat/completions", param="messages"),
     BadInput(
         "chat: message without a role",

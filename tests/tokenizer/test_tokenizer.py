@@ -185,3 +185,46 @@ def test_streaming_memory_stays_bounded(ours):
     text = "".join(detok.push(i) for i in ids)
     assert text == " paging" * 300
     assert detok.num_held_ids <= 2
+
+
+def _wordpiece() -> Tokenizer:
+    """A WordPiece tokenizer: its decoder writes a space between every two tokens, special ones too."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    backend = BackendTokenizer(
+        models.WordPiece({"[UNK]": 0, "hello": 1, "world": 2, "##s": 3}, unk_token="[UNK]")
+    )
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    backend.add_special_tokens([AddedToken("[CLS]", special=True), AddedToken("[SEP]", special=True)])
+    return Tokenizer(backend)
+
+
+def _streamed(tokenizer: Tokenizer, ids: list[int], spaces: bool) -> str:
+    detokenizer = tokenizer.detokenizer((), skip_special_tokens=False, spaces_between_special_tokens=spaces)
+    return "".join(detokenizer.push(t) for t in ids) + detokenizer.flush()
+
+
+def test_spaces_between_special_tokens_default_is_the_decode_of_tokenizers_and_transformers():
+    tokenizer = _wordpiece()
+    ids = [4, 1, 5, 4, 2, 3, 5, 5]
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
+    assert _streamed(tokenizer, ids, spaces=True) == fast.decode(ids, skip_special_tokens=False)
+    assert _streamed(tokenizer, ids, spaces=True) == "[CLS] hello [SEP] [CLS] worlds [SEP] [SEP]"
+
+
+def test_without_spaces_between_special_tokens_an_added_token_after_another_has_no_space():
+    """vLLM's detokenizer: only the space between two added tokens goes; words keep theirs."""
+    tokenizer = _wordpiece()
+    ids = [4, 1, 5, 4, 2, 3, 5, 5]
+    assert _streamed(tokenizer, ids, spaces=False) == "[CLS] hello [SEP][CLS] worlds [SEP][SEP]"
+    skipped = tokenizer.detokenizer((), skip_special_tokens=True, spaces_between_special_tokens=False)
+    assert "".join(skipped.push(t) for t in ids) + skipped.flush() == tokenizer.decode(ids)
+
+
+def test_byte_level_bpe_writes_no_space_between_special_tokens_either_way(folder):
+    tokenizer = load_tokenizer(folder)
+    ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|><|im_start|>", add_special_tokens=False)
+    expected = transformers.AutoTokenizer.from_pretrained(folder).decode(ids, skip_special_tokens=False)
+    assert _streamed(tokenizer, ids, spaces=False) == _streamed(tokenizer, ids, spaces=True) == expected

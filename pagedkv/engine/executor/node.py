@@ -8,13 +8,13 @@ way the process serves nothing: rank 0's machine runs the engine, the scheduler 
 from __future__ import annotations
 
 import multiprocessing.connection
-from pathlib import Path
 
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor.launch import exit_cause, start_method, start_ranks, stop
 from pagedkv.engine.executor.multiproc import rank_spec, rendezvous_of
 from pagedkv.engine.executor.worker import run_rank
-from pagedkv.models import ModelConfig, builtin_model_path
+from pagedkv.models import ModelConfig
+from pagedkv.models.hub import resolve_model
 
 
 def is_worker_node(config: EngineConfig) -> bool:
@@ -24,7 +24,8 @@ def is_worker_node(config: EngineConfig) -> bool:
 
 def run_worker_node(config: EngineConfig) -> int:
     """Run this machine's ranks until rank 0 stops them; the exit status of the first failure."""
-    path = Path(config.model) if config.model is not None else builtin_model_path()
+    weights = config.load_format != "dummy"
+    path = resolve_model(config.model, config.revision, config.download_dir, weights).folder
     spec = rank_spec(config, path, ModelConfig.from_pretrained(path))
     if spec.rendezvous.external:
         run_rank(spec, spec.rendezvous.rank, None)

@@ -3,7 +3,8 @@
 A sequence that proposed ``k`` tokens ``x_1..x_k`` gets ``k + 1`` rows of target logits: row
 ``j`` scores the token after the sequence and ``x_1..x_j``. The target distribution ``p_j`` of
 row ``j`` is exactly what :class:`~pagedkv.engine.sampler.Sampler` would draw from there:
-penalties and the ``min_tokens`` ban over the output *including* ``x_1..x_j``, then
+the token-id edits (``bad_words`` over the output *including* ``x_1..x_j``), penalties and the
+``min_tokens`` ban over that output, then
 temperature, ``min_p``, ``top_k``, ``top_p``. Standard rejection sampling: accept ``x_j`` with
 probability ``min(1, p_j(x_j) / q_j(x_j))``; at the first rejection emit a token drawn from the
 residual ``norm(max(0, p_j - q_j))`` and stop; if all ``k`` are accepted, emit a bonus token
@@ -49,6 +50,7 @@ from pagedkv.engine.sampler import (
     token_logprobs,
 )
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.token_constraints import apply_token_constraints
 
 
 @dataclass(frozen=True)
@@ -122,12 +124,16 @@ class RejectionSampler:
         outputs: list[list[int]],
         prompts: list[list[int]],
     ) -> torch.Tensor:
-        """Penalties and the ``min_tokens`` ban, row by row (``logits`` itself when no sequence
-        has either: the common case builds no per-row lists)."""
-        if not any(_reads_output(p, len(out)) for p, out in zip(params, outputs, strict=True)):
+        """Token-id edits, penalties and the ``min_tokens`` ban, row by row (``logits`` itself
+        when no sequence has any: the common case builds no per-row lists)."""
+        edited = (
+            _reads_output(p, len(out)) or p.constrains_tokens for p, out in zip(params, outputs, strict=True)
+        )
+        if not any(edited):
             return logits
         rows = _expand_rows(drafts, params, outputs, prompts)
-        processed = apply_penalties(logits, rows.params, rows.outputs, rows.prompts)
+        processed = apply_token_constraints(logits, rows.params, rows.outputs)
+        processed = apply_penalties(processed, rows.params, rows.outputs, rows.prompts)
         return ban_stop_tokens(processed, rows.params, rows.outputs, self.eos_token_ids)
 
 
@@ -142,9 +148,10 @@ class _Rows:
 
 
 def _reads_output(p: SamplingParams, num_output: int) -> bool:
-    """Whether the row's processing depends on the output tokens (penalties, a live ``min_tokens``)."""
+    """Whether the row's processing depends on the output tokens (penalties, a live
+    ``min_tokens``, bad words)."""
     penalized = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-    return penalized or p.min_tokens > num_output
+    return penalized or p.min_tokens > num_output or bool(p.bad_words_token_ids)
 
 
 def _expand_rows(
