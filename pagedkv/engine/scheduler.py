@@ -44,7 +44,6 @@ from pagedkv.engine.kv_policy import PAGED, KVPolicy
 from pagedkv.engine.scheduler_output import ScheduledSeq, SchedulerOutput  # the step's record
 from pagedkv.engine.sequence import Sequence, SequenceStatus
 from pagedkv.engine.spec.scheduling import add_spec_tokens
-from pagedkv.engine.validation import check_priority_range
 from pagedkv.memory import KVCacheManager
 
 logger = logging.getLogger("pagedkv.scheduler")
@@ -83,8 +82,7 @@ class Scheduler:
             )
         self.scheduling_policy = scheduling_policy
         self.by_priority = scheduling_policy == "priority"
-        check_priority_range(*priority_range)
-        #: The ``priority`` values a request may carry: (min, max), 0 included.
+        #: The ``priority`` values a request may carry: (min, max), 0 included (``EngineConfig``'s check).
         self.priority_range = priority_range
         self.share = FairShare(
             max_running_share,
@@ -210,8 +208,8 @@ class Scheduler:
 
     def _blocks_to_admit(self, seq: Sequence) -> int:
         use_cache = not seq.needs_prompt_logits  # a cached token has no logits to score it
-        reserve = self.reserve_tokens(seq)
-        return self.kv_manager.blocks_to_allocate(seq.token_ids, reserve, use_cache, seq.request.cache_salt)
+        salt, reserve = seq.request.cache_salt, self.reserve_tokens(seq)
+        return self.kv_manager.blocks_to_allocate(seq.token_ids, reserve, use_cache, salt)
 
     def _shortfall(
         self, seq: Sequence, needed: int, budget: int, out: SchedulerOutput, unprotected: Collection[str]
@@ -347,10 +345,8 @@ class Scheduler:
         """Allocate ``seq``'s blocks and schedule its first chunk; returns the chunk's tokens."""
         self._dequeue(seq)
         reserve = self.reserve_tokens(seq)
-        use_cache = not seq.needs_prompt_logits
-        cached = self.kv_manager.allocate(
-            seq.seq_id, seq.token_ids, reserve, use_cache, seq.request.cache_salt
-        )
+        use_cache, salt = not seq.needs_prompt_logits, seq.request.cache_salt
+        cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids, reserve, use_cache, salt)
         seq.num_computed_tokens = cached
         if seq.num_output_tokens == 0:
             seq.request.num_cached_tokens = cached
