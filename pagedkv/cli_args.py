@@ -241,6 +241,17 @@ ENGINE_OPTIONS = (
         choices=SCHEDULING_POLICIES,
     ),
     EngineOption(
+        "min_priority",
+        "under --scheduling-policy priority, the lowest (most urgent) priority a request may ask for; "
+        f"0: clients may only yield {DEFAULT}",
+        int,
+    ),
+    EngineOption(
+        "max_priority",
+        f"under --scheduling-policy priority, the highest priority a request may ask for {DEFAULT}",
+        int,
+    ),
+    EngineOption(
         "max_running_share",
         "most of the running slots (--max-num-seqs) and KV blocks one client request may hold while "
         f"others wait; 1: no limit {DEFAULT}",

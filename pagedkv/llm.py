@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from pagedkv.engine import BeamSearchParams, EngineConfig, LLMEngine, RequestOutput, SamplingParams
+
+#: A prompt as vLLM's ``LLM`` takes it: text, token ids, or a ``TextPrompt`` / ``TokensPrompt``
+#: dict (``{"prompt": ...}`` or ``{"prompt_token_ids": [...]}``, with an optional ``cache_salt``).
+PromptType = str | Sequence[int] | Mapping[str, object]
+_PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 
 
 class LLM:
@@ -40,15 +45,16 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt (text or token ids) to completion; outputs in input order.
+        """Run every prompt (text, token ids, or a prompt dict) to completion; outputs in input order.
 
         Without ``sampling_params``: :meth:`get_default_sampling_params` (the model's defaults).
         ``priority``: one per prompt, lower first (vLLM's); needs ``scheduling_policy="priority"``.
+        A prompt dict's ``cache_salt`` (vLLM's) keeps its prefix cache apart from other salts'.
         """
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -62,7 +68,9 @@ class LLM:
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         ids = self._submit(
             [
-                lambda rid, p=p, sp=sp, pr=pr: self.engine.add_request(rid, p, sp, priority=pr)
+                lambda rid, p=p, sp=sp, pr=pr: self.engine.add_request(
+                    rid, p[0], sp, priority=pr, cache_salt=p[1]
+                )
                 for p, sp, pr in zip(prompts, params, priorities, strict=True)
             ]
         )
@@ -115,10 +123,11 @@ class LLM:
         return self.engine.get_default_sampling_params()
 
     @staticmethod
-    def _as_prompt_list(prompts) -> list[str | list[int]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    def _as_prompt_list(prompts) -> list[tuple[str | list[int], str | None]]:
+        """Each prompt as (text or token ids, cache salt)."""
+        if isinstance(prompts, str | Mapping) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return [p if isinstance(p, str) else list(p) for p in prompts]
+        return [_parse_prompt(p) for p in prompts]
 
     def _submit(self, adds: list[Callable[[str], object]]) -> list[str]:
         """Queue every request or none: if one is rejected, the ones queued before it are aborted."""
@@ -156,7 +165,7 @@ class LLM:
 
     def beam_search(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
@@ -165,7 +174,9 @@ class LLM:
         Beams are forked block tables: they share every block they have in common.
         """
         prompts = self._as_prompt_list(prompts)
-        ids = self._submit([lambda rid, p=p: self.engine.add_beam_request(rid, p, params) for p in prompts])
+        ids = self._submit(
+            [lambda rid, p=p: self.engine.add_beam_request(rid, p[0], params, p[1]) for p in prompts]
+        )
         return self._run(ids, use_tqdm)
 
     def kv_stats(self) -> dict[str, float | int | str]:
@@ -176,3 +187,25 @@ class LLM:
 
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
+
+
+def _parse_prompt(prompt: PromptType) -> tuple[str | list[int], str | None]:
+    """(text or token ids, cache salt) of one prompt; a dict holds exactly one of ``prompt`` and
+    ``prompt_token_ids``."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if not isinstance(prompt, Mapping):
+        return list(prompt), None
+    unknown = set(prompt) - _PROMPT_KEYS
+    if unknown:
+        allowed = sorted(_PROMPT_KEYS)
+        raise ValueError(f"prompt dict has unsupported keys {sorted(unknown)}; allowed: {allowed}")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict holds exactly one of 'prompt' and 'prompt_token_ids'")
+    if "prompt" in prompt:
+        body = prompt["prompt"]
+        if not isinstance(body, str):
+            raise ValueError(f"a prompt dict's 'prompt' is text, got {type(body).__name__}")
+    else:
+        body = list(prompt["prompt_token_ids"])  # type: ignore[call-overload]
+    return body, prompt.get("cache_salt")  # type: ignore[return-value]

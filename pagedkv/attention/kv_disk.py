@@ -17,10 +17,11 @@ temporary name in the same folder, fsync'd, renamed over its final name, and the
 a crash leaves the old file or the whole new one, never half of one, plus a temporary that the
 next start-up removes.
 
-What is never loaded, with a warning: a file whose header names another layout (another model,
-dtype, block size or rank wrote it), and one that is short, long, or fails a checksum (a torn
-or damaged file). :meth:`DiskKVTier.scan` checks headers and sizes; every read checks the
-payload's checksum before a byte reaches the pool.
+What is never loaded: a file whose header names another layout (another model, dtype, block
+size or rank wrote it), and one that is short, long, or fails a checksum (a torn or damaged
+file). :meth:`DiskKVTier.scan` checks headers and sizes, and says in one line how many files it
+skipped, by reason, with an example (a folder of another model's files is thousands of them);
+every read checks the payload's checksum before a byte reaches the pool.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import re
 import struct
 import uuid
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -51,8 +53,21 @@ SUFFIX = ".kvblock"
 TEMP_PREFIX = ".tmp-"
 
 
+#: Why a file is not loaded, as the start-up scan counts them.
+TORN = "torn or damaged"
+OTHER_LAYOUT = "written for another KV layout (model, dtype, block size or rank)"
+OTHER_BLOCK = "holding another block than its name says"
+FOREIGN = "not a pagedkv KV block file"
+UNREADABLE = "unreadable"
+
+
 class CorruptBlockError(ValueError):
-    """A tier file that must not be loaded: torn, damaged, or written under another layout."""
+    """A tier file that must not be loaded: torn, damaged, or written under another layout;
+    ``reason`` is one of the reasons above."""
+
+    def __init__(self, message: str, reason: str = TORN) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -102,7 +117,7 @@ def read_payload(path: Path, layout: KVLayout, kind: str, block_hash: int | None
         header, _ = _checked_header(f, path.name, layout)
         if header.get("kind") != kind or (kind == "block" and header.get("block_hash") != block_hash):
             held = f"{header.get('kind')} {header.get('block_hash')}"
-            raise CorruptBlockError(f"{path.name}: holds {held}, not {kind} {block_hash}")
+            raise CorruptBlockError(f"{path.name}: holds {held}, not {kind} {block_hash}", OTHER_BLOCK)
         payload = bytearray(header["payload_bytes"])
         got = f.readinto(payload)
     if got != len(payload) or zlib.crc32(payload) != header["payload_crc32"]:
@@ -116,7 +131,7 @@ def _checked_header(f: BinaryIO, name: str, layout: KVLayout) -> tuple[dict, int
         raise CorruptBlockError(f"{name}: torn file ({len(preamble)} bytes, no header)")
     magic, head_len, head_crc = _PREAMBLE.unpack(preamble)
     if magic != MAGIC:
-        raise CorruptBlockError(f"{name}: not a pagedkv KV block file (magic {magic!r})")
+        raise CorruptBlockError(f"{name}: not a pagedkv KV block file (magic {magic!r})", FOREIGN)
     if head_len > MAX_HEADER_BYTES:
         raise CorruptBlockError(f"{name}: header length {head_len} is implausible")
     head = f.read(head_len)
@@ -130,7 +145,8 @@ def _checked_header(f: BinaryIO, name: str, layout: KVLayout) -> tuple[dict, int
     if header.get("layout") != layout.to_dict():
         raise CorruptBlockError(
             f"{name}: written for another KV layout {header.get('layout')}, "
-            f"this server's is {layout.to_dict()}"
+            f"this server's is {layout.to_dict()}",
+            OTHER_LAYOUT,
         )
     start = _PREAMBLE.size + head_len
     size = os.fstat(f.fileno()).st_size
@@ -240,8 +256,10 @@ class DiskKVTier:
     def scan(self) -> list[DiskBlock]:
         """This rank's loadable block files, oldest first (the order to index them in, least
         recently used first). Removes what a crash or the last run left that no one can use
-        (temporaries, swap files); warns about and skips the files it cannot load."""
+        (temporaries, swap files); skips the files it cannot load, and says so in one line."""
         found = []
+        skipped: Counter[str] = Counter()
+        example = ""
         rank = re.escape(f".r{self.layout.tp_rank}{SUFFIX}")
         block_name = re.compile(rf"([0-9a-f]{{16}}){rank}")
         for path in sorted(self.folder.iterdir()):
@@ -255,12 +273,22 @@ class DiskKVTier:
             try:
                 header, _ = read_header(path, self.layout)
                 if header.get("kind") != "block" or header.get("block_hash") != int(match.group(1), 16):
-                    raise CorruptBlockError(f"{name}: its header names another block")
-            except CorruptBlockError as err:
-                logger.warning("KV tier: ignoring %s: %s", path, err)
+                    raise CorruptBlockError(f"{name}: its header names another block", OTHER_BLOCK)
+            except (CorruptBlockError, OSError) as err:
+                skipped[getattr(err, "reason", UNREADABLE)] += 1
+                example = example or f"{path}: {err}"
                 continue
             parent = header["parent_hash"]
             tokens = tuple(header["token_ids"])
             found.append(DiskBlock(header["block_hash"], parent, tokens, path, path.stat().st_mtime))
         found.sort(key=lambda block: block.mtime)
+        if skipped:
+            reasons = ", ".join(f"{count} {reason}" for reason, count in skipped.most_common())
+            logger.warning(
+                "KV tier: not loading %d files of %s: %s; e.g. %s",
+                skipped.total(),
+                self.folder,
+                reasons,
+                example,
+            )
         return found

@@ -18,6 +18,12 @@ files are read -- in parallel, on their own threads, never queued behind the wri
 checked before the step's forward pass, so a step waits for the loads it needs and for nothing
 else. Writes waiting beyond ``max_pending_bytes`` are refused at once (reported failed: a spill
 is only a chance to save work), so the queue holds a bounded amount of host memory.
+
+A failure of one file (a read, a write, a delete) is logged, but a lasting condition -- a full
+disk, a read-only folder -- fails every file: each kind is logged at most once per interval,
+with how many failed since and in all (:mod:`pagedkv.log_limits`), and :meth:`DiskTierMover.close`
+reports what is still held back. The engine serves on meanwhile: a failed write is a spill not
+kept, a failed read a block recomputed.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 from pagedkv.attention.kv_cache import KVCache
 from pagedkv.attention.kv_disk import CorruptBlockError, DiskKVTier
 from pagedkv.attention.kv_offload import HostKVTier, gather_blocks, load_blocks, scatter_blocks, store_blocks
+from pagedkv.log_limits import ThrottledLog
 from pagedkv.memory.transfers import KVTransfers
 
 logger = logging.getLogger("pagedkv.attention.kv_tier_io")
@@ -82,6 +89,8 @@ class DiskTierMover:
         #: writes refused because the queue was full, and writes that failed (a full disk)
         self.writes_refused = 0
         self.writes_failed = 0
+        self.reads_failed = 0
+        self._log = ThrottledLog(logger, "KV tier")
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="pagedkv-kv-read")
         self._writers = [
             threading.Thread(target=self._write_loop, args=(q,), name=f"pagedkv-kv-write-{i}", daemon=True)
@@ -152,6 +161,7 @@ class DiskTierMover:
                 q.put(_STOP)
                 writer.join()
         self._readers.shutdown(wait=True)
+        self._log.flush()
 
     def _queue_of(self, name: int) -> queue.SimpleQueue:
         """The one writer queue for a file name (a block hash, or a swap slot)."""
@@ -163,8 +173,19 @@ class DiskTierMover:
         try:
             return self.tier.read_swap(slot) if digest is None else self.tier.read_block(digest)
         except (CorruptBlockError, OSError) as err:
+            with self._lock:
+                self.reads_failed += 1
+                failed = self.reads_failed
             what = "a swap" if digest is None else f"block {digest:#x}"
-            logger.warning("KV tier: not loading %s from slot %d: %s", what, slot, err)
+            self._log.warning(
+                "read",
+                "failed reads",
+                "not loading %s from slot %d: %s (%d failed reads in all)",
+                what,
+                slot,
+                err,
+                failed,
+            )
             return None
 
     def _write_loop(self, jobs: queue.SimpleQueue) -> None:
@@ -187,16 +208,26 @@ class DiskTierMover:
                 self.tier.write_block(spill.block_hash, spill.parent_hash, spill.token_ids, data, scales)
             ok = True
         except OSError as err:
-            logger.warning("KV tier: could not write slot %d to %s: %s", slot, self.tier.folder, err)
-            ok = False
+            ok, error = False, err
         with self._lock:
             self.writes_failed += not ok
+            failed = self.writes_failed
             self._pending_bytes -= self.tier.layout.block_bytes
             self._stored.append((slot, ok))
+        if not ok:
+            self._log.warning(
+                "write",
+                "failed writes",
+                "could not write slot %d to %s: %s (%d failed writes in all; a block not kept is "
+                "recomputed when needed)",
+                slot,
+                self.tier.folder,
+                error,
+                failed,
+            )
 
-    @staticmethod
-    def _quietly(remove, what: int) -> None:
+    def _quietly(self, remove, what: int) -> None:
         try:
             remove(what)
         except OSError as err:
-            logger.warning("KV tier: could not remove a file: %s", err)
+            self._log.warning("remove", "failed deletes", "could not remove a file: %s", err)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from pagedkv.engine.kv_policy import KVPolicy
 from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.structured.config import StructuredOutputsConfig
-from pagedkv.engine.validation import RequestLimits
+from pagedkv.engine.validation import RequestLimits, check_priority_range
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +70,13 @@ class EngineConfig:
     #: vLLM's "fcfs" or "priority": with "priority", a request's ``priority`` (lower first) orders
     #: admission and preemption (see ``engine/fairness.py``).
     scheduling_policy: str = "fcfs"
+    #: The ``priority`` values a request may carry under the ``priority`` policy (vLLM takes any
+    #: integer). Order is relative, so a few levels either side of the default 0 express every
+    #: tiering a client needs; a value outside is a client's mistake or an attempt to jump every
+    #: queue, refused with a 400 naming the range. ``min_priority = 0`` stops any client from
+    #: going ahead of default-priority requests (see ``engine/fairness.py``).
+    min_priority: int = -100
+    max_priority: int = 100
     #: Most of the running slots and KV blocks one client request may hold while others wait
     #: (see ``engine/fairness.py``); 1.0: no limit.
     max_running_share: float = 0.5
@@ -116,6 +123,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        check_priority_range(self.min_priority, self.max_priority)
         spec = self.speculative_config
         if isinstance(spec, str):
             self.speculative_config = SpeculativeConfig.from_json(spec)

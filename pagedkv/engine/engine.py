@@ -40,7 +40,7 @@ from pagedkv.engine.sequence import BeamState, Request, Sequence
 from pagedkv.engine.spec.factory import make_verifier
 from pagedkv.engine.stats import EngineStats, KVSnapshot, StatsCollector, StepStats
 from pagedkv.engine.structured.manager import StructuredOutputManager
-from pagedkv.engine.validation import InvalidRequestError, RequestValidator
+from pagedkv.engine.validation import InvalidRequestError, RequestValidator, check_cache_salt
 from pagedkv.models import ModelConfig
 from pagedkv.models.generation_config import default_sampling_params
 from pagedkv.models.hub import resolve_model
@@ -137,21 +137,30 @@ class LLMEngine:
         priority: int = 0,
         client_request_id: str | None = None,
         grammar: CompiledGrammar | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and queue a request; raises :class:`InvalidRequestError` with the reason.
 
         ``priority``: lower runs first, under the ``priority`` scheduling policy (vLLM's); requests
         that share a ``client_request_id`` share one fair share of the engine (``engine/fairness.py``).
         ``grammar``: ``params.structured_outputs`` compiled ahead (the server's way), else here.
-        Without ``params``: :meth:`get_default_sampling_params`.
+        Without ``params``: :meth:`get_default_sampling_params`. ``cache_salt`` (vLLM's): a
+        non-empty string; the request reuses cached KV blocks only of requests with the same salt,
+        so one tenant cannot time another's prompts.
         """
         self.scheduler.check_priority(priority)
         params = params or self.get_default_sampling_params()
-        return self._queue(request_id, prompt, params, None, priority, client_request_id, grammar)
+        return self._queue(request_id, prompt, params, None, priority, client_request_id, grammar, cache_salt)
 
-    def add_beam_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams) -> Request:
+    def add_beam_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: BeamSearchParams,
+        cache_salt: str | None = None,
+    ) -> Request:
         """Queue a beam search; its result arrives as one RequestOutput, beams best first."""
-        request = self._queue(request_id, prompt, params.sampling_params(), params)
+        request = self._queue(request_id, prompt, params.sampling_params(), params, cache_salt=cache_salt)
         request.beam = BeamState(params, self.eos_token_ids)
         return request
 
@@ -164,9 +173,11 @@ class LLMEngine:
         priority: int = 0,
         client_request_id: str | None = None,
         grammar: CompiledGrammar | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        check_cache_salt(cache_salt)
         samples = self.validator.check_before_encoding(prompt, params, beam)
         if not self.tokenizer.has_text and (isinstance(prompt, str) or params.stop):
             raise InvalidRequestError(f"{self.tokenizer.reason}: send token ids, no stop strings", "prompt")
@@ -182,6 +193,7 @@ class LLMEngine:
         now = time.monotonic()
         request = Request(request_id, text, token_ids, params, now, priority=priority)
         request.client_request_id = client_request_id
+        request.cache_salt = cache_salt
         seq = Sequence(request, 0, list(token_ids), make_generator(params.seed, 0))
         seq.detokenizer = self.tokenizer.detokenizer(
             token_ids, params.skip_special_tokens, params.spaces_between_special_tokens

@@ -35,7 +35,10 @@ waits: a lone request may still use the whole engine (admission stays work-conse
 requests that already run). Under ``--scheduling-policy priority`` (vLLM's) a request's
 ``priority`` orders admission (lower first, ties by arrival) and, as in vLLM, the running
 sequence with the highest ``priority`` value is preempted first (idle beams aside; among equal
-values, one over its share, then the newest).
+values, one over its share, then the newest). Any client may ask for the front of the queue, so
+the policy is for trusted clients; the engine bounds the values (``min_priority`` ..
+``max_priority``, -100 .. 100 by default), and ``min_priority = 0`` lets a client only yield,
+never go ahead of requests that do not set a priority.
 """
 
 from __future__ import annotations
@@ -49,16 +52,30 @@ from pagedkv.engine.validation import InvalidRequestError
 from pagedkv.memory import blocks_for
 
 
-def check_priority(policy: str, priority: object) -> None:
-    """A request's ``priority`` must be an integer, and 0 unless the policy is ``priority``."""
+def check_priority(policy: str, priority: object, min_priority: int = -100, max_priority: int = 100) -> None:
+    """A request's ``priority`` must be an integer, 0 unless the policy is ``priority``, and in
+    ``[min_priority, max_priority]``."""
     if isinstance(priority, bool) or not isinstance(priority, int):
-        raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
+        raise InvalidRequestError(f"priority must be an integer, got {priority!r:.40}", param="priority")
     if priority != 0 and policy != "priority":
         raise InvalidRequestError(
-            f"priority = {priority} needs the priority scheduling policy (--scheduling-policy "
+            f"priority = {_shown(priority)} needs the priority scheduling policy (--scheduling-policy "
             f"priority); this engine schedules {policy}",
             param="priority",
         )
+    if not min_priority <= priority <= max_priority:
+        raise InvalidRequestError(
+            f"priority = {_shown(priority)} is outside the allowed range [{min_priority}, {max_priority}] "
+            "(--min-priority, --max-priority)",
+            param="priority",
+        )
+
+
+def _shown(priority: int) -> str:
+    """A priority as a message shows it (a huge one in short)."""
+    if abs(priority) < 10**15:
+        return str(priority)
+    return f"{'-' if priority < 0 else ''}2^{abs(priority).bit_length() - 1} or more"
 
 
 class FairShare:

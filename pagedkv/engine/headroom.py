@@ -228,7 +228,8 @@ class Projection:
         share (:mod:`pagedkv.engine.fairness`) and are preempted first if the pool runs dry."""
         headroom, manager = self.headroom, self.headroom.kv_manager
         growths = self.growths
-        hits = manager.cached_prefix_blocks(candidate.token_ids, not candidate.needs_prompt_logits)
+        use_cache = not candidate.needs_prompt_logits
+        hits = manager.cached_prefix_blocks(candidate.token_ids, use_cache, candidate.request.cache_salt)
         in_use = [b for b in hits if manager.is_in_use(b)]
         if in_use:  # it will share blocks the running hold: those stay when their holders finish
             shared = frozenset(in_use)

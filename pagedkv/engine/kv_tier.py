@@ -13,8 +13,8 @@ measured rates, hands the tier's changes to the KV-event listener and counts byt
 by vLLM's transfer types.
 
 Warm restart: a disk tier's files outlive the process. At start-up the executor scans the
-folder (files of another model, dtype, block size or layout, and torn ones, are skipped with a
-warning); the newest ``capacity`` blocks are indexed again and the rest deleted. At shutdown
+folder (files of another model, dtype, block size or layout, and torn ones, are skipped, counted
+by reason in one warning); the newest ``capacity`` blocks are indexed again and the rest deleted. At shutdown
 the pool's cached blocks are written out too, so the next engine finds the whole prefix cache.
 """
 
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.plan import StepPlan
 from pagedkv.engine.stats import StepStats, TierStats, TierStep
+from pagedkv.log_limits import ThrottledLog
 from pagedkv.memory import KVCacheManager, KVTier, KVTransfers, SwapCostModel, TieredKVCacheManager
 
 if TYPE_CHECKING:
@@ -103,6 +104,8 @@ class KVTierLink:
         #: the last step's (tier hit tokens, blocks out, blocks in, bytes moved)
         self._moved = (0, 0, 0, 0)
         self._hit_tokens = 0
+        #: a tier whose files keep failing their checks fails a load every step: one line a while
+        self._log = ThrottledLog(logger, "KV tier")
 
     # -- start and end ----------------------------------------------------------------------
     def restore(self) -> None:
@@ -127,6 +130,7 @@ class KVTierLink:
         """Write the pool's cached blocks to a disk tier and wait for the files (shutdown): a
         restarted engine finds them. A host tier ends with the process, and an executor already
         shut down holds nothing to write: nothing to do."""
+        self._log.flush()
         if self.spec.kind != "disk" or self.executor.runner is None:
             return
         self.kv_manager.spill_cached()
@@ -168,7 +172,13 @@ class KVTierLink:
         failures = self.kv_manager.take_load_failures()
         if failures:
             self.load_failures += len(failures)
-            logger.warning("KV tier: loads of %d sequences failed their check; they recompute", len(failures))
+            self._log.warning(
+                "load",
+                "steps with failed loads",
+                "loads of %d sequences failed their check; they recompute (%d in all)",
+                len(failures),
+                self.load_failures,
+            )
         return failures
 
     def poll(self) -> bool:

@@ -67,6 +67,7 @@ class Scheduler:
         decode_headroom: float = 1.0,
         scheduling_policy: str = "fcfs",
         max_running_share: float = 0.5,
+        priority_range: tuple[int, int] = (-100, 100),
     ) -> None:
         if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
             raise ValueError(
@@ -81,6 +82,8 @@ class Scheduler:
             )
         self.scheduling_policy = scheduling_policy
         self.by_priority = scheduling_policy == "priority"
+        #: The ``priority`` values a request may carry: (min, max), 0 included (``EngineConfig``'s check).
+        self.priority_range = priority_range
         self.share = FairShare(
             max_running_share,
             max_num_seqs,
@@ -131,13 +134,15 @@ class Scheduler:
             config.decode_headroom,
             config.scheduling_policy,
             config.max_running_share,
+            (config.min_priority, config.max_priority),
         )
 
     # -- queue management -------------------------------------------------------------------
     def check_priority(self, priority: object) -> None:
         """Raise :class:`~pagedkv.engine.validation.InvalidRequestError` unless this policy takes
-        ``priority`` (a non-zero one needs the ``priority`` policy)."""
-        check_priority(self.scheduling_policy, priority)
+        ``priority`` (a non-zero one needs the ``priority`` policy, and any is bounded by
+        :attr:`priority_range`)."""
+        check_priority(self.scheduling_policy, priority, *self.priority_range)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -203,7 +208,8 @@ class Scheduler:
 
     def _blocks_to_admit(self, seq: Sequence) -> int:
         use_cache = not seq.needs_prompt_logits  # a cached token has no logits to score it
-        return self.kv_manager.blocks_to_allocate(seq.token_ids, self.reserve_tokens(seq), use_cache)
+        salt, reserve = seq.request.cache_salt, self.reserve_tokens(seq)
+        return self.kv_manager.blocks_to_allocate(seq.token_ids, reserve, use_cache, salt)
 
     def _shortfall(
         self, seq: Sequence, needed: int, budget: int, out: SchedulerOutput, unprotected: Collection[str]
@@ -339,8 +345,8 @@ class Scheduler:
         """Allocate ``seq``'s blocks and schedule its first chunk; returns the chunk's tokens."""
         self._dequeue(seq)
         reserve = self.reserve_tokens(seq)
-        use_cache = not seq.needs_prompt_logits
-        cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids, reserve, use_cache)
+        use_cache, salt = not seq.needs_prompt_logits, seq.request.cache_salt
+        cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids, reserve, use_cache, salt)
         seq.num_computed_tokens = cached
         if seq.num_output_tokens == 0:
             seq.request.num_cached_tokens = cached

@@ -181,6 +181,9 @@ class Request:
     #: None: itself. Fair admission (:mod:`pagedkv.engine.fairness`) shares the engine out per
     #: client request.
     client_request_id: str | None = None
+    #: vLLM's ``cache_salt``: the request shares cached KV blocks only with requests of the same
+    #: salt (None: with unsalted ones); see :mod:`pagedkv.memory.block_hash`.
+    cache_salt: str | None = None
     #: What speculative decoding drafted and accepted for this request's sequences (None: the
     #: engine does not speculate).
     spec_decoding: SpecDecodingStats | None = field(default=None, init=False)

@@ -142,6 +142,26 @@ def check_text(text: str, param: str) -> None:
         )
 
 
+def check_priority_range(min_priority: int, max_priority: int) -> None:
+    """The range must hold 0, the priority of a request that sets none."""
+    if not min_priority <= 0 <= max_priority:
+        raise ValueError(
+            f"min_priority <= 0 <= max_priority must hold (0 is the default priority), "
+            f"got min_priority={min_priority}, max_priority={max_priority}"
+        )
+
+
+def check_cache_salt(cache_salt: object) -> None:
+    """vLLM's ``cache_salt``: None, or a non-empty string of valid text (it is hashed as UTF-8)."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise InvalidRequestError(
+            f"cache_salt must be a non-empty string, got {cache_salt!r:.40}", param="cache_salt"
+        )
+    check_text(cache_salt, "cache_salt")
+
+
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
     """Every id must index a row of the model's logits: ``0 <= id < vocab_size``."""
     bad = [

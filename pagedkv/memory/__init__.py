@@ -1,12 +1,12 @@
 """The paging itself: blocks, block tables, prefix cache, the second tier's bookkeeping. Pure
 Python, no torch import."""
 
-from pagedkv.memory.block_hash import ROOT_HASH_SEED, block_hash
+from pagedkv.memory.block_hash import ROOT_HASH_SEED, block_hash, salted_root
 from pagedkv.memory.block_pool import BlockPool, KVCacheListener
 from pagedkv.memory.block_table import BlockTable, blocks_for
 from pagedkv.memory.errors import PoolExhaustedError
 from pagedkv.memory.manager import KVCacheManager, KVUsage, PoolSnapshot, Preemption, TableSnapshot
-from pagedkv.memory.prefix_cache import ROOT, PrefixCache
+from pagedkv.memory.prefix_cache import ROOT, PrefixCache, is_root, root_hash, root_of
 from pagedkv.memory.spec import GPT_STYLE_7B, KVSpec, parse_bytes
 from pagedkv.memory.tiered import PREEMPTION_MODES, TieredKVCacheManager, TierUsage
 from pagedkv.memory.tiers import POOL_MEDIUM, TIER_MEDIUMS, KVTier, TierEvent
@@ -41,5 +41,9 @@ __all__ = [
     "TransferReport",
     "block_hash",
     "blocks_for",
+    "is_root",
     "parse_bytes",
+    "root_hash",
+    "root_of",
+    "salted_root",
 ]

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from pagedkv.memory.errors import PoolExhaustedError
-from pagedkv.memory.prefix_cache import PrefixCache, RemovedBlock
+from pagedkv.memory.prefix_cache import ROOT, PrefixCache, RemovedBlock
 from pagedkv.memory.tiers import TierEvent
 
 
@@ -30,7 +30,8 @@ class KVCacheListener(Protocol):
     """
 
     def block_stored(self, block_id: int, parent: int, token_ids: Sequence[int]) -> None:
-        """A full block's contents became reusable (``parent`` is ROOT for a first block)."""
+        """A full block's contents became reusable (``parent`` is a root for a first block:
+        ``ROOT``, or a salted request's root hash)."""
 
     def blocks_removed(self, block_ids: Sequence[int]) -> None:
         """These cached blocks were evicted or forgotten: their contents are gone."""
@@ -186,9 +187,10 @@ class BlockPool:
             self.listener.block_stored(block_id, parent, token_ids)
         return stored
 
-    def match_prefix(self, token_ids: Sequence[int], max_blocks: int) -> list[int]:
-        """Cached blocks covering the longest prefix of ``token_ids`` (no side effects)."""
-        return self.prefix_cache.match(token_ids, self.block_size, max_blocks)
+    def match_prefix(self, token_ids: Sequence[int], max_blocks: int, root: int = ROOT) -> list[int]:
+        """Cached blocks under ``root`` covering the longest prefix of ``token_ids`` (no side
+        effects)."""
+        return self.prefix_cache.match(token_ids, self.block_size, max_blocks, root)
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """Mark cached-free blocks as recently used (moves them to the young end of the LRU)."""

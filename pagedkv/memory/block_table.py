@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from pagedkv.memory.block_pool import BlockPool
 from pagedkv.memory.errors import PoolExhaustedError
+from pagedkv.memory.prefix_cache import ROOT
 
 CopyPair = tuple[int, int]
 
@@ -22,8 +23,11 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class BlockTable:
     """A sequence's blocks and token count. Holds one reference to each of its blocks."""
 
-    def __init__(self, pool: BlockPool, block_ids: Sequence[int] = (), num_tokens: int = 0) -> None:
-        """Wrap blocks the caller already holds a reference to (e.g. prefix-cache hits)."""
+    def __init__(
+        self, pool: BlockPool, block_ids: Sequence[int] = (), num_tokens: int = 0, root: int = ROOT
+    ) -> None:
+        """Wrap blocks the caller already holds a reference to (e.g. prefix-cache hits);
+        ``root`` is the prefix-cache parent of the first block (its request's salt)."""
         if num_tokens > len(block_ids) * pool.block_size:
             raise ValueError(f"{num_tokens} tokens do not fit in {len(block_ids)} blocks")
         self.pool = pool
@@ -31,6 +35,8 @@ class BlockTable:
         self.num_tokens = num_tokens
         #: Leading blocks already registered in the prefix cache (the manager advances it).
         self.num_cached_blocks = 0
+        #: The prefix-cache root the first block is chained under (``ROOT``: unsalted).
+        self.root = root
 
     @property
     def block_size(self) -> int:
@@ -129,7 +135,7 @@ class BlockTable:
         """A child that shares every block (refcount + 1); writes diverge by copy-on-write."""
         for block in self.block_ids:
             self.pool.incref(block)
-        child = BlockTable(self.pool, self.block_ids, self.num_tokens)
+        child = BlockTable(self.pool, self.block_ids, self.num_tokens, self.root)
         child.num_cached_blocks = self.num_cached_blocks
         return child
 

@@ -2,6 +2,10 @@
 
 The scheduler never touches a block; it asks this manager whether a sequence fits, to allocate
 its prompt (reusing cached prefix blocks), to grow it by a token, to fork it, and to free it.
+
+A request's ``cache_salt`` (vLLM's) picks the prefix-cache root its blocks are chained under
+(:func:`~pagedkv.memory.prefix_cache.root_of`): a prompt finds only blocks cached under the same
+salt, or, unsalted, only unsalted ones. Its table keeps the root, and so do its forks.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from dataclasses import dataclass
 from pagedkv.memory.block_pool import BlockPool, KVCacheListener
 from pagedkv.memory.block_table import BlockTable, CopyPair, blocks_for
 from pagedkv.memory.errors import PoolExhaustedError
-from pagedkv.memory.prefix_cache import ROOT
+from pagedkv.memory.prefix_cache import root_of
 from pagedkv.memory.transfers import KVTransfers
 
 SeqId = Hashable
@@ -100,27 +104,41 @@ class KVCacheManager:
         return self.table(seq_id).block_ids
 
     # -- admission --------------------------------------------------------------------------
-    def _cached_prefix(self, token_ids: Sequence[int], use_cache: bool) -> list[int]:
+    def _cached_prefix(
+        self, token_ids: Sequence[int], use_cache: bool, cache_salt: str | None = None
+    ) -> list[int]:
         if not (self.enable_prefix_caching and use_cache):
             return []
         # Never cover the prompt's last token: its logits must come out of this step.
-        return self.pool.match_prefix(token_ids, (len(token_ids) - 1) // self.block_size)
+        return self.pool.match_prefix(token_ids, (len(token_ids) - 1) // self.block_size, root_of(cache_salt))
 
     def blocks_to_allocate(
-        self, token_ids: Sequence[int], reserve_tokens: int = 0, use_cache: bool = True
+        self,
+        token_ids: Sequence[int],
+        reserve_tokens: int = 0,
+        use_cache: bool = True,
+        cache_salt: str | None = None,
     ) -> int:
         """New blocks a prompt would take after its cache hits (hits still count as used).
 
         ``reserve_tokens`` asks for slots beyond the prompt up front (contiguous reservation);
-        ``use_cache=False`` looks nothing up (a prompt that must compute every token).
+        ``use_cache=False`` looks nothing up (a prompt that must compute every token);
+        ``cache_salt`` looks up only the blocks cached under that salt.
         """
-        hits = self._cached_prefix(token_ids, use_cache)
+        hits = self._cached_prefix(token_ids, use_cache, cache_salt)
         revived = sum(1 for b in hits if self.pool.refcount(b) == 0)
         total = max(len(token_ids), reserve_tokens)
         return blocks_for(total, self.block_size) - len(hits) + revived
 
-    def can_allocate(self, token_ids: Sequence[int], reserve_tokens: int = 0, use_cache: bool = True) -> bool:
-        return self.blocks_to_allocate(token_ids, reserve_tokens, use_cache) <= self.allocatable_blocks
+    def can_allocate(
+        self,
+        token_ids: Sequence[int],
+        reserve_tokens: int = 0,
+        use_cache: bool = True,
+        cache_salt: str | None = None,
+    ) -> bool:
+        needed = self.blocks_to_allocate(token_ids, reserve_tokens, use_cache, cache_salt)
+        return needed <= self.allocatable_blocks
 
     @property
     def allocatable_blocks(self) -> int:
@@ -128,19 +146,24 @@ class KVCacheManager:
         return self.pool.num_free_blocks - self.watermark_blocks
 
     def allocate(
-        self, seq_id: SeqId, token_ids: Sequence[int], reserve_tokens: int = 0, use_cache: bool = True
+        self,
+        seq_id: SeqId,
+        token_ids: Sequence[int],
+        reserve_tokens: int = 0,
+        use_cache: bool = True,
+        cache_salt: str | None = None,
     ) -> int:
         """Give ``seq_id`` blocks for its whole prompt; return how many tokens were cached.
 
         Cached prefix blocks are shared (refcount + 1) instead of allocated; the caller skips
         computing those tokens. ``reserve_tokens`` holds slots for later tokens too;
         ``use_cache=False`` allocates every block new (the blocks are still offered to the
-        cache once computed).
+        cache once computed); ``cache_salt`` shares and caches blocks only under that salt.
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds KV blocks")
-        hits = self._cached_prefix(token_ids, use_cache)
-        self._allocate_with_hits(seq_id, token_ids, hits, reserve_tokens)
+        hits = self._cached_prefix(token_ids, use_cache, cache_salt)
+        self._allocate_with_hits(seq_id, token_ids, hits, reserve_tokens, cache_salt)
         cached_tokens = len(hits) * self.block_size
         if self.enable_prefix_caching and use_cache:
             self.prefix_query_tokens += len(token_ids)
@@ -148,7 +171,12 @@ class KVCacheManager:
         return cached_tokens
 
     def _allocate_with_hits(
-        self, seq_id: SeqId, token_ids: Sequence[int], hits: list[int], reserve_tokens: int
+        self,
+        seq_id: SeqId,
+        token_ids: Sequence[int],
+        hits: list[int],
+        reserve_tokens: int,
+        cache_salt: str | None = None,
     ) -> BlockTable:
         """A table for ``token_ids`` whose first blocks are the cached ``hits`` (shared) and the
         rest new; all or nothing."""
@@ -158,7 +186,7 @@ class KVCacheManager:
             raise PoolExhaustedError(needed, self.pool.num_free_blocks, self.num_blocks)
         for block in hits:
             self.pool.incref(block)
-        table = BlockTable(self.pool, hits, len(hits) * self.block_size)
+        table = BlockTable(self.pool, hits, len(hits) * self.block_size, root_of(cache_salt))
         table.num_cached_blocks = len(hits)
         table.append_slots(len(token_ids) - table.num_tokens)
         table.reserve(reserve_tokens)
@@ -193,7 +221,7 @@ class KVCacheManager:
             return []
         if len(parent.block_ids) > self.pool.num_free_blocks:
             raise PoolExhaustedError(len(parent.block_ids), self.pool.num_free_blocks, self.num_blocks)
-        child = BlockTable(self.pool)
+        child = BlockTable(self.pool, root=parent.root)
         child.append_slots(parent.num_tokens)
         child.reserve(parent.capacity)
         self._tables[child_id] = child
@@ -240,7 +268,7 @@ class KVCacheManager:
         if done and table.block_ids[done - 1] not in cache:
             done = 0  # a reset forgot this chain: register it again from the start
         for i in range(done, full):
-            parent = table.block_ids[i - 1] if i else ROOT
+            parent = table.block_ids[i - 1] if i else table.root
             block, tokens = table.block_ids[i], token_ids[i * bs : (i + 1) * bs]
             twin = cache.lookup(parent, tokens)
             if twin is None:
@@ -286,9 +314,11 @@ class KVCacheManager:
         """Blocks the tables reference, a shared block once per holder (the sum of refcounts)."""
         return sum(len(table.block_ids) for table in self._tables.values())
 
-    def cached_prefix_blocks(self, token_ids: Sequence[int], use_cache: bool = True) -> list[int]:
+    def cached_prefix_blocks(
+        self, token_ids: Sequence[int], use_cache: bool = True, cache_salt: str | None = None
+    ) -> list[int]:
         """The cached blocks an allocation of ``token_ids`` would share (what admission reuses)."""
-        return self._cached_prefix(token_ids, use_cache)
+        return self._cached_prefix(token_ids, use_cache, cache_salt)
 
     def private_blocks(self, seq_id: SeqId, shared_soon: Collection[int] = ()) -> int:
         """Blocks only ``seq_id`` holds -- what freeing it gives back to the pool -- less those in

@@ -14,6 +14,10 @@ never covers a prompt's last token: its logits must be computed.
 With ``hash_blocks`` the cache also names each block by its chained content hash
 (:mod:`pagedkv.memory.block_hash`), computed once when the block is inserted: what a second KV
 tier keys blocks by once they leave the pool.
+
+A first block's parent is a *root*, a negative id no block has: :data:`ROOT` for an unsalted
+request, the salt's root hash (:func:`~pagedkv.memory.block_hash.salted_root`) for a request
+with a ``cache_salt``. Requests share a cached chain only if they share its root.
 """
 
 from __future__ import annotations
@@ -21,10 +25,28 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from pagedkv.memory.block_hash import block_hash
+from pagedkv.memory.block_hash import block_hash, salted_root
 
-#: Parent id of a sequence's first block.
+#: Parent id of an unsalted sequence's first block.
 ROOT = -1
+
+
+def root_of(cache_salt: str | None) -> int:
+    """The parent id of a first block under ``cache_salt``: :data:`ROOT` without a salt, else
+    the salt's root hash (<= -2)."""
+    root = salted_root(cache_salt)
+    return ROOT if root is None else root
+
+
+def is_root(parent: int) -> bool:
+    """Whether ``parent`` is a root (the block under it is a first block), not a block id."""
+    return parent < 0
+
+
+def root_hash(root: int) -> int | None:
+    """The parent hash a first block under ``root`` is hashed with (None: unsalted)."""
+    return None if root == ROOT else root
+
 
 BlockKey = tuple[int, tuple[int, ...]]
 
@@ -59,10 +81,12 @@ class PrefixCache:
     def lookup(self, parent: int, token_ids: Sequence[int]) -> int | None:
         return self._by_key.get((parent, tuple(token_ids)))
 
-    def match(self, token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[int]:
-        """The longest chain of cached blocks covering a prefix of ``token_ids``."""
+    def match(
+        self, token_ids: Sequence[int], block_size: int, max_blocks: int, root: int = ROOT
+    ) -> list[int]:
+        """The longest chain of cached blocks under ``root`` covering a prefix of ``token_ids``."""
         chain: list[int] = []
-        parent = ROOT
+        parent = root
         for i in range(max_blocks):
             block = self.lookup(parent, token_ids[i * block_size : (i + 1) * block_size])
             if block is None:
@@ -78,10 +102,10 @@ class PrefixCache:
             return False
         self._by_key[key] = block_id
         self._key_of[block_id] = key
-        if parent != ROOT:
+        if not is_root(parent):
             self._children.setdefault(parent, set()).add(block_id)
         if self._hash_of is not None:  # a parent is always cached (the cache is a closed tree)
-            parent_hash = None if parent == ROOT else self._hash_of[parent]
+            parent_hash = root_hash(parent) if is_root(parent) else self._hash_of[parent]
             self._hash_of[block_id] = block_hash(parent_hash, key[1])
         return True
 
@@ -108,7 +132,7 @@ class PrefixCache:
                     continue
                 removed.append(self._forget(block))
                 parent = removed[-1].key[0]
-                if parent != ROOT and parent in self._children:
+                if not is_root(parent) and parent in self._children:
                     self._children[parent].discard(block)
                 stack.extend(self._children.pop(block, ()))
         if self._hash_of is not None:  # only now: a child's entry read its parent's hash
@@ -121,7 +145,7 @@ class PrefixCache:
         key = self._key_of[block_id]
         if self._hash_of is None:
             return RemovedBlock(block_id, key, None, None)
-        parent_hash = None if key[0] == ROOT else self._hash_of[key[0]]
+        parent_hash = root_hash(key[0]) if is_root(key[0]) else self._hash_of[key[0]]
         return RemovedBlock(block_id, key, self._hash_of[block_id], parent_hash)
 
     def _forget(self, block_id: int) -> RemovedBlock:
@@ -147,5 +171,5 @@ class PrefixCache:
         return self._key_of[block_id][1]
 
     def parent_of(self, block_id: int) -> int:
-        """The cached block that ``block_id`` is chained under (ROOT for a first block)."""
+        """The cached block that ``block_id`` is chained under (a root for a first block)."""
         return self._key_of[block_id][0]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pagedkv.memory.block_table import BlockTable, CopyPair, blocks_for
 from pagedkv.memory.errors import PoolExhaustedError
 from pagedkv.memory.manager import KVCacheManager, Preemption, SeqId
-from pagedkv.memory.prefix_cache import RemovedBlock
+from pagedkv.memory.prefix_cache import RemovedBlock, root_hash, root_of
 from pagedkv.memory.tiers import KVTier, SwapKey, TierBlock, TierEvent
 from pagedkv.memory.transfers import BlockLoad, BlockSpill, KVTransfers, SwapCostModel, TransferReport
 
@@ -112,18 +112,24 @@ class TieredKVCacheManager(KVCacheManager):
 
     # -- admission --------------------------------------------------------------------------
     def allocate(
-        self, seq_id: SeqId, token_ids: Sequence[int], reserve_tokens: int = 0, use_cache: bool = True
+        self,
+        seq_id: SeqId,
+        token_ids: Sequence[int],
+        reserve_tokens: int = 0,
+        use_cache: bool = True,
+        cache_salt: str | None = None,
     ) -> int:
         """:meth:`KVCacheManager.allocate`, then the prompt's next blocks from the tier (loads),
         or, for a swapped-out sequence, its blocks back from swap slots. Returns the tokens
-        the sequence need not compute (pool hits, loads, swap-ins)."""
+        the sequence need not compute (pool hits, loads, swap-ins). A tier block is found
+        only under the same ``cache_salt``: its hash chain starts at the salt's root."""
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds KV blocks")
         if seq_id in self._swapped:
-            return self._swap_in(seq_id, token_ids, reserve_tokens)
-        hits = self._cached_prefix(token_ids, use_cache)
-        tier_hits = self._tier_prefix(token_ids, hits, use_cache, None)
-        self._admit(seq_id, token_ids, hits, tier_hits, reserve_tokens)
+            return self._swap_in(seq_id, token_ids, reserve_tokens, cache_salt)
+        hits = self._cached_prefix(token_ids, use_cache, cache_salt)
+        tier_hits = self._tier_prefix(token_ids, hits, use_cache, None, cache_salt)
+        self._admit(seq_id, token_ids, hits, tier_hits, reserve_tokens, cache_salt)
         cached = (len(hits) + len(tier_hits)) * self.block_size
         if self.enable_prefix_caching and use_cache:
             self.prefix_query_tokens += len(token_ids)
@@ -142,7 +148,12 @@ class TieredKVCacheManager(KVCacheManager):
         return seq_id in self._swapped
 
     def _tier_prefix(
-        self, token_ids: Sequence[int], hits: list[int], use_cache: bool, max_blocks: int | None
+        self,
+        token_ids: Sequence[int],
+        hits: list[int],
+        use_cache: bool,
+        max_blocks: int | None,
+        cache_salt: str | None,
     ) -> list[TierBlock]:
         """The readable tier blocks continuing the pool's ``hits`` (never the last token)."""
         if not (self.enable_prefix_caching and use_cache):
@@ -152,7 +163,7 @@ class TieredKVCacheManager(KVCacheManager):
         stop = (len(token_ids) - 1) // self.block_size
         if max_blocks is not None:
             stop = min(stop, max_blocks)
-        parent = cache.hash_of(hits[-1]) if hits else None
+        parent = cache.hash_of(hits[-1]) if hits else root_hash(root_of(cache_salt))
         return self.tier.match(token_ids, self.block_size, len(hits), stop, parent)
 
     def _admit(
@@ -162,12 +173,13 @@ class TieredKVCacheManager(KVCacheManager):
         hits: list[int],
         tier_hits: list[TierBlock],
         reserve_tokens: int,
+        cache_salt: str | None,
     ) -> BlockTable:
         # Pinned before allocating: the evictions the allocation causes spill into the tier,
         # and must not take the slots these loads read.
         self.tier.pin(tier_hits)
         try:
-            table = self._allocate_with_hits(seq_id, token_ids, hits, reserve_tokens)
+            table = self._allocate_with_hits(seq_id, token_ids, hits, reserve_tokens, cache_salt)
         except PoolExhaustedError:
             for entry in tier_hits:
                 self.tier.unpin(entry.block_hash, entry.slot)
@@ -179,20 +191,26 @@ class TieredKVCacheManager(KVCacheManager):
             self.blocks_loaded += 1
         return table
 
-    def _swap_in(self, seq_id: SeqId, token_ids: Sequence[int], reserve_tokens: int) -> int:
+    def _swap_in(
+        self, seq_id: SeqId, token_ids: Sequence[int], reserve_tokens: int, cache_salt: str | None
+    ) -> int:
         record = self._swapped[seq_id]
         if self.tier.swap_storing(record.keys):
             raise ValueError(f"sequence {seq_id!r} is still being swapped out; wait for swap_ready()")
-        hits = self._cached_prefix(token_ids, True)
-        tier_hits = self._tier_prefix(token_ids, hits, True, record.start) if len(hits) < record.start else []
+        hits = self._cached_prefix(token_ids, True, cache_salt)
+        tier_hits = (
+            self._tier_prefix(token_ids, hits, True, record.start, cache_salt)
+            if len(hits) < record.start
+            else []
+        )
         covered = len(hits) + len(tier_hits)
         if covered < record.start or self.tier.swap_failed(record.keys):
             # The cached prefix the swap relied on is gone (or a write failed): recompute.
             del self._swapped[seq_id]
             self.tier.release_swap(record.keys)
             self.swap_fallbacks += 1
-            return self.allocate(seq_id, token_ids, reserve_tokens)
-        table = self._admit(seq_id, token_ids, hits, tier_hits, reserve_tokens)
+            return self.allocate(seq_id, token_ids, reserve_tokens, cache_salt=cache_salt)
+        table = self._admit(seq_id, token_ids, hits, tier_hits, reserve_tokens, cache_salt)
         del self._swapped[seq_id]
         for index, key in enumerate(record.keys, start=record.start):
             if index < covered:  # the prefix cache had this block too

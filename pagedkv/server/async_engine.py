@@ -86,6 +86,8 @@ class _Add:
     client_request_id: str | None = None
     #: ``params.structured_outputs`` compiled (the handler awaited it): the worker never compiles.
     grammar: CompiledGrammar | None = None
+    #: vLLM's ``cache_salt``: the prompts share cached blocks only with the same salt.
+    cache_salt: str | None = None
     submitted: float = field(default_factory=time.monotonic)
 
 
@@ -159,15 +161,29 @@ class AsyncEngine:
         priority: int = 0,
         client_request_id: str | None = None,
         grammar: CompiledGrammar | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue every prompt or none; returns once accepted, raises ``InvalidRequestError`` /
         ``QueueFullError``. Outputs of ``prompts[i]`` arrive on ``stream`` tagged ``i``; the
         prompts count as the one client request ``client_request_id`` for fair admission.
-        ``grammar``: ``params.structured_outputs`` compiled, when it is set."""
+        ``grammar``: ``params.structured_outputs`` compiled, when it is set; ``cache_salt``:
+        the prompts' prefix-cache salt."""
         if len(request_ids) != len(prompts):
             raise ValueError(f"got {len(request_ids)} request ids for {len(prompts)} prompts")
         accepted = asyncio.get_running_loop().create_future()
-        self._send(_Add(request_ids, prompts, params, stream, accepted, priority, client_request_id, grammar))
+        self._send(
+            _Add(
+                request_ids,
+                prompts,
+                params,
+                stream,
+                accepted,
+                priority,
+                client_request_id,
+                grammar,
+                cache_salt,
+            )
+        )
         await accepted
 
     def abort(self, request_ids: list[str]) -> None:
@@ -306,6 +322,7 @@ class AsyncEngine:
                     command.priority,
                     command.client_request_id,
                     grammar=command.grammar,
+                    cache_salt=command.cache_salt,
                 )
             except InvalidRequestError as err:  # the handler turns it into a 400
                 error = err if arriving == 1 else InvalidRequestError(f"prompt {index}: {err}", err.param)

@@ -22,7 +22,7 @@ that sends its request at once is always admitted; only when every connection is
 new one get the ``503``. The cap and the accept backlog are sized below the open-file limit so
 that ``accept()`` does not run out of descriptors; if it does anyway, :class:`AcceptErrorLog`
 logs it once per interval. What the guard closed, and uvicorn's warnings about bad requests
-(:class:`RepeatedWarnings`), are logged once per interval too.
+(:class:`RepeatedWarnings`), are logged once per interval too (:mod:`pagedkv.log_limits`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from pagedkv.log_limits import LOG_INTERVAL_S, Throttle, held_note
 from pagedkv.server.errors import APIError
 
 logger = logging.getLogger("pagedkv.server")
@@ -53,8 +54,6 @@ FD_OVERHEAD = 64
 DEFAULT_MAX_CONNECTIONS = 16384
 #: uvicorn's accept backlog, the most a descriptor limit can spare for it.
 MAX_BACKLOG = 2048
-#: At most one log line per this many seconds for accept errors, and for what the guard closed.
-LOG_INTERVAL_S = 10.0
 #: ``accept()`` failures that mean "out of descriptors or memory", not a bad client.
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
@@ -294,20 +293,15 @@ class RepeatedWarnings(logging.Filter):
 
     def __init__(self, interval: float = LOG_INTERVAL_S) -> None:
         super().__init__()
-        self.interval = interval
-        self._last: dict[str, tuple[float, int]] = {}  # message -> (last written, held back since)
+        self.throttle = Throttle(interval)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno != logging.WARNING or record.msg not in self.MESSAGES:
             return True
-        now = time.monotonic()
-        written, held = self._last.get(record.msg, (-float("inf"), 0))
-        if now - written < self.interval:
-            self._last[record.msg] = (written, held + 1)
+        held = self.throttle.admit(record.msg)
+        if held is None:
             return False
-        self._last[record.msg] = (now, 0)
-        if held:
-            record.msg = f"{record.msg} ({held} more since the last of these)"
+        record.msg += held_note(held)
         return True
 
 
@@ -325,10 +319,8 @@ class AcceptErrorLog:
 
     def __init__(self, guard: ConnectionGuard, interval: float = LOG_INTERVAL_S) -> None:
         self.guard = guard
-        self.interval = interval
+        self.throttle = Throttle(interval)
         self.failures = 0
-        self._unreported = 0
-        self._last = -float("inf")
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         error = context.get("exception")
@@ -337,15 +329,13 @@ class AcceptErrorLog:
             loop.default_exception_handler(context)
             return
         self.failures += 1
-        self._unreported += 1
-        now = time.monotonic()
-        if now - self._last >= self.interval:
+        held = self.throttle.admit("accept")
+        if held is not None:
             logger.error(
                 "cannot accept connections: %s (%d times since the last report); open-file limit "
                 "%d, --limit-concurrency %d: raise the limit (ulimit -n) or lower the cap",
                 error.strerror,
-                self._unreported,
+                held + 1,
                 open_file_limit(),
                 self.guard.max_connections,
             )
-            self._unreported, self._last = 0, now

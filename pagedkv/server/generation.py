@@ -90,8 +90,10 @@ class Generation:
         params: SamplingParams,
         priority: int = 0,
         grammar: CompiledGrammar | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.engine = engine
+        self.cache_salt = cache_salt
         self.grammar = grammar
         self.request_id = request_id
         self.prompts = prompts
@@ -124,6 +126,7 @@ class Generation:
                 self.priority,
                 self.request_id,
                 self.grammar,
+                self.cache_salt,
             )
         except BaseException:
             self.close()  # cancelled while waiting: withdraw whatever the worker admits

@@ -22,6 +22,11 @@ host RAM, ``DISK``) next to the pool's ``GPU``: a router sees which blocks a rep
 rather than recompute. The pool calls the :class:`~pagedkv.memory.KVCacheListener` methods on
 the engine thread, which only enqueue; a publisher thread hashes, batches and sends, so the
 engine step never waits on a socket.
+
+A salted request's blocks (``cache_salt``) hash under the salt's root, so their hashes differ
+from an unsalted prefix's; their events keep vLLM's format: a first block's
+``parent_block_hash`` is null, salted or not, as vLLM announces it (the salt itself is never
+published).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
-from pagedkv.memory import POOL_MEDIUM, ROOT, TierEvent, block_hash
+from pagedkv.memory import POOL_MEDIUM, TierEvent, block_hash, is_root, root_hash
 
 logger = logging.getLogger("pagedkv.server.kv_events")
 
@@ -124,8 +129,8 @@ class ZmqKVEventPublisher:
         kind = item[0]
         if kind == "stored":
             _, block_id, parent, tokens = item
-            parent_hash = None if parent == ROOT else self._hash_of.get(parent)
-            if parent != ROOT and parent_hash is None:
+            parent_hash = root_hash(parent) if is_root(parent) else self._hash_of.get(parent)
+            if not is_root(parent) and parent_hash is None:
                 logger.warning("block %d stored under unannounced parent %d: not published", block_id, parent)
                 return None
             digest = block_hash(parent_hash, tokens)
@@ -133,7 +138,7 @@ class ZmqKVEventPublisher:
             return {
                 "type": "BlockStored",
                 "block_hashes": [digest],
-                "parent_block_hash": parent_hash,
+                "parent_block_hash": _announced_parent(parent_hash),
                 "token_ids": list(tokens),
                 "block_size": self.block_size,
                 "lora_id": None,
@@ -181,10 +186,16 @@ def _tier_event(change: TierEvent, block_size: int) -> dict:
     return {
         "type": "BlockStored",
         "block_hashes": list(change.block_hashes),
-        "parent_block_hash": change.parent_hash,
+        "parent_block_hash": _announced_parent(change.parent_hash),
         "token_ids": list(change.token_ids),
         "block_size": block_size,
         "lora_id": None,
         "medium": change.medium,
         "lora_name": None,
     }
+
+
+def _announced_parent(parent_hash: int | None) -> int | None:
+    """The ``parent_block_hash`` published: a block's hash, or null for a first block (a salted
+    first block's parent is its salt's root, a negative int that names no block)."""
+    return None if parent_hash is None or parent_hash < 0 else parent_hash

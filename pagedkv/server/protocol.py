@@ -138,6 +138,9 @@ class _SamplingRequest(BaseModel):
     priority: Int = 0
     #: vLLM's: logprob tokens read ``"token_id:N"`` instead of their text.
     return_tokens_as_token_ids: Bool | None = None
+    #: vLLM's: a non-empty string; the request reuses cached KV blocks only of requests with the
+    #: same salt (one tenant cannot time another's prompts through the prefix cache).
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
 
     def check_text(self) -> None:
         """Refuse any string holding an unpaired surrogate (:func:`refuse_invalid_text`)."""

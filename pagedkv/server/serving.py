@@ -112,8 +112,9 @@ async def _start(
     params: SamplingParams,
     priority: int,
     grammar: CompiledGrammar | None,
+    cache_salt: str | None,
 ) -> Generation:
-    generation = Generation(ctx.engine, request_id, prompts, params, priority, grammar)
+    generation = Generation(ctx.engine, request_id, prompts, params, priority, grammar, cache_salt)
     try:
         await generation.start()
     except QueueFullError as err:
@@ -158,7 +159,9 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     inputs = await preprocess_completion(ctx, body)
     params = inputs.params
     headers = ignored_headers(body, request_id)
-    generation = await _start(ctx, request_id, inputs.prompts, params, body.priority, inputs.grammar)
+    generation = await _start(
+        ctx, request_id, inputs.prompts, params, body.priority, inputs.grammar, body.cache_salt
+    )
     formatter = LogprobFormatter(ctx.tokenizer, bool(body.return_tokens_as_token_ids))
     wants_logprobs = params.logprobs is not None
     with_prompt_logprobs: set[int] = set()  # choices whose prompt logprobs went out
@@ -268,7 +271,9 @@ async def create_chat_completion(
     inputs = await preprocess_chat(ctx, body)
     prompt, params = inputs.prompt, inputs.params
     headers = ignored_headers(body, request_id)
-    generation = await _start(ctx, request_id, [prompt], params, body.priority, inputs.grammar)
+    generation = await _start(
+        ctx, request_id, [prompt], params, body.priority, inputs.grammar, body.cache_salt
+    )
     formatter = LogprobFormatter(ctx.tokenizer, bool(body.return_tokens_as_token_ids))
     wants_logprobs = params.logprobs is not None
     reasoning = _reasoning_parsers(ctx, inputs, generation.num_choices)

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.engine import InvalidRequestError, RequestLimits
+from pagedkv.engine import EngineConfig, InvalidRequestError, RequestLimits
 from pagedkv.engine.sequence import SequenceStatus
 from tests.checkpoints import make_checkpoint
 from tests.engine.test_scheduler_headroom import _check_blocks
@@ -153,6 +153,31 @@ def test_priority_needs_the_priority_policy(model_path):
         engine.add_request("r", [20, 21], _long(), priority=1)
     assert refused.value.param == "priority"
     assert not engine.requests and not engine.scheduler.waiting
+
+
+@pytest.mark.parametrize("priority", [-101, 101, 10**25, -(10**400)])
+def test_a_priority_outside_the_range_is_refused_naming_it(model_path, priority):
+    engine = _engine(model_path, scheduling_policy="priority")
+    with pytest.raises(InvalidRequestError, match=r"outside the allowed range \[-100, 100\]") as refused:
+        engine.add_request("r", [20, 21], _long(), priority=priority)
+    assert refused.value.param == "priority"
+    assert not engine.requests and not engine.scheduler.waiting
+    for bound in (-100, 100):  # the bounds themselves are in
+        engine.add_request(f"at {bound}", [20, 21], _long(max_tokens=2), priority=bound)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_a_deployer_sets_the_range_and_zero_must_be_in_it(model_path):
+    engine = _engine(model_path, scheduling_policy="priority", min_priority=0, max_priority=3)
+    with pytest.raises(InvalidRequestError, match=r"\[0, 3\]"):
+        engine.add_request("jump", [20, 21], _long(), priority=-1)  # nobody goes ahead of the default
+    engine.add_request("yield", [20, 21], _long(max_tokens=2), priority=3)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for low, high in ((1, 5), (-5, -1)):
+        with pytest.raises(ValueError, match="min_priority <= 0 <= max_priority"):
+            EngineConfig(min_priority=low, max_priority=high)
 
 
 def test_lower_priority_values_are_admitted_first_ties_by_arrival(model_path):

@@ -1,9 +1,10 @@
 """Hypothesis drives the memory layer with random interleavings and checks it after every step.
 
 A shadow model records, for every physical block, which tokens were written into it and the
-full token prefix before it. That lets the test check the two promises that matter: a block is
-never written while shared (copy-on-write did its job), and a prefix-cache hit always hands
-back blocks computed for exactly the same prefix.
+full token prefix before it, and the cache salt of the sequence that wrote it. That lets the
+test check the promises that matter: a block is never written while shared (copy-on-write did
+its job), and a prefix-cache hit always hands back blocks computed for exactly the same prefix
+under the same salt (tenants never share a block).
 """
 
 from collections import Counter
@@ -12,11 +13,12 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagedkv.memory import ROOT, KVCacheManager, PoolExhaustedError
+from pagedkv.memory import KVCacheManager, PoolExhaustedError, is_root
 
 BLOCK_SIZE = 2
 # Overlapping on purpose: (3, 4) is a second block in one prefix and a first block in another.
 PREFIXES = [[1, 2, 3, 4, 5], [3, 4, 1, 2], [1, 2, 9], [7, 7, 7, 7]]
+SALTS = [None, "tenant-a", "tenant-b"]
 
 
 class CacheMirror:
@@ -31,7 +33,7 @@ class CacheMirror:
 
     def block_stored(self, block_id, parent, token_ids):
         assert block_id not in self.blocks, "stored twice without a removal in between"
-        assert parent == ROOT or parent in self.blocks, "stored under a parent nobody announced"
+        assert is_root(parent) or parent in self.blocks, "stored under a parent nobody announced"
         self.blocks[block_id] = (parent, tuple(token_ids))
 
     def blocks_removed(self, block_ids):
@@ -49,6 +51,8 @@ class MemoryMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}  # the sequence's tokens whose KV was written
         self.block_prefix: dict[int, tuple] = {}  # block -> tokens before it (when written)
         self.block_data: dict[int, list] = {}  # block -> tokens written into it
+        self.salt: dict[int, str | None] = {}  # seq -> its cache salt
+        self.block_salt: dict[int, str | None] = {}  # block -> the salt of the sequence that wrote it
         self.next_id = 0
         self.mirror = CacheMirror()
         self.kv.set_listener(self.mirror)
@@ -64,37 +68,42 @@ class MemoryMachine(RuleBasedStateMachine):
             data = self.block_data.setdefault(block, [None] * BLOCK_SIZE)
             if offset == 0:
                 self.block_prefix[block] = tuple(toks[:pos])
+                self.block_salt[block] = self.salt[seq]
             data[offset] = toks[pos]
 
     def _copy(self, pairs):
         for src, dst in pairs:
             self.block_data[dst] = list(self.block_data[src])
             self.block_prefix[dst] = self.block_prefix[src]
+            self.block_salt[dst] = self.block_salt[src]
 
     # -- rules ----------------------------------------------------------------------------
     @rule(
         prefix=st.sampled_from(PREFIXES),
         suffix=st.lists(st.integers(0, 3), max_size=6),
         computed=st.floats(0, 1),
+        salt=st.sampled_from(SALTS),
     )
-    def add_request(self, prefix, suffix, computed):
+    def add_request(self, prefix, suffix, computed, salt):
         prompt = prefix + suffix
         seq = self.next_id
         self.next_id += 1
         before = self.kv.usage()
-        if not self.kv.can_allocate(prompt):
+        if not self.kv.can_allocate(prompt, cache_salt=salt):
             try:
-                self.kv.allocate(seq, prompt)
+                self.kv.allocate(seq, prompt, cache_salt=salt)
             except PoolExhaustedError:
                 assert self.kv.usage() == before and seq not in self.kv
                 return
             # can_allocate may be conservative only through the watermark (0 here).
             raise AssertionError("allocate succeeded where can_allocate said no")
-        hit = self.kv.allocate(seq, prompt)
+        hit = self.kv.allocate(seq, prompt, cache_salt=salt)
         assert hit % BLOCK_SIZE == 0 and hit < len(prompt)
+        self.salt[seq] = salt
         table = self.kv.table(seq)
         for i in range(hit // BLOCK_SIZE):
             block = table.block_ids[i]
+            assert self.block_salt[block] == salt, "a hit handed out another salt's block"
             assert self.block_prefix[block] == tuple(prompt[: i * BLOCK_SIZE])
             assert self.block_data[block] == prompt[i * BLOCK_SIZE : (i + 1) * BLOCK_SIZE]
         self.tokens[seq] = list(prompt)
@@ -130,6 +139,7 @@ class MemoryMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.kv.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])
+        self.salt[child] = self.salt[parent]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -156,12 +166,12 @@ class MemoryMachine(RuleBasedStateMachine):
 
     @invariant()
     def cache_is_a_closed_tree(self):
-        """Every cached block hangs under ROOT or another cached block: no orphan can be
+        """Every cached block hangs under a root or another cached block: no orphan can be
         reached through a recycled parent id."""
         cache = self.kv.pool.prefix_cache
         for block in cache.blocks():
             parent = cache.parent_of(block)
-            assert parent == ROOT or parent in cache
+            assert is_root(parent) or parent in cache
 
     @invariant()
     def events_rebuild_the_cache(self):

@@ -46,6 +46,9 @@ def test_serve_takes_the_scheduling_options():
     assert engine_options(args)["max_running_share"] == 0.25
     defaults = engine_options(_parser().parse_args(["serve"]))
     assert (defaults["scheduling_policy"], defaults["max_running_share"]) == ("fcfs", 0.5)
+    assert (defaults["min_priority"], defaults["max_priority"]) == (-100, 100)
+    bounded = engine_options(_parser().parse_args(["serve", "--min-priority", "0", "--max-priority", "9"]))
+    assert (bounded["min_priority"], bounded["max_priority"]) == (0, 9)
 
 
 def test_serve_takes_the_stop_list_limits():
@@ -67,6 +70,7 @@ def test_serve_takes_the_stop_list_limits():
         ["--max-running-share", "0"],
         ["--max-running-share", "1.5"],
         ["--scheduling-policy", "lifo"],
+        ["--min-priority", "low"],
     ],
 )
 def test_serve_refuses_bad_options(option, capsys):

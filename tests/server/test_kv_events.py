@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from pagedkv.engine import EngineConfig
+from pagedkv.memory import salted_root
 from pagedkv.server import ServerThread, create_app
 from pagedkv.server.kv_events import KVEventsConfig, block_hash
 from pagedkv.server.replicas import free_port
@@ -103,6 +104,36 @@ def test_stored_blocks_carry_the_prompt_tokens_and_chain_hashes(published):
     # first one heard, sequence numbers count up by one: no message lost, none repeated
     first = reader.seqs[0]
     assert reader.seqs == list(range(first, first + len(reader.seqs)))
+
+
+def test_salted_blocks_are_announced_in_the_same_format_under_salted_hashes(published):
+    server, client, reader = published
+    prompt = "a salted prompt is announced under hashes of its own salt " * 4
+    ids = _render(server, prompt)
+    full = (len(ids) - 1) // BLOCK
+    announced = []
+    for salt in ("tenant-a", None):
+        start = len(reader.poll())
+        extra = {} if salt is None else {"cache_salt": salt}
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body=extra)
+
+        def stored_blocks(start=start):
+            stored = [e for e in reader.poll()[start:] if e["type"] == "BlockStored"]
+            return stored[:full] if len(stored) >= full else None
+
+        announced.append(wait_until(stored_blocks, 30, "BlockStored events for the prompt"))
+    salted, plain = announced
+    root = salted_root("tenant-a")
+    parent, plain_parent = root, None
+    for index, (event, twin) in enumerate(zip(salted, plain, strict=True)):
+        tokens = ids[index * BLOCK : (index + 1) * BLOCK]
+        assert event.keys() == twin.keys() and event["token_ids"] == twin["token_ids"] == tokens
+        # vLLM's format: a first block's parent is null, salted or not; the salt is nowhere
+        assert event["parent_block_hash"] == (None if parent == root else parent)
+        assert event["block_hashes"] == [block_hash(parent, tokens)] != twin["block_hashes"]
+        assert twin["block_hashes"] == [block_hash(plain_parent, tokens)]
+        parent, plain_parent = event["block_hashes"][0], twin["block_hashes"][0]
+    assert "tenant-a" not in str(salted)
 
 
 def test_evicted_blocks_are_removed_and_a_reset_clears_all(published):
