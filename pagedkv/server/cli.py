@@ -3,7 +3,7 @@
 ``pagedkv/cli.py`` wires it in with :func:`add_serve_parser`, which sets ``func`` (and ``run``,
 the name the main CLI dispatches on) to a function taking the parsed arguments and returning an
 exit status. Heavy imports (FastAPI, uvicorn, torch) happen only when the command runs, so
-``pagedkv --help`` stays fast. ``pagedkv bench serve`` is in :mod:`pagedkv.bench.serve_cli`.
+``pagedkv --help`` stays fast. ``pagedkv bench serve`` is in :mod:`pagedkv.bench.commands`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The dashboard's own figures on ``/metrics``: open pages, frames, and the engine worker's time
-spent publishing them -- its cost, readable on a live server (``benchmarks/dashboard_cost.py``)."""
+spent publishing them -- its cost, readable on a live server (``tools/dashboard_cost.py``)."""
 
 from __future__ import annotations
 
