@@ -42,8 +42,10 @@ class EngineConfig:
     block_size: int = 16
     #: KV blocks in the pool; None: as many as ``kv_cache_memory`` holds.
     num_kv_blocks: int | None = None
-    #: KV cache memory of each rank (a tensor-parallel rank holds its share of the KV heads).
-    kv_cache_memory: str | int = "256MiB"
+    #: KV cache memory of each rank (a tensor-parallel rank holds its share of the KV heads):
+    #: "2GiB", bytes, or "auto": half the memory left once the weights are loaded, at most what
+    #: ``max_num_seqs`` full contexts fill, at least one (``pagedkv.memory.pool_sizing``).
+    kv_cache_memory: str | int = "auto"
     #: Context length; None: the model's.
     max_model_len: int | None = None
     max_num_seqs: int = 64

@@ -25,7 +25,7 @@ def is_worker_node(config: EngineConfig) -> bool:
 def run_worker_node(config: EngineConfig) -> int:
     """Run this machine's ranks until rank 0 stops them; the exit status of the first failure."""
     path = Path(config.model) if config.model is not None else builtin_model_path()
-    spec = rank_spec(config, path, ModelConfig.from_pretrained(path))
+    spec, _ = rank_spec(config, path, ModelConfig.from_pretrained(path))
     if spec.rendezvous.external:
         run_rank(spec, spec.rendezvous.rank, None)
         return 0
