@@ -15,6 +15,7 @@ from pagedkv.engine.kv_policy import KVPolicy
 from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.structured.config import StructuredOutputsConfig
 from pagedkv.engine.validation import RequestLimits
+from pagedkv.memory.pool_sizing import kv_cache_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -108,6 +109,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
+        kv_cache_bytes(self.kv_cache_memory)  # "auto" or a positive size: refused before loading
         spec = self.speculative_config
         if isinstance(spec, str):
             self.speculative_config = SpeculativeConfig.from_json(spec)

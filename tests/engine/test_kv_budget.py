@@ -10,6 +10,7 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.cli import main
 from pagedkv.engine import EngineConfig
 from pagedkv.memory.pool_sizing import AUTO_KV_SHARE
+from pagedkv.server.replicas import ReplicaSet, split_auto_pool
 from tests.checkpoints import make_checkpoint
 
 #: the built-in model with limits that make its cap small: 4 sequences of 256 tokens
@@ -94,3 +95,21 @@ def test_the_cli_refuses_a_bad_kv_cache_memory(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "Hello", "--kv-cache-memory", "plenty"])
     assert exit_info.value.code == 2 and "cannot parse a byte size" in capsys.readouterr().err
+
+
+def test_replicas_on_one_machine_share_one_auto_sizing():
+    """``--data-parallel-size``: sized once for all replicas, each gets the same block count."""
+    engine, sizing = split_auto_pool(EngineConfig(**SMALL), 2)
+    assert sizing.source == "auto" and sizing.available > 0
+    assert engine.num_kv_blocks == sizing.num_blocks and CONTEXT_BLOCKS <= sizing.num_blocks <= CAP_BLOCKS
+    replicas = ReplicaSet(EngineConfig(**SMALL), 2)
+    assert replicas.kv_sizing is not None
+    assert {spec.engine.num_kv_blocks for spec in replicas.specs} == {replicas.kv_sizing.num_blocks}
+    given = ReplicaSet(EngineConfig(**SMALL, kv_cache_memory="1MiB"), 2)
+    assert given.kv_sizing is None and {spec.engine.num_kv_blocks for spec in given.specs} == {None}
+
+
+@pytest.mark.parametrize("bad", ["plenty", "0", -5])
+def test_a_bad_kv_cache_memory_is_refused_before_anything_loads(bad):
+    with pytest.raises(ValueError):
+        EngineConfig(kv_cache_memory=bad)
