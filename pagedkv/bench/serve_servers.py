@@ -76,8 +76,12 @@ def pagedkv_command(served: ServedModel, port: int) -> list[str]:
 
 
 def vllm_command(served: ServedModel, python: str, port: int) -> list[str]:
+    """vLLM's server, its prompts never chunked: its CPU build fails the step of a seeded request
+    whose prompt is split over steps (``set_offset`` on a CPU generator, which has no offset), and
+    every request of the workload has a seed."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", served.model]
     command += ["--dtype", served.dtype, "--max-num-seqs", str(served.max_num_seqs), "--enforce-eager"]
+    command += ["--no-enable-chunked-prefill"]
     return command + ["--no-enable-prefix-caching", "--port", str(port), "--host", "127.0.0.1"]
 
 

@@ -97,6 +97,7 @@ def test_both_servers_get_the_same_model_dtype_limits_and_threads():
         assert command[command.index("--dtype") + 1] == "bfloat16"
         assert command[command.index("--max-num-seqs") + 1] == "48"
     assert "--no-prefix-caching" in ours and "--no-enable-prefix-caching" in theirs
+    assert "--no-enable-chunked-prefill" in theirs  # its CPU build fails seeded chunked prompts
     assert "--kv-cache-memory" not in ours  # pagedkv's default pool, as a user gets it
     assert vllm_environment(served) == {"VLLM_CPU_KVCACHE_SPACE": "3", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     sized = pagedkv_command(dataclasses.replace(served, kv_cache_memory="3GiB"), 8001)

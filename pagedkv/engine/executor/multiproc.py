@@ -69,7 +69,9 @@ def rank_spec(
     local_ranks = len(rendezvous.spawn_ranks) + (1 if rendezvous.runs_engine else 0)
     threads = config.threads_per_rank or max(1, torch.get_num_threads() // max(1, local_ranks))
     tier = plan_tier(config, model_path, model_config)
-    sizing = size_rank_pools(config, model_config, local_ranks)
+    # the ranks of this machine share its memory; torchrun starts each in a process of its own
+    machine_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if rendezvous.external else local_ranks
+    sizing = size_rank_pools(config, model_config, max(1, machine_ranks))
     spec = RankSpec(config, model_path, rendezvous, sizing.num_blocks, threads, tier, sizing.source == AUTO)
     return spec, sizing
 
