@@ -255,17 +255,21 @@ class ReplicaSet:
         self.stop()
 
 
-def split_auto_pool(engine: EngineConfig, num_replicas: int) -> tuple[EngineConfig, PoolSizing]:
+def split_auto_pool(engine: EngineConfig, num_replicas: int) -> tuple[EngineConfig, PoolSizing | None]:
     """``engine`` with the block count of an "auto" pool sized once for ``num_replicas``
     replicas on this machine: they draw on the same memory, so they split it as the ranks of
     one machine do (:func:`~pagedkv.engine.executor.worker.size_rank_pools`), and a replica
-    restarted while the others hold theirs gets the same pool."""
+    restarted while the others hold theirs gets the same pool. A model folder that cannot be
+    read is left to the replicas, which fail with the reason (sizing None)."""
     from pagedkv.engine.executor.worker import size_rank_pools
     from pagedkv.models import ModelConfig, builtin_model_path
 
     path = engine.model if engine.model is not None else builtin_model_path()
-    local_ranks = num_replicas * engine.tensor_parallel_size
-    sizing = size_rank_pools(engine, ModelConfig.from_pretrained(path), local_ranks)
+    try:
+        model_config = ModelConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return engine, None
+    sizing = size_rank_pools(engine, model_config, num_replicas * engine.tensor_parallel_size)
     return dataclasses.replace(engine, num_kv_blocks=sizing.num_blocks), sizing
 
 
