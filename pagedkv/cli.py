@@ -219,6 +219,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     if llm.engine.is_builtin:
         console.print(f"[yellow]note:[/] {BUILTIN_NOTE}")
     console.print(f"[dim]engine: {llm.engine.describe()}[/]")
+    console.print(f"[dim]{llm.engine.kv_sizing.describe()}[/]")
     prompts = args.prompts
     try:
         if args.token_ids:

@@ -29,6 +29,7 @@ from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.structured.config import StructuredOutputsConfig
 from pagedkv.engine.validation import RequestLimits
 from pagedkv.kernels import LINEAR_KERNELS
+from pagedkv.memory.pool_sizing import AUTO
 from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES, parse_bytes
 
 
@@ -41,6 +42,11 @@ def byte_size(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"a memory size must be positive, got {text!r}")
     return value
+
+
+def kv_memory_size(text: str) -> int | str:
+    """argparse type for ``--kv-cache-memory``: "auto" or a positive size."""
+    return AUTO if text.strip().lower() == AUTO else byte_size(text)
 
 
 def _number(text: str, kind: type[int] | type[float], accept: Callable[[float], bool], wanted: str) -> Any:
@@ -214,7 +220,14 @@ ENGINE_OPTIONS = (
     ),
     EngineOption("block_size", f"tokens per KV block {DEFAULT}", positive_int),
     EngineOption("num_kv_blocks", "KV blocks in the pool (default: from --kv-cache-memory)", positive_int),
-    EngineOption("kv_cache_memory", "KV cache memory per rank, unless --num-kv-blocks (256MiB)", byte_size),
+    EngineOption(
+        "kv_cache_memory",
+        "KV cache memory per rank, unless --num-kv-blocks: a size (2GiB, 512MB, bytes) or auto: half the "
+        "memory free once the weights are loaded (MemAvailable, or the CUDA device's), at most what "
+        "--max-num-seqs full --max-model-len contexts fill, at least one such context; the ranks of one "
+        f"CPU machine split it {DEFAULT}",
+        kv_memory_size,
+    ),
     EngineOption("max_model_len", "context length (default: the model's)", positive_int),
     EngineOption("max_num_seqs", f"most sequences per step {DEFAULT}", positive_int),
     EngineOption("max_num_batched_tokens", f"most tokens per step {DEFAULT}", positive_int),
@@ -464,4 +477,5 @@ def build_engine(args: argparse.Namespace):
     if engine.is_builtin:
         print(f"note: {BUILTIN_NOTE}", file=sys.stderr)
     print(f"engine: {engine.describe()}", file=sys.stderr)
+    print(engine.kv_sizing.describe(), file=sys.stderr)
     return engine

@@ -30,7 +30,7 @@ class LLM:
         self._next_id = 0
 
     def __repr__(self) -> str:
-        return f"LLM({self.engine.describe()})"
+        return f"LLM({self.engine.describe()}; {self.engine.kv_sizing.describe()})"
 
     def __enter__(self) -> LLM:
         return self

@@ -14,23 +14,11 @@ import uuid
 from pathlib import Path
 
 from pagedkv.attention.kv_disk import SUFFIX, fsync_dir
+from pagedkv.memory.pool_sizing import available_host_memory
 
 
 def gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.2f} GiB ({num_bytes} bytes)"
-
-
-def available_host_memory() -> int:
-    """Bytes the system can give a new allocation without swapping: ``MemAvailable`` on Linux,
-    else the free physical pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_host_tier(size_bytes: int) -> None:

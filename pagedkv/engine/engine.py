@@ -82,6 +82,9 @@ class LLMEngine:
         self.executor: Executor = make_executor(config, path, self.model_config)
         caching = config.enable_prefix_caching and self.kv_policy.allows_prefix_caching
         num_blocks = self.executor.num_kv_blocks
+        #: How the pool was sized; ``describe()`` is the line the CLI prints at start-up.
+        self.kv_sizing = self.executor.kv_sizing
+        logger.info("%s", self.kv_sizing.describe())
         self.kv_manager, self.kv_tier = make_kv_manager(config, self.executor, caching)
         self.scheduler = Scheduler.from_config(config, self.kv_manager, self.kv_policy, self.max_model_len)
         pool_tokens = num_blocks * config.block_size

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import importlib.util
 import pickle
 import signal
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pagedkv.engine import EngineConfig
+from pagedkv.memory.pool_sizing import PoolSizing, kv_cache_bytes
 from pagedkv.server.kv_events import KVEventsConfig
 
 #: vllm-router's policies that pagedkv replicas support (all of them need nothing extra but kv_aware).
@@ -125,6 +127,10 @@ class ReplicaSet:
         self.router_args = tuple(router_args)
         self.log_level = log_level
         self.log = log
+        #: How each replica's pool was sized here, for all of them (None: a size was given).
+        self.kv_sizing = None
+        if engine.num_kv_blocks is None and kv_cache_bytes(engine.kv_cache_memory) is None:
+            engine, self.kv_sizing = split_auto_pool(engine, num_replicas)
         self.specs = [
             ReplicaSpec(engine, free_port(), free_port(), dict(app_options or {}), log_level)
             for _ in range(num_replicas)
@@ -249,6 +255,24 @@ class ReplicaSet:
         self.stop()
 
 
+def split_auto_pool(engine: EngineConfig, num_replicas: int) -> tuple[EngineConfig, PoolSizing | None]:
+    """``engine`` with the block count of an "auto" pool sized once for ``num_replicas``
+    replicas on this machine: they draw on the same memory, so they split it as the ranks of
+    one machine do (:func:`~pagedkv.engine.executor.worker.size_rank_pools`), and a replica
+    restarted while the others hold theirs gets the same pool. A model folder that cannot be
+    read is left to the replicas, which fail with the reason (sizing None)."""
+    from pagedkv.engine.executor.worker import size_rank_pools
+    from pagedkv.models import ModelConfig, builtin_model_path
+
+    path = engine.model if engine.model is not None else builtin_model_path()
+    try:
+        model_config = ModelConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return engine, None
+    sizing = size_rank_pools(engine, model_config, num_replicas * engine.tensor_parallel_size)
+    return dataclasses.replace(engine, num_kv_blocks=sizing.num_blocks), sizing
+
+
 def serve_replicas(replicas: ReplicaSet) -> int:
     """Run until Ctrl-C or SIGTERM, then stop every process (``pagedkv serve --data-parallel-size``).
 
@@ -267,6 +291,8 @@ def serve_replicas(replicas: ReplicaSet) -> int:
         )
         for index, spec in enumerate(replicas.specs):
             print(f"replica {index}: {spec.url}, KV events on {spec.kv_events_endpoint}", file=sys.stderr)
+        if replicas.kv_sizing is not None:
+            print(f"{replicas.kv_sizing.describe()}, in each replica", file=sys.stderr)
         return replicas.supervise()
     except KeyboardInterrupt:
         return 0

@@ -18,7 +18,8 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def llm(real_model):
-    with LLM(str(real_model), dtype="float32") as engine:
+    # the default ("auto") pool: these limits keep it to what 4 short chats can use
+    with LLM(str(real_model), dtype="float32", max_model_len=512, max_num_seqs=4) as engine:
         yield engine
 
 

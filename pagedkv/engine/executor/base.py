@@ -16,6 +16,7 @@ import torch
 
 from pagedkv.engine.plan import StepPlan
 from pagedkv.memory import TransferReport
+from pagedkv.memory.pool_sizing import PoolSizing
 from pagedkv.models import decode_stack
 from pagedkv.models.config import dtype_name
 
@@ -73,6 +74,8 @@ class Executor(ABC):
     num_kv_blocks: int
     #: One rank's KV cache (every rank holds one as large).
     kv_memory: KVMemory
+    #: How the pool was sized at start-up (its ``describe()`` is the start-up line).
+    kv_sizing: PoolSizing
     #: How the model runs, for logs and the CLI: dtype, linear kernel, attention backend.
     runtime: dict[str, str]
     #: The second KV tier every rank holds its share of (None: no tier).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -10,16 +11,18 @@ from pagedkv.attention import KVCache, check_backend_reads
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.cuda_graphs import DecodeGraphSpec, eager_reason
 from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory, runtime_of
+from pagedkv.engine.executor.kv_budget import available_memory, size_pool
 from pagedkv.engine.executor.tier_io import RankTier, plan_tier
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.engine.plan import StepPlan
-from pagedkv.memory import parse_bytes
 from pagedkv.models import ModelConfig, load_model
 
 
 class InProcessExecutor(Executor):
     """Loads the model and allocates the KV cache (``num_kv_blocks`` blocks, or as many as
-    ``kv_cache_memory`` holds) on ``config.device``; runs each step on the calling thread.
+    ``kv_cache_memory`` holds, or with "auto" a share of what the device has left once the
+    weights are loaded: :mod:`~pagedkv.engine.executor.kv_budget`) on ``config.device``; runs
+    each step on the calling thread.
 
     On CUDA (unless ``enforce_eager``) the runner captures decode graphs at start-up and the
     cache gets one block more than the pool: the padding rows' scratch block
@@ -42,14 +45,15 @@ class InProcessExecutor(Executor):
         dtype = model.config.dtype
         spec = model_config.kv_spec()
         kv_dtype = config.kv_cache_dtype
-        blocks = config.num_kv_blocks
-        if blocks is None:
-            memory = parse_bytes(config.kv_cache_memory)
-            blocks = KVCache.blocks_in(memory, spec, config.block_size, dtype, kv_dtype)
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        block_bytes = KVCache.block_bytes(spec, config.block_size, dtype, kv_dtype)
+        # measured now: the weights are in place, nothing of the pool is yet
+        available = functools.partial(available_memory, config.device)  # probed only for "auto"
+        self.kv_sizing = size_pool(config, block_bytes, max_model_len, available)
+        blocks = self.kv_sizing.num_blocks
         eager = eager_reason(config.device, config.enforce_eager, config.tensor_parallel_size)
         graphs = None
         if eager is None:
-            max_model_len = config.max_model_len or model_config.max_position_embeddings
             graphs = DecodeGraphSpec.for_engine(config.max_num_seqs, max_model_len, config.device)
         kv_cache = KVCache(
             spec, blocks + (graphs is not None), config.block_size, dtype, config.device, kv_dtype

@@ -22,6 +22,7 @@ without a word ends itself (see :mod:`pagedkv.distributed.heartbeat`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import weakref
@@ -37,8 +38,9 @@ from pagedkv.engine.cuda_graphs import eager_reason
 from pagedkv.engine.executor import launch
 from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory, runtime_of
 from pagedkv.engine.executor.tier_io import plan_tier
-from pagedkv.engine.executor.worker import RankSpec, build_runner, pool_blocks
+from pagedkv.engine.executor.worker import RankSpec, build_runner, size_rank_pools
 from pagedkv.engine.plan import StepPlan
+from pagedkv.memory.pool_sizing import AUTO, PoolSizing
 from pagedkv.models import ModelConfig
 from pagedkv.models.parallel import check_divisible
 
@@ -57,14 +59,21 @@ def rendezvous_of(config: EngineConfig) -> Rendezvous:
     )
 
 
-def rank_spec(config: EngineConfig, model_path: Path, model_config: ModelConfig) -> RankSpec:
-    """What every rank builds from; the driver checks the split before starting anything."""
+def rank_spec(
+    config: EngineConfig, model_path: Path, model_config: ModelConfig
+) -> tuple[RankSpec, PoolSizing]:
+    """What every rank builds from, and how its pool was sized; the driver checks the split
+    before starting anything."""
     check_divisible(model_config, config.tensor_parallel_size)
     rendezvous = rendezvous_of(config)
     local_ranks = len(rendezvous.spawn_ranks) + (1 if rendezvous.runs_engine else 0)
     threads = config.threads_per_rank or max(1, torch.get_num_threads() // max(1, local_ranks))
     tier = plan_tier(config, model_path, model_config)
-    return RankSpec(config, model_path, rendezvous, pool_blocks(config, model_config), threads, tier)
+    # the ranks of this machine share its memory; torchrun starts each in a process of its own
+    machine_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if rendezvous.external else local_ranks
+    sizing = size_rank_pools(config, model_config, max(1, machine_ranks))
+    spec = RankSpec(config, model_path, rendezvous, sizing.num_blocks, threads, tier, sizing.source == AUTO)
+    return spec, sizing
 
 
 class Ranks:
@@ -110,7 +119,7 @@ class MultiprocExecutor(Executor):
         launch.refuse_to_start_while_bootstrapping()
         # Before any process starts: an unknown KV dtype, or one the backend cannot read.
         check_backend_reads(config.attention_backend, config.device, config.kv_cache_dtype)
-        spec = rank_spec(config, model_path, model_config)
+        spec, self.kv_sizing = rank_spec(config, model_path, model_config)
         if not spec.rendezvous.runs_engine:
             raise ValueError("this process is not rank 0: run the worker node (pagedkv.engine.executor.node)")
         self.num_kv_blocks = spec.num_kv_blocks
@@ -143,6 +152,9 @@ class MultiprocExecutor(Executor):
         self.ranks.groups = joined.result()
         self.runner, self.tensor_parallel = build_runner(spec, 0, self.ranks.groups)
         kv_cache = self.runner.kv_cache
+        # "auto" on several machines: every rank holds the fewest blocks any machine had room for
+        self.num_kv_blocks = kv_cache.num_blocks
+        self.kv_sizing = dataclasses.replace(self.kv_sizing, num_blocks=kv_cache.num_blocks)
         self.kv_memory = KVMemory(
             spec.config.kv_cache_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes, self.world_size
         )

@@ -26,7 +26,7 @@ def run_worker_node(config: EngineConfig) -> int:
     """Run this machine's ranks until rank 0 stops them; the exit status of the first failure."""
     weights = config.load_format != "dummy"
     path = resolve_model(config.model, config.revision, config.download_dir, weights).folder
-    spec = rank_spec(config, path, ModelConfig.from_pretrained(path))
+    spec, _ = rank_spec(config, path, ModelConfig.from_pretrained(path))
     if spec.rendezvous.external:
         run_rank(spec, spec.rendezvous.rank, None)
         return 0

@@ -9,6 +9,7 @@ leaves its error in the rendezvous store for rank 0 to report, and exits.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import traceback
 from dataclasses import dataclass
@@ -16,15 +17,17 @@ from pathlib import Path
 
 import torch
 
-from pagedkv.attention import KVCache
+from pagedkv.attention import KVCache, resolve_backend
 from pagedkv.distributed import Rendezvous, groups, heartbeat
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor.base import TierSpec
+from pagedkv.engine.executor.kv_budget import available_memory, size_pool
 from pagedkv.engine.executor.tier_io import RankTier
 from pagedkv.engine.model_runner import ModelRunner
-from pagedkv.memory import parse_bytes
+from pagedkv.memory.pool_sizing import PoolSizing
 from pagedkv.models import ModelConfig, load_model
 from pagedkv.models.config import resolve_dtype
+from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.parallel import TensorParallel, shard_config
 
 
@@ -39,23 +42,45 @@ class RankSpec:
     threads: int
     #: The second KV tier each rank holds its share of (None: none).
     tier: TierSpec | None = None
+    #: True when "auto" sized the pool from this machine's memory (the ranks then agree on the
+    #: fewest blocks any machine found room for).
+    auto_sized: bool = False
 
 
-def pool_blocks(config: EngineConfig, model_config: ModelConfig) -> int:
-    """Blocks of the pool: ``num_kv_blocks``, else as many as ``kv_cache_memory`` holds on each
-    rank. A rank holds only its KV heads of every block (1/N of them, at least one), so the
-    same memory per rank holds up to N times the blocks of one rank (vLLM sizes each worker's
-    cache from that worker's memory too)."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
+def size_rank_pools(config: EngineConfig, model_config: ModelConfig, local_ranks: int) -> PoolSizing:
+    """Every rank's pool (all the same): ``num_kv_blocks``, else as many blocks as
+    ``kv_cache_memory`` holds on each rank, else ("auto") sized from what this machine has left
+    once its ``local_ranks`` ranks hold their weights. A rank holds only its KV heads of every
+    block (1/N of them, at least one), so the same memory per rank holds up to N times the
+    blocks of one rank (vLLM sizes each worker's cache from that worker's memory too).
+
+    It is sized before any rank loads, so "auto" takes the memory free now less the weights'
+    bytes (a rank's shard, counted on the meta device): on the CPU the ranks of this machine
+    share the host's memory and split the share; on CUDA each rank has a device of its own."""
     dtype = resolve_dtype(config.dtype, default=model_config.dtype, device=config.device)
-    rank_spec = shard_config(model_config, config.tensor_parallel_size).kv_spec()
-    per_block = KVCache.block_bytes(rank_spec, config.block_size, dtype, config.kv_cache_dtype)
-    blocks = parse_bytes(config.kv_cache_memory) // per_block
-    if blocks < 1:
-        budget = config.kv_cache_memory
-        raise ValueError(f"a KV memory budget of {budget} per rank holds no block ({per_block} bytes each)")
-    return blocks
+    shard = shard_config(model_config, config.tensor_parallel_size)
+    block_bytes = KVCache.block_bytes(shard.kv_spec(), config.block_size, dtype, config.kv_cache_dtype)
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    on_cuda = config.device.startswith("cuda")
+
+    def available() -> int:
+        weights = shard_weight_bytes(shard, dtype, config)
+        if on_cuda:
+            devices = {device_of(config, rank) for rank in range(local_ranks)}
+            return max(0, min(available_memory(device) for device in devices) - weights)
+        return max(0, available_memory(config.device) - local_ranks * weights)
+
+    return size_pool(config, block_bytes, max_model_len, available, 1 if on_cuda else local_ranks)
+
+
+def shard_weight_bytes(shard: ModelConfig, dtype: torch.dtype, config: EngineConfig) -> int:
+    """Bytes of one rank's weights in ``dtype``: its shard's parameters, counted on the meta
+    device (nothing is allocated)."""
+    backend = resolve_backend(config.attention_backend, torch.device(config.device))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(dataclasses.replace(shard, dtype=dtype), backend)
+    model.tie_weights()
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
 
 def device_of(config: EngineConfig, rank: int) -> str:
@@ -82,7 +107,7 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
     dtype = model.config.dtype
     kv_cache = KVCache(
         model.config.kv_spec(),
-        spec.num_kv_blocks,
+        agreed_blocks(spec, group),
         spec.config.block_size,
         dtype,
         device,
@@ -92,6 +117,17 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
     if spec.tier is not None:
         runner.tier = RankTier(spec.tier, kv_cache, rank, spec.rendezvous.world_size)
     return runner, tp
+
+
+def agreed_blocks(spec: RankSpec, group: groups.Groups) -> int:
+    """The pool's blocks on every rank: the spec's, or where "auto" sized it, the fewest any
+    rank's machine found room for (each machine of a multi-node group measured its own memory;
+    the driver's block tables must fit every rank's pool)."""
+    if not spec.auto_sized:
+        return spec.num_kv_blocks
+    fewest = torch.tensor([spec.num_kv_blocks], dtype=torch.int64)
+    torch.distributed.all_reduce(fewest, op=torch.distributed.ReduceOp.MIN, group=group.control)
+    return int(fewest.item())
 
 
 def ignore_ctrl_c() -> None:

@@ -1,0 +1,62 @@
+"""The KV pool's size on each rank, from the engine's options and the memory the device has
+left (the rule: :mod:`pagedkv.memory.pool_sizing`).
+
+``num_kv_blocks`` wins, then an explicit ``kv_cache_memory``; ``kv_cache_memory="auto"`` asks
+the device what it can still give once the weights are in place. The executors measure that
+themselves -- after loading when the model lives in their process, before the ranks start
+less the weights they will load when it does not -- and hand it in as a callable, so an
+explicit size never probes anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pagedkv.engine.config import EngineConfig
+from pagedkv.memory.pool_sizing import (
+    AUTO,
+    PoolSizing,
+    auto_pool_blocks,
+    available_host_memory,
+    kv_cache_bytes,
+)
+
+
+def available_memory(device: str | torch.device) -> int:
+    """Bytes a new allocation on ``device`` can get now: a CUDA device's free memory, else the
+    host's (:func:`~pagedkv.memory.pool_sizing.available_host_memory`)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return available_host_memory()
+
+
+def size_pool(
+    config: EngineConfig,
+    block_bytes: int,
+    max_model_len: int,
+    available: Callable[[], int],
+    ranks_sharing: int = 1,
+) -> PoolSizing:
+    """One rank's pool: ``block_bytes`` per block on that rank; ``available()`` the bytes left
+    after the weights, drawn on by ``ranks_sharing`` ranks (only called for "auto")."""
+    ranks = config.tensor_parallel_size
+    if config.num_kv_blocks is not None:
+        return PoolSizing(config.num_kv_blocks, config.block_size, block_bytes, "num_kv_blocks", ranks=ranks)
+    budget = kv_cache_bytes(config.kv_cache_memory)
+    if budget is not None:
+        blocks = budget // block_bytes
+        if blocks < 1:
+            raise ValueError(
+                f"a KV memory budget of {config.kv_cache_memory} per rank holds no block of "
+                f"{config.block_size} tokens ({block_bytes} bytes each)"
+            )
+        return PoolSizing(blocks, config.block_size, block_bytes, "kv_cache_memory", ranks=ranks)
+    free = available()
+    blocks = auto_pool_blocks(
+        free, block_bytes, config.block_size, max_model_len, config.max_num_seqs, ranks_sharing
+    )
+    return PoolSizing(blocks, config.block_size, block_bytes, AUTO, available=free, ranks=ranks)

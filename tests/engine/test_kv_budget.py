@@ -1,0 +1,115 @@
+"""The KV pool of a real engine: sized "auto" by default between one full context and what the
+batch can fill, from the memory measured once the weights are loaded; explicit sizes as given;
+the start-up line says which."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.cli import main
+from pagedkv.engine import EngineConfig
+from pagedkv.memory.pool_sizing import AUTO_KV_SHARE
+from pagedkv.server.replicas import ReplicaSet, split_auto_pool
+from tests.checkpoints import make_checkpoint
+
+#: the built-in model with limits that make its cap small: 4 sequences of 256 tokens
+SMALL = dict(dtype="float32", max_model_len=256, max_num_seqs=4)
+CONTEXT_BLOCKS, CAP_BLOCKS = 256 // 16, 4 * 256 // 16
+
+
+def test_auto_is_the_default():
+    assert EngineConfig().kv_cache_memory == "auto"
+
+
+def test_auto_pool_lies_between_one_context_and_the_batch_it_can_fill():
+    with LLM(**SMALL) as llm:
+        sizing, stats = llm.engine.kv_sizing, llm.kv_stats()
+        assert sizing.source == "auto" and sizing.available > 0
+        assert stats["blocks_total"] == sizing.num_blocks
+        assert CONTEXT_BLOCKS <= sizing.num_blocks <= CAP_BLOCKS
+        if AUTO_KV_SHARE * sizing.available >= CAP_BLOCKS * sizing.block_bytes:  # any machine of today
+            assert sizing.num_blocks == CAP_BLOCKS
+        assert stats["kv_cache_bytes"] == sizing.num_blocks * sizing.block_bytes
+        # every running sequence can reach the full context at once
+        prompts = [[5 + i] * 8 for i in range(4)]
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=240, ignore_eos=True), use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [240] * 4
+        assert llm.kv_stats()["preemptions"] == 0
+        assert "sized auto from" in repr(llm)
+
+
+def test_the_default_engine_stays_within_what_its_batch_fills():
+    """The built-in model at its own max_model_len and max_num_seqs: no more than 64 full
+    contexts, whatever the machine has."""
+    with LLM(dtype="float32") as llm:
+        sizing = llm.engine.kv_sizing
+        cap = EngineConfig.max_num_seqs * llm.engine.max_model_len // sizing.block_size
+        assert sizing.source == "auto" and llm.engine.max_model_len // 16 <= sizing.num_blocks <= cap
+
+
+@pytest.mark.parametrize(("given", "num_bytes"), [("1MiB", 2**20), (3 * 2**20, 3 * 2**20)])
+def test_an_explicit_size_is_as_many_blocks_as_it_holds(given, num_bytes):
+    with LLM(dtype="float32", kv_cache_memory=given) as llm:
+        sizing = llm.engine.kv_sizing
+        assert sizing.source == "kv_cache_memory" and sizing.available is None
+        assert llm.kv_stats()["blocks_total"] == num_bytes // sizing.block_bytes
+        assert sizing.describe().endswith("from --kv-cache-memory")
+
+
+def test_num_kv_blocks_wins_over_any_memory_size():
+    with LLM(dtype="float32", num_kv_blocks=40, kv_cache_memory="1GiB") as llm:
+        assert llm.kv_stats()["blocks_total"] == 40 and llm.engine.kv_sizing.source == "num_kv_blocks"
+
+
+def test_a_size_that_holds_no_block_is_refused():
+    with pytest.raises(ValueError, match="holds no block"):
+        LLM(dtype="float32", kv_cache_memory="1KiB")
+
+
+def test_tensor_parallel_ranks_size_their_pools_alike(tmp_path):
+    """Two ranks on this machine split its share and agree on one count."""
+    path = make_checkpoint(tmp_path, "llama")  # max_position_embeddings 512
+    options = dict(dtype="float32", block_size=4, max_model_len=64, max_num_seqs=3, tensor_parallel_size=2)
+    with LLM(str(path), **options) as two:
+        sizing = two.engine.kv_sizing
+        assert sizing.source == "auto" and sizing.ranks == 2
+        assert 16 <= sizing.num_blocks <= 3 * 16 and two.kv_stats()["blocks_total"] == sizing.num_blocks
+        assert "per rank" in sizing.describe()
+        greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        assert len(two.generate([[3, 4, 5]] * 3, greedy, use_tqdm=False)[2].outputs[0].token_ids) == 40
+
+
+def test_the_cli_prints_the_sizing_at_start_up(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # the line unwrapped
+    assert (
+        main(["generate", "Hello", "--max-tokens", "3", "--max-model-len", "256", "--max-num-seqs", "4"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert f"KV cache: {CAP_BLOCKS} blocks of 16 tokens (" in out and "sized auto from" in out
+    assert main(["generate", "Hello", "--max-tokens", "3", "--kv-cache-memory", "1MiB"]) == 0
+    assert "blocks of 16 tokens (1.0 MiB," in capsys.readouterr().out
+
+
+def test_the_cli_refuses_a_bad_kv_cache_memory(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "Hello", "--kv-cache-memory", "plenty"])
+    assert exit_info.value.code == 2 and "cannot parse a byte size" in capsys.readouterr().err
+
+
+def test_replicas_on_one_machine_share_one_auto_sizing():
+    """``--data-parallel-size``: sized once for all replicas, each gets the same block count."""
+    engine, sizing = split_auto_pool(EngineConfig(**SMALL), 2)
+    assert sizing.source == "auto" and sizing.available > 0
+    assert engine.num_kv_blocks == sizing.num_blocks and CONTEXT_BLOCKS <= sizing.num_blocks <= CAP_BLOCKS
+    replicas = ReplicaSet(EngineConfig(**SMALL), 2)
+    assert replicas.kv_sizing is not None
+    assert {spec.engine.num_kv_blocks for spec in replicas.specs} == {replicas.kv_sizing.num_blocks}
+    given = ReplicaSet(EngineConfig(**SMALL, kv_cache_memory="1MiB"), 2)
+    assert given.kv_sizing is None and {spec.engine.num_kv_blocks for spec in given.specs} == {None}
+
+
+@pytest.mark.parametrize("bad", ["plenty", "0", -5])
+def test_a_bad_kv_cache_memory_is_refused_before_anything_loads(bad):
+    with pytest.raises(ValueError):
+        EngineConfig(kv_cache_memory=bad)
