@@ -19,6 +19,10 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
+#: How tests run the real model: float32 (transformers' reference dtype) and a small KV pool.
+#: Left to size itself, the pool would take half of the machine's free memory per engine.
+ENGINE_OPTIONS: dict[str, object] = {"dtype": "float32", "max_model_len": 2048, "kv_cache_memory": "256MiB"}
+
 #: The GGUF file the package ships, and the name the folder is served under.
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv import LLM, SamplingParams
+from tests.real_model import ENGINE_OPTIONS
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -13,7 +14,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def llm(real_model):
-    with LLM(str(real_model), dtype="float32") as engine:
+    with LLM(str(real_model), **ENGINE_OPTIONS) as engine:
         yield engine
 
 

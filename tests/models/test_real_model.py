@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv import LLM, SamplingParams
+from tests.real_model import ENGINE_OPTIONS
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -19,7 +20,7 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def llm(real_model):
     # the default ("auto") pool: these limits keep it to what 4 short chats can use
-    with LLM(str(real_model), dtype="float32", max_model_len=512, max_num_seqs=4) as engine:
+    with LLM(str(real_model), **ENGINE_OPTIONS) as engine:
         yield engine
 
 

@@ -19,7 +19,7 @@ from pagedkv.server.reasoning import (
     ReasoningParser,
     reasoning_parser_class,
 )
-from tests.real_model import MODEL_NAME
+from tests.real_model import ENGINE_OPTIONS, MODEL_NAME
 
 ANSWER = "<think>I add them: 4.</think>The answer is 4."
 
@@ -103,7 +103,7 @@ GREEDY = dict(max_tokens=60, temperature=0)
 
 @pytest.fixture(scope="module")
 def real_server(real_model):
-    config = EngineConfig(model=str(real_model), dtype="float32")
+    config = EngineConfig(model=str(real_model), **ENGINE_OPTIONS)
     app = create_app(
         config,
         served_model_name=MODEL_NAME,
@@ -123,7 +123,7 @@ def client(real_server):
 
 @pytest.fixture(scope="module")
 def reference(real_model):
-    with LLM(str(real_model), dtype="float32") as llm:
+    with LLM(str(real_model), **ENGINE_OPTIONS) as llm:
         yield llm
 
 
