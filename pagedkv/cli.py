@@ -17,14 +17,8 @@ from rich.console import Console
 from pagedkv.bench import capacity, sharing
 from pagedkv.bench.commands import BENCHES, CAPACITY, SHARING
 from pagedkv.bench.driver import add_bench, run_section
-from pagedkv.cli_args import (
-    add_command,
-    add_engine_options,
-    byte_size,
-    config_from_args,
-    engine_config,
-    usage_errors,
-)
+from pagedkv.cli_args import add_engine_options, engine_config
+from pagedkv.cli_parsing import add_command, byte_size, config_from_args, usage_errors
 from pagedkv.cli_report import DEFAULT_OUT, ReportOptions, add_report_options, show_report
 from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES
 from pagedkv.server.cli import add_serve_parser

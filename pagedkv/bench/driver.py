@@ -34,7 +34,8 @@ from rich.table import Table
 
 from pagedkv.bench.host import LoadMeter, print_host
 from pagedkv.bench.options import add_options, check_options, option, require_positive
-from pagedkv.cli_args import add_command, add_engine_options, config_from_args, engine_config
+from pagedkv.cli_args import add_engine_options, engine_config
+from pagedkv.cli_parsing import add_command, config_from_args
 from pagedkv.cli_report import ReportOptions, add_report_options
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.kv_policy import PAGED, KVPolicy

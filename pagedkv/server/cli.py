@@ -13,14 +13,8 @@ import contextlib
 import os
 import sys
 
-from pagedkv.cli_args import (
-    add_command,
-    add_engine_options,
-    build_engine,
-    byte_size,
-    positive_float,
-    positive_int,
-)
+from pagedkv.cli_args import add_engine_options, build_engine
+from pagedkv.cli_parsing import add_command, byte_size, positive_float, positive_int
 
 #: Read when ``--api-key`` is not given, so the key need not appear in the process list.
 API_KEY_ENV = "PAGEDKV_API_KEY"
