@@ -352,6 +352,13 @@ ENGINE_OPTIONS = (
         action="store_true",
         is_structured=True,
     ),
+    EngineOption(
+        "any_whitespace",
+        "JSON output may hold any run of whitespace between its tokens (by default: nothing, one space, "
+        "or one newline and at most 20 spaces or tabs, as llama.cpp allows)",
+        action="store_true",
+        is_structured=True,
+    ),
 )
 
 

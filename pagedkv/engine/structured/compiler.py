@@ -36,7 +36,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.structured.config import StructuredOutputsConfig, check_spec, field_name
+from pagedkv.engine.structured.config import (
+    WHITESPACE_PATTERN_FIELD,
+    StructuredOutputsConfig,
+    check_spec,
+    field_name,
+)
 from pagedkv.engine.structured.params import StructuredOutputsParams
 from pagedkv.engine.validation import InvalidRequestError
 
@@ -45,7 +50,7 @@ if TYPE_CHECKING:
 
     from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar, XgrammarBackend
 
-Key = tuple[str, str, bool]
+Key = tuple[str, str, str]
 
 
 @dataclass(eq=False)
@@ -151,13 +156,17 @@ class GrammarCompiler:
         timer = threading.Timer(limit, lambda: self._finish(job, error=self._too_costly(job), refuse=True))
         timer.daemon = True
         params = job.params
-        any_whitespace = not (params.disable_any_whitespace or self.config.disable_any_whitespace)
+        whitespace, pattern = self._whitespace(params)
         started = time.perf_counter()
         timer.start()
         try:
-            grammar = backend.compile(params.kind, params.spec, any_whitespace)
+            grammar = backend.compile(params.kind, params.spec, whitespace, pattern)
         except ValueError as err:
-            field = field_name(params)
+            from pagedkv.engine.structured.xgrammar_backend import WhitespacePatternError
+
+            field = (
+                WHITESPACE_PATTERN_FIELD if isinstance(err, WhitespacePatternError) else field_name(params)
+            )
             self._finish(
                 job, error=InvalidRequestError(f"{field} is not valid: {err}", param=field), refuse=True
             )
@@ -174,6 +183,16 @@ class GrammarCompiler:
         from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
 
         self._finish(job, result=CompiledGrammar(job.key, grammar, seconds, guard=backend.utf8_guard))
+
+    def _whitespace(self, params: StructuredOutputsParams) -> tuple[str, str | None]:
+        """How ``params``' JSON is spaced -- ``"none"`` (the deployer's or the request's
+        ``disable_any_whitespace``), the request's pattern, else ``"any"`` or ``"bounded"`` as
+        the deployer's ``any_whitespace`` says -- and the pattern, if any."""
+        if params.disable_any_whitespace or self.config.disable_any_whitespace:
+            return "none", None
+        if params.whitespace_pattern is not None:
+            return "any", params.whitespace_pattern
+        return ("any" if self.config.any_whitespace else "bounded"), None
 
     def _too_costly(self, job: _Job) -> InvalidRequestError:
         field = field_name(job.params)
