@@ -354,8 +354,8 @@ ENGINE_OPTIONS = (
     ),
     EngineOption(
         "any_whitespace",
-        "JSON output may hold any run of whitespace between its tokens (by default: nothing, one space, "
-        "or one newline and at most 20 spaces or tabs, as llama.cpp allows)",
+        "JSON output may hold any run of whitespace between its tokens (by default at most one space, "
+        "as outlines allows: small models can loop on whitespace)",
         action="store_true",
         is_structured=True,
     ),

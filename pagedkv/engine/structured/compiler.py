@@ -118,6 +118,30 @@ class GrammarCompiler:
         self._pool.submit(self._run, job)
         return future
 
+    def check_schema_async(self, schema: dict) -> Future[None]:
+        """The future of a check that ``schema`` is a JSON schema the library reads, for a
+        schema that is only read, never enforced (a tool's parameters under tool choice "auto"):
+        the limits apply, the unsupported keywords do not. Its refusal names
+        ``structured_outputs.json``, as a compile's does."""
+        try:
+            params = StructuredOutputsParams(json=schema)
+        except ValueError as err:
+            raise InvalidRequestError(str(err), param="structured_outputs.json") from None
+        check_spec(params, self.config, enforced=False)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the grammar compiler is shut down")
+        return self._pool.submit(self._check_schema, params)
+
+    def _check_schema(self, params: StructuredOutputsParams) -> None:
+        from pagedkv.engine.structured.xgrammar_backend import check_json_schema
+
+        try:
+            check_json_schema(params.spec)
+        except ValueError as err:
+            field = field_name(params)
+            raise InvalidRequestError(f"{field} is not valid: {err}", param=field) from None
+
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """:meth:`compile_async` and wait: for a caller that may block (the offline API)."""
         return self.compile_async(params).result()

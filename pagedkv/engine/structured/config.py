@@ -38,9 +38,9 @@ class StructuredOutputsConfig:
     #: ``disable_any_whitespace`` for every request, whatever the request says (vLLM's setting).
     disable_any_whitespace: bool = False
     #: JSON may hold any run of whitespace between its tokens (xgrammar's and vLLM's default).
-    #: Off, a request that says nothing of whitespace gets llama.cpp's bound: between two tokens
-    #: nothing, one space, or one newline and an indent of at most 20 spaces or tabs -- any
-    #: layout a model writes, but no run that eats ``max_tokens`` (small models fall into them).
+    #: Off, a request that says nothing of whitespace gets at most one space between two tokens
+    #: (outlines' default): no run that eats ``max_tokens`` (small models fall into them), and
+    #: no indents that spend it.
     any_whitespace: bool = False
 
     def __post_init__(self) -> None:
@@ -76,11 +76,14 @@ def schema_depth(value: Any) -> int:
     return depth
 
 
-def check_spec(params: StructuredOutputsParams, config: StructuredOutputsConfig) -> None:
+def check_spec(
+    params: StructuredOutputsParams, config: StructuredOutputsConfig, enforced: bool = True
+) -> None:
     """Refuse a spec over the deployment's nesting or size limit, a schema with a keyword the
     grammar cannot enforce (:mod:`.schema_support`), or a spec that is not valid Unicode
     (:class:`InvalidRequestError` naming the field). The depth is measured first and without
-    recursion, so no spec is ever deep enough to exhaust the stack in what follows."""
+    recursion, so no spec is ever deep enough to exhaust the stack in what follows.
+    ``enforced=False``: a schema only read, never compiled into a grammar (its keywords pass)."""
     field = field_name(params)
     if params.json is not None:
         depth = schema_depth(params.json)
@@ -90,7 +93,7 @@ def check_spec(params: StructuredOutputsParams, config: StructuredOutputsConfig)
                 f"{config.max_schema_depth}",
                 param=field,
             )
-        reason = unsupported_keyword(params.json)
+        reason = unsupported_keyword(params.json) if enforced else None
         if reason is not None:
             raise InvalidRequestError(f"{field}: {reason}", param=field)
     spec = params.spec

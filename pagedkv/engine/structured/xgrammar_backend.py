@@ -64,9 +64,11 @@ class CompiledGrammar:
 
 #: How JSON may space its tokens (the compiler picks one per request; see ``Whitespace``).
 ANY, NONE, BOUNDED = "any", "none", "bounded"
-#: llama.cpp's JSON whitespace, between any two tokens: nothing, one space, or one newline and
-#: an indent of at most 20 spaces or tabs -- room for any layout a model writes, never a run.
-BOUNDED_WHITESPACE = r'"" | " " | "\n" [ \t]{0, 20}'
+#: The default JSON whitespace between any two tokens: nothing or one space (outlines' default,
+#: ``[ ]?``, which vLLM's outlines backend served). Compact JSON: no run a small model can loop
+#: on, and no pretty-printing that spends a tight ``max_tokens`` on indents (llama.cpp's rule,
+#: one newline and an indent of up to 20, is a ``whitespace_pattern`` away).
+BOUNDED_WHITESPACE = r'"" | " "'
 #: xgrammar's bound on a whitespace run, used as a marker: its JSON grammar then names every
 #: run ``whitespace_K{0, 7}`` of rules ``whitespace_K ::= (([ \n\r\t]))``, which are replaced.
 _MARK = 7
@@ -119,6 +121,14 @@ def _pattern_rules(pattern: str, name: str) -> str:
             "between its tokens"
         )
     return ebnf.rename_rules(grammar, lambda rule: name if rule == "root" else f"{name}_{rule}")
+
+
+def check_json_schema(schema: str) -> None:
+    """Raise ValueError with xgrammar's reason when ``schema`` is not a JSON schema it reads."""
+    try:
+        xgr.Grammar.from_json_schema(schema)
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(error_text(err)) from None
 
 
 def choice_as_ebnf(choices: Iterable[str]) -> str:

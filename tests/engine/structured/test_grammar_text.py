@@ -50,8 +50,8 @@ number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1
 # Optional space: by convention, applied in this grammar after literal chars when allowed
 ws ::= | " " | "\n" [ \t]{0,20}
 """
-#: Outside JSON strings, a whitespace run of llama.cpp's rule: nothing, " ", or "\n" and an indent.
-BOUNDED_RUN = re.compile(r"( |\n[ \t]{0,20})?")
+#: llama.cpp's JSON whitespace, as a client's pattern: nothing, " ", or "\n" and an indent.
+LLAMA_CPP_WHITESPACE = r"( |\n[ \t]{0,20})?"
 
 
 def _writes(grammar, tokenizer, text: str) -> bool:
@@ -66,18 +66,23 @@ def _whitespace_runs(text: str) -> list[str]:
     return re.findall(r"[ \t\r\n]+", outside)
 
 
-def test_json_whitespace_is_bounded_by_default(compiler, tokenizer, vocab_size):
+def test_json_whitespace_is_one_space_at_most_by_default(compiler, tokenizer, vocab_size):
     grammar = compiler.compile(StructuredOutputsParams(json=SCHEMA))
-    for layout in ('{"city":"Oslo","days":[1,2]}', '{ "city": "Oslo", "days": [1, 2] }'):
+    for layout in ('{"city":"Oslo","days":[1,2]}', '{ "city" : "Oslo", "days": [1, 2] }'):
         assert _writes(grammar, tokenizer, layout)
-    assert _writes(grammar, tokenizer, json.dumps({"city": "Oslo", "days": [1, 2]}, indent=4))
-    assert not _writes(grammar, tokenizer, '{\n\n"city": "Oslo", "days": []}')  # two newlines
+    assert not _writes(grammar, tokenizer, json.dumps({"city": "Oslo", "days": [1, 2]}, indent=2))
     assert not _writes(grammar, tokenizer, '{"city":  "Oslo", "days": []}')  # two spaces
-    assert not _writes(grammar, tokenizer, '{"city": "Oslo",\n' + " " * 21 + '"days": []}')
     for seed in range(20):  # a walk at random through the grammar ends, in JSON
         text = tokenizer.decode(random_walk(grammar.matcher(), vocab_size, seed)[:-1])
         assert json.loads(text)["city"] is not None
-        assert all(BOUNDED_RUN.fullmatch(run) for run in _whitespace_runs(text)), text
+        assert all(run == " " for run in _whitespace_runs(text)), text
+
+
+def test_llama_cpp_whitespace_is_a_pattern_away(compiler, tokenizer):
+    grammar = compiler.compile(StructuredOutputsParams(json=SCHEMA, whitespace_pattern=LLAMA_CPP_WHITESPACE))
+    assert _writes(grammar, tokenizer, json.dumps({"city": "Oslo", "days": [1, 2]}, indent=4))
+    assert not _writes(grammar, tokenizer, '{\n\n"city": "Oslo", "days": []}')  # two newlines
+    assert not _writes(grammar, tokenizer, '{"city": "Oslo",\n' + " " * 21 + '"days": []}')
 
 
 def test_any_whitespace_and_no_whitespace_are_there_to_choose(make_compiler, tokenizer):
