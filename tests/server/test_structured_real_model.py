@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import jsonschema
 import openai
@@ -85,6 +86,8 @@ def test_every_strict_json_schema_answer_is_whole_and_valid(server):
     for choice in choices:
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), PERSON)
+        outside_strings = re.sub(r'"(\\.|[^"\\])*"', '""', choice.message.content)
+        assert set(re.findall(r"\s+", outside_strings)) <= {" "}  # the default spacing
     wait_idle(server.base_url)
 
 

@@ -20,10 +20,11 @@ something treats that as "cannot tell".
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 _TOKEN = re.compile(
     r"""
@@ -49,21 +50,21 @@ _TEXT = ((0, 0xD7FF), (0xE000, 0x10FFFF))
 _JSON_WHITESPACE = frozenset(" \t\n\r")
 
 
-@dataclass(frozen=True)
-class Token:
+class Token(NamedTuple):
     kind: str
     text: str
 
 
 def tokenize(text: str) -> list[Token]:
     """The printed grammar as tokens; joining their texts gives ``text`` back exactly."""
-    tokens, at = [], 0
-    while at < len(text):
-        match = _TOKEN.match(text, at)
-        if match is None:
-            raise ValueError(f"unexpected {text[at : at + 20]!r} in the grammar")
-        tokens.append(Token(match.lastgroup, match.group()))
-        at = match.end()
+    tokens = [Token(match.lastgroup, match.group()) for match in _TOKEN.finditer(text)]
+    if sum(len(token.text) for token in tokens) != len(text):  # finditer skipped something
+        at = 0
+        for token in tokens:
+            if not text.startswith(token.text, at):
+                break
+            at += len(token.text)
+        raise ValueError(f"unexpected {text[at : at + 20]!r} in the grammar")
     return tokens
 
 
@@ -114,8 +115,10 @@ def class_ranges(token: str) -> tuple[bool, list[tuple[int, int]]]:
     return negated, ranges
 
 
-def class_text_points(token: str) -> list[tuple[int, int]]:
-    """The text code points a class matches, as sorted disjoint ranges (surrogates left out)."""
+@functools.lru_cache(maxsize=4096)
+def class_text_points(token: str) -> tuple[tuple[int, int], ...]:
+    """The text code points a class matches, as sorted disjoint ranges (surrogates left out;
+    cached: the same few classes recur in every JSON grammar)."""
     negated, ranges = class_ranges(token)
     merged: list[tuple[int, int]] = []
     for low, high in sorted(ranges):
@@ -132,12 +135,12 @@ def class_text_points(token: str) -> list[tuple[int, int]]:
         if start <= 0x10FFFF:
             complement.append((start, 0x10FFFF))
         merged = complement
-    return [
+    return tuple(
         (max(low, t_low), min(high, t_high))
         for low, high in merged
         for t_low, t_high in _TEXT
         if max(low, t_low) <= min(high, t_high)
-    ]
+    )
 
 
 def rules(tokens: list[Token]) -> dict[str, list[Token]]:
@@ -325,24 +328,27 @@ def rename_rules(grammar: str, rename: Callable[[str], str]) -> str:
     return "".join(rename(t.text) if t.kind == "name" else t.text for t in tokenize(grammar))
 
 
+#: A string literal or a character class (kept as they are), or a rule name and what follows it.
+_LITERAL_OR_REFERENCE = re.compile(
+    r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|(?<![\w-])([A-Za-z_][\w-]*)(\{[^}]*\}|\s*::=)?'
+)
+
+
 def substitute(grammar: str, names: Iterable[str], repeat: str, replacement: str) -> str:
     """``grammar`` with every reference to one of ``names`` repeated by exactly ``repeat``
-    (e.g. ``{0, 7}``) replaced by ``replacement``; raises ValueError if another repetition of
-    them, or a bare reference, is left."""
-    names, tokens, out = set(names), tokenize(grammar), []
-    index = 0
-    while index < len(tokens):
-        token = tokens[index]
-        if token.kind == "name" and token.text in names and not _defines(tokens, index):
-            following = tokens[index + 1] if index + 1 < len(tokens) else None
-            if following is None or following.kind != "repeat" or _spaced(following.text) != _spaced(repeat):
-                raise ValueError(f"rule {token.text!r} is used other than as {token.text}{repeat}")
-            out.append(replacement)
-            index += 2
-            continue
-        out.append(token.text)
-        index += 1
-    return "".join(out)
+    (e.g. ``{0, 7}``) replaced by ``replacement``, in one pass that leaves string literals and
+    character classes as they are; raises ValueError if another use of them is left."""
+    names, wanted = set(names), _spaced(repeat)
+
+    def replace(match: re.Match) -> str:
+        name, after = match.group(1), match.group(2)
+        if name is None or name not in names or (after is not None and "::=" in after):
+            return match.group()
+        if after is None or _spaced(after) != wanted:
+            raise ValueError(f"rule {name!r} is used other than as {name}{repeat}")
+        return replacement
+
+    return _LITERAL_OR_REFERENCE.sub(replace, grammar)
 
 
 def _defines(tokens: list[Token], index: int) -> bool:

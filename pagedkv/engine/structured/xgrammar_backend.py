@@ -73,6 +73,8 @@ BOUNDED_WHITESPACE = r'"" | " "'
 #: run ``whitespace_K{0, 7}`` of rules ``whitespace_K ::= (([ \n\r\t]))``, which are replaced.
 _MARK = 7
 _WHITESPACE_RULE = r"(([ \n\r\t]))"
+#: A printed rule: its name and its body (xgrammar prints one a line).
+_RULE = re.compile(r"^([\w-]+) ::= (.*)$", re.MULTILINE)
 
 
 class WhitespacePatternError(ValueError):
@@ -97,8 +99,8 @@ def json_schema_ebnf(schema: str, whitespace: str = BOUNDED, pattern: str | None
 def _respaced(grammar: str, body: str | None, pattern: str | None) -> str:
     """``grammar`` (marked) with every whitespace run replaced by a new rule: ``body``, or the
     rules of the regex ``pattern``."""
-    defined = ebnf.rules(ebnf.tokenize(grammar))
-    runs = [name for name, tokens in defined.items() if "".join(t.text for t in tokens) == _WHITESPACE_RULE]
+    defined = dict(_RULE.findall(grammar))
+    runs = [name for name, body in defined.items() if body == _WHITESPACE_RULE]
     name = "json_ws"
     while any(n == name or n.startswith(name + "_") for n in defined):
         name += "_"
@@ -174,7 +176,7 @@ class XgrammarBackend:
             raise
         except (RuntimeError, ValueError) as err:  # xgrammar raises RuntimeError for bad specs
             raise ValueError(error_text(err)) from None
-        if not _satisfiable(grammar):
+        if kind != "choice" and not _satisfiable(grammar):  # a choice is its non-empty strings
             raise ValueError("nothing matches it: no output can ever complete it")
         return self._compiler.compile_grammar(grammar)
 
