@@ -10,7 +10,8 @@ the server's event loop keep running. The future ends in one of three ways:
   :meth:`StructuredOutputsParams.key`: the same spec later gets the same object at once, and
   requests that ask for a spec already compiling share that compile;
 - :class:`InvalidRequestError` naming the field, when the library refuses the spec (a schema,
-  regex or grammar that is not valid);
+  regex or grammar that is not valid, or one no output can complete), or when a schema uses a
+  keyword the grammar cannot enforce (:mod:`.schema_support`, checked here, once per spec);
 - :class:`InvalidRequestError` naming the field, when the compile runs past
   ``max_compile_seconds``: the future fails at that moment, not when the compile ends. A native
   compile cannot be interrupted, so it runs on to its end on its thread and its result is
@@ -43,6 +44,7 @@ from pagedkv.engine.structured.config import (
     field_name,
 )
 from pagedkv.engine.structured.params import StructuredOutputsParams
+from pagedkv.engine.structured.schema_support import unsupported_keyword
 from pagedkv.engine.validation import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -127,7 +129,7 @@ class GrammarCompiler:
             params = StructuredOutputsParams(json=schema)
         except ValueError as err:
             raise InvalidRequestError(str(err), param="structured_outputs.json") from None
-        check_spec(params, self.config, enforced=False)
+        check_spec(params, self.config)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the grammar compiler is shut down")
@@ -184,6 +186,10 @@ class GrammarCompiler:
         started = time.perf_counter()
         timer.start()
         try:
+            if params.json is not None and (reason := unsupported_keyword(params.json)) is not None:
+                field = field_name(params)
+                self._finish(job, error=InvalidRequestError(f"{field}: {reason}", param=field), refuse=True)
+                return
             grammar = backend.compile(params.kind, params.spec, whitespace, pattern)
         except ValueError as err:
             from pagedkv.engine.structured.xgrammar_backend import WhitespacePatternError

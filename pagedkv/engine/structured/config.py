@@ -15,7 +15,6 @@ from typing import Any
 
 from pagedkv.engine.sampling_params import unpaired_surrogate_at
 from pagedkv.engine.structured.params import StructuredOutputsParams
-from pagedkv.engine.structured.schema_support import unsupported_keyword
 from pagedkv.engine.validation import InvalidRequestError
 
 
@@ -76,14 +75,10 @@ def schema_depth(value: Any) -> int:
     return depth
 
 
-def check_spec(
-    params: StructuredOutputsParams, config: StructuredOutputsConfig, enforced: bool = True
-) -> None:
-    """Refuse a spec over the deployment's nesting or size limit, a schema with a keyword the
-    grammar cannot enforce (:mod:`.schema_support`), or a spec that is not valid Unicode
-    (:class:`InvalidRequestError` naming the field). The depth is measured first and without
-    recursion, so no spec is ever deep enough to exhaust the stack in what follows.
-    ``enforced=False``: a schema only read, never compiled into a grammar (its keywords pass)."""
+def check_spec(params: StructuredOutputsParams, config: StructuredOutputsConfig) -> None:
+    """Refuse a spec over the deployment's nesting or size limit, or one that is not valid
+    Unicode (:class:`InvalidRequestError` naming the field). The depth is measured first and
+    without recursion, so no spec is ever deep enough to exhaust the stack in what follows."""
     field = field_name(params)
     if params.json is not None:
         depth = schema_depth(params.json)
@@ -93,9 +88,6 @@ def check_spec(
                 f"{config.max_schema_depth}",
                 param=field,
             )
-        reason = unsupported_keyword(params.json) if enforced else None
-        if reason is not None:
-            raise InvalidRequestError(f"{field}: {reason}", param=field)
     spec = params.spec
     if len(spec) > config.max_spec_chars:
         raise InvalidRequestError(
