@@ -4,14 +4,15 @@ xgrammar normalises every grammar it builds -- from a JSON schema, a regex, EBNF
 one printed form: one rule a line, ``name ::= body`` and an optional lookahead ``(= ...)``;
 bodies made of string literals, character classes (escapes spelled ``\\xNN``, ``\\uNNNN``,
 ``\\UNNNNNNNN``), rule names, groups, ``|`` and the repetitions ``* + ? {m, n}`` (``n`` = -1:
-unbounded). This module reads that form, for three uses:
+unbounded). This module reads that form, for these uses:
 
 - :func:`is_satisfiable`: whether any finite text at all is a sentence of the grammar (a
   productive-rule fixed point): a regex like ``[^\\s\\S]`` compiles, but no output can ever
   complete it, and a request with it would only fail once generating;
 - :func:`rename_rules` and :func:`substitute`: splicing one grammar's rules into another
-  (the JSON grammar's whitespace replaced by a bounded or a client's pattern), token by token,
-  so that nothing inside a string literal or a character class is ever touched;
+  (the JSON grammar's whitespace replaced by the default or a client's pattern), so that
+  nothing inside a string literal or a character class is ever touched;
+- :func:`from_gbnf`: llama.cpp's GBNF spellings xgrammar's parser does not read;
 - :func:`only_whitespace`: whether every character a grammar can write is JSON whitespace.
 
 Anything outside the printed form raises ValueError: a caller that only wanted to check
@@ -168,6 +169,8 @@ class _Parser:
     def __init__(self, body: list[Token]) -> None:
         self.body = body
         self.at = 0
+        #: The rules the body names.
+        self.references: set[str] = set()
 
     def parse(self) -> tuple:
         tree = self.alternatives()
@@ -207,6 +210,7 @@ class _Parser:
         if token.kind == "cls":
             return ("chars", bool(class_text_points(token.text)))
         if token.kind == "name":
+            self.references.add(token.text)
             return ("ref", token.text)
         if token.kind == "call":
             return self.call(token.text[:-1])
@@ -238,7 +242,7 @@ def _repeat_min(text: str) -> int:
 
 
 class _Productive:
-    """The productive rules of a grammar, grown to the fixed point."""
+    """The productive rules of a grammar (see :func:`is_satisfiable`)."""
 
     def __init__(self, trees: dict[str, tuple], regex_satisfiable: Callable[[str], bool]) -> None:
         self.trees = trees
@@ -246,14 +250,17 @@ class _Productive:
         self.rules: set[str] = set()
         self.regexes: dict[str, bool] = {}
 
-    def grow(self, until: str) -> None:
-        changed = True
-        while changed and until not in self.rules:
-            changed = False
-            for name, tree in self.trees.items():
-                if name not in self.rules and self.holds(tree):
-                    self.rules.add(name)
-                    changed = True
+    def grow(self, users: dict[str, set[str]]) -> None:
+        """To the fixed point, by a worklist: a rule is tried again only when a rule it names
+        has just become productive (``users[name]``: the rules that name ``name``), so the
+        work is linear in the grammar's size times the few times a rule is retried."""
+        pending = list(self.trees)
+        while pending:
+            name = pending.pop()
+            if name in self.rules or not self.holds(self.trees[name]):
+                continue
+            self.rules.add(name)
+            pending.extend(user for user in users.get(name, ()) if user not in self.rules)
 
     def holds(self, node: tuple) -> bool:
         kind = node[0]
@@ -281,13 +288,19 @@ def is_satisfiable(grammar: str, regex_satisfiable: Callable[[str], bool], root:
     when it holds a character that is not a surrogate, a repetition when it may repeat zero
     times or its item is productive, a rule name when that rule is, ``Regex(p)`` when
     ``regex_satisfiable(p)``. Lookaheads are taken as satisfiable, so the answer errs on the
-    side of "yes". Iterates to the fixed point.
+    side of "yes".
     """
-    trees = {name: _Parser(body).parse() for name, body in rules(tokenize(grammar)).items()}
+    trees: dict[str, tuple] = {}
+    users: dict[str, set[str]] = {}
+    for name, body in rules(tokenize(grammar)).items():
+        parser = _Parser(body)
+        trees[name] = parser.parse()
+        for used in parser.references:
+            users.setdefault(used, set()).add(name)
     if root not in trees:
         raise ValueError(f"the grammar has no {root!r} rule")
     productive = _Productive(trees, regex_satisfiable)
-    productive.grow(until=root)
+    productive.grow(users)
     return root in productive.rules
 
 
@@ -307,10 +320,11 @@ def from_gbnf(grammar: str) -> str:
         token = tokens[index]
         following = tokens[solid[position + 1]] if position + 1 < len(solid) else None
         opens = token.kind in ("define", "look") or token.text in ("(", "|")
+        after = tokens[solid[position + 2]] if position + 2 < len(solid) else None
         closes = (
             following is None
             or following.text in ("|", ")")
-            or (following.kind == "name" and _defines(tokens, solid[position + 1]))
+            or (following.kind == "name" and after is not None and after.kind == "define")
         )
         if opens and closes:
             empty_after.add(index)
@@ -349,12 +363,6 @@ def substitute(grammar: str, names: Iterable[str], repeat: str, replacement: str
         return replacement
 
     return _LITERAL_OR_REFERENCE.sub(replace, grammar)
-
-
-def _defines(tokens: list[Token], index: int) -> bool:
-    """Whether the name at ``index`` is a rule's definition (``name ::=``), not a reference."""
-    following = next((t for t in tokens[index + 1 :] if t.kind != "space"), None)
-    return following is not None and following.kind == "define"
 
 
 def _spaced(repeat: str) -> str:
