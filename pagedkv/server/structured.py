@@ -13,7 +13,7 @@ A request may constrain its output in one of these ways (two at once is a 400 na
   ``ebnf``: the same constraints under the names those servers read (:data:`GUIDED_FIELDS`);
 - tools with ``tool_choice`` ``"required"`` or a named function (:mod:`pagedkv.server.tools`).
 
-How JSON is spaced: the engine's default (bounded whitespace), ``disable_any_whitespace``, or a
+How JSON is spaced: the engine's default (at most one space), ``disable_any_whitespace``, or a
 regex the whitespace between tokens matches -- vLLM's ``guided_whitespace_pattern`` or
 ``structured_outputs.whitespace_pattern`` -- which applies to whichever JSON constraint the
 request has (a 400 naming it when the request has none).
