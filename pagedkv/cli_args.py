@@ -293,6 +293,13 @@ ENGINE_OPTIONS = (
         action="store_true",
         is_structured=True,
     ),
+    EngineOption(
+        "any_whitespace",
+        "JSON output may hold any run of whitespace between its tokens (by default at most one space, "
+        "as outlines allows: small models can loop on whitespace)",
+        action="store_true",
+        is_structured=True,
+    ),
 )
 
 

@@ -35,7 +35,7 @@ from pagedkv.server.prompts import PromptEncoder, PromptLimits
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedkv.server.structured import Constraint, compile_constraint
 from pagedkv.server.tool_parsers import ToolParser
-from pagedkv.server.tools import resolve_tool_choice, tool_at_fault, tool_constraint
+from pagedkv.server.tools import check_read_schemas, resolve_tool_choice, tool_at_fault, tool_constraint
 from pagedkv.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -219,7 +219,7 @@ async def preprocess_chat(ctx: ServingContext, body: ChatCompletionRequest) -> C
     params = body.sampling_params(max(1, body.min_tokens or 0), constraint, ctx.sampling_defaults)
     ctx.check_size(1, params)
     limits = ctx.prompt_limits(params, body.truncate_prompt_tokens, bool(body.add_special_tokens))
-    messages = [m.as_template_dict() for m in body.messages]
+    messages = [m.as_template_dict(f"messages.{i}") for i, m in enumerate(body.messages)]
     role = "assistant" if body.add_generation_prompt is not False else messages[-1]["role"]
     echo = messages[-1]["content"] if body.echo and messages[-1]["role"] == role else ""
     try:
@@ -228,6 +228,8 @@ async def preprocess_chat(ctx: ServingContext, body: ChatCompletionRequest) -> C
         )
     except InvalidRequestError as err:
         raise APIError.from_value_error(err) from None
+    if tool_mode in ("auto", "none") and body.tools:
+        await check_read_schemas(ctx.engine.engine.structured_outputs, body.tools)
     try:
         grammar = await ctx.compile(constraint)
     except APIError as refused:

@@ -126,6 +126,13 @@ class _SamplingRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    #: vLLM's: a regex the whitespace between JSON tokens matches (with a JSON constraint).
+    guided_whitespace_pattern: str | None = None
+    # llama.cpp's and SGLang's names for the same constraints (pagedkv.server.structured).
+    json_schema: dict[str, Any] | str | None = None
+    grammar: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     # Undeclared fields are kept (in ``model_extra``) so that vLLM's fields that are not
     # implemented here can be refused by name: those named in ``_refused`` (declared or not).
@@ -163,7 +170,9 @@ class _SamplingRequest(BaseModel):
     def constraint(self, tools: Constraint | None = None) -> Constraint | None:
         """What the request constrains its output to (``tools``: what its tool choice forces)."""
         guided = {name: getattr(self, name) for name in GUIDED_FIELDS}
-        return request_constraint(self.structured_outputs, self.response_format, guided, tools)
+        return request_constraint(
+            self.structured_outputs, self.response_format, guided, tools, self.guided_whitespace_pattern
+        )
 
     def _sampling_params(
         self,
@@ -296,9 +305,17 @@ class ChatMessage(BaseModel):
     #: A ``tool`` message: the call it answers.
     tool_call_id: str | None = None
 
-    def as_template_dict(self) -> dict[str, Any]:
+    def as_template_dict(self, path: str = "messages") -> dict[str, Any]:
         """The message as chat templates expect it: text content, and tool calls whose JSON
-        arguments are decoded into objects (as vLLM and transformers give them)."""
+        arguments are decoded into objects (as vLLM and transformers give them). ``path`` is
+        where the message sits in the request (``messages.2``): a ``tool`` message without
+        ``tool_call_id``, or a call whose ``function.arguments`` is not the JSON text of an
+        object, is a 400 naming the field under it."""
+        if self.role == "tool" and not self.tool_call_id:
+            raise APIError.bad_request(
+                f"{path}.tool_call_id is required: a tool message answers the call with that id",
+                param=f"{path}.tool_call_id",
+            )
         content = self.content
         if isinstance(content, list):
             kinds = sorted({part.type for part in content if part.type != "text"})
@@ -311,24 +328,35 @@ class ChatMessage(BaseModel):
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:
-            message["tool_calls"] = [_decoded_arguments(call) for call in self.tool_calls]
+            message["tool_calls"] = [
+                _decoded_arguments(call, f"{path}.tool_calls.{i}") for i, call in enumerate(self.tool_calls)
+            ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
 
 
-def _decoded_arguments(call: dict[str, Any]) -> dict[str, Any]:
-    """``call`` with ``function.arguments`` decoded when it is the JSON text of an object."""
+def _decoded_arguments(call: dict[str, Any], path: str) -> dict[str, Any]:
+    """``call`` (OpenAI's shape, at ``path``) with ``function.arguments`` decoded from the JSON
+    text of an object; anything else is a 400 naming the field."""
     function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError.bad_request(
+            f'{path}.function must be an object with a "name" and "arguments"', param=f"{path}.function"
+        )
+    field = f"{path}.function.arguments"
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):
+        raise APIError.bad_request(f"{field} must be the JSON text of an object, as a string", param=field)
     try:
-        arguments = json.loads(function["arguments"])
-    except ValueError:
-        return call
-    if not isinstance(arguments, dict):
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
+        decoded = json.loads(arguments)
+    except (ValueError, RecursionError) as err:
+        raise APIError.bad_request(f"{field} is not JSON text: {err}", param=field) from None
+    if not isinstance(decoded, dict):
+        raise APIError.bad_request(
+            f"{field} must be the JSON text of an object, got {type(decoded).__name__}", param=field
+        )
+    return {**call, "function": {**function, "arguments": decoded}}
 
 
 class ChatCompletionRequest(_SamplingRequest):

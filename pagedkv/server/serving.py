@@ -284,8 +284,10 @@ async def create_chat_completion(
     answers = None  # each choice's tool calls, when the request has tools in play
     if inputs.tool_mode != "none":
         named = body.tool_choice.function.name if inputs.tool_mode == "named" else None
+        one_call = body.parallel_tool_calls is False
         answers = [
-            AnswerTools(inputs.tool_mode, ctx.tool_parser, named) for _ in range(generation.num_choices)
+            AnswerTools(inputs.tool_mode, ctx.tool_parser, named, one_call)
+            for _ in range(generation.num_choices)
         ]
 
     created = int(time.time())

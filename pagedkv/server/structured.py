@@ -9,7 +9,14 @@ A request may constrain its output in one of these ways (two at once is a 400 na
 - vLLM's ``structured_outputs``: ``{"json": ...}``, ``{"regex": ...}``, ``{"choice": [...]}``,
   ``{"grammar": ...}`` or ``{"json_object": true}``, with ``disable_any_whitespace``;
 - vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``;
+- llama.cpp's ``json_schema`` (a schema) and ``grammar`` (GBNF), SGLang's ``regex`` and
+  ``ebnf``: the same constraints under the names those servers read (:data:`GUIDED_FIELDS`);
 - tools with ``tool_choice`` ``"required"`` or a named function (:mod:`pagedkv.server.tools`).
+
+How JSON is spaced: the engine's default (at most one space), ``disable_any_whitespace``, or a
+regex the whitespace between tokens matches -- vLLM's ``guided_whitespace_pattern`` or
+``structured_outputs.whitespace_pattern`` -- which applies to whichever JSON constraint the
+request has (a 400 naming it when the request has none).
 
 :class:`Constraint` carries the engine's :class:`StructuredOutputsParams` and the request field it
 came from, so every refusal -- its shape here, its size and cost in the engine's compiler --
@@ -21,13 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedkv.engine import InvalidRequestError, StructuredOutputsParams
-from pagedkv.engine.structured.config import field_name
+from pagedkv.engine.structured.config import WHITESPACE_PATTERN_FIELD, field_name
+from pagedkv.engine.structured.params import JSON_KINDS
 from pagedkv.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -46,6 +54,7 @@ class StructuredOutputsRequest(BaseModel):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
 
 
 class JSONSchemaFormat(BaseModel):
@@ -71,15 +80,19 @@ class Constraint:
     params: StructuredOutputsParams
     #: The field errors name, e.g. ``response_format.json_schema.schema`` or ``guided_regex``.
     field: str
+    #: The field that gave ``params.whitespace_pattern``, if one did.
+    whitespace_field: str | None = None
 
     def refusal(self, err: InvalidRequestError) -> APIError:
-        """The engine's refusal (which names ``structured_outputs.<kind>``) as a 400 naming
-        :attr:`field` instead."""
-        engine_field = field_name(self.params)
+        """The engine's refusal (which names ``structured_outputs.<kind>`` or
+        ``structured_outputs.whitespace_pattern``) as a 400 naming the request's field instead."""
+        engine_field, field = field_name(self.params), self.field
+        if err.param == WHITESPACE_PATTERN_FIELD and self.whitespace_field is not None:
+            engine_field, field = WHITESPACE_PATTERN_FIELD, self.whitespace_field
         message = str(err)
         if message.startswith(engine_field):
-            message = self.field + message[len(engine_field) :]
-        return APIError.bad_request(message, param=self.field)
+            message = field + message[len(engine_field) :]
+        return APIError.bad_request(message, param=field)
 
 
 def _make(field: str, **kwargs: Any) -> Constraint:
@@ -89,6 +102,8 @@ def _make(field: str, **kwargs: Any) -> Constraint:
     except ValueError as err:
         if field == "structured_outputs" or field.startswith("structured_outputs."):
             message = str(err).replace("StructuredOutputsParams", "structured_outputs")
+            if message.startswith(WHITESPACE_PATTERN_FIELD):
+                field = WHITESPACE_PATTERN_FIELD
         else:
             message = re.sub(r"StructuredOutputsParams\.\w+", field, str(err))
         raise APIError.bad_request(message, param=field) from None
@@ -105,6 +120,7 @@ def _from_structured_outputs(value: StructuredOutputsRequest) -> Constraint:
         grammar=value.grammar,
         json_object=value.json_object,
         disable_any_whitespace=value.disable_any_whitespace,
+        whitespace_pattern=value.whitespace_pattern,
     )
 
 
@@ -126,12 +142,16 @@ def _from_response_format(value: ResponseFormat) -> Constraint | None:
     return _make("response_format.json_schema.schema", json=value.json_schema.schema_)
 
 
-#: vLLM's older fields, each the StructuredOutputsParams field it sets.
+#: vLLM's older fields, llama.cpp's and SGLang's: each the StructuredOutputsParams field it sets.
 GUIDED_FIELDS = {
     "guided_json": "json",
     "guided_regex": "regex",
     "guided_choice": "choice",
     "guided_grammar": "grammar",
+    "json_schema": "json",  # llama.cpp: a schema object
+    "grammar": "grammar",  # llama.cpp: GBNF
+    "regex": "regex",  # SGLang
+    "ebnf": "grammar",  # SGLang
 }
 
 
@@ -140,9 +160,11 @@ def request_constraint(
     response_format: ResponseFormat | None,
     guided: dict[str, Any],
     tools: Constraint | None = None,
+    whitespace_pattern: str | None = None,
 ) -> Constraint | None:
-    """The one constraint a request asks for (None: none); ``guided`` maps each ``guided_*``
-    field to its value, ``tools`` is what ``tool_choice`` asks for. Two at once: a 400."""
+    """The one constraint a request asks for (None: none); ``guided`` maps each of
+    :data:`GUIDED_FIELDS` to its value, ``tools`` is what ``tool_choice`` asks for,
+    ``whitespace_pattern`` is ``guided_whitespace_pattern``. Two at once: a 400."""
     found: list[Constraint] = []
     if tools is not None:
         found.append(tools)
@@ -159,7 +181,29 @@ def request_constraint(
             f"{second} cannot be combined with {first}: a request constrains its output one way",
             param=second,
         )
-    return found[0] if found else None
+    constraint = found[0] if found else None
+    if whitespace_pattern is not None:
+        return _spaced(constraint, whitespace_pattern, "guided_whitespace_pattern")
+    if constraint is not None and constraint.params.whitespace_pattern is not None:
+        return replace(constraint, whitespace_field="structured_outputs.whitespace_pattern")
+    return constraint
+
+
+def _spaced(constraint: Constraint | None, pattern: str, field: str) -> Constraint:
+    """``constraint`` with its JSON spaced by ``pattern``; a 400 naming ``field`` when it has no
+    JSON to space, or already says how."""
+    if constraint is None or constraint.params.kind not in JSON_KINDS:
+        raise APIError.bad_request(
+            f"{field} says how JSON is spaced, and the request constrains its output to no JSON "
+            "(it needs a json schema or json_object constraint)",
+            param=field,
+        )
+    try:
+        params = replace(constraint.params, whitespace_pattern=pattern)
+    except ValueError as err:
+        message = re.sub(r"StructuredOutputsParams\.whitespace_pattern", field, str(err))
+        raise APIError.bad_request(message, param=field) from None
+    return Constraint(params, constraint.field, whitespace_field=field)
 
 
 async def compile_constraint(

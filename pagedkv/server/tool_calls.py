@@ -6,14 +6,20 @@ One :class:`AnswerTools` per choice reads the text the way the request's tool mo
 - ``"named"``: the text is the arguments of the named function (the grammar saw to it);
   streamed as it comes, the first delta carrying the call's id and name;
 - ``"required"``: the text is a JSON array ``[{"name": ..., "parameters": {...}}]``; the calls go
-  out whole when the choice ends;
+  out whole when the choice ends (an array cut by ``max_tokens`` keeps the calls complete
+  before the cut, and its ``finish_reason: "length"``);
 - ``"auto"``: the server's tool call parser (:mod:`pagedkv.server.tool_parsers`) splits the
   text; while streaming, content goes out as long as it cannot be the start of a call, and the
   calls go out whole when the choice ends.
 
+With ``parallel_tool_calls: false`` an answer carries one call at most: ``"required"`` is
+constrained to one, and under ``"auto"`` the calls after the first the parser found are dropped
+(vLLM's rule: the model may write several, the answer keeps the first).
+
 A choice that ends with calls has ``finish_reason: "tool_calls"`` (``"required"`` and
 ``"auto"``; a named function keeps ``"stop"``, as OpenAI and vLLM answer it). Text that is not
-the calls it should be -- cut by ``max_tokens`` -- is returned as content, as it was written.
+the calls it should be -- cut by ``max_tokens`` before a call is whole -- is returned as content,
+as it was written.
 """
 
 from __future__ import annotations
@@ -30,15 +36,13 @@ def tool_call_id() -> str:
 
 
 def parse_required(text: str) -> ParsedOutput:
-    """The calls of a ``"required"`` answer, or ``text`` as content if it is not a full array."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return ParsedOutput(text)
-    if not isinstance(value, list) or not value:
+    """The calls of a ``"required"`` answer: the array's items, or -- cut before its end by
+    ``max_tokens`` -- the items complete before the cut; ``text`` as content if not one is."""
+    items = _complete_items(text)
+    if not items:
         return ParsedOutput(text)
     calls = []
-    for item in value:
+    for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return ParsedOutput(text)
         arguments = json.dumps(item.get("parameters", {}), ensure_ascii=False)
@@ -46,10 +50,38 @@ def parse_required(text: str) -> ParsedOutput:
     return ParsedOutput(None, calls)
 
 
+def _complete_items(text: str) -> list:
+    """The whole items at the start of the JSON array ``text`` (which may be cut anywhere)."""
+    decoder = json.JSONDecoder()
+    at = len(text) - len(text.lstrip())
+    if not text.startswith("[", at):
+        return []
+    items: list = []
+    at += 1
+    while True:
+        at += len(text[at:]) - len(text[at:].lstrip())
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return items
+        items.append(item)
+        at += len(text[at:]) - len(text[at:].lstrip())
+        if not text.startswith(",", at):
+            return items
+        at += 1
+
+
 class AnswerTools:
     """Reads one choice's text as its tool mode says; see the module docstring."""
 
-    def __init__(self, mode: str, parser: ToolParser | None = None, function_name: str | None = None) -> None:
+    def __init__(
+        self,
+        mode: str,
+        parser: ToolParser | None = None,
+        function_name: str | None = None,
+        one_call: bool = False,
+    ) -> None:
+        """``one_call``: ``parallel_tool_calls`` is false, and the answer keeps the first call."""
         if mode == "auto" and parser is None:
             raise ValueError('tool mode "auto" needs a tool call parser')
         if mode == "named" and function_name is None:
@@ -57,6 +89,7 @@ class AnswerTools:
         self.mode = mode
         self.parser = parser
         self.function_name = function_name
+        self.one_call = one_call
         self._text = ""
         self._sent = 0  # characters of _text that went out as content (auto) or arguments (named)
         self._call_id = tool_call_id()
@@ -123,10 +156,14 @@ class AnswerTools:
 
     def _parse(self, text: str) -> ParsedOutput:
         if self.mode == "required":
-            return parse_required(text)
-        if self.mode == "auto":
-            return self.parser.parse(text)
-        return ParsedOutput(text)
+            parsed = parse_required(text)
+        elif self.mode == "auto":
+            parsed = self.parser.parse(text)
+        else:
+            return ParsedOutput(text)
+        if self.one_call and len(parsed.calls) > 1:
+            return ParsedOutput(parsed.content, parsed.calls[:1])
+        return parsed
 
 
 def _with_calls(finish_reason: str | None) -> str | None:

@@ -14,16 +14,18 @@
 
 Either way the arguments of a forced call always parse, and the answer carries them as
 ``tool_calls`` (:mod:`pagedkv.server.tool_calls`). A bad tool definition is refused naming it
-(``tools.2.function.parameters``).
+(``tools.2.function.parameters``), whatever the tool choice: under ``"auto"`` and ``"none"``
+each ``parameters`` is checked to be a JSON schema (:func:`check_read_schemas`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from pagedkv.engine import StructuredOutputsParams
+from pagedkv.engine import InvalidRequestError, StructuredOutputsParams
 from pagedkv.server.errors import APIError
 from pagedkv.server.structured import Constraint, compile_constraint
 
@@ -140,6 +142,22 @@ def _constraint(schema: dict[str, Any], field: str) -> Constraint:
         return Constraint(StructuredOutputsParams(json=schema), field)
     except ValueError as err:
         raise APIError.bad_request(f"{field}: {err}", param=field) from None
+
+
+async def check_read_schemas(manager: StructuredOutputManager, tools: list[ChatTool]) -> None:
+    """Under ``"auto"`` and ``"none"`` no grammar is built from the tools, but each
+    ``parameters`` must still be a JSON schema (the model reads it, a parser may check calls
+    against it): a 400 naming ``tools.<i>.function.parameters`` otherwise. Keywords a grammar
+    could not enforce are no fault here: nothing enforces them."""
+    for index, tool in enumerate(tools):
+        if tool.function.parameters is None:
+            continue
+        field = f"tools.{index}.function.parameters"
+        try:
+            await asyncio.wrap_future(manager.check_schema_async(tool.function.parameters))
+        except InvalidRequestError as err:
+            message = str(err).replace("structured_outputs.json", field, 1)
+            raise APIError.bad_request(message, param=field) from None
 
 
 async def tool_at_fault(manager: StructuredOutputManager, tools: list[ChatTool]) -> APIError | None:

@@ -334,6 +334,70 @@ BAD_INPUTS = [
         param="guided_grammar",
     ),
     BadInput(
+        "a JSON schema keyword the grammar cannot enforce (`guided_json`)",
+        400,
+        _completion(
+            guided_json={"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+        ),
+        says="guided_json: json schema keyword 'uniqueItems' (at properties.tags) is not supported",
+        param="guided_json",
+    ),
+    BadInput(
+        "a regex nothing matches (`structured_outputs.regex`)",
+        400,
+        _completion(structured_outputs={"regex": r"[^\s\S]"}),
+        says="structured_outputs.regex is not valid: nothing matches it",
+        param="structured_outputs.regex",
+    ),
+    BadInput(
+        "a GBNF grammar nothing matches (llama.cpp's `grammar`)",
+        400,
+        _completion(grammar=r"root ::= [^\x00-\U0010FFFF]"),
+        says="grammar is not valid: nothing matches it",
+        param="grammar",
+    ),
+    BadInput(
+        "a schema whose required string has a `pattern` nothing matches",
+        400,
+        _chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {
+                        "type": "object",
+                        "properties": {"code": {"type": "string", "pattern": r"[^\s\S]"}},
+                        "required": ["code"],
+                    },
+                },
+            }
+        ),
+        path="/v1/chat/completions",
+        says="nothing matches it",
+        param="response_format.json_schema.schema",
+    ),
+    BadInput(
+        "llama.cpp's GBNF token references (`grammar`)",
+        400,
+        _completion(grammar='root ::= <[1000]> "a"'),
+        says="grammar is not valid",
+        param="grammar",
+    ),
+    BadInput(
+        "`guided_whitespace_pattern` without a JSON constraint",
+        400,
+        _completion(guided_whitespace_pattern=" ?", regex="a+"),
+        says="constrains its output to no JSON",
+        param="guided_whitespace_pattern",
+    ),
+    BadInput(
+        "`guided_whitespace_pattern` that matches more than whitespace",
+        400,
+        _completion(guided_whitespace_pattern="[ x]*", json_schema={"type": "object"}),
+        says="guided_whitespace_pattern is not valid: matches more than whitespace",
+        param="guided_whitespace_pattern",
+    ),
+    BadInput(
         "`structured_outputs` with two constraints",
         400,
         _completion(structured_outputs={"regex": "a", "choice": ["a"]}),
@@ -409,6 +473,44 @@ BAD_INPUTS = [
         path="/v1/chat/completions",
         says="tools.1.function.parameters is not valid",
         param="tools.1.function.parameters",
+    ),
+    BadInput(
+        "chat: a tool whose parameters are not a valid schema (`tool_choice` none)",
+        400,
+        _chat(
+            tools=[{"type": "function", "function": {"name": "g", "parameters": {"type": "wat"}}}],
+            tool_choice="none",
+        ),
+        path="/v1/chat/completions",
+        says="tools.0.function.parameters is not valid",
+        param="tools.0.function.parameters",
+    ),
+    BadInput(
+        "chat: a `tool` message without `tool_call_id`",
+        400,
+        _chat(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "sunny"}]),
+        path="/v1/chat/completions",
+        says="messages.1.tool_call_id is required",
+        param="messages.1.tool_call_id",
+    ),
+    BadInput(
+        "chat: an assistant call whose `arguments` are not the JSON text of an object",
+        400,
+        _chat(
+            messages=[
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}},
+                        {"id": "d", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}},
+                    ],
+                },
+            ]
+        ),
+        path="/v1/chat/completions",
+        says="must be the JSON text of an object, got list",
+        param="messages.1.tool_calls.1.function.arguments",
     ),
     BadInput(
         "chat: `tool_choice` naming a function not among the tools",

@@ -49,6 +49,8 @@ def test_the_flags_set_the_engines_structured_outputs_config():
         == StructuredOutputsConfig()
     )
     assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "llama3_json")
+    loose = _parser().parse_args(["serve", "--structured-outputs-any-whitespace"])
+    assert engine_options(loose)["structured_outputs_config"] == StructuredOutputsConfig(any_whitespace=True)
 
 
 def test_bad_flags_are_usage_errors(capsys):

@@ -131,3 +131,31 @@ def test_required_answers_parse_into_calls_or_stay_text():
         assert parse_required(cut).calls == [] and parse_required(cut).content == cut
     content, calls, reason = AnswerTools("required").complete(text[:20], "length")
     assert (content, calls, reason) == (text[:20], [], "length")
+
+
+def test_a_required_array_cut_by_max_tokens_keeps_its_whole_calls():
+    whole = [
+        {"name": "get_weather", "parameters": {"city": "Paris"}},
+        {"name": "add", "parameters": {"a": 1}},
+    ]
+    text = json.dumps(whole)[:-1] + ', {"name": "get_weather", "parameters": {"ci'
+    content, calls, reason = AnswerTools("required").complete(text, "length")
+    assert content is None and reason == "length"  # the client still sees the answer was cut
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("add", {"a": 1}),
+    ]
+    streamed, stream_calls, stream_reason = _stream(AnswerTools("required"), text, [5, 30, 60], "length")
+    assert streamed == "" and stream_reason == "length" and len(stream_calls) == 2
+
+
+def test_one_call_keeps_the_first_call_the_parser_found():
+    text = (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+        '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    )
+    hermes = tool_parser("hermes")
+    _, calls, reason = AnswerTools("auto", hermes, one_call=True).complete(text, "stop")
+    assert [c.function.name for c in calls] == ["get_weather"] and reason == "tool_calls"
+    _, calls, _ = AnswerTools("auto", hermes).complete(text, "stop")
+    assert [c.function.name for c in calls] == ["get_weather", "add"]

@@ -10,7 +10,8 @@ the server's event loop keep running. The future ends in one of three ways:
   :meth:`StructuredOutputsParams.key`: the same spec later gets the same object at once, and
   requests that ask for a spec already compiling share that compile;
 - :class:`InvalidRequestError` naming the field, when the library refuses the spec (a schema,
-  regex or grammar that is not valid);
+  regex or grammar that is not valid, or one no output can complete), or when a schema uses a
+  keyword the grammar cannot enforce (:mod:`.schema_support`, checked here, once per spec);
 - :class:`InvalidRequestError` naming the field, when the compile runs past
   ``max_compile_seconds``: the future fails at that moment, not when the compile ends. A native
   compile cannot be interrupted, so it runs on to its end on its thread and its result is
@@ -36,8 +37,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.structured.config import StructuredOutputsConfig, check_spec, field_name
+from pagedkv.engine.structured.config import (
+    WHITESPACE_PATTERN_FIELD,
+    StructuredOutputsConfig,
+    check_spec,
+    field_name,
+)
 from pagedkv.engine.structured.params import StructuredOutputsParams
+from pagedkv.engine.structured.schema_support import unsupported_keyword
 from pagedkv.engine.validation import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -45,7 +52,7 @@ if TYPE_CHECKING:
 
     from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar, XgrammarBackend
 
-Key = tuple[str, str, bool]
+Key = tuple[str, str, str]
 
 
 @dataclass(eq=False)
@@ -113,6 +120,30 @@ class GrammarCompiler:
         self._pool.submit(self._run, job)
         return future
 
+    def check_schema_async(self, schema: dict) -> Future[None]:
+        """The future of a check that ``schema`` is a JSON schema the library reads, for a
+        schema that is only read, never enforced (a tool's parameters under tool choice "auto"):
+        the limits apply, the unsupported keywords do not. Its refusal names
+        ``structured_outputs.json``, as a compile's does."""
+        try:
+            params = StructuredOutputsParams(json=schema)
+        except ValueError as err:
+            raise InvalidRequestError(str(err), param="structured_outputs.json") from None
+        check_spec(params, self.config)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the grammar compiler is shut down")
+        return self._pool.submit(self._check_schema, params)
+
+    def _check_schema(self, params: StructuredOutputsParams) -> None:
+        from pagedkv.engine.structured.xgrammar_backend import check_json_schema
+
+        try:
+            check_json_schema(params.spec)
+        except ValueError as err:
+            field = field_name(params)
+            raise InvalidRequestError(f"{field} is not valid: {err}", param=field) from None
+
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """:meth:`compile_async` and wait: for a caller that may block (the offline API)."""
         return self.compile_async(params).result()
@@ -151,13 +182,21 @@ class GrammarCompiler:
         timer = threading.Timer(limit, lambda: self._finish(job, error=self._too_costly(job), refuse=True))
         timer.daemon = True
         params = job.params
-        any_whitespace = not (params.disable_any_whitespace or self.config.disable_any_whitespace)
+        whitespace, pattern = self._whitespace(params)
         started = time.perf_counter()
         timer.start()
         try:
-            grammar = backend.compile(params.kind, params.spec, any_whitespace)
+            if params.json is not None and (reason := unsupported_keyword(params.json)) is not None:
+                field = field_name(params)
+                self._finish(job, error=InvalidRequestError(f"{field}: {reason}", param=field), refuse=True)
+                return
+            grammar = backend.compile(params.kind, params.spec, whitespace, pattern)
         except ValueError as err:
-            field = field_name(params)
+            from pagedkv.engine.structured.xgrammar_backend import WhitespacePatternError
+
+            field = (
+                WHITESPACE_PATTERN_FIELD if isinstance(err, WhitespacePatternError) else field_name(params)
+            )
             self._finish(
                 job, error=InvalidRequestError(f"{field} is not valid: {err}", param=field), refuse=True
             )
@@ -174,6 +213,16 @@ class GrammarCompiler:
         from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
 
         self._finish(job, result=CompiledGrammar(job.key, grammar, seconds, guard=backend.utf8_guard))
+
+    def _whitespace(self, params: StructuredOutputsParams) -> tuple[str, str | None]:
+        """How ``params``' JSON is spaced -- ``"none"`` (the deployer's or the request's
+        ``disable_any_whitespace``), the request's pattern, else ``"any"`` or ``"bounded"`` as
+        the deployer's ``any_whitespace`` says -- and the pattern, if any."""
+        if params.disable_any_whitespace or self.config.disable_any_whitespace:
+            return "none", None
+        if params.whitespace_pattern is not None:
+            return "any", params.whitespace_pattern
+        return ("any" if self.config.any_whitespace else "bounded"), None
 
     def _too_costly(self, job: _Job) -> InvalidRequestError:
         field = field_name(job.params)

@@ -36,6 +36,11 @@ class StructuredOutputsConfig:
     compile_threads: int = 1
     #: ``disable_any_whitespace`` for every request, whatever the request says (vLLM's setting).
     disable_any_whitespace: bool = False
+    #: JSON may hold any run of whitespace between its tokens (xgrammar's and vLLM's default).
+    #: Off, a request that says nothing of whitespace gets at most one space between two tokens
+    #: (outlines' default): no run that eats ``max_tokens`` (small models fall into them), and
+    #: no indents that spend it.
+    any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_spec_chars", "max_schema_depth", "cache_size", "compile_threads"):
@@ -52,6 +57,10 @@ class StructuredOutputsConfig:
 def field_name(params: StructuredOutputsParams) -> str:
     """The request field an error about ``params`` names, as vLLM's API spells it."""
     return f"structured_outputs.{params.kind}"
+
+
+#: The field an error about ``StructuredOutputsParams.whitespace_pattern`` names.
+WHITESPACE_PATTERN_FIELD = "structured_outputs.whitespace_pattern"
 
 
 def schema_depth(value: Any) -> int:
@@ -89,4 +98,11 @@ def check_spec(params: StructuredOutputsParams, config: StructuredOutputsConfig)
     if unpaired_surrogate_at(spec) is not None:
         raise InvalidRequestError(
             f"{field} is not valid Unicode: it holds an unpaired surrogate", param=field
+        )
+    pattern = params.whitespace_pattern
+    if pattern is not None and (len(pattern) > config.max_spec_chars or unpaired_surrogate_at(pattern)):
+        raise InvalidRequestError(
+            f"{WHITESPACE_PATTERN_FIELD} is over max_spec_chars = {config.max_spec_chars} characters or "
+            "holds an unpaired surrogate",
+            param=WHITESPACE_PATTERN_FIELD,
         )

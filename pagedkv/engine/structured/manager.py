@@ -56,6 +56,11 @@ class StructuredOutputManager:
         :class:`InvalidRequestError` at once (see :class:`GrammarCompiler`)."""
         return self._get_compiler().compile_async(params)
 
+    def check_schema_async(self, schema: dict) -> Future[None]:
+        """The future of a check that ``schema`` is a JSON schema, for one only read, never
+        enforced (see :meth:`GrammarCompiler.check_schema_async`)."""
+        return self._get_compiler().check_schema_async(schema)
+
     def matcher(
         self, params: SamplingParams, grammar: CompiledGrammar | None = None
     ) -> GrammarMatcher | None:

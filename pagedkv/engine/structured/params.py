@@ -18,6 +18,8 @@ from typing import Any
 
 #: The kinds of constraint, in the order the fields are declared.
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+#: The kinds whose output is JSON, which whitespace options space.
+JSON_KINDS = ("json", "json_object")
 
 
 def _is_set(value: object) -> bool:
@@ -55,6 +57,11 @@ class StructuredOutputsParams:
     #: No whitespace between the tokens of JSON beyond the one space after ``:`` and ``,``
     #: (``json`` and ``json_object`` only): small models tend to loop on whitespace.
     disable_any_whitespace: bool = False
+    #: A regex the whitespace between any two tokens of JSON matches (``json`` and
+    #: ``json_object`` only; vLLM's field): it must match nothing but spaces, tabs, newlines
+    #: and carriage returns. Without it (and without ``disable_any_whitespace``) the engine's
+    #: default spacing applies (see ``StructuredOutputsConfig.any_whitespace``).
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in KINDS if _is_set(getattr(self, name))]
@@ -75,6 +82,22 @@ class StructuredOutputsParams:
             raise _fail("json_object", "True or None", self.json_object)
         if not isinstance(self.disable_any_whitespace, bool):
             raise _fail("disable_any_whitespace", "a bool", self.disable_any_whitespace)
+        if self.whitespace_pattern is not None:
+            self._check_whitespace_pattern(given[0])
+
+    def _check_whitespace_pattern(self, kind: str) -> None:
+        if not isinstance(self.whitespace_pattern, str) or not self.whitespace_pattern:
+            raise _fail("whitespace_pattern", "a non-empty string", self.whitespace_pattern)
+        if kind not in JSON_KINDS:
+            raise ValueError(
+                "StructuredOutputsParams.whitespace_pattern spaces JSON: it needs json or json_object, "
+                f"not {kind}"
+            )
+        if self.disable_any_whitespace:
+            raise ValueError(
+                "StructuredOutputsParams.whitespace_pattern cannot be combined with disable_any_whitespace: "
+                "one says how JSON is spaced"
+            )
 
     @staticmethod
     def _normalise_json(schema: object) -> dict[str, Any] | None:
@@ -113,8 +136,18 @@ class StructuredOutputsParams:
             return ""
         return getattr(self, kind)
 
-    def key(self) -> tuple[str, str, bool]:
+    @property
+    def whitespace(self) -> str:
+        """How the request spaces JSON: ``""`` (not JSON), ``"none"`` (``disable_any_whitespace``),
+        ``"pattern:<regex>"`` (``whitespace_pattern``) or ``"default"`` (the engine's choice)."""
+        if self.kind not in JSON_KINDS:
+            return ""
+        if self.disable_any_whitespace:
+            return "none"
+        if self.whitespace_pattern is not None:
+            return "pattern:" + self.whitespace_pattern
+        return "default"
+
+    def key(self) -> tuple[str, str, str]:
         """What the compiled grammar depends on: equal keys share one compiled grammar."""
-        kind = self.kind
-        whitespace = self.disable_any_whitespace and kind in ("json", "json_object")
-        return (kind, self.spec, whitespace)
+        return (self.kind, self.spec, self.whitespace)

@@ -21,6 +21,7 @@ import xgrammar as xgr
 from tokenizers import Tokenizer as BackendTokenizer
 from transformers import PreTrainedTokenizerFast
 
+from pagedkv.engine.structured import ebnf
 from pagedkv.engine.structured.matcher import GrammarMatcher
 from pagedkv.engine.structured.utf8_guard import Utf8Guard
 
@@ -46,7 +47,7 @@ class CompiledGrammar:
     """One spec compiled for one tokenizer: shared, read-only, by every request that asks for it."""
 
     #: The :meth:`StructuredOutputsParams.key` it was compiled from.
-    key: tuple[str, str, bool]
+    key: tuple[str, str, str]
     #: xgrammar's compiled grammar.
     grammar: xgr.CompiledGrammar = field(repr=False)
     #: Seconds the compile took.
@@ -61,11 +62,75 @@ class CompiledGrammar:
         return GrammarMatcher(xgr.GrammarMatcher(self.grammar), guard=self.guard)
 
 
-def json_schema_ebnf(schema: str, any_whitespace: bool) -> str:
-    """The EBNF of a JSON schema, in which every string character is one JSON allows unescaped:
-    no raw control character in any string, bounded or not."""
-    grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
+#: How JSON may space its tokens (the compiler picks one per request; see ``Whitespace``).
+ANY, NONE, BOUNDED = "any", "none", "bounded"
+#: The default JSON whitespace between any two tokens: nothing or one space (outlines' default,
+#: ``[ ]?``, which vLLM's outlines backend served). Compact JSON: no run a small model can loop
+#: on, and no pretty-printing that spends a tight ``max_tokens`` on indents (llama.cpp's rule,
+#: one newline and an indent of up to 20, is a ``whitespace_pattern`` away).
+BOUNDED_WHITESPACE = r'"" | " "'
+#: xgrammar's bound on a whitespace run, used as a marker: its JSON grammar then names every
+#: run ``whitespace_K{0, 7}`` of rules ``whitespace_K ::= (([ \n\r\t]))``, which are replaced.
+_MARK = 7
+_WHITESPACE_RULE = r"(([ \n\r\t]))"
+#: A printed rule: its name and its body (xgrammar prints one a line).
+_RULE = re.compile(r"^([\w-]+) ::= (.*)$", re.MULTILINE)
+
+
+class WhitespacePatternError(ValueError):
+    """A JSON whitespace pattern that cannot be used (it is not a regex, or matches more than
+    whitespace)."""
+
+
+def json_schema_ebnf(schema: str, whitespace: str = BOUNDED, pattern: str | None = None) -> str:
+    """The EBNF of a JSON schema, spaced as ``whitespace`` says (:data:`ANY`, :data:`NONE`,
+    :data:`BOUNDED`) or, given, as the regex ``pattern`` matches between any two tokens; every
+    string character is one JSON allows unescaped (no raw control character, bounded or not)."""
+    if whitespace == NONE:
+        grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    elif whitespace == ANY and pattern is None:
+        grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True))
+    else:
+        marked = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=_MARK))
+        grammar = _respaced(marked, BOUNDED_WHITESPACE if pattern is None else None, pattern)
     return grammar.replace(_LEAKY_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+def _respaced(grammar: str, body: str | None, pattern: str | None) -> str:
+    """``grammar`` (marked) with every whitespace run replaced by a new rule: ``body``, or the
+    rules of the regex ``pattern``."""
+    defined = dict(_RULE.findall(grammar))
+    runs = [name for name, body in defined.items() if body == _WHITESPACE_RULE]
+    name = "json_ws"
+    while any(n == name or n.startswith(name + "_") for n in defined):
+        name += "_"
+    if pattern is None:
+        rules = f"{name} ::= ({body})\n"
+    else:
+        rules = _pattern_rules(pattern, name)
+    return ebnf.substitute(grammar, runs, f"{{0, {_MARK}}}", name) + rules
+
+
+def _pattern_rules(pattern: str, name: str) -> str:
+    """The regex ``pattern`` as rules whose root is ``name`` (the others ``name_<rule>``)."""
+    try:
+        grammar = str(xgr.Grammar.from_regex(pattern))
+    except (RuntimeError, ValueError) as err:
+        raise WhitespacePatternError(f"is not a regex xgrammar reads: {error_text(err)}") from None
+    if not ebnf.only_whitespace(grammar):
+        raise WhitespacePatternError(
+            "matches more than whitespace: JSON allows only spaces, tabs, newlines and carriage returns "
+            "between its tokens"
+        )
+    return ebnf.rename_rules(grammar, lambda rule: name if rule == "root" else f"{name}_{rule}")
+
+
+def check_json_schema(schema: str) -> None:
+    """Raise ValueError with xgrammar's reason when ``schema`` is not a JSON schema it reads."""
+    try:
+        xgr.Grammar.from_json_schema(schema)
+    except (RuntimeError, ValueError) as err:
+        raise ValueError(error_text(err)) from None
 
 
 def choice_as_ebnf(choices: Iterable[str]) -> str:
@@ -97,23 +162,49 @@ class XgrammarBackend:
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
         self.utf8_guard = Utf8Guard(self.tokenizer_info.decoded_vocab, vocab_size)
 
-    def compile(self, kind: str, spec: str, any_whitespace: bool) -> xgr.CompiledGrammar:
+    def compile(
+        self, kind: str, spec: str, whitespace: str = BOUNDED, whitespace_pattern: str | None = None
+    ) -> xgr.CompiledGrammar:
         """Compile ``spec`` of ``kind`` (a :data:`~pagedkv.engine.structured.params.KINDS`
-        name); raises ValueError with xgrammar's reason when the spec is not valid."""
+        name), JSON spaced as :func:`json_schema_ebnf` says. Raises ValueError with xgrammar's
+        reason when the spec is not valid, or when no text at all completes it (a regex like
+        ``[^\\s\\S]``: a request would fail while generating); WhitespacePatternError when
+        ``whitespace_pattern`` is at fault."""
         try:
-            return self._compile(kind, spec, any_whitespace)
+            grammar = self._grammar(kind, spec, whitespace, whitespace_pattern)
+        except WhitespacePatternError:
+            raise
         except (RuntimeError, ValueError) as err:  # xgrammar raises RuntimeError for bad specs
             raise ValueError(error_text(err)) from None
+        if kind != "choice" and not _satisfiable(grammar):  # a choice is its non-empty strings
+            raise ValueError("nothing matches it: no output can ever complete it")
+        return self._compiler.compile_grammar(grammar)
 
-    def _compile(self, kind: str, spec: str, any_whitespace: bool) -> xgr.CompiledGrammar:
-        compiler = self._compiler
+    def _grammar(self, kind: str, spec: str, whitespace: str, whitespace_pattern: str | None) -> xgr.Grammar:
         if kind in ("json", "json_object"):
             schema = spec if kind == "json" else '{"type": "object"}'
-            return compiler.compile_grammar(json_schema_ebnf(schema, any_whitespace))
+            return xgr.Grammar.from_ebnf(json_schema_ebnf(schema, whitespace, whitespace_pattern))
         if kind == "regex":
-            return compiler.compile_regex(spec)
+            return xgr.Grammar.from_regex(spec)
         if kind == "choice":
-            return compiler.compile_grammar(choice_as_ebnf(json.loads(spec)))
+            return xgr.Grammar.from_ebnf(choice_as_ebnf(json.loads(spec)))
         if kind == "grammar":
-            return compiler.compile_lark(spec) if is_lark(spec) else compiler.compile_grammar(spec)
+            return xgr.Grammar.from_lark(spec) if is_lark(spec) else xgr.Grammar.from_ebnf(_gbnf(spec))
         raise ValueError(f"unknown structured output kind {kind!r}")
+
+
+def _gbnf(grammar: str) -> str:
+    """llama.cpp's GBNF as xgrammar reads it (:func:`ebnf.from_gbnf`); text that reader does not
+    know goes to xgrammar as written, whose parser then says what is wrong."""
+    try:
+        return ebnf.from_gbnf(grammar)
+    except ValueError:
+        return grammar
+
+
+def _satisfiable(grammar: xgr.Grammar) -> bool:
+    """:func:`ebnf.is_satisfiable` on xgrammar's printed grammar; True when it cannot tell."""
+    try:
+        return ebnf.is_satisfiable(str(grammar), lambda regex: _satisfiable(xgr.Grammar.from_regex(regex)))
+    except (RuntimeError, ValueError, RecursionError):  # xgrammar's RuntimeError for the regex
+        return True
