@@ -19,6 +19,7 @@ import pytest
 
 from pagedkv.engine import EngineConfig
 from pagedkv.server import ServerThread, create_app
+from tests.real_model import ENGINE_OPTIONS
 from tests.server.helpers import API_KEY, assert_pool_whole, wait_idle
 
 MODEL = "smollm2"
@@ -52,7 +53,7 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def server(real_model):
-    config = EngineConfig(model=str(real_model), dtype="float32", max_model_len=1024, max_num_seqs=16)
+    config = EngineConfig(model=str(real_model), **ENGINE_OPTIONS, max_num_seqs=16)
     with ServerThread(create_app(config, api_key=API_KEY, served_model_name=MODEL)) as running:
         yield running
     assert_pool_whole(running.app.state.engine.engine)
