@@ -114,14 +114,18 @@ def print_capacity(result: CapacityResult, console: Console) -> None:
     console.print(
         _figures(
             result,
-            f"Timed on this host's clock per policy (vary from run to run; not claimed){repeats}",
+            "Timed on this host, each policy on its own clock (they vary from run to run and are "
+            f"not checked){repeats}",
             TIMED,
         )
     )
     console.print(_throughput_line(result))
     predictions = table(
-        "running requests once full: predicted vs live engine",
+        "Running requests once full: predicted vs live engine",
         ("policy", "simulator", "length-biased", "measured"),
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+        pad_edge=False,
     )
     columns = (
         result.predicted,
