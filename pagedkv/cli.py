@@ -156,7 +156,10 @@ def _run_demo(args: argparse.Namespace) -> int:
         print_live_batch(figures, console, max_model_len)
         console.print("\n[bold]Sharing blocks: a common system prompt, parallel samples, beams.[/]")
         run_section(SHARING, sharing.demo_config(args.seed), console, args.out)
-        console.print("\n[bold]Paged vs contiguous reservation, same pool, same kernels.[/]")
+        console.print(
+            "\n[bold]Paged vs contiguous reservation at one KV budget: how many requests run at once, "
+            "and how much reserved memory holds no token.[/]"
+        )
         run_section(CAPACITY, capacity.demo_config(args.seed), console, args.out)
     return 0
 

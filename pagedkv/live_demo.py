@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -35,6 +36,8 @@ class LiveKVFigures:
     dropped_tokens: int
     computed_tokens: int
     blocks_used_after: int
+    total_blocks: int
+    block_size: int
     sample_text: str
 
     @property
@@ -96,31 +99,60 @@ def run_live_batch(
         dropped_tokens=stats.dropped_tokens,
         computed_tokens=computed,
         blocks_used_after=stats.kv.used_blocks,
+        total_blocks=stats.kv.total_blocks,
+        block_size=stats.kv.block_size,
         sample_text=sample_text,
     )
 
 
 def print_live_batch(figures: LiveKVFigures, console: Console, max_model_len: int) -> None:
+    """The batch's figures, each with what it is beside it."""
     console.print(f"[bold]Live engine[/bold] -- {BUILTIN_NOTE}")
-    table = Table(title="KV cache of a live batch: paged vs contiguous reservation")
+    per_request = blocks_for(max_model_len, figures.block_size)
+    contiguous = f"{figures.peak_running} x {per_request} ({max_model_len} tokens each)" + (
+        f": more than the pool's {figures.total_blocks}"
+        if figures.peak_blocks_contiguous > figures.total_blocks
+        else ""
+    )
+    table = Table(
+        title="KV cache of a live batch: paged vs contiguous reservation",
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+        pad_edge=False,
+    )
     table.add_column("figure")
     table.add_column("value", justify="right")
-    table.add_row("engine steps", str(figures.steps))
-    table.add_row("peak concurrent requests", str(figures.peak_running))
-    table.add_row("generated tokens", str(figures.generated_tokens))
-    table.add_row("peak KV blocks held (paged)", str(figures.peak_blocks_used))
-    table.add_row(
-        f"blocks contiguous reservation would hold ({max_model_len} tokens each)",
-        str(figures.peak_blocks_contiguous),
+    table.add_column("what it is")
+    rows = (
+        ("engine steps", str(figures.steps), "forward passes until every request finished"),
+        ("peak concurrent requests", str(figures.peak_running), "requests running in one step"),
+        ("generated tokens", str(figures.generated_tokens), "8-64 per request, end of text ignored"),
+        (
+            "peak KV blocks held (paged)",
+            str(figures.peak_blocks_used),
+            f"blocks of {figures.block_size} tokens, taken as tokens came",
+        ),
+        ("blocks contiguous would reserve", str(figures.peak_blocks_contiguous), contiguous),
+        ("contiguous / paged", f"{figures.saving:.1f}x", "KV memory paging saves at the peak"),
+        (
+            "slots used in held blocks (mean)",
+            f"{figures.mean_token_utilization:.1%}",
+            "only a sequence's last block has empty slots",
+        ),
+        ("preemptions", str(figures.preemptions), "requests evicted to make room"),
+        (
+            "tokens thrown away by preemption",
+            f"{figures.dropped_tokens} of {figures.computed_tokens}",
+            "work computed again after an eviction",
+        ),
+        (
+            "blocks still held after the batch",
+            str(figures.blocks_used_after),
+            "0: every block back in the pool",
+        ),
     )
-    table.add_row("contiguous / paged", f"{figures.saving:.1f}x")
-    table.add_row("token slots used in held blocks (mean)", f"{figures.mean_token_utilization:.1%}")
-    table.add_row("preemptions", str(figures.preemptions))
-    table.add_row(
-        "computed tokens thrown away by preemption",
-        f"{figures.dropped_tokens} of {figures.computed_tokens}",
-    )
-    table.add_row("blocks still held after the batch", str(figures.blocks_used_after))
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
     console.print("longest output (the continuation of a piece of a held-out source file):")
     console.print(figures.sample_text[:240], markup=False, highlight=False)

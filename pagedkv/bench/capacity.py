@@ -167,17 +167,26 @@ class PolicyRun:
 
     @cached_property
     def figures(self) -> dict[str, float | int | bool]:
-        """Every figure of the run by name: its JSON and its table."""
+        """Every figure of the run by name: its JSON and its tables.
+
+        All but the timed ones (throughput, step time, TTFT, wall time) are counts: the scheduler
+        decides from token and block counts alone, so for a given workload and configuration they
+        are the same on every host, whatever its CPU or load."""
         samples, full = self.samples, self.full_window
         wall = samples[-1].elapsed if samples else 0.0
+        utilization_full = mean([self.utilization(s) for s in full if s.used_blocks])
         return {
             "peak_running": max((s.running for s in samples), default=0),
             "mean_running_full": mean([s.running for s in full]),
             "mean_running": mean([s.running for s in samples]),
-            "utilization_full": mean([self.utilization(s) for s in full if s.used_blocks]),
+            "utilization_full": utilization_full,
+            # held slots without a token: reserved ahead of the tokens, or a last block's tail
+            "empty_share_full": 1.0 - utilization_full,
             "mean_utilization": mean([self.utilization(s) for s in samples if s.used_blocks]),
             "generated_tokens": self.generated_tokens,
+            "tokens_per_step": self.generated_tokens / len(samples) if samples else math.nan,
             "throughput_tokens_per_s": self.generated_tokens / wall if wall else math.nan,
+            "step_time_mean_ms": 1000 * wall / len(samples) if samples else math.nan,
             "ttft_mean_s": mean(self.ttft),
             "ttft_p99_s": float(np.percentile(self.ttft, 99)) if self.ttft else math.nan,
             "preemptions": self.preemptions,
@@ -337,8 +346,9 @@ def run_capacity(config: CapacityConfig) -> CapacityResult:
 
 
 def demo_config(seed: int = 0) -> CapacityConfig:
-    """The ``pagedkv demo`` section: the benchmark at 1/8 scale with half the budget, three
-    times, on one torch thread (a tiny model's steps gain little from a second one and lose a
-    lot when the machine is busy with anything else)."""
+    """The ``pagedkv demo`` section: the benchmark at 1/8 scale with half the budget, on one
+    torch thread (a tiny model's steps gain little from a second one and lose a lot when the
+    machine is busy with anything else). Its claims are counts; the three runs steady only the
+    timed figures shown beside them."""
     engine = EngineOptions(max_num_seqs=CAPACITY_MAX_NUM_SEQS, scale=8, threads=1)
     return CapacityConfig(num_requests=64, kv_tokens=8 * 2048, seed=seed, engine=engine, repeats=3)

@@ -35,8 +35,8 @@ CAPACITY = Bench(
 
     Run one seeded workload, all requests at once, under the paged, contiguous (max_model_len
     reserved per request) and contiguous-oracle (prompt + max_tokens) KV policies on the same model
-    and KV budget, interleaved step by step; print the figures next to the simulator's prediction
-    and write plots.
+    and KV budget, interleaved step by step; print the counted and the timed figures next to the
+    simulator's prediction, check the counted ones (the same on every host) and write plots.
     """,
     config=CapacityConfig,
     run=run_capacity,
