@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedkv import LLM, BeamSearchParams, SamplingParams
 from pagedkv.memory import blocks_for
@@ -61,6 +61,14 @@ class SpeculatingEngine(RuleBasedStateMachine):
         request_id = str(len(self.added))
         add(request_id)
         self.added.append(request_id)
+
+    @initialize()
+    def add_one_that_speculates(self):
+        """Every example holds a request whose proposals are accepted (on the test checkpoint
+        the greedy continuation of ``[20]`` repeats itself), so the accepting path runs under
+        every mix the rules draw, not only when the draws happen to make one."""
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        self._add(lambda rid: self.engine.add_request(rid, [20], params))
 
     @rule(prompt=prompts, max_tokens=st.integers(1, 12))
     def add_greedy(self, prompt, max_tokens):
@@ -113,7 +121,11 @@ class SpeculatingEngine(RuleBasedStateMachine):
         manager = self.engine.kv_manager
         for seq in self.engine.scheduler.running:
             table = manager.table(seq.seq_id)
-            assert table.num_tokens <= seq.num_tokens
+            # A step grows a decoding table by the slot of the token it samples; a beam that has
+            # computed everything waits for its siblings before its token is chosen, holding that
+            # one slot meanwhile (it never speculates).
+            waiting_beam = seq.request.beam is not None and seq.num_computed_tokens == seq.num_tokens
+            assert table.num_tokens <= seq.num_tokens + waiting_beam
             assert len(table.block_ids) == blocks_for(table.num_tokens, manager.block_size)
             assert not seq.spec_token_ids or seq.num_computed_tokens == seq.num_tokens - 1
         tracked = self.engine.verifier.speculator._tracked
