@@ -6,8 +6,7 @@ trims the top of its heap once enough is free there. A prefill step of 2048 toke
 buffers of tens of MiB per layer (a 2048 x 2752 float32 gate/up output is 22 MiB), so every
 step maps them anew and faults every page in again, a large share of a prefill's time. Keeping
 freed memory in the heap and reusing it, as vLLM's CPU build gets by preloading tcmalloc,
-removes those faults (``minflt`` near 0 after the first step; the verdict is in
-docs/performance.md).
+removes those faults (``minflt`` near 0 after the first step).
 
 The cost is that the process keeps the peak of its step buffers mapped after they are freed,
 which an engine that runs the same step sizes over and over reuses anyway.

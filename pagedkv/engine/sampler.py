@@ -188,10 +188,9 @@ def inverse_cdf_draw(probs: torch.Tensor, generators: list[torch.Generator | Non
 
     One uniform number per row, where an exponential race (``argmax(p / E)``) draws and takes the
     log of one per token: a running sum costs one pass over the row, no transcendental per
-    token (see docs/performance.md, the engine around the forward pass). The sum is in float64
-    so that rounding cannot move mass between tokens visibly; scaling ``u`` by the row's own
-    total absorbs the softmax's rounding, and a token of probability 0 (filtered out) never
-    wins, since the mass does not grow there.
+    token. The sum is in float64 so that rounding cannot move mass between tokens visibly;
+    scaling ``u`` by the row's own total absorbs the softmax's rounding, and a token of
+    probability 0 (filtered out) never wins, since the mass does not grow there.
     Rows without a generator share one draw from the global RNG; a seeded row takes exactly one
     number from its generator per step.
     """
