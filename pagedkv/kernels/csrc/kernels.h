@@ -15,62 +15,7 @@
 #ifndef PAGEDKV_KERNELS_H
 #define PAGEDKV_KERNELS_H
 
-#include <stdint.h>
-#include <string.h>
-
-/* ---- the vector prelude ---------------------------------------------------------------- */
-
-/* float32 lanes per vector: the widest the target has */
-#if defined(__AVX512F__)
-#define VL 16
-#elif defined(__AVX__)
-#define VL 8
-#else
-#define VL 4
-#endif
-
-typedef float vf __attribute__((vector_size(VL * 4)));
-typedef int32_t vi __attribute__((vector_size(VL * 4)));
-typedef uint32_t vu __attribute__((vector_size(VL * 4)));
-typedef uint16_t vu16 __attribute__((vector_size(VL * 2)));
-#ifndef PAGEDKV_NO_F16
-typedef _Float16 vh __attribute__((vector_size(VL * 2)));
-#endif
-
-/* a where mask is set, else b */
-static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
-
-/* exp(x) = 2^n * p(r), Cephes-style: returns p(r), about 1 ulp for |r| <= ln2 / 2, and n =
- * round(x / ln2); the caller clamps x to its range first and scales by 2^n as that range allows.
- * Its arithmetic rounds as the including source compiles it (layer_ops.c: no fused multiply-add) */
-static inline vf exp_reduced(vf x, vf *n_out) {
-    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf y = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    *n_out = n;
-    return y;
-}
-
-/* bfloat16 to float32 is exact: a bfloat16 is a float32's upper half */
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* float32 to bfloat16, rounded to nearest even, NaN to 0x7FC0: c10::BFloat16's conversion */
-static inline uint16_t f32_to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    if (x != x) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+#include "simd.h" /* VL, the vector types and the small vector API, for the target */
 
 /* ---- layer_ops.c: the decoder layer's element-wise ops, fused --------------------------- *
  *   rms_norm_<S>(x, out, w, rows, n, eps)            out = rmsnorm(x) * w       ([rows, n])

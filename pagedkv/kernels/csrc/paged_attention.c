@@ -53,10 +53,6 @@
 
 #include "kernels.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #define TOKENS 4 /* tokens scored together: independent FMA chains, one q load for four keys */
 /* query heads scored together per loaded (and converted) key vector: as many as keep their
  * accumulators in registers (16 of them with AVX2 and below: four heads' 16 accumulators would
@@ -83,21 +79,9 @@
 _Static_assert(TILE_VALUES >= TILE_KEYS, "the staging buffer holds TILE_VALUES rows");
 _Static_assert(TOKENS == 4, "hsum4 reduces exactly four accumulators");
 
-/* Loads of VL elements (vector) or one element (scalar) into float32; scalar stores back. */
+/* Loads of VL elements (vector) or one element (scalar) into float32; scalar stores back
+ * (vload_bf16: the instruction set's, simd.h). */
 static inline vf vload_f32(const float *p) { vf x; memcpy(&x, p, sizeof x); return x; }
-#if defined(__AVX512F__)
-/* one widening load and one shift: GCC lowers the generic conversion below to halves put
- * together with inserts and extracts, which made bfloat16 slower per byte than float32 */
-static inline vf vload_bf16(const uint16_t *p) {
-    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-}
-#else
-static inline vf vload_bf16(const uint16_t *p) {
-    vu16 x;
-    memcpy(&x, p, sizeof x);
-    return (vf)(__builtin_convertvector(x, vi) << 16);
-}
-#endif
 static inline float load_f32(const float *p) { return *p; }
 static inline float load_bf16(const uint16_t *p) { return bf16_to_f32(*p); }
 static inline void store_f32(float *p, float x) { *p = x; }
