@@ -1,9 +1,16 @@
 /*
- * pagedkv's CPU kernels: what every source shares, and every entry point, declared once.
+ * pagedkv's CPU kernels: every entry point, declared once, and (simd.h) what every source shares.
  *
  * The sources in this folder are compiled together into one shared library on first use, for
  * the machine that runs them (-march=native, OpenMP; see pagedkv/kernels/library.py), so every
- * entry point below can call any other directly. Each definition is checked against its
+ * entry point below can call any other directly. Every header here is part of the library's
+ * cache key and ships with the package:
+ *   - simd.h: the vector types and the small vector API, for the instruction set it picks, in
+ *     that set's own file (simd_avx512.h, simd_avx2.h, simd_portable.h);
+ *   - <source>_body.h: a source's per-dtype functions as plain C, included by the source once
+ *     per dtype with a few names defined (T, SUFFIX(name), LOAD...: the `#include`-template
+ *     idiom), so a debugger steps through their lines and coverage counts them;
+ *   - gemm_<set>.h: the tiled GEMM's loops for one instruction set (tiled_gemm.c). Each definition is checked against its
  * prototype here by the compiler; pagedkv/kernels/signatures.py declares the ones Python calls
  * for ctypes, and tests/kernels/test_signatures.py checks that table against these prototypes.
  *
