@@ -13,7 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* before kernels.h, whose inline helpers (exp_reduced) then round as the ops here do */
+/* before kernels.h, whose inline helpers (simd.h's exp_reduced) then round as the ops here do */
 #pragma GCC optimize("fp-contract=off")
 #ifdef __clang__
 #pragma clang fp contract(off)
