@@ -70,9 +70,9 @@
 #define VDIMS 4 /* vectors of the head dimension whose value sums stay in registers together */
 #define MAX_RUN 16 /* the most rows of one sequence computed together (paged_attention_rows) */
 /* Prefill tiles (paged_attention_prefill_body.h) and runs of rows (attend_lanes): TILE_KEYS key
- * positions scored together (one multiply-add per position for each element of the query tile), TILE_VALUES positions whose values are gathered
- * (converted to float32 once) per pass over the value sums, TILE_DIMS vectors of value sums held
- * in registers. */
+ * positions scored together (one multiply-add per position for each element of the query tile),
+ * TILE_VALUES positions whose values are gathered (converted to float32 once) per pass over the
+ * value sums, TILE_DIMS vectors of value sums held in registers. */
 #define TILE_KEYS 8
 #define TILE_VALUES 64
 #define TILE_DIMS 16

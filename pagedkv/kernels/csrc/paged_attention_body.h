@@ -192,26 +192,26 @@ static void SUFFIX(attend_piece)(const Shape *s, const float *qf, const KT *key,
                      * with no tests in it (D = 64, 128: every group; D = 32: one group of 2
                      * vectors); the general case tests per position */
                     if (nd == VDIMS && gj == 2)
-                        SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 2, VDIMS, i0 == 0,
-                                       next, lines, total, &owed, &pulled);
+                        SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 2,
+                                       VDIMS, i0 == 0, next, lines, total, &owed, &pulled);
                     else if (nd == VDIMS && gj == 1)
-                        SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 1, VDIMS, i0 == 0,
-                                       next, lines, total, &owed, &pulled);
+                        SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 1,
+                                       VDIMS, i0 == 0, next, lines, total, &owed, &pulled);
                     else if (nd == VDIMS && gj == 4)
-                        SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 4, VDIMS, i0 == 0,
-                                       next, lines, total, &owed, &pulled);
+                        SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 4,
+                                       VDIMS, i0 == 0, next, lines, total, &owed, &pulled);
                     else if (nd == 2 && gj == 2) /* D = 32 (small models) */
-                        SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 2, 2, i0 == 0,
-                                       next, lines, total, &owed, &pulled);
+                        SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 2,
+                                       2, i0 == 0, next, lines, total, &owed, &pulled);
                     else if (nd == 2 && gj == 1)
-                        SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 1, 2, i0 == 0,
-                                       next, lines, total, &owed, &pulled);
+                        SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 1,
+                                       2, i0 == 0, next, lines, total, &owed, &pulled);
                     else if (nd == 2 && gj == 4)
-                        SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 4, 2, i0 == 0,
-                                       next, lines, total, &owed, &pulled);
+                        SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 4,
+                                       2, i0 == 0, next, lines, total, &owed, &pulled);
                     else
-                        SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, gj, nd, i0 == 0,
-                                       next, lines, total, &owed, &pulled);
+                        SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, gj,
+                                       nd, i0 == 0, next, lines, total, &owed, &pulled);
                 }
             }
         i0 = i1;

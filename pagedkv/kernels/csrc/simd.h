@@ -8,7 +8,7 @@
  *   vload_bf16(p)  VL bfloat16 elements at p widened to float32 lanes: the instruction set's own
  *                file, simd_avx512.h, simd_avx2.h or simd_portable.h, defines it
  *   GEMM_AVX512, GEMM_AVX512_BF16, GEMM_AVX2 (1 or 0)  which of the tiled GEMM's inner loops the
- *                target can run (gemm_avx512.h, gemm_avx2.h; gemm_portable.h always)
+ *                target can run (gemm_avx512.h, gemm_avx512bf16.h, gemm_avx2.h; gemm_portable.h always)
  *
  * The rest is written once with GCC's vector extensions, which lower to the target's registers.
  */
@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+/* float32 lanes per vector, and the file of the instruction set's own vector code */
 #if defined(__AVX512F__)
 #define VL 16
 #define SIMD_HEADER "simd_avx512.h"
@@ -29,6 +30,7 @@
 #define SIMD_HEADER "simd_portable.h"
 #endif
 
+/* the tiled GEMM's loops the target can run (tiled_gemm.c includes their files) */
 #if defined(__AVX512F__)
 #define GEMM_AVX512 1
 #else
@@ -44,7 +46,6 @@
 #else
 #define GEMM_AVX2 0
 #endif
-
 
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
