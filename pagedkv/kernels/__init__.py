@@ -1,8 +1,11 @@
 """pagedkv's kernels: the CPU kernels in C, and the Triton attention kernel for CUDA.
 
-- ``csrc/``: the C sources and their one header, ``kernels.h`` (the shared vector prelude and
-  every entry point's prototype), compiled together into one shared library on first use for
-  the machine at hand (:mod:`.library`; see :mod:`pagedkv.cbuild` for the cache).
+- ``csrc/``: the C sources and their headers, compiled together into one shared library on
+  first use for the machine at hand (:mod:`.library`; see :mod:`pagedkv.cbuild` for the cache):
+  ``kernels.h`` (every entry point's prototype), ``simd.h`` (the vector API, for the instruction
+  set it picks: ``simd_avx512.h``, ``simd_avx2.h`` or ``simd_portable.h``), each source's
+  per-dtype functions as plain C in a ``*_body.h`` it includes once per dtype, and the tiled
+  GEMM's loops, one ``gemm_*.h`` per instruction set.
 - :mod:`.signatures`: the entry points Python calls, as ctypes sees them, declared once.
 - :mod:`.library`: the one loader; :class:`~.library.KernelsUnavailable` says why the library
   cannot run here (no C compiler...), and each caller then falls back to torch.

@@ -50,7 +50,7 @@ class KernelLibrary:
 
 
 def sources() -> list[Path]:
-    """The library's C sources (``csrc/*.c``; the header beside them is part of its key)."""
+    """The library's C sources (``csrc/*.c``; every header beside them is part of its key)."""
     return sorted(CSRC.glob("*.c"))
 
 

@@ -4,6 +4,8 @@ reason (and a working engine on torch) where it cannot be built."""
 from __future__ import annotations
 
 import ctypes
+import re
+from pathlib import Path
 
 from pagedkv import LLM, SamplingParams, cbuild
 from pagedkv.kernels import library
@@ -36,6 +38,22 @@ def test_the_header_is_part_of_the_cache_key(tmp_path, monkeypatch):
     second = cbuild.build_library("one", [csrc / "one.c"])
     assert first != second
     assert [ctypes.CDLL(str(path)).one() for path in (first, second)] == [1, 2]
+
+
+def test_every_file_beside_the_sources_ships_and_keys_the_build():
+    """Everything in ``csrc/`` is a source (``*.c``, compiled) or a header (``*.h``, which
+    :func:`pagedkv.cbuild.build_library` hashes into the library's key), the package data ships
+    both, and every header a file names is there: a body or instruction-set file of another kind
+    would be missing from an installed package, or leave a stale build in the cache when edited."""
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    shipped = re.search(r'^"pagedkv\.kernels" = \[(.*)\]$', pyproject, re.M).group(1)
+    patterns = re.findall(r'"([^"]+)"', shipped)
+    files = sorted(library.CSRC.iterdir())
+    assert {path.suffix for path in files} == {".c", ".h"}
+    for path in files:
+        assert any(path.relative_to(library.CSRC.parent).match(pattern) for pattern in patterns), path
+    named = {name for path in files for name in re.findall(r'"(\w+\.h)"', path.read_text())}
+    assert named and named <= {path.name for path in files}
 
 
 def test_the_process_loads_one_library_with_its_signatures():

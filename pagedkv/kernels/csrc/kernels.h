@@ -1,11 +1,20 @@
 /*
- * pagedkv's CPU kernels: what every source shares, and every entry point, declared once.
+ * pagedkv's CPU kernels: every entry point, declared once, and (simd.h) what every source shares.
  *
  * The sources in this folder are compiled together into one shared library on first use, for
  * the machine that runs them (-march=native, OpenMP; see pagedkv/kernels/library.py), so every
- * entry point below can call any other directly. Each definition is checked against its
- * prototype here by the compiler; pagedkv/kernels/signatures.py declares the ones Python calls
- * for ctypes, and tests/kernels/test_signatures.py checks that table against these prototypes.
+ * entry point below can call any other directly. Every header here is part of the library's
+ * cache key and ships with the package:
+ *   - simd.h: the vector types and the small vector API, for the instruction set it picks, in
+ *     that set's own file (simd_avx512.h, simd_avx2.h, simd_portable.h);
+ *   - <source>_body.h: a source's per-dtype functions as plain C, included by the source once
+ *     per dtype with a few names defined (T, SUFFIX(name), LOAD...: the `#include`-template
+ *     idiom), so a debugger steps through their lines and coverage counts them;
+ *   - gemm_<set>.h: the tiled GEMM's loops for one instruction set (tiled_gemm.c).
+ * Each definition is checked against its prototype below by the compiler (every prototype is
+ * written out, so a search for an entry point's name finds it);
+ * pagedkv/kernels/signatures.py declares the ones Python calls for ctypes, and
+ * tests/kernels/test_signatures.py checks that table against these prototypes.
  *
  * Suffixes name the element type of the tensors: f32 (float), bf16 (bfloat16, as uint16_t
  * bits), f16 (_Float16; left out when the compiler lacks it: PAGEDKV_NO_F16), and for a
@@ -15,62 +24,7 @@
 #ifndef PAGEDKV_KERNELS_H
 #define PAGEDKV_KERNELS_H
 
-#include <stdint.h>
-#include <string.h>
-
-/* ---- the vector prelude ---------------------------------------------------------------- */
-
-/* float32 lanes per vector: the widest the target has */
-#if defined(__AVX512F__)
-#define VL 16
-#elif defined(__AVX__)
-#define VL 8
-#else
-#define VL 4
-#endif
-
-typedef float vf __attribute__((vector_size(VL * 4)));
-typedef int32_t vi __attribute__((vector_size(VL * 4)));
-typedef uint32_t vu __attribute__((vector_size(VL * 4)));
-typedef uint16_t vu16 __attribute__((vector_size(VL * 2)));
-#ifndef PAGEDKV_NO_F16
-typedef _Float16 vh __attribute__((vector_size(VL * 2)));
-#endif
-
-/* a where mask is set, else b */
-static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
-
-/* exp(x) = 2^n * p(r), Cephes-style: returns p(r), about 1 ulp for |r| <= ln2 / 2, and n =
- * round(x / ln2); the caller clamps x to its range first and scales by 2^n as that range allows.
- * Its arithmetic rounds as the including source compiles it (layer_ops.c: no fused multiply-add) */
-static inline vf exp_reduced(vf x, vf *n_out) {
-    const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vf y = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    *n_out = n;
-    return y;
-}
-
-/* bfloat16 to float32 is exact: a bfloat16 is a float32's upper half */
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* float32 to bfloat16, rounded to nearest even, NaN to 0x7FC0: c10::BFloat16's conversion */
-static inline uint16_t f32_to_bf16(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    if (x != x) return 0x7FC0;
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
+#include "simd.h" /* VL, the vector types and the small vector API, for the target */
 
 /* ---- layer_ops.c: the decoder layer's element-wise ops, fused --------------------------- *
  *   rms_norm_<S>(x, out, w, rows, n, eps)            out = rmsnorm(x) * w       ([rows, n])
@@ -86,18 +40,33 @@ static inline uint16_t f32_to_bf16(float x) {
  *       q_out [tokens, nq, d], k and v to KV slot slots[t] of the pools [slots, nkv, d]; a
  *       negative slot is padding and writes nothing. d <= layer_ops_max_head_dim(), even.
  */
-#define PAGEDKV_LAYER_OPS(T, S)                                                                  \
-    void rms_norm_##S(const T *x, T *out, const T *w, int64_t rows, int64_t n, float eps);       \
-    void add_rms_norm_##S(T *x, T *residual, const T *w, int64_t rows, int64_t n, float eps);    \
-    void silu_and_mul_##S(const T *gate_up, T *out, int64_t rows, int64_t n);                    \
-    void silu_and_mul_rows_##S(const T *gate_up, T *out, int64_t rows, int64_t n, int64_t out_stride); \
-    void rotary_write_kv_##S(const T *qkv, T *q_out, const T *cos, const T *sin, const T *q_w,   \
-                             const T *k_w, float eps, T *key_pool, T *value_pool,                \
-                             const int64_t *slots, int64_t tokens, int64_t nq, int64_t nkv, int64_t d);
-PAGEDKV_LAYER_OPS(float, f32)
-PAGEDKV_LAYER_OPS(uint16_t, bf16)
+void rms_norm_f32(const float *x, float *out, const float *w, int64_t rows, int64_t n, float eps);
+void add_rms_norm_f32(float *x, float *residual, const float *w, int64_t rows, int64_t n, float eps);
+void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t n);
+void silu_and_mul_rows_f32(const float *gate_up, float *out, int64_t rows, int64_t n, int64_t out_stride);
+void rotary_write_kv_f32(const float *qkv, float *q_out, const float *cos, const float *sin, const float *q_w,
+                         const float *k_w, float eps, float *key_pool, float *value_pool,
+                         const int64_t *slots, int64_t tokens, int64_t nq, int64_t nkv, int64_t d);
+void rms_norm_bf16(const uint16_t *x, uint16_t *out, const uint16_t *w, int64_t rows, int64_t n, float eps);
+void add_rms_norm_bf16(uint16_t *x, uint16_t *residual, const uint16_t *w, int64_t rows, int64_t n,
+                       float eps);
+void silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t n);
+void silu_and_mul_rows_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t n,
+                            int64_t out_stride);
+void rotary_write_kv_bf16(const uint16_t *qkv, uint16_t *q_out, const uint16_t *cos, const uint16_t *sin,
+                          const uint16_t *q_w, const uint16_t *k_w, float eps, uint16_t *key_pool,
+                          uint16_t *value_pool, const int64_t *slots, int64_t tokens, int64_t nq, int64_t nkv,
+                          int64_t d);
 #ifndef PAGEDKV_NO_F16
-PAGEDKV_LAYER_OPS(_Float16, f16)
+void rms_norm_f16(const _Float16 *x, _Float16 *out, const _Float16 *w, int64_t rows, int64_t n, float eps);
+void add_rms_norm_f16(_Float16 *x, _Float16 *residual, const _Float16 *w, int64_t rows, int64_t n, float eps);
+void silu_and_mul_f16(const _Float16 *gate_up, _Float16 *out, int64_t rows, int64_t n);
+void silu_and_mul_rows_f16(const _Float16 *gate_up, _Float16 *out, int64_t rows, int64_t n,
+                           int64_t out_stride);
+void rotary_write_kv_f16(const _Float16 *qkv, _Float16 *q_out, const _Float16 *cos, const _Float16 *sin,
+                         const _Float16 *q_w, const _Float16 *k_w, float eps, _Float16 *key_pool,
+                         _Float16 *value_pool, const int64_t *slots, int64_t tokens, int64_t nq, int64_t nkv,
+                         int64_t d);
 #endif
 int64_t layer_ops_max_head_dim(void);
 
@@ -141,35 +110,76 @@ int64_t tiled_gemm_bf16_loop(void);
  *       tiles of consecutive prompt rows: each tile's sequence, first row in q, that row's
  *       position and its row count (at most paged_attention_prefill_lanes() / group)
  */
-#define PAGEDKV_PAGED_ATTENTION_ROWS(NAME, QT, KT)                                                 \
-    int paged_attention_rows_##NAME(const QT *q, const KT *key, const KT *value, const float *key_scale, \
-                                    const float *value_scale, const int32_t *block_tables,         \
-                                    const int32_t *row_seq, const int32_t *row_pos, QT *out,       \
-                                    int64_t num_rows, int64_t num_heads, int64_t kv_heads,         \
-                                    int64_t head_dim, int64_t block_size, int64_t max_blocks,      \
-                                    float scale, int64_t window, float soft_cap, int64_t chunk,    \
-                                    int num_threads);
-#define PAGEDKV_PAGED_ATTENTION_PREFILL(NAME, T)                                                   \
-    int paged_attention_prefill_##NAME(const T *q, const T *key, const T *value,                   \
-                                       const int32_t *block_tables, const int32_t *tile_seq,       \
-                                       const int32_t *tile_row, const int32_t *tile_pos,           \
-                                       const int32_t *tile_rows, T *out, int64_t num_tiles,        \
-                                       int64_t num_heads, int64_t kv_heads, int64_t head_dim,      \
-                                       int64_t block_size, int64_t max_blocks, float scale,        \
-                                       int num_threads);
-PAGEDKV_PAGED_ATTENTION_ROWS(f32, float, float)
-PAGEDKV_PAGED_ATTENTION_ROWS(bf16, uint16_t, uint16_t)
-PAGEDKV_PAGED_ATTENTION_ROWS(f32_fp8, float, uint8_t)
-PAGEDKV_PAGED_ATTENTION_ROWS(f32_i8, float, int8_t)
-PAGEDKV_PAGED_ATTENTION_ROWS(bf16_fp8, uint16_t, uint8_t)
-PAGEDKV_PAGED_ATTENTION_ROWS(bf16_i8, uint16_t, int8_t)
-PAGEDKV_PAGED_ATTENTION_PREFILL(f32, float)
-PAGEDKV_PAGED_ATTENTION_PREFILL(bf16, uint16_t)
+int paged_attention_rows_f32(const float *q, const float *key, const float *value, const float *key_scale,
+                             const float *value_scale, const int32_t *block_tables, const int32_t *row_seq,
+                             const int32_t *row_pos, float *out, int64_t num_rows, int64_t num_heads,
+                             int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                             float scale, int64_t window, float soft_cap, int64_t chunk, int num_threads);
+int paged_attention_rows_bf16(const uint16_t *q, const uint16_t *key, const uint16_t *value,
+                              const float *key_scale, const float *value_scale, const int32_t *block_tables,
+                              const int32_t *row_seq, const int32_t *row_pos, uint16_t *out, int64_t num_rows,
+                              int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                              int64_t max_blocks, float scale, int64_t window, float soft_cap, int64_t chunk,
+                              int num_threads);
+int paged_attention_rows_f32_fp8(const float *q, const uint8_t *key, const uint8_t *value,
+                                 const float *key_scale, const float *value_scale,
+                                 const int32_t *block_tables, const int32_t *row_seq, const int32_t *row_pos,
+                                 float *out, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
+                                 int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
+                                 int64_t window, float soft_cap, int64_t chunk, int num_threads);
+int paged_attention_rows_f32_i8(const float *q, const int8_t *key, const int8_t *value,
+                                const float *key_scale, const float *value_scale, const int32_t *block_tables,
+                                const int32_t *row_seq, const int32_t *row_pos, float *out, int64_t num_rows,
+                                int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                                int64_t max_blocks, float scale, int64_t window, float soft_cap,
+                                int64_t chunk, int num_threads);
+int paged_attention_rows_bf16_fp8(const uint16_t *q, const uint8_t *key, const uint8_t *value,
+                                  const float *key_scale, const float *value_scale,
+                                  const int32_t *block_tables, const int32_t *row_seq, const int32_t *row_pos,
+                                  uint16_t *out, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
+                                  int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
+                                  int64_t window, float soft_cap, int64_t chunk, int num_threads);
+int paged_attention_rows_bf16_i8(const uint16_t *q, const int8_t *key, const int8_t *value,
+                                 const float *key_scale, const float *value_scale,
+                                 const int32_t *block_tables, const int32_t *row_seq, const int32_t *row_pos,
+                                 uint16_t *out, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
+                                 int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
+                                 int64_t window, float soft_cap, int64_t chunk, int num_threads);
+int paged_attention_prefill_f32(const float *q, const float *key, const float *value,
+                                const int32_t *block_tables, const int32_t *tile_seq, const int32_t *tile_row,
+                                const int32_t *tile_pos, const int32_t *tile_rows, float *out,
+                                int64_t num_tiles, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
+                                int64_t block_size, int64_t max_blocks, float scale, int num_threads);
+int paged_attention_prefill_bf16(const uint16_t *q, const uint16_t *key, const uint16_t *value,
+                                 const int32_t *block_tables, const int32_t *tile_seq,
+                                 const int32_t *tile_row, const int32_t *tile_pos, const int32_t *tile_rows,
+                                 uint16_t *out, int64_t num_tiles, int64_t num_heads, int64_t kv_heads,
+                                 int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
+                                 int num_threads);
 #ifndef PAGEDKV_NO_F16
-PAGEDKV_PAGED_ATTENTION_ROWS(f16, _Float16, _Float16)
-PAGEDKV_PAGED_ATTENTION_ROWS(f16_fp8, _Float16, uint8_t)
-PAGEDKV_PAGED_ATTENTION_ROWS(f16_i8, _Float16, int8_t)
-PAGEDKV_PAGED_ATTENTION_PREFILL(f16, _Float16)
+int paged_attention_rows_f16(const _Float16 *q, const _Float16 *key, const _Float16 *value,
+                             const float *key_scale, const float *value_scale, const int32_t *block_tables,
+                             const int32_t *row_seq, const int32_t *row_pos, _Float16 *out, int64_t num_rows,
+                             int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                             int64_t max_blocks, float scale, int64_t window, float soft_cap, int64_t chunk,
+                             int num_threads);
+int paged_attention_rows_f16_fp8(const _Float16 *q, const uint8_t *key, const uint8_t *value,
+                                 const float *key_scale, const float *value_scale,
+                                 const int32_t *block_tables, const int32_t *row_seq, const int32_t *row_pos,
+                                 _Float16 *out, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
+                                 int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
+                                 int64_t window, float soft_cap, int64_t chunk, int num_threads);
+int paged_attention_rows_f16_i8(const _Float16 *q, const int8_t *key, const int8_t *value,
+                                const float *key_scale, const float *value_scale, const int32_t *block_tables,
+                                const int32_t *row_seq, const int32_t *row_pos, _Float16 *out,
+                                int64_t num_rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
+                                int64_t block_size, int64_t max_blocks, float scale, int64_t window,
+                                float soft_cap, int64_t chunk, int num_threads);
+int paged_attention_prefill_f16(const _Float16 *q, const _Float16 *key, const _Float16 *value,
+                                const int32_t *block_tables, const int32_t *tile_seq, const int32_t *tile_row,
+                                const int32_t *tile_pos, const int32_t *tile_rows, _Float16 *out,
+                                int64_t num_tiles, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
+                                int64_t block_size, int64_t max_blocks, float scale, int num_threads);
 #endif
 int64_t paged_attention_prefill_lanes(void);
 
@@ -197,13 +207,15 @@ typedef struct {
  *       the final hidden states; cos / sin / slots as rotary_write_kv's; tables / row_seq /
  *       row_pos as paged_attention_rows'; chunks / threads [num_layers] its split per layer
  */
-#define PAGEDKV_DECODE_STACK(T, S)                                                                 \
-    int decode_stack_##S(const DecodeLayer *layers, int64_t num_layers, const T *final_norm, float final_eps, \
-                         const DecodeBuffers *buffers, const T *x, T *out, int64_t tokens, int64_t hidden, \
-                         const T *cos, const T *sin, const int64_t *slots, const int32_t *tables,  \
-                         int64_t max_blocks, const int32_t *row_seq, const int32_t *row_pos,       \
-                         const int64_t *chunks, const int64_t *threads);
-PAGEDKV_DECODE_STACK(float, f32)
-PAGEDKV_DECODE_STACK(uint16_t, bf16)
+int decode_stack_f32(const DecodeLayer *layers, int64_t num_layers, const float *final_norm, float final_eps,
+                     const DecodeBuffers *buffers, const float *x, float *out, int64_t tokens, int64_t hidden,
+                     const float *cos, const float *sin, const int64_t *slots, const int32_t *tables,
+                     int64_t max_blocks, const int32_t *row_seq, const int32_t *row_pos,
+                     const int64_t *chunks, const int64_t *threads);
+int decode_stack_bf16(const DecodeLayer *layers, int64_t num_layers, const uint16_t *final_norm,
+                      float final_eps, const DecodeBuffers *buffers, const uint16_t *x, uint16_t *out,
+                      int64_t tokens, int64_t hidden, const uint16_t *cos, const uint16_t *sin,
+                      const int64_t *slots, const int32_t *tables, int64_t max_blocks, const int32_t *row_seq,
+                      const int32_t *row_pos, const int64_t *chunks, const int64_t *threads);
 
 #endif

@@ -13,7 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* before kernels.h, whose inline helpers (exp_reduced) then round as the ops here do */
+/* before kernels.h, whose inline helpers (simd.h's exp_reduced) then round as the ops here do */
 #pragma GCC optimize("fp-contract=off")
 #ifdef __clang__
 #pragma clang fp contract(off)
@@ -93,104 +93,28 @@ static inline float rms_scale(const float *x, int64_t n, float eps) {
     return 1.0f / sqrtf(hsum(acc) / (float)n + eps);
 }
 
-/* out = round(round(x * scale) * w): transformers' RMSNorm (cast back, then the weight). */
-#define NORM_ROW(T, S)                                                                          \
-    static inline void norm_row_##S(const float *x, T *out, const T *w, int64_t n, float eps) { \
-        const float scale = rms_scale(x, n, eps);                                               \
-        for (int64_t i = 0; i < n; i += VL) {                                                   \
-            const int64_t m = chunk(n, i);                                                      \
-            store_##S(out + i, round_##S(round_##S(load_f32(x + i, m) * scale) * load_##S(w + i, m)), m); \
-        }                                                                                       \
-    }
-
-#define LAYER_OPS(T, S)                                                                         \
-    NORM_ROW(T, S)                                                                              \
-    static inline void to_f32_##S(const T *x, float *out, int64_t n) {                          \
-        for (int64_t i = 0; i < n; i += VL) store_f32(out + i, load_##S(x + i, chunk(n, i)), chunk(n, i)); \
-    }                                                                                           \
-    void rms_norm_##S(const T *x, T *out, const T *w, int64_t rows, int64_t n, float eps) {     \
-        _Pragma("omp parallel for if (rows * n >= GRAIN)")                                       \
-        for (int64_t r = 0; r < rows; r++) {                                                    \
-            float row[n];                                                                       \
-            to_f32_##S(x + r * n, row, n);                                                      \
-            norm_row_##S(row, out + r * n, w, n, eps);                                          \
-        }                                                                                       \
-    }                                                                                           \
-    void add_rms_norm_##S(T *x, T *residual, const T *w, int64_t rows, int64_t n, float eps) {   \
-        _Pragma("omp parallel for if (rows * n >= GRAIN)")                                       \
-        for (int64_t r = 0; r < rows; r++) {                                                    \
-            T *xr = x + r * n, *res = residual + r * n;                                         \
-            float row[n];                                                                       \
-            for (int64_t i = 0; i < n; i += VL) {                                               \
-                const int64_t m = chunk(n, i);                                                  \
-                const vf sum = round_##S(load_##S(xr + i, m) + load_##S(res + i, m));           \
-                store_##S(res + i, sum, m);                                                     \
-                store_f32(row + i, sum, m);                                                     \
-            }                                                                                   \
-            norm_row_##S(row, xr, w, n, eps);                                                   \
-        }                                                                                       \
-    }                                                                                           \
-    void silu_and_mul_rows_##S(const T *gate_up, T *out, int64_t rows, int64_t n,               \
-                               int64_t out_stride) {                                            \
-        for (int64_t r = 0; r < rows; r++) {                                                    \
-            const T *gate = gate_up + r * 2 * n, *up = gate + n;                                \
-            for (int64_t i = 0; i < n; i += VL) {                                               \
-                const int64_t m = chunk(n, i);                                                  \
-                const vf g = load_##S(gate + i, m);                                             \
-                const vf silu = round_##S(g / (1.0f + vexp(-g)));                               \
-                store_##S(out + r * out_stride + i, round_##S(silu * load_##S(up + i, m)), m);  \
-            }                                                                                   \
-        }                                                                                       \
-    }                                                                                           \
-    void silu_and_mul_##S(const T *gate_up, T *out, int64_t rows, int64_t n) {                  \
-        _Pragma("omp parallel for if (rows * n >= GRAIN)")                                       \
-        for (int64_t r = 0; r < rows; r++) silu_and_mul_rows_##S(gate_up + r * 2 * n, out + r * n, 1, n, n);\
-    }                                                                                           \
-    /* One head: optional RMSNorm, then out = x * cos + roll(x, d / 2) * sin, rounding after   \
-     * each op as torch does. */                                                                \
-    static inline void rotate_head_##S(const T *x, T *out, const T *cos, const T *sin,          \
-                                       const T *w, float eps, int64_t d) {                      \
-        float h[MAX_HEAD_DIM];                                                                  \
-        to_f32_##S(x, h, d);                                                                    \
-        if (w) {                                                                                \
-            T normed[MAX_HEAD_DIM];                                                             \
-            norm_row_##S(h, normed, w, d, eps);                                                 \
-            to_f32_##S(normed, h, d);                                                           \
-        }                                                                                       \
-        const int64_t half = d / 2;                                                             \
-        for (int64_t i = 0; i < half; i += VL) {                                                \
-            const int64_t m = chunk(half, i);                                                   \
-            const vf x1 = load_f32(h + i, m), x2 = load_f32(h + half + i, m);                   \
-            const vf a = round_##S(x1 * load_##S(cos + i, m));                                  \
-            const vf b = round_##S(x2 * load_##S(sin + i, m));                                  \
-            const vf c = round_##S(x2 * load_##S(cos + half + i, m));                           \
-            const vf e = round_##S(x1 * load_##S(sin + half + i, m));                           \
-            store_##S(out + i, round_##S(a + b), m);                                            \
-            store_##S(out + half + i, round_##S(c + e), m);                                     \
-        }                                                                                       \
-    }                                                                                           \
-    void rotary_write_kv_##S(const T *qkv, T *q_out, const T *cos, const T *sin, const T *q_w,  \
-                             const T *k_w, float eps, T *key_pool, T *value_pool,               \
-                             const int64_t *slots, int64_t tokens, int64_t nq, int64_t nkv,     \
-                             int64_t d) {                                                       \
-        const int64_t width = (nq + 2 * nkv) * d;                                               \
-        _Pragma("omp parallel for if (tokens * width >= GRAIN)")                                 \
-        for (int64_t t = 0; t < tokens; t++) {                                                  \
-            const T *row = qkv + t * width, *c = cos + t * d, *s = sin + t * d;                 \
-            for (int64_t h = 0; h < nq; h++)                                                    \
-                rotate_head_##S(row + h * d, q_out + (t * nq + h) * d, c, s, q_w, eps, d);      \
-            const int64_t slot = slots[t];                                                      \
-            if (slot < 0) continue;                                                             \
-            for (int64_t h = 0; h < nkv; h++)                                                   \
-                rotate_head_##S(row + (nq + h) * d, key_pool + (slot * nkv + h) * d, c, s, k_w, eps, d); \
-            memcpy(value_pool + slot * nkv * d, row + (nq + nkv) * d, nkv * d * sizeof(T));     \
-        }                                                                                       \
-    }
-
 int64_t layer_ops_max_head_dim(void) { return MAX_HEAD_DIM; }
 
-LAYER_OPS(float, f32)
-LAYER_OPS(uint16_t, bf16)
+/* the ops for each storage dtype: layer_ops_body.h */
+#define T float
+#define SUFFIX(name) name##_f32
+#define LOAD load_f32
+#define STORE store_f32
+#define ROUND round_f32
+#include "layer_ops_body.h"
+
+#define T uint16_t
+#define SUFFIX(name) name##_bf16
+#define LOAD load_bf16
+#define STORE store_bf16
+#define ROUND round_bf16
+#include "layer_ops_body.h"
+
 #ifndef PAGEDKV_NO_F16
-LAYER_OPS(_Float16, f16)
+#define T _Float16
+#define SUFFIX(name) name##_f16
+#define LOAD load_f16
+#define STORE store_f16
+#define ROUND round_f16
+#include "layer_ops_body.h"
 #endif

@@ -1,0 +1,10 @@
+/*
+ * simd.h's vector API on AVX-512 (VL = 16). Included by simd.h alone, which chooses it.
+ */
+#include <immintrin.h>
+
+/* one widening load and one shift: GCC lowers the generic conversion (simd_avx2.h) to halves put
+ * together with inserts and extracts, which made bfloat16 slower per byte than float32 */
+static inline vf vload_bf16(const uint16_t *p) {
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
