@@ -15,23 +15,13 @@ import pytest
 
 from pagedkv import SamplingParams
 from pagedkv.server.ignored_fields import HEADER
-from tests.server.helpers import API_KEY, MODEL, assert_pool_whole, prompts, wait_idle
+from tests.server.helpers import API_KEY, MODEL, prompts
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = [{"role": "user", "content": "Which blocks does a request hold?"}]
 
 
-@pytest.fixture(scope="module")
-def client(base_url):
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(autouse=True)
-def _leaves_server_idle(base_url, engine):
-    yield
-    wait_idle(base_url)
-    assert_pool_whole(engine)
+pytestmark = pytest.mark.usefixtures("leaves_server_idle")
 
 
 def _chat_prompt(base_url: str) -> list[int]:

@@ -9,22 +9,12 @@ import openai
 import pytest
 
 from pagedkv import SamplingParams
-from tests.server.helpers import API_KEY, MODEL, assert_pool_whole, wait_idle
+from tests.server.helpers import MODEL
 
 PROMPT = "def parse_header(line):\n"
 
 
-@pytest.fixture(scope="module")
-def client(base_url):
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(autouse=True)
-def _leaves_server_idle(base_url, engine):
-    yield
-    wait_idle(base_url)
-    assert_pool_whole(engine)
+pytestmark = pytest.mark.usefixtures("leaves_server_idle")
 
 
 def _complete(client, max_tokens: int = 12, **extra) -> str:

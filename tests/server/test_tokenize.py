@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 
 import pagedkv
@@ -20,12 +19,6 @@ CHAT = [
     {"role": "system", "content": "You answer briefly."},
     {"role": "user", "content": "How do paged caches share blocks?"},
 ]
-
-
-@pytest.fixture(scope="module")
-def client(base_url):
-    with openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0) as c:
-        yield c
 
 
 def _post(base_url: str, route: str, body: dict) -> httpx.Response:
