@@ -205,22 +205,22 @@ int64_t paged_attention_prefill_lanes(void);
  * norm; the KV pools unquantized, of the model's dtype.
  */
 typedef enum {
-    DECODE_COPY = 0,
-    DECODE_NORM = 1,
-    DECODE_ADD_NORM = 2,
-    DECODE_LINEAR = 3,
-    DECODE_ROTARY_WRITE_KV = 4,
-    DECODE_ATTEND = 5,
-    DECODE_GATE_UP_SILU = 6,
+    DECODE_COPY,
+    DECODE_NORM,
+    DECODE_ADD_NORM,
+    DECODE_LINEAR,
+    DECODE_ROTARY_WRITE_KV,
+    DECODE_ATTEND,
+    DECODE_GATE_UP_SILU,
 } DecodeCode;
 
 /* the buffers every stack has: the embedded tokens (read only), the residual stream and the
  * final hidden states [tokens, hidden]; the working buffers follow from DECODE_WORK on */
 typedef enum {
-    DECODE_INPUT = 0,
-    DECODE_RESIDUAL = 1,
-    DECODE_OUTPUT = 2,
-    DECODE_WORK = 3,
+    DECODE_INPUT,
+    DECODE_RESIDUAL,
+    DECODE_OUTPUT,
+    DECODE_WORK,
 } DecodeBuffer;
 
 typedef struct {
