@@ -27,6 +27,7 @@ the steps to the program).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -259,25 +260,23 @@ class DecodeStack:
         self._addresses = (ADDRESS * len(shape.widths))()
         for i, buffer in self._buffers.items():
             self._addresses[i] = buffer.data_ptr()
-        self._records = (DecodeOp * 0)()
+        #: the records of the last bind, or None when the op list did not lower then
+        self._records: ctypes.Array[DecodeOp] | None = None
         self._kv_cache: KVCache | None = None
         self._parameters: list[dict[str, Any]] = []
         self._bound: list[torch.Tensor] = []
         self._splits = shape.splits
         self._chunks, self._threads = (I64 * len(self._splits))(), (I64 * len(self._splits))()
 
-    def _bind(self, kv_cache: KVCache) -> bool:
+    def _bind(self, kv_cache: KVCache) -> None:
         """Lower the op list again for ``kv_cache`` and the projections' current weights (held:
-        the addresses the C reads stay valid until the next bind); False when it no longer
-        lowers (a weight off the tiled layout, a pool the C does not take)."""
+        the addresses the C reads stay valid until the next bind). No records when it does not
+        lower (a weight off the tiled layout, a pool the C does not take): the steps go to the
+        program until the cache or a weight changes again."""
         low = _Lowering(self.dtype, self.hidden, kv_cache)
-        self._parameters, self._bound = low.parameters, low.weights
-        if _lower(self.ops, low) is not None:
-            self._kv_cache = None
-            return False
-        self._records = (DecodeOp * len(low.records))(*low.records)
-        self._kv_cache = kv_cache
-        return True
+        lowered = _lower(self.ops, low) is None
+        self._records = (DecodeOp * len(low.records))(*low.records) if lowered else None
+        self._kv_cache, self._parameters, self._bound = kv_cache, low.parameters, low.weights
 
     def run(
         self,
@@ -300,7 +299,9 @@ class DecodeStack:
         replaced = any(
             params["weight"] is not bound for params, bound in zip(self._parameters, self._bound, strict=True)
         )
-        if (kv_cache is not self._kv_cache or replaced) and not self._bind(kv_cache):
+        if kv_cache is not self._kv_cache or replaced:
+            self._bind(kv_cache)
+        if self._records is None:
             return None
         slots = metadata.slot_mapping
         if slots.dtype != torch.int64 or cos.dtype != self.dtype:
@@ -336,8 +337,9 @@ class DecodeStack:
 
 
 def decode_stack(model: nn.Module, ops: tuple[Op, ...], dtype: torch.dtype) -> DecodeStack | None:
-    """The C decode stack of ``model``'s ops in order (:meth:`~pagedkv.models.ops.DecoderOps.sequence`) for
-    activations of ``dtype``, or None when it has none (see :func:`_unsupported`)."""
+    """The C decode stack of ``model``'s ops in order
+    (:meth:`~pagedkv.models.ops.DecoderOps.sequence`) for activations of ``dtype``, or None when
+    it has none (see :func:`_unsupported`)."""
     if _unsupported(model, ops, dtype) is not None:
         return None
     return DecodeStack(ops, dtype, model.config.hidden_size)
