@@ -129,8 +129,10 @@ def _add_norm(op: AddNorm, low: _Lowering) -> str | None:
         low.emit(DecodeCode.COPY, width, dst=DecodeBuffer.RESIDUAL)
         low.emit(DecodeCode.NORM, width, **fields)
         low.residual_started = True
-    else:
+    elif width == low.widths[DecodeBuffer.RESIDUAL]:
         low.emit(DecodeCode.ADD_NORM, width, dst=low.current, **fields)
+    else:
+        return "a residual add of another width"
     return None
 
 
@@ -225,7 +227,10 @@ def _lower(ops: tuple[Op, ...], low: _Lowering) -> str | None:
             return f"no C form for {type(op).__name__}"
         if (why := lowering(op, low)) is not None:
             return why
-    low.emit(DecodeCode.COPY, low.widths[DecodeBuffer.OUTPUT], dst=DecodeBuffer.OUTPUT)
+    width = low.widths[DecodeBuffer.OUTPUT]
+    if low.widths[low.current] != width:
+        return "a last op that does not make hidden states"
+    low.emit(DecodeCode.COPY, width, dst=DecodeBuffer.OUTPUT)
     return None
 
 
