@@ -10,6 +10,7 @@ as addresses (``data_ptr()``), ``None`` for an absent one.
 from __future__ import annotations
 
 import ctypes
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -65,17 +66,10 @@ _FAMILIES: tuple[tuple[str, tuple[str, ...], Signature], ...] = (
     (
         "decode_stack",
         _TILED,
-        Signature(
-            INT,
-            (ADDRESS, I64, ADDRESS, F32)
-            + (ADDRESS,) * 3
-            + (I64, I64)
-            + (ADDRESS,) * 4
-            + (I64,)
-            + (ADDRESS,) * 4,
-        ),
+        Signature(INT, (ADDRESS, I64, ADDRESS, I64) + (ADDRESS,) * 4 + (I64,) + (ADDRESS,) * 4),
     ),
 )
+
 
 #: entry point name -> its signature
 SIGNATURES: dict[str, Signature] = {
@@ -89,18 +83,32 @@ def _fields(ctype: type, names: str) -> list[tuple[str, type]]:
     return [(name, ctype) for name in names.split()]
 
 
-class DecodeLayer(ctypes.Structure):
-    """``DecodeLayer`` of ``kernels.h``: one decoder layer as the decode stack reads it."""
+class DecodeCode(enum.IntEnum):
+    """``DecodeCode`` of ``kernels.h`` (``DECODE_<name>``): what a :class:`DecodeOp` runs."""
 
-    _fields_ = _fields(
-        ADDRESS, "input_norm qkv qkv_bias q_norm k_norm o o_bias post_norm gate_up down down_bias"
-    )
-    _fields_ += _fields(ADDRESS, "key_pool value_pool")
-    _fields_ += _fields(F32, "input_eps qk_eps post_eps scale soft_cap")
-    _fields_ += _fields(I64, "qkv_width heads kv_heads head_dim block_size window intermediate")
+    COPY = 0
+    NORM = 1
+    ADD_NORM = 2
+    LINEAR = 3
+    ROTARY_WRITE_KV = 4
+    ATTEND = 5
+    GATE_UP_SILU = 6
 
 
-class DecodeBuffers(ctypes.Structure):
-    """``DecodeBuffers`` of ``kernels.h``: the decode stack's working rows."""
+class DecodeBuffer(enum.IntEnum):
+    """``DecodeBuffer`` of ``kernels.h`` (``DECODE_<name>``): the buffers every decode stack has,
+    at fixed indexes; its working buffers follow from ``WORK`` on."""
 
-    _fields_ = _fields(ADDRESS, "residual y qkv q att act")
+    INPUT = 0
+    RESIDUAL = 1
+    OUTPUT = 2
+    WORK = 3
+
+
+class DecodeOp(ctypes.Structure):
+    """``DecodeOp`` of ``kernels.h``: one step of the decode stack's loop."""
+
+    _fields_ = _fields(I64, "code src dst")
+    _fields_ += _fields(ADDRESS, "weight bias q_norm k_norm key_pool value_pool")
+    _fields_ += _fields(F32, "eps scale soft_cap")
+    _fields_ += _fields(I64, "n_in n_out heads kv_heads head_dim block_size window split")

@@ -1,32 +1,35 @@
-"""A decode step's decoder layers as one call into C (``pagedkv/kernels/csrc/decode_stack.c``).
+"""A decode step's decoder layers as one call into C (``pagedkv/kernels/csrc/decode_stack.c``),
+lowered from the model's op list.
 
-The step program (:mod:`pagedkv.models.step_program`) runs each layer as a handful of calls into
-compiled kernels with a little Python between them. On the CPU that Python runs with cold
-caches -- every projection has just streamed its weights through L2 and L3 -- and a decode step
-makes about eight such calls per layer: on a small batch the glue is a share of the step worth
-removing.
+The step program (:mod:`pagedkv.models.step_program`) runs each op as a call into a compiled
+kernel with a little Python between them. On the CPU that Python runs with cold caches -- every
+projection has just streamed its weights through L2 and L3 -- and a decode step makes about
+eight such calls per layer: on a small batch the glue is a share of the step worth removing.
 
-:class:`DecodeStack` hands the same kernels' inputs -- weights, KV pools, buffers -- to one C
-function that calls them in the program's order: the hidden states are bit for bit the
-program's. It takes a step when everything in it has a compiled kernel -- tiled projections (no
-tensor-parallel shards), the paired gate/up with its fused activation, the compiled norms and
-rotary + KV write, the ``cpu`` attention backend's row kernel on unquantized pools -- every row
-is a generated token, the batch fits its buffers (:data:`~pagedkv.models.linear.BUFFER_ROWS`
-rows) and the per-call attention checks are off (they run in the program). Generated rows are
-decodes and, with speculative decoding, the ``k + 1`` rows of a sequence verifying ``k``
-proposed tokens: the row kernel takes any number of rows per sequence, each attending its
-sequence up to its own position (:func:`~pagedkv.attention.backends.cpu_rows.generated_rows`, the
-rows the program's prefill attention gives the same kernel), so a verifying step costs about a
-decode step of as many rows instead of a pass through the program. Anything else runs the
-program, unchanged. Like the program, it reads each projection's weight as its module holds it
-at every step: a replaced weight is bound again (or, no longer tiled, leaves the steps to the
-program).
+Each op of :mod:`pagedkv.models.ops` with a C form lowers here to the :class:`DecodeOp` records
+the C loop runs (an opcode, the buffers it reads and writes, its weights and shape), calling the
+kernel the op's torch path calls on the same data: the hidden states are bit for bit the
+program's. A model whose every op lowers gets the stack; an op without a lowering, a projection
+off the tiled kernel or a tensor-parallel shard leaves every step to the program, and
+:func:`describe` says why. A new op kind with a C form is one lowering function below, one
+opcode and one ``case`` of the C loop.
+
+The stack takes a step when every row is a generated token, the batch fits its buffers
+(:data:`~pagedkv.models.linear.BUFFER_ROWS` rows) and the per-call attention checks are off (they
+run in the program). Generated rows are decodes and, with speculative decoding, the ``k + 1``
+rows of a sequence verifying ``k`` proposed tokens: the row kernel takes any number of rows per
+sequence, each attending its sequence up to its own position
+(:func:`~pagedkv.attention.backends.cpu_rows.generated_rows`, the rows the program's prefill
+attention gives the same kernel). Like the program, it reads each projection's weight as its
+module holds it at every step: a replaced weight is lowered again (or, no longer tiled, leaves
+the steps to the program).
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,33 +38,204 @@ from pagedkv.attention import AttentionMetadata, KVCache
 from pagedkv.attention.backends import cpu_rows
 from pagedkv.attention.checks import per_call_checks
 from pagedkv.kernels import library, paged_attention, tiled_gemm
-from pagedkv.kernels.signatures import I64, SUFFIXES, DecodeBuffers, DecodeLayer
+from pagedkv.kernels.signatures import ADDRESS, I64, SUFFIXES, DecodeBuffer, DecodeCode, DecodeOp
 from pagedkv.models import layer_ops
 from pagedkv.models.linear import BUFFER_ROWS, GateUpLinear, Linear, PackedLinear
+from pagedkv.models.ops import AddNorm, Attend, GateUpAct, KeepRows, Op, Project, RotaryWriteKV
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+class _Lowering:
+    """The records of an op list, appended op by op, and the buffers they name.
+
+    ``current`` is the buffer holding the stream's ``x`` (the torch path's tensor); an op reads
+    it and writes a working buffer of its output's width that is neither it nor the residual.
+    Without a KV cache (the check at build time) the pools are left empty."""
+
+    def __init__(self, dtype: torch.dtype, hidden: int, kv_cache: KVCache | None) -> None:
+        self.dtype, self.kv_cache = dtype, kv_cache
+        self.records: list[DecodeOp] = []
+        self.widths = [hidden] * DecodeBuffer.WORK  # INPUT, RESIDUAL, OUTPUT
+        self.current = int(DecodeBuffer.INPUT)
+        self.residual_started = False
+        #: each projection's parameter table, and the weight read from it
+        self.parameters: list[dict[str, Any]] = []
+        self.weights: list[torch.Tensor] = []
+        #: (sliding window, heads, head_dim) of each attention split computed per step
+        self.splits: list[tuple[int, int, int]] = []
+
+    def emit(self, code: DecodeCode, width: int, dst: int | None = None, **fields: Any) -> None:
+        """Append a record reading ``current`` and writing ``dst`` (a new working buffer of
+        ``width`` when None), which becomes ``current`` unless ``dst`` was given."""
+        move = dst is None
+        if dst is None:
+            free = [
+                i
+                for i in range(DecodeBuffer.WORK, len(self.widths))
+                if self.widths[i] == width and i != self.current
+            ]
+            dst = free[0] if free else len(self.widths)
+            if not free:
+                self.widths.append(width)
+        self.records.append(DecodeOp(code=code, src=self.current, dst=dst, n_out=width, **fields))
+        if move:
+            self.current = dst
+
+    def fits(self, weight: torch.Tensor | None, size: int) -> bool:
+        """Whether a norm weight is what the compiled norms read for rows of ``size``."""
+        if weight is None:
+            return True
+        return weight.dtype == self.dtype and weight.shape == (size,) and weight.is_contiguous()
+
+    def tiled(self, linear: nn.Module) -> torch.Tensor | None:
+        """The projection's weight as its module holds it now, when in the tiled layout of the
+        stack's dtype (read again at each step: :meth:`DecodeStack.run`)."""
+        params = linear._parameters
+        weight = params["weight"]
+        self.parameters.append(params)
+        self.weights.append(weight)
+        return weight if weight.dim() == 1 and weight.dtype == self.dtype else None
+
+    def pools(self, kv_layer: int, kv_heads: int, head_dim: int) -> dict[str, Any] | str:
+        """The layer's key and value pools and block size as record fields, or why the C cannot
+        use them (it takes unquantized, contiguous pools of the model's dtype and heads)."""
+        if self.kv_cache is None:
+            return {}
+        kv = self.kv_cache.layers[kv_layer]
+        if kv.quantized or kv.key.dtype != self.dtype or kv.key.device.type != "cpu":
+            return "a quantized KV cache or one of another dtype"
+        if kv.key.shape[2:] != (kv_heads, head_dim):
+            return "a KV cache of other heads"
+        if not (kv.key.is_contiguous() and kv.value.is_contiguous()):
+            return "a KV cache that is not contiguous"
+        return {"key_pool": kv.key.data_ptr(), "value_pool": kv.value.data_ptr(), "block_size": kv.block_size}
+
+    def split(self, window: int, heads: int, head_dim: int) -> int:
+        key = (window, heads, head_dim)
+        if key not in self.splits:
+            self.splits.append(key)
+        return self.splits.index(key)
+
+
+def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-@dataclass(frozen=True)
-class _Weights:
-    """One layer's weights as the C reads them (held, so their addresses stay valid)."""
+def _add_norm(op: AddNorm, low: _Lowering) -> str | None:
+    width = low.widths[low.current]
+    if not low.fits(op.weight, width):
+        return "a norm weight the compiled norms do not take"
+    fields = {"weight": op.weight.data_ptr(), "eps": op.eps}
+    if not low.residual_started:  # the embedding becomes the residual, then is normalised
+        low.emit(DecodeCode.COPY, width, dst=DecodeBuffer.RESIDUAL)
+        low.emit(DecodeCode.NORM, width, **fields)
+        low.residual_started = True
+    elif width == low.widths[DecodeBuffer.RESIDUAL]:
+        low.emit(DecodeCode.ADD_NORM, width, dst=low.current, **fields)
+    else:
+        return "a residual add of another width"
+    return None
 
-    input_norm: tuple[torch.Tensor, float]
-    qkv: PackedLinear
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    qk_eps: float
-    o: Linear
-    post_norm: tuple[torch.Tensor, float]
-    gate_up: GateUpLinear
-    down: Linear
-    attention: nn.Module  # the layer's Attention: heads, options, KV layer index
+
+def _project(op: Project, low: _Lowering) -> str | None:
+    linear = op.linear
+    if type(linear) not in (Linear, PackedLinear):
+        return "tensor-parallel shards"
+    weight = low.tiled(linear)
+    if weight is None:
+        return "linear layers not on the tiled kernel"
+    fields = {"weight": weight.data_ptr(), "bias": _address(linear.bias), "n_in": linear.in_features}
+    low.emit(DecodeCode.LINEAR, linear.out_features, **fields)
+    return None
 
 
-def _unsupported(model: nn.Module, dtype: torch.dtype) -> str | None:
-    """Why the C stack cannot run ``model``'s layers in ``dtype``, or None when it can."""
+def _rotary_write_kv(op: RotaryWriteKV, low: _Lowering) -> str | None:
+    layout, ops = op.layout, layer_ops.native_ops(low.dtype)
+    heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
+    if dim > ops.max_head_dim:
+        return "a head wider than the rotary kernel takes"
+    if dim % 2:
+        return "an attention shape the compiled kernels do not take"
+    if low.widths[low.current] != (heads + 2 * kv_heads) * dim:
+        return "a q/k/v layout its projection does not make"
+    if not (low.fits(layout.q_norm, dim) and low.fits(layout.k_norm, dim)):
+        return "a q/k norm weight the compiled norms do not take"
+    pools = low.pools(op.kv_layer, kv_heads, dim)
+    if isinstance(pools, str):
+        return pools
+    norms = {"q_norm": _address(layout.q_norm), "k_norm": _address(layout.k_norm), "eps": layout.eps}
+    shape = {"heads": heads, "kv_heads": kv_heads, "head_dim": dim}
+    low.emit(DecodeCode.ROTARY_WRITE_KV, heads * dim, **pools, **norms, **shape)
+    return None
+
+
+def _attend(op: Attend, low: _Lowering) -> str | None:
+    layout, options = op.layout, op.options
+    heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
+    if heads // kv_heads > paged_attention.MAX_GROUP or dim % 2:
+        return "an attention shape the compiled kernels do not take"
+    pools = low.pools(op.kv_layer, kv_heads, dim)
+    if isinstance(pools, str):
+        return pools
+    window = options.sliding_window or 0
+    low.emit(
+        DecodeCode.ATTEND,
+        heads * dim,
+        **pools,
+        scale=options.scale,
+        soft_cap=options.soft_cap or 0.0,
+        window=window,
+        split=low.split(window, heads, dim),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=dim,
+    )
+    return None
+
+
+def _gate_up_act(op: GateUpAct, low: _Lowering) -> str | None:
+    gate_up = op.gate_up
+    if type(gate_up) is not GateUpLinear:
+        return "tensor-parallel shards"
+    weight = low.tiled(gate_up)
+    if weight is None or not gate_up.paired:
+        return "linear layers not on the tiled kernel"
+    fields = {"weight": weight.data_ptr(), "n_in": gate_up.in_features}
+    low.emit(DecodeCode.GATE_UP_SILU, gate_up.out_features // 2, **fields)
+    return None
+
+
+def _keep_rows(op: KeepRows, low: _Lowering) -> str | None:
+    return None  # the stack takes only steps that keep every row
+
+
+#: each op kind with a C form, and how it lowers: appends its records, or says why it cannot
+_LOWERINGS: dict[type[Op], Callable[[Any, _Lowering], str | None]] = {
+    AddNorm: _add_norm,
+    Project: _project,
+    RotaryWriteKV: _rotary_write_kv,
+    Attend: _attend,
+    GateUpAct: _gate_up_act,
+    KeepRows: _keep_rows,
+}
+
+
+def _lower(ops: tuple[Op, ...], low: _Lowering) -> str | None:
+    """Lower every op into ``low``, then copy the result to the output; or say why not."""
+    for op in ops:
+        lowering = _LOWERINGS.get(type(op))
+        if lowering is None:
+            return f"no C form for {type(op).__name__}"
+        if (why := lowering(op, low)) is not None:
+            return why
+    width = low.widths[DecodeBuffer.OUTPUT]
+    if low.widths[low.current] != width:
+        return "a last op that does not make hidden states"
+    low.emit(DecodeCode.COPY, width, dst=DecodeBuffer.OUTPUT)
+    return None
+
+
+def _unsupported(model: nn.Module, ops: tuple[Op, ...], dtype: torch.dtype) -> str | None:
+    """Why the C stack cannot run ``model``'s op list ``ops`` in ``dtype``, or None when it can."""
     if model.model.norm.weight.device.type != "cpu":
         return f"{model.model.norm.weight.device.type}: the CPU only"
     if (why := tiled_gemm.why_unavailable(dtype)) is not None:
@@ -70,134 +244,44 @@ def _unsupported(model: nn.Module, dtype: torch.dtype) -> str | None:
         return f"no compiled layer ops for {dtype}"
     if model.attention_backend.name != "cpu":
         return f"attention backend {model.attention_backend.name!r}"
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        plain = {type(attn.qkv_proj), type(attn.o_proj), type(mlp.down_proj)} <= {Linear, PackedLinear}
-        if not plain or type(mlp.gate_up_proj) is not GateUpLinear:
-            return "tensor-parallel shards"
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        tiled = all(p.weight.dim() == 1 and p.weight.dtype == dtype for p in projections)
-        if not (tiled and mlp.gate_up_proj.paired):
-            return "linear layers not on the tiled kernel"
-        if attn.num_heads // attn.num_kv_heads > paged_attention.MAX_GROUP or attn.head_dim % 2:
-            return "an attention shape the compiled kernels do not take"
-        if attn.head_dim > layer_ops.native_ops(dtype).max_head_dim:
-            return "a head wider than the rotary kernel takes"
-    return None
+    return _lower(ops, _Lowering(dtype, model.config.hidden_size, None))
 
 
 class DecodeStack:
-    """The C decode stack of one model in one dtype, with its buffers; :meth:`run` takes a step
-    or returns None for the program to run it."""
+    """The C decode stack of one op list in one dtype, with its buffers; :meth:`run` takes a
+    step or returns None for the program to run it."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
-        self.dtype, self.hidden = dtype, model.config.hidden_size
+    def __init__(self, ops: tuple[Op, ...], dtype: torch.dtype, hidden: int) -> None:
+        self.ops, self.dtype, self.hidden = ops, dtype, hidden
         self._run = library.load().entry(f"decode_stack_{SUFFIXES[dtype]}")
-        self._weights = tuple(self._layer_weights(layer) for layer in model.model.layers)
-        norm = model.model.norm
-        self._final_norm = (norm.weight, norm.eps)
-        attn0, mlp0 = model.model.layers[0].self_attn, model.model.layers[0].mlp
-        widths = {
-            "residual": self.hidden,
-            "y": self.hidden,
-            "qkv": attn0.q_size + 2 * attn0.kv_size,
-            "q": attn0.q_size,
-            "att": attn0.q_size,
-            "act": mlp0.intermediate_size,
-        }
+        shape = _Lowering(dtype, hidden, None)
+        _lower(ops, shape)
+        #: the residual and working buffers (held); :meth:`run` points at the step's input and output
         self._buffers = {
-            name: torch.empty((BUFFER_ROWS, width), dtype=dtype) for name, width in widths.items()
+            i: torch.empty((BUFFER_ROWS, width), dtype=dtype)
+            for i, width in enumerate(shape.widths)
+            if i not in (DecodeBuffer.INPUT, DecodeBuffer.OUTPUT)
         }
-        self._buffer_struct = DecodeBuffers(*(t.data_ptr() for t in self._buffers.values()))
-        self._layers = (DecodeLayer * len(self._weights))()
+        self._addresses = (ADDRESS * len(shape.widths))()
+        for i, buffer in self._buffers.items():
+            self._addresses[i] = buffer.data_ptr()
+        #: the records of the last bind, or None when the op list did not lower then
+        self._records: ctypes.Array[DecodeOp] | None = None
         self._kv_cache: KVCache | None = None
-        #: each projection's parameter table, and the weights the layer records point at
-        self._parameters = [p._parameters for w in self._weights for p in (w.qkv, w.o, w.gate_up, w.down)]
-        self._bound: list[torch.Tensor | None] = [None] * len(self._parameters)
-        n = len(self._weights)
-        self._chunks, self._threads = (I64 * n)(), (I64 * n)()
-        #: layer indexes by sliding window (0: none): the attention split is computed per window
-        self._by_window: dict[int, list[int]] = {}
-        for i, w in enumerate(self._weights):
-            self._by_window.setdefault(w.attention.options.sliding_window or 0, []).append(i)
-
-    @staticmethod
-    def _layer_weights(layer: nn.Module) -> _Weights:
-        attn, mlp = layer.self_attn, layer.mlp
-        q_norm = attn.q_norm.weight if attn.qk_norm else None
-        k_norm = attn.k_norm.weight if attn.qk_norm else None
-        qk_eps = attn.q_norm.eps if attn.qk_norm else 0.0
-        return _Weights(
-            (layer.input_layernorm.weight, layer.input_layernorm.eps),
-            attn.qkv_proj,
-            q_norm,
-            k_norm,
-            qk_eps,
-            attn.o_proj,
-            (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps),
-            mlp.gate_up_proj,
-            mlp.down_proj,
-            attn,
-        )
-
-    def _current_weights(self) -> list[torch.Tensor]:
-        """The projections' weights as their modules hold them now (packing or a reload may
-        replace a parameter; the step program reads it at each call, and so must this)."""
-        return [params["weight"] for params in self._parameters]
+        self._parameters: list[dict[str, Any]] = []
+        self._bound: list[torch.Tensor] = []
+        self._splits = shape.splits
+        self._chunks, self._threads = (I64 * len(self._splits))(), (I64 * len(self._splits))()
 
     def _bind(self, kv_cache: KVCache) -> None:
-        """Fill the layer records for ``kv_cache`` and the projections' current weights (held:
-        the addresses the C reads stay valid until the next bind)."""
-        self._bound = self._current_weights()
-        for i, w in enumerate(self._weights):
-            attn, kv = w.attention, kv_cache.layers[w.attention.layer]
-            self._layers[i] = DecodeLayer(
-                w.input_norm[0].data_ptr(),
-                w.qkv.weight.data_ptr(),
-                _ptr(w.qkv.bias),
-                _ptr(w.q_norm),
-                _ptr(w.k_norm),
-                w.o.weight.data_ptr(),
-                _ptr(w.o.bias),
-                w.post_norm[0].data_ptr(),
-                w.gate_up.weight.data_ptr(),
-                w.down.weight.data_ptr(),
-                _ptr(w.down.bias),
-                kv.key.data_ptr(),
-                kv.value.data_ptr(),
-                w.input_norm[1],
-                w.qk_eps,
-                w.post_norm[1],
-                attn.options.scale,
-                attn.options.soft_cap or 0.0,
-                attn.q_size + 2 * attn.kv_size,
-                attn.num_heads,
-                attn.num_kv_heads,
-                attn.head_dim,
-                kv.block_size,
-                attn.options.sliding_window or 0,
-                w.gate_up.out_features // 2,
-            )
-        self._kv_cache = kv_cache
-
-    def _tiled(self) -> bool:
-        """Whether every projection still holds a tiled weight of the stack's dtype (the paired
-        gate/up layout included: a repacked layer would say so through ``paired``)."""
-        paired = all(w.gate_up.paired for w in self._weights)
-        return paired and all(t.dim() == 1 and t.dtype == self.dtype for t in self._current_weights())
-
-    def _takes(self, kv_cache: KVCache) -> bool:
-        """Whether ``kv_cache``'s layers are what the C writes and reads: unquantized, contiguous
-        pools of the model's dtype in the layout of its heads."""
-        for w in self._weights:
-            attn, kv = w.attention, kv_cache.layers[w.attention.layer]
-            if kv.quantized or kv.key.dtype != self.dtype or kv.key.device.type != "cpu":
-                return False
-            if kv.key.shape[2:] != (attn.num_kv_heads, attn.head_dim):
-                return False
-            if not (kv.key.is_contiguous() and kv.value.is_contiguous()):
-                return False
-        return True
+        """Lower the op list again for ``kv_cache`` and the projections' current weights (held:
+        the addresses the C reads stay valid until the next bind). No records when it does not
+        lower (a weight off the tiled layout, a pool the C does not take): the steps go to the
+        program until the cache or a weight changes again."""
+        low = _Lowering(self.dtype, self.hidden, kv_cache)
+        lowered = _lower(self.ops, low) is None
+        self._records = (DecodeOp * len(low.records))(*low.records) if lowered else None
+        self._kv_cache, self._parameters, self._bound = kv_cache, low.parameters, low.weights
 
     def run(
         self,
@@ -218,34 +302,28 @@ class DecodeStack:
         if rows is None or rows.row_seq.shape[0] != tokens:
             return None
         replaced = any(
-            now is not bound for now, bound in zip(self._current_weights(), self._bound, strict=True)
+            params["weight"] is not bound for params, bound in zip(self._parameters, self._bound, strict=True)
         )
         if kv_cache is not self._kv_cache or replaced:
-            if not (self._takes(kv_cache) and self._tiled()):
-                return None
             self._bind(kv_cache)
+        if self._records is None:
+            return None
         slots = metadata.slot_mapping
         if slots.dtype != torch.int64 or cos.dtype != self.dtype:
             return None
         if not (cos.is_contiguous() and sin.is_contiguous()):
             return None
-        for window, layers in self._by_window.items():
-            w = self._weights[layers[0]].attention
-            threads, chunk = cpu_rows.split_work(rows.total(window), w.num_heads, w.head_dim)
-            for i in layers:
-                self._threads[i], self._chunks[i] = threads, chunk
+        for i, (window, heads, head_dim) in enumerate(self._splits):
+            self._threads[i], self._chunks[i] = cpu_rows.split_work(rows.total(window), heads, head_dim)
         x = x.contiguous()
         out = torch.empty_like(x)
+        self._addresses[DecodeBuffer.INPUT] = x.data_ptr()
+        self._addresses[DecodeBuffer.OUTPUT] = out.data_ptr()
         status = self._run(
-            self._layers,
-            len(self._weights),
-            self._final_norm[0].data_ptr(),
-            self._final_norm[1],
-            ctypes.byref(self._buffer_struct),
-            x.data_ptr(),
-            out.data_ptr(),
+            self._records,
+            len(self._records),
+            self._addresses,
             tokens,
-            self.hidden,
             cos.data_ptr(),
             sin.data_ptr(),
             slots.data_ptr(),
@@ -256,19 +334,24 @@ class DecodeStack:
             self._chunks,
             self._threads,
         )
-        if status:
+        if status == 1:
             raise MemoryError("a kernel of the decode stack could not allocate its workspace")
+        if status:
+            raise RuntimeError(f"the decode stack stopped with status {status}")
         return out
 
 
-def decode_stack(model: nn.Module, dtype: torch.dtype) -> DecodeStack | None:
-    """The model's C decode stack for activations of ``dtype``, or None when it has none (see
-    :func:`_unsupported`)."""
-    return None if _unsupported(model, dtype) is not None else DecodeStack(model, dtype)
+def decode_stack(model: nn.Module, ops: tuple[Op, ...], dtype: torch.dtype) -> DecodeStack | None:
+    """The C decode stack of ``model``'s ops in order
+    (:meth:`~pagedkv.models.ops.DecoderOps.sequence`) for activations of ``dtype``, or None when
+    it has none (see :func:`_unsupported`)."""
+    if _unsupported(model, ops, dtype) is not None:
+        return None
+    return DecodeStack(ops, dtype, model.config.hidden_size)
 
 
 def describe(model: nn.Module) -> str:
     """What runs the model's decode steps, for the CLI's runtime line: the C stack, or the step
     program and why."""
-    why = _unsupported(model, model.model.norm.weight.dtype)
+    why = _unsupported(model, model.decoder_ops().sequence(), model.model.norm.weight.dtype)
     return "C stack" if why is None else f"step program ({why})"

@@ -102,7 +102,7 @@ class Linear(nn.Linear):
 
     def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """This layer's forward as a plain function of ``x``, without the module call: what
-        :mod:`pagedkv.models.step_program` runs. It reads the weight from the module's parameter
+        a :class:`~pagedkv.models.ops.Project` op runs. It reads the weight from the module's parameter
         table at each call, so it stays right after :meth:`pack` replaces the weight."""
         params, buffer, width = self._parameters, OutputBuffer(), self.out_features
 

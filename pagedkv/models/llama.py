@@ -9,12 +9,15 @@ transformers the forward pass takes *packed* tokens of many sequences (no batch 
 dimension) and writes keys and values only through the layer ops, reading them through
 :func:`pagedkv.attention.attend`.
 
-The modules here hold the weights under their checkpoint names; the layers *run* as one flat
-loop over records read from them (:mod:`pagedkv.models.step_program`), which is cheaper than
-calling the module tree. The element-wise work between the matrix multiplies (RMSNorm, rotary,
-the KV write, SiLU) goes through :mod:`pagedkv.models.layer_ops`: fused C calls on the CPU,
-torch elsewhere. Op order and rounding mirror transformers (RMSNorm in float32 then cast back,
-weight applied after the cast) so fp32 logits agree to ~1e-6."""
+The modules here hold the weights under their checkpoint names; what a layer *does* is its op
+list (:meth:`DecoderLayer.ops`, in the vocabulary of :mod:`pagedkv.models.ops`), built once from
+the modules: the step program runs it as one flat loop, cheaper than calling the module tree,
+and the C decode stack is lowered from it. The family's switches are read there and in the
+modules: Qwen2's biases (in the projections), Qwen3's q/k norms (in the q/k/v layout),
+Mistral's sliding window (in the attention options). The element-wise work between the matrix
+multiplies (RMSNorm, rotary, the KV write, SiLU) goes through :mod:`pagedkv.models.layer_ops`:
+fused C calls on the CPU, torch elsewhere. Op order and rounding mirror transformers (RMSNorm in
+float32 then cast back, weight applied after the cast) so fp32 logits agree to ~1e-6."""
 
 from __future__ import annotations
 
@@ -28,8 +31,18 @@ from pagedkv.models import layer_ops
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.layer_ops import QKVLayout
 from pagedkv.models.linear import TORCH, GateUpLinear, Linear, LinearKernel, PackedLinear
+from pagedkv.models.ops import (
+    AddNorm,
+    Attend,
+    DecoderOps,
+    ForwardBatch,
+    GateUpAct,
+    Op,
+    Project,
+    RotaryWriteKV,
+)
 from pagedkv.models.rope import RotaryEmbedding
-from pagedkv.models.step_program import ForwardBatch, StepProgram
+from pagedkv.models.step_program import StepProgram
 
 
 class RMSNorm(nn.Module):
@@ -53,6 +66,12 @@ class Embedding(nn.Module):
         super().__init__()
         self.hidden_size = hidden_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+
+    def decoder_ops(self) -> DecoderOps:
+        """Every layer's ops, then the final norm (which adds the last layer's output)."""
+        norm = self.model.norm
+        layers = tuple(layer.ops() for layer in self.model.layers)
+        return DecoderOps(layers, (AddNorm(norm.weight, norm.eps),))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.weight.dim() == 1:
@@ -105,6 +124,22 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def ops(self) -> tuple[Op, ...]:
+        """The layer's forward pass: pre-norm attention, then the gated MLP, each sublayer's
+        output added to the residual by the next norm."""
+        attn, mlp = self.self_attn, self.mlp
+        layout = attn.layout()
+        return (
+            AddNorm(self.input_layernorm.weight, self.input_layernorm.eps),
+            Project(attn.qkv_proj),
+            RotaryWriteKV(layout, attn.layer),
+            Attend(layout, attn.options, attn.layer),
+            Project(attn.o_proj),
+            AddNorm(self.post_attention_layernorm.weight, self.post_attention_layernorm.eps),
+            GateUpAct(mlp.gate_up_proj),
+            Project(mlp.down_proj),
+        )
+
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -128,13 +163,20 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         #: what the linear layers run on; set by the loader once the weights are in
         self.linear_kernel = LinearKernel(TORCH, "not packed")
-        #: the layers as one flat loop (:mod:`pagedkv.models.step_program`), built by the first forward
+        #: the op list as one flat loop (:mod:`pagedkv.models.step_program`), built by the first
+        #: forward (after loading and packing: a tensor-parallel shard's layers are in by then)
         self.step_program: StepProgram | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the checkpoint ties them."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def decoder_ops(self) -> DecoderOps:
+        """Every layer's ops, then the final norm (which adds the last layer's output)."""
+        norm = self.model.norm
+        layers = tuple(layer.ops() for layer in self.model.layers)
+        return DecoderOps(layers, (AddNorm(norm.weight, norm.eps),))
 
     def forward(
         self,
@@ -154,7 +196,8 @@ class LlamaForCausalLM(nn.Module):
             )
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype, metadata.max_seq_len)
-        batch = ForwardBatch(layer_ops.select(x), cos, sin, kv_cache, metadata, output_rows)
+        ops = layer_ops.select(x)
+        batch = ForwardBatch(ops, cos, sin, kv_cache, metadata, self.attention_backend, output_rows)
         if self.step_program is None:
             self.step_program = StepProgram.of(self)
         return self.step_program.run(x, batch)

@@ -1,6 +1,6 @@
 """The Python signature table against the C header: every entry point Python calls is declared in
 ``kernels.h`` (as the compiler expands it) with the same result and argument types, and the
-decode stack's records have the header's fields in the header's order."""
+decode stack's op record has the header's fields in the header's order, its enums the header's values."""
 
 from __future__ import annotations
 
@@ -11,7 +11,16 @@ import pytest
 
 from pagedkv import cbuild
 from pagedkv.kernels import library
-from pagedkv.kernels.signatures import ADDRESS, F32, I64, INT, SIGNATURES, DecodeBuffers, DecodeLayer
+from pagedkv.kernels.signatures import (
+    ADDRESS,
+    F32,
+    I64,
+    INT,
+    SIGNATURES,
+    DecodeBuffer,
+    DecodeCode,
+    DecodeOp,
+)
 
 HEADER = library.CSRC / "kernels.h"
 C_TYPES = {"int64_t": I64, "float": F32, "int": INT, "void": None}
@@ -78,6 +87,17 @@ def _header_fields(struct: str) -> list[tuple[str, type]]:
     return fields
 
 
-@pytest.mark.parametrize("record", [DecodeLayer, DecodeBuffers])
-def test_the_decode_stack_records_match_the_header(record):
-    assert list(record._fields_) == _header_fields(record.__name__)
+def test_the_decode_stack_record_matches_the_header():
+    assert list(DecodeOp._fields_) == _header_fields("DecodeOp")
+
+
+@pytest.mark.parametrize("enum", [DecodeCode, DecodeBuffer])
+def test_the_decode_stack_enums_match_the_header(enum):
+    """Every opcode and fixed buffer index has the header's value (its place in the list), and
+    the header none more."""
+    body = re.search(r"typedef enum \{([^}]*)\} " + enum.__name__ + ";", _expanded_header()).group(1)
+    names = [item.strip() for item in body.split(",") if item.strip()]
+    assert all(name.isidentifier() for name in names), "the enums' values are their places"
+    assert {name: value for value, name in enumerate(names)} == {
+        f"DECODE_{member.name}": member.value for member in enum
+    }

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedkv.models import load_model
+from pagedkv.models.ops import Op, Project
 from pagedkv.models.step_program import StepProgram
 from tests.checkpoints import make_checkpoint
 
@@ -18,18 +19,27 @@ PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14]]
 LAST_ROWS = [4, 6, 13]  # each prompt's last token in the packed batch
 
 
+class _Recording(Op):
+    """An op that records the rows it receives, then runs the op it stands in for."""
+
+    def __init__(self, op: Op, seen: list[int]) -> None:
+        self.op, self.seen = op, seen
+
+    def run(self, x, residual, batch):
+        self.seen.append(x.shape[0])
+        return self.op.run(x, residual, batch)
+
+
 def _count_last_layer_rows(model) -> list[int]:
     """The rows every call of the last layer's output projection received, recorded."""
     program = StepProgram.of(model)
     seen: list[int] = []
-    project = program.layers[-1].o
-
-    def recording(x: torch.Tensor) -> torch.Tensor:
-        seen.append(x.shape[0])
-        return project(x)
-
-    last = dataclasses.replace(program.layers[-1], o=recording)
-    model.step_program = dataclasses.replace(program, layers=program.layers[:-1] + (last,))
+    o_proj = model.model.layers[-1].self_attn.o_proj
+    ops = tuple(
+        _Recording(op, seen) if isinstance(op, Project) and op.linear is o_proj else op for op in program.ops
+    )
+    assert sum(isinstance(op, _Recording) for op in ops) == 1
+    model.step_program = dataclasses.replace(program, ops=ops)
     return seen
 
 

@@ -1,10 +1,11 @@
 /*
- * A decode step's decoder layers in one call: the same kernels the step program calls one by
- * one (layer_ops.c's norms and rotary + KV write, tiled_gemm.c's projections, paged_attention.c's
- * row entry), in the same order on the same buffers, so the hidden states are bit for bit the
- * program's. What it removes is the interpreter between them: a step makes about eight calls
- * per layer, and each projection streams its weights through L2 and L3, evicting whatever the
- * Python between two calls had in cache. Entry points and arguments: kernels.h.
+ * A decode step's decoder layers in one call: a loop over the op records Python lowered from the
+ * model's op list, each calling the kernel the torch interpreter calls for that op (layer_ops.c's
+ * norms and rotary + KV write, tiled_gemm.c's projections, paged_attention.c's row entry), in
+ * the same order on the same data, so the hidden states are bit for bit the interpreter's. What
+ * it removes is the Python between them: a step makes about eight calls per layer, and each
+ * projection streams its weights through L2 and L3, evicting whatever the Python between two
+ * calls had in cache. Opcodes, records and entry points: kernels.h.
  *
  * A kernel that cannot allocate its workspace makes the stack return 1 at once: nothing is
  * half-written that the step keeps, as the caller raises and the step is not committed.

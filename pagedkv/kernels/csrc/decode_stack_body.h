@@ -5,36 +5,46 @@
  * (rms_norm -> rms_norm_bf16), which also names the kernels it calls.
  */
 
-int SUFFIX(decode_stack)(const DecodeLayer *layers, int64_t num_layers, const T *final_norm, float final_eps,
-                         const DecodeBuffers *b, const T *x, T *out, int64_t tokens, int64_t hidden,
+int SUFFIX(decode_stack)(const DecodeOp *ops, int64_t num_ops, void *const *buffers, int64_t tokens,
                          const T *cos, const T *sin, const int64_t *slots, const int32_t *tables,
                          int64_t max_blocks, const int32_t *row_seq, const int32_t *row_pos,
                          const int64_t *chunks, const int64_t *threads) {
-    const int64_t H = hidden;
-    T *residual = b->residual, *y = b->y, *qkv = b->qkv, *q = b->q, *att = b->att, *act = b->act;
-    /* layer 0 normalises the embedding, which is also the first residual */
-    memcpy(residual, x, sizeof(T) * (size_t)(tokens * H));
-    for (int64_t i = 0; i < num_layers; i++) {
-        const DecodeLayer *l = &layers[i];
-        T *key_pool = l->key_pool, *value_pool = l->value_pool;
-        if (i == 0)
-            SUFFIX(rms_norm)(x, y, l->input_norm, tokens, H, l->input_eps);
-        else
-            SUFFIX(add_rms_norm)(y, residual, l->input_norm, tokens, H, l->input_eps);
-        if (SUFFIX(tiled_linear)(y, l->qkv, l->qkv_bias, qkv, tokens, H, l->qkv_width)) return 1;
-        SUFFIX(rotary_write_kv)(qkv, q, cos, sin, l->q_norm, l->k_norm, l->qk_eps, key_pool, value_pool, slots,
-                                tokens, l->heads, l->kv_heads, l->head_dim);
-        if (SUFFIX(paged_attention_rows)(q, key_pool, value_pool, NULL, NULL, tables, row_seq, row_pos, att,
-                                         tokens, l->heads, l->kv_heads, l->head_dim, l->block_size, max_blocks,
-                                         l->scale, l->window, l->soft_cap, chunks[i], (int)threads[i]))
-            return 1;
-        if (SUFFIX(tiled_linear)(att, l->o, l->o_bias, y, tokens, l->heads * l->head_dim, H)) return 1;
-        SUFFIX(add_rms_norm)(y, residual, l->post_norm, tokens, H, l->post_eps);
-        if (SUFFIX(tiled_gate_up)(y, l->gate_up, act, tokens, H, l->intermediate, 1)) return 1;
-        if (SUFFIX(tiled_linear)(act, l->down, l->down_bias, y, tokens, l->intermediate, H)) return 1;
+    T *residual = buffers[DECODE_RESIDUAL];
+    for (int64_t i = 0; i < num_ops; i++) {
+        const DecodeOp *op = &ops[i];
+        const T *src = buffers[op->src];
+        T *dst = buffers[op->dst];
+        switch (op->code) {
+        case DECODE_COPY:
+            memcpy(dst, src, sizeof(T) * (size_t)(tokens * op->n_out));
+            break;
+        case DECODE_NORM:
+            SUFFIX(rms_norm)(src, dst, op->weight, tokens, op->n_out, op->eps);
+            break;
+        case DECODE_ADD_NORM:
+            SUFFIX(add_rms_norm)(dst, residual, op->weight, tokens, op->n_out, op->eps);
+            break;
+        case DECODE_LINEAR:
+            if (SUFFIX(tiled_linear)(src, op->weight, op->bias, dst, tokens, op->n_in, op->n_out)) return 1;
+            break;
+        case DECODE_ROTARY_WRITE_KV:
+            SUFFIX(rotary_write_kv)(src, dst, cos, sin, op->q_norm, op->k_norm, op->eps, op->key_pool,
+                                    op->value_pool, slots, tokens, op->heads, op->kv_heads, op->head_dim);
+            break;
+        case DECODE_ATTEND:
+            if (SUFFIX(paged_attention_rows)(src, op->key_pool, op->value_pool, NULL, NULL, tables, row_seq,
+                                             row_pos, dst, tokens, op->heads, op->kv_heads, op->head_dim,
+                                             op->block_size, max_blocks, op->scale, op->window, op->soft_cap,
+                                             chunks[op->split], (int)threads[op->split]))
+                return 1;
+            break;
+        case DECODE_GATE_UP_SILU:
+            if (SUFFIX(tiled_gate_up)(src, op->weight, dst, tokens, op->n_in, op->n_out, 1)) return 1;
+            break;
+        default:
+            return 2;
+        }
     }
-    SUFFIX(add_rms_norm)(y, residual, final_norm, tokens, H, final_eps);
-    memcpy(out, y, sizeof(T) * (size_t)(tokens * H));
     return 0;
 }
 

@@ -183,39 +183,68 @@ int paged_attention_prefill_f16(const _Float16 *q, const _Float16 *key, const _F
 #endif
 int64_t paged_attention_prefill_lanes(void);
 
-/* ---- decode_stack.c: a decode step's decoder layers in one call ------------------------- */
-
-/* one decoder layer: its weights (tiled projections, the gate/up paired; norm weights; NULL for
- * no bias or no q/k norm), its KV pools (unquantized, the model's dtype) and its attention shape */
-typedef struct {
-    const void *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *o_bias, *post_norm, *gate_up, *down, *down_bias;
-    void *key_pool, *value_pool;
-    float input_eps, qk_eps, post_eps, scale, soft_cap;
-    int64_t qkv_width, heads, kv_heads, head_dim, block_size, window, intermediate;
-} DecodeLayer;
-
-/* the step's working rows, each room for the largest batch: residual and y [rows, hidden], qkv
- * [rows, qkv_width], q and att [rows, heads * head_dim], act [rows, intermediate] */
-typedef struct {
-    void *residual, *y, *qkv, *q, *att, *act;
-} DecodeBuffers;
-
-/*   decode_stack_<f32|bf16>(layers, num_layers, final_norm, final_eps, buffers, x, out, tokens,
- *       hidden, cos, sin, slots, tables, max_blocks, row_seq, row_pos, chunks, threads)
- *       -> 0, or 1 when a kernel could not allocate its workspace
- *       x [tokens, hidden] embedded tokens, one decode row per sequence; out [tokens, hidden]
- *       the final hidden states; cos / sin / slots as rotary_write_kv's; tables / row_seq /
- *       row_pos as paged_attention_rows'; chunks / threads [num_layers] its split per layer
+/* ---- decode_stack.c: a decode step's decoder layers in one call ------------------------- *
+ * The stack runs a list of DecodeOp records, lowered in Python from the model's op list
+ * (pagedkv/models/decode_stack.py): each names its opcode, the buffers it reads (src) and
+ * writes (dst), and its weights and shape. Buffers hold [tokens, width] rows; what each op reads
+ * and writes, with the kernel it calls:
+ *   DECODE_COPY            dst = src                                     (n_out wide)
+ *   DECODE_NORM            dst = rmsnorm(src) * weight                   rms_norm_<S>
+ *   DECODE_ADD_NORM        residual += src; src = rmsnorm(residual) * weight, in place (dst is
+ *                          src, the residual buffer DECODE_RESIDUAL)       add_rms_norm_<S>
+ *   DECODE_LINEAR          dst [n_out] = src [n_in] . weight^T + bias      tiled_linear_<S>
+ *   DECODE_ROTARY_WRITE_KV src: packed q/k/v; dst: rotated q; k and v into key_pool /
+ *                          value_pool at the step's slots (q_norm, k_norm, eps: Qwen3's norms)
+ *                                                                         rotary_write_kv_<S>
+ *   DECODE_ATTEND          src: q; dst: attention output; block_size, scale, window,
+ *                          soft_cap as paged_attention_rows'; split: the entry of chunks /
+ *                          threads it runs with                           paged_attention_rows_<S>
+ *   DECODE_GATE_UP_SILU    dst [n_out] = silu(gate) * up of src [n_in] on the paired tiled
+ *                          gate/up weight                                 tiled_gate_up_<S>
+ * Weights are the model's dtype, projections in the tiled layout; NULL for no bias or no q/k
+ * norm; the KV pools unquantized, of the model's dtype.
  */
-int decode_stack_f32(const DecodeLayer *layers, int64_t num_layers, const float *final_norm, float final_eps,
-                     const DecodeBuffers *buffers, const float *x, float *out, int64_t tokens, int64_t hidden,
+typedef enum {
+    DECODE_COPY,
+    DECODE_NORM,
+    DECODE_ADD_NORM,
+    DECODE_LINEAR,
+    DECODE_ROTARY_WRITE_KV,
+    DECODE_ATTEND,
+    DECODE_GATE_UP_SILU,
+} DecodeCode;
+
+/* the buffers every stack has: the embedded tokens (read only), the residual stream and the
+ * final hidden states [tokens, hidden]; the working buffers follow from DECODE_WORK on */
+typedef enum {
+    DECODE_INPUT,
+    DECODE_RESIDUAL,
+    DECODE_OUTPUT,
+    DECODE_WORK,
+} DecodeBuffer;
+
+typedef struct {
+    int64_t code, src, dst;
+    const void *weight, *bias, *q_norm, *k_norm;
+    void *key_pool, *value_pool;
+    float eps, scale, soft_cap;
+    int64_t n_in, n_out, heads, kv_heads, head_dim, block_size, window, split;
+} DecodeOp;
+
+/*   decode_stack_<f32|bf16>(ops, num_ops, buffers, tokens, cos, sin, slots, tables, max_blocks,
+ *       row_seq, row_pos, chunks, threads)
+ *       -> 0; 1 when a kernel could not allocate its workspace; 2 for an unknown opcode
+ *       runs ops[0..num_ops) in order on buffers (each room for `tokens` rows of its width);
+ *       cos / sin / slots as rotary_write_kv's; tables / row_seq / row_pos as
+ *       paged_attention_rows' (one row per generated token); chunks / threads per split
+ */
+int decode_stack_f32(const DecodeOp *ops, int64_t num_ops, void *const *buffers, int64_t tokens,
                      const float *cos, const float *sin, const int64_t *slots, const int32_t *tables,
                      int64_t max_blocks, const int32_t *row_seq, const int32_t *row_pos,
                      const int64_t *chunks, const int64_t *threads);
-int decode_stack_bf16(const DecodeLayer *layers, int64_t num_layers, const uint16_t *final_norm,
-                      float final_eps, const DecodeBuffers *buffers, const uint16_t *x, uint16_t *out,
-                      int64_t tokens, int64_t hidden, const uint16_t *cos, const uint16_t *sin,
-                      const int64_t *slots, const int32_t *tables, int64_t max_blocks, const int32_t *row_seq,
-                      const int32_t *row_pos, const int64_t *chunks, const int64_t *threads);
+int decode_stack_bf16(const DecodeOp *ops, int64_t num_ops, void *const *buffers, int64_t tokens,
+                      const uint16_t *cos, const uint16_t *sin, const int64_t *slots, const int32_t *tables,
+                      int64_t max_blocks, const int32_t *row_seq, const int32_t *row_pos,
+                      const int64_t *chunks, const int64_t *threads);
 
 #endif

@@ -1,0 +1,167 @@
+"""The vocabulary a decoder's forward pass is written in: one small op per step of a layer.
+
+A model family lists each layer's ops once, from its config and its modules (for the Llama
+family: :func:`pagedkv.models.llama.decoder_ops`), as llama.cpp builds a graph once. That list is
+the forward pass: :class:`~pagedkv.models.step_program.StepProgram` runs it in torch, one loop
+over the ops, and :mod:`pagedkv.models.decode_stack` lowers the same list to the records its C
+loop runs. A new family, a new weight kind or a new op is written here and in those two places,
+never as a third copy of the layer.
+
+Every op passes vLLM's residual stream ``(x, residual)`` on: ``x`` is what the last op made (the
+hidden states, a projection's output, the rotated queries, the attention output), ``residual``
+the running sum of the sublayer outputs, None until the first :class:`AddNorm` starts it. Ops
+hold their modules and weights and read a projection's weight at each call (packing or a reload
+replaces it; :meth:`~pagedkv.models.linear.Linear.as_function`); norm weights are loaded in
+place. The element-wise work goes through the step's ops object (:mod:`pagedkv.models.layer_ops`:
+fused C on the CPU, torch elsewhere), so an op rounds as that reference does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache, attend
+from pagedkv.models.layer_ops import QKVLayout, TorchOps
+
+#: the residual stream between two ops: ``(x, residual)``
+Stream = tuple[torch.Tensor, torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """What every op of one forward pass shares: the rotary ``cos``/``sin`` of the step's
+    positions, the KV cache, the step's attention metadata (SGLang's ``ForwardBatch``), the
+    attention backend and the element-wise ops for its device and dtype."""
+
+    ops: TorchOps
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv_cache: KVCache
+    metadata: AttentionMetadata
+    backend: Backend
+    #: The rows whose final hidden states the caller needs (increasing), or None for all. The
+    #: other rows -- a prompt's tokens before its last -- are dropped after the last layer's
+    #: attention (:class:`KeepRows`): their keys and values are in the cache by then, and
+    #: nothing reads the rest of their pass (llama.cpp's ``inp_out_ids``).
+    output_rows: torch.Tensor | None = None
+
+
+class Op:
+    """One step of the forward pass: ``run`` maps the stream to the next one."""
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, eq=False)
+class AddNorm(Op):
+    """``x + residual`` becomes the residual and ``x`` its RMSNorm (one fused op); with no
+    residual yet (the first layer) ``x`` itself, the embedding, becomes it."""
+
+    weight: torch.Tensor
+    eps: float
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
+        if residual is None:
+            return batch.ops.rms_norm(x, self.weight, self.eps), x
+        return batch.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+@dataclass(frozen=True, eq=False)
+class Project(Op):
+    """``x`` through a linear layer, by its :meth:`~pagedkv.models.linear.Linear.as_function`
+    (a tensor-parallel shard's all-reduces there)."""
+
+    linear: nn.Module
+    project: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "project", self.linear.as_function())
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
+        return self.project(x), residual
+
+
+@dataclass(frozen=True, eq=False)
+class RotaryWriteKV(Op):
+    """The packed q/k/v projection ``x`` in: rotary (after the optional per-head q/k norms) on q
+    and k, k and v written into the layer's KV slots; the queries ``[T, Hq, D]`` out."""
+
+    layout: QKVLayout
+    kv_layer: int
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
+        kv = batch.kv_cache.layers[self.kv_layer]
+        return batch.ops.rotary_write_kv(x, self.layout, batch.cos, batch.sin, kv, batch.metadata), residual
+
+
+@dataclass(frozen=True, eq=False)
+class Attend(Op):
+    """The queries ``x`` attend the layer's cached keys and values on the step's backend; the
+    output ``[T, Hq * D]`` out."""
+
+    layout: QKVLayout
+    options: AttentionOptions
+    kv_layer: int
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
+        kv = batch.kv_cache.layers[self.kv_layer]
+        out = attend(x, kv, batch.metadata, self.options, batch.backend)
+        return out.reshape(x.shape[0], self.layout.num_heads * self.layout.head_dim), residual
+
+
+@dataclass(frozen=True, eq=False)
+class KeepRows(Op):
+    """The stream's rows ``batch.output_rows`` only (all when None). The program puts it after
+    the last layer's attention, whose KV write needed every row."""
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
+        rows = batch.output_rows
+        if rows is None:
+            return x, residual
+        return x.index_select(0, rows), residual.index_select(0, rows)
+
+
+@dataclass(frozen=True, eq=False)
+class GateUpAct(Op):
+    """``silu(gate) * up`` of ``x`` by the gate/up projection: fused into a paired tiled GEMM
+    (:meth:`~pagedkv.models.linear.GateUpLinear.act_function`), else (a tensor-parallel shard)
+    its product, then the step's ``silu_and_mul``."""
+
+    gate_up: nn.Module
+    act: Callable[[torch.Tensor, TorchOps], torch.Tensor] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if hasattr(self.gate_up, "act_function"):
+            act = self.gate_up.act_function()
+        else:
+            project = self.gate_up.as_function()
+
+            def act(x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+                return ops.silu_and_mul(project(x))
+
+        object.__setattr__(self, "act", act)
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
+        return self.act(x, batch.ops), residual
+
+
+@dataclass(frozen=True)
+class DecoderOps:
+    """A decoder's forward pass as ops: each layer's, then the final ones (the final norm)."""
+
+    layers: tuple[tuple[Op, ...], ...]
+    final: tuple[Op, ...]
+
+    def sequence(self) -> tuple[Op, ...]:
+        """Every op in order, with :class:`KeepRows` after the last layer's last attention
+        (the layers' end when it has none)."""
+        *body, last = self.layers
+        attends = [i for i, op in enumerate(last) if isinstance(op, Attend)]
+        cut = attends[-1] + 1 if attends else len(last)
+        flat = [op for layer in body for op in layer]
+        return (*flat, *last[:cut], KeepRows(), *last[cut:], *self.final)
