@@ -77,11 +77,10 @@ class Sequence:
             self.stop_scan = StopScan(self.request.stop_matcher)
 
     def fork(self, index: int, generator: torch.Generator | None) -> Sequence:
-        """A new sequence of the same request with this one's tokens, progress and a copy of its
-        grammar state; the scheduler gives it this one's KV blocks
-        (:meth:`~pagedkv.engine.scheduler.Scheduler.fork`)."""
+        """A new sequence of the same request with this one's tokens and a copy of its grammar
+        state; the commit point gives it this one's progress and KV blocks
+        (:class:`~pagedkv.engine.commit.Fork`)."""
         child = Sequence(self.request, index, list(self.token_ids), generator)
-        child.num_computed_tokens = self.num_computed_tokens
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 
