@@ -17,7 +17,8 @@ samples and beams whose outputs it reports) and its error message.
 follows the step's order, so two runs of the same requests free, fork and cache the same blocks):
 
 1. progress: each scheduled slice's tokens (its proposed tokens excepted) are computed; a
-   sequence whose tier load failed its check falls back to the tokens still valid;
+   sequence whose tier load failed its check falls back to the tokens still valid; the prompt
+   logprobs scored join their requests;
 2. forks of the samples: a prompt that finished computing forks into its ``n`` samples (progress
    and blocks of the parent, shared or copied);
 3. rollbacks: a speculating sequence keeps the proposals verification accepted, its table
@@ -38,19 +39,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sequence import Request, Sequence
 
 if TYPE_CHECKING:
     from pagedkv.engine.scheduler import Scheduler
     from pagedkv.engine.scheduler_output import SchedulerOutput
-
-
-@dataclass(frozen=True)
-class Fork:
-    """``child`` (a new sample or beam) continues ``parent``: its progress and its blocks."""
-
-    parent: Sequence
-    child: Sequence
 
 
 @dataclass(frozen=True)
@@ -63,6 +57,15 @@ class Finish:
     stop_reason: int | str | None = None
 
 
+@dataclass(frozen=True)
+class Fork:
+    """``child`` (a new sample or beam) continues ``parent``: its progress and its blocks."""
+
+    parent: Sequence
+    #: Made by the stage, but running and holding blocks only once committed.
+    child: Sequence
+
+
 @dataclass
 class StepDecisions:
     """Everything the stages after one forward pass decided, for :func:`update_from_output`
@@ -73,6 +76,8 @@ class StepDecisions:
     computed: dict[Sequence, int]
     #: Sequences whose tier load failed its check (they left the step): the tokens still valid.
     reverted: dict[Sequence, int] = field(default_factory=dict)
+    #: Prompt logprobs scored this step, each after those its request recorded before.
+    prompt_logprobs: list[tuple[Request, list[TokenLogprobs]]] = field(default_factory=list)
     #: The samples forked from prompts that finished computing (sample stage).
     forks: list[Fork] = field(default_factory=list)
     #: Speculating sequences and the computed tokens they keep (verification).
@@ -99,14 +104,11 @@ class StepDecisions:
 def update_from_output(scheduler: Scheduler, decisions: StepDecisions) -> None:
     """Apply one step's decisions to the sequences, the queues, the block tables and the prefix
     cache, in the module docstring's order."""
-    for seq, computed in (decisions.reverted | decisions.computed).items():
-        seq.num_computed_tokens = computed
+    _record_progress(decisions)
     for fork in decisions.forks:
         _fork(scheduler, fork)
     for seq, kept in decisions.rollbacks:
-        seq.num_computed_tokens = kept
-        scheduler.kv_manager.truncate(seq.seq_id, kept, free_blocks=scheduler.kv_policy.grows_on_demand)
-        scheduler.blocks_returned()
+        _roll_back(scheduler, seq, kept)
     _cache_computed_blocks(scheduler, decisions)
     for move in decisions.beam_moves:
         if isinstance(move, Fork):
@@ -130,6 +132,22 @@ def finish(
     scheduler.kv_manager.free(seq.seq_id)
     scheduler.blocks_returned()
     seq.finish_reason, seq.stop_reason = reason, stop_reason
+
+
+def _record_progress(decisions: StepDecisions) -> None:
+    """The computed tokens of every sequence the step ran, and the prompt logprobs it scored."""
+    for seq, computed in (decisions.reverted | decisions.computed).items():
+        seq.num_computed_tokens = computed
+    for request, scored in decisions.prompt_logprobs:
+        request.prompt_logprobs.extend(scored)
+
+
+def _roll_back(scheduler: Scheduler, seq: Sequence, kept: int) -> None:
+    """``seq`` keeps ``kept`` computed tokens: its table shrinks, emptied blocks return to the pool
+    (under a policy that grows on demand; a reservation keeps its blocks)."""
+    seq.num_computed_tokens = kept
+    scheduler.kv_manager.truncate(seq.seq_id, kept, free_blocks=scheduler.kv_policy.grows_on_demand)
+    scheduler.blocks_returned()
 
 
 def _fork(scheduler: Scheduler, fork: Fork) -> None:

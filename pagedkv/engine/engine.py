@@ -243,7 +243,7 @@ class LLMEngine:
         plan, logits, reverted = self.kv_tier.settle(scheduled, plan, self.executor.execute(plan))
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
         decisions = StepDecisions.after(scheduled, reverted)
-        logits = take_prompt_logprobs(scheduled.scheduled, plan.slices, logits)
+        logits = take_prompt_logprobs(scheduled.scheduled, plan.slices, logits, decisions)
         sampled = sample_step(scheduled, logits, self.sampler, self.tokenizer, decisions, self.verifier)
         processed = self.output_processor.process(sampled, decisions, computed_at)
         update_from_output(self.scheduler, decisions)

@@ -38,7 +38,9 @@ class Sequence:
 
     ``num_computed_tokens`` counts tokens whose keys/values are in the cache; the tokens from
     there to ``num_tokens`` are what the next steps compute. A decoding sequence has exactly
-    one: the token it sampled last.
+    one: the token it sampled last. Two places write it: the scheduler when it admits or
+    preempts the sequence, and the step's commit point (:mod:`pagedkv.engine.commit`) after the
+    forward pass.
     """
 
     request: Request
