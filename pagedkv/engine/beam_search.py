@@ -4,7 +4,9 @@ All live beams of a request advance together: each step every beam computes its 
 log-probabilities; once all of them have (a beam that was preempted catches up first), the
 request's candidates are ranked. A beam chosen more than once forks -- its block table is
 shared and only its partial last block is copied on the next write -- and a beam not chosen is
-finished at once, so its private blocks go back to the pool immediately.
+finished at once, so its private blocks go back to the pool in this step's commit
+(:mod:`pagedkv.engine.commit`: ranking decides the forks and frees, the commit point applies
+them).
 
 Ranking follows vLLM's ``LLM.beam_search``: each beam proposes its ``2 * beam_width`` most
 likely tokens; proposals ending in EOS become finished hypotheses (unless ``ignore_eos``), the
@@ -25,12 +27,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedkv.engine.commit import Finish, Fork
 from pagedkv.engine.sequence import BeamState, Hypothesis, Request, Sequence
 from pagedkv.engine.structured.bitmask import apply_grammars
 from pagedkv.engine.structured.matcher import GrammarMatcher
 
 if TYPE_CHECKING:
-    from pagedkv.engine.scheduler import Scheduler
+    from pagedkv.engine.commit import StepDecisions
 
 __all__ = [
     "BeamState",
@@ -82,12 +85,14 @@ def best_hypotheses(state: BeamState, live: list[Hypothesis]) -> list[Hypothesis
     return ranked[: state.params.beam_width]
 
 
-def advance_beams(request: Request, scheduler: Scheduler, max_model_len: int) -> int | None:
-    """Rank the candidates once every live beam has its log-probs; fork the chosen beams, finish
-    the others (and the whole search once it is over). Returns the tokens appended, or None
-    while a beam is still catching up (nothing ranked)."""
+def advance_beams(request: Request, decisions: StepDecisions, max_model_len: int) -> int | None:
+    """Rank the candidates once every live beam has its log-probs (and, after this step, all its
+    tokens computed); extend the chosen beams, and decide in ``decisions`` their forks and the
+    frees of the others (of every beam once the search is over). Returns the tokens appended, or
+    None while a beam is still catching up (nothing ranked)."""
     beams = [s for s in request.seqs if not s.is_finished]
-    if not all(s.pending_logprobs is not None and s.num_computed_tokens == s.num_tokens for s in beams):
+    ready = (s.pending_logprobs is not None and decisions.computed_tokens(s) == s.num_tokens for s in beams)
+    if not all(ready):
         return None
     state = request.beam
     survivors, ended = rank_candidates(
@@ -104,19 +109,18 @@ def advance_beams(request: Request, scheduler: Scheduler, max_model_len: int) ->
         parent.pending_logprobs = None
         chosen = children.get(index, [])
         if not chosen:
-            scheduler.finish(parent)  # a dropped beam frees its private blocks now
+            decisions.beam_moves.append(Finish(parent))  # a dropped beam frees its private blocks
             continue
         for c in chosen[1:]:
             child = parent.fork(index=0, generator=None)
-            scheduler.fork(parent, child)
+            decisions.beam_moves.append(Fork(parent, child))
             next_beams.append(_extend(child, c))
         next_beams.append(_extend(parent, chosen[0]))
     request.seqs = next_beams
     done = not next_beams or next_beams[0].num_output_tokens >= state.params.max_tokens
     if done or next_beams[0].num_tokens >= max_model_len:
         live = [Hypothesis(s.output_token_ids, s.cumulative_logprob) for s in next_beams]
-        for seq in next_beams:
-            scheduler.finish(seq)
+        decisions.beam_moves.extend(Finish(seq) for seq in next_beams)
         state.results = best_hypotheses(state, live)
     return len(next_beams)
 

@@ -1,17 +1,22 @@
 """LLMEngine: requests in, tokens out, one scheduler step at a time.
 
-``step()`` is four calls, each stage in its own module:
+``step()`` is a few calls, each stage in its own module:
 
 1. schedule -- :mod:`pagedkv.engine.scheduler` picks the slices to compute and allocates their blocks;
 2. execute -- an executor (:mod:`pagedkv.engine.executor`) runs the model over the step's plan
    and returns the logits of the slices that end a sequence (and of every prompt row whose
-   prompt logprobs were asked for: :mod:`pagedkv.engine.prompt_logprobs` records those);
+   prompt logprobs were asked for: :mod:`pagedkv.engine.prompt_logprobs` records those); a
+   second KV tier settles its moves (:mod:`pagedkv.engine.kv_tier`: a failed load leaves the step);
 3. sample -- :mod:`pagedkv.engine.sample_stage` has :mod:`pagedkv.engine.sampler` draw one token per
-   sequence (a finished prompt first forks into its ``n`` samples); beams keep their log-probabilities.
-   Through :mod:`pagedkv.engine.fault_isolation`: a request whose sampling raises fails alone;
-4. process outputs -- :mod:`pagedkv.engine.output_processor` appends, detokenizes, stops,
-   advances beam searches, ends failed requests with ``finish_reason="error"``, frees what
-   finished and builds the ``RequestOutput``s.
+   sequence (a finished prompt first forks into its ``n`` samples) and verifies proposed tokens;
+   beams keep their log-probabilities. Through :mod:`pagedkv.engine.fault_isolation`: a request
+   whose sampling raises fails alone;
+4. process outputs -- :mod:`pagedkv.engine.output_processor` appends, detokenizes, checks the
+   stops, ranks beam searches and names failed requests;
+5. commit -- :func:`pagedkv.engine.commit.update_from_output` applies what stages 2-4 decided
+   (progress, forks, rollbacks, prefix-cache inserts, frees), the one writer of them after the
+   forward pass;
+6. outputs -- the ``RequestOutput`` of every request that moved.
 
 After each step the engine publishes a :class:`~pagedkv.engine.stats.StepStats`. The offline
 ``LLM`` and the HTTP server both drive it.
@@ -24,6 +29,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from pagedkv.engine.commit import StepDecisions, finish, update_from_output
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor import Executor
 from pagedkv.engine.executor.factory import make_executor
@@ -214,8 +220,7 @@ class LLMEngine:
             return False
         for seq in request.seqs:
             if not seq.is_finished:
-                self.scheduler.finish(seq)
-                seq.finish_reason = "abort"
+                finish(self.scheduler, seq, "abort")
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -235,19 +240,27 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests waiting (a bug)")
             return []
         plan = scheduled.plan(self.kv_manager)
-        plan, logits = self.kv_tier.settle(scheduled, plan, self.executor.execute(plan))
+        plan, logits, reverted = self.kv_tier.settle(scheduled, plan, self.executor.execute(plan))
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
-        logits = take_prompt_logprobs(scheduled.scheduled, plan.slices, logits)
-        sampled = sample_step(scheduled, logits, self.sampler, self.scheduler, self.tokenizer, self.verifier)
-        processed = self.output_processor.process(sampled, self.scheduler, computed_at, finished_only)
-        self._publish(scheduled, sampled, processed, started)
-        return processed.outputs
+        decisions = StepDecisions.after(scheduled, reverted)
+        logits = take_prompt_logprobs(scheduled.scheduled, plan.slices, logits, decisions)
+        sampled = sample_step(scheduled, logits, self.sampler, self.tokenizer, decisions, self.verifier)
+        processed = self.output_processor.process(sampled, decisions, computed_at)
+        update_from_output(self.scheduler, decisions)
+        outputs = self.output_processor.outputs(processed, finished_only)
+        self._publish(scheduled, sampled, processed, outputs, started)
+        return outputs
 
     def _publish(
-        self, scheduled: SchedulerOutput, sampled: SampledStep, processed: ProcessedStep, started: float
+        self,
+        scheduled: SchedulerOutput,
+        sampled: SampledStep,
+        processed: ProcessedStep,
+        outputs: list[RequestOutput],
+        started: float,
     ) -> None:
         """Forget the finished requests and record the step's statistics."""
-        finished = [output.request_id for output in processed.outputs if output.finished]
+        finished = [output.request_id for output in outputs if output.finished]
         for request_id in finished:
             self.requests.pop(request_id, None)
         if self.verifier is not None:

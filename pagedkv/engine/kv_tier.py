@@ -7,8 +7,9 @@ those blocks back instead of recomputing them, and a preempted request is swappe
 blocks cost less to move than to recompute. The manager decides; each step's moves travel in
 the :class:`~pagedkv.engine.plan.StepPlan` and every rank's executor performs them on its
 shard (``engine/executor/tier_io.py``). :class:`KVTierLink` closes the loop after each step:
-it acknowledges what the executor finished, lets a sequence whose load failed its check fall
-back to recomputing (it never samples from such a step), updates the swap cost model from the
+it acknowledges what the executor finished, takes a sequence whose load failed its check out of
+the step (it never samples from such a step) and names the tokens it still holds (the commit
+point sets its progress back to them, so it recomputes the rest), updates the swap cost model from the
 measured rates, hands the tier's changes to the KV-event listener and counts bytes and time
 by vLLM's transfer types.
 
@@ -33,6 +34,7 @@ from pagedkv.memory import KVCacheManager, KVTier, KVTransfers, SwapCostModel, T
 if TYPE_CHECKING:
     from pagedkv.engine.executor.base import Executor, TierSpec
     from pagedkv.engine.scheduler_output import SchedulerOutput
+    from pagedkv.engine.sequence import Sequence
 
 logger = logging.getLogger("pagedkv.engine.kv_tier")
 
@@ -75,8 +77,10 @@ class NoKVTier:
     def poll(self) -> bool:
         return False
 
-    def settle(self, scheduled: SchedulerOutput, plan: StepPlan, logits: Any) -> tuple[StepPlan, Any]:
-        return plan, logits
+    def settle(
+        self, scheduled: SchedulerOutput, plan: StepPlan, logits: Any
+    ) -> tuple[StepPlan, Any, dict[Sequence, int]]:
+        return plan, logits, {}
 
     def flush(self) -> None:
         pass
@@ -139,13 +143,16 @@ class KVTierLink:
         self.settle_moves()
 
     # -- each step --------------------------------------------------------------------------
-    def settle(self, scheduled: SchedulerOutput, plan: StepPlan, logits: Any) -> tuple[StepPlan, Any]:
+    def settle(
+        self, scheduled: SchedulerOutput, plan: StepPlan, logits: Any
+    ) -> tuple[StepPlan, Any, dict[Sequence, int]]:
         """Account for the step the executor just ran; a sequence one of whose loads failed its
-        check leaves the step (its slice and logits rows dropped, its computed count back to
-        what is still valid), and recomputes the rest from its next step."""
+        check leaves the step (its slice and logits rows dropped) and recomputes the rest from
+        its next step. Returns the plan and logits left, and the computed tokens still valid of
+        each sequence that left (the commit point sets them)."""
         failures = self.settle_moves(plan.kv_transfers)
         if not failures:
-            return plan, logits
+            return plan, logits, {}
         return self._drop(scheduled, plan, logits, failures)
 
     def settle_moves(self, transfers: KVTransfers | None = None) -> dict[Any, int]:
@@ -240,8 +247,9 @@ class KVTierLink:
 
     def _drop(
         self, scheduled: SchedulerOutput, plan: StepPlan, logits: Any, failures: dict[Any, int]
-    ) -> tuple[StepPlan, Any]:
+    ) -> tuple[StepPlan, Any, dict[Sequence, int]]:
         kept, slices, rows = [], [], []
+        reverted: dict[Sequence, int] = {}
         row = 0
         for item, piece in zip(scheduled.scheduled, plan.slices, strict=True):
             count = len(piece.logits_rows())
@@ -251,10 +259,10 @@ class KVTierLink:
                 slices.append(piece)
                 rows.extend(range(row, row + count))
             else:
-                item.seq.num_computed_tokens = min(valid, item.start)
+                reverted[item.seq] = min(valid, item.start)
             row += count
         scheduled.scheduled = kept
-        return StepPlan(slices, plan.block_copies, plan.kv_transfers), logits[rows]
+        return StepPlan(slices, plan.block_copies, plan.kv_transfers), logits[rows], reverted
 
 
 def _smooth(old: float, new: float) -> float:

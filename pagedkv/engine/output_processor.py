@@ -1,10 +1,13 @@
-"""The last stage of a step: sampled tokens in, ``RequestOutput``s out.
+"""The last stage of a step: sampled tokens in, stop decisions and ``RequestOutput``s out.
 
-Appends each sampled token to its sequence (and advances its grammar, under structured
-output), streams its text through the sequence's detokenizer, applies the stop conditions (EOS,
-stop tokens, stop strings, a complete grammar, ``max_tokens``, the context length), advances
-beam searches, frees the blocks of whatever finished and builds the
-outputs of every request that moved (vLLM's output processor, nano-vllm's ``postprocess``).
+:meth:`OutputProcessor.process` appends each sampled token to its sequence (and advances its
+grammar, under structured output), streams its text through the sequence's detokenizer, checks
+the stop conditions (EOS, stop tokens, stop strings, a complete grammar, ``max_tokens``, the
+context length), ranks beam searches and names the failed requests -- deciding, in the step's
+:class:`~pagedkv.engine.commit.StepDecisions`, which sequences finish and why, which beams fork
+and which requests end with an error. It frees nothing: the commit point does
+(:func:`~pagedkv.engine.commit.update_from_output`). :meth:`OutputProcessor.outputs` then builds
+the outputs of every request that moved (vLLM's output processor, nano-vllm's ``postprocess``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedkv.engine.beam_search import advance_beams
+from pagedkv.engine.commit import Finish
 from pagedkv.engine.fault_isolation import error_message
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedkv.engine.sequence import Request, Sequence
@@ -20,7 +24,7 @@ from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from pagedkv.engine.scheduler import Scheduler
+    from pagedkv.engine.commit import StepDecisions
 
 
 @dataclass
@@ -44,74 +48,76 @@ class SampledStep:
 
 @dataclass
 class ProcessedStep:
-    outputs: list[RequestOutput]
+    #: The requests that moved this step, in the order they did (their outputs wait for the commit).
+    requests: list[Request]
     #: Tokens appended to sequences this step (samples and beams).
     generated_tokens: int
 
 
 class OutputProcessor:
-    """Turns sampled tokens into text, finish reasons and :class:`RequestOutput` objects."""
+    """Turns sampled tokens into text, finish decisions and :class:`RequestOutput` objects."""
 
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: frozenset[int], max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def process(
-        self, sampled: SampledStep, scheduler: Scheduler, now: float, finished_only: bool = False
-    ) -> ProcessedStep:
-        """Append, detokenize and stop; advance beams; end failed requests; finish what ended;
-        build the outputs (with ``finished_only``, only those of the requests that finished)."""
+    def process(self, sampled: SampledStep, decisions: StepDecisions, now: float) -> ProcessedStep:
+        """Append, detokenize and check the stops; rank beams; name failed requests (their
+        messages set here, their ends in ``decisions`` with the rest)."""
         touched: dict[str, Request] = {}
-        generated = self._append_samples(sampled, now, touched)
+        generated = self._append_samples(sampled, now, touched, decisions)
         for request in sampled.beam_requests:
-            appended = advance_beams(request, scheduler, self.max_model_len)
+            appended = advance_beams(request, decisions, self.max_model_len)
             if appended is None:
                 continue  # a beam is still catching up
             generated += appended
             if request.first_token_time is None:
                 request.first_token_time = now
-            if request.is_finished:  # beams stream nothing before the search is over
-                touched[request.request_id] = request
-        for seq in sampled.seqs:
-            if seq.finish_reason is not None:
-                scheduler.finish(seq)
+            touched[request.request_id] = request
         for request_id, error in sampled.failures.items():
-            self._fail(touched[request_id], error, scheduler)
-        moved = (r for r in touched.values() if r.is_finished) if finished_only else touched.values()
-        return ProcessedStep([self.make_output(r) for r in moved], generated)
+            request = touched[request_id]
+            request.error = error_message(request, error)
+            decisions.failed.append(request)
+        return ProcessedStep(list(touched.values()), generated)
 
-    def _append_samples(self, sampled: SampledStep, now: float, touched: dict[str, Request]) -> int:
+    def outputs(self, processed: ProcessedStep, finished_only: bool = False) -> list[RequestOutput]:
+        """The outputs of the requests that moved, once the step is committed: a beam search's
+        only when it is over (beams stream nothing before), and with ``finished_only`` only
+        those of the requests that finished."""
+        shown = (r for r in processed.requests if r.is_finished or not (finished_only or r.beam is not None))
+        return [self.make_output(r) for r in shown]
+
+    def _append_samples(
+        self, sampled: SampledStep, now: float, touched: dict[str, Request], decisions: StepDecisions
+    ) -> int:
         """Append each sampled token (a failed request's rows have none); note every request
-        that moved in ``touched``. Returns the tokens appended."""
+        that moved in ``touched``, every stop met in ``decisions``. Returns the tokens appended."""
         generated = 0
+        stopped: set[Sequence] = set()
         for seq, token, logprobs in zip(sampled.seqs, sampled.token_ids, sampled.logprobs, strict=True):
             touched[seq.request.request_id] = seq.request
-            if token is None:  # its request failed: ended in process()
+            if token is None:  # its request failed: ended at the commit
                 continue
-            if seq.finish_reason is not None:  # a verified token after one that stopped it
+            if seq in stopped:  # a verified token after one that stopped it
                 continue
             if seq.grammar is not None and not seq.grammar.accept_token(token):
                 # The mask allows only what the grammar accepts: a bug, ended like one in sampling.
                 error = RuntimeError(f"the grammar of the request refused token {token}, which it allowed")
                 sampled.failures.setdefault(seq.request.request_id, error)
                 continue
-            self.append_token(seq, token, logprobs)
+            end = self.append_token(seq, token, logprobs)
             generated += 1
             if seq.request.first_token_time is None:
                 seq.request.first_token_time = now
+            if end is not None:
+                stopped.add(seq)
+                decisions.finishes.append(end)
         return generated
 
-    @staticmethod
-    def _fail(request: Request, error: BaseException, scheduler: Scheduler) -> None:
-        """End every sequence of ``request`` with ``finish_reason="error"``; its blocks return now."""
-        request.error = error_message(request, error)
-        for seq in request.seqs:
-            if not seq.is_finished:
-                scheduler.finish(seq)
-                seq.finish_reason = "error"
-
-    def append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
+    def append_token(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> Finish | None:
+        """Append ``token`` to ``seq`` with its logprobs and text; returns the finish it meets, if
+        any (the commit point applies it)."""
         params = seq.request.params
         seq.token_ids.append(token)
         if logprobs is not None:
@@ -120,37 +126,41 @@ class OutputProcessor:
         ends_at_eos = token in self.eos_token_ids and not params.ignore_eos
         if not ends_at_eos:  # the EOS that ends a sample has no text, even with special tokens shown
             seq.text += seq.detokenizer.push(token)
+        reason: str | None = None
+        stop: int | str | None = None
         if ends_at_eos:
-            seq.finish_reason = "stop"
+            reason = "stop"
         elif token in seq.request.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif self._truncate_at_stop(seq):
-            return
+            reason, stop = "stop", token
+        elif (found := self._truncate_at_stop(seq)) is not None:
+            return Finish(seq, "stop", found)
         elif seq.grammar is not None and seq.grammar.is_terminated():  # its stop token, under ignore_eos
-            seq.finish_reason = "stop"
+            reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            seq.text += seq.detokenizer.flush()
-            self._truncate_at_stop(seq)
+            reason = "length"
+        if reason is None:
+            return None
+        seq.text += seq.detokenizer.flush()
+        if (found := self._truncate_at_stop(seq)) is not None:
+            reason, stop = "stop", found
+        return Finish(seq, reason, stop)
 
     @staticmethod
-    def _truncate_at_stop(seq: Sequence) -> bool:
-        """End ``seq`` at the earliest stop string in its text, cutting the text before it (after
+    def _truncate_at_stop(seq: Sequence) -> str | None:
+        """The earliest stop string in ``seq``'s text, if any, cutting the text before it (after
         it under ``include_stop_str_in_output``).
 
         Only the characters added since the last call are read (see
         :mod:`pagedkv.engine.stop_strings`): the cost per token does not grow with the stop list.
         """
         if seq.stop_scan is None:
-            return False
+            return None
         match = seq.stop_scan.find(seq.text)
         if match is None:
-            return False
+            return None
         kept = len(match.stop) if seq.request.params.include_stop_str_in_output else 0
         seq.text = seq.text[: match.start + kept]
-        seq.finish_reason, seq.stop_reason = "stop", match.stop
-        return True
+        return match.stop
 
     def make_output(self, request: Request) -> RequestOutput:
         if request.beam is not None:

@@ -1,11 +1,14 @@
 """The sample stage of a step: one token per sequence whose slice ended at its last token.
 
-A request's first sample forks its ``n - 1`` siblings here, sharing the prompt's blocks
-(copy-on-write); beams only keep their log-probabilities, ranked once all of a request's beams
-have them. Sampling itself goes through :mod:`pagedkv.engine.fault_isolation`, so a request
-whose sampling raises fails alone. A slice that ends with proposed tokens (speculative
-decoding) has ``1 + k`` logits rows and is verified instead (:mod:`pagedkv.engine.spec.verify`):
-its sequence keeps the accepted tokens and one more, and its KV table is rolled back to them.
+A request's first sample decides its ``n - 1`` siblings here (forks the commit point applies:
+they share the prompt's blocks, copy-on-write); beams only keep their log-probabilities, ranked
+once all of a request's beams have them. Sampling itself goes through
+:mod:`pagedkv.engine.fault_isolation`, so a request whose sampling raises fails alone. A slice
+that ends with proposed tokens (speculative decoding) has ``1 + k`` logits rows and is verified
+instead (:mod:`pagedkv.engine.spec.verify`): its sequence keeps the accepted tokens and one
+more, and its KV table is to be rolled back to them. The stage writes no progress, queue or
+block table: it records its forks and rollbacks in the step's
+:class:`~pagedkv.engine.commit.StepDecisions`.
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ from __future__ import annotations
 import torch
 
 from pagedkv.engine.beam_search import next_token_logprobs
+from pagedkv.engine.commit import Fork, StepDecisions
 from pagedkv.engine.fault_isolation import sample_rows
 from pagedkv.engine.output_processor import SampledStep
 from pagedkv.engine.sampler import Sampler, make_generator, take_rows
-from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
-from pagedkv.engine.scheduler_output import ScheduledSeq
+from pagedkv.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from pagedkv.engine.sequence import Request, Sequence
 from pagedkv.engine.spec.verify import VerifiedStep, Verifier
 from pagedkv.tokenizer import NoTokenizer, Tokenizer
@@ -27,14 +30,13 @@ def sample_step(
     scheduled: SchedulerOutput,
     logits: torch.Tensor,
     sampler: Sampler,
-    scheduler: Scheduler,
     tokenizer: Tokenizer | NoTokenizer,
+    decisions: StepDecisions,
     verifier: Verifier | None = None,
 ) -> SampledStep:
     """Sample the step's sequences: ``logits`` holds, in step order, one row per slice that
-    needs logits, ``1 + k`` for a slice ending with ``k`` proposed tokens."""
-    for item in scheduled.scheduled:
-        item.seq.num_computed_tokens = item.end - item.num_spec_tokens
+    needs logits, ``1 + k`` for a slice ending with ``k`` proposed tokens. The samples forked
+    and the rollbacks verification decided go to ``decisions``."""
     seqs: list[Sequence] = []  # sequences to sample, forked samples included
     rows: list[int] = []  # the logits row each of them samples from
     verifying: list[tuple[ScheduledSeq, int]] = []  # speculating slices and their first row
@@ -52,14 +54,12 @@ def sample_step(
             seq.pending_logprobs = next_token_logprobs(logits[first : first + 1], seq.grammar)
             beams[seq.request.request_id] = seq.request
             continue
-        group = fork_samples(seq, scheduler, tokenizer) if seq.request.needs_fork else [seq]
+        group = fork_samples(seq, tokenizer, decisions) if seq.request.needs_fork else [seq]
         rows.extend([first] * len(group))
         seqs.extend(group)
     result = sample_rows(sampler, take_rows(logits, rows) if rows else logits[:0], seqs)
-    verified = verifier.verify(verifying, logits, scheduler) if verifier is not None else VerifiedStep()
-    # In step order (a set's order would follow memory addresses): when two sequences computed
-    # the same block, which one keeps it must not change from run to run.
-    scheduler.cache_computed_blocks(dict.fromkeys([*(item.seq for item in scheduled.scheduled), *seqs]))
+    verified = verifier.verify(verifying, logits) if verifier is not None else VerifiedStep()
+    decisions.rollbacks.extend(verified.rollbacks)
     return SampledStep(
         seqs + verified.seqs,
         result.token_ids + verified.token_ids,
@@ -72,9 +72,10 @@ def sample_step(
 
 
 def fork_samples(
-    parent: Sequence, scheduler: Scheduler, tokenizer: Tokenizer | NoTokenizer
+    parent: Sequence, tokenizer: Tokenizer | NoTokenizer, decisions: StepDecisions
 ) -> list[Sequence]:
-    """Turn a just-computed prompt into ``n`` samples sharing its blocks (copy-on-write)."""
+    """Turn a just-computed prompt into ``n`` samples; each new one joins its request and is
+    a fork in ``decisions`` (it shares the prompt's blocks, copy-on-write, once committed)."""
     request, params = parent.request, parent.request.params
     group = [parent]
     for index in range(len(request.seqs), params.n):
@@ -82,7 +83,7 @@ def fork_samples(
         child.detokenizer = tokenizer.detokenizer(
             request.prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
         )
-        scheduler.fork(parent, child)
+        decisions.forks.append(Fork(parent, child))
         request.seqs.append(child)
         group.append(child)
     return group

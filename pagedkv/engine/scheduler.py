@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 
 from pagedkv.engine.config import SCHEDULING_POLICIES, EngineConfig
 from pagedkv.engine.fairness import (
@@ -52,9 +52,10 @@ logger = logging.getLogger("pagedkv.scheduler")
 class Scheduler:
     """Continuous batching over one KV pool (see the module docstring).
 
-    It owns the waiting and running queues and is the only caller of the
-    :class:`~pagedkv.memory.KVCacheManager` during a step: admission, growth, preemption, forks
-    and frees all go through it, so the queues and the block tables never disagree.
+    It owns the waiting and running queues. Before the forward pass :meth:`schedule` admits,
+    grows and preempts; after it the commit point (:mod:`pagedkv.engine.commit`) forks, frees,
+    rolls back and caches. They are the only callers of the :class:`~pagedkv.memory.KVCacheManager`,
+    so the queues and the block tables never disagree.
     """
 
     def __init__(
@@ -149,10 +150,7 @@ class Scheduler:
         self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence, front: bool = False) -> None:
-        if front:
-            self.waiting.appendleft(seq)
-        else:
-            self.waiting.append(seq)
+        (self.waiting.appendleft if front else self.waiting.append)(seq)
         self._waiting_clients[seq.request.client] += 1
 
     def _dequeue(self, seq: Sequence) -> None:
@@ -175,32 +173,22 @@ class Scheduler:
         max_tokens = seq.request.params.max_tokens
         return self.kv_policy.reserved_tokens(seq.prompt_len, max_tokens, self.max_model_len)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """``child`` (a new sample or beam of ``parent``'s request) gets ``parent``'s blocks --
-        shared, or copied at the next step when the policy does not share -- and runs."""
-        share = self.kv_policy.shares_blocks
-        self.pending_copies.extend(self.kv_manager.fork(parent.seq_id, child.seq_id, share=share))
-        child.status = SequenceStatus.RUNNING
-        self.running.append(child)
+    def run(self, seq: Sequence) -> None:
+        """``seq`` joins the running set (admitted, or forked from a running sequence)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove ``seq`` from whichever queue holds it and return its blocks."""
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq``, finished, out of its queue (:func:`~pagedkv.engine.commit.finish` frees it)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self._dequeue(seq)
         seq.status = SequenceStatus.FINISHED
-        self.kv_manager.free(seq.seq_id)
-        self._refusal = None  # blocks came back: the head may fit now
 
-    def cache_computed_blocks(self, seqs: Iterable[Sequence]) -> None:
-        """Offer the full blocks these sequences computed this step to the prefix cache (only
-        now that their keys and values are really in the cache)."""
-        allocatable = self.kv_manager.allocatable_blocks
-        for seq in seqs:
-            self.kv_manager.cache_computed_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        if self.kv_manager.allocatable_blocks > allocatable:
-            self._refusal = None  # a sequence gave its copy of a block up for one cached first
+    def blocks_returned(self) -> None:
+        """Blocks came back to the pool: the waiting head admission refused may fit now."""
+        self._refusal = None
 
     @property
     def has_work(self) -> bool:
@@ -284,12 +272,6 @@ class Scheduler:
             budget -= n
         return add_spec_tokens(out, self.kv_manager, budget) if num_decodes == len(running) else budget
 
-    def rollback(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Drop ``seq``'s rejected proposals: its table shrinks, emptied blocks return to the pool."""
-        seq.num_computed_tokens = num_computed_tokens
-        self.kv_manager.truncate(seq.seq_id, num_computed_tokens, free_blocks=self.kv_policy.grows_on_demand)
-        self._refusal = None  # blocks may have come back
-
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting sequences in fair order (:mod:`pagedkv.engine.fairness`) while the
         budgets and the KV pool allow; a sequence over its request's share while others wait is
@@ -350,8 +332,7 @@ class Scheduler:
         seq.num_computed_tokens = cached
         if seq.num_output_tokens == 0:
             seq.request.num_cached_tokens = cached
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self.run(seq)
         holdings.take(seq)
         n = min(seq.num_tokens - cached, budget)
         out.scheduled.append(ScheduledSeq.next_chunk(seq, n))

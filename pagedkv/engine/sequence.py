@@ -38,7 +38,9 @@ class Sequence:
 
     ``num_computed_tokens`` counts tokens whose keys/values are in the cache; the tokens from
     there to ``num_tokens`` are what the next steps compute. A decoding sequence has exactly
-    one: the token it sampled last.
+    one: the token it sampled last. Two places write it: the scheduler when it admits or
+    preempts the sequence, and the step's commit point (:mod:`pagedkv.engine.commit`) after the
+    forward pass.
     """
 
     request: Request
@@ -77,11 +79,10 @@ class Sequence:
             self.stop_scan = StopScan(self.request.stop_matcher)
 
     def fork(self, index: int, generator: torch.Generator | None) -> Sequence:
-        """A new sequence of the same request with this one's tokens, progress and a copy of its
-        grammar state; the scheduler gives it this one's KV blocks
-        (:meth:`~pagedkv.engine.scheduler.Scheduler.fork`)."""
+        """A new sequence of the same request with this one's tokens and a copy of its grammar
+        state; the commit point gives it this one's progress and KV blocks
+        (:class:`~pagedkv.engine.commit.Fork`)."""
         child = Sequence(self.request, index, list(self.token_ids), generator)
-        child.num_computed_tokens = self.num_computed_tokens
         child.grammar = self.grammar.fork() if self.grammar is not None else None
         return child
 

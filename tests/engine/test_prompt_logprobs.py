@@ -16,7 +16,7 @@ import torch
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine import RequestLimits
 from pagedkv.engine.plan import SeqSlice, StepPlan
-from pagedkv.engine.prompt_logprobs import record
+from pagedkv.engine.prompt_logprobs import score
 from pagedkv.engine.sequence import Request
 from pagedkv.models import builtin_model_path
 
@@ -137,12 +137,11 @@ def test_a_recomputed_chunk_is_recorded_once(reference, prompts):
     ids = prompts[2]
     request = Request("r", None, ids, SamplingParams(prompt_logprobs=1), arrival_time=0.0)
     logits = reference(ids)  # log-softmax is idempotent: fine as logits
-    record(request, 0, logits[:10])
-    record(request, 0, logits[:15])  # recomputed from the start, one chunk further
-    record(request, 15, logits[15:])
+    for start, stop in [(0, 10), (0, 15), (15, len(ids))]:  # recomputed from the start, one chunk further
+        request.prompt_logprobs.extend(score(request, start, logits[start:stop]))
     assert [e.token_id for e in request.prompt_logprobs[1:]] == ids[1:]
     with pytest.raises(RuntimeError, match="before those of position"):
-        record(Request("s", None, ids, SamplingParams(prompt_logprobs=1), 0.0), 4, logits[4:])
+        score(Request("s", None, ids, SamplingParams(prompt_logprobs=1), 0.0), 4, logits[4:])
 
 
 def test_a_prompt_logits_slice_returns_every_row_and_survives_json():

@@ -5,8 +5,8 @@ as without speculation), then hands the step to :func:`add_spec_tokens`, which e
 decode by the tokens its sequence proposed while the token budget and the free blocks allow.
 So speculation never preempts anything and never takes a block a decode needs: a proposal that
 does not fit is dropped, and its sequence decodes one token as it would have without it. The
-verified slice's rejected tokens are rolled back after the step
-(:meth:`~pagedkv.engine.scheduler.Scheduler.rollback`).
+verified slice's rejected tokens are rolled back after the step (by the commit point,
+:func:`~pagedkv.engine.commit.update_from_output`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Verification in the sample stage: a speculating sequence's ``k + 1`` logits rows in, the tokens
-it keeps out, and its KV table rolled back to them.
+it keeps out, and the decision to roll its KV table back to them.
 
 Row ``j`` of a sequence that proposed ``x_1..x_k`` scores the token after its last token and
 ``x_1..x_j``; :class:`~pagedkv.engine.spec.rejection.RejectionSampler` keeps the longest
 accepted prefix plus one token of the target's, exactly as plain decoding would draw them
 (greedy: the same tokens; seeded sampling: the same draws). The step computed keys and values
 for the last token and all ``k`` proposals; the sequence keeps ``start + 1 + accepted`` of them
-(:meth:`~pagedkv.engine.scheduler.Scheduler.rollback`), before the prefix cache is offered any
-block, so a block holding a rejected token is never registered (and the accepted ones join the
-sequence's tokens only when the output processor appends them, after which the next step's
-registration may take their block).
+(a rollback the commit point applies, :mod:`pagedkv.engine.commit`, before the prefix cache is
+offered any block), so a block holding a rejected token is never registered (and the accepted
+ones join the sequence's tokens only when the output processor appends them, after which the
+next step's registration may take their block).
 
 A batch whose verification raises is verified again sequence by sequence, as
 :mod:`pagedkv.engine.fault_isolation` samples row by row: the request at fault fails alone (its
@@ -26,7 +26,6 @@ import torch
 
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sampler import take_rows
-from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.scheduler_output import ScheduledSeq
 from pagedkv.engine.sequence import Sequence
 from pagedkv.engine.spec.metrics import SpecDecodingStats
@@ -47,6 +46,8 @@ class VerifiedStep:
     #: The requests whose verification raised (by request id), with what they raised.
     failures: dict[str, BaseException] = field(default_factory=dict)
     stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
+    #: Each verified sequence and the computed tokens it keeps (the commit point's rollbacks).
+    rollbacks: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 class Verifier:
@@ -57,11 +58,9 @@ class Verifier:
         self.speculator = speculator
         self.sampler = RejectionSampler(eos_token_ids)
 
-    def verify(
-        self, items: list[tuple[ScheduledSeq, int]], logits: torch.Tensor, scheduler: Scheduler
-    ) -> VerifiedStep:
-        """Verify each scheduled slice whose first logits row is given beside it; roll every
-        sequence back to what it keeps."""
+    def verify(self, items: list[tuple[ScheduledSeq, int]], logits: torch.Tensor) -> VerifiedStep:
+        """Verify each scheduled slice whose first logits row is given beside it; decide what
+        every sequence keeps."""
         step = VerifiedStep()
         if not items:
             return step
@@ -72,7 +71,7 @@ class Verifier:
             seq, drafted = item.seq, item.num_spec_tokens
             failed = seq.request.request_id in failures
             accepted = 0 if failed else verified.num_accepted[index]
-            scheduler.rollback(seq, item.end - drafted + accepted)
+            step.rollbacks.append((seq, item.end - drafted + accepted))
             if failed:
                 step.seqs.append(seq)
                 step.token_ids.append(None)
