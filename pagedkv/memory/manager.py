@@ -130,16 +130,6 @@ class KVCacheManager:
         total = max(len(token_ids), reserve_tokens)
         return blocks_for(total, self.block_size) - len(hits) + revived
 
-    def can_allocate(
-        self,
-        token_ids: Sequence[int],
-        reserve_tokens: int = 0,
-        use_cache: bool = True,
-        cache_salt: str | None = None,
-    ) -> bool:
-        needed = self.blocks_to_allocate(token_ids, reserve_tokens, use_cache, cache_salt)
-        return needed <= self.allocatable_blocks
-
     @property
     def allocatable_blocks(self) -> int:
         """Free blocks an admission may take: all but the watermark."""
