@@ -235,12 +235,30 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return logits.softmax(dim=-1)
 
 
-class Sampler:
-    """The sampling step of the engine: logits [B, V] in, one token per row out."""
+class SamplerBase:
+    """What the plain and the rejection sampler share: the model's end-of-sequence tokens, and the
+    check of a call's inputs."""
 
     def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
         #: Banned (with the request's stop tokens) until a request reaches its ``min_tokens``.
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+
+    def _check_logits(self, logits: torch.Tensor) -> None:
+        if logits.dim() != 2:
+            raise ValueError(
+                f"{type(self).__name__} expects logits of shape [rows, vocab], got {tuple(logits.shape)}"
+            )
+
+    def _check_lengths(self, count: int, counted: str, per: str, **inputs: Sized) -> None:
+        """Raise ValueError unless each per-``per`` input has ``count`` entries (``counted`` says
+        what ``count`` counts, for the message)."""
+        wrong = {key: len(values) for key, values in inputs.items() if len(values) != count}
+        if wrong:
+            raise ValueError(f"{type(self).__name__} got {counted} but per-{per} inputs of lengths {wrong}")
+
+
+class Sampler(SamplerBase):
+    """The sampling step of the engine: logits [B, V] in, one token per row out."""
 
     def __call__(
         self,
@@ -253,7 +271,16 @@ class Sampler:
     ) -> SamplerOutput:
         """Sample row i of ``logits`` by ``params[i]`` with ``generators[i]``, within what
         ``grammars[i]`` allows next when it is set; see the module doc."""
-        _check_batch(logits, params, generators, output_token_ids, prompt_token_ids)
+        self._check_logits(logits)
+        self._check_lengths(
+            logits.shape[0],
+            f"logits for {logits.shape[0]} rows",
+            "row",
+            params=params,
+            generators=generators,
+            output_token_ids=output_token_ids,
+            prompt_token_ids=prompt_token_ids,
+        )
         logits = logits.to(torch.float32)  # no copy: only the grammars write into it
         bitmask = apply_grammars(logits, grammars) if grammars is not None else None
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -324,30 +351,3 @@ def _flatten(token_lists: list[list[int]], device: torch.device) -> tuple[torch.
         torch.tensor(rows, dtype=torch.long, device=device),
         torch.tensor(tokens, dtype=torch.long, device=device),
     )
-
-
-def mismatched_lengths(count: int, **inputs: Sized) -> dict[str, int]:
-    """The lengths of the per-row ``inputs`` that are not ``count``, by name."""
-    return {name: len(values) for name, values in inputs.items() if len(values) != count}
-
-
-def _check_batch(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    output_token_ids: list[list[int]],
-    prompt_token_ids: list[list[int]],
-) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"Sampler expects logits of shape [batch, vocab], got {tuple(logits.shape)}")
-    wrong = mismatched_lengths(
-        logits.shape[0],
-        params=params,
-        generators=generators,
-        output_token_ids=output_token_ids,
-        prompt_token_ids=prompt_token_ids,
-    )
-    if wrong:
-        raise ValueError(
-            f"Sampler got logits for {logits.shape[0]} rows but per-row inputs of lengths {wrong}"
-        )

@@ -130,16 +130,6 @@ class KVCacheManager:
         total = max(len(token_ids), reserve_tokens)
         return blocks_for(total, self.block_size) - len(hits) + revived
 
-    def can_allocate(
-        self,
-        token_ids: Sequence[int],
-        reserve_tokens: int = 0,
-        use_cache: bool = True,
-        cache_salt: str | None = None,
-    ) -> bool:
-        needed = self.blocks_to_allocate(token_ids, reserve_tokens, use_cache, cache_salt)
-        return needed <= self.allocatable_blocks
-
     @property
     def allocatable_blocks(self) -> int:
         """Free blocks an admission may take: all but the watermark."""
@@ -162,8 +152,14 @@ class KVCacheManager:
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already holds KV blocks")
-        hits = self._cached_prefix(token_ids, use_cache, cache_salt)
-        self._allocate_with_hits(seq_id, token_ids, hits, reserve_tokens, cache_salt)
+        return self._allocate_prompt(seq_id, token_ids, reserve_tokens, use_cache, cache_salt)
+
+    def _allocate_prompt(
+        self, seq_id: SeqId, token_ids: Sequence[int], reserve: int, use_cache: bool, salt: str | None
+    ) -> int:
+        """:meth:`allocate` for a sequence that holds no blocks."""
+        hits = self._cached_prefix(token_ids, use_cache, salt)
+        self._allocate_with_hits(seq_id, token_ids, hits, reserve, salt)
         cached_tokens = len(hits) * self.block_size
         if self.enable_prefix_caching and use_cache:
             self.prefix_query_tokens += len(token_ids)

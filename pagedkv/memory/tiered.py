@@ -111,25 +111,18 @@ class TieredKVCacheManager(KVCacheManager):
         self.swap_fallbacks = 0
 
     # -- admission --------------------------------------------------------------------------
-    def allocate(
-        self,
-        seq_id: SeqId,
-        token_ids: Sequence[int],
-        reserve_tokens: int = 0,
-        use_cache: bool = True,
-        cache_salt: str | None = None,
+    def _allocate_prompt(
+        self, seq_id: SeqId, token_ids: Sequence[int], reserve: int, use_cache: bool, salt: str | None
     ) -> int:
-        """:meth:`KVCacheManager.allocate`, then the prompt's next blocks from the tier (loads),
-        or, for a swapped-out sequence, its blocks back from swap slots. Returns the tokens
-        the sequence need not compute (pool hits, loads, swap-ins). A tier block is found
+        """:meth:`KVCacheManager.allocate`'s pool hits, then the prompt's next blocks from the tier
+        (loads), or, for a swapped-out sequence, its blocks back from swap slots. Returns the
+        tokens the sequence need not compute (pool hits, loads, swap-ins). A tier block is found
         only under the same ``cache_salt``: its hash chain starts at the salt's root."""
-        if seq_id in self._tables:
-            raise ValueError(f"sequence {seq_id!r} already holds KV blocks")
         if seq_id in self._swapped:
-            return self._swap_in(seq_id, token_ids, reserve_tokens, cache_salt)
-        hits = self._cached_prefix(token_ids, use_cache, cache_salt)
-        tier_hits = self._tier_prefix(token_ids, hits, use_cache, None, cache_salt)
-        self._admit(seq_id, token_ids, hits, tier_hits, reserve_tokens, cache_salt)
+            return self._swap_in(seq_id, token_ids, reserve, salt)
+        hits = self._cached_prefix(token_ids, use_cache, salt)
+        tier_hits = self._tier_prefix(token_ids, hits, use_cache, None, salt)
+        self._admit(seq_id, token_ids, hits, tier_hits, reserve, salt)
         cached = (len(hits) + len(tier_hits)) * self.block_size
         if self.enable_prefix_caching and use_cache:
             self.prefix_query_tokens += len(token_ids)

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 from pagedkv import __version__
 from pagedkv.engine import EngineConfig, LLMEngine
 from pagedkv.server.async_engine import AsyncEngine
+from pagedkv.server.chat_protocol import ChatCompletionRequest
 from pagedkv.server.dashboard import install_dashboard
 from pagedkv.server.errors import APIError, ClientGoneError
 from pagedkv.server.kv_events import KVEventsConfig, ZmqKVEventPublisher
@@ -34,7 +35,7 @@ from pagedkv.server.middleware import (
 )
 from pagedkv.server.openapi import error_responses, event_stream_or, install_openapi
 from pagedkv.server.prompts import PromptEncoder
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.protocol import CompletionRequest
 from pagedkv.server.reasoning import reasoning_parser_class
 from pagedkv.server.render import install_render_routes
 from pagedkv.server.responses import (

@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import jinja2
 
+from pagedkv.server.chat_protocol import ChatMessage
 from pagedkv.server.errors import APIError
-from pagedkv.server.protocol import ChatMessage
 from pagedkv.server.tools import ChatTool
 from pagedkv.tokenizer import Tokenizer
 

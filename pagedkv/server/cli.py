@@ -113,13 +113,24 @@ def _add_tool_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def tool_options(args: argparse.Namespace) -> dict:
-    """``create_app``'s tool options; --enable-auto-tool-choice needs a parser to read the calls."""
+def app_options(args: argparse.Namespace) -> dict:
+    """``create_app``'s options from the command line, besides the engine and the KV events (one
+    server's, or each replica's). A chat template that does not compile, or
+    --enable-auto-tool-choice without a parser to read the calls, is refused here: before the
+    engine loads."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         args.parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     return {
+        "api_key": args.api_key,
+        "served_model_name": args.served_model_name,
+        "max_body_bytes": args.max_body_size,
+        "max_waiting": args.max_waiting_requests,
+        "max_prompts_per_request": args.max_prompts_per_request,
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "tool_call_parser": args.tool_call_parser,
+        "chat_template": chat_template(args),
+        "trust_request_chat_template": args.trust_request_chat_template,
+        "reasoning_parser": args.reasoning_parser,
     }
 
 
@@ -155,27 +166,23 @@ def read_chat_template(value: str) -> str:
     raise ValueError(f"--chat-template: {value!r} is neither a readable file nor a Jinja template")
 
 
-def chat_options(args: argparse.Namespace) -> dict:
-    """``create_app``'s chat options; a template that does not compile is refused before the
-    engine loads."""
+def chat_template(args: argparse.Namespace) -> str | None:
+    """--chat-template's source (None without it), compiled once: one that does not compile is
+    refused."""
+    if args.chat_template is None:
+        return None
     import jinja2
 
     from pagedkv.tokenizer.chat_template import compile_chat_template
 
-    template = None
-    if args.chat_template is not None:
-        try:
-            template = read_chat_template(args.chat_template)
-            compile_chat_template(template)
-        except (OSError, ValueError) as err:
-            args.parser.error(str(err))
-        except jinja2.TemplateSyntaxError as err:
-            args.parser.error(f"--chat-template is not a valid template: {err}")
-    return {
-        "chat_template": template,
-        "trust_request_chat_template": args.trust_request_chat_template,
-        "reasoning_parser": args.reasoning_parser,
-    }
+    try:
+        template = read_chat_template(args.chat_template)
+        compile_chat_template(template)
+    except (OSError, ValueError) as err:
+        args.parser.error(str(err))
+    except jinja2.TemplateSyntaxError as err:
+        args.parser.error(f"--chat-template is not a valid template: {err}")
+    return template
 
 
 def _add_connection_options(parser: argparse.ArgumentParser) -> None:
@@ -241,19 +248,10 @@ def connection_limits(args: argparse.Namespace):
         args.parser.error(str(err).replace("_", "-"))
 
 
-def _run_replicas(args: argparse.Namespace, chat: dict) -> int:
+def _run_replicas(args: argparse.Namespace, options: dict) -> int:
     from pagedkv.cli_args import engine_config
     from pagedkv.server.replicas import ReplicaSet, serve_replicas
 
-    app_options = {
-        "api_key": args.api_key,
-        "served_model_name": args.served_model_name,
-        "max_body_bytes": args.max_body_size,
-        "max_waiting": args.max_waiting_requests,
-        "max_prompts_per_request": args.max_prompts_per_request,
-        **tool_options(args),
-        **chat,
-    }
     try:
         replicas = ReplicaSet(
             engine_config(args),
@@ -261,7 +259,7 @@ def _run_replicas(args: argparse.Namespace, chat: dict) -> int:
             policy=args.router_policy,
             host=args.host,
             port=args.port,
-            app_options=app_options,
+            app_options=options,
             router_args=tuple(args.router_arg),
             log_level=args.log_level,
         )
@@ -281,14 +279,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_waiting_requests < 0:
         args.parser.error(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     limits = connection_limits(args)
-    chat = chat_options(args)  # a bad template is refused before the engine loads
+    options = app_options(args)  # a bad template or tool option is refused before the engine loads
     raise_open_file_limit()  # before the engine opens files (replicas inherit it); the cap is sized from it
     if args.data_parallel_size > 1:
         if args.kv_events_config is not None:
             args.parser.error(
                 "--kv-events-config is set per replica by --data-parallel-size; give one or the other"
             )
-        return _run_replicas(args, chat)
+        return _run_replicas(args, options)
     kv_events = None
     if args.kv_events_config is not None:
         try:
@@ -296,17 +294,7 @@ def run_serve(args: argparse.Namespace) -> int:
         except (ValueError, TypeError) as err:
             args.parser.error(str(err))
     engine = build_engine(args)
-    app = create_app(
-        engine,
-        api_key=args.api_key,
-        served_model_name=args.served_model_name,
-        max_body_bytes=args.max_body_size,
-        max_waiting=args.max_waiting_requests,
-        max_prompts_per_request=args.max_prompts_per_request,
-        kv_events=kv_events,
-        **tool_options(args),
-        **chat,
-    )
+    app = create_app(engine, kv_events=kv_events, **options)
     name = app.state.context.model_name
     auth = "API key required" if args.api_key else "no API key"
     print(

@@ -21,7 +21,7 @@ acceptance length (1 + accepted / drafts) are ratios of them, as vLLM leaves the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -213,27 +213,23 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
-        self._ttft = Histogram(
+
+        def histogram(name: str, documentation: str, buckets: Sequence[float]) -> Histogram:
+            """This model's series of a latency histogram."""
+            family = Histogram(name, documentation, labels, buckets=buckets, registry=self.registry)
+            return family.labels(model_name)
+
+        self._ttft = histogram(
             "vllm:time_to_first_token_seconds",
             "Time from receiving a request to its first generated token.",
-            labels,
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self._itl = Histogram(
-            "vllm:inter_token_latency_seconds",
-            "Time between successive outputs of a request.",
-            labels,
-            buckets=ITL_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self._e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Time from receiving a request to its end.",
-            labels,
-            buckets=E2E_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
+            TTFT_BUCKETS,
+        )
+        self._itl = histogram(
+            "vllm:inter_token_latency_seconds", "Time between successive outputs of a request.", ITL_BUCKETS
+        )
+        self._e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Time from receiving a request to its end.", E2E_BUCKETS
+        )
         self._finished = Counter(
             "vllm:request_success",
             "Requests ended, by finish reason (stop, length, abort, error).",

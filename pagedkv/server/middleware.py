@@ -23,7 +23,24 @@ logger = logging.getLogger("pagedkv.server")
 PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/dashboard/stream")
 
 
-class APIKeyMiddleware:
+class HTTPMiddleware:
+    """A plain ASGI middleware that acts on HTTP requests only (:meth:`http`): any other scope
+    (lifespan, websocket) goes to the app as it came."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self.http(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class APIKeyMiddleware(HTTPMiddleware):
     """Every ``/v1`` route and the dashboard's stream require ``Authorization: Bearer <key>``;
     others (health, metrics, the dashboard's static page) not.
 
@@ -33,11 +50,11 @@ class APIKeyMiddleware:
     """
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
+        super().__init__(app)
         self._expected = f"Bearer {api_key}".encode()
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIXES):
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"].startswith(PROTECTED_PREFIXES):
             headers = [value for name, value in scope["headers"] if name.lower() == b"authorization"]
             if len(headers) > 1:
                 message = f"the request has {len(headers)} Authorization headers; send exactly one"
@@ -52,20 +69,13 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-class NoSniffMiddleware:
+class NoSniffMiddleware(HTTPMiddleware):
     """``X-Content-Type-Options: nosniff`` on every response: a browser takes each body for the
     type the server says (JSON stays JSON, never a script or a page)."""
 
     HEADER = (b"x-content-type-options", b"nosniff")
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_with_header(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
@@ -76,7 +86,7 @@ class NoSniffMiddleware:
         await self.app(scope, receive, send_with_header)
 
 
-class BodySizeLimitMiddleware:
+class BodySizeLimitMiddleware(HTTPMiddleware):
     """Refuse request bodies over ``max_bytes`` with 413 before any handler parses them.
 
     A declared ``Content-Length`` over the limit is refused unread; a chunked body is read up to
@@ -85,13 +95,10 @@ class BodySizeLimitMiddleware:
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await self._refuse(int(declared), scope, receive, send)
@@ -132,7 +139,7 @@ class BodySizeLimitMiddleware:
         await response(scope, receive, send)
 
 
-class InternalErrorMiddleware:
+class InternalErrorMiddleware(HTTPMiddleware):
     """A bug in a handler (an exception no handler turned into an answer) is logged once, with
     its traceback and the request's id, and answered with a 500 that carries the same id and
     nothing of the exception.
@@ -145,13 +152,7 @@ class InternalErrorMiddleware:
     the client sees a broken stream rather than a complete one.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def tracking_send(message: Message) -> None:

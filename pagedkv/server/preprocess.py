@@ -30,9 +30,10 @@ from pagedkv.engine import InvalidRequestError, RequestLimits, SamplingParams
 from pagedkv.engine.validation import RequestValidator
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.chat_prompt import check_chat_options, render_conversation
+from pagedkv.server.chat_protocol import ChatCompletionRequest
 from pagedkv.server.errors import APIError
 from pagedkv.server.prompts import PromptEncoder, PromptLimits
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.protocol import CompletionRequest
 from pagedkv.server.structured import Constraint, compile_constraint
 from pagedkv.server.tool_parsers import ToolParser
 from pagedkv.server.tools import check_read_schemas, resolve_tool_choice, tool_at_fault, tool_constraint

@@ -1,5 +1,6 @@
-"""The OpenAI request shapes the server takes (pydantic models); responses are in
-:mod:`pagedkv.server.responses`.
+"""The OpenAI request shapes the server takes (pydantic models): what completions and chat
+completions share, and the completion request; the chat request is in
+:mod:`pagedkv.server.chat_protocol`, responses in :mod:`pagedkv.server.responses`.
 
 Request models accept what the official clients send -- unknown fields are accepted, as vLLM
 accepts them, and named in a warning and a response header (:mod:`pagedkv.server.ignored_fields`)
@@ -18,7 +19,6 @@ refused with a 400 naming the field rather than dropped.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar
 
@@ -34,7 +34,6 @@ from pagedkv.server.structured import (
     StructuredOutputsRequest,
     request_constraint,
 )
-from pagedkv.server.tools import ChatTool, ToolChoice
 
 # Strict scalars: JSON ``true`` is not the number 1, ``"0.5"`` is not a float, ``2.0`` is not a count.
 Int = Annotated[int, Strict()]
@@ -88,7 +87,7 @@ def _asks_for_something(value: object) -> bool:
     return bool(value) and value != "none"
 
 
-class _SamplingRequest(BaseModel):
+class SamplingRequest(BaseModel):
     """The fields completions and chat share."""
 
     model: str | None = None
@@ -245,7 +244,7 @@ class _SamplingRequest(BaseModel):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: one prompt or a batch (text or token ids).
 
     ``echo`` prepends each prompt (as sent; token ids decoded) to its choices' text, and with
@@ -263,7 +262,7 @@ class CompletionRequest(_SamplingRequest):
     add_special_tokens: Bool | None = True
     suffix: str | None = None
 
-    _refused = (*_SamplingRequest._refused, "suffix", "prompt_embeds")
+    _refused = (*SamplingRequest._refused, "suffix", "prompt_embeds")
 
     def prompts(self) -> list[str | list[int]]:
         """The batch as a list: a string or a list of ints is one prompt."""
@@ -289,127 +288,3 @@ class CompletionRequest(_SamplingRequest):
             prompt_logprobs = self.logprobs  # echo's logprobs start with the prompt's (vLLM)
         max_tokens = 1 if self.echo_only else max_tokens
         return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, constraint, defaults)
-
-
-class TextPart(BaseModel):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    role: str
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    #: An assistant message's calls (OpenAI's shape: arguments as JSON text).
-    tool_calls: list[dict[str, Any]] | None = None
-    #: A ``tool`` message: the call it answers.
-    tool_call_id: str | None = None
-
-    def as_template_dict(self, path: str = "messages") -> dict[str, Any]:
-        """The message as chat templates expect it: text content, and tool calls whose JSON
-        arguments are decoded into objects (as vLLM and transformers give them). ``path`` is
-        where the message sits in the request (``messages.2``): a ``tool`` message without
-        ``tool_call_id``, or a call whose ``function.arguments`` is not the JSON text of an
-        object, is a 400 naming the field under it."""
-        if self.role == "tool" and not self.tool_call_id:
-            raise APIError.bad_request(
-                f"{path}.tool_call_id is required: a tool message answers the call with that id",
-                param=f"{path}.tool_call_id",
-            )
-        content = self.content
-        if isinstance(content, list):
-            kinds = sorted({part.type for part in content if part.type != "text"})
-            if kinds:
-                raise APIError.bad_request(
-                    f"only text content parts are supported, got {', '.join(kinds)}", param="messages"
-                )
-            content = "".join(part.text or "" for part in content)
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
-        if self.tool_calls:
-            message["tool_calls"] = [
-                _decoded_arguments(call, f"{path}.tool_calls.{i}") for i, call in enumerate(self.tool_calls)
-            ]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
-
-
-def _decoded_arguments(call: dict[str, Any], path: str) -> dict[str, Any]:
-    """``call`` (OpenAI's shape, at ``path``) with ``function.arguments`` decoded from the JSON
-    text of an object; anything else is a 400 naming the field."""
-    function = call.get("function")
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise APIError.bad_request(
-            f'{path}.function must be an object with a "name" and "arguments"', param=f"{path}.function"
-        )
-    field = f"{path}.function.arguments"
-    arguments = function.get("arguments")
-    if not isinstance(arguments, str):
-        raise APIError.bad_request(f"{field} must be the JSON text of an object, as a string", param=field)
-    try:
-        decoded = json.loads(arguments)
-    except (ValueError, RecursionError) as err:
-        raise APIError.bad_request(f"{field} is not JSON text: {err}", param=field) from None
-    if not isinstance(decoded, dict):
-        raise APIError.bad_request(
-            f"{field} must be the JSON text of an object, got {type(decoded).__name__}", param=field
-        )
-    return {**call, "function": {**function, "arguments": decoded}}
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    """``POST /v1/chat/completions``: a conversation rendered by the model's chat template (its
-    options, ``echo`` and the answer's role: :mod:`pagedkv.server.preprocess`)."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Int | None = None
-    max_completion_tokens: Int | None = None
-    logprobs: Bool | None = False
-    top_logprobs: Int | None = None
-    echo: Bool | None = False
-    add_generation_prompt: Bool | None = True
-    continue_final_message: Bool | None = False
-    #: Add the tokenizer's special tokens on top of what the chat template writes.
-    add_special_tokens: Bool | None = False
-    tools: list[ChatTool] | None = None
-    #: "none", "auto" (the default with tools), "required" or a named function
-    #: (:mod:`pagedkv.server.tools`).
-    tool_choice: ToolChoice | None = None
-    #: False: a forced call is one call.
-    parallel_tool_calls: Bool | None = None
-    #: Jinja source replacing the server's chat template for this request (vLLM's; needs
-    #: --trust-request-chat-template).
-    chat_template: str | None = None
-    #: More variables for the chat template, e.g. Qwen3's ``{"enable_thinking": false}``.
-    chat_template_kwargs: dict[str, Any] | None = None
-    #: vLLM's: the prompt tokens' logprobs on the response (not with ``stream``).
-    prompt_logprobs: Int | None = None
-
-    _refused = (*_SamplingRequest._refused, "functions", "function_call", "documents")
-
-    @property
-    def max_tokens_asked(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def sampling_params(
-        self, default_max_tokens: int, constraint: Constraint | None = None, defaults: Mapping[str, Any] = {}
-    ) -> SamplingParams:
-        """``default_max_tokens`` applies when neither max token field is given (the rest of the
-        context, as in vLLM, capped by the ``max_tokens`` of ``defaults``, the model's sampling
-        defaults); ``constraint``: what :meth:`constraint` found."""
-        self._refuse_unsupported()
-        if self.stream and self.prompt_logprobs is not None:
-            raise APIError.bad_request(
-                "prompt_logprobs are not available when stream is true", param="prompt_logprobs"
-            )
-        if self.top_logprobs is not None and not self.logprobs:
-            raise APIError.bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        max_tokens = self.max_tokens_asked
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        if max_tokens is None:
-            max_tokens = min(default_max_tokens, defaults.get("max_tokens", default_max_tokens))
-        return self._sampling_params(
-            max_tokens, logprobs, self.prompt_logprobs, constraint=constraint, defaults=defaults
-        )

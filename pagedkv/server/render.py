@@ -16,9 +16,10 @@ import uuid
 
 from fastapi import FastAPI
 
+from pagedkv.server.chat_protocol import ChatCompletionRequest
 from pagedkv.server.openapi import error_responses
 from pagedkv.server.preprocess import ServingContext, preprocess_chat, preprocess_completion
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.protocol import CompletionRequest
 
 
 def _rendered(ctx: ServingContext, token_ids: list[int]) -> dict:

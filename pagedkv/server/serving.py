@@ -32,12 +32,13 @@ from pydantic import BaseModel
 
 from pagedkv.engine import InvalidRequestError, SamplingParams
 from pagedkv.server.async_engine import Aborted
+from pagedkv.server.chat_protocol import ChatCompletionRequest
 from pagedkv.server.errors import APIError, EngineRequestError, QueueFullError
 from pagedkv.server.generation import ChoiceDelta, Generation, collect_unless_disconnected
 from pagedkv.server.ignored_fields import ignored_headers
 from pagedkv.server.logprobs import LogprobFormatter
 from pagedkv.server.preprocess import ChatInputs, ServingContext, preprocess_chat, preprocess_completion
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagedkv.server.protocol import CompletionRequest
 from pagedkv.server.reasoning import ReasoningParser, reasoning_parser_class
 from pagedkv.server.responses import (
     ChatChoice,

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedkv.engine import InvalidRequestError, StructuredOutputsParams
 from pagedkv.engine.structured.config import WHITESPACE_PATTERN_FIELD, field_name
-from pagedkv.engine.structured.params import JSON_KINDS
+from pagedkv.engine.structured.params import JSON_KINDS, KINDS
 from pagedkv.server.errors import APIError
 
 if TYPE_CHECKING:
@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 
 
 class StructuredOutputsRequest(BaseModel):
-    """vLLM's ``structured_outputs`` field: exactly one constraint."""
+    """vLLM's ``structured_outputs`` field: exactly one constraint. Its fields are those of
+    :class:`~pagedkv.engine.StructuredOutputsParams` (``json`` by its alias), passed on whole."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -110,23 +111,10 @@ def _make(field: str, **kwargs: Any) -> Constraint:
 
 
 def _from_structured_outputs(value: StructuredOutputsRequest) -> Constraint:
-    given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if _set(value, name)]
+    fields = value.model_dump(by_alias=True)  # StructuredOutputsParams' fields, by their names
+    given = [kind for kind in KINDS if fields[kind] is not None and fields[kind] is not False]
     field = f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs"
-    return _make(
-        field,
-        json=value.json_,
-        regex=value.regex,
-        choice=value.choice,
-        grammar=value.grammar,
-        json_object=value.json_object,
-        disable_any_whitespace=value.disable_any_whitespace,
-        whitespace_pattern=value.whitespace_pattern,
-    )
-
-
-def _set(value: StructuredOutputsRequest, name: str) -> bool:
-    item = value.json_ if name == "json" else getattr(value, name)
-    return item is not None and item is not False
+    return _make(field, **fields)
 
 
 def _from_response_format(value: ResponseFormat) -> Constraint | None:

@@ -25,11 +25,12 @@ from pydantic import BaseModel, Field, Strict
 
 from pagedkv import __version__
 from pagedkv.server.chat_prompt import check_chat_options, render_conversation
+from pagedkv.server.chat_protocol import ChatMessage
 from pagedkv.server.errors import APIError
 from pagedkv.server.ignored_fields import ignored_headers
 from pagedkv.server.openapi import error_responses
 from pagedkv.server.preprocess import ServingContext
-from pagedkv.server.protocol import ChatMessage, refuse_invalid_text
+from pagedkv.server.protocol import refuse_invalid_text
 from pagedkv.server.tools import ChatTool
 from pagedkv.tokenizer import Tokenizer
 

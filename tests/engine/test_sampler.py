@@ -229,7 +229,7 @@ def test_logprobs_are_the_raw_log_softmax() -> None:
 def test_mismatched_batch_inputs_are_rejected() -> None:
     with pytest.raises(ValueError, match=r"logits for 2 rows but per-row inputs of lengths \{'params': 1\}"):
         Sampler()(torch.zeros(2, 4), [SamplingParams()], [None, None], [[], []], [[], []])
-    with pytest.raises(ValueError, match=r"shape \[batch, vocab\], got \(4,\)"):
+    with pytest.raises(ValueError, match=r"shape \[rows, vocab\], got \(4,\)"):
         Sampler()(torch.zeros(4), [SamplingParams()], [None], [[]], [[]])
 
 

@@ -89,14 +89,14 @@ class MemoryMachine(RuleBasedStateMachine):
         seq = self.next_id
         self.next_id += 1
         before = self.kv.usage()
-        if not self.kv.can_allocate(prompt, cache_salt=salt):
+        if self.kv.blocks_to_allocate(prompt, cache_salt=salt) > self.kv.allocatable_blocks:
             try:
                 self.kv.allocate(seq, prompt, cache_salt=salt)
             except PoolExhaustedError:
                 assert self.kv.usage() == before and seq not in self.kv
                 return
-            # can_allocate may be conservative only through the watermark (0 here).
-            raise AssertionError("allocate succeeded where can_allocate said no")
+            # blocks_to_allocate may be conservative only through the watermark (0 here).
+            raise AssertionError("allocate succeeded where blocks_to_allocate said no room")
         hit = self.kv.allocate(seq, prompt, cache_salt=salt)
         assert hit % BLOCK_SIZE == 0 and hit < len(prompt)
         self.salt[seq] = salt

@@ -77,8 +77,8 @@ def test_a_block_computed_twice_is_deduplicated_onto_the_cached_copy():
 
 def test_admission_respects_watermark_and_failed_allocate_changes_nothing():
     kv = KVCacheManager(10, block_size=4, watermark=0.2)
-    assert kv.can_allocate(list(range(32)))  # 8 blocks <= 10 - 2
-    assert not kv.can_allocate(list(range(33)))
+    assert kv.blocks_to_allocate(list(range(32))) <= kv.allocatable_blocks  # 8 blocks <= 10 - 2
+    assert kv.blocks_to_allocate(list(range(33))) > kv.allocatable_blocks
     kv.allocate("a", list(range(32)))
     before = kv.usage()
     with pytest.raises(PoolExhaustedError):
@@ -123,7 +123,7 @@ def test_reservation_holds_blocks_up_front_and_appends_fill_them():
     for _ in range(27):
         assert kv.append_slots("a") == []
     assert kv.usage().used_blocks == 8
-    assert not kv.can_allocate([1], reserve_tokens=64)
+    assert kv.blocks_to_allocate([1], reserve_tokens=64) > kv.allocatable_blocks
 
 
 def test_fork_without_sharing_copies_every_written_block():

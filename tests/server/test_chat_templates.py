@@ -17,7 +17,7 @@ import pytest
 from pagedkv import SamplingParams
 from pagedkv.engine import EngineConfig
 from pagedkv.server import ServerThread, create_app
-from pagedkv.server.cli import add_serve_parser, chat_options, read_chat_template
+from pagedkv.server.cli import add_serve_parser, app_options, chat_template, read_chat_template
 from tests.server.helpers import API_KEY, ENGINE_OPTIONS, MODEL
 from tests.server.process import ServeProcess
 
@@ -125,18 +125,15 @@ def test_chat_template_is_a_file_or_the_template_itself(tmp_path):
     assert read_chat_template(SHOUTING) == SHOUTING
     with pytest.raises(ValueError, match="neither a readable file nor a Jinja template"):
         read_chat_template(str(tmp_path / "missing.jinja"))
-    options = chat_options(_serve_args("--chat-template", str(path), "--reasoning-parser", "qwen3"))
-    assert options == {
-        "chat_template": SHOUTING,
-        "trust_request_chat_template": False,
-        "reasoning_parser": "qwen3",
-    }
+    options = app_options(_serve_args("--chat-template", str(path), "--reasoning-parser", "qwen3"))
+    assert options["chat_template"] == SHOUTING and options["reasoning_parser"] == "qwen3"
+    assert options["trust_request_chat_template"] is False
 
 
 @pytest.mark.parametrize("value", ["{% for %}", "no-such-file.jinja"])
 def test_serve_refuses_a_chat_template_it_cannot_use(value, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        chat_options(_serve_args("--chat-template", value))
+        chat_template(_serve_args("--chat-template", value))
     assert exit_info.value.code == 2 and "--chat-template" in capsys.readouterr().err
 
 

@@ -33,19 +33,19 @@ plain sample, so non-speculating sequences share the call.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sampler import (
+    SamplerBase,
     apply_penalties,
     ban_stop_tokens,
     filtered_probs,
     greedy_tokens,
     inverse_cdf,
-    mismatched_lengths,
     take_rows,
     token_logprobs,
 )
@@ -73,12 +73,8 @@ def row_offsets(num_draft_tokens: Sequence[int]) -> list[int]:
     return offsets
 
 
-class RejectionSampler:
+class RejectionSampler(SamplerBase):
     """Speculative verification for a batch of sequences (see the module docstring)."""
-
-    def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
-        #: Banned (with the request's stop tokens) until a request reaches its ``min_tokens``.
-        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
 
     def __call__(
         self,
@@ -94,7 +90,17 @@ class RejectionSampler:
         (``[sum(k_i + 1), V]``) and, for a drafting model that samples, its rows of
         ``draft_probs`` (``[sum(k_i), V]``, each the distribution its token was drawn from)."""
         offsets = row_offsets([len(d) for d in draft_token_ids])
-        _check_batch(logits, draft_token_ids, params, generators, output_token_ids, prompt_token_ids)
+        self._check_logits(logits)
+        self._check_lengths(
+            len(draft_token_ids),
+            f"{len(draft_token_ids)} drafts",
+            "sequence",
+            params=params,
+            generators=generators,
+            output_token_ids=output_token_ids,
+            prompt_token_ids=prompt_token_ids,
+        )
+        _check_rows(logits, draft_token_ids)
         _check_draft_probs(logits, draft_probs, offsets[-1] - len(offsets) + 1)
         logits = logits.to(torch.float32)
         processed = self._penalize(logits, draft_token_ids, params, output_token_ids, prompt_token_ids)
@@ -294,25 +300,9 @@ def _logprobs(
     return out
 
 
-def _check_batch(
-    logits: torch.Tensor,
-    drafts: list[list[int]],
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    output_token_ids: list[list[int]],
-    prompt_token_ids: list[list[int]],
-) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"RejectionSampler expects logits of shape [rows, vocab], got {tuple(logits.shape)}")
-    wrong = mismatched_lengths(
-        len(drafts),
-        params=params,
-        generators=generators,
-        output_token_ids=output_token_ids,
-        prompt_token_ids=prompt_token_ids,
-    )
-    if wrong:
-        raise ValueError(f"RejectionSampler got {len(drafts)} drafts but per-sequence inputs of {wrong}")
+def _check_rows(logits: torch.Tensor, drafts: list[list[int]]) -> None:
+    """Raise ValueError unless ``logits`` has one row per proposed token plus one per sequence, and
+    every proposed token is in its vocabulary."""
     rows = sum(len(d) + 1 for d in drafts)
     if logits.shape[0] != rows:
         raise ValueError(

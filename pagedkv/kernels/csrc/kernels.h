@@ -11,8 +11,9 @@
  *     per dtype with a few names defined (T, SUFFIX(name), LOAD...: the `#include`-template
  *     idiom), so a debugger steps through their lines and coverage counts them;
  *   - gemm_<set>.h: the tiled GEMM's loops for one instruction set (tiled_gemm.c).
- * Each definition is checked against its prototype below by the compiler (every prototype is
- * written out, so a search for an entry point's name finds it);
+ * Each definition is checked against its prototype below by the compiler. A family of per-dtype
+ * entry points has its prototype written once, as a macro of the element types, and each entry
+ * point is declared with it under its full name (so a search for the name finds it);
  * pagedkv/kernels/signatures.py declares the ones Python calls for ctypes, and
  * tests/kernels/test_signatures.py checks that table against these prototypes.
  *
@@ -40,33 +41,32 @@
  *       q_out [tokens, nq, d], k and v to KV slot slots[t] of the pools [slots, nkv, d]; a
  *       negative slot is padding and writes nothing. d <= layer_ops_max_head_dim(), even.
  */
-void rms_norm_f32(const float *x, float *out, const float *w, int64_t rows, int64_t n, float eps);
-void add_rms_norm_f32(float *x, float *residual, const float *w, int64_t rows, int64_t n, float eps);
-void silu_and_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t n);
-void silu_and_mul_rows_f32(const float *gate_up, float *out, int64_t rows, int64_t n, int64_t out_stride);
-void rotary_write_kv_f32(const float *qkv, float *q_out, const float *cos, const float *sin, const float *q_w,
-                         const float *k_w, float eps, float *key_pool, float *value_pool,
-                         const int64_t *slots, int64_t tokens, int64_t nq, int64_t nkv, int64_t d);
-void rms_norm_bf16(const uint16_t *x, uint16_t *out, const uint16_t *w, int64_t rows, int64_t n, float eps);
-void add_rms_norm_bf16(uint16_t *x, uint16_t *residual, const uint16_t *w, int64_t rows, int64_t n,
-                       float eps);
-void silu_and_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t n);
-void silu_and_mul_rows_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t n,
-                            int64_t out_stride);
-void rotary_write_kv_bf16(const uint16_t *qkv, uint16_t *q_out, const uint16_t *cos, const uint16_t *sin,
-                          const uint16_t *q_w, const uint16_t *k_w, float eps, uint16_t *key_pool,
-                          uint16_t *value_pool, const int64_t *slots, int64_t tokens, int64_t nq, int64_t nkv,
-                          int64_t d);
+/* each op's prototype for element type T, named in full where it is declared below */
+#define RMS_NORM(name, T) void name(const T *x, T *out, const T *w, int64_t rows, int64_t n, float eps)
+#define ADD_RMS_NORM(name, T) void name(T *x, T *residual, const T *w, int64_t rows, int64_t n, float eps)
+#define SILU_AND_MUL(name, T) void name(const T *gate_up, T *out, int64_t rows, int64_t n)
+#define SILU_AND_MUL_ROWS(name, T) \
+    void name(const T *gate_up, T *out, int64_t rows, int64_t n, int64_t out_stride)
+#define ROTARY_WRITE_KV(name, T)                                                                         \
+    void name(const T *qkv, T *q_out, const T *cos, const T *sin, const T *q_w, const T *k_w, float eps, \
+              T *key_pool, T *value_pool, const int64_t *slots, int64_t tokens, int64_t nq, int64_t nkv,  \
+              int64_t d)
+RMS_NORM(rms_norm_f32, float);
+ADD_RMS_NORM(add_rms_norm_f32, float);
+SILU_AND_MUL(silu_and_mul_f32, float);
+SILU_AND_MUL_ROWS(silu_and_mul_rows_f32, float);
+ROTARY_WRITE_KV(rotary_write_kv_f32, float);
+RMS_NORM(rms_norm_bf16, uint16_t);
+ADD_RMS_NORM(add_rms_norm_bf16, uint16_t);
+SILU_AND_MUL(silu_and_mul_bf16, uint16_t);
+SILU_AND_MUL_ROWS(silu_and_mul_rows_bf16, uint16_t);
+ROTARY_WRITE_KV(rotary_write_kv_bf16, uint16_t);
 #ifndef PAGEDKV_NO_F16
-void rms_norm_f16(const _Float16 *x, _Float16 *out, const _Float16 *w, int64_t rows, int64_t n, float eps);
-void add_rms_norm_f16(_Float16 *x, _Float16 *residual, const _Float16 *w, int64_t rows, int64_t n, float eps);
-void silu_and_mul_f16(const _Float16 *gate_up, _Float16 *out, int64_t rows, int64_t n);
-void silu_and_mul_rows_f16(const _Float16 *gate_up, _Float16 *out, int64_t rows, int64_t n,
-                           int64_t out_stride);
-void rotary_write_kv_f16(const _Float16 *qkv, _Float16 *q_out, const _Float16 *cos, const _Float16 *sin,
-                         const _Float16 *q_w, const _Float16 *k_w, float eps, _Float16 *key_pool,
-                         _Float16 *value_pool, const int64_t *slots, int64_t tokens, int64_t nq, int64_t nkv,
-                         int64_t d);
+RMS_NORM(rms_norm_f16, _Float16);
+ADD_RMS_NORM(add_rms_norm_f16, _Float16);
+SILU_AND_MUL(silu_and_mul_f16, _Float16);
+SILU_AND_MUL_ROWS(silu_and_mul_rows_f16, _Float16);
+ROTARY_WRITE_KV(rotary_write_kv_f16, _Float16);
 #endif
 int64_t layer_ops_max_head_dim(void);
 
@@ -110,76 +110,31 @@ int64_t tiled_gemm_bf16_loop(void);
  *       tiles of consecutive prompt rows: each tile's sequence, first row in q, that row's
  *       position and its row count (at most paged_attention_prefill_lanes() / group)
  */
-int paged_attention_rows_f32(const float *q, const float *key, const float *value, const float *key_scale,
-                             const float *value_scale, const int32_t *block_tables, const int32_t *row_seq,
-                             const int32_t *row_pos, float *out, int64_t num_rows, int64_t num_heads,
-                             int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                             float scale, int64_t window, float soft_cap, int64_t chunk, int num_threads);
-int paged_attention_rows_bf16(const uint16_t *q, const uint16_t *key, const uint16_t *value,
-                              const float *key_scale, const float *value_scale, const int32_t *block_tables,
-                              const int32_t *row_seq, const int32_t *row_pos, uint16_t *out, int64_t num_rows,
-                              int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                              int64_t max_blocks, float scale, int64_t window, float soft_cap, int64_t chunk,
-                              int num_threads);
-int paged_attention_rows_f32_fp8(const float *q, const uint8_t *key, const uint8_t *value,
-                                 const float *key_scale, const float *value_scale,
-                                 const int32_t *block_tables, const int32_t *row_seq, const int32_t *row_pos,
-                                 float *out, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
-                                 int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
-                                 int64_t window, float soft_cap, int64_t chunk, int num_threads);
-int paged_attention_rows_f32_i8(const float *q, const int8_t *key, const int8_t *value,
-                                const float *key_scale, const float *value_scale, const int32_t *block_tables,
-                                const int32_t *row_seq, const int32_t *row_pos, float *out, int64_t num_rows,
-                                int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                                int64_t max_blocks, float scale, int64_t window, float soft_cap,
-                                int64_t chunk, int num_threads);
-int paged_attention_rows_bf16_fp8(const uint16_t *q, const uint8_t *key, const uint8_t *value,
-                                  const float *key_scale, const float *value_scale,
-                                  const int32_t *block_tables, const int32_t *row_seq, const int32_t *row_pos,
-                                  uint16_t *out, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
-                                  int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
-                                  int64_t window, float soft_cap, int64_t chunk, int num_threads);
-int paged_attention_rows_bf16_i8(const uint16_t *q, const int8_t *key, const int8_t *value,
-                                 const float *key_scale, const float *value_scale,
-                                 const int32_t *block_tables, const int32_t *row_seq, const int32_t *row_pos,
-                                 uint16_t *out, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
-                                 int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
-                                 int64_t window, float soft_cap, int64_t chunk, int num_threads);
-int paged_attention_prefill_f32(const float *q, const float *key, const float *value,
-                                const int32_t *block_tables, const int32_t *tile_seq, const int32_t *tile_row,
-                                const int32_t *tile_pos, const int32_t *tile_rows, float *out,
-                                int64_t num_tiles, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
-                                int64_t block_size, int64_t max_blocks, float scale, int num_threads);
-int paged_attention_prefill_bf16(const uint16_t *q, const uint16_t *key, const uint16_t *value,
-                                 const int32_t *block_tables, const int32_t *tile_seq,
-                                 const int32_t *tile_row, const int32_t *tile_pos, const int32_t *tile_rows,
-                                 uint16_t *out, int64_t num_tiles, int64_t num_heads, int64_t kv_heads,
-                                 int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
-                                 int num_threads);
+/* the two entries' prototypes for query and output elements QT and pool elements KT, named in
+ * full where they are declared below */
+#define PAGED_ATTENTION_ROWS(name, QT, KT)                                                                  \
+    int name(const QT *q, const KT *key, const KT *value, const float *key_scale, const float *value_scale, \
+             const int32_t *block_tables, const int32_t *row_seq, const int32_t *row_pos, QT *out,          \
+             int64_t num_rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,   \
+             int64_t max_blocks, float scale, int64_t window, float soft_cap, int64_t chunk, int num_threads)
+#define PAGED_ATTENTION_PREFILL(name, T)                                                                    \
+    int name(const T *q, const T *key, const T *value, const int32_t *block_tables, const int32_t *tile_seq, \
+             const int32_t *tile_row, const int32_t *tile_pos, const int32_t *tile_rows, T *out,            \
+             int64_t num_tiles, int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,  \
+             int64_t max_blocks, float scale, int num_threads)
+PAGED_ATTENTION_ROWS(paged_attention_rows_f32, float, float);
+PAGED_ATTENTION_ROWS(paged_attention_rows_bf16, uint16_t, uint16_t);
+PAGED_ATTENTION_ROWS(paged_attention_rows_f32_fp8, float, uint8_t);
+PAGED_ATTENTION_ROWS(paged_attention_rows_f32_i8, float, int8_t);
+PAGED_ATTENTION_ROWS(paged_attention_rows_bf16_fp8, uint16_t, uint8_t);
+PAGED_ATTENTION_ROWS(paged_attention_rows_bf16_i8, uint16_t, int8_t);
+PAGED_ATTENTION_PREFILL(paged_attention_prefill_f32, float);
+PAGED_ATTENTION_PREFILL(paged_attention_prefill_bf16, uint16_t);
 #ifndef PAGEDKV_NO_F16
-int paged_attention_rows_f16(const _Float16 *q, const _Float16 *key, const _Float16 *value,
-                             const float *key_scale, const float *value_scale, const int32_t *block_tables,
-                             const int32_t *row_seq, const int32_t *row_pos, _Float16 *out, int64_t num_rows,
-                             int64_t num_heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                             int64_t max_blocks, float scale, int64_t window, float soft_cap, int64_t chunk,
-                             int num_threads);
-int paged_attention_rows_f16_fp8(const _Float16 *q, const uint8_t *key, const uint8_t *value,
-                                 const float *key_scale, const float *value_scale,
-                                 const int32_t *block_tables, const int32_t *row_seq, const int32_t *row_pos,
-                                 _Float16 *out, int64_t num_rows, int64_t num_heads, int64_t kv_heads,
-                                 int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
-                                 int64_t window, float soft_cap, int64_t chunk, int num_threads);
-int paged_attention_rows_f16_i8(const _Float16 *q, const int8_t *key, const int8_t *value,
-                                const float *key_scale, const float *value_scale, const int32_t *block_tables,
-                                const int32_t *row_seq, const int32_t *row_pos, _Float16 *out,
-                                int64_t num_rows, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
-                                int64_t block_size, int64_t max_blocks, float scale, int64_t window,
-                                float soft_cap, int64_t chunk, int num_threads);
-int paged_attention_prefill_f16(const _Float16 *q, const _Float16 *key, const _Float16 *value,
-                                const int32_t *block_tables, const int32_t *tile_seq, const int32_t *tile_row,
-                                const int32_t *tile_pos, const int32_t *tile_rows, _Float16 *out,
-                                int64_t num_tiles, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
-                                int64_t block_size, int64_t max_blocks, float scale, int num_threads);
+PAGED_ATTENTION_ROWS(paged_attention_rows_f16, _Float16, _Float16);
+PAGED_ATTENTION_ROWS(paged_attention_rows_f16_fp8, _Float16, uint8_t);
+PAGED_ATTENTION_ROWS(paged_attention_rows_f16_i8, _Float16, int8_t);
+PAGED_ATTENTION_PREFILL(paged_attention_prefill_f16, _Float16);
 #endif
 int64_t paged_attention_prefill_lanes(void);
 

@@ -153,6 +153,46 @@ static inline vf vexp(vf x) {
     return (vf)((vi)(y * (vf)scale) & ~tiny);
 }
 
+/* The lane-wise passes of a prefill tile and of a run of rows (paged_attention_prefill_body.h,
+ * attend_lanes): the query tile qt [D, VL] holds element d of each lane's query, the scores
+ * sc [positions, VL] one position's scores of every lane. */
+
+/* acc[u] = the lanes' dot products with key row k[u], for TILE_KEYS keys */
+static inline __attribute__((always_inline)) void lane_scores(const float *qt, const float *const *k,
+                                                              int64_t D, vf *acc) {
+    for (int u = 0; u < TILE_KEYS; u++) acc[u] = (vf){0};
+    for (int64_t d = 0; d < D; d++) {
+        const vf qd = vload_f32(qt + d * VL);
+        for (int u = 0; u < TILE_KEYS; u++) acc[u] += qd * k[u][d];
+    }
+}
+
+/* the n positions' scores become exp(score - mv), lane-wise; returns each lane's sum of them */
+static inline vf lane_softmax(float *sc, int64_t n, vf mv) {
+    vf lv = {0};
+    for (int64_t i = 0; i < n; i++) {
+        const vf p = vexp(vload_f32(sc + i * VL) - mv);
+        vstore(sc + i * VL, p);
+        lv += p;
+    }
+    return lv;
+}
+
+/* ot [D, VL] += the weights sc [cnt, VL] times the value rows v[u], TILE_DIMS vectors of ot
+ * held in registers over the cnt rows */
+static inline __attribute__((always_inline)) void lane_values(float *ot, const float *sc,
+                                                              const float *const *v, int64_t cnt, int64_t D) {
+    for (int64_t d0 = 0; d0 < D; d0 += TILE_DIMS) {
+        vf o[TILE_DIMS];
+        for (int e = 0; e < TILE_DIMS; e++) o[e] = vload_f32(ot + (d0 + e) * VL);
+        for (int64_t u = 0; u < cnt; u++) {
+            const vf p = vload_f32(sc + u * VL);
+            for (int e = 0; e < TILE_DIMS; e++) o[e] += p * v[u][d0 + e];
+        }
+        for (int e = 0; e < TILE_DIMS; e++) vstore(ot + (d0 + e) * VL, o[e]);
+    }
+}
+
 typedef struct {
     int64_t num_heads, kv_heads, head_dim, block_size;
     float scale, soft_cap;

@@ -268,11 +268,7 @@ static void SUFFIX(attend_lanes)(const Shape *s, const float *qf, const KT *key,
             kscale[u] = SCALED ? key_scale[slot * s->kv_heads + h] : 1.0f;
         }
         vf acc[TILE_KEYS];
-        for (int u = 0; u < TILE_KEYS; u++) acc[u] = (vf){0};
-        for (int64_t d = 0; d < D; d++) {
-            const vf qd = vload_f32(qt + d * VL);
-            for (int u = 0; u < TILE_KEYS; u++) acc[u] += qd * k[u][d];
-        }
+        lane_scores(qt, k, D, acc);
         for (int u = 0; u < cnt; u++) {
             vf score = (SCALED ? acc[u] * kscale[u] : acc[u]) * s->scale;
             if (s->soft_cap > 0.0f)
@@ -282,12 +278,7 @@ static void SUFFIX(attend_lanes)(const Shape *s, const float *qf, const KT *key,
             mv = vmax(mv, score);
         }
     }
-    vf lv = {0};
-    for (int64_t i = 0; i < n; i++) {
-        const vf p = vexp(vload_f32(sc + i * VL) - mv);
-        vstore(sc + i * VL, p);
-        lv += p;
-    }
+    const vf lv = lane_softmax(sc, n, mv);
     for (int64_t d = 0; d < D * VL; d++) ot[d] = 0.0f;
     for (int64_t i0 = 0; i0 < n; i0 += TILE_VALUES) {
         const int64_t cnt = n - i0 < TILE_VALUES ? n - i0 : TILE_VALUES;
@@ -297,15 +288,7 @@ static void SUFFIX(attend_lanes)(const Shape *s, const float *qf, const KT *key,
             const float vscale = SCALED ? value_scale[slot * s->kv_heads + h] : 1.0f;
             v[u] = SUFFIX(lane_row)(value + slot * HD + h * D, stage + u * D, D, vscale);
         }
-        for (int64_t d0 = 0; d0 < D; d0 += TILE_DIMS) {
-            vf o[TILE_DIMS];
-            for (int e = 0; e < TILE_DIMS; e++) o[e] = vload_f32(ot + (d0 + e) * VL);
-            for (int64_t u = 0; u < cnt; u++) {
-                const vf p = vload_f32(sc + (i0 + u) * VL);
-                for (int e = 0; e < TILE_DIMS; e++) o[e] += p * v[u][d0 + e];
-            }
-            for (int e = 0; e < TILE_DIMS; e++) vstore(ot + (d0 + e) * VL, o[e]);
-        }
+        lane_values(ot, sc + i0 * VL, v, cnt, D);
     }
     for (int64_t lane = 0; lane < m * group; lane++) {
         float *o = outs[lane / group];

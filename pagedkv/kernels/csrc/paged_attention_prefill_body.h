@@ -39,11 +39,7 @@ static void SUFFIX(prefill_tile)(const Shape *s, const QT *q, const KT *key, con
             k[u] = SUFFIX(row)(key + SUFFIX(slot)(s, table, t) * HD + h * D, stage + u * D, D);
         }
         vf acc[TILE_KEYS];
-        for (int u = 0; u < TILE_KEYS; u++) acc[u] = (vf){0};
-        for (int64_t d = 0; d < D; d++) {
-            const vf qd = vload_f32(qt + d * VL);
-            for (int u = 0; u < TILE_KEYS; u++) acc[u] += qd * k[u][d];
-        }
+        lane_scores(qt, k, D, acc);
         for (int u = 0; u < cnt; u++) {
             const int64_t t = t0 + u;
             vf score = acc[u] * s->scale;
@@ -52,27 +48,14 @@ static void SUFFIX(prefill_tile)(const Shape *s, const QT *q, const KT *key, con
             mv = vmax(mv, score);
         }
     }
-    vf lv = {0};
-    for (int64_t t = 0; t < n; t++) {
-        const vf p = vexp(vload_f32(sc + t * VL) - mv);
-        vstore(sc + t * VL, p);
-        lv += p;
-    }
+    const vf lv = lane_softmax(sc, n, mv);
     for (int64_t d = 0; d < D * VL; d++) ot[d] = 0.0f;
     for (int64_t t0 = 0; t0 < n; t0 += TILE_VALUES) {
         const int64_t cnt = n - t0 < TILE_VALUES ? n - t0 : TILE_VALUES;
         const float *v[TILE_VALUES];
         for (int64_t u = 0; u < cnt; u++)
             v[u] = SUFFIX(row)(value + SUFFIX(slot)(s, table, t0 + u) * HD + h * D, stage + u * D, D);
-        for (int64_t d0 = 0; d0 < D; d0 += TILE_DIMS) {
-            vf o[TILE_DIMS];
-            for (int e = 0; e < TILE_DIMS; e++) o[e] = vload_f32(ot + (d0 + e) * VL);
-            for (int64_t u = 0; u < cnt; u++) {
-                const vf p = vload_f32(sc + (t0 + u) * VL);
-                for (int e = 0; e < TILE_DIMS; e++) o[e] += p * v[u][d0 + e];
-            }
-            for (int e = 0; e < TILE_DIMS; e++) vstore(ot + (d0 + e) * VL, o[e]);
-        }
+        lane_values(ot, sc + t0 * VL, v, cnt, D);
     }
     for (int64_t lane = 0; lane < rows * group; lane++) {
         QT *o = out + ((row0 + lane / group) * H + h * group + lane % group) * D;

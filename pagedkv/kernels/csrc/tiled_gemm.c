@@ -155,12 +155,29 @@ static inline void finish_pair_bf16(int fused, const uint16_t *tmp, uint16_t *y,
     }
 }
 
-/* the next full tile after column c of pair t (n = 2 w columns; pairs of `stride` elements), for
- * NEXT_TILE, or NULL */
-static inline const char *next_full_tile(const char *pair, const char *next_pair, int64_t c, int64_t n,
-                                         int64_t next_width, int64_t tile_bytes) {
-    if (c + 2 * NR <= n) return pair + (c / NR + 1) * tile_bytes;
-    if (c + NR >= n && next_pair != NULL && 2 * next_width >= NR) return next_pair;
+/* pair t of the `pairs` pairs of a gate/up weight of I rows each (its gate tile or tiles, then
+ * its up ones, each tile `tile_bytes` long): the columns of each half (w <= NR), where it starts,
+ * and the next pair with its w (NULL after the last) */
+typedef struct {
+    int64_t w, next_w, tile_bytes;
+    const char *pair, *next_pair;
+} GatePair;
+
+static inline GatePair gate_pair(const void *tiles, int64_t t, int64_t pairs, int64_t I, int64_t tile_bytes) {
+    GatePair p;
+    p.w = I - t * NR < NR ? I - t * NR : NR;
+    p.next_w = I - (t + 1) * NR < NR ? I - (t + 1) * NR : NR;
+    p.tile_bytes = tile_bytes;
+    p.pair = (const char *)tiles + t * 2 * tile_bytes;
+    p.next_pair = t + 1 < pairs ? p.pair + 2 * tile_bytes : NULL;
+    return p;
+}
+
+/* the next full tile after column c of a pair (of n = 2 w columns), for NEXT_TILE, or NULL */
+static inline const char *next_full_tile(const GatePair *p, int64_t c) {
+    const int64_t n = 2 * p->w;
+    if (c + 2 * NR <= n) return p->pair + (c / NR + 1) * p->tile_bytes;
+    if (c + NR >= n && p->next_pair != NULL && 2 * p->next_w >= NR) return p->next_pair;
     return NULL;
 }
 
@@ -183,18 +200,15 @@ int tiled_gate_up_f32(const float *x, const float *tiles, float *y, int64_t M, i
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < pairs; t++) {
             if (tmp == NULL) continue;
-            const int64_t w = I - t * NR < NR ? I - t * NR : NR, n = 2 * w;
-            const float *pair = tiles + t * 2 * NR * K;
-            const int64_t next_w = I - (t + 1) * NR < NR ? I - (t + 1) * NR : NR;
-            const char *next_pair = t + 1 < pairs ? (const char *)(pair + 2 * NR * K) : NULL;
+            const GatePair p = gate_pair(tiles, t, pairs, I, NR * K * sizeof(float));
+            const int64_t w = p.w, n = 2 * w;
+            const float *pair = (const float *)p.pair;
             for (int64_t m0 = 0; m0 < M; m0 += run) {
                 const int64_t rows = M - m0 < run ? M - m0 : run;
                 for (int64_t c = 0; c < n; c += NR) {
                     const int pulls = c == 0 ? m0 == 0 : m0 + rows == M;
                     tile_product(x + m0 * K, pair + c * K, NULL, tmp, rows, K, n, c,
-                                 pulls ? next_full_tile((const char *)pair, next_pair, c, n, next_w,
-                                                        NR * K * sizeof(float))
-                                       : NULL);
+                                 pulls ? next_full_tile(&p, c) : NULL);
                 }
                 finish_pair_f32(fused, tmp, y + m0 * y_stride, rows, w, I, t);
             }
@@ -247,14 +261,12 @@ int tiled_gate_up_bf16(const uint16_t *x, const uint16_t *tiles, uint16_t *y, in
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < pairs; t++) {
             if (tmp == NULL) continue;
-            const int64_t w = I - t * NR < NR ? I - t * NR : NR, n = 2 * w;
-            const uint16_t *pair = tiles + t * 2 * NR * padded;
-            const int64_t next_w = I - (t + 1) * NR < NR ? I - (t + 1) * NR : NR;
-            const char *next_pair = t + 1 < pairs ? (const char *)(pair + 2 * NR * padded) : NULL;
+            const GatePair p = gate_pair(tiles, t, pairs, I, NR * padded * sizeof(uint16_t));
+            const int64_t w = p.w, n = 2 * w;
+            const uint16_t *pair = (const uint16_t *)p.pair;
             for (int64_t c = 0; c < n; c += NR) {
                 const int64_t width = n - c < NR ? n - c : NR;
-                const char *next = next_full_tile((const char *)pair, next_pair, c, n, next_w,
-                                                  NR * padded * sizeof(uint16_t));
+                const char *next = next_full_tile(&p, c);
                 for (int64_t m = 0; m < M; m += MR) {
                     int rows = M - m < MR ? (int)(M - m) : MR;
                     block_rows_bf16(x + m * K, K, pair + c * padded, width, NULL, tmp + m * n + c, n, rows, m == 0,
@@ -396,15 +408,13 @@ int tiled_gate_up_bf16(const uint16_t *x, const uint16_t *tiles, uint16_t *y, in
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < pairs; t++) {
             if (acc == NULL || tmp == NULL || wide_tile == NULL) continue;
-            const int64_t w = I - t * NR < NR ? I - t * NR : NR, n = 2 * w;
-            const uint16_t *pair = tiles + t * 2 * NR * padded;
-            const int64_t next_w = I - (t + 1) * NR < NR ? I - (t + 1) * NR : NR;
-            const char *next_pair = t + 1 < pairs ? (const char *)(pair + 2 * NR * padded) : NULL;
+            const GatePair p = gate_pair(tiles, t, pairs, I, NR * padded * sizeof(uint16_t));
+            const int64_t w = p.w, n = 2 * w;
+            const uint16_t *pair = (const uint16_t *)p.pair;
             for (int64_t c = 0; c < n; c += NR) {
                 const int64_t width = n - c < NR ? n - c : NR;
                 pair_tile_sums(wide, wide + M * padded, padded, pair + c * padded, width, acc, wide_tile, M,
-                               next_full_tile((const char *)pair, next_pair, c, n, next_w,
-                                              NR * padded * sizeof(uint16_t)));
+                               next_full_tile(&p, c));
                 round_rows(acc, NULL, tmp + c, n, M, width);
             }
             finish_pair_bf16(fused, tmp, y, M, w, I, t);
