@@ -32,7 +32,8 @@ from pagedkv.cli_parsing import (
     unit_fraction,
     usage_errors,
 )
-from pagedkv.engine.config import SCHEDULING_POLICIES, EngineConfig
+from pagedkv.config.scheduler import SCHEDULING_POLICIES
+from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.kv_policy import POLICY_NAMES
 from pagedkv.engine.structured.config import StructuredOutputsConfig
 from pagedkv.engine.validation import RequestLimits
@@ -364,14 +365,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's config. On a machine that holds tensor-parallel ranks but not rank 0
     (``--node-rank`` > 0, or a torchrun process whose RANK is not 0) this runs those ranks
     until rank 0 stops them and exits: such a machine serves nothing."""
-    config = EngineConfig(**engine_options(args))
-    if config.tensor_parallel_size > 1:
+    with usage_errors(args):
+        config = EngineConfig(**engine_options(args))
+        settings = config.resolve()
+    if settings.parallel.tensor_parallel_size > 1:
         from pagedkv.engine.executor.node import is_worker_node, run_worker_node
 
         with usage_errors(args):
-            worker_node = is_worker_node(config)
+            worker_node = is_worker_node(settings)
         if worker_node:
-            sys.exit(run_worker_node(config))
+            sys.exit(run_worker_node(settings))
     return config
 
 

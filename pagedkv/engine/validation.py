@@ -142,15 +142,6 @@ def check_text(text: str, param: str) -> None:
         )
 
 
-def check_priority_range(min_priority: int, max_priority: int) -> None:
-    """The range must hold 0, the priority of a request that sets none."""
-    if not min_priority <= 0 <= max_priority:
-        raise ValueError(
-            f"min_priority <= 0 <= max_priority must hold (0 is the default priority), "
-            f"got min_priority={min_priority}, max_priority={max_priority}"
-        )
-
-
 def check_cache_salt(cache_salt: object) -> None:
     """vLLM's ``cache_salt``: None, or a non-empty string of valid text (it is hashed as UTF-8)."""
     if cache_salt is None:
