@@ -7,7 +7,8 @@ naming the option.
 The flat options a user gives (``LLM(**kwargs)``, the command line) are
 :class:`pagedkv.engine.config.EngineConfig`; its ``resolve()`` builds these parts, with the
 parts that belong to the engine itself (speculative decoding, request limits, structured
-output, the KV policy), into one :class:`~pagedkv.engine.config.EngineSettings`.
+output, the KV policy), into one :class:`~pagedkv.engine.config.EngineSettings`. The parts
+have no defaults of their own: ``EngineConfig`` declares each option's default once.
 
 This package sits below everything that reads it: it imports only the plain-Python memory
 model and the kernels' names, never torch, so the command line reads it for free.

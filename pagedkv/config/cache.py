@@ -21,17 +21,17 @@ class CacheConfig:
     """
 
     #: Tokens per KV block.
-    block_size: int = 16
+    block_size: int
     #: "auto" (the model's dtype), "fp8" or "int8": what each KV element is stored in.
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str
     #: KV blocks in each rank's pool, as given; None: sized from ``pool_bytes`` or "auto".
-    num_kv_blocks: int | None = None
+    num_kv_blocks: int | None
     #: Bytes of each rank's pool (``kv_cache_memory`` parsed); None: "auto".
-    pool_bytes: int | None = None
+    pool_bytes: int | None
     #: Full blocks are indexed by their prefix and reused by later requests.
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool
     #: Share of the blocks kept free at admission, so running sequences can still grow.
-    watermark: float = 0.01
+    watermark: float
 
     def __post_init__(self) -> None:
         positive_int("block_size", self.block_size)

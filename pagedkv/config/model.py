@@ -28,28 +28,28 @@ class ModelOptions:
     """The checkpoint and how it runs, checked when made."""
 
     #: A folder or a Hub id; None: the built-in trained tiny Llama.
-    model: str | Path | None = None
+    model: str | Path | None
     #: The Hub revision of a ``model`` given as a Hub id; None: "main".
-    revision: str | None = None
+    revision: str | None
     #: huggingface_hub's cache; None: HF_HUB_CACHE.
-    download_dir: str | Path | None = None
+    download_dir: str | Path | None
     #: "auto" (the checkpoint's safetensors) or "dummy" (seeded random weights of its shape).
-    load_format: str = "auto"
+    load_format: str
     #: The model's sampling defaults: "auto", "vllm" (none) or a folder.
-    generation_config: str = "auto"
+    generation_config: str
     #: Token-id prompts only, outputs without text.
-    skip_tokenizer_init: bool = False
+    skip_tokenizer_init: bool
     #: A name of :data:`DTYPE_NAMES` or a torch dtype; None: the checkpoint's.
-    dtype: str | torch.dtype | None = "auto"
+    dtype: str | torch.dtype | None
     #: Context length; None: the model's.
-    max_model_len: int | None = None
-    device: str = "cpu"
+    max_model_len: int | None
+    device: str
     #: "torch", "cpu" or "triton"; None: triton on CUDA, else cpu.
-    attention_backend: str | None = None
+    attention_backend: str | None
     #: A name of ``pagedkv.kernels.LINEAR_KERNELS``.
-    linear_kernel: str = "auto"
+    linear_kernel: str
     #: No CUDA graphs: every decode step runs eagerly.
-    enforce_eager: bool = False
+    enforce_eager: bool
 
     def __post_init__(self) -> None:
         if self.dtype is not None and str(self.dtype).removeprefix("torch.") not in DTYPE_NAMES:

@@ -15,20 +15,18 @@ class ParallelConfig:
     """Tensor parallelism's ranks and rendezvous, checked when made (the model's own split --
     its heads over the ranks -- is checked once the model's config is read)."""
 
-    #: Ranks the model is sharded over (one process each).
-    tensor_parallel_size: int = 1
-    #: Machines the ranks run on, and this machine's index (0 runs the engine).
-    nnodes: int = 1
-    node_rank: int = 0
-    #: Where the ranks meet (machine 0); None: 127.0.0.1 on one machine.
-    master_addr: str | None = None
+    tensor_parallel_size: int
+    #: The machines, ``tensor_parallel_size / nnodes`` ranks each; machine 0 runs the engine.
+    nnodes: int
+    node_rank: int
+    #: Machine 0's address, required over several machines; None: 127.0.0.1 on one.
+    master_addr: str | None
     #: None: a free port on one machine, torchrun's 29500 over several.
-    master_port: int | None = None
-    #: Seconds a collective waits for the other ranks before the engine fails, naming them.
-    distributed_timeout: float = 60.0
-    #: torch CPU threads of each rank; None: the engine process's threads shared by the
-    #: machine's ranks.
-    threads_per_rank: int | None = None
+    master_port: int | None
+    #: Seconds before a collective that waits on a rank fails.
+    distributed_timeout: float
+    #: None: the engine process's threads, shared by the machine's ranks.
+    threads_per_rank: int | None
 
     def __post_init__(self) -> None:
         world_size = positive_int("tensor_parallel_size", self.tensor_parallel_size)

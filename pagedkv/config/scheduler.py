@@ -17,22 +17,22 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 class SchedulerConfig:
     """Continuous batching's limits and policies, checked when made."""
 
-    max_num_seqs: int = 64
+    max_num_seqs: int
     #: Tokens one step computes, prompt chunks and decodes together.
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int
     #: Share of each running request's remaining ``max_tokens`` that paged admission keeps room
     #: for (see ``engine/headroom.py``): 1.0 never over-commits; 0 admits on the prompt alone.
-    decode_headroom: float = 1.0
+    decode_headroom: float
     #: "fcfs" or "priority": with "priority", a request's ``priority`` (lower first) orders
     #: admission and preemption (see ``engine/fairness.py``).
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str
     #: The ``priority`` values a request may carry under the "priority" policy; 0 (the
     #: default priority) is always inside.
-    min_priority: int = -100
-    max_priority: int = 100
+    min_priority: int
+    max_priority: int
     #: Most of the running slots and KV blocks one client request may hold while others wait;
     #: 1.0: no limit.
-    max_running_share: float = 0.5
+    max_running_share: float
 
     def __post_init__(self) -> None:
         positive_int("max_num_seqs", self.max_num_seqs)

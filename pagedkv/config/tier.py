@@ -22,14 +22,14 @@ class TierConfig:
     """A second KV tier (``kind`` None: off), checked when made. Build it with :meth:`of`."""
 
     #: None (off), "host" (RAM) or "disk" (files in ``folder``, found again by a restarted engine).
-    kind: str | None = None
+    kind: str | None
     #: The tier's bytes, all ranks together (each holds its share of the KV heads).
-    capacity_bytes: int | None = None
+    capacity_bytes: int | None
     #: The disk tier's folder (created if missing).
-    folder: Path | None = None
+    folder: Path | None
     #: "swap" (a preempted request's blocks go to the tier), "recompute", or None: whichever
     #: the cost model finds cheaper, per request.
-    preemption_mode: str | None = None
+    preemption_mode: str | None
 
     def __post_init__(self) -> None:
         one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)

@@ -4,48 +4,81 @@ a resolved config holds each value once, in its part."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from pathlib import Path
 
 import pytest
 
-from pagedkv.config import CacheConfig, ModelOptions, ParallelConfig, SchedulerConfig, TierConfig
+from pagedkv.config import CacheConfig, ParallelConfig, TierConfig
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.kv_policy import CONTIGUOUS, PAGED
 from pagedkv.engine.spec.config import SpeculativeConfig
+
+#: The parts of the default options, each test changing one field (``replace`` makes the part anew).
+DEFAULTS = EngineConfig().resolve()
+
+
+def _model(**changes):
+    return dataclasses.replace(DEFAULTS.model, **changes)
+
+
+def _cache(**changes):
+    return dataclasses.replace(DEFAULTS.cache, **changes)
+
+
+def _scheduler(**changes):
+    return dataclasses.replace(DEFAULTS.scheduler, **changes)
+
+
+def _parallel(**changes):
+    return dataclasses.replace(DEFAULTS.parallel, **changes)
+
+
+def _tier(**changes):
+    return dataclasses.replace(DEFAULTS.tier, **changes)
 
 
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: ModelOptions(dtype="float64"), "unsupported dtype 'float64'"),
-        (lambda: ModelOptions(load_format="npz"), "unknown load_format 'npz'"),
-        (lambda: ModelOptions(linear_kernel="mkl"), "unknown linear kernel 'mkl'"),
-        (lambda: ModelOptions(max_model_len=0), "max_model_len must be a positive integer, got 0"),
-        (lambda: CacheConfig(block_size=0), "block_size must be a positive integer, got 0"),
-        (lambda: CacheConfig(kv_cache_dtype="e5m2"), "unknown kv_cache_dtype 'e5m2'"),
-        (lambda: CacheConfig(num_kv_blocks=-1), "num_kv_blocks must be a positive integer"),
-        (lambda: CacheConfig(pool_bytes=0), "kv_cache_memory must be a positive integer"),
-        (lambda: CacheConfig(watermark=1.0), "watermark must be in [0, 1)"),
-        (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs must be a positive integer, got 0"),
-        (lambda: SchedulerConfig(max_num_batched_tokens=2.5), "max_num_batched_tokens must be a positive"),
-        (lambda: SchedulerConfig(decode_headroom=1.5), "decode_headroom must be in [0, 1], got 1.5"),
-        (lambda: SchedulerConfig(scheduling_policy="lifo"), "scheduling_policy must be one of"),
-        (lambda: SchedulerConfig(min_priority=1), "min_priority <= 0 <= max_priority"),
-        (lambda: SchedulerConfig(max_running_share=0.0), "max_running_share must be in (0, 1]"),
-        (lambda: ParallelConfig(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
-        (lambda: ParallelConfig(4, nnodes=3, master_addr="h"), "cannot be split over 3 nodes"),
-        (lambda: ParallelConfig(4, nnodes=2, node_rank=2, master_addr="h"), "node_rank must be in 0 .. 1"),
-        (lambda: ParallelConfig(4, nnodes=2, node_rank=1), "--master-addr is required"),
-        (lambda: ParallelConfig(distributed_timeout=0), "distributed_timeout must be positive"),
-        (lambda: ParallelConfig(threads_per_rank=0), "threads_per_rank must be a positive integer"),
-        (lambda: TierConfig(preemption_mode="pause"), "preemption_mode must be one of"),
-        (lambda: TierConfig(preemption_mode="swap"), "needs a second KV tier"),
-        (lambda: TierConfig("ram", 2**30), "kv_offload must be one of"),
-        (lambda: TierConfig("host"), "needs a size: --kv-offloading-size"),
-        (lambda: TierConfig("host", 0), "--kv-offloading-size must be positive"),
-        (lambda: TierConfig("disk", 2**30), "needs a folder (--kv-offload-dir)"),
-        (lambda: TierConfig("host", 2**30, Path("/tmp")), "--kv-offload-dir is the disk tier's folder"),
+        (lambda: _model(dtype="float64"), "unsupported dtype 'float64'"),
+        (lambda: _model(load_format="npz"), "unknown load_format 'npz'"),
+        (lambda: _model(linear_kernel="mkl"), "unknown linear kernel 'mkl'"),
+        (lambda: _model(max_model_len=0), "max_model_len must be a positive integer, got 0"),
+        (lambda: _cache(block_size=0), "block_size must be a positive integer, got 0"),
+        (lambda: _cache(kv_cache_dtype="e5m2"), "unknown kv_cache_dtype 'e5m2'"),
+        (lambda: _cache(num_kv_blocks=-1), "num_kv_blocks must be a positive integer"),
+        (lambda: _cache(pool_bytes=0), "kv_cache_memory must be a positive integer"),
+        (lambda: _cache(watermark=1.0), "watermark must be in [0, 1)"),
+        (lambda: _scheduler(max_num_seqs=0), "max_num_seqs must be a positive integer, got 0"),
+        (lambda: _scheduler(max_num_batched_tokens=2.5), "max_num_batched_tokens must be a positive"),
+        (lambda: _scheduler(decode_headroom=1.5), "decode_headroom must be in [0, 1], got 1.5"),
+        (lambda: _scheduler(scheduling_policy="lifo"), "scheduling_policy must be one of"),
+        (lambda: _scheduler(min_priority=1), "min_priority <= 0 <= max_priority"),
+        (lambda: _scheduler(max_running_share=0.0), "max_running_share must be in (0, 1]"),
+        (lambda: _parallel(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
+        (
+            lambda: _parallel(tensor_parallel_size=4, nnodes=3, master_addr="h"),
+            "cannot be split over 3 nodes",
+        ),
+        (
+            lambda: _parallel(tensor_parallel_size=4, nnodes=2, node_rank=2, master_addr="h"),
+            "node_rank must be in 0 .. 1",
+        ),
+        (lambda: _parallel(tensor_parallel_size=4, nnodes=2, node_rank=1), "--master-addr is required"),
+        (lambda: _parallel(distributed_timeout=0), "distributed_timeout must be positive"),
+        (lambda: _parallel(threads_per_rank=0), "threads_per_rank must be a positive integer"),
+        (lambda: _tier(preemption_mode="pause"), "preemption_mode must be one of"),
+        (lambda: _tier(preemption_mode="swap"), "needs a second KV tier"),
+        (lambda: _tier(kind="ram", capacity_bytes=2**30), "kv_offload must be one of"),
+        (lambda: _tier(kind="host"), "needs a size: --kv-offloading-size"),
+        (lambda: _tier(kind="host", capacity_bytes=0), "--kv-offloading-size must be positive"),
+        (lambda: _tier(kind="disk", capacity_bytes=2**30), "needs a folder (--kv-offload-dir)"),
+        (
+            lambda: _tier(kind="host", capacity_bytes=2**30, folder=Path("/tmp")),
+            "--kv-offload-dir is the disk tier's folder",
+        ),
     ],
 )
 def test_each_part_refuses_a_bad_option_naming_it(make, message):
@@ -98,10 +131,10 @@ def test_resolving_puts_each_value_in_its_part():
         speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
     )
     settings = config.resolve()
-    assert settings.cache == CacheConfig(block_size=8, kv_cache_dtype="int8", pool_bytes=256 * 2**20)
+    assert settings.cache == CacheConfig(8, "int8", None, 256 * 2**20, True, 0.01)
     assert settings.scheduler.max_num_seqs == 7 and settings.scheduler.scheduling_policy == "priority"
     assert settings.scheduler.priority_range == (-100, 100)
-    assert settings.parallel == ParallelConfig(tensor_parallel_size=2)
+    assert settings.parallel == ParallelConfig(2, 1, 0, None, None, 60.0, None)
     assert settings.tier == TierConfig("host", 2**30, None, "swap")
     assert settings.model.max_model_len == 512 and settings.model.loads_weights
     assert settings.kv_policy is CONTIGUOUS and not settings.prefix_caching  # contiguous never shares
