@@ -32,6 +32,7 @@ from pagedkv.cli_parsing import (
     unit_fraction,
     usage_errors,
 )
+from pagedkv.config.model import DTYPE_NAMES, LOAD_FORMATS
 from pagedkv.config.scheduler import SCHEDULING_POLICIES
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.kv_policy import POLICY_NAMES
@@ -109,7 +110,7 @@ ENGINE_OPTIONS = (
     EngineOption(
         "dtype",
         f"auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32 {DEFAULT}",
-        choices=("auto", "float32", "bfloat16", "float16"),
+        choices=DTYPE_NAMES,
     ),
     EngineOption("device", f"torch device {DEFAULT}"),
     EngineOption(
@@ -209,7 +210,7 @@ ENGINE_OPTIONS = (
     EngineOption(
         "load_format",
         f"auto: the checkpoint's weights; dummy: seeded random weights of config.json's shape {DEFAULT}",
-        choices=("auto", "dummy"),
+        choices=LOAD_FORMATS,
     ),
     EngineOption(
         "speculative_config",
