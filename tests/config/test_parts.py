@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from pagedkv.config import CacheConfig, ParallelConfig, TierConfig
+from pagedkv.config.speculative import SpeculativeConfig
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.kv_policy import CONTIGUOUS, PAGED
-from pagedkv.engine.spec.config import SpeculativeConfig
 
 #: The parts of the default options, each test changing one field (``replace`` makes the part anew).
 DEFAULTS = EngineConfig().resolve()

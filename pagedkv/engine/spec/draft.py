@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from pagedkv.config.speculative import SpeculativeConfig
 from pagedkv.engine.config import EngineSettings
 from pagedkv.engine.plan import SeqSlice, StepPlan
-from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.memory import KVCacheManager
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pagedkv.config.speculative import NGRAM
 from pagedkv.engine.config import EngineSettings
-from pagedkv.engine.spec.config import NGRAM
 from pagedkv.engine.spec.ngram import NgramProposer
 from pagedkv.engine.spec.speculator import Proposer, Speculator
 from pagedkv.engine.spec.verify import Verifier

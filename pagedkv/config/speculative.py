@@ -18,10 +18,11 @@ off.
 from __future__ import annotations
 
 import json
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from pagedkv.config.checks import positive_int
 
 NGRAM, DRAFT_MODEL = "ngram", "draft_model"
 
@@ -48,9 +49,7 @@ def _field(name: str) -> str:
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{_field(name)} must be a positive integer, got {value!r}")
-    return int(value)
+    return positive_int(_field(name), value)
 
 
 @dataclass(frozen=True)
