@@ -6,14 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedkv.config.checks import optional_positive_int, positive_int
-from pagedkv.memory.pool_sizing import kv_cache_bytes
 from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The KV pool's shape. Built with :meth:`of` from the user's options; every field is checked
-    here, so the executors size the pool from values already known good.
+    """The KV pool's shape. Every field is checked here, so the executors size the pool from
+    values already known good.
 
     The pool's size comes from one of three sources, first set wins: ``num_kv_blocks``, then
     ``pool_bytes`` (an explicit ``kv_cache_memory``), then "auto" (both None: the executor
@@ -43,17 +42,3 @@ class CacheConfig:
         optional_positive_int("kv_cache_memory", self.pool_bytes)
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-
-    @classmethod
-    def of(
-        cls,
-        block_size: int,
-        kv_cache_dtype: str,
-        num_kv_blocks: int | None,
-        kv_cache_memory: str | int,
-        enable_prefix_caching: bool,
-        watermark: float,
-    ) -> CacheConfig:
-        """The part of these options: ``kv_cache_memory`` is "auto", bytes or text like "256MiB"."""
-        pool_bytes = kv_cache_bytes(kv_cache_memory)
-        return cls(block_size, kv_cache_dtype, num_kv_blocks, pool_bytes, enable_prefix_caching, watermark)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import numbers
+from typing import Any
 
 
 def positive_int(name: str, value: object) -> int:
@@ -23,6 +25,17 @@ def unit_fraction(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value!r}")
     return float(value)
+
+
+def json_object(name: str, text: str) -> dict[str, Any]:
+    """The JSON object ``text`` holds, refused when it is not valid JSON or not an object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{name} is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def one_of(name: str, value: object, choices: tuple[object, ...]) -> None:

@@ -17,12 +17,11 @@ off.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.config.checks import positive_int
+from pagedkv.config.checks import json_object, positive_int
 
 NGRAM, DRAFT_MODEL = "ngram", "draft_model"
 
@@ -122,11 +121,7 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """Parse ``--speculative-config`` (a JSON object)."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(json_object("speculative_config", text))
 
 
 def _method(data: Mapping[str, Any]) -> str:

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.config.checks import one_of
-from pagedkv.memory.spec import parse_bytes
 from pagedkv.memory.tiered import PREEMPTION_MODES
 
 #: Where a second KV tier keeps the blocks the pool lets go.
@@ -19,7 +18,7 @@ KV_OFFLOAD_KINDS = ("host", "disk")
 
 @dataclass(frozen=True)
 class TierConfig:
-    """A second KV tier (``kind`` None: off), checked when made. Build it with :meth:`of`."""
+    """A second KV tier (``kind`` None: off), checked when made."""
 
     #: None (off), "host" (RAM) or "disk" (files in ``folder``, found again by a restarted engine).
     kind: str | None
@@ -49,16 +48,3 @@ class TierConfig:
                 if self.kind == "disk"
                 else "--kv-offload-dir is the disk tier's folder; kv_offload='host' keeps blocks in RAM"
             )
-
-    @classmethod
-    def of(
-        cls,
-        kv_offload: str | None,
-        kv_offload_memory: str | int | None,
-        kv_offload_dir: str | Path | None,
-        preemption_mode: str | None,
-    ) -> TierConfig:
-        """The part of these options: ``kv_offload_memory`` is bytes or text like "8GiB"."""
-        size = None if kv_offload_memory is None else parse_bytes(kv_offload_memory)
-        folder = None if kv_offload_dir is None else Path(kv_offload_dir)
-        return cls(kv_offload, size, folder, preemption_mode)

@@ -13,19 +13,24 @@ This module imports neither torch nor the model code.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedkv.config import CacheConfig, ModelOptions, ParallelConfig, SchedulerConfig, TierConfig
 from pagedkv.config.speculative import SpeculativeConfig
 from pagedkv.engine.kv_policy import KVPolicy
 from pagedkv.engine.structured.config import StructuredOutputsConfig
 from pagedkv.engine.validation import RequestLimits
+from pagedkv.memory.pool_sizing import kv_cache_bytes
+from pagedkv.memory.spec import parse_bytes
 
 if TYPE_CHECKING:
     import torch
+
+P = TypeVar("P")
 
 
 @dataclass
@@ -139,62 +144,33 @@ class EngineConfig:
 
     def resolve(self) -> EngineSettings:
         """These options as typed parts, each checked where it is made (a ``ValueError`` naming
-        the option otherwise)."""
-        model = ModelOptions(
-            self.model,
-            self.revision,
-            self.download_dir,
-            self.load_format,
-            self.generation_config,
-            self.skip_tokenizer_init,
-            self.dtype,
-            self.max_model_len,
-            self.device,
-            self.attention_backend,
-            self.linear_kernel,
-            self.enforce_eager,
-        )
-        cache = CacheConfig.of(
-            self.block_size,
-            self.kv_cache_dtype,
-            self.num_kv_blocks,
-            self.kv_cache_memory,
-            self.enable_prefix_caching,
-            self.watermark,
-        )
-        scheduler = SchedulerConfig(
-            self.max_num_seqs,
-            self.max_num_batched_tokens,
-            self.decode_headroom,
-            self.scheduling_policy,
-            self.min_priority,
-            self.max_priority,
-            self.max_running_share,
-        )
-        parallel = ParallelConfig(
-            self.tensor_parallel_size,
-            self.nnodes,
-            self.node_rank,
-            self.master_addr,
-            self.master_port,
-            self.distributed_timeout,
-            self.threads_per_rank,
-        )
-        tier = TierConfig.of(
-            self.kv_offload, self.kv_offload_memory, self.kv_offload_dir, self.preemption_mode
-        )
+        the option otherwise). A part's field holds the option of its name, but for the sizes
+        given as text ("256MiB", "auto"), held in bytes, and the tier's fields."""
         spec = self.speculative_config
         assert spec is None or isinstance(spec, SpeculativeConfig)  # parsed by __post_init__
+        tier_bytes = None if self.kv_offload_memory is None else parse_bytes(self.kv_offload_memory)
         return EngineSettings(
-            model,
-            cache,
-            scheduler,
-            parallel,
-            tier,
-            spec,
-            KVPolicy.named(self.kv_policy),
-            self.limits,
-            self.structured_outputs_config,
+            model=self._part(ModelOptions),
+            cache=self._part(CacheConfig, pool_bytes=kv_cache_bytes(self.kv_cache_memory)),
+            scheduler=self._part(SchedulerConfig),
+            parallel=self._part(ParallelConfig),
+            tier=self._part(
+                TierConfig,
+                kind=self.kv_offload,
+                capacity_bytes=tier_bytes,
+                folder=None if self.kv_offload_dir is None else Path(self.kv_offload_dir),
+            ),
+            speculative=spec,
+            kv_policy=KVPolicy.named(self.kv_policy),
+            limits=self.limits,
+            structured_outputs=self.structured_outputs_config,
+        )
+
+    def _part(self, part: type[P], **converted: Any) -> P:
+        """``part`` (a dataclass) of the options named like its fields, and of ``converted``."""
+        fields = dataclasses.fields(part)  # type: ignore[arg-type]
+        return part(
+            **{f.name: converted[f.name] if f.name in converted else getattr(self, f.name) for f in fields}
         )
 
 

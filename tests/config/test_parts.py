@@ -140,7 +140,7 @@ def test_resolving_puts_each_value_in_its_part():
     assert settings.kv_policy is CONTIGUOUS and not settings.prefix_caching  # contiguous never shares
     assert settings.speculative == SpeculativeConfig("ngram", 3, prompt_lookup_min=5, prompt_lookup_max=5)
     assert settings.limits is config.limits
-    assert CacheConfig.of(16, "auto", None, "auto", True, 0.01).pool_bytes is None  # "auto": measured later
+    assert EngineConfig(kv_cache_memory="auto").resolve().cache.pool_bytes is None  # measured later
     assert EngineConfig().resolve().kv_policy is PAGED and EngineConfig().resolve().prefix_caching
 
 
