@@ -19,64 +19,55 @@ from pagedkv.engine.kv_policy import CONTIGUOUS, PAGED
 DEFAULTS = EngineConfig().resolve()
 
 
-def _model(**changes):
-    return dataclasses.replace(DEFAULTS.model, **changes)
-
-
-def _cache(**changes):
-    return dataclasses.replace(DEFAULTS.cache, **changes)
-
-
-def _scheduler(**changes):
-    return dataclasses.replace(DEFAULTS.scheduler, **changes)
-
-
-def _parallel(**changes):
-    return dataclasses.replace(DEFAULTS.parallel, **changes)
-
-
-def _tier(**changes):
-    return dataclasses.replace(DEFAULTS.tier, **changes)
+def _part(name: str, **changes):
+    """The default options' part ``name`` with ``changes``: made anew, so checked anew."""
+    return dataclasses.replace(getattr(DEFAULTS, name), **changes)
 
 
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: _model(dtype="float64"), "unsupported dtype 'float64'"),
-        (lambda: _model(load_format="npz"), "unknown load_format 'npz'"),
-        (lambda: _model(linear_kernel="mkl"), "unknown linear kernel 'mkl'"),
-        (lambda: _model(max_model_len=0), "max_model_len must be a positive integer, got 0"),
-        (lambda: _cache(block_size=0), "block_size must be a positive integer, got 0"),
-        (lambda: _cache(kv_cache_dtype="e5m2"), "unknown kv_cache_dtype 'e5m2'"),
-        (lambda: _cache(num_kv_blocks=-1), "num_kv_blocks must be a positive integer"),
-        (lambda: _cache(pool_bytes=0), "kv_cache_memory must be a positive integer"),
-        (lambda: _cache(watermark=1.0), "watermark must be in [0, 1)"),
-        (lambda: _scheduler(max_num_seqs=0), "max_num_seqs must be a positive integer, got 0"),
-        (lambda: _scheduler(max_num_batched_tokens=2.5), "max_num_batched_tokens must be a positive"),
-        (lambda: _scheduler(decode_headroom=1.5), "decode_headroom must be in [0, 1], got 1.5"),
-        (lambda: _scheduler(scheduling_policy="lifo"), "scheduling_policy must be one of"),
-        (lambda: _scheduler(min_priority=1), "min_priority <= 0 <= max_priority"),
-        (lambda: _scheduler(max_running_share=0.0), "max_running_share must be in (0, 1]"),
-        (lambda: _parallel(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
+        (lambda: _part("model", dtype="float64"), "unsupported dtype 'float64'"),
+        (lambda: _part("model", load_format="npz"), "unknown load_format 'npz'"),
+        (lambda: _part("model", linear_kernel="mkl"), "unknown linear kernel 'mkl'"),
+        (lambda: _part("model", max_model_len=0), "max_model_len must be a positive integer, got 0"),
+        (lambda: _part("cache", block_size=0), "block_size must be a positive integer, got 0"),
+        (lambda: _part("cache", kv_cache_dtype="e5m2"), "unknown kv_cache_dtype 'e5m2'"),
+        (lambda: _part("cache", num_kv_blocks=-1), "num_kv_blocks must be a positive integer"),
+        (lambda: _part("cache", pool_bytes=0), "kv_cache_memory must be a positive integer"),
+        (lambda: _part("cache", watermark=1.0), "watermark must be in [0, 1)"),
+        (lambda: _part("scheduler", max_num_seqs=0), "max_num_seqs must be a positive integer, got 0"),
+        (lambda: _part("scheduler", max_num_batched_tokens=2.5), "max_num_batched_tokens must be a positive"),
+        (lambda: _part("scheduler", decode_headroom=1.5), "decode_headroom must be in [0, 1], got 1.5"),
+        (lambda: _part("scheduler", scheduling_policy="lifo"), "scheduling_policy must be one of"),
+        (lambda: _part("scheduler", min_priority=1), "min_priority <= 0 <= max_priority"),
+        (lambda: _part("scheduler", max_running_share=0.0), "max_running_share must be in (0, 1]"),
         (
-            lambda: _parallel(tensor_parallel_size=4, nnodes=3, master_addr="h"),
+            lambda: _part("parallel", tensor_parallel_size=0),
+            "tensor_parallel_size must be a positive integer",
+        ),
+        (
+            lambda: _part("parallel", tensor_parallel_size=4, nnodes=3, master_addr="h"),
             "cannot be split over 3 nodes",
         ),
         (
-            lambda: _parallel(tensor_parallel_size=4, nnodes=2, node_rank=2, master_addr="h"),
+            lambda: _part("parallel", tensor_parallel_size=4, nnodes=2, node_rank=2, master_addr="h"),
             "node_rank must be in 0 .. 1",
         ),
-        (lambda: _parallel(tensor_parallel_size=4, nnodes=2, node_rank=1), "--master-addr is required"),
-        (lambda: _parallel(distributed_timeout=0), "distributed_timeout must be positive"),
-        (lambda: _parallel(threads_per_rank=0), "threads_per_rank must be a positive integer"),
-        (lambda: _tier(preemption_mode="pause"), "preemption_mode must be one of"),
-        (lambda: _tier(preemption_mode="swap"), "needs a second KV tier"),
-        (lambda: _tier(kind="ram", capacity_bytes=2**30), "kv_offload must be one of"),
-        (lambda: _tier(kind="host"), "needs a size: --kv-offloading-size"),
-        (lambda: _tier(kind="host", capacity_bytes=0), "--kv-offloading-size must be positive"),
-        (lambda: _tier(kind="disk", capacity_bytes=2**30), "needs a folder (--kv-offload-dir)"),
         (
-            lambda: _tier(kind="host", capacity_bytes=2**30, folder=Path("/tmp")),
+            lambda: _part("parallel", tensor_parallel_size=4, nnodes=2, node_rank=1),
+            "--master-addr is required",
+        ),
+        (lambda: _part("parallel", distributed_timeout=0), "distributed_timeout must be positive"),
+        (lambda: _part("parallel", threads_per_rank=0), "threads_per_rank must be a positive integer"),
+        (lambda: _part("tier", preemption_mode="pause"), "preemption_mode must be one of"),
+        (lambda: _part("tier", preemption_mode="swap"), "needs a second KV tier"),
+        (lambda: _part("tier", kind="ram", capacity_bytes=2**30), "kv_offload must be one of"),
+        (lambda: _part("tier", kind="host"), "needs a size: --kv-offloading-size"),
+        (lambda: _part("tier", kind="host", capacity_bytes=0), "--kv-offloading-size must be positive"),
+        (lambda: _part("tier", kind="disk", capacity_bytes=2**30), "needs a folder (--kv-offload-dir)"),
+        (
+            lambda: _part("tier", kind="host", capacity_bytes=2**30, folder=Path("/tmp")),
             "--kv-offload-dir is the disk tier's folder",
         ),
     ],
