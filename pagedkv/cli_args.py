@@ -32,7 +32,9 @@ from pagedkv.cli_parsing import (
     unit_fraction,
     usage_errors,
 )
-from pagedkv.engine.config import SCHEDULING_POLICIES, EngineConfig
+from pagedkv.config.model import DTYPE_NAMES, LOAD_FORMATS
+from pagedkv.config.scheduler import SCHEDULING_POLICIES
+from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.kv_policy import POLICY_NAMES
 from pagedkv.engine.structured.config import StructuredOutputsConfig
 from pagedkv.engine.validation import RequestLimits
@@ -108,7 +110,7 @@ ENGINE_OPTIONS = (
     EngineOption(
         "dtype",
         f"auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32 {DEFAULT}",
-        choices=("auto", "float32", "bfloat16", "float16"),
+        choices=DTYPE_NAMES,
     ),
     EngineOption("device", f"torch device {DEFAULT}"),
     EngineOption(
@@ -208,7 +210,7 @@ ENGINE_OPTIONS = (
     EngineOption(
         "load_format",
         f"auto: the checkpoint's weights; dummy: seeded random weights of config.json's shape {DEFAULT}",
-        choices=("auto", "dummy"),
+        choices=LOAD_FORMATS,
     ),
     EngineOption(
         "speculative_config",
@@ -364,14 +366,16 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine's config. On a machine that holds tensor-parallel ranks but not rank 0
     (``--node-rank`` > 0, or a torchrun process whose RANK is not 0) this runs those ranks
     until rank 0 stops them and exits: such a machine serves nothing."""
-    config = EngineConfig(**engine_options(args))
-    if config.tensor_parallel_size > 1:
+    with usage_errors(args):
+        config = EngineConfig(**engine_options(args))
+        settings = config.resolve()
+    if settings.parallel.tensor_parallel_size > 1:
         from pagedkv.engine.executor.node import is_worker_node, run_worker_node
 
         with usage_errors(args):
-            worker_node = is_worker_node(config)
+            worker_node = is_worker_node(settings)
         if worker_node:
-            sys.exit(run_worker_node(config))
+            sys.exit(run_worker_node(settings))
     return config
 
 

@@ -11,7 +11,7 @@ import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from pagedkv.engine.spec.config import SpeculativeConfig
+from pagedkv.config.speculative import SpeculativeConfig
 from pagedkv.memory.pool_sizing import AUTO
 from pagedkv.memory.spec import parse_bytes
 

@@ -71,7 +71,7 @@ def run_live_batch(
             max_tokens=rng.randint(8, 64), temperature=0.8, seed=seed + i, ignore_eos=True
         )
         engine.add_request(f"demo-{i}", prompt, params)
-    per_request = blocks_for(max_model_len, engine.config.block_size)
+    per_request = blocks_for(max_model_len, engine.settings.cache.block_size)
     steps = peak_running = peak_used = peak_contiguous = computed = 0
     utilizations = []
     sample_text = ""

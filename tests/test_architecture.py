@@ -105,8 +105,26 @@ def test_no_two_layers_import_each_other():
 @pytest.mark.parametrize(
     ("layer", "forbidden"),
     [
+        # config/ holds the engine's typed settings: below everything that reads them, it knows
+        # only the plain-Python memory model and the kernels' names
+        (
+            "pagedkv.config",
+            {
+                "pagedkv.attention",
+                "pagedkv.models",
+                "pagedkv.engine",
+                "pagedkv.distributed",
+                "pagedkv.tokenizer",
+                "pagedkv.server",
+                "pagedkv.bench",
+                "pagedkv.sim",
+            },
+        ),
         # memory/ is pure Python: no tensors, no requests
-        ("pagedkv.memory", {"pagedkv.attention", "pagedkv.engine", "pagedkv.models", "pagedkv.server"}),
+        (
+            "pagedkv.memory",
+            {"pagedkv.attention", "pagedkv.config", "pagedkv.engine", "pagedkv.models", "pagedkv.server"},
+        ),
         # kernels/ is the bottom of the tensor side: attention/ and models/ call it, never the reverse
         (
             "pagedkv.kernels",
@@ -170,11 +188,18 @@ def test_the_tokenizer_stands_alone():
 
 @pytest.mark.parametrize(
     "module",
-    ["pagedkv.engine.scheduler", "pagedkv.engine.plan", "pagedkv.memory", "pagedkv.sim", "pagedkv.engine"],
+    [
+        "pagedkv.engine.scheduler",
+        "pagedkv.engine.plan",
+        "pagedkv.memory",
+        "pagedkv.sim",
+        "pagedkv.engine",
+        "pagedkv.config",
+    ],
 )
 def test_the_control_plane_imports_without_torch(module):
     """The scheduler, its plan, the block bookkeeping and the simulator are plain Python: they run
     (and are tested) without the model side, and the command line reads the engine's options
-    without loading torch."""
+    and their typed parts without loading torch."""
     probe = f"import sys, {module}; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT.parent).returncode == 0

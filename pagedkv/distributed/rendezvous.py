@@ -22,6 +22,8 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pagedkv.config.parallel import ParallelConfig
+
 #: torchrun's default rendezvous port, used when several machines give no --master-port.
 DEFAULT_MASTER_PORT = 29500
 
@@ -46,20 +48,13 @@ class Rendezvous:
         return "env://" if self.external else f"tcp://{self.master_addr}:{self.master_port}"
 
     @classmethod
-    def from_options(
-        cls,
-        world_size: int,
-        timeout: float,
-        nnodes: int = 1,
-        node_rank: int = 0,
-        master_addr: str | None = None,
-        master_port: int | None = None,
-        environ: Mapping[str, str] | None = None,
-    ) -> Rendezvous:
-        """The launch of ``world_size`` ranks; torchrun's environment, when present, wins."""
+    def from_options(cls, parallel: ParallelConfig, environ: Mapping[str, str] | None = None) -> Rendezvous:
+        """The launch of ``parallel``'s ranks (its options checked when it was made); torchrun's
+        environment, when present, wins."""
         env = os.environ if environ is None else environ
-        if timeout <= 0:
-            raise ValueError(f"distributed_timeout must be positive, got {timeout}")
+        world_size, timeout = parallel.tensor_parallel_size, parallel.distributed_timeout
+        nnodes, node_rank = parallel.nnodes, parallel.node_rank
+        master_addr, master_port = parallel.master_addr, parallel.master_port
         if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
             if int(env["WORLD_SIZE"]) != world_size:
                 raise ValueError(
@@ -68,19 +63,14 @@ class Rendezvous:
                 )
             addr, port = env["MASTER_ADDR"], int(env.get("MASTER_PORT", DEFAULT_MASTER_PORT))
             return cls(world_size, addr, port, timeout, int(env["RANK"]), (), external=True)
-        if nnodes < 1 or world_size % nnodes:
-            raise ValueError(f"tensor_parallel_size {world_size} cannot be split over {nnodes} nodes")
-        if not 0 <= node_rank < nnodes:
-            raise ValueError(f"node_rank must be in 0 .. {nnodes - 1}, got {node_rank}")
-        per_node = world_size // nnodes
+        per_node = parallel.ranks_per_node
         first = node_rank * per_node
         local = tuple(r for r in range(first, first + per_node) if r != 0)
         if nnodes == 1:
             addr = master_addr or "127.0.0.1"
             port = master_port or free_port(addr)
         else:
-            if master_addr is None:
-                raise ValueError("--master-addr is required with --nnodes > 1 (the address of node 0)")
+            assert master_addr is not None  # ParallelConfig requires it with nnodes > 1
             addr, port = master_addr, master_port or DEFAULT_MASTER_PORT
         return cls(world_size, addr, port, timeout, 0 if node_rank == 0 else None, local)
 

@@ -1,29 +1,36 @@
-"""EngineConfig: everything that sizes an engine, declared once with its defaults.
+"""EngineConfig: everything that sizes an engine, declared once with its defaults, and the
+typed settings it resolves to.
 
-The command line (:mod:`pagedkv.cli_args`) and the benchmarks read their engine options'
-defaults from here, so this module imports neither torch nor the model code.
+:class:`EngineConfig` is the user's flat options object (``LLM(**kwargs)``, the command line, the
+benchmarks read their options' defaults from it). :meth:`EngineConfig.resolve` turns it into an
+:class:`EngineSettings`: the typed parts of :mod:`pagedkv.config` (model, cache, scheduler,
+parallel, tier) with the engine's own (speculative decoding, request limits, structured output,
+the KV policy), each checked once where it is made. The engine resolves once, when it starts,
+and everything inside reads the settings (``settings.cache.block_size``), never the flat fields.
+A config resolves once when it is made too, so a bad option is refused before anything loads.
+This module imports neither torch nor the model code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from pagedkv.config import CacheConfig, ModelOptions, ParallelConfig, SchedulerConfig, TierConfig
+from pagedkv.config.speculative import SpeculativeConfig
 from pagedkv.engine.kv_policy import KVPolicy
-from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.engine.structured.config import StructuredOutputsConfig
-from pagedkv.engine.validation import RequestLimits, check_priority_range
+from pagedkv.engine.validation import RequestLimits
 from pagedkv.memory.pool_sizing import kv_cache_bytes
+from pagedkv.memory.spec import parse_bytes
 
 if TYPE_CHECKING:
     import torch
 
-#: vLLM's ``--scheduling-policy`` values (see ``engine/fairness.py``).
-SCHEDULING_POLICIES = ("fcfs", "priority")
-#: Where a second KV tier keeps the blocks the pool lets go (see ``engine/kv_tier.py``).
-KV_OFFLOAD_KINDS = ("host", "disk")
+P = TypeVar("P")
 
 
 @dataclass
@@ -126,8 +133,6 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
-        check_priority_range(self.min_priority, self.max_priority)
-        kv_cache_bytes(self.kv_cache_memory)  # "auto" or a positive size: refused before loading
         spec = self.speculative_config
         if isinstance(spec, str):
             self.speculative_config = SpeculativeConfig.from_json(spec)
@@ -135,3 +140,68 @@ class EngineConfig:
             self.speculative_config = SpeculativeConfig.from_dict(spec)
         elif spec is not None and not isinstance(spec, SpeculativeConfig):
             raise ValueError(f"speculative_config must be a dict or JSON text, got {type(spec).__name__}")
+        self.resolve()  # every option checked now: a bad one is refused before anything loads
+
+    def resolve(self) -> EngineSettings:
+        """These options as typed parts, each checked where it is made (a ``ValueError`` naming
+        the option otherwise). A part's field holds the option of its name, but for the sizes
+        given as text ("256MiB", "auto"), held in bytes, and the tier's fields."""
+        spec = self.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)  # parsed by __post_init__
+        tier_bytes = None if self.kv_offload_memory is None else parse_bytes(self.kv_offload_memory)
+        return EngineSettings(
+            model=self._part(ModelOptions),
+            cache=self._part(CacheConfig, pool_bytes=kv_cache_bytes(self.kv_cache_memory)),
+            scheduler=self._part(SchedulerConfig),
+            parallel=self._part(ParallelConfig),
+            tier=self._part(
+                TierConfig,
+                kind=self.kv_offload,
+                capacity_bytes=tier_bytes,
+                folder=None if self.kv_offload_dir is None else Path(self.kv_offload_dir),
+            ),
+            speculative=spec,
+            kv_policy=KVPolicy.named(self.kv_policy),
+            limits=self.limits,
+            structured_outputs=self.structured_outputs_config,
+        )
+
+    def _part(self, part: type[P], **converted: Any) -> P:
+        """``part`` (a dataclass) of the options named like its fields, and of ``converted``."""
+        fields = dataclasses.fields(part)  # type: ignore[arg-type]
+        return part(
+            **{f.name: converted[f.name] if f.name in converted else getattr(self, f.name) for f in fields}
+        )
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """An engine's settings in typed parts (vLLM's ``VllmConfig``), made by
+    :meth:`EngineConfig.resolve`: the one place each value is read from once the engine starts,
+    and what the executor ships to tensor-parallel ranks. Checks that span two parts are made
+    here. LoRA adapters, when they come, are one more part beside these."""
+
+    model: ModelOptions
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    tier: TierConfig
+    #: Speculative decoding; None: off.
+    speculative: SpeculativeConfig | None
+    #: How admission reserves KV blocks: paged, or a contiguous reservation.
+    kv_policy: KVPolicy
+    #: The most one request may ask for; an unset token budget derives from the KV pool.
+    limits: RequestLimits
+    structured_outputs: StructuredOutputsConfig
+
+    def __post_init__(self) -> None:
+        if self.tier.kind == "disk" and self.parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                "the disk KV tier runs on one rank; with --tensor-parallel-size > 1 use the host tier "
+                "(--kv-offloading-size without --kv-offload-dir)"
+            )
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Full blocks are shared by prefix: asked for, and the KV policy shares blocks."""
+        return self.cache.enable_prefix_caching and self.kv_policy.allows_prefix_caching

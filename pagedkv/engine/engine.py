@@ -33,7 +33,6 @@ from pagedkv.engine.commit import StepDecisions, finish, update_from_output
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor import Executor
 from pagedkv.engine.executor.factory import make_executor
-from pagedkv.engine.kv_policy import KVPolicy
 from pagedkv.engine.kv_tier import make_kv_manager
 from pagedkv.engine.output_processor import OutputProcessor, ProcessedStep, SampledStep
 from pagedkv.engine.outputs import RequestOutput
@@ -69,57 +68,59 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         config = config or EngineConfig(**overrides)
+        #: The user's flat options, and the typed parts they resolve to (what the engine reads).
         self.config = config
-        self.kv_policy = KVPolicy.named(config.kv_policy)
+        self.settings = settings = config.resolve()
+        self.kv_policy = settings.kv_policy
         #: The model's folder, and the Hub id it came from (``pagedkv.models.hub``).
+        model = settings.model
         self.model_source = resolve_model(
-            config.model, config.revision, config.download_dir, weights=config.load_format != "dummy"
+            model.model, model.revision, model.download_dir, weights=model.loads_weights
         )
         path = self.model_source.folder
         self.model_path = path
-        self.is_builtin = config.model is None
+        self.is_builtin = model.model is None
         self.model_config = ModelConfig.from_pretrained(path)
         self.default_sampling_params = self._model_sampling_defaults()
         limit = self.model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {limit} positions")
-        self.max_model_len = config.max_model_len or limit
-        self.tokenizer = engine_tokenizer(path, config.skip_tokenizer_init)
-        self.executor: Executor = make_executor(config, path, self.model_config)
-        caching = config.enable_prefix_caching and self.kv_policy.allows_prefix_caching
+        if model.max_model_len is not None and model.max_model_len > limit:
+            raise ValueError(f"max_model_len {model.max_model_len} exceeds the model's {limit} positions")
+        self.max_model_len = model.max_model_len or limit
+        self.tokenizer = engine_tokenizer(path, model.skip_tokenizer_init)
+        self.executor: Executor = make_executor(settings, path, self.model_config)
         num_blocks = self.executor.num_kv_blocks
         #: How the pool was sized; ``describe()`` is the line the CLI prints at start-up.
         self.kv_sizing = self.executor.kv_sizing
         logger.info("%s", self.kv_sizing.describe())
-        self.kv_manager, self.kv_tier = make_kv_manager(config, self.executor, caching)
-        self.scheduler = Scheduler.from_config(config, self.kv_manager, self.kv_policy, self.max_model_len)
-        pool_tokens = num_blocks * config.block_size
+        self.kv_manager, self.kv_tier = make_kv_manager(settings, self.executor)
+        self.scheduler = Scheduler.from_config(settings, self.kv_manager, self.max_model_len)
+        pool_tokens = num_blocks * settings.cache.block_size
         self.validator = RequestValidator(
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
             kv_policy=self.kv_policy,
-            block_size=config.block_size,
+            block_size=settings.cache.block_size,
             num_blocks=num_blocks,
             usable_blocks=num_blocks - self.kv_manager.watermark_blocks,
-            limits=config.limits.resolved(pool_tokens, config.max_num_seqs, self.max_model_len),
+            limits=settings.limits.resolved(pool_tokens, settings.scheduler.max_num_seqs, self.max_model_len),
         )
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
         self.sampler = Sampler(sorted(eos))
         self.structured_outputs = StructuredOutputManager(
-            self.tokenizer, self.model_config.vocab_size, eos, config.structured_outputs_config
+            self.tokenizer, self.model_config.vocab_size, eos, settings.structured_outputs
         )
         #: Speculative decoding's proposer, policy and verifier (None: off).
         vocab = self.model_config.vocab_size
-        self.verifier = make_verifier(config, self.max_model_len, vocab, sorted(eos), num_blocks)
+        self.verifier = make_verifier(settings, self.max_model_len, vocab, sorted(eos), num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.stats_collector = StatsCollector(self.scheduler, self.kv_tier, self.verifier is not None)
         self.requests: dict[str, Request] = {}
 
     def _model_sampling_defaults(self) -> dict[str, Any]:
-        """generation_config.json's sampling fields (per ``config.generation_config``), checked
+        """generation_config.json's sampling fields (per ``settings.model.generation_config``), checked
         once here: a bad value stops the start instead of failing every request."""
-        defaults = default_sampling_params(self.model_path, self.config.generation_config)
+        defaults = default_sampling_params(self.model_path, self.settings.model.generation_config)
         try:
             SamplingParams(**defaults)
         except (TypeError, ValueError) as err:

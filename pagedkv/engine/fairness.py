@@ -90,8 +90,6 @@ class FairShare:
         kv_policy: KVPolicy,
         max_model_len: int,
     ) -> None:
-        if not 0.0 < max_running_share <= 1.0:
-            raise ValueError(f"max_running_share must be in (0, 1], got {max_running_share}")
         self.enabled = max_running_share < 1.0
         #: Most running slots and claimed KV blocks one client request holds while others wait.
         self.max_slots = max(1, int(max_running_share * max_num_seqs))

@@ -25,7 +25,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.config import EngineSettings
 from pagedkv.engine.plan import StepPlan
 from pagedkv.engine.stats import StepStats, TierStats, TierStep
 from pagedkv.log_limits import ThrottledLog
@@ -45,11 +45,12 @@ MIN_RATE_TOKENS = 16
 
 
 def make_kv_manager(
-    config: EngineConfig, executor: Executor, caching: bool
+    settings: EngineSettings, executor: Executor
 ) -> tuple[KVCacheManager, KVTierLink | NoKVTier]:
     """The engine's KV manager over the executor's pool, tiered when the executor holds a tier
     (whose blocks a restarted disk tier indexes again at once), and its link to the tier."""
     num_blocks, spec = executor.num_kv_blocks, executor.tier
+    config, caching = settings.cache, settings.prefix_caching
     if spec is None:
         return KVCacheManager(num_blocks, config.block_size, caching, config.watermark), NoKVTier()
     tier = KVTier(spec.capacity, spec.medium)
@@ -61,7 +62,7 @@ def make_kv_manager(
         caching,
         config.watermark,
         SwapCostModel(),
-        config.preemption_mode,
+        settings.tier.preemption_mode,
     )
     link = KVTierLink(manager, executor, spec)
     link.restore()

@@ -31,7 +31,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Collection
 
-from pagedkv.engine.config import SCHEDULING_POLICIES, EngineConfig
+from pagedkv.engine.config import EngineSettings
 from pagedkv.engine.fairness import (
     FairShare,
     Holdings,
@@ -70,20 +70,9 @@ class Scheduler:
         max_running_share: float = 0.5,
         priority_range: tuple[int, int] = (-100, 100),
     ) -> None:
-        if max_num_seqs <= 0 or max_num_batched_tokens <= 0:
-            raise ValueError(
-                f"max_num_seqs and max_num_batched_tokens must be positive, "
-                f"got {max_num_seqs} and {max_num_batched_tokens}"
-            )
-        if not 0.0 <= decode_headroom <= 1.0:
-            raise ValueError(f"decode_headroom must be in [0, 1], got {decode_headroom}")
-        if scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}"
-            )
         self.scheduling_policy = scheduling_policy
         self.by_priority = scheduling_policy == "priority"
-        #: The ``priority`` values a request may carry: (min, max), 0 included (``EngineConfig``'s check).
+        #: The ``priority`` values a request may carry: (min, max), 0 included (``SchedulerConfig``'s check).
         self.priority_range = priority_range
         self.share = FairShare(
             max_running_share,
@@ -123,19 +112,20 @@ class Scheduler:
 
     @classmethod
     def from_config(
-        cls, config: EngineConfig, kv_manager: KVCacheManager, kv_policy: KVPolicy, max_model_len: int
+        cls, settings: EngineSettings, kv_manager: KVCacheManager, max_model_len: int
     ) -> Scheduler:
-        """The scheduler an engine of ``config`` runs."""
+        """The scheduler an engine of ``settings`` runs (its options checked by ``SchedulerConfig``)."""
+        config = settings.scheduler
         return cls(
             kv_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
-            kv_policy,
+            settings.kv_policy,
             max_model_len,
             config.decode_headroom,
             config.scheduling_policy,
             config.max_running_share,
-            (config.min_priority, config.max_priority),
+            config.priority_range,
         )
 
     # -- queue management -------------------------------------------------------------------

@@ -16,6 +16,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from pagedkv.config.checks import positive_int
 from pagedkv.engine.kv_policy import KVPolicy
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams, unpaired_surrogate_at
 from pagedkv.memory import blocks_for
@@ -67,8 +68,7 @@ class RequestLimits:
             value = getattr(self, name)
             if value is None and name == "max_request_tokens":
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"RequestLimits.{name} must be a positive integer, got {value!r}")
+            positive_int(f"RequestLimits.{name}", value)
 
     def resolved(self, pool_tokens: int, max_num_seqs: int, max_model_len: int) -> RequestLimits:
         """These limits with the token budget set: the deployer's, else the most tokens the engine
@@ -139,15 +139,6 @@ def check_text(text: str, param: str) -> None:
             f"{param} holds an unpaired UTF-16 surrogate {text[at]!a} at character {at}: it is not "
             "valid Unicode text",
             param=param,
-        )
-
-
-def check_priority_range(min_priority: int, max_priority: int) -> None:
-    """The range must hold 0, the priority of a request that sets none."""
-    if not min_priority <= 0 <= max_priority:
-        raise ValueError(
-            f"min_priority <= 0 <= max_priority must hold (0 is the default priority), "
-            f"got min_priority={min_priority}, max_priority={max_priority}"
         )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.config.model import DTYPE_NAMES
 from pagedkv.memory.spec import KVSpec
 
 #: The architectures (``config.json`` ``architectures[0]``) this package can run.
@@ -34,6 +35,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+assert ("auto", *DTYPES) == DTYPE_NAMES  # the torch-free list the engine's options are checked against
 
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # The values transformers' own config classes default to when config.json omits a key.

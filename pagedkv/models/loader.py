@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from pagedkv.attention import resolve_backend
+from pagedkv.config.model import LOAD_FORMATS
 from pagedkv.models.config import ModelConfig, resolve_dtype
 from pagedkv.models.dummy_weights import fill_dummy_weights
 from pagedkv.models.linear import PackedLinear, choose_linear_kernel, pack_linears
@@ -29,8 +30,6 @@ from pagedkv.models.llama import LlamaForCausalLM
 if TYPE_CHECKING:
     from pagedkv.models.parallel import TensorParallel
 
-#: vLLM's ``load_format`` values pagedkv reads: the checkpoint's safetensors, or seeded random weights
-LOAD_FORMATS = ("auto", "dummy")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 

@@ -171,7 +171,7 @@ def create_app(
     model_name = served_model_name or default_model_name(engine)
     publisher = None
     if kv_events is not None and kv_events.enabled:
-        publisher = ZmqKVEventPublisher(kv_events, engine.config.block_size)
+        publisher = ZmqKVEventPublisher(kv_events, engine.settings.cache.block_size)
         engine.kv_manager.set_listener(publisher)  # before the worker thread starts
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, metrics, max_waiting)

@@ -31,7 +31,6 @@ published).
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -42,6 +41,7 @@ from dataclasses import dataclass
 import msgpack
 import zmq
 
+from pagedkv.config.checks import json_object
 from pagedkv.memory import POOL_MEDIUM, TierEvent, block_hash, is_root, root_hash
 
 logger = logging.getLogger("pagedkv.server.kv_events")
@@ -62,12 +62,7 @@ class KVEventsConfig:
 
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"--kv-events-config is not valid JSON: {err}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
+        raw = json_object("--kv-events-config", text)
         fields = {k: raw[k] for k in ("enable_kv_cache_events", "publisher", "endpoint", "topic") if k in raw}
         config = cls(**fields)
         if config.publisher not in ("zmq", "null"):

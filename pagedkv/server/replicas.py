@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from pagedkv.engine import EngineConfig
-from pagedkv.memory.pool_sizing import PoolSizing, kv_cache_bytes
+from pagedkv.memory.pool_sizing import PoolSizing
 from pagedkv.server.kv_events import KVEventsConfig
 
 #: vllm-router's policies that pagedkv replicas support (all of them need nothing extra but kv_aware).
@@ -129,7 +129,8 @@ class ReplicaSet:
         self.log = log
         #: How each replica's pool was sized here, for all of them (None: a size was given).
         self.kv_sizing = None
-        if engine.num_kv_blocks is None and kv_cache_bytes(engine.kv_cache_memory) is None:
+        cache = engine.resolve().cache
+        if cache.num_kv_blocks is None and cache.pool_bytes is None:
             engine, self.kv_sizing = split_auto_pool(engine, num_replicas)
         self.specs = [
             ReplicaSpec(engine, free_port(), free_port(), dict(app_options or {}), log_level)
@@ -269,7 +270,8 @@ def split_auto_pool(engine: EngineConfig, num_replicas: int) -> tuple[EngineConf
         model_config = ModelConfig.from_pretrained(path)
     except (OSError, ValueError):
         return engine, None
-    sizing = size_rank_pools(engine, model_config, num_replicas * engine.tensor_parallel_size)
+    settings = engine.resolve()
+    sizing = size_rank_pools(settings, model_config, num_replicas * settings.parallel.tensor_parallel_size)
     return dataclasses.replace(engine, num_kv_blocks=sizing.num_blocks), sizing
 
 

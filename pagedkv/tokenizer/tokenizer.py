@@ -180,7 +180,7 @@ class _NoText:
 
 def engine_tokenizer(path: str | Path, skip_tokenizer_init: bool = False) -> Tokenizer | NoTokenizer:
     """The folder's tokenizer, or a :class:`NoTokenizer` when asked to skip it or the folder has
-    no tokenizer.json (end-of-sequence ids still come from config/generation_config.json)."""
+    no tokenizer.json (end-of-sequence ids still come from config.json or generation_config.json)."""
     folder = Path(path)
     if not skip_tokenizer_init and (folder / "tokenizer.json").is_file():
         return load_tokenizer(folder)

@@ -28,8 +28,8 @@ def model_path(tmp_path_factory):
 
 
 def _executor(path) -> InProcessExecutor:
-    config = EngineConfig(model=str(path), num_kv_blocks=16, block_size=4)
-    return InProcessExecutor(config, path, ModelConfig.from_pretrained(path))
+    settings = EngineConfig(model=str(path), num_kv_blocks=16, block_size=4).resolve()
+    return InProcessExecutor(settings, path, ModelConfig.from_pretrained(path))
 
 
 def _plain(value) -> bool:

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from pagedkv import LLM
 from pagedkv.distributed import Rendezvous
+from pagedkv.engine.config import EngineConfig
 from pagedkv.models import ModelConfig
 from pagedkv.models.parallel import TensorParallel, TensorSlice, check_divisible, shard_config
 from tests.checkpoints import make_checkpoint
@@ -58,20 +59,25 @@ def test_a_slice_reads_only_its_part_and_pads_the_vocabulary(tmp_path):
     assert torch.equal(zeros, torch.zeros(5, 3))
 
 
+def _parallel(**options):
+    return EngineConfig(**options).resolve().parallel
+
+
 def test_ranks_meet_by_options_or_by_torchruns_environment():
-    one = Rendezvous.from_options(2, 60.0, environ={})
+    one = Rendezvous.from_options(_parallel(tensor_parallel_size=2), environ={})
     assert one.rank == 0 and one.spawn_ranks == (1,) and one.master_addr == "127.0.0.1"
-    node0 = Rendezvous.from_options(4, 60.0, 2, 0, "10.0.0.1", None, environ={})
-    node1 = Rendezvous.from_options(4, 60.0, 2, 1, "10.0.0.1", 1234, environ={})
+    node0 = Rendezvous.from_options(
+        _parallel(tensor_parallel_size=4, nnodes=2, node_rank=0, master_addr="10.0.0.1"), environ={}
+    )
+    node1 = Rendezvous.from_options(
+        _parallel(tensor_parallel_size=4, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=1234),
+        environ={},
+    )
     assert (node0.rank, node0.spawn_ranks, node0.master_port) == (0, (1,), 29500)
     assert (node1.rank, node1.spawn_ranks, node1.runs_engine) == (None, (2, 3), False)
     assert node1.init_method == "tcp://10.0.0.1:1234"
     env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "7"}
-    torchrun = Rendezvous.from_options(2, 60.0, environ=env)
+    torchrun = Rendezvous.from_options(_parallel(tensor_parallel_size=2), environ=env)
     assert (torchrun.rank, torchrun.spawn_ranks, torchrun.external) == (1, (), True)
     with pytest.raises(ValueError, match="torchrun started 2 processes but tensor_parallel_size is 4"):
-        Rendezvous.from_options(4, 60.0, environ=env)
-    with pytest.raises(ValueError, match="--master-addr is required"):
-        Rendezvous.from_options(4, 60.0, 2, 1, environ={})
-    with pytest.raises(ValueError, match="cannot be split over 3 nodes"):
-        Rendezvous.from_options(4, 60.0, 3, 0, "h", environ={})
+        Rendezvous.from_options(_parallel(tensor_parallel_size=4), environ=env)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.attention import KVCache, check_backend_reads
-from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.config import EngineSettings
 from pagedkv.engine.executor.base import runtime_of
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.engine.plan import StepPlan
@@ -38,7 +38,7 @@ def draft_model_path(model: str) -> Path:
 class DraftExecutor:
     """Loads the draft model and its KV cache; :meth:`execute` runs one step of draft slices."""
 
-    def __init__(self, model: str, config: EngineConfig, num_blocks: int, vocab_size: int) -> None:
+    def __init__(self, model: str, config: EngineSettings, num_blocks: int, vocab_size: int) -> None:
         path = draft_model_path(model)
         model_config = ModelConfig.from_pretrained(path)
         if model_config.vocab_size != vocab_size:
@@ -46,17 +46,18 @@ class DraftExecutor:
                 f"speculative_config.model {model!r} has a vocabulary of {model_config.vocab_size} "
                 f"tokens, the target model {vocab_size}: a draft model must share the target's tokenizer"
             )
-        check_backend_reads(config.attention_backend, config.device, "auto")
+        options = config.model
+        check_backend_reads(options.attention_backend, options.device, "auto")
         loaded = load_model(
             path,
-            config.dtype,
-            config.device,
-            config.attention_backend,
-            config.linear_kernel,
-            batch_hint=config.max_num_batched_tokens,
+            options.dtype,
+            options.device,
+            options.attention_backend,
+            options.linear_kernel,
+            batch_hint=config.scheduler.max_num_batched_tokens,
         )
         kv_cache = KVCache(
-            model_config.kv_spec(), num_blocks, config.block_size, loaded.config.dtype, config.device
+            model_config.kv_spec(), num_blocks, config.cache.block_size, loaded.config.dtype, options.device
         )
         self.model_config = model_config
         self.num_kv_blocks = num_blocks

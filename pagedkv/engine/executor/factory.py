@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.config import EngineSettings
 from pagedkv.engine.executor.base import Executor
 from pagedkv.engine.executor.in_process import InProcessExecutor
 from pagedkv.models import ModelConfig
 
 
-def make_executor(config: EngineConfig, model_path: Path, model_config: ModelConfig) -> Executor:
-    if config.tensor_parallel_size == 1:
+def make_executor(config: EngineSettings, model_path: Path, model_config: ModelConfig) -> Executor:
+    if config.parallel.tensor_parallel_size == 1:
         return InProcessExecutor(config, model_path, model_config)
     from pagedkv.engine.executor.multiproc import MultiprocExecutor  # torch.distributed only when asked
 

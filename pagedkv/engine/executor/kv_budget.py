@@ -14,14 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from pagedkv.engine.config import EngineConfig
-from pagedkv.memory.pool_sizing import (
-    AUTO,
-    PoolSizing,
-    auto_pool_blocks,
-    available_host_memory,
-    kv_cache_bytes,
-)
+from pagedkv.engine.config import EngineSettings
+from pagedkv.memory.pool_sizing import AUTO, PoolSizing, auto_pool_blocks, available_host_memory
 
 
 def available_memory(device: str | torch.device) -> int:
@@ -35,7 +29,7 @@ def available_memory(device: str | torch.device) -> int:
 
 
 def size_pool(
-    config: EngineConfig,
+    config: EngineSettings,
     block_bytes: int,
     max_model_len: int,
     available: Callable[[], int],
@@ -43,20 +37,20 @@ def size_pool(
 ) -> PoolSizing:
     """One rank's pool: ``block_bytes`` per block on that rank; ``available()`` the bytes left
     after the weights, drawn on by ``ranks_sharing`` ranks (only called for "auto")."""
-    ranks = config.tensor_parallel_size
-    if config.num_kv_blocks is not None:
-        return PoolSizing(config.num_kv_blocks, config.block_size, block_bytes, "num_kv_blocks", ranks=ranks)
-    budget = kv_cache_bytes(config.kv_cache_memory)
+    ranks, cache = config.parallel.tensor_parallel_size, config.cache
+    if cache.num_kv_blocks is not None:
+        return PoolSizing(cache.num_kv_blocks, cache.block_size, block_bytes, "num_kv_blocks", ranks=ranks)
+    budget = cache.pool_bytes
     if budget is not None:
         blocks = budget // block_bytes
         if blocks < 1:
             raise ValueError(
-                f"a KV memory budget of {config.kv_cache_memory} per rank holds no block of "
-                f"{config.block_size} tokens ({block_bytes} bytes each)"
+                f"a KV memory budget of {budget} bytes per rank holds no block of "
+                f"{cache.block_size} tokens ({block_bytes} bytes each)"
             )
-        return PoolSizing(blocks, config.block_size, block_bytes, "kv_cache_memory", ranks=ranks)
+        return PoolSizing(blocks, cache.block_size, block_bytes, "kv_cache_memory", ranks=ranks)
     free = available()
     blocks = auto_pool_blocks(
-        free, block_bytes, config.block_size, max_model_len, config.max_num_seqs, ranks_sharing
+        free, block_bytes, cache.block_size, max_model_len, config.scheduler.max_num_seqs, ranks_sharing
     )
-    return PoolSizing(blocks, config.block_size, block_bytes, AUTO, available=free, ranks=ranks)
+    return PoolSizing(blocks, cache.block_size, block_bytes, AUTO, available=free, ranks=ranks)

@@ -33,7 +33,7 @@ import torch
 
 from pagedkv.attention import check_backend_reads
 from pagedkv.distributed import Rendezvous, groups, heartbeat
-from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.config import EngineSettings
 from pagedkv.engine.cuda_graphs import eager_reason
 from pagedkv.engine.executor import launch
 from pagedkv.engine.executor.base import Executor, ExecutorError, KVMemory, runtime_of
@@ -48,26 +48,19 @@ from pagedkv.models.parallel import check_divisible
 GOODBYE_TIMEOUT = timedelta(seconds=5)
 
 
-def rendezvous_of(config: EngineConfig) -> Rendezvous:
-    return Rendezvous.from_options(
-        config.tensor_parallel_size,
-        config.distributed_timeout,
-        config.nnodes,
-        config.node_rank,
-        config.master_addr,
-        config.master_port,
-    )
+def rendezvous_of(config: EngineSettings) -> Rendezvous:
+    return Rendezvous.from_options(config.parallel)
 
 
 def rank_spec(
-    config: EngineConfig, model_path: Path, model_config: ModelConfig
+    config: EngineSettings, model_path: Path, model_config: ModelConfig
 ) -> tuple[RankSpec, PoolSizing]:
     """What every rank builds from, and how its pool was sized; the driver checks the split
     before starting anything."""
-    check_divisible(model_config, config.tensor_parallel_size)
+    check_divisible(model_config, config.parallel.tensor_parallel_size)
     rendezvous = rendezvous_of(config)
     local_ranks = len(rendezvous.spawn_ranks) + (1 if rendezvous.runs_engine else 0)
-    threads = config.threads_per_rank or max(1, torch.get_num_threads() // max(1, local_ranks))
+    threads = config.parallel.threads_per_rank or max(1, torch.get_num_threads() // max(1, local_ranks))
     tier = plan_tier(config, model_path, model_config)
     # the ranks of this machine share its memory; torchrun starts each in a process of its own
     machine_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if rendezvous.external else local_ranks
@@ -115,10 +108,10 @@ class Ranks:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, model_path: Path, model_config: ModelConfig) -> None:
+    def __init__(self, config: EngineSettings, model_path: Path, model_config: ModelConfig) -> None:
         launch.refuse_to_start_while_bootstrapping()
-        # Before any process starts: an unknown KV dtype, or one the backend cannot read.
-        check_backend_reads(config.attention_backend, config.device, config.kv_cache_dtype)
+        # Before any process starts: a KV dtype the device's backend cannot read.
+        check_backend_reads(config.model.attention_backend, config.model.device, config.cache.kv_cache_dtype)
         spec, self.kv_sizing = rank_spec(config, model_path, model_config)
         if not spec.rendezvous.runs_engine:
             raise ValueError("this process is not rank 0: run the worker node (pagedkv.engine.executor.node)")
@@ -127,11 +120,11 @@ class MultiprocExecutor(Executor):
         self.world_size = spec.rendezvous.world_size
         self.timeout = timedelta(seconds=spec.rendezvous.timeout)
         #: How this machine's worker ranks were started: "fork" or "spawn".
-        self.start_method = launch.start_method(config.device)
+        self.start_method = launch.start_method(config.model.device)
         self.ranks = Ranks(launch.start_ranks(spec, self.start_method))
         self._release = weakref.finalize(self, self.ranks.release)
         try:
-            self._start(spec, config.device.split(":")[0])
+            self._start(spec, config.model.device.split(":")[0])
         except Exception as err:
             message = self.ranks.fail(self._diagnose(err, "starting"))
             self.shutdown()  # failed: the workers are killed, not waited for
@@ -156,12 +149,14 @@ class MultiprocExecutor(Executor):
         self.num_kv_blocks = kv_cache.num_blocks
         self.kv_sizing = dataclasses.replace(self.kv_sizing, num_blocks=kv_cache.num_blocks)
         self.kv_memory = KVMemory(
-            spec.config.kv_cache_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes, self.world_size
+            spec.config.cache.kv_cache_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes, self.world_size
         )
         self.runtime = {
             **runtime_of(self.runner.model),
             "tensor_parallel": str(self.world_size),
-            "cuda graphs": eager_reason(spec.config.device, spec.config.enforce_eager, self.world_size),
+            "cuda graphs": eager_reason(
+                spec.config.model.device, spec.config.model.enforce_eager, self.world_size
+            ),
             "kv cache": f"{kv_cache.nbytes / 2**20:.1f} MiB per rank ({kv_cache.num_blocks} blocks)",
         }
         torch.distributed.barrier(group=self.ranks.groups.control)

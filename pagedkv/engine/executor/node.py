@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import multiprocessing.connection
 
-from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.config import EngineSettings
 from pagedkv.engine.executor.launch import exit_cause, start_method, start_ranks, stop
 from pagedkv.engine.executor.multiproc import rank_spec, rendezvous_of
 from pagedkv.engine.executor.worker import run_rank
@@ -17,20 +17,20 @@ from pagedkv.models import ModelConfig
 from pagedkv.models.hub import resolve_model
 
 
-def is_worker_node(config: EngineConfig) -> bool:
+def is_worker_node(config: EngineSettings) -> bool:
     """True when this process holds ranks other than 0 and must not build an engine."""
-    return config.tensor_parallel_size > 1 and not rendezvous_of(config).runs_engine
+    return config.parallel.tensor_parallel_size > 1 and not rendezvous_of(config).runs_engine
 
 
-def run_worker_node(config: EngineConfig) -> int:
+def run_worker_node(config: EngineSettings) -> int:
     """Run this machine's ranks until rank 0 stops them; the exit status of the first failure."""
-    weights = config.load_format != "dummy"
-    path = resolve_model(config.model, config.revision, config.download_dir, weights).folder
+    options = config.model
+    path = resolve_model(options.model, options.revision, options.download_dir, options.loads_weights).folder
     spec, _ = rank_spec(config, path, ModelConfig.from_pretrained(path))
     if spec.rendezvous.external:
         run_rank(spec, spec.rendezvous.rank, None)
         return 0
-    workers = start_ranks(spec, start_method(config.device))
+    workers = start_ranks(spec, start_method(options.device))
     try:
         pending = dict(workers)
         while pending:

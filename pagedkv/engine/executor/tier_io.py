@@ -25,10 +25,10 @@ from pagedkv.attention.kv_disk import DiskKVTier
 from pagedkv.attention.kv_offload import HostKVTier, KVLayout
 from pagedkv.attention.kv_tier_io import DiskTierMover, HostTierMover
 from pagedkv.attention.kv_tier_limits import check_disk_tier, check_host_tier
-from pagedkv.engine.config import KV_OFFLOAD_KINDS, EngineConfig
+from pagedkv.engine.config import EngineSettings
 from pagedkv.engine.executor.base import TierSpec
 from pagedkv.engine.plan import StepPlan
-from pagedkv.memory import PREEMPTION_MODES, TransferReport, parse_bytes
+from pagedkv.memory import TransferReport
 from pagedkv.models import ModelConfig
 from pagedkv.models.config import resolve_dtype
 from pagedkv.models.fingerprint import model_fingerprint
@@ -37,56 +37,37 @@ from pagedkv.models.fingerprint import model_fingerprint
 FINGERPRINT_CACHE = ".model-fingerprints.json"
 
 
-def block_bytes(config: EngineConfig, model_config: ModelConfig) -> int:
+def block_bytes(config: EngineSettings, model_config: ModelConfig) -> int:
     """Bytes one KV block takes for the whole model (every rank's share together)."""
-    dtype = resolve_dtype(config.dtype, default=model_config.dtype, device=config.device)
-    return KVCache.block_bytes(model_config.kv_spec(), config.block_size, dtype, config.kv_cache_dtype)
+    dtype = resolve_dtype(config.model.dtype, default=model_config.dtype, device=config.model.device)
+    return KVCache.block_bytes(
+        model_config.kv_spec(), config.cache.block_size, dtype, config.cache.kv_cache_dtype
+    )
 
 
-def plan_tier(config: EngineConfig, model_path: Path, model_config: ModelConfig) -> TierSpec | None:
+def plan_tier(config: EngineSettings, model_path: Path, model_config: ModelConfig) -> TierSpec | None:
     """The tier every rank builds (None: ``kv_offload`` is off), refused with the figures when
-    the host or the folder cannot hold it."""
-    if config.preemption_mode not in PREEMPTION_MODES:
-        raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {config.preemption_mode!r}")
-    if config.kv_offload is None:
-        if config.preemption_mode == "swap":
-            raise ValueError("preemption_mode='swap' needs a second KV tier (--kv-offloading-size)")
+    its size holds no block, or the host or the folder cannot hold it (the options themselves
+    were checked by :class:`~pagedkv.config.TierConfig`)."""
+    tier = config.tier
+    if tier.kind is None:
         return None
+    assert tier.capacity_bytes is not None  # TierConfig requires a size with a tier
     per_block = block_bytes(config, model_config)
-    capacity = _capacity(config, per_block)
-    if config.kv_offload == "host":
+    capacity = tier.capacity_bytes // per_block
+    if capacity < 1:
+        raise ValueError(
+            f"--kv-offloading-size {tier.capacity_bytes} bytes holds no KV block "
+            f"({per_block} bytes each, all ranks)"
+        )
+    if tier.kind == "host":
         check_host_tier(capacity * per_block)
         return TierSpec("host", capacity, per_block)
-    folder = Path(config.kv_offload_dir)
+    folder = tier.folder
+    assert folder is not None  # TierConfig requires a folder with a disk tier
     check_disk_tier(folder, capacity * per_block)
     model = model_fingerprint(model_path, folder / FINGERPRINT_CACHE)
     return TierSpec("disk", capacity, per_block, str(folder), model)
-
-
-def _capacity(config: EngineConfig, per_block: int) -> int:
-    """Blocks the tier holds; refuses a configuration that cannot make one."""
-    kind = config.kv_offload
-    if kind not in KV_OFFLOAD_KINDS:
-        raise ValueError(f"kv_offload must be one of {KV_OFFLOAD_KINDS} or None, got {kind!r}")
-    if config.kv_offload_memory is None:
-        raise ValueError(f"kv_offload={kind!r} needs a size: --kv-offloading-size (e.g. 8GiB)")
-    if (kind == "disk") != (config.kv_offload_dir is not None):
-        raise ValueError(
-            "kv_offload='disk' needs a folder (--kv-offload-dir)"
-            if kind == "disk"
-            else "--kv-offload-dir is the disk tier's folder; kv_offload='host' keeps blocks in RAM"
-        )
-    if kind == "disk" and config.tensor_parallel_size > 1:
-        raise ValueError(
-            "the disk KV tier runs on one rank; with --tensor-parallel-size > 1 use the host tier "
-            "(--kv-offloading-size without --kv-offload-dir)"
-        )
-    size = parse_bytes(config.kv_offload_memory)
-    if size // per_block < 1:
-        raise ValueError(
-            f"--kv-offloading-size {size} bytes holds no KV block ({per_block} bytes each, all ranks)"
-        )
-    return size // per_block
 
 
 class RankTier:

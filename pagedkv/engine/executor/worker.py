@@ -19,7 +19,7 @@ import torch
 
 from pagedkv.attention import KVCache, resolve_backend
 from pagedkv.distributed import Rendezvous, groups, heartbeat
-from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.config import EngineSettings
 from pagedkv.engine.executor.base import TierSpec
 from pagedkv.engine.executor.kv_budget import available_memory, size_pool
 from pagedkv.engine.executor.tier_io import RankTier
@@ -35,7 +35,7 @@ from pagedkv.models.parallel import TensorParallel, shard_config
 class RankSpec:
     """Everything a rank needs to build its part (pickled into each spawned process)."""
 
-    config: EngineConfig
+    config: EngineSettings
     model_path: Path
     rendezvous: Rendezvous
     num_kv_blocks: int
@@ -47,7 +47,7 @@ class RankSpec:
     auto_sized: bool = False
 
 
-def size_rank_pools(config: EngineConfig, model_config: ModelConfig, local_ranks: int) -> PoolSizing:
+def size_rank_pools(config: EngineSettings, model_config: ModelConfig, local_ranks: int) -> PoolSizing:
     """Every rank's pool (all the same): ``num_kv_blocks``, else as many blocks as
     ``kv_cache_memory`` holds on each rank, else ("auto") sized from what this machine has left
     once its ``local_ranks`` ranks hold their weights. A rank holds only its KV heads of every
@@ -57,36 +57,39 @@ def size_rank_pools(config: EngineConfig, model_config: ModelConfig, local_ranks
     It is sized before any rank loads, so "auto" takes the memory free now less the weights'
     bytes (a rank's shard, counted on the meta device): on the CPU the ranks of this machine
     share the host's memory and split the share; on CUDA each rank has a device of its own."""
-    dtype = resolve_dtype(config.dtype, default=model_config.dtype, device=config.device)
-    shard = shard_config(model_config, config.tensor_parallel_size)
-    block_bytes = KVCache.block_bytes(shard.kv_spec(), config.block_size, dtype, config.kv_cache_dtype)
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
-    on_cuda = config.device.startswith("cuda")
+    options = config.model
+    dtype = resolve_dtype(options.dtype, default=model_config.dtype, device=options.device)
+    shard = shard_config(model_config, config.parallel.tensor_parallel_size)
+    block_bytes = KVCache.block_bytes(
+        shard.kv_spec(), config.cache.block_size, dtype, config.cache.kv_cache_dtype
+    )
+    max_model_len = options.max_model_len or model_config.max_position_embeddings
+    on_cuda = options.device.startswith("cuda")
 
     def available() -> int:
         weights = shard_weight_bytes(shard, dtype, config)
         if on_cuda:
             devices = {device_of(config, rank) for rank in range(local_ranks)}
             return max(0, min(available_memory(device) for device in devices) - weights)
-        return max(0, available_memory(config.device) - local_ranks * weights)
+        return max(0, available_memory(options.device) - local_ranks * weights)
 
     return size_pool(config, block_bytes, max_model_len, available, 1 if on_cuda else local_ranks)
 
 
-def shard_weight_bytes(shard: ModelConfig, dtype: torch.dtype, config: EngineConfig) -> int:
+def shard_weight_bytes(shard: ModelConfig, dtype: torch.dtype, config: EngineSettings) -> int:
     """Bytes of one rank's weights in ``dtype``: its shard's parameters, counted on the meta
     device (nothing is allocated)."""
-    backend = resolve_backend(config.attention_backend, torch.device(config.device))
+    backend = resolve_backend(config.model.attention_backend, torch.device(config.model.device))
     with torch.device("meta"):
         model = LlamaForCausalLM(dataclasses.replace(shard, dtype=dtype), backend)
     model.tie_weights()
     return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
 
-def device_of(config: EngineConfig, rank: int) -> str:
+def device_of(config: EngineSettings, rank: int) -> str:
     """CUDA: one device per rank on its machine; CPU: the CPU."""
-    if not config.device.startswith("cuda"):
-        return config.device
+    if not config.model.device.startswith("cuda"):
+        return config.model.device
     return f"cuda:{rank % max(1, torch.cuda.device_count())}"
 
 
@@ -96,22 +99,22 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
     tp = TensorParallel(rank, spec.rendezvous.world_size, group.compute)
     model = load_model(
         spec.model_path,
-        spec.config.dtype,
+        spec.config.model.dtype,
         device,
-        spec.config.attention_backend,
-        spec.config.linear_kernel,
-        batch_hint=spec.config.max_num_batched_tokens,
+        spec.config.model.attention_backend,
+        spec.config.model.linear_kernel,
+        batch_hint=spec.config.scheduler.max_num_batched_tokens,
         tensor_parallel=tp,
-        load_format=spec.config.load_format,
+        load_format=spec.config.model.load_format,
     )
     dtype = model.config.dtype
     kv_cache = KVCache(
         model.config.kv_spec(),
         agreed_blocks(spec, group),
-        spec.config.block_size,
+        spec.config.cache.block_size,
         dtype,
         device,
-        spec.config.kv_cache_dtype,
+        spec.config.cache.kv_cache_dtype,
     )
     runner = ModelRunner(model, kv_cache)
     if spec.tier is not None:
@@ -149,7 +152,7 @@ def serve_rank(spec: RankSpec, rank: int, parent_pid: int | None) -> None:
     store = heartbeat.connect(spec.rendezvous)
     heartbeat.start(store, rank, parent_pid)
     try:
-        group = groups.join(spec.rendezvous, rank, spec.config.device.split(":")[0])
+        group = groups.join(spec.rendezvous, rank, spec.config.model.device.split(":")[0])
         runner, _ = build_runner(spec, rank, group)
         torch.distributed.barrier(group=group.control)  # loaded: rank 0 may start
         while (plan := groups.receive_object(group)) is not None:

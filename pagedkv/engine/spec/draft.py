@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from pagedkv.engine.config import EngineConfig
+from pagedkv.config.speculative import SpeculativeConfig
+from pagedkv.engine.config import EngineSettings
 from pagedkv.engine.plan import SeqSlice, StepPlan
-from pagedkv.engine.spec.config import SpeculativeConfig
 from pagedkv.memory import KVCacheManager
 
 
@@ -41,12 +41,14 @@ class DraftModelProposer:
 
     @classmethod
     def load(
-        cls, spec: SpeculativeConfig, config: EngineConfig, vocab_size: int, num_blocks: int
+        cls, spec: SpeculativeConfig, config: EngineSettings, vocab_size: int, num_blocks: int
     ) -> DraftModelProposer:
         """The draft named by ``spec.model``, with a pool of ``num_blocks`` blocks."""
         from pagedkv.engine.executor.draft import DraftExecutor  # loads torch and the model
 
-        return cls(DraftExecutor(spec.model, config, num_blocks, vocab_size), num_blocks, config.block_size)
+        return cls(
+            DraftExecutor(spec.model, config, num_blocks, vocab_size), num_blocks, config.cache.block_size
+        )
 
     def propose(
         self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]], num_tokens: Sequence[int]

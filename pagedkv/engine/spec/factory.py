@@ -4,21 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.spec.config import NGRAM
+from pagedkv.config.speculative import NGRAM
+from pagedkv.engine.config import EngineSettings
 from pagedkv.engine.spec.ngram import NgramProposer
 from pagedkv.engine.spec.speculator import Proposer, Speculator
 from pagedkv.engine.spec.verify import Verifier
 
 
 def make_verifier(
-    config: EngineConfig, max_model_len: int, vocab_size: int, eos_token_ids: Iterable[int], num_blocks: int
+    config: EngineSettings, max_model_len: int, vocab_size: int, eos_token_ids: Iterable[int], num_blocks: int
 ) -> Verifier | None:
     """The engine's proposer, policy and verifier; None when ``config`` does not speculate. A
     draft model is loaded here, with a KV pool of as many blocks as the target's (``num_blocks``):
     a name that is neither a folder nor a shipped model, or a model of another vocabulary, is
     refused with a ValueError naming ``speculative_config.model``."""
-    spec = config.speculative_config
+    spec = config.speculative
     if spec is None:
         return None
     proposer: Proposer
@@ -28,5 +28,5 @@ def make_verifier(
         from pagedkv.engine.spec.draft import DraftModelProposer  # loads a model: only when asked
 
         proposer = DraftModelProposer.load(spec, config, vocab_size, num_blocks)
-    speculator = Speculator(spec, proposer, config.max_num_batched_tokens, max_model_len)
+    speculator = Speculator(spec, proposer, config.scheduler.max_num_batched_tokens, max_model_len)
     return Verifier(speculator, eos_token_ids)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.config.checks import positive_int
 from pagedkv.engine.sampling_params import unpaired_surrogate_at
 from pagedkv.engine.structured.params import StructuredOutputsParams
 from pagedkv.engine.validation import InvalidRequestError
@@ -44,9 +45,7 @@ class StructuredOutputsConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_spec_chars", "max_schema_depth", "cache_size", "compile_threads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"StructuredOutputsConfig.{name} must be a positive integer, got {value!r}")
+            positive_int(f"StructuredOutputsConfig.{name}", getattr(self, name))
         seconds = self.max_compile_seconds
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
             raise ValueError(

@@ -90,7 +90,7 @@ def install_dashboard(
         "numBlocks": int(engine.stats["blocks_total"]),
         "blockSize": int(engine.stats["block_size"]),
         "maxModelLen": inner.max_model_len,
-        "maxNumSeqs": inner.config.max_num_seqs,
+        "maxNumSeqs": inner.settings.scheduler.max_num_seqs,
         #: Changes when the server restarts: the page starts its picture afresh.
         "boot": uuid.uuid4().hex[:12],
     }

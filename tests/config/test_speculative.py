@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.engine.spec import SpeculativeConfig
+from pagedkv.config import SpeculativeConfig
 
 
 def test_ngram_config_keeps_its_bounds():

@@ -17,11 +17,11 @@ off.
 
 from __future__ import annotations
 
-import json
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from pagedkv.config.checks import json_object, positive_int
 
 NGRAM, DRAFT_MODEL = "ngram", "draft_model"
 
@@ -48,9 +48,7 @@ def _field(name: str) -> str:
 
 
 def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{_field(name)} must be a positive integer, got {value!r}")
-    return int(value)
+    return positive_int(_field(name), value)
 
 
 @dataclass(frozen=True)
@@ -123,11 +121,7 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """Parse ``--speculative-config`` (a JSON object)."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(json_object("speculative_config", text))
 
 
 def _method(data: Mapping[str, Any]) -> str:
