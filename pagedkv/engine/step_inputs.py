@@ -21,6 +21,7 @@ runs ~20 small tensor ops.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
@@ -61,8 +62,8 @@ class RunnerTables:
     def __getitem__(self, seq_id: SeqId) -> list[int]:
         return self._tables[seq_id]
 
-    def __len__(self) -> int:
-        return len(self._tables)
+    def __iter__(self) -> Iterator[SeqId]:
+        return iter(self._tables)
 
     def get(self, seq_id: SeqId) -> list[int] | None:
         return self._tables.get(seq_id)
