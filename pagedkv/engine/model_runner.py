@@ -22,8 +22,9 @@ from pagedkv.attention import KVCache, copy_blocks
 from pagedkv.engine.cuda_graphs import DecodeGraphs, DecodeGraphSpec
 from pagedkv.engine.host_memory import reuse_freed_memory
 from pagedkv.engine.plan import StepPlan
+from pagedkv.engine.runner_tables import RunnerTables
 from pagedkv.engine.step_buffers import StepBuffers, StepInputs
-from pagedkv.engine.step_inputs import RunnerTables, StepArrays, step_arrays
+from pagedkv.engine.step_inputs import StepArrays, step_arrays
 
 
 class ModelRunner:

@@ -164,10 +164,9 @@ class ShippedTables:
                 sent[piece.seq_id] = list(table)
                 continue
             keep = len(held)
-            if len(table) >= keep and table[:keep] == held:
-                if len(table) == keep:
-                    continue  # unchanged: nothing to send
-            else:
+            if len(table) == keep and table == held:
+                continue  # unchanged (a decode within its last block): nothing to send
+            if len(table) < keep or table[:keep] != held:
                 keep = _common_prefix(held, table)
                 del held[keep:]
             new = table[keep:]

@@ -1,13 +1,13 @@
-"""The host side of a step's inputs: the runner's block tables, the step plan as NumPy arrays,
-and a decode batch padded to the batch size of a captured CUDA graph.
+"""The host side of a step's inputs: the step plan as NumPy arrays, and a decode batch padded to
+the batch size of a captured CUDA graph.
 
 Every shape a step launches with is decided here, from the plan alone: the token and sequence
 counts, the longest query and the longest context, whether a decode step replays a graph and
 at which size. Nothing here touches a tensor, so none of it can wait on a device; the model
 runner sends the arrays to the device in one copy (:mod:`pagedkv.engine.step_buffers`).
 
-The runner keeps every sequence's block table (:class:`RunnerTables`, vLLM's worker-side
-``BlockTable``) and brings it up to date with each plan's edits before it reads the plan.
+The runner keeps every sequence's block table (:mod:`pagedkv.engine.runner_tables`) and brings
+it up to date with each plan's edits before it reads the plan here.
 
 The runner also checks the plan here, once per step for every layer, as it reads it: each
 slice's block table covers its positions with blocks inside the pool, and it computes at least
@@ -20,53 +20,13 @@ runs ~20 small tensor ops.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
 import numpy as np
 
-from pagedkv.engine.plan import SeqId, StepPlan
-
-
-class RunnerTables:
-    """The block table of every sequence the runner computes, as the plans' edits made them: equal
-    to the driver's (its :class:`~pagedkv.engine.plan.ShippedTables`) when the runner applied
-    every plan since the last reset. Pure Python lists: a step reads a few dozen ids of each."""
-
-    def __init__(self) -> None:
-        self._tables: dict[SeqId, list[int]] = {}
-
-    def apply(self, plan: StepPlan) -> None:
-        """The plan's changes, in its order: reset, finished, edits. An edit that keeps more
-        blocks than the runner holds (a plan missed) is a ValueError."""
-        tables = self._tables
-        if plan.reset:
-            tables.clear()
-        for seq_id in plan.finished:
-            tables.pop(seq_id, None)
-        for edit in plan.table_edits:
-            if edit.keep == 0:
-                tables[edit.seq_id] = list(edit.new_block_ids)
-                continue
-            table = tables.get(edit.seq_id)
-            if table is None or len(table) < edit.keep:
-                raise ValueError(
-                    f"a plan keeps {edit.keep} blocks of sequence {edit.seq_id!r}'s table, but the "
-                    f"runner holds {'none' if table is None else len(table)}: it missed a plan"
-                )
-            del table[edit.keep :]
-            table += edit.new_block_ids
-
-    def __getitem__(self, seq_id: SeqId) -> list[int]:
-        return self._tables[seq_id]
-
-    def __iter__(self) -> Iterator[SeqId]:
-        return iter(self._tables)
-
-    def get(self, seq_id: SeqId) -> list[int] | None:
-        return self._tables.get(seq_id)
+from pagedkv.engine.plan import StepPlan
+from pagedkv.engine.runner_tables import RunnerTables
 
 
 @dataclass(frozen=True)
@@ -130,7 +90,7 @@ def step_arrays(plan: StepPlan, tables: RunnerTables, block_size: int, num_block
         rows = piece.logits_rows()
         logits_indices += range(cu_seqlens[-2] + rows.start, cu_seqlens[-2] + rows.stop)
     # The tables, as one array and checked as one (not a Python min and max per table).
-    padded = _padded_tables(slice_tables)
+    padded = tables.padded([piece.seq_id for piece in plan.slices], max(map(len, slice_tables)))
     if padded.min() < 0 or padded.max() >= num_blocks:
         _refuse(plan, slice_tables, bs, num_blocks)
     prompt_lens = [piece.prompt_len for piece in plan.slices]
@@ -232,17 +192,6 @@ def empty_decode() -> StepArrays:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def _padded_tables(tables: list[list[int]]) -> np.ndarray:
-    """The block tables as one int32 array padded with block 0 (never read: a row reads only
-    its context's blocks). Through one flat array and one scatter, where NumPy reading a list of
-    padded lists walks every Python list again."""
-    widths = np.fromiter(map(len, tables), np.int64, len(tables))
-    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(widths.sum()))
-    padded = np.zeros((len(tables), int(widths.max())), np.int32)
-    padded[np.arange(padded.shape[1]) < widths[:, None]] = flat
-    return padded
-
-
 def _refuse(plan: StepPlan, tables: list[list[int] | None], bs: int, num_blocks: int) -> NoReturn:
     """Raise for the first slice without a block table, or whose table does not cover its
     positions with blocks of the pool (or that computes nothing)."""

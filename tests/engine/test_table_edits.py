@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pagedkv import LLM, BeamSearchParams, SamplingParams
 from pagedkv.engine.plan import SeqSlice, ShippedTables, StepPlan
-from pagedkv.engine.step_inputs import RunnerTables
+from pagedkv.engine.runner_tables import RunnerTables
 from pagedkv.memory import KVCacheManager, PoolExhaustedError
 from tests.checkpoints import make_checkpoint
 
@@ -29,9 +29,10 @@ OPS = ("admit", "append", "fork", "rollback", "free", "readmit")
 def test_the_runners_tables_equal_the_managers_after_any_history(data):
     """Random admissions (sharing prefix-cache blocks), appends, forks whose appends copy on
     write, speculative rollbacks, frees and re-admissions under the same id; each step plans a
-    random subset, sent as JSON: every planned table arrives equal, no freed one stays."""
+    random subset, sent as JSON: every planned table arrives equal, in the lists and in the
+    padded array (whose rows and width start small, so they grow), and no freed one stays."""
     kv = KVCacheManager(num_blocks=40, block_size=4, enable_prefix_caching=True, watermark=0.0)
-    shipped, runner = ShippedTables(), RunnerTables()
+    shipped, runner = ShippedTables(), RunnerTables(rows=2, width=2)
 
     def step(planned: list[int]) -> None:
         plan = shipped.plan([SeqSlice(s, [1], 0, True) for s in planned], kv)
@@ -39,6 +40,10 @@ def test_the_runners_tables_equal_the_managers_after_any_history(data):
         for s in planned:
             assert runner[s] == kv.block_ids(s)
         assert set(runner) <= set(kv.seq_ids())
+        if planned:
+            width = max(len(kv.block_ids(s)) for s in planned)
+            padded = [kv.block_ids(s) + [0] * (width - len(kv.block_ids(s))) for s in planned]
+            assert runner.padded(planned, width).tolist() == padded
 
     next_id = 0
     for _ in range(data.draw(st.integers(1, 30))):
