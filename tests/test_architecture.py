@@ -159,7 +159,8 @@ def test_the_kernels_import_only_their_builder():
 
 def test_the_engine_reaches_the_model_only_through_the_executor():
     """Only the executors (a tensor-parallel rank's worker among them) and the model runner they
-    own (with its CUDA graphs) import the model and KV tensor code."""
+    own (with its input buffers, which build the attention metadata, and its CUDA graphs) import
+    the model and KV tensor code."""
     touching = {
         m
         for m, targets in GRAPH.items()
@@ -173,7 +174,8 @@ def test_the_engine_reaches_the_model_only_through_the_executor():
         "pagedkv.engine.executor.worker",
         "pagedkv.engine.executor.tier_io",  # a rank's second KV tier, built by the executors
     }
-    assert touching <= executors | {"pagedkv.engine.model_runner", "pagedkv.engine.cuda_graphs"}
+    runner = {"pagedkv.engine.model_runner", "pagedkv.engine.step_buffers", "pagedkv.engine.cuda_graphs"}
+    assert touching <= executors | runner
 
 
 def test_the_tokenizer_stands_alone():

@@ -46,16 +46,17 @@ def verify_plan(
     vocab = llm.engine.model_config.vocab_size
     slices = [
         SeqSlice(
+            seq_id=seq_id,
             token_ids=[rng.randrange(4, vocab) for _ in range(k + 1)],
             start=len(tokens),
-            block_table=list(llm.engine.kv_manager.block_ids(seq_id)),
             needs_logits=True,
             prompt_len=len(tokens),  # the context is the prompt, the k + 1 rows generated tokens
             num_spec_tokens=k,  # every row's logits, as verification needs
         )
         for seq_id, tokens in zip(seq_ids, context, strict=True)
     ]
-    return StepPlan(slices)
+    # rerunning a plan applies its table edits again, which leaves the runner's tables as they are
+    return llm.engine.shipped_tables.plan(slices, llm.engine.kv_manager)
 
 
 def sampler_inputs(batch: int, k: int, vocab: int, rng: random.Random, greedy: bool) -> tuple:

@@ -4,8 +4,9 @@ layer tells the kernels about itself.
 The model runner builds one :class:`AttentionMetadata` per step from the executor's plan; every
 attention layer reads it. It is the whole contract between the engine (requests, block tables)
 and the attention kernels (tensors): nothing about requests crosses it. An object describes one
-step: a backend may keep what it derives from it for the step's other layers (the CPU backend's
-kernel rows), so every step gets a new one, even over the same tensors (a CUDA graph's inputs).
+step: a backend keeps what it derives from it for the step's other layers in it
+(:meth:`AttentionMetadata.derived`: the CPU backend's kernel rows), so every step gets a new
+one, even over the same tensors (a CUDA graph's inputs), and nothing of a step outlives it.
 :class:`AttentionOptions` is fixed per layer when the model is built.
 """
 
@@ -13,9 +14,13 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class AttentionMetadata:
     max_seq_len: int | None = None
     num_actual_tokens: int | None = None
     slots_padded: bool | None = None
+    #: what backends derived from this step for their kernels, by key (:meth:`derived`)
+    _derived: dict[Hashable, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def for_attention_only(
@@ -96,6 +103,13 @@ class AttentionMetadata:
             max_query_len = int(lengths.max()) if lengths.numel() else 0
         empty = torch.empty(0, dtype=torch.int64, device=device)
         return cls(empty, block_tables, context_lens, cu_seqlens_q, max_query_len)
+
+    def derived(self, key: Hashable, build: Callable[[AttentionMetadata], T]) -> T:
+        """``build(self)``, made by the step's first layer that asks for ``key`` and kept for its
+        other layers (a backend's kernel arguments: the same for every layer of the step)."""
+        if key not in self._derived:
+            self._derived[key] = build(self)
+        return self._derived[key]
 
     @functools.cached_property
     def has_padding(self) -> bool:

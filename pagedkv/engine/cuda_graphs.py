@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.attention import AttentionMetadata, KVCache
+from pagedkv.attention import KVCache
 from pagedkv.engine.step_buffers import StepBuffers, StepLayout
 from pagedkv.engine.step_inputs import StepArrays, capture_sizes, empty_decode, graph_size, pad_decode
 
@@ -112,23 +112,12 @@ class DecodeGraphs:
         over them; captured (after two warm-up passes on a side stream, which also compile the
         Triton kernels for these shapes and grow the rotary tables) when the spec says so."""
         layout = self.buffers.write(self._pad(empty_decode(), size))
-        inputs = self.buffers.views(layout)
 
         def forward() -> torch.Tensor:
-            # a metadata object per pass: a backend may cache what it derives from one (the
-            # CPU's kernel rows), and the views' contents change from step to step
-            metadata = AttentionMetadata(
-                slot_mapping=inputs.slot_mapping,
-                block_tables=inputs.block_tables,
-                context_lens=inputs.context_lens,
-                cu_seqlens_q=inputs.cu_seqlens_q,
-                max_query_len=1,
-                prompt_lens=inputs.prompt_lens,
-                max_seq_len=self.spec.max_seq_len,
-                num_actual_tokens=size,
-                slots_padded=False,
-            )
-            return model(inputs.input_ids, inputs.positions, kv_cache, metadata)
+            # new inputs per pass, over the same views: the metadata holds what a backend derives
+            # from the views' values (the CPU's kernel rows), which change from step to step
+            inputs = self.buffers.inputs(layout, 1, self.spec.max_seq_len)
+            return model(inputs.input_ids, inputs.positions, kv_cache, inputs.metadata)
 
         step = _SizedStep(layout, forward)
         if self.spec.capture:

@@ -36,6 +36,7 @@ from pagedkv.engine.executor.factory import make_executor
 from pagedkv.engine.kv_tier import make_kv_manager
 from pagedkv.engine.output_processor import OutputProcessor, ProcessedStep, SampledStep
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.plan import ShippedTables
 from pagedkv.engine.prompt_logprobs import take_prompt_logprobs
 from pagedkv.engine.sample_stage import sample_step
 from pagedkv.engine.sampler import Sampler, make_generator
@@ -93,6 +94,8 @@ class LLMEngine:
         self.kv_sizing = self.executor.kv_sizing
         logger.info("%s", self.kv_sizing.describe())
         self.kv_manager, self.kv_tier = make_kv_manager(settings, self.executor)
+        #: the block tables the executor's runners hold, as the plans sent them
+        self.shipped_tables = ShippedTables()
         self.scheduler = Scheduler.from_config(settings, self.kv_manager, self.max_model_len)
         pool_tokens = num_blocks * settings.cache.block_size
         self.validator = RequestValidator(
@@ -240,7 +243,7 @@ class LLMEngine:
             if self.scheduler.has_work and not self.kv_tier.poll():  # (not while the tier moves)
                 raise RuntimeError("scheduler made no progress with requests waiting (a bug)")
             return []
-        plan = scheduled.plan(self.kv_manager)
+        plan = scheduled.plan(self.kv_manager, self.shipped_tables)
         plan, logits, reverted = self.kv_tier.settle(scheduled, plan, self.executor.execute(plan))
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
         decisions = StepDecisions.after(scheduled, reverted)

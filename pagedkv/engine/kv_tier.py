@@ -21,6 +21,7 @@ the pool's cached blocks are written out too, so the next engine finds the whole
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -263,7 +264,7 @@ class KVTierLink:
                 reverted[item.seq] = min(valid, item.start)
             row += count
         scheduled.scheduled = kept
-        return StepPlan(slices, plan.block_copies, plan.kv_transfers), logits[rows], reverted
+        return dataclasses.replace(plan, slices=slices), logits[rows], reverted
 
 
 def _smooth(old: float, new: float) -> float:

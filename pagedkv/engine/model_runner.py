@@ -2,11 +2,13 @@
 
 This is the only place where block tables become tensors: the packed token ids and positions,
 the slot each new key/value is written to, the padded block tables and the context lengths that
-the attention kernels follow. It reads nothing but the plan, so a worker process that received
-the plan builds exactly the same step. The plan becomes host arrays, checked on the way
-(:mod:`pagedkv.engine.step_inputs`), then device tensors with one copy into buffers kept from
-step to step (:mod:`pagedkv.engine.step_buffers`); the host-side facts that size the kernels'
-launches travel beside them in the metadata, so no step waits on the device to learn a shape.
+the attention kernels follow. It reads nothing but the plan and the block tables the plans'
+edits built (:class:`~pagedkv.engine.step_inputs.RunnerTables`), so a worker process that
+received every plan builds exactly the same step. The plan becomes host arrays, checked on the
+way (:mod:`pagedkv.engine.step_inputs`), then device tensors with one copy into buffers kept
+from step to step (:mod:`pagedkv.engine.step_buffers`); the host-side facts that size the
+kernels' launches travel beside them in the metadata, so no step waits on the device to learn a
+shape.
 
 A decode step replays a CUDA graph when the runner has them (:mod:`pagedkv.engine.cuda_graphs`);
 every other step runs the model eagerly.
@@ -14,26 +16,15 @@ every other step runs the model eagerly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from pagedkv.attention import AttentionMetadata, KVCache, copy_blocks
+from pagedkv.attention import KVCache, copy_blocks
 from pagedkv.engine.cuda_graphs import DecodeGraphs, DecodeGraphSpec
 from pagedkv.engine.host_memory import reuse_freed_memory
 from pagedkv.engine.plan import StepPlan
-from pagedkv.engine.step_buffers import StepBuffers
+from pagedkv.engine.runner_tables import RunnerTables
+from pagedkv.engine.step_buffers import StepBuffers, StepInputs
 from pagedkv.engine.step_inputs import StepArrays, step_arrays
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata
-    #: Rows of the packed batch whose logits are returned (``SeqSlice.logits_rows``), increasing:
-    #: as many as the batch has rows means all of them.
-    logits_indices: torch.Tensor
 
 
 class ModelRunner:
@@ -54,38 +45,27 @@ class ModelRunner:
         if self.device.type == "cpu":
             reuse_freed_memory()
         self.buffers = StepBuffers(self.device)
+        self.tables = RunnerTables()
         self.num_pool_blocks = kv_cache.num_blocks - (decode_graphs is not None)
         if self.num_pool_blocks < 1:
             raise ValueError("a KV cache with decode graphs needs a block beside its scratch block")
         self.graphs = None if decode_graphs is None else DecodeGraphs(model, kv_cache, decode_graphs)
 
     def arrays(self, plan: StepPlan) -> StepArrays:
-        """The plan's inputs on the host, checked against the pool."""
-        return step_arrays(plan, self.kv_cache.block_size, self.num_pool_blocks)
+        """The plan's inputs on the host (its table edits applied), checked against the pool."""
+        return step_arrays(plan, self.tables, self.kv_cache.block_size, self.num_pool_blocks)
 
     def prepare(self, plan: StepPlan) -> StepInputs:
-        """The plan's inputs on the device, for an eager forward pass."""
-        return self._stage(self.arrays(plan))
-
-    def _stage(self, arrays: StepArrays) -> StepInputs:
-        tensors = self.buffers.stage(arrays)
-        metadata = AttentionMetadata(
-            slot_mapping=tensors.slot_mapping,
-            block_tables=tensors.block_tables,
-            context_lens=tensors.context_lens,
-            cu_seqlens_q=tensors.cu_seqlens_q,
-            max_query_len=arrays.max_query_len,
-            prompt_lens=tensors.prompt_lens,
-            max_seq_len=arrays.max_seq_len,
-            num_actual_tokens=arrays.num_tokens,
-            slots_padded=False,
-        )
-        return StepInputs(tensors.input_ids, tensors.positions, metadata, tensors.logits_indices)
+        """The plan's table edits, then its inputs on the device, for an eager forward pass."""
+        self.tables.apply(plan)
+        return self.buffers.stage(self.arrays(plan))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
-        """The tier's moves and the copy-on-write copies, then the forward pass; float32 logits
-        of the sampled rows (none for a plan that only moves blocks)."""
+        """The plan's table edits, the tier's moves and the copy-on-write copies, then the
+        forward pass; float32 logits of the sampled rows (none for a plan that only moves
+        blocks)."""
+        self.tables.apply(plan)
         if self.tier is not None:
             self.tier.move(self.kv_cache, plan)
         elif plan.block_copies:
@@ -97,8 +77,7 @@ class ModelRunner:
             hidden = self.graphs.run(arrays)
             if hidden is not None:
                 return self.model.compute_logits(hidden)
-        inputs = self._stage(arrays)
-        every_row = arrays.samples_every_row  # in order: a decode step
-        rows = None if every_row else inputs.logits_indices
+        inputs = self.buffers.stage(arrays)
+        rows = None if arrays.samples_every_row else inputs.logits_indices  # all, in order: a decode
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata, rows)
         return self.model.compute_logits(hidden)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedkv.engine.plan import SeqSlice, StepPlan
+from pagedkv.engine.plan import SeqSlice, ShippedTables, StepPlan
 from pagedkv.engine.sequence import Sequence
 from pagedkv.memory import KVCacheManager
 
@@ -81,15 +81,16 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    def plan(self, kv_manager: KVCacheManager) -> StepPlan:
-        """The executor's record of this step: token slices, block tables (copied: the tables
-        move on), the block copies and the second tier's moves, as plain data."""
+    def plan(self, kv_manager: KVCacheManager, tables: ShippedTables) -> StepPlan:
+        """The executor's record of this step: token slices, the block-table edits since the
+        plans ``tables`` made before, the block copies and the second tier's moves, as plain
+        data."""
         slices = [
             SeqSlice(
+                seq_id=item.seq.seq_id,
                 token_ids=item.seq.token_ids[item.start : item.end - item.num_spec_tokens]
                 + list(item.spec_token_ids),
                 start=item.start,
-                block_table=list(kv_manager.block_ids(item.seq.seq_id)),
                 needs_logits=item.needs_logits,
                 prompt_logits=item.seq.needs_prompt_logits,
                 prompt_len=item.seq.prompt_len,
@@ -97,4 +98,4 @@ class SchedulerOutput:
             )
             for item in self.scheduled
         ]
-        return StepPlan(slices, list(self.block_copies), kv_manager.take_transfers())
+        return tables.plan(slices, kv_manager, list(self.block_copies), kv_manager.take_transfers())

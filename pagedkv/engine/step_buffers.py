@@ -5,7 +5,8 @@ prompt lengths, block tables) are small host arrays (:mod:`pagedkv.engine.step_i
 one tensor at a time they would be eight host-to-device copies, each of which waits for the
 device when it comes from pageable memory. Here they are laid out in one int64 staging array,
 pinned on CUDA, and sent with one non-blocking copy into a device buffer kept from step to step;
-the tensors a step reads are views of that buffer. A layout is a function of the arrays' sizes
+the tensors a step reads are views of that buffer, handed to the forward pass as
+:class:`StepInputs` with the step's attention metadata over them. A layout is a function of the arrays' sizes
 alone (:class:`StepLayout`), so a step of the same sizes reads the same addresses: what a CUDA
 graph captured over those views needs.
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedkv.attention import AttentionMetadata
 from pagedkv.engine.step_inputs import StepArrays
 
 #: the fields, in buffer order: int64 ones, then int32 ones (two to a word)
@@ -90,17 +92,17 @@ def _layout(*sizes: int | bool) -> StepLayout:
 
 
 @dataclass(frozen=True)
-class StepTensors:
-    """A step's inputs on the device: views of a :class:`StepBuffers` buffer."""
+class StepInputs:
+    """What one forward pass reads: the packed tokens and positions, the rows whose logits it
+    returns (``SeqSlice.logits_rows``, increasing; as many as the batch has rows means all of
+    them) and the step's attention metadata, all views of a :class:`StepBuffers` buffer. A new
+    object per step, even over the same views: the metadata holds what the backend derives
+    from the step's values (:meth:`AttentionMetadata.derived`)."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64
     logits_indices: torch.Tensor  # [L] int64
-    context_lens: torch.Tensor  # [S] int32
-    cu_seqlens_q: torch.Tensor  # [S + 1] int32
-    prompt_lens: torch.Tensor | None  # [S] int32
-    block_tables: torch.Tensor  # [S, W] int32
+    metadata: AttentionMetadata
 
 
 class StepBuffers:
@@ -122,13 +124,13 @@ class StepBuffers:
         self.buffer = torch.empty(words, dtype=torch.int64, device=self.device)
         self._staging = [torch.empty(words, dtype=torch.int64, pin_memory=self._pinned) for _ in range(2)]
         self._host = [staging.numpy() for staging in self._staging]
-        self._views: dict[StepLayout, StepTensors] = {}  # of this buffer
+        self._views: dict[StepLayout, dict[str, torch.Tensor | None]] = {}  # of this buffer
         #: recorded after each staging array's last copy (an event never recorded counts as done)
         self._copied = [torch.cuda.Event() for _ in range(2)] if self._pinned else []
 
-    def stage(self, arrays: StepArrays) -> StepTensors:
-        """Send ``arrays`` to the device (one copy) and return the views a step reads."""
-        return self.views(self.write(arrays))
+    def stage(self, arrays: StepArrays) -> StepInputs:
+        """Send ``arrays`` to the device (one copy) and return the step's inputs over them."""
+        return self.inputs(self.write(arrays), arrays.max_query_len, arrays.max_seq_len)
 
     def write(self, arrays: StepArrays) -> StepLayout:
         """Send ``arrays`` to the device with one copy into the buffer; returns their layout,
@@ -156,17 +158,29 @@ class StepBuffers:
             self._copied[turn].record()
         return layout
 
-    def views(self, layout: StepLayout) -> StepTensors:
-        """The fields of a step of ``layout`` as views of the device buffer (the same view
-        objects for the same layout, until the buffer grows)."""
-        kept = self._views.get(layout)
-        if kept is None:
+    def inputs(self, layout: StepLayout, max_query_len: int, max_seq_len: int) -> StepInputs:
+        """The inputs of a step of ``layout`` written last (views of the device buffer, the same
+        view objects for the same layout until the buffer grows), with a new metadata object;
+        ``max_query_len`` and ``max_seq_len``: the host's bounds the metadata carries."""
+        views = self._views.get(layout)
+        if views is None:
             if len(self._views) >= KEPT_LAYOUTS:
                 self._views.clear()
-            kept = self._views[layout] = self._make_views(layout)
-        return kept
+            views = self._views[layout] = self._make_views(layout)
+        metadata = AttentionMetadata(
+            slot_mapping=views["slot_mapping"],
+            block_tables=views["block_tables"],
+            context_lens=views["context_lens"],
+            cu_seqlens_q=views["cu_seqlens_q"],
+            max_query_len=max_query_len,
+            prompt_lens=views["prompt_lens"],
+            max_seq_len=max_seq_len,
+            num_actual_tokens=layout.num_tokens,
+            slots_padded=False,
+        )
+        return StepInputs(views["input_ids"], views["positions"], views["logits_indices"], metadata)
 
-    def _make_views(self, layout: StepLayout) -> StepTensors:
+    def _make_views(self, layout: StepLayout) -> dict[str, torch.Tensor | None]:
         tensors: dict[str, torch.Tensor | None] = {}
         for name, (first, count) in layout.spans.items():
             if name in INT64_FIELDS:
@@ -176,4 +190,4 @@ class StepBuffers:
         tensors["block_tables"] = tensors["block_tables"].view(layout.num_seqs, layout.table_width)
         if not layout.has_prompt_lens:
             tensors["prompt_lens"] = None
-        return StepTensors(**tensors)
+        return tensors

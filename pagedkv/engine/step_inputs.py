@@ -6,6 +6,9 @@ counts, the longest query and the longest context, whether a decode step replays
 at which size. Nothing here touches a tensor, so none of it can wait on a device; the model
 runner sends the arrays to the device in one copy (:mod:`pagedkv.engine.step_buffers`).
 
+The runner keeps every sequence's block table (:mod:`pagedkv.engine.runner_tables`) and brings
+it up to date with each plan's edits before it reads the plan here.
+
 The runner also checks the plan here, once per step for every layer, as it reads it: each
 slice's block table covers its positions with blocks inside the pool, and it computes at least
 one position (the pool bounds on the tables' array at once; the first bad slice is named when
@@ -17,13 +20,13 @@ runs ~20 small tensor ops.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, replace
 from typing import NoReturn
 
 import numpy as np
 
 from pagedkv.engine.plan import StepPlan
+from pagedkv.engine.runner_tables import RunnerTables
 
 
 @dataclass(frozen=True)
@@ -58,20 +61,24 @@ class StepArrays:
         return self.logits_indices.shape[0] == self.num_tokens
 
 
-def step_arrays(plan: StepPlan, block_size: int, num_blocks: int) -> StepArrays:
-    """The plan's inputs; ``num_blocks``: the pool's blocks, which every table entry must be
-    among (a ValueError naming the first slice that breaks it)."""
+def step_arrays(plan: StepPlan, tables: RunnerTables, block_size: int, num_blocks: int) -> StepArrays:
+    """The plan's inputs, its slices' block tables read from ``tables`` (the plan's edits
+    applied); ``num_blocks``: the pool's blocks, which every table entry must be among (a
+    ValueError naming the first slice that breaks it)."""
     bs = block_size
+    slice_tables = [tables.get(piece.seq_id) for piece in plan.slices]
+    if None in slice_tables:
+        _refuse(plan, slice_tables, bs, num_blocks)
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     context_lens: list[int] = []
     cu_seqlens = [0]
     logits_indices: list[int] = []
-    for piece in plan.slices:
-        table, start, end = piece.block_table, piece.start, piece.end
+    for piece, table in zip(plan.slices, slice_tables, strict=True):
+        start, end = piece.start, piece.end
         if start < 0 or end <= start or len(table) * bs < end:
-            _refuse(plan, bs, num_blocks)
+            _refuse(plan, slice_tables, bs, num_blocks)
         input_ids += piece.token_ids
         positions += range(start, end)
         # Slot runs block by block (a decode is one run): no Python step per token.
@@ -83,9 +90,9 @@ def step_arrays(plan: StepPlan, block_size: int, num_blocks: int) -> StepArrays:
         rows = piece.logits_rows()
         logits_indices += range(cu_seqlens[-2] + rows.start, cu_seqlens[-2] + rows.stop)
     # The tables, as one array and checked as one (not a Python min and max per table).
-    tables = _padded_tables([piece.block_table for piece in plan.slices])
-    if tables.min() < 0 or tables.max() >= num_blocks:
-        _refuse(plan, bs, num_blocks)
+    padded = tables.padded([piece.seq_id for piece in plan.slices], max(map(len, slice_tables)))
+    if padded.min() < 0 or padded.max() >= num_blocks:
+        _refuse(plan, slice_tables, bs, num_blocks)
     prompt_lens = [piece.prompt_len for piece in plan.slices]
     return StepArrays(
         input_ids=np.asarray(input_ids, np.int64),
@@ -94,7 +101,7 @@ def step_arrays(plan: StepPlan, block_size: int, num_blocks: int) -> StepArrays:
         logits_indices=np.asarray(logits_indices, np.int64),
         context_lens=np.asarray(context_lens, np.int32),
         cu_seqlens_q=np.asarray(cu_seqlens, np.int32),
-        block_tables=tables,
+        block_tables=padded,
         prompt_lens=None if None in prompt_lens else np.asarray(prompt_lens, np.int32),
         max_query_len=max(len(piece.token_ids) for piece in plan.slices),
         max_seq_len=max(context_lens),
@@ -185,22 +192,15 @@ def empty_decode() -> StepArrays:
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def _padded_tables(tables: list[list[int]]) -> np.ndarray:
-    """The block tables as one int32 array padded with block 0 (never read: a row reads only
-    its context's blocks). Through one flat array and one scatter, where NumPy reading a list of
-    padded lists walks every Python list again."""
-    widths = np.fromiter(map(len, tables), np.int64, len(tables))
-    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(widths.sum()))
-    padded = np.zeros((len(tables), int(widths.max())), np.int32)
-    padded[np.arange(padded.shape[1]) < widths[:, None]] = flat
-    return padded
-
-
-def _refuse(plan: StepPlan, bs: int, num_blocks: int) -> NoReturn:
-    """Raise for the first slice whose block table does not cover its positions with blocks
-    of the pool (or that computes nothing)."""
-    for i, piece in enumerate(plan.slices):
-        table, start, end = piece.block_table, piece.start, piece.end
+def _refuse(plan: StepPlan, tables: list[list[int] | None], bs: int, num_blocks: int) -> NoReturn:
+    """Raise for the first slice without a block table, or whose table does not cover its
+    positions with blocks of the pool (or that computes nothing)."""
+    for i, (piece, table) in enumerate(zip(plan.slices, tables, strict=True)):
+        start, end = piece.start, piece.end
+        if table is None:
+            raise ValueError(
+                f"step plan slice {i} computes sequence {piece.seq_id!r}, whose table no plan sent"
+            )
         used = table[: -(-end // bs)]  # the blocks the attention reads and the slots written
         if start < 0 or end <= start or len(used) * bs < end or min(used) < 0 or max(used) >= num_blocks:
             raise ValueError(

@@ -19,10 +19,11 @@ from pagedkv import LLM, BeamSearchParams, SamplingParams
 from pagedkv.attention import KVCache
 from pagedkv.engine.cuda_graphs import DecodeGraphSpec, eager_reason
 from pagedkv.engine.model_runner import ModelRunner
-from pagedkv.engine.plan import SeqSlice, StepPlan
+from pagedkv.engine.plan import StepPlan
 from pagedkv.engine.step_inputs import capture_sizes
 from pagedkv.models import load_model
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
+from tests.engine.plans import Piece, plan_of
 
 #: Left out of the suite by its configuration (pyproject's addopts), run by gpu_check.sh.
 needs_cuda = pytest.mark.cuda
@@ -63,13 +64,11 @@ def _steps() -> list[StepPlan]:
     """Prompts of three sequences, then decode steps of 3 (padded to 4), 1 and 2 sequences."""
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19]]
     tables = [[0, 1, 2, 3], [7, 8, 9, 10], [20, 21, 22, 23]]
-    plans = [
-        StepPlan([SeqSlice(p, 0, t, True, prompt_len=len(p)) for p, t in zip(prompts, tables, strict=True)])
-    ]
+    plans = [plan_of([Piece(p, 0, t, True, prompt_len=len(p)) for p, t in zip(prompts, tables, strict=True)])]
     lens = [len(p) for p in prompts]
     for rows in ([0, 1, 2], [1], [2, 0], [0, 1, 2]):
         plans.append(
-            StepPlan([SeqSlice([30 + i], lens[i], tables[i], True, prompt_len=len(prompts[i])) for i in rows])
+            plan_of([Piece([30 + i], lens[i], tables[i], True, prompt_len=len(prompts[i])) for i in rows])
         )
         for i in rows:
             lens[i] += 1
@@ -96,7 +95,7 @@ def test_a_plan_that_names_the_scratch_block_is_refused(model_path):
     with pytest.raises(
         ValueError, match=r"block table \[40\] does not cover them with blocks of the pool's 40 "
     ):
-        graphs.execute(StepPlan([SeqSlice([1, 2], 0, [40], True, prompt_len=2)]))
+        graphs.execute(plan_of([Piece([1, 2], 0, [40], True, prompt_len=2)]))
 
 
 def _prompts() -> list[list[int]]:
@@ -175,18 +174,17 @@ def test_a_step_never_waits_for_the_device(model_path, enforce_eager):
 
     def steps(offset: int) -> list[StepPlan]:
         lens = [len(p) + offset for p in prompts]
-        prefill = StepPlan(
+        prefill = plan_of(
             [
-                SeqSlice(p, offset, t, True, prompt_len=len(p) + offset)
+                Piece(p, offset, t, True, prompt_len=len(p) + offset)
                 for p, t in zip(prompts, tables, strict=True)
             ]
         )
-        decode = StepPlan(
-            [SeqSlice([3], n, t, True, prompt_len=n) for n, t in zip(lens, tables, strict=True)]
+        decodes = [Piece([3], n, t, True, prompt_len=n) for n, t in zip(lens, tables, strict=True)]
+        copied = plan_of(
+            decodes[:2] + [Piece([4], lens[2], [20, 21, 22, 30], True, prompt_len=3)], [(23, 30)]
         )
-        copied = StepPlan(
-            decode.slices[:2] + [SeqSlice([4], lens[2], [20, 21, 22, 30], True, prompt_len=3)], [(23, 30)]
-        )
+        decode = plan_of(decodes)
         return [prefill, decode, copied]
 
     for plan in steps(0):  # compiles the kernels for these shapes

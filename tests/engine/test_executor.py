@@ -15,9 +15,10 @@ from pagedkv.attention import set_per_call_checks
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.executor import ExecutorError
 from pagedkv.engine.executor.in_process import InProcessExecutor
-from pagedkv.engine.plan import SeqSlice, StepPlan
+from pagedkv.engine.plan import StepPlan
 from pagedkv.models import ModelConfig
 from tests.checkpoints import make_checkpoint
+from tests.engine.plans import Piece, plan_of
 
 PROMPT = [7, 99, 31, 250, 4, 18, 77, 301, 12, 45, 9, 400, 5]  # 13 tokens
 
@@ -41,8 +42,8 @@ def _plain(value) -> bool:
 
 
 def test_a_plan_is_plain_data_that_survives_pickle_and_json():
-    plan = StepPlan(
-        [SeqSlice([5, 6, 7], 0, [3, 9], True), SeqSlice([8], 4, [1, 2], False, prompt_len=3)],
+    plan = plan_of(
+        [Piece([5, 6, 7], 0, [3, 9], True), Piece([8], 4, [1, 2], False, prompt_len=3)],
         block_copies=[(2, 11)],
     )
     assert _plain(plan.to_dict())
@@ -52,13 +53,13 @@ def test_a_plan_is_plain_data_that_survives_pickle_and_json():
 
 
 def test_the_same_prompt_gives_the_same_logits_in_one_step_or_two_and_in_any_blocks(model_path):
-    whole = _executor(model_path).execute(StepPlan([SeqSlice(PROMPT, 0, [0, 1, 2, 3], True)]))
+    whole = _executor(model_path).execute(plan_of([Piece(PROMPT, 0, [0, 1, 2, 3], True)]))
     chunked = _executor(model_path)
     table = [11, 4, 15, 2]  # anywhere in the pool, in no order
-    first = chunked.execute(StepPlan([SeqSlice(PROMPT[:6], 0, table, False)]))
+    first = chunked.execute(plan_of([Piece(PROMPT[:6], 0, table, False)]))
     assert first.shape == (0, whole.shape[1])  # no slice needs logits: no rows
     # the second step sent as JSON, as a worker process would receive it
-    second = StepPlan([SeqSlice(PROMPT[6:], 6, table, True)])
+    second = plan_of([Piece(PROMPT[6:], 6, table, True)])
     last = chunked.execute(StepPlan.from_dict(json.loads(json.dumps(second.to_dict()))))
     assert whole.dtype == last.dtype == torch.float32
     torch.testing.assert_close(last, whole, rtol=1e-5, atol=1e-5)
@@ -69,12 +70,12 @@ def test_a_bad_plan_is_refused_once_per_step_even_with_per_call_checks_off(model
     previous = set_per_call_checks(False)
     try:
         with pytest.raises(ValueError, match="slice 0 computes positions 0..12, but its block table"):
-            executor.execute(StepPlan([SeqSlice(PROMPT, 0, [0, 1, 2, 16], True)]))
+            executor.execute(plan_of([Piece(PROMPT, 0, [0, 1, 2, 16], True)]))
         for table in ([0, 1, 2], [0, -1, 2, 3]):  # too short; a negative id
             with pytest.raises(ValueError, match="slice 1 computes positions 0..12"):
-                executor.execute(StepPlan([SeqSlice([5], 3, [4], True), SeqSlice(PROMPT, 0, table, True)]))
+                executor.execute(plan_of([Piece([5], 3, [4], True), Piece(PROMPT, 0, table, True)]))
         with pytest.raises(ValueError, match="slice 0 computes positions 0..-1"):
-            executor.execute(StepPlan([SeqSlice([], 0, [0], False)]))
+            executor.execute(plan_of([Piece([], 0, [0], False)]))
     finally:
         set_per_call_checks(previous)
 
@@ -86,5 +87,5 @@ def test_a_shut_down_executor_reports_it(model_path):
     with pytest.raises(ExecutorError, match="shut down"):
         executor.check_health()
     with pytest.raises(ExecutorError, match="shut down"):
-        executor.execute(StepPlan([SeqSlice([5], 0, [0], True)]))
+        executor.execute(plan_of([Piece([5], 0, [0], True)]))
     executor.shutdown()  # idempotent

@@ -15,10 +15,11 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine import RequestLimits
-from pagedkv.engine.plan import SeqSlice, StepPlan
+from pagedkv.engine.plan import StepPlan
 from pagedkv.engine.prompt_logprobs import score
 from pagedkv.engine.sequence import Request
 from pagedkv.models import builtin_model_path
+from tests.engine.plans import Piece, plan_of
 
 CODE = (
     "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n        return [line.rstrip() "
@@ -145,9 +146,9 @@ def test_a_recomputed_chunk_is_recorded_once(reference, prompts):
 
 
 def test_a_prompt_logits_slice_returns_every_row_and_survives_json():
-    plan = StepPlan(
-        [SeqSlice([5, 6, 7], 0, [3], True, prompt_logits=True), SeqSlice([8, 9], 0, [2], False, True)]
-        + [SeqSlice([4], 7, [1, 2], True)]
+    plan = plan_of(
+        [Piece([5, 6, 7], 0, [3], True, prompt_logits=True), Piece([8, 9], 0, [2], False, True)]
+        + [Piece([4], 7, [1, 2], True)]
     )
     assert StepPlan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
     assert [list(s.logits_rows()) for s in plan.slices] == [[0, 1, 2], [0, 1], [0]]

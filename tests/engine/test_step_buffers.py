@@ -12,9 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.engine.plan import SeqSlice, StepPlan
+from pagedkv.engine.plan import StepPlan
 from pagedkv.engine.step_buffers import INT32_FIELDS, INT64_FIELDS, StepBuffers, StepLayout
-from pagedkv.engine.step_inputs import pad_decode, step_arrays
+from pagedkv.engine.step_inputs import pad_decode
+from tests.engine.plans import Piece, plan_arrays, plan_of
 
 BS = 4
 
@@ -26,14 +27,15 @@ def _plan(lengths: list[tuple[int, int]], sampled_every: int = 1) -> StepPlan:
         blocks = -(-(start + tokens) // BS)
         ids = [(7 * i + j) % 50 for j in range(tokens)]
         sampled = i % sampled_every == 0
-        slices.append(SeqSlice(ids, start, list(range(block, block + blocks)), sampled, prompt_len=start + 1))
+        slices.append(Piece(ids, start, list(range(block, block + blocks)), sampled, prompt_len=start + 1))
         block += blocks
-    return StepPlan(slices)
+    return plan_of(slices)
 
 
-def _assert_views_hold(tensors, arrays) -> None:
+def _assert_views_hold(inputs, arrays) -> None:
     for name in INT64_FIELDS + INT32_FIELDS:
-        view, values = getattr(tensors, name), getattr(arrays, name)
+        holder = inputs if name in ("input_ids", "positions", "logits_indices") else inputs.metadata
+        view, values = getattr(holder, name), getattr(arrays, name)
         assert view.dtype == (torch.int64 if name in INT64_FIELDS else torch.int32), name
         assert np.array_equal(view.numpy(), values), name
 
@@ -41,7 +43,7 @@ def _assert_views_hold(tensors, arrays) -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 9)), min_size=1, max_size=6), st.integers(1, 3))
 def test_the_views_read_back_exactly_the_arrays_staged(lengths, sampled_every):
-    arrays = step_arrays(_plan(lengths, sampled_every), BS, 1000)
+    arrays = plan_arrays(_plan(lengths, sampled_every), BS, 1000)
     buffers = StepBuffers(torch.device("cpu"))
     _assert_views_hold(buffers.stage(arrays), arrays)
 
@@ -59,18 +61,19 @@ def test_fields_never_overlap_and_start_on_a_word():
 def test_a_step_of_the_same_sizes_reads_the_same_addresses_with_its_own_values():
     """What a CUDA graph relies on: its views, made once, read each later step of its size."""
     buffers = StepBuffers(torch.device("cpu"), capacity=256, growable=False)
-    first = pad_decode(step_arrays(_plan([(3, 1), (9, 1)]), BS, 1000), 4, 999, BS, 8)
-    views = buffers.stage(first)
-    later = pad_decode(step_arrays(_plan([(20, 1), (1, 1), (5, 1)]), BS, 1000), 4, 999, BS, 8)
+    first = pad_decode(plan_arrays(_plan([(3, 1), (9, 1)]), BS, 1000), 4, 999, BS, 8)
+    inputs = buffers.stage(first)
+    later = pad_decode(plan_arrays(_plan([(20, 1), (1, 1), (5, 1)]), BS, 1000), 4, 999, BS, 8)
     assert StepLayout.of(later) == StepLayout.of(first)
     again = buffers.stage(later)
-    assert views.block_tables.data_ptr() == again.block_tables.data_ptr()
-    _assert_views_hold(views, later)
+    assert inputs.metadata.block_tables.data_ptr() == again.metadata.block_tables.data_ptr()
+    assert inputs.metadata is not again.metadata  # a step's derived kernel arguments are its own
+    _assert_views_hold(inputs, later)
 
 
 def test_a_growable_buffer_makes_room_and_a_fixed_one_refuses():
-    small = step_arrays(_plan([(0, 2)]), BS, 1000)
-    large = step_arrays(_plan([(0, 200), (10, 50)]), BS, 1000)
+    small = plan_arrays(_plan([(0, 2)]), BS, 1000)
+    large = plan_arrays(_plan([(0, 200), (10, 50)]), BS, 1000)
     growable = StepBuffers(torch.device("cpu"), capacity=StepLayout.of(small).words)
     _assert_views_hold(growable.stage(large), large)
     assert growable.capacity >= StepLayout.of(large).words

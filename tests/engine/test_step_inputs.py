@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.engine.plan import SeqSlice, StepPlan
+from pagedkv.engine.plan import StepPlan
 from pagedkv.engine.step_buffers import StepLayout
 from pagedkv.engine.step_inputs import (
     capture_sizes,
@@ -19,8 +19,8 @@ from pagedkv.engine.step_inputs import (
     graph_size,
     pad_decode,
     padded_size,
-    step_arrays,
 )
+from tests.engine.plans import Piece, plan_arrays, plan_of
 
 BS = 4
 
@@ -31,21 +31,21 @@ def _decode_plan(contexts: list[int], first_block: int = 0) -> StepPlan:
     for n in contexts:
         blocks = -(-n // BS)
         slices.append(
-            SeqSlice([7 + n % 5], n - 1, list(range(block, block + blocks)), True, prompt_len=n // 2 + 1)
+            Piece([7 + n % 5], n - 1, list(range(block, block + blocks)), True, prompt_len=n // 2 + 1)
         )
         block += blocks
-    return StepPlan(slices)
+    return plan_of(slices)
 
 
 def test_a_mixed_plan_becomes_packed_arrays_and_the_facts_that_size_its_launches():
-    plan = StepPlan(
+    plan = plan_of(
         [
-            SeqSlice([1, 2, 3], 0, [5, 6], True, prompt_len=3),  # a prompt
-            SeqSlice([9], 5, [2, 3], True, prompt_len=4),  # a decode at position 5
-            SeqSlice([4, 4], 2, [8, 1], False, prompt_len=6),  # a prompt chunk, not sampled
+            Piece([1, 2, 3], 0, [5, 6], True, prompt_len=3),  # a prompt
+            Piece([9], 5, [2, 3], True, prompt_len=4),  # a decode at position 5
+            Piece([4, 4], 2, [8, 1], False, prompt_len=6),  # a prompt chunk, not sampled
         ]
     )
-    arrays = step_arrays(plan, BS, num_blocks=10)
+    arrays = plan_arrays(plan, BS, num_blocks=10)
     assert arrays.input_ids.tolist() == [1, 2, 3, 9, 4, 4]
     assert arrays.positions.tolist() == [0, 1, 2, 5, 2, 3]
     assert arrays.slot_mapping.tolist() == [20, 21, 22, 13, 34, 35]
@@ -59,9 +59,9 @@ def test_a_mixed_plan_becomes_packed_arrays_and_the_facts_that_size_its_launches
 
 
 def test_a_table_outside_the_pool_is_refused_naming_the_slice():
-    plan = StepPlan([SeqSlice([1], 0, [0], True), SeqSlice([1], 4, [1, 10], True)])
+    plan = plan_of([Piece([1], 0, [0], True), Piece([1], 4, [1, 10], True)])
     with pytest.raises(ValueError, match="slice 1 computes positions 4..4"):
-        step_arrays(plan, BS, num_blocks=10)
+        plan_arrays(plan, BS, num_blocks=10)
 
 
 @pytest.mark.parametrize(
@@ -84,13 +84,13 @@ def test_every_batch_the_scheduler_forms_has_a_graph_at_most_twice_its_size(max_
 
 def test_only_a_decode_step_that_a_graph_holds_replays_one():
     sizes, width = (1, 2, 4), 4  # tables of 4 blocks: contexts up to 16 tokens
-    assert graph_size(step_arrays(_decode_plan([5, 9, 3]), BS, 100), sizes, BS, width) == 4
-    assert graph_size(step_arrays(_decode_plan([16]), BS, 100), sizes, BS, width) == 1
-    too_long = step_arrays(_decode_plan([17]), BS, 100)
-    too_many = step_arrays(_decode_plan([2] * 5), BS, 100)
-    prefill = step_arrays(StepPlan([SeqSlice([1, 2], 0, [0], True, prompt_len=2)]), BS, 100)
-    unsampled = step_arrays(StepPlan([SeqSlice([1], 3, [0], False, prompt_len=9)]), BS, 100)
-    no_prompt_len = step_arrays(StepPlan([SeqSlice([1], 3, [0], True)]), BS, 100)
+    assert graph_size(plan_arrays(_decode_plan([5, 9, 3]), BS, 100), sizes, BS, width) == 4
+    assert graph_size(plan_arrays(_decode_plan([16]), BS, 100), sizes, BS, width) == 1
+    too_long = plan_arrays(_decode_plan([17]), BS, 100)
+    too_many = plan_arrays(_decode_plan([2] * 5), BS, 100)
+    prefill = plan_arrays(plan_of([Piece([1, 2], 0, [0], True, prompt_len=2)]), BS, 100)
+    unsampled = plan_arrays(plan_of([Piece([1], 3, [0], False, prompt_len=9)]), BS, 100)
+    no_prompt_len = plan_arrays(plan_of([Piece([1], 3, [0], True)]), BS, 100)
     for arrays in (too_long, too_many, prefill, unsampled, no_prompt_len):
         assert graph_size(arrays, sizes, BS, width) is None
 
@@ -114,15 +114,15 @@ def test_padding_rows_touch_only_the_scratch_block_and_leave_the_real_rows_as_th
         return
     plan = _decode_plan(contexts)
     if contexts and spare_columns:  # tables may run past the context (a lookahead block)
-        plan = StepPlan(
+        plan = plan_of(
             [
-                SeqSlice(
-                    s.token_ids, s.start, s.block_table + [3] * spare_columns, True, prompt_len=s.prompt_len
+                Piece(
+                    s.token_ids, s.start, e.new_block_ids + [3] * spare_columns, True, prompt_len=s.prompt_len
                 )
-                for s in plan.slices
+                for s, e in zip(plan.slices, plan.table_edits, strict=True)
             ]
         )
-    arrays = step_arrays(plan, BS, 1000) if contexts else empty_decode()
+    arrays = plan_arrays(plan, BS, 1000) if contexts else empty_decode()
     padded = pad_decode(arrays, size, scratch, BS, width)
     real = len(contexts)
     for name in ("input_ids", "positions", "slot_mapping", "context_lens", "prompt_lens"):
@@ -142,9 +142,9 @@ def test_padding_rows_touch_only_the_scratch_block_and_leave_the_real_rows_as_th
 
 
 def test_padding_refuses_what_is_not_a_decode_step_of_at_most_the_size():
-    arrays = step_arrays(_decode_plan([3, 4, 5]), BS, 100)
+    arrays = plan_arrays(_decode_plan([3, 4, 5]), BS, 100)
     with pytest.raises(ValueError, match="at most 2 sequences"):
         pad_decode(arrays, 2, 99, BS, 4)
-    prefill = step_arrays(StepPlan([SeqSlice([1, 2], 0, [0], True, prompt_len=2)]), BS, 100)
+    prefill = plan_arrays(plan_of([Piece([1, 2], 0, [0], True, prompt_len=2)]), BS, 100)
     with pytest.raises(ValueError, match="longest query of 2"):
         pad_decode(prefill, 4, 99, BS, 4)

@@ -17,8 +17,8 @@ import torch
 
 from pagedkv import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from pagedkv.engine import RequestLimits
-from pagedkv.engine.plan import SeqSlice, StepPlan
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
+from tests.engine.plans import Piece, plan_of
 from tests.engine.test_engine_exactness import CASES as EXACTNESS_CASES
 
 CASES = {
@@ -57,7 +57,7 @@ def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(tmp_path, case):
         prompts = _prompts()
         # the prompts' last-token logits in one step, each prompt in its own blocks (fresh pools)
         tables = [list(range(16 * i, 16 * i + 16)) for i in range(len(prompts))]
-        plan = StepPlan([SeqSlice(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
+        plan = plan_of([Piece(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
         expected, got = one.engine.executor.execute(plan), two.engine.executor.execute(plan)
         assert got.shape == expected.shape == (len(prompts), one.engine.model_config.vocab_size)
         # 1e-5 absolute, or relative where logits are large (the tied checkpoints' reach ~60,

@@ -169,14 +169,6 @@ class PrefillSplit:
     tiles: PrefillTiles | None = None
 
 
-#: the latest prefill step's metadata, the flags its split was made for, and the split
-_last_prefill: tuple[AttentionMetadata | None, tuple[bool, int], PrefillSplit | None] = (
-    None,
-    (False, 0),
-    None,
-)
-
-
 def _prefill_split(metadata: AttentionMetadata, sdpa_allowed: bool, tile_rows: int) -> PrefillSplit:
     """Which rows the tile kernel takes (``tile_rows`` per tile; 0: none), which runs SDPA takes
     (longer than ``NATIVE_MAX_QUERY_LEN``, when allowed and not tiled) and the rest, for the row
@@ -184,11 +176,14 @@ def _prefill_split(metadata: AttentionMetadata, sdpa_allowed: bool, tile_rows: i
     generated ones are not, whatever the run's length: a token recomputed after a preemption is
     then attended exactly as the first time (prompt rows by tiles, which give a row the same
     result in any tile; generated rows by the row kernel, as decodes). Without them, whole runs
-    of at least one tile are tiled."""
-    global _last_prefill
-    seen, flags, split = _last_prefill
-    if seen is metadata and flags == (sdpa_allowed, tile_rows) and split is not None:
-        return split
+    of at least one tile are tiled. Built by the step's first layer with these flags and kept
+    in its metadata for the others."""
+    return metadata.derived(
+        (_prefill_split, sdpa_allowed, tile_rows), lambda m: _split(m, sdpa_allowed, tile_rows)
+    )
+
+
+def _split(metadata: AttentionMetadata, sdpa_allowed: bool, tile_rows: int) -> PrefillSplit:
     cu = metadata.cu_seqlens_q.long()
     q_lens = cu[1:] - cu[:-1]
     context_lens = metadata.context_lens.long()
@@ -217,9 +212,7 @@ def _prefill_split(metadata: AttentionMetadata, sdpa_allowed: bool, tile_rows: i
             row_seq, row_pos = row_seq[rows], row_pos[rows]
         kernel_rows = KernelRows.of(metadata.block_tables, row_seq, row_pos)
     tiles = _tiles(metadata, cu, first_pos, tiled_rows, tile_rows) if bool((tiled_rows > 0).any()) else None
-    split = PrefillSplit(long_runs, short_runs, rows, kernel_rows, tiles)
-    _last_prefill = (metadata, (sdpa_allowed, tile_rows), split)
-    return split
+    return PrefillSplit(long_runs, short_runs, rows, kernel_rows, tiles)
 
 
 def _tiles(

@@ -2,8 +2,9 @@
 
 A step of the row kernel is its block tables and each query row's sequence and position
 (:class:`KernelRows`); every layer of the step passes the same rows, so a step builds them once
-(:func:`decode_rows`, :func:`generated_rows`), not once per layer, and the C decode stack reads
-the same ones. :func:`split_work` sizes the flash-decoding split of long contexts.
+(:func:`decode_rows`, :func:`generated_rows`), not once per layer, and keeps them in its
+metadata (:meth:`~pagedkv.attention.metadata.AttentionMetadata.derived`), where the C decode
+stack reads the same ones. :func:`split_work` sizes the flash-decoding split of long contexts.
 """
 
 from __future__ import annotations
@@ -61,24 +62,15 @@ def split_work(total: int, num_heads: int, head_dim: int) -> tuple[int, int]:
     return threads, min(MAX_CHUNK, max(MIN_CHUNK, per_task))
 
 
-#: the latest decode step's metadata and its kernel rows (held, so its id cannot be reused)
-_last_decode: tuple[AttentionMetadata | None, KernelRows | None] = (None, None)
-
-
 def decode_rows(metadata: AttentionMetadata) -> KernelRows:
-    """The kernel rows of a decode step, built by its first layer and reused by the others."""
-    global _last_decode
-    seen, rows = _last_decode
-    if seen is not metadata or rows is None:
-        row_seq = np.arange(metadata.context_lens.shape[0], dtype=np.int32)
-        row_pos = metadata.context_lens.numpy() - 1
-        rows = KernelRows.of(metadata.block_tables, torch.from_numpy(row_seq), torch.from_numpy(row_pos))
-        _last_decode = (metadata, rows)
-    return rows
+    """The kernel rows of a decode step, built by its first layer and kept for the others."""
+    return metadata.derived(decode_rows, _decode_rows)
 
 
-#: the latest multi-row step of generated tokens, and its kernel rows (held, as above)
-_last_generated: tuple[AttentionMetadata | None, KernelRows | None] = (None, None)
+def _decode_rows(metadata: AttentionMetadata) -> KernelRows:
+    row_seq = np.arange(metadata.context_lens.shape[0], dtype=np.int32)
+    row_pos = metadata.context_lens.numpy() - 1
+    return KernelRows.of(metadata.block_tables, torch.from_numpy(row_seq), torch.from_numpy(row_pos))
 
 
 def generated_rows(metadata: AttentionMetadata) -> KernelRows | None:
@@ -88,20 +80,19 @@ def generated_rows(metadata: AttentionMetadata) -> KernelRows | None:
     :func:`prefill` gives the row kernel for such a step: each row attends its sequence's
     positions up to its own, as a decode at that position would. Built with NumPy, once per
     step: torch calls on such small arrays cost several times more."""
-    global _last_generated
     if metadata.is_decode_only and metadata.cu_seqlens_q.shape[0] - 1 == metadata.num_seqs:
         return decode_rows(metadata)
-    seen, rows = _last_generated
-    if seen is metadata:
-        return rows
-    rows = None
-    if metadata.prompt_lens is not None:
-        cu = metadata.cu_seqlens_q.numpy()
-        q_lens = cu[1:] - cu[:-1]
-        first_pos = metadata.context_lens.numpy() - q_lens
-        if bool((first_pos >= metadata.prompt_lens.numpy()).all()):
-            row_seq = np.repeat(np.arange(q_lens.shape[0], dtype=np.int32), q_lens)
-            row_pos = (first_pos[row_seq] + np.arange(row_seq.shape[0]) - cu[row_seq]).astype(np.int32)
-            rows = KernelRows.of(metadata.block_tables, torch.from_numpy(row_seq), torch.from_numpy(row_pos))
-    _last_generated = (metadata, rows)
-    return rows
+    return metadata.derived(generated_rows, _generated_rows)
+
+
+def _generated_rows(metadata: AttentionMetadata) -> KernelRows | None:
+    if metadata.prompt_lens is None:
+        return None
+    cu = metadata.cu_seqlens_q.numpy()
+    q_lens = cu[1:] - cu[:-1]
+    first_pos = metadata.context_lens.numpy() - q_lens
+    if not bool((first_pos >= metadata.prompt_lens.numpy()).all()):
+        return None
+    row_seq = np.repeat(np.arange(q_lens.shape[0], dtype=np.int32), q_lens)
+    row_pos = (first_pos[row_seq] + np.arange(row_seq.shape[0]) - cu[row_seq]).astype(np.int32)
+    return KernelRows.of(metadata.block_tables, torch.from_numpy(row_seq), torch.from_numpy(row_pos))

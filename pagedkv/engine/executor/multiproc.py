@@ -2,7 +2,11 @@
 
 The scheduler and every block table stay here, in the driver; each step rank 0 sends the
 step's :class:`StepPlan` (plain data) to the other ranks over the ``control`` group, then all
-ranks run the same forward pass on their shards, and rank 0 returns the gathered logits. Rank 0
+ranks run the same forward pass on their shards, and rank 0 returns the gathered logits. A plan
+carries block-table edits, not tables: every rank applies the same edits to the tables its
+runner keeps, so the ranks' tables stay equal. No rank can miss a plan: every rank has joined
+and loaded (the barrier at start-up) before the first, which resets the tables, and a rank that
+fails ends the executor. Rank 0
 runs inside the driver, as vLLM's first tensor-parallel worker long did: the plan needs no extra
 hop and the logits are already where the sampler is.
 

@@ -21,7 +21,7 @@ from collections.abc import Hashable, Sequence
 
 from pagedkv.config.speculative import SpeculativeConfig
 from pagedkv.engine.config import EngineSettings
-from pagedkv.engine.plan import SeqSlice, StepPlan
+from pagedkv.engine.plan import SeqSlice, ShippedTables
 from pagedkv.memory import KVCacheManager
 
 
@@ -32,6 +32,8 @@ class DraftModelProposer:
     def __init__(self, executor, num_blocks: int, block_size: int) -> None:
         self.executor = executor
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False, watermark=0.0)
+        #: the draft runner's copies of ``kv``'s tables, as the draft's plans sent them
+        self.shipped_tables = ShippedTables()
         #: per sequence: the tokens whose keys and values the draft's cache holds, in order
         self._fed: dict[Hashable, list[int]] = {}
         #: per sequence: how many of its tokens were verified when it last proposed (a prefix of
@@ -65,7 +67,7 @@ class DraftModelProposer:
                 new = list(token_ids[i][len(fed) :]) if first else proposals[i][-1:]
                 slices.append(self._slice(seq_id, new, len(fed)))
                 fed.extend(new)
-            drafted = self.executor.execute(StepPlan(slices)).argmax(dim=-1).tolist()
+            drafted = self.executor.execute(self.shipped_tables.plan(slices, self.kv)).argmax(dim=-1).tolist()
             for i, token in zip(live, drafted, strict=True):
                 proposals[i].append(int(token))
             live = [i for i in live if len(proposals[i]) < num_tokens[i]]
@@ -73,8 +75,7 @@ class DraftModelProposer:
         return proposals
 
     def _slice(self, seq_id: Hashable, tokens: list[int], start: int) -> SeqSlice:
-        table = self.kv.block_ids(seq_id)
-        return SeqSlice(tokens, start, list(table), True, prompt_len=self._prompt_len[seq_id])
+        return SeqSlice(seq_id, tokens, start, True, prompt_len=self._prompt_len[seq_id])
 
     def _sync(self, seq_id: Hashable, tokens: Sequence[int], k: int) -> bool:
         """Cut the draft's cache of ``seq_id`` back to what ``tokens`` still share with it and
