@@ -148,7 +148,7 @@ import statistics, time
 import torch
 from torch.profiler import ProfilerActivity, profile
 from pagedkv.attention import KVCache, paged_decode_attention
-from pagedkv.memory.spec import KVSpec
+from pagedkv.memory.kv_bytes import KVSpec
 
 dev, heads, kv_heads, dim, bs = torch.device("cuda"), 32, 8, 128, 16
 for batch, ctx in [(1, 128), (1, 4096), (32, 1024), (32, 4096), (64, 4096), (256, 1024)]:
@@ -225,7 +225,7 @@ main() {
     # --confcutdir: these tests need none of tests/conftest.py's browser fixtures (selenium)
     local pytest=("$PY" -m pytest -q -p no:cacheprovider -rs --durations=5 -m "cuda or not cuda" "${collect[@]}")
     section "CUDA graphs: captured, same tokens as enforce_eager, no sync inside a step" 150 \
-        "${pytest[@]}" --confcutdir=tests/engine tests/engine/test_cuda_graphs.py
+        "${pytest[@]}" --confcutdir=tests/engine tests/engine/worker/test_cuda_graphs.py
     section "Triton split-KV decode and its merge kernel, compiled" 90 \
         "${pytest[@]}" --confcutdir=tests/attention tests/attention/test_attention_triton.py
     section "exactness on CUDA: float32 greedy = transformers, bfloat16 agreement" 240 \

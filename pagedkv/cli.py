@@ -20,7 +20,7 @@ from pagedkv.bench.driver import add_bench, run_section
 from pagedkv.cli_args import add_engine_options, engine_config
 from pagedkv.cli_parsing import add_command, byte_size, config_from_args, usage_errors
 from pagedkv.cli_report import DEFAULT_OUT, ReportOptions, add_report_options, show_report
-from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES
+from pagedkv.memory.kv_bytes import KV_CACHE_DTYPE_NAMES
 from pagedkv.server.cli import add_serve_parser
 from pagedkv.sim import WORKLOAD_NAMES, SimConfig, SimResult, simulate
 from pagedkv.sim.html_replay import write_replay

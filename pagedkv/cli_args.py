@@ -35,11 +35,11 @@ from pagedkv.cli_parsing import (
 from pagedkv.config.model import DTYPE_NAMES, LOAD_FORMATS
 from pagedkv.config.scheduler import SCHEDULING_POLICIES
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.kv_policy import POLICY_NAMES
+from pagedkv.engine.core.kv_policy import POLICY_NAMES
 from pagedkv.engine.structured.config import StructuredOutputsConfig
 from pagedkv.engine.validation import RequestLimits
 from pagedkv.kernels import LINEAR_KERNELS
-from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES
+from pagedkv.memory.kv_bytes import KV_CACHE_DTYPE_NAMES
 
 ENGINE_GROUP = "engine"
 LIMITS_GROUP = "request limits (over a limit: refused, naming it)"
@@ -370,7 +370,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         config = EngineConfig(**engine_options(args))
         settings = config.resolve()
     if settings.parallel.tensor_parallel_size > 1:
-        from pagedkv.engine.executor.node import is_worker_node, run_worker_node
+        from pagedkv.engine.worker.executor.node import is_worker_node, run_worker_node
 
         with usage_errors(args):
             worker_node = is_worker_node(settings)

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from pagedkv.config.speculative import SpeculativeConfig
+from pagedkv.memory.kv_bytes import parse_bytes
 from pagedkv.memory.pool_sizing import AUTO
-from pagedkv.memory.spec import parse_bytes
 
 
 def byte_size(text: str) -> int:

@@ -49,8 +49,19 @@ def _imports(name: str, path: Path) -> set[str]:
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 
 
+# The second KV tier is one folder, memory/tier/, whose modules sit on the planes they serve: its
+# bookkeeping is memory's (pure Python); the modules that move its bytes read the KV cache's
+# tensors, and sit on the tensor side with attention/.
+TIER_PLANES = {
+    "pagedkv.memory.tier.host": "pagedkv.attention",
+    "pagedkv.memory.tier.disk": "pagedkv.attention",
+    "pagedkv.memory.tier.movers": "pagedkv.attention",
+    "pagedkv.memory.tier.limits": "pagedkv.attention",
+}
+
+
 def _layer(module: str) -> str:
-    return ".".join(module.split(".")[:2])
+    return TIER_PLANES.get(module, ".".join(module.split(".")[:2]))
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -83,8 +94,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_graph_is_read_and_a_cycle_would_show():
-    assert "pagedkv.engine.plan" in GRAPH["pagedkv.engine.model_runner"]
-    assert "pagedkv.engine.executor" in GRAPH["pagedkv.engine.engine"]  # the package runs first
+    assert "pagedkv.engine.core.plan" in GRAPH["pagedkv.engine.worker.model_runner"]
+    assert "pagedkv.engine.worker.executor" in GRAPH["pagedkv.engine.engine"]  # the package runs first
     assert len(MODULES) > 80
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -157,25 +168,19 @@ def test_the_kernels_import_only_their_builder():
     assert GRAPH["pagedkv.kernels"] == set()
 
 
-def test_the_engine_reaches_the_model_only_through_the_executor():
-    """Only the executors (a tensor-parallel rank's worker among them) and the model runner they
-    own (with its input buffers, which build the attention metadata, and its CUDA graphs) import
-    the model and KV tensor code."""
+def test_only_the_workers_reach_the_model():
+    """Of the engine, only engine/worker/ (the executors with a rank's second tier, the model
+    runner and its CUDA graphs) imports the model and the KV tensor code, the tier's bytes
+    included: the control plane and the sampling side never do."""
+    tensor_side = ("pagedkv.attention", "pagedkv.models.loader")
     touching = {
         m
         for m, targets in GRAPH.items()
         if m.startswith("pagedkv.engine")
-        and any(t.startswith(("pagedkv.attention", "pagedkv.models.loader")) for t in targets)
+        and any(t.startswith(tensor_side) or _layer(t) == "pagedkv.attention" for t in targets)
     }
-    executors = {
-        "pagedkv.engine.executor.draft",  # speculative decoding's draft model
-        "pagedkv.engine.executor.in_process",
-        "pagedkv.engine.executor.multiproc",
-        "pagedkv.engine.executor.worker",
-        "pagedkv.engine.executor.tier_io",  # a rank's second KV tier, built by the executors
-    }
-    runner = {"pagedkv.engine.model_runner", "pagedkv.engine.step_buffers", "pagedkv.engine.cuda_graphs"}
-    assert touching <= executors | runner
+    assert "pagedkv.engine.worker.model_runner" in touching  # the rule reads the graph
+    assert {m for m in touching if not m.startswith("pagedkv.engine.worker.")} == set()
 
 
 def test_the_tokenizer_stands_alone():
@@ -188,20 +193,15 @@ def test_the_tokenizer_stands_alone():
     assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT.parent).returncode == 0
 
 
-@pytest.mark.parametrize(
-    "module",
-    [
-        "pagedkv.engine.scheduler",
-        "pagedkv.engine.plan",
-        "pagedkv.memory",
-        "pagedkv.sim",
-        "pagedkv.engine",
-        "pagedkv.config",
-    ],
+CONTROL_PLANE = sorted(
+    m for m in MODULES if m.startswith("pagedkv.engine.core") or _layer(m) == "pagedkv.memory"
 )
+
+
+@pytest.mark.parametrize("module", ["pagedkv.engine", "pagedkv.sim", *CONTROL_PLANE])
 def test_the_control_plane_imports_without_torch(module):
-    """The scheduler, its plan, the block bookkeeping and the simulator are plain Python: they run
-    (and are tested) without the model side, and the command line reads the engine's options
-    and their typed parts without loading torch."""
+    """The control plane (engine/core/), the block bookkeeping with the second tier's, and the
+    simulator are plain Python, module by module: they run (and are tested) without the model
+    side, and the command line reads the engine's options without loading torch."""
     probe = f"import sys, {module}; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT.parent).returncode == 0

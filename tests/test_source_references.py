@@ -2,7 +2,7 @@
 
 Modules move and tools are retired; a docstring that still cites the old place sends a reader
 to nothing. Every file path with an extension that a source file under ``pagedkv/`` mentions
-(``docs/kv-cache.md``, ``tools/x.py``, ``engine/kv_tier.py`` relative to the package) must
+(``docs/kv-cache.md``, ``tools/x.py``, ``engine/core/kv_tier.py`` relative to the package) must
 exist, and every Sphinx cross-reference to ``pagedkv.…`` must name a module that exists and,
 past the module, a name its source defines or imports.
 """
@@ -53,6 +53,6 @@ def test_references_resolve(source: Path) -> None:
 def test_a_stale_reference_is_found(tmp_path: Path) -> None:
     assert missing_file(tmp_path / "x.py", "tools/no_such_tool.py")
     assert missing_target("pagedkv.engine.no_such_module")
-    assert missing_target("pagedkv.engine.scheduler.NoSuchClass")
-    assert not missing_target("pagedkv.engine.scheduler.Scheduler")
-    assert not missing_file(PACKAGE / "engine" / "engine.py", "engine/scheduler.py")
+    assert missing_target("pagedkv.engine.core.scheduler.NoSuchClass")
+    assert not missing_target("pagedkv.engine.core.scheduler.Scheduler")
+    assert not missing_file(PACKAGE / "engine" / "engine.py", "engine/core/scheduler.py")

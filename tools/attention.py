@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from pagedkv.attention import AttentionOptions, KVCache, LayerKV, paged_decode_attention, write_kv
 from pagedkv.attention.backends import BACKENDS, cpu
-from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES, KVSpec
+from pagedkv.memory.kv_bytes import KV_CACHE_DTYPE_NAMES, KVSpec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: how far a quantized pool's output may stray from SDPA on the unquantized keys and values: a

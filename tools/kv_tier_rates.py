@@ -24,12 +24,12 @@ from collections.abc import Callable
 import torch
 
 from pagedkv.attention import KVCache
-from pagedkv.attention.kv_disk import DiskKVTier
-from pagedkv.attention.kv_offload import HostKVTier, KVLayout, gather_blocks, load_blocks, store_blocks
-from pagedkv.attention.kv_tier_io import DiskTierMover
 from pagedkv.memory import BlockLoad, BlockSpill, KVTransfers
 from pagedkv.memory.block_hash import block_hash
-from pagedkv.memory.spec import KVSpec
+from pagedkv.memory.kv_bytes import KVSpec
+from pagedkv.memory.tier.disk import DiskKVTier
+from pagedkv.memory.tier.host import HostKVTier, KVLayout, gather_blocks, load_blocks, store_blocks
+from pagedkv.memory.tier.movers import DiskTierMover
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 
 from pagedkv import LLM
-from pagedkv.engine.plan import SeqSlice, StepPlan
-from pagedkv.engine.sampler import make_generator
+from pagedkv.engine.core.plan import SeqSlice, StepPlan
+from pagedkv.engine.sample.sampler import make_generator
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.spec.rejection import RejectionSampler
 

@@ -1,4 +1,5 @@
-"""The only code that touches KV tensors: the paged cache and the kernels that read it."""
+"""The paged KV cache and the kernels that read it: with the second tier's byte movers
+(``memory/tier/``), the only code that touches KV tensors."""
 
 from pagedkv.attention.backends import ENV_VAR as BACKEND_ENV_VAR
 from pagedkv.attention.backends import Backend, available_backends, check_backend_reads, resolve_backend

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.attention.quant import SCALE_DTYPE, check_kv_cache_dtype
-from pagedkv.memory.spec import QUANTIZED_KV_DTYPES, KVSpec
+from pagedkv.memory.kv_bytes import QUANTIZED_KV_DTYPES, KVSpec
 
 #: KVSpec dtype names that map onto a torch dtype the attention kernels compute in.
 TORCH_DTYPES: dict[str, torch.dtype] = {

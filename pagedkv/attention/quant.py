@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES
+from pagedkv.memory.kv_bytes import KV_CACHE_DTYPE_NAMES
 
 #: ``kv_cache_dtype`` name -> the element type of the stored blocks (None: the model's dtype).
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {

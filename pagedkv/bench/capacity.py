@@ -29,7 +29,7 @@ import numpy as np
 from pagedkv.bench.driver import EngineOptions, MeasuredEngine, mean, progress, run_settings, step_in_turn
 from pagedkv.bench.options import check_options, option
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.kv_policy import CONTIGUOUS, CONTIGUOUS_ORACLE, KV_POLICIES, PAGED, KVPolicy
+from pagedkv.engine.core.kv_policy import CONTIGUOUS, CONTIGUOUS_ORACLE, KV_POLICIES, PAGED, KVPolicy
 from pagedkv.sim.experiments import capacity
 from pagedkv.sim.workloads import Workload
 

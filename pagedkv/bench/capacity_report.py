@@ -22,7 +22,7 @@ from rich.table import Table
 
 from pagedkv.bench.capacity import CapacityResult
 from pagedkv.bench.driver import cell, print_checks, table
-from pagedkv.engine.kv_policy import CONTIGUOUS, CONTIGUOUS_ORACLE, KV_POLICIES, PAGED
+from pagedkv.engine.core.kv_policy import CONTIGUOUS, CONTIGUOUS_ORACLE, KV_POLICIES, PAGED
 
 #: The least concurrency paged must reach against contiguous ``max_model_len`` reservation.
 MIN_RUNNING_RATIO = 2.0

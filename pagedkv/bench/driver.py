@@ -38,7 +38,7 @@ from pagedkv.cli_args import add_engine_options, engine_config
 from pagedkv.cli_parsing import add_command, config_from_args
 from pagedkv.cli_report import ReportOptions, add_report_options
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.kv_policy import PAGED, KVPolicy
+from pagedkv.engine.core.kv_policy import PAGED, KVPolicy
 
 if TYPE_CHECKING:
     from pagedkv.engine import BeamSearchParams, LLMEngine, RequestOutput, SamplingParams

@@ -2,7 +2,7 @@
 
 Two engines over the same model in one process: one rank with T threads, and N ranks with T
 threads each (rank 0 in this process, the others in their own; see
-:mod:`pagedkv.engine.executor.multiproc`). Each workload runs on both, stepped in turn, each on
+:mod:`pagedkv.engine.worker.executor.multiproc`). Each workload runs on both, stepped in turn, each on
 its own clock. Prefill-heavy: long prompts, one new token each; decode: short prompts, many new
 tokens. Rank 0 counts its calls to and time inside the forward pass's collectives (two
 all-reduces per layer, one for the embedding, the logits' gather), waiting for the other ranks

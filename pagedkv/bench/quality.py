@@ -31,13 +31,13 @@ from pagedkv.bench.driver import EngineOptions, cell, print_checks, progress, ru
 from pagedkv.bench.options import check_options, option
 from pagedkv.engine import SamplingParams
 from pagedkv.engine.perplexity import Perplexity, run_to_completion, sliding_windows, window_logprobs
-from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES
+from pagedkv.memory.kv_bytes import KV_CACHE_DTYPE_NAMES
 
 if TYPE_CHECKING:
     import torch
 
     from pagedkv.engine import LLMEngine
-    from pagedkv.engine.executor import Executor, StepPlan
+    from pagedkv.engine.worker.executor import Executor, StepPlan
 
 #: The reference every other KV cache dtype is compared with: the model's own dtype.
 REFERENCE = "auto"

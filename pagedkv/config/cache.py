@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedkv.config.checks import optional_positive_int, positive_int
-from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES
+from pagedkv.memory.kv_bytes import KV_CACHE_DTYPE_NAMES
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pagedkv.config.checks import one_of, positive_int, unit_fraction
 
-#: vLLM's ``--scheduling-policy`` values (see ``engine/fairness.py``).
+#: vLLM's ``--scheduling-policy`` values (see ``engine/core/fairness.py``).
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -21,10 +21,10 @@ class SchedulerConfig:
     #: Tokens one step computes, prompt chunks and decodes together.
     max_num_batched_tokens: int
     #: Share of each running request's remaining ``max_tokens`` that paged admission keeps room
-    #: for (see ``engine/headroom.py``): 1.0 never over-commits; 0 admits on the prompt alone.
+    #: for (see ``engine/core/headroom.py``): 1.0 never over-commits; 0 admits on the prompt alone.
     decode_headroom: float
     #: "fcfs" or "priority": with "priority", a request's ``priority`` (lower first) orders
-    #: admission and preemption (see ``engine/fairness.py``).
+    #: admission and preemption (see ``engine/core/fairness.py``).
     scheduling_policy: str
     #: The ``priority`` values a request may carry under the "priority" policy; 0 (the
     #: default priority) is always inside.

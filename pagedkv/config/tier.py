@@ -1,6 +1,6 @@
 """The second KV tier's part of the engine's settings: where the blocks the pool lets go are
 kept (host RAM or files on disk), how much, and how a preempted request leaves the pool
-(``pagedkv.engine.kv_tier``). What the machine can give -- memory available, a folder's free
+(``pagedkv.engine.core.kv_tier``). What the machine can give -- memory available, a folder's free
 space -- is checked when the tier is allocated; everything the options alone decide is
 checked here."""
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.config.checks import one_of
-from pagedkv.memory.tiered import PREEMPTION_MODES
+from pagedkv.memory.tier.manager import PREEMPTION_MODES
 
 #: Where a second KV tier keeps the blocks the pool lets go.
 KV_OFFLOAD_KINDS = ("host", "disk")

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedkv.config import CacheConfig, ModelOptions, ParallelConfig, SchedulerConfig, TierConfig
 from pagedkv.config.speculative import SpeculativeConfig
-from pagedkv.engine.kv_policy import KVPolicy
+from pagedkv.engine.core.kv_policy import KVPolicy
 from pagedkv.engine.structured.config import StructuredOutputsConfig
 from pagedkv.engine.validation import RequestLimits
+from pagedkv.memory.kv_bytes import parse_bytes
 from pagedkv.memory.pool_sizing import kv_cache_bytes
-from pagedkv.memory.spec import parse_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -74,21 +74,21 @@ class EngineConfig:
     #: "auto" (the model's dtype), "fp8" (e4m3) or "int8": what each KV element is stored in.
     kv_cache_dtype: str = "auto"
     #: Share of each running request's remaining ``max_tokens`` that paged admission keeps room
-    #: for (see ``engine/headroom.py``): 1.0 never over-commits when outputs run to max_tokens;
+    #: for (see ``engine/core/headroom.py``): 1.0 never over-commits when outputs run to max_tokens;
     #: 0 admits on the prompt alone and preempts when the pool runs dry.
     decode_headroom: float = 1.0
     #: vLLM's "fcfs" or "priority": with "priority", a request's ``priority`` (lower first) orders
-    #: admission and preemption (see ``engine/fairness.py``).
+    #: admission and preemption (see ``engine/core/fairness.py``).
     scheduling_policy: str = "fcfs"
     #: The ``priority`` values a request may carry under the ``priority`` policy (vLLM takes any
     #: integer). Order is relative, so a few levels either side of the default 0 express every
     #: tiering a client needs; a value outside is a client's mistake or an attempt to jump every
     #: queue, refused with a 400 naming the range. ``min_priority = 0`` stops any client from
-    #: going ahead of default-priority requests (see ``engine/fairness.py``).
+    #: going ahead of default-priority requests (see ``engine/core/fairness.py``).
     min_priority: int = -100
     max_priority: int = 100
     #: Most of the running slots and KV blocks one client request may hold while others wait
-    #: (see ``engine/fairness.py``); 1.0: no limit.
+    #: (see ``engine/core/fairness.py``); 1.0: no limit.
     max_running_share: float = 0.5
     #: "torch", "cpu" or "triton"; None: triton on CUDA, else cpu.
     attention_backend: str | None = None
@@ -117,7 +117,7 @@ class EngineConfig:
     #: torch CPU threads of each rank; None: the engine process's threads shared by the
     #: machine's ranks.
     threads_per_rank: int | None = None
-    #: A second KV tier behind the pool (see ``engine/kv_tier.py``): None (off), "host" (RAM)
+    #: A second KV tier behind the pool (see ``engine/core/kv_tier.py``): None (off), "host" (RAM)
     #: or "disk" (files in ``kv_offload_dir``, found again by a restarted engine).
     kv_offload: str | None = None
     #: The second tier's size ("8GiB", bytes), all ranks together (each holds its share of

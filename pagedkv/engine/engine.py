@@ -2,18 +2,18 @@
 
 ``step()`` is a few calls, each stage in its own module:
 
-1. schedule -- :mod:`pagedkv.engine.scheduler` picks the slices to compute and allocates their blocks;
-2. execute -- an executor (:mod:`pagedkv.engine.executor`) runs the model over the step's plan
+1. schedule -- :mod:`pagedkv.engine.core.scheduler` picks the slices to compute and allocates their blocks;
+2. execute -- an executor (:mod:`pagedkv.engine.worker.executor`) runs the model over the step's plan
    and returns the logits of the slices that end a sequence (and of every prompt row whose
-   prompt logprobs were asked for: :mod:`pagedkv.engine.prompt_logprobs` records those); a
-   second KV tier settles its moves (:mod:`pagedkv.engine.kv_tier`: a failed load leaves the step);
-3. sample -- :mod:`pagedkv.engine.sample_stage` has :mod:`pagedkv.engine.sampler` draw one token per
-   sequence (a finished prompt first forks into its ``n`` samples) and verifies proposed tokens;
-   beams keep their log-probabilities. Through :mod:`pagedkv.engine.fault_isolation`: a request
-   whose sampling raises fails alone;
+   prompt logprobs were asked for: :mod:`pagedkv.engine.sample.prompt_logprobs` records those); a
+   second KV tier settles its moves (:mod:`pagedkv.engine.core.kv_tier`: a failed load leaves the step);
+3. sample -- :mod:`pagedkv.engine.sample.sample_stage` has :mod:`pagedkv.engine.sample.sampler` draw one
+   token per sequence (a finished prompt first forks into its ``n`` samples) and verifies proposed
+   tokens; beams keep their log-probabilities. Through :mod:`pagedkv.engine.sample.fault_isolation`: a
+   request whose sampling raises fails alone;
 4. process outputs -- :mod:`pagedkv.engine.output_processor` appends, detokenizes, checks the
    stops, ranks beam searches and names failed requests;
-5. commit -- :func:`pagedkv.engine.commit.update_from_output` applies what stages 2-4 decided
+5. commit -- :func:`pagedkv.engine.core.commit.update_from_output` applies what stages 2-4 decided
    (progress, forks, rollbacks, prefix-cache inserts, frees), the one writer of them after the
    forward pass;
 6. outputs -- the ``RequestOutput`` of every request that moved.
@@ -29,24 +29,24 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.engine.commit import StepDecisions, finish, update_from_output
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.executor import Executor
-from pagedkv.engine.executor.factory import make_executor
-from pagedkv.engine.kv_tier import make_kv_manager
+from pagedkv.engine.core.commit import StepDecisions, finish, update_from_output
+from pagedkv.engine.core.kv_tier import make_kv_manager
+from pagedkv.engine.core.plan import ShippedTables
+from pagedkv.engine.core.scheduler import Scheduler, SchedulerOutput
+from pagedkv.engine.core.sequence import BeamState, Request, Sequence
 from pagedkv.engine.output_processor import OutputProcessor, ProcessedStep, SampledStep
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.plan import ShippedTables
-from pagedkv.engine.prompt_logprobs import take_prompt_logprobs
-from pagedkv.engine.sample_stage import sample_step
-from pagedkv.engine.sampler import Sampler, make_generator
+from pagedkv.engine.sample.prompt_logprobs import take_prompt_logprobs
+from pagedkv.engine.sample.sample_stage import sample_step
+from pagedkv.engine.sample.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
-from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
-from pagedkv.engine.sequence import BeamState, Request, Sequence
 from pagedkv.engine.spec.factory import make_verifier
 from pagedkv.engine.stats import EngineStats, KVSnapshot, StatsCollector, StepStats
 from pagedkv.engine.structured.manager import StructuredOutputManager
 from pagedkv.engine.validation import InvalidRequestError, RequestValidator, check_cache_salt
+from pagedkv.engine.worker.executor import Executor
+from pagedkv.engine.worker.executor.factory import make_executor
 from pagedkv.models import ModelConfig
 from pagedkv.models.generation_config import default_sampling_params
 from pagedkv.models.hub import resolve_model
@@ -155,7 +155,7 @@ class LLMEngine:
         """Validate and queue a request; raises :class:`InvalidRequestError` with the reason.
 
         ``priority``: lower runs first, under the ``priority`` scheduling policy (vLLM's); requests
-        that share a ``client_request_id`` share one fair share of the engine (``engine/fairness.py``).
+        that share a ``client_request_id`` share one fair share of the engine (``engine/core/fairness.py``).
         ``grammar``: ``params.structured_outputs`` compiled ahead (the server's way), else here.
         Without ``params``: :meth:`get_default_sampling_params`. ``cache_salt`` (vLLM's): a
         non-empty string; the request reuses cached KV blocks only of requests with the same salt,
@@ -304,7 +304,7 @@ class LLMEngine:
         return f"{model}: " + ", ".join(f"{key} {value}" for key, value in self.executor.runtime.items())
 
     def check_health(self) -> None:
-        """Raise :class:`~pagedkv.engine.executor.ExecutorError` if steps can no longer run."""
+        """Raise :class:`~pagedkv.engine.worker.executor.ExecutorError` if steps can no longer run."""
         self.executor.check_health()
 
     def shutdown(self) -> None:

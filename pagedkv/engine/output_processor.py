@@ -4,9 +4,9 @@
 grammar, under structured output), streams its text through the sequence's detokenizer, checks
 the stop conditions (EOS, stop tokens, stop strings, a complete grammar, ``max_tokens``, the
 context length), ranks beam searches and names the failed requests -- deciding, in the step's
-:class:`~pagedkv.engine.commit.StepDecisions`, which sequences finish and why, which beams fork
+:class:`~pagedkv.engine.core.commit.StepDecisions`, which sequences finish and why, which beams fork
 and which requests end with an error. It frees nothing: the commit point does
-(:func:`~pagedkv.engine.commit.update_from_output`). :meth:`OutputProcessor.outputs` then builds
+(:func:`~pagedkv.engine.core.commit.update_from_output`). :meth:`OutputProcessor.outputs` then builds
 the outputs of every request that moved (vLLM's output processor, nano-vllm's ``postprocess``).
 """
 
@@ -15,16 +15,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedkv.engine.beam_search import advance_beams
-from pagedkv.engine.commit import Finish
-from pagedkv.engine.fault_isolation import error_message
+from pagedkv.engine.core.commit import Finish
+from pagedkv.engine.core.sequence import Request, Sequence
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from pagedkv.engine.sequence import Request, Sequence
+from pagedkv.engine.sample.beam_search import advance_beams
+from pagedkv.engine.sample.fault_isolation import error_message
 from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from pagedkv.engine.commit import StepDecisions
+    from pagedkv.engine.core.commit import StepDecisions
 
 
 @dataclass

@@ -276,7 +276,7 @@ class SamplingParams:
     @property
     def constrains_tokens(self) -> bool:
         """Whether the sampler must edit this request's logits for ``logit_bias``,
-        ``allowed_token_ids`` or ``bad_words`` (see :mod:`pagedkv.engine.token_constraints`)."""
+        ``allowed_token_ids`` or ``bad_words`` (see :mod:`pagedkv.engine.sample.token_constraints`)."""
         return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words_token_ids)
 
     @property
@@ -296,7 +296,7 @@ def _check_structured_outputs(name: str, value: object) -> None:
 
 @dataclass
 class BeamSearchParams:
-    """Settings of one beam search (vLLM's ``BeamSearchParams``); see ``engine/beam_search.py``.
+    """Settings of one beam search (vLLM's ``BeamSearchParams``); see ``engine/sample/beam_search.py``.
 
     ``structured_outputs`` constrains every beam (each holds its own grammar state); it excludes
     ``ignore_eos``, since a beam whose grammar is complete can only end.

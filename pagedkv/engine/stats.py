@@ -24,8 +24,8 @@ from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.memory import KVUsage
 
 if TYPE_CHECKING:
-    from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
-    from pagedkv.engine.sequence import Sequence
+    from pagedkv.engine.core.scheduler import Scheduler, SchedulerOutput
+    from pagedkv.engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True)

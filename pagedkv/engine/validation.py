@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from pagedkv.config.checks import positive_int
-from pagedkv.engine.kv_policy import KVPolicy
+from pagedkv.engine.core.kv_policy import KVPolicy
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams, unpaired_surrogate_at
 from pagedkv.memory import blocks_for
 

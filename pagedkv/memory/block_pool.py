@@ -18,7 +18,7 @@ from typing import Protocol
 
 from pagedkv.memory.errors import PoolExhaustedError
 from pagedkv.memory.prefix_cache import ROOT, PrefixCache, RemovedBlock
-from pagedkv.memory.tiers import TierEvent
+from pagedkv.memory.tier.slots import TierEvent
 
 
 class KVCacheListener(Protocol):

@@ -17,7 +17,7 @@ from pagedkv.memory.block_pool import BlockPool, KVCacheListener
 from pagedkv.memory.block_table import BlockTable, CopyPair, blocks_for
 from pagedkv.memory.errors import PoolExhaustedError
 from pagedkv.memory.prefix_cache import root_of
-from pagedkv.memory.transfers import KVTransfers
+from pagedkv.memory.tier.transfers import KVTransfers
 
 SeqId = Hashable
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.memory.block_table import blocks_for
-from pagedkv.memory.spec import parse_bytes
+from pagedkv.memory.kv_bytes import parse_bytes
 
 #: The share of the memory left after the weights that the auto-sized pool takes (per machine).
 AUTO_KV_SHARE = 0.5

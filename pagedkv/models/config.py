@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pagedkv.config.model import DTYPE_NAMES
-from pagedkv.memory.spec import KVSpec
+from pagedkv.memory.kv_bytes import KVSpec
 
 #: The architectures (``config.json`` ``architectures[0]``) this package can run.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (

@@ -259,10 +259,10 @@ class ReplicaSet:
 def split_auto_pool(engine: EngineConfig, num_replicas: int) -> tuple[EngineConfig, PoolSizing | None]:
     """``engine`` with the block count of an "auto" pool sized once for ``num_replicas``
     replicas on this machine: they draw on the same memory, so they split it as the ranks of
-    one machine do (:func:`~pagedkv.engine.executor.worker.size_rank_pools`), and a replica
+    one machine do (:func:`~pagedkv.engine.worker.executor.rank.size_rank_pools`), and a replica
     restarted while the others hold theirs gets the same pool. A model folder that cannot be
     read is left to the replicas, which fail with the reason (sizing None)."""
-    from pagedkv.engine.executor.worker import size_rank_pools
+    from pagedkv.engine.worker.executor.rank import size_rank_pools
     from pagedkv.models import ModelConfig, builtin_model_path
 
     path = engine.model if engine.model is not None else builtin_model_path()

@@ -13,7 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pagedkv.memory import GPT_STYLE_7B, KVSpec, parse_bytes
-from pagedkv.memory.spec import KV_CACHE_DTYPE_NAMES, QUANTIZED_KV_DTYPES
+from pagedkv.memory.kv_bytes import KV_CACHE_DTYPE_NAMES, QUANTIZED_KV_DTYPES
 from pagedkv.sim.allocators import CONTIGUOUS_POLICIES
 from pagedkv.sim.experiments import (
     BlockSizeRow,

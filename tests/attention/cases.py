@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.attention import KVCache, LayerKV, write_kv
-from pagedkv.memory.spec import KVSpec
+from pagedkv.memory.kv_bytes import KVSpec
 
 #: where the paged side of every case lives; ``benchmarks/gpu_check.sh`` sets it to ``cuda``
 DEVICE = torch.device(os.environ.get("PAGEDKV_TEST_DEVICE", "cpu"))

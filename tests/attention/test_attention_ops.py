@@ -21,7 +21,7 @@ from pagedkv.attention import (
     set_per_call_checks,
     write_kv,
 )
-from pagedkv.memory.spec import KVSpec
+from pagedkv.memory.kv_bytes import KVSpec
 
 from .cases import contiguous_attention, make_case
 

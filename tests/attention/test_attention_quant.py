@@ -19,7 +19,7 @@ from pagedkv.attention import (
 )
 from pagedkv.attention.backends import BACKENDS, Backend, cpu, torch_backend
 from pagedkv.attention.quant import MIN_SCALE, QMAX, check_kv_cache_dtype, dequantize, quantize
-from pagedkv.memory.spec import KVSpec
+from pagedkv.memory.kv_bytes import KVSpec
 
 from .cases import DEVICE, contiguous_attention, make_case
 

@@ -24,7 +24,7 @@ from pagedkv.bench.capacity_report import TIMED, capacity_claims
 from pagedkv.bench.commands import CAPACITY
 from pagedkv.bench.driver import EngineOptions, MeasuredEngine, add_bench, run_section
 from pagedkv.engine import SamplingParams
-from pagedkv.engine.kv_policy import KV_POLICIES, PAGED
+from pagedkv.engine.core.kv_policy import KV_POLICIES, PAGED
 from pagedkv.sim.workloads import Workload
 
 

@@ -13,7 +13,7 @@ import pytest
 from pagedkv.config import CacheConfig, ParallelConfig, TierConfig
 from pagedkv.config.speculative import SpeculativeConfig
 from pagedkv.engine.config import EngineConfig
-from pagedkv.engine.kv_policy import CONTIGUOUS, PAGED
+from pagedkv.engine.core.kv_policy import CONTIGUOUS, PAGED
 
 #: The parts of the default options, each test changing one field (``replace`` makes the part anew).
 DEFAULTS = EngineConfig().resolve()

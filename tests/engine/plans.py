@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedkv.engine.plan import SeqSlice, StepPlan, TableEdit
-from pagedkv.engine.runner_tables import RunnerTables
-from pagedkv.engine.step_inputs import StepArrays, step_arrays
+from pagedkv.engine.core.plan import SeqSlice, StepPlan, TableEdit
+from pagedkv.engine.worker.runner_tables import RunnerTables
+from pagedkv.engine.worker.step_inputs import StepArrays, step_arrays
 
 
 @dataclass(frozen=True)

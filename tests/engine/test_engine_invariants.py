@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedkv import LLM, BeamSearchParams, SamplingParams
-from pagedkv.engine.sequence import SequenceStatus
+from pagedkv.engine.core.sequence import SequenceStatus
 from tests.checkpoints import make_checkpoint
 
 SHARED = [10, 11, 12, 13, 14, 15, 16, 17, 18]

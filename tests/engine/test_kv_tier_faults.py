@@ -15,8 +15,8 @@ import time
 import pytest
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.attention import kv_disk
 from pagedkv.log_limits import LOG_INTERVAL_S
+from pagedkv.memory.tier import disk as kv_disk
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -56,7 +56,7 @@ def test_a_full_disk_costs_spills_not_tokens_and_logs_a_bounded_count(
         stats = llm.kv_stats()
         assert stats["tier_hits_tokens"] == 0 and stats["blocks_used"] == 0
     elapsed = time.monotonic() - started
-    lines = [r.getMessage() for r in caplog.records if r.name == "pagedkv.attention.kv_tier_io"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "pagedkv.memory.tier.movers"]
     written = [line for line in lines if "could not write" in line]
     assert 1 <= len(written) <= 1 + int(elapsed // LOG_INTERVAL_S) + 1
     held = int(

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv import LLM, BeamSearchParams, SamplingParams
-from pagedkv.engine.plan import SeqSlice, ShippedTables, StepPlan
-from pagedkv.engine.runner_tables import RunnerTables
+from pagedkv.engine.core.plan import SeqSlice, ShippedTables, StepPlan
+from pagedkv.engine.worker.runner_tables import RunnerTables
 from pagedkv.memory import KVCacheManager, PoolExhaustedError
 from tests.checkpoints import make_checkpoint
 

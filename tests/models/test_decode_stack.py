@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pagedkv.attention import set_per_call_checks
-from pagedkv.engine.executor.base import runtime_of
+from pagedkv.engine.worker.executor.base import runtime_of
 from pagedkv.kernels.tiled_gemm import to_tiles
 from pagedkv.models import load_model
 from pagedkv.models.linear import BUFFER_ROWS

@@ -10,7 +10,7 @@ import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from pagedkv.memory.spec import KVSpec
+from pagedkv.memory.kv_bytes import KVSpec
 from pagedkv.models import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
 from pagedkv.models.rope import inverse_frequencies
 from tests.checkpoints import hf_config, make_checkpoint, to_v4_config

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pagedkv.engine.executor.base import runtime_of
+from pagedkv.engine.worker.executor.base import runtime_of
 from pagedkv.models import load_model
 from pagedkv.models.decode_stack import decode_stack
 from pagedkv.models.ops import AddNorm, Attend, DecoderOps, GateUpAct, Op, Project, RotaryWriteKV

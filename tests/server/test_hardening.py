@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from pagedkv import SamplingParams
-from pagedkv.engine import sampler as sampler_module
+from pagedkv.engine.sample import sampler as sampler_module
 from pagedkv.server import prompts as prompts_module
 from tests.server.helpers import API_KEY, MODEL, EngineGate, assert_pool_whole, scrape, wait_idle, wait_until
 

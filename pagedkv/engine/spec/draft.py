@@ -7,12 +7,13 @@ every sequence of the batch in the same draft steps. Greedy drafting is a point-
 the rejection sampler accepts proposal ``x`` with the target's own probability of ``x``, which
 keeps the target's distribution exact (and greedy verification keeps plain greedy's tokens).
 
-The draft's keys and values live in its own pool (:class:`~pagedkv.engine.executor.draft.DraftExecutor`)
-under block tables kept here by a :class:`~pagedkv.memory.KVCacheManager` of its own. What the
-draft fed a sequence is remembered; at the next proposal its cache is cut back to the longest
-prefix the sequence's tokens still share with it (a rejected proposal's keys are dropped, an
-accepted one's are kept), so it never computes a verified token twice. A sequence whose draft
-blocks do not fit proposes nothing that step; one the engine no longer runs is released.
+The draft's keys and values live in its own pool
+(:class:`~pagedkv.engine.worker.executor.draft.DraftExecutor`) under block tables kept here by
+a :class:`~pagedkv.memory.KVCacheManager` of its own. What the draft fed a sequence is
+remembered; at the next proposal its cache is cut back to the longest prefix the sequence's
+tokens still share with it (a rejected proposal's keys are dropped, an accepted one's are
+kept), so it never computes a verified token twice. A sequence whose draft blocks do not fit
+proposes nothing that step; one the engine no longer runs is released.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Hashable, Sequence
 
 from pagedkv.config.speculative import SpeculativeConfig
 from pagedkv.engine.config import EngineSettings
-from pagedkv.engine.plan import SeqSlice, ShippedTables
+from pagedkv.engine.core.plan import SeqSlice, ShippedTables
 from pagedkv.memory import KVCacheManager
 
 
@@ -46,7 +47,7 @@ class DraftModelProposer:
         cls, spec: SpeculativeConfig, config: EngineSettings, vocab_size: int, num_blocks: int
     ) -> DraftModelProposer:
         """The draft named by ``spec.model``, with a pool of ``num_blocks`` blocks."""
-        from pagedkv.engine.executor.draft import DraftExecutor  # loads torch and the model
+        from pagedkv.engine.worker.executor.draft import DraftExecutor  # loads torch and the model
 
         return cls(
             DraftExecutor(spec.model, config, num_blocks, vocab_size), num_blocks, config.cache.block_size

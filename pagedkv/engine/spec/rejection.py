@@ -2,7 +2,7 @@
 
 A sequence that proposed ``k`` tokens ``x_1..x_k`` gets ``k + 1`` rows of target logits: row
 ``j`` scores the token after the sequence and ``x_1..x_j``. The target distribution ``p_j`` of
-row ``j`` is exactly what :class:`~pagedkv.engine.sampler.Sampler` would draw from there:
+row ``j`` is exactly what :class:`~pagedkv.engine.sample.sampler.Sampler` would draw from there:
 the token-id edits (``bad_words`` over the output *including* ``x_1..x_j``), penalties and the
 ``min_tokens`` ban over that output, then
 temperature, ``min_p``, ``top_k``, ``top_p``. Standard rejection sampling: accept ``x_j`` with
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.engine.outputs import TokenLogprobs
-from pagedkv.engine.sampler import (
+from pagedkv.engine.sample.sampler import (
     SamplerBase,
     apply_penalties,
     ban_stop_tokens,
@@ -49,8 +49,8 @@ from pagedkv.engine.sampler import (
     take_rows,
     token_logprobs,
 )
+from pagedkv.engine.sample.token_constraints import apply_token_constraints
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.token_constraints import apply_token_constraints
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,12 @@ decode by the tokens its sequence proposed while the token budget and the free b
 So speculation never preempts anything and never takes a block a decode needs: a proposal that
 does not fit is dropped, and its sequence decodes one token as it would have without it. The
 verified slice's rejected tokens are rolled back after the step (by the commit point,
-:func:`~pagedkv.engine.commit.update_from_output`).
+:func:`~pagedkv.engine.core.commit.update_from_output`).
 """
 
 from __future__ import annotations
 
-from pagedkv.engine.scheduler_output import SchedulerOutput
+from pagedkv.engine.core.scheduler_output import SchedulerOutput
 from pagedkv.memory import KVCacheManager
 
 

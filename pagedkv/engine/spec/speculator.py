@@ -21,8 +21,8 @@ from collections.abc import Hashable, Sequence
 from typing import Protocol
 
 from pagedkv.config.speculative import SpeculativeConfig
-from pagedkv.engine.sequence import Request
-from pagedkv.engine.sequence import Sequence as EngineSequence
+from pagedkv.engine.core.sequence import Request
+from pagedkv.engine.core.sequence import Sequence as EngineSequence
 from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.engine.spec.policy import SpecPolicy, StepCostModel
 

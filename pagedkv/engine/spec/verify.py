@@ -6,13 +6,13 @@ Row ``j`` of a sequence that proposed ``x_1..x_k`` scores the token after its la
 accepted prefix plus one token of the target's, exactly as plain decoding would draw them
 (greedy: the same tokens; seeded sampling: the same draws). The step computed keys and values
 for the last token and all ``k`` proposals; the sequence keeps ``start + 1 + accepted`` of them
-(a rollback the commit point applies, :mod:`pagedkv.engine.commit`, before the prefix cache is
+(a rollback the commit point applies, :mod:`pagedkv.engine.core.commit`, before the prefix cache is
 offered any block), so a block holding a rejected token is never registered (and the accepted
 ones join the sequence's tokens only when the output processor appends them, after which the
 next step's registration may take their block).
 
 A batch whose verification raises is verified again sequence by sequence, as
-:mod:`pagedkv.engine.fault_isolation` samples row by row: the request at fault fails alone (its
+:mod:`pagedkv.engine.sample.fault_isolation` samples row by row: the request at fault fails alone (its
 sequence keeps no proposed token), the others keep what the batched call would have given them.
 """
 
@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.engine.core.scheduler_output import ScheduledSeq
+from pagedkv.engine.core.sequence import Sequence
 from pagedkv.engine.outputs import TokenLogprobs
-from pagedkv.engine.sampler import take_rows
-from pagedkv.engine.scheduler_output import ScheduledSeq
-from pagedkv.engine.sequence import Sequence
+from pagedkv.engine.sample.sampler import take_rows
 from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.engine.spec.rejection import RejectionSampler, VerifiedTokens
 from pagedkv.engine.spec.speculator import Speculator

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.engine.sampler import Sampler, make_generator
+from pagedkv.engine.sample.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.spec.rejection import RejectionSampler, row_offsets
 

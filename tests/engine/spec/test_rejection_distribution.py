@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.engine.sampler import make_generator
+from pagedkv.engine.sample.sampler import make_generator
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.spec.rejection import RejectionSampler
 

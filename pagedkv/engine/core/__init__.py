@@ -1,0 +1,1 @@
+"""The control plane: scheduler, plan, fairness, headroom, KV reservations, tier link."""

@@ -1,0 +1,1 @@
+"""Logits to decisions: sampler, token constraints, beams, prompt logprobs."""
