@@ -30,8 +30,7 @@ from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.memory import blocks_for
 
 TEXTS = ("python", "text")
-#: Engines in table order: pagedkv's three modes, then llama.cpp's two.
-ENGINES = ("off", "ngram", "draft", "llamacpp", "llamacpp-lookup")
+#: Engines in table order, with their titles: pagedkv's three modes, then llama.cpp's two.
 ENGINE_TITLES = {
     "off": "pagedkv",
     "ngram": "+ n-gram",
@@ -39,6 +38,7 @@ ENGINE_TITLES = {
     "llamacpp": "llama.cpp",
     "llamacpp-lookup": "+ lookup",
 }
+ENGINES = tuple(ENGINE_TITLES)
 SPEC_GROUP = "speculation"
 
 
