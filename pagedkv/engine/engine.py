@@ -213,6 +213,7 @@ class LLMEngine:
         return request
 
     def _queue(self, request: Request) -> Request:
+        """Register ``request`` and hand its first sequence to the scheduler's waiting queue."""
         self.requests[request.request_id] = request
         self.scheduler.add(request.seqs[0])
         return request
