@@ -26,11 +26,11 @@ from pagedkv.bench.options import check_options, option
 from pagedkv.bench.throughput import Workload
 from pagedkv.bench.throughput_engines import EngineUnavailable, LoadSpec, RivalEngine
 from pagedkv.cli_report import DEFAULT_OUT
+from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.memory import blocks_for
 
 TEXTS = ("python", "text")
-#: Engines in table order: pagedkv's three modes, then llama.cpp's two.
-ENGINES = ("off", "ngram", "draft", "llamacpp", "llamacpp-lookup")
+#: Engines in table order, with their titles: pagedkv's three modes, then llama.cpp's two.
 ENGINE_TITLES = {
     "off": "pagedkv",
     "ngram": "+ n-gram",
@@ -38,6 +38,7 @@ ENGINE_TITLES = {
     "llamacpp": "llama.cpp",
     "llamacpp-lookup": "+ lookup",
 }
+ENGINES = tuple(ENGINE_TITLES)
 SPEC_GROUP = "speculation"
 
 
@@ -95,9 +96,8 @@ class Cell:
 
     seconds: float = 0.0
     tokens: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    drafts: int = 0
+    #: What pagedkv's speculation drafted and accepted (nothing for the other engines).
+    spec: SpecDecodingStats = field(default_factory=SpecDecodingStats)
     #: generated ids of the first round, per request
     outputs: list[list[int]] = field(default_factory=list)
 
@@ -105,24 +105,15 @@ class Cell:
     def tokens_per_s(self) -> float | None:
         return self.tokens / self.seconds if self.seconds else None
 
-    @property
-    def acceptance(self) -> float | None:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
-
-    @property
-    def mean_acceptance_length(self) -> float | None:
-        """Tokens a verified draft yields: its accepted tokens plus the target's one (vLLM's)."""
-        return 1 + self.accepted_tokens / self.drafts if self.drafts else None
-
     def to_json(self) -> dict[str, Any]:
         return {
             "seconds": self.seconds,
             "tokens": self.tokens,
             "tokens_per_s": self.tokens_per_s,
-            "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "acceptance_rate": self.acceptance,
-            "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_tokens": self.spec.num_draft_tokens,
+            "accepted_tokens": self.spec.num_accepted_tokens,
+            "acceptance_rate": self.spec.draft_acceptance_rate,
+            "mean_acceptance_length": self.spec.mean_acceptance_length,
         }
 
 
@@ -229,6 +220,16 @@ def _counts(verifier) -> dict[str, int]:
     }
 
 
+def _drafted(stats: dict[str, int]) -> SpecDecodingStats:
+    """An engine's ``last_stats`` (pagedkv's and the llama.cpp worker's: ``draft_tokens``,
+    ``accepted_tokens``, ``drafts``; none for an engine that does not speculate)."""
+    return SpecDecodingStats(
+        num_drafts=stats.get("drafts", 0),
+        num_draft_tokens=stats.get("draft_tokens", 0),
+        num_accepted_tokens=stats.get("accepted_tokens", 0),
+    )
+
+
 def start_engines(config: SpecConfig, model: Path, result: SpecResult) -> dict[str, Any]:
     """Every engine the config names that can run here; why not for the others."""
     largest = max(config.batch_sizes)
@@ -318,10 +319,7 @@ def _run_cell(
                     continue
                 cell.seconds += elapsed
                 cell.tokens += sum(len(t) for t in token_ids)
-                stats = getattr(engine, "last_stats", {})
-                cell.draft_tokens += stats.get("draft_tokens", 0)
-                cell.accepted_tokens += stats.get("accepted_tokens", 0)
-                cell.drafts += stats.get("drafts", 0)
+                cell.spec.merge(_drafted(getattr(engine, "last_stats", {})))
                 if round_index == 0:
                     cell.outputs += token_ids
         progress(

@@ -56,8 +56,8 @@ def print_spec(result: SpecResult, console: Console) -> None:
                     cell(got.tokens_per_s),
                     cell(ratio(result, text, batch, engine, "off"), ".2f", "x"),
                     cell(ratio(result, text, batch, engine, "llamacpp"), ".2f", "x"),
-                    cell(got.acceptance, ".2f"),
-                    cell(got.mean_acceptance_length, ".2f"),
+                    cell(got.spec.draft_acceptance_rate, ".2f"),
+                    cell(got.spec.mean_acceptance_length, ".2f"),
                     agreement(result, text, batch, engine),
                 )
             console.print(rows)

@@ -24,7 +24,6 @@ from pagedkv.engine.config import EngineConfig
 
 #: Engine names in table order, and how tables title them. ``pagedkv-eager`` is pagedkv with
 #: ``enforce_eager`` (no CUDA graphs): beside pagedkv on a GPU, it shows what the graphs buy.
-ENGINE_NAMES = ("pagedkv", "pagedkv-eager", "vllm", "llamacpp", "transformers")
 ENGINE_TITLES = {
     "pagedkv": "pagedkv",
     "pagedkv-eager": "pagedkv (enforce_eager)",
@@ -32,6 +31,7 @@ ENGINE_TITLES = {
     "llamacpp": "llama.cpp",
     "transformers": "transformers (static batch)",
 }
+ENGINE_NAMES = tuple(ENGINE_TITLES)
 #: The engines a run takes unless ``--engines`` says otherwise: on the CPU there are no graphs,
 #: so ``pagedkv-eager`` would repeat ``pagedkv``.
 DEFAULT_ENGINES = {"cpu": ("pagedkv", "vllm", "llamacpp", "transformers"), "cuda": ENGINE_NAMES}

@@ -163,7 +163,9 @@ class LLMEngine:
         """
         self.scheduler.check_priority(priority)
         params = params or self.get_default_sampling_params()
-        return self._queue(request_id, prompt, params, None, priority, client_request_id, grammar, cache_salt)
+        request = self._make_request(request_id, prompt, params, cache_salt, grammar=grammar)
+        request.priority, request.client_request_id = priority, client_request_id
+        return self._queue(request)
 
     def add_beam_request(
         self,
@@ -173,21 +175,21 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         """Queue a beam search; its result arrives as one RequestOutput, beams best first."""
-        request = self._queue(request_id, prompt, params.sampling_params(), params, cache_salt=cache_salt)
+        request = self._make_request(request_id, prompt, params.sampling_params(), cache_salt, beam=params)
         request.beam = BeamState(params, self.eos_token_ids)
-        return request
+        return self._queue(request)
 
-    def _queue(
+    def _make_request(
         self,
         request_id: str,
         prompt: str | list[int],
         params: SamplingParams,
+        cache_salt: str | None,
         beam: BeamSearchParams | None = None,
-        priority: int = 0,
-        client_request_id: str | None = None,
         grammar: CompiledGrammar | None = None,
-        cache_salt: str | None = None,
     ) -> Request:
+        """The checked request with its first sequence, not queued yet: the caller sets what
+        only its kind of request has, then :meth:`_queue` makes it visible to the scheduler."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_cache_salt(cache_salt)
@@ -204,17 +206,19 @@ class LLMEngine:
         self.validator.check(token_ids, params, samples)
         matcher = self.structured_outputs.matcher(params, grammar)  # the last check: may compile
         now = time.monotonic()
-        request = Request(request_id, text, token_ids, params, now, priority=priority)
-        request.client_request_id = client_request_id
-        request.cache_salt = cache_salt
+        request = Request(request_id, text, token_ids, params, now, cache_salt=cache_salt)
         seq = Sequence(request, 0, list(token_ids), make_generator(params.seed, 0))
         seq.detokenizer = self.tokenizer.detokenizer(
             token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
         )
         seq.grammar = matcher
         request.seqs.append(seq)
-        self.requests[request_id] = request
-        self.scheduler.add(seq)
+        return request
+
+    def _queue(self, request: Request) -> Request:
+        """Register ``request`` and hand its first sequence to the scheduler's waiting queue."""
+        self.requests[request.request_id] = request
+        self.scheduler.add(request.seqs[0])
         return request
 
     def abort(self, request_id: str) -> bool:

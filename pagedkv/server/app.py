@@ -33,7 +33,7 @@ from pagedkv.server.middleware import (
     InternalErrorMiddleware,
     NoSniffMiddleware,
 )
-from pagedkv.server.openapi import error_responses, event_stream_or, install_openapi
+from pagedkv.server.openapi import error_responses, generation_route, install_openapi
 from pagedkv.server.prompts import PromptEncoder
 from pagedkv.server.protocol import CompletionRequest
 from pagedkv.server.reasoning import reasoning_parser_class
@@ -212,21 +212,12 @@ def create_app(
     install_dashboard(app, async_engine, metrics, model_name, requires_key=api_key is not None)
     _install_error_handlers(app)
     install_openapi(app)
-    generation_errors = error_responses(400, 401, 413, 500, 503)
 
-    @app.post(
-        "/v1/completions",
-        response_model=None,
-        responses={**event_stream_or(CompletionResponse), **generation_errors},
-    )
+    @generation_route(app, "/v1/completions", CompletionResponse)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(body, request, ctx)
 
-    @app.post(
-        "/v1/chat/completions",
-        response_model=None,
-        responses={**event_stream_or(ChatCompletionResponse), **generation_errors},
-    )
+    @generation_route(app, "/v1/chat/completions", ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, ctx)
 

@@ -8,12 +8,15 @@ routes answer JSON, or server-sent events with ``stream: true``.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from pagedkv.server.responses import ErrorResponse
+
+Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
 
 #: What each error status means here; a route's ``responses`` picks the ones it can send.
 ERROR_MEANINGS = {
@@ -42,6 +45,13 @@ def event_stream_or(model: type) -> dict[int | str, dict[str, Any]]:
             "content": {"text/event-stream": {"schema": {"type": "string"}}},
         }
     }
+
+
+def generation_route(app: FastAPI, path: str, model: type) -> Callable[[Endpoint], Endpoint]:
+    """``@app.post`` for a generation route: answers ``model`` as JSON or streams its chunks,
+    and can fail with any error a request to the engine can meet."""
+    responses = {**event_stream_or(model), **error_responses(400, 401, 413, 500, 503)}
+    return app.post(path, response_model=None, responses=responses)
 
 
 def install_openapi(app: FastAPI) -> None:

@@ -10,7 +10,7 @@ delta per call with its ``index``.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -52,13 +52,22 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
-class CompletionResponse(BaseModel):
+class _Envelope(BaseModel):
+    """OpenAI's envelope of a generation answer, its fields in OpenAI's order: each answer
+    narrows ``object`` to its kind and ``choices`` to its choice type (a field a subclass
+    declares again keeps its place here)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: list[CompletionChoice]
+    choices: list[Any]
     usage: Usage | None = None
+
+
+class CompletionResponse(_Envelope):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class TopLogprob(BaseModel):
@@ -120,11 +129,8 @@ class ChatChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Envelope):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
     usage: Usage
     #: vLLM's, with the request's ``prompt_logprobs``: as a completion choice's.
@@ -147,13 +153,9 @@ class ChatStreamChoice(BaseModel):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatStreamChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):

@@ -27,11 +27,13 @@ compiler and awaits the result off the event loop, before anything is queued.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
+import typing
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from pagedkv.engine import InvalidRequestError, StructuredOutputsParams
 from pagedkv.engine.structured.config import WHITESPACE_PATTERN_FIELD, field_name
@@ -43,19 +45,28 @@ if TYPE_CHECKING:
     from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
 
 
-class StructuredOutputsRequest(BaseModel):
+def _wire_model(name: str, params: type, doc: str) -> type[BaseModel]:
+    """The request body's shape of the dataclass ``params``, so the two cannot drift apart: its
+    fields, types and defaults, unknown fields refused. A field whose name a pydantic model
+    already uses (``json``) is held under that name plus ``_``, read and written by its own
+    name (the alias)."""
+    hints = typing.get_type_hints(params)
+    fields: dict[str, Any] = {
+        (f"{field.name}_" if hasattr(BaseModel, field.name) else field.name): (
+            hints[field.name],
+            Field(default=field.default, alias=field.name),
+        )
+        for field in dataclasses.fields(params)
+    }
+    return create_model(name, __config__=ConfigDict(extra="forbid"), __doc__=doc, **fields)
+
+
+StructuredOutputsRequest = _wire_model(
+    "StructuredOutputsRequest",
+    StructuredOutputsParams,
     """vLLM's ``structured_outputs`` field: exactly one constraint. Its fields are those of
-    :class:`~pagedkv.engine.StructuredOutputsParams` (``json`` by its alias), passed on whole."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
-    whitespace_pattern: str | None = None
+:class:`~pagedkv.engine.StructuredOutputsParams` (``json`` by its alias), passed on whole.""",
+)
 
 
 class JSONSchemaFormat(BaseModel):

@@ -159,12 +159,8 @@ class NoTokenizer:
 
     encode = decode = apply_chat_template = encode_chat = _refuse
 
-    def detokenizer(
-        self,
-        prompt_ids: Sequence[int] = (),
-        skip_special_tokens: bool = True,
-        spaces_between_special_tokens: bool = True,
-    ) -> _NoText:
+    def detokenizer(self, *args: Any, **kwargs: Any) -> _NoText:
+        """Takes :meth:`Tokenizer.detokenizer`'s arguments: without text, none of them matters."""
         return _NoText()
 
 

@@ -19,10 +19,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pagedkv.models.builtin import CHECKPOINTS_DIR, builtin_model_path
-from pagedkv.models.builtin.train.recipe import Recipe, train
+from pagedkv.models.builtin.train.recipe import Recipe, parse_training_args, train
 
 #: The draft's name among the shipped models, and where it ships.
 DRAFT_MODEL = "stdlib-llama-draft"
@@ -55,12 +53,7 @@ def train_draft(out: str | Path, recipe: Recipe = DRAFT_RECIPE, progress: bool =
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedkv.models.builtin.train.draft", description=__doc__)
-    parser.add_argument("--out", required=True, help="folder to write the Hugging Face checkpoint into")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar or summary")
-    args = parser.parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    args = parse_training_args(parser, argv)
     train_draft(args.out, progress=not args.no_progress)
     return 0
 

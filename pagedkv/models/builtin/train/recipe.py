@@ -11,6 +11,7 @@ install.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -253,3 +254,15 @@ def train(recipe: Recipe, out: str | Path, progress: bool = True) -> dict[str, A
     if progress:
         print(json.dumps(results, indent=2), file=sys.stderr)
     return manifest
+
+
+def parse_training_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse ``argv`` with the options every training command takes added to ``parser``: where to
+    write (``--out``), torch's threads (``--threads``, set here) and ``--no-progress``."""
+    parser.add_argument("--out", required=True, help="folder to write the Hugging Face checkpoint into")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar or summary")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    return args
