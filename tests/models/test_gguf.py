@@ -15,7 +15,10 @@ from gguf import GGMLQuantizationType as Q
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.models import ModelConfig
+from pagedkv.models.fingerprint import model_fingerprint
 from pagedkv.models.gguf_weights import unpermute_rows
+from pagedkv.tokenizer import load_tokenizer
+from pagedkv.tokenizer.gguf_file import GGUFError
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 from tests.gguf_files import llama_permute, write_gguf
 
@@ -100,3 +103,21 @@ def test_the_tokenizer_and_chat_template_come_from_the_file(tmp_path):
         assert llm.engine.eos_token_ids == {1, 3}  # EOS and the end-of-turn id
         reply = llm.chat(messages, SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     assert reply[0].prompt.startswith("<|begin_of_text|><|im_start|>user\n")
+
+
+def test_a_disk_tier_names_the_gguf_weights_its_files_hold(tmp_path):
+    folder = make_checkpoint(tmp_path, "llama")
+    f32 = write_gguf(folder, tmp_path / "f32" / "tiny.gguf")
+    q8 = write_gguf(folder, tmp_path / "q8" / "tiny.gguf", Q.Q8_0)
+    assert model_fingerprint(f32) == model_fingerprint(f32.parent) != model_fingerprint(q8)
+    disk = {"kv_offload": "disk", "kv_offload_memory": "1MiB", "kv_offload_dir": str(tmp_path / "kv")}
+    assert greedy(str(f32), **disk) == greedy(str(folder))
+
+
+def test_the_tokenizer_option_replaces_the_files_own(tmp_path):
+    folder = make_checkpoint(tmp_path, "llama")
+    gguf = write_gguf(folder, tmp_path / "bert" / "tiny.gguf", **{"tokenizer.ggml.model": "bert"})
+    with pytest.raises(GGUFError, match="unsupported tokenizer 'bert'"):
+        LLM(str(gguf), **OPTIONS)
+    with LLM(str(gguf), tokenizer=str(folder), **OPTIONS) as llm:
+        assert llm.tokenizer.encode("def f(): pass") == load_tokenizer(folder).encode("def f(): pass")
