@@ -107,7 +107,7 @@ def load_model(
         fill_dummy_weights(checkpoint_targets(model))
     else:
         read = None if tensor_parallel is None else tensor_parallel.tensor_reader(model)
-        load_weights(model, weight_files(path), read)
+        load_weights(model, weight_files(path), read, checkpoint=cfg)
     model.requires_grad_(False)
     model.linear_kernel = pack_linears(model, kernel, batch_hint)
     return model.eval()
@@ -131,16 +131,21 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def load_weights(
-    model: LlamaForCausalLM, files: list[Path], read: Callable[[str, Any], torch.Tensor] | None = None
+    model: LlamaForCausalLM,
+    files: list[Path],
+    read: Callable[[str, Any], torch.Tensor] | None = None,
+    checkpoint: ModelConfig | None = None,
 ) -> None:
     """Copy every tensor of ``files`` into the parameter (or packed row slice) it names;
-    ``read(name, file)`` reads a tensor (default: whole; a tensor-parallel rank: its slice)."""
+    ``read(name, file)`` reads a tensor (default: whole; a tensor-parallel rank: its slice).
+    ``checkpoint``: the whole model's config, when ``model`` holds a tensor-parallel rank's shard
+    (a GGUF file's rows are put back by the whole model's head counts); default ``model.config``."""
     targets = checkpoint_targets(model)
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
-        with _open_weights(file, model.config) as f:
+        with _open_weights(file, checkpoint or model.config) as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue

@@ -121,3 +121,9 @@ def test_the_tokenizer_option_replaces_the_files_own(tmp_path):
         LLM(str(gguf), **OPTIONS)
     with LLM(str(gguf), tokenizer=str(folder), **OPTIONS) as llm:
         assert llm.tokenizer.encode("def f(): pass") == load_tokenizer(folder).encode("def f(): pass")
+
+
+def test_two_tensor_parallel_ranks_read_their_slices_of_a_quantized_gguf(tmp_path):
+    folder = make_checkpoint(tmp_path, "llama")
+    gguf = write_gguf(folder, tmp_path / "q8" / "tiny.gguf", Q.Q8_0)
+    assert greedy(str(gguf), tensor_parallel_size=2) == greedy(str(gguf))
