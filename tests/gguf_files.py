@@ -11,6 +11,7 @@ converter, so a test checks pagedkv's reading against an independent statement o
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,8 @@ def write_gguf(
     for key, value in keys.items():
         writer.add_key_value(key, value, *_value_type(value))
     weights = load_file(folder / "model.safetensors")
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, config["head_dim"]))
     for name in sorted(weights):
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
@@ -107,6 +110,26 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return writer.format_shard_names(out)[0]
+
+
+def llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
+    """convert_hf_to_gguf's ``rope_freqs``: Llama 3.1's scaling as one divisor per frequency."""
+    inv_freq = 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    factor, old_len = rope["factor"], rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / rope["low_freq_factor"], old_len / rope["high_freq_factor"]
+    factors = []
+    for freq in inv_freq:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - rope["low_freq_factor"]) / (
+                rope["high_freq_factor"] - rope["low_freq_factor"]
+            )
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _add_tensor(writer: GGUFWriter, name: str, array: np.ndarray, qtype: GGMLQuantizationType) -> None:

@@ -28,8 +28,9 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
 )
 
-#: RoPE scalings implemented in :mod:`pagedkv.models.rope`.
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+#: RoPE scalings implemented in :mod:`pagedkv.models.rope`; "freq_factors" is llama.cpp's form of
+#: Llama 3.1's scaling in a GGUF file (one divisor per frequency, ``params["factors"]``).
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "freq_factors")
 
 #: dtype names accepted in config.json and by :func:`pagedkv.models.load_model`.
 DTYPES: dict[str, torch.dtype] = {

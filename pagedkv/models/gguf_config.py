@@ -5,8 +5,9 @@ llama.cpp writes each hyper-parameter under ``{arch}.<key>`` (``llama.block_coun
 them, so :meth:`pagedkv.models.config.ModelConfig.from_dict` settles defaults and checks once for
 both sources. What the metadata does not say, the tensors do: the vocabulary is the embedding's
 row count, the output projection is tied when ``output.weight`` is absent, biases exist when
-their tensors do. Every tensor's type is checked here, before anything is built, so an
-unsupported type is refused by name at once.
+their tensors do, Llama 3.1's RoPE scaling is the divisors in ``rope_freqs.weight``. Every
+tensor's type is checked here, before anything is built, so an unsupported type is refused by
+name at once.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pagedkv.models.gguf_weights import SUPPORTED_TYPES, type_name
+from pagedkv.models.gguf_weights import ROPE_FREQS, SUPPORTED_TYPES, gguf_weight, type_name
 from pagedkv.tokenizer.gguf_file import GGUFError, field, open_gguf
 
 #: ``general.architecture`` -> the transformers architecture it is converted from.
@@ -31,6 +32,7 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
     first = parts[0]
     reader = open_gguf(first)
     shapes: dict[str, tuple[int, ...]] = {}
+    rope_freqs = None
     for part, part_reader in zip(parts, [reader, *map(open_gguf, parts[1:])], strict=True):
         for tensor in part_reader.tensors:
             if tensor.tensor_type not in SUPPORTED_TYPES:
@@ -39,16 +41,13 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
                     f"cannot read; supported: {[type_name(t) for t in sorted(SUPPORTED_TYPES)]}"
                 )
             shapes[tensor.name] = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            if tensor.name == ROPE_FREQS:
+                rope_freqs = [float(f) for f in gguf_weight(tensor).tolist()]
     arch = field(reader, "general.architecture", None)
     if arch not in ARCHITECTURES:
         raise GGUFError(
             f"{first}: unsupported architecture {arch!r} (general.architecture); "
             f"pagedkv opens GGUF models of {sorted(ARCHITECTURES)}"
-        )
-    if "rope_freqs.weight" in shapes:
-        raise GGUFError(
-            f"{first}: per-dimension RoPE frequency factors (rope_freqs.weight, Llama 3.1-style "
-            "scaling) are not supported"
         )
     if "token_embd.weight" not in shapes:
         raise GGUFError(f"{first}: no token_embd.weight tensor")
@@ -75,7 +74,7 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
         "max_position_embeddings": key("context_length"),
         "rope_theta": key("rope.freq_base", 10000.0),
-        "rope_scaling": _rope_scaling(key),
+        "rope_scaling": _rope_scaling(key, rope_freqs),
         "tie_word_embeddings": "output.weight" not in shapes,
         "attention_bias": "blk.0.attn_q.bias" in shapes,
         "mlp_bias": "blk.0.ffn_gate.bias" in shapes,
@@ -98,8 +97,11 @@ def _uniform(value: Any, name: str, file: Path) -> int:
     return value
 
 
-def _rope_scaling(key: Any) -> dict[str, Any] | None:
-    """``rope.scaling.*`` as transformers' ``rope_scaling`` (None: plain RoPE)."""
+def _rope_scaling(key: Any, rope_freqs: list[float] | None) -> dict[str, Any] | None:
+    """``rope.scaling.*`` as transformers' ``rope_scaling`` (None: plain RoPE); the divisors of
+    a ``rope_freqs.weight`` tensor (llama.cpp's form of Llama 3.1's scaling) as "freq_factors"."""
+    if rope_freqs is not None:
+        return {"rope_type": "freq_factors", "factors": rope_freqs}
     kind = key("rope.scaling.type", "none")
     if kind == "none":
         return None

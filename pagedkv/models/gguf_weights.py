@@ -54,6 +54,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+#: RoPE frequency divisors: read into the config (:mod:`pagedkv.models.gguf_config`), not a weight.
+ROPE_FREQS = "rope_freqs.weight"
 
 
 def type_name(ggml_type: int) -> str:
@@ -125,7 +127,7 @@ class GGUFTensors:
     def __init__(self, file: Path, rotary_heads: tuple[int, int] | None) -> None:
         self.file = file
         reader = open_gguf(file)
-        self._tensors = {checkpoint_name(t.name): t for t in reader.tensors}
+        self._tensors = {checkpoint_name(t.name): t for t in reader.tensors if t.name != ROPE_FREQS}
         self._heads: dict[str, int] = {}
         if rotary_heads is not None:
             self._heads = {"q_proj": rotary_heads[0], "k_proj": rotary_heads[1]}

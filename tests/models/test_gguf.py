@@ -65,6 +65,22 @@ def test_an_f32_gguf_runs_as_its_hugging_face_folder(tmp_path, arch):
     assert greedy(str(gguf)) == greedy(str(folder))
 
 
+def test_llama_3_rope_scaling_runs_from_its_frequency_factors(tmp_path):
+    """llama.cpp writes Llama 3.1's RoPE scaling as the divisors of ``rope_freqs.weight``."""
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8,
+    }
+    folder = make_checkpoint(tmp_path, "llama", rope_parameters=rope)
+    gguf = write_gguf(folder, tmp_path / "llama3.gguf")
+    assert ModelConfig.from_pretrained(gguf).rope.type == "freq_factors"
+    assert greedy(str(gguf)) == greedy(str(folder))
+
+
 @pytest.mark.parametrize(
     ("arch", "qtype"), [("llama", Q.F16), ("llama", Q.Q8_0), ("qwen2", Q.Q8_0), ("qwen3", Q.F16)]
 )
