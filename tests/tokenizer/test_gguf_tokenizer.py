@@ -1,6 +1,7 @@
 """The tokenizer a GGUF file describes encodes and decodes as transformers' GGUF tokenizer does:
-a byte-level BPE (``gpt2``) and a SentencePiece vocabulary with byte fallback (``llama``), special
-tokens kept whole, BOS added as the file asks."""
+a byte-level BPE (``gpt2``, split by GPT-2's, Qwen2's or Llama 3's pre-tokenizer as the file
+names it) and a SentencePiece vocabulary with byte fallback (``llama``), special tokens kept
+whole, BOS added as the file asks."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ TEXTS = [
     "<s>control tokens</s> stay whole",
     "Grüße aus Köln — 東京 🚀",
     "line one\nline two\ttab",
+    "In 2024, 12345 items cost $6.78; don't 'quote' me",
 ]
 CORPUS = [
     "hello world the quick brown fox jumps over the lazy dog",
@@ -55,11 +57,13 @@ def files(tmp_path_factory) -> dict[str, Path]:
     folder = make_checkpoint(root, "llama")
     return {
         "gpt2": write_gguf(folder, root / "gpt2" / "m.gguf"),
+        "gpt2-qwen2": write_gguf(folder, root / "qwen2" / "m.gguf", **{"tokenizer.ggml.pre": "qwen2"}),
+        "gpt2-llama3": write_gguf(folder, root / "llama3" / "m.gguf", **{"tokenizer.ggml.pre": "llama-bpe"}),
         "llama": write_gguf(folder, root / "llama" / "m.gguf", vocabulary=add_sentencepiece_vocabulary),
     }
 
 
-@pytest.fixture(scope="module", params=["gpt2", "llama"])
+@pytest.fixture(scope="module", params=["gpt2", "gpt2-qwen2", "gpt2-llama3", "llama"])
 def pair(request, files) -> tuple[Tokenizer, object]:
     """(pagedkv's tokenizer, transformers') of one GGUF file with that vocabulary kind."""
     file = files[request.param]
