@@ -19,10 +19,10 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-from gguf import GGUFReader, GGUFValueType
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
@@ -88,14 +88,21 @@ def open_gguf(file: Path) -> GGUFReader:
     return _open(Path(file).resolve(), stat.st_size, stat.st_mtime_ns)
 
 
-class _Reader(GGUFReader):
+@functools.cache
+def _reader_class() -> type[GGUFReader]:
     """``GGUFReader`` slicing a plain array view of its mapping: a vocabulary's 100,000 strings
     are 200,000 slices, each several times slower on ``np.memmap`` than on its base class. The
-    view shares the mapping; should the reader's parsing step be renamed, this only does nothing."""
+    view shares the mapping; should the reader's parsing step be renamed, this only does nothing.
+    Made on first use, so that importing pagedkv does not import gguf."""
+    import numpy as np
+    from gguf import GGUFReader
 
-    def _build_fields(self, offs: int, count: int) -> int:
-        self.data = self.data.view(np.ndarray)
-        return super()._build_fields(offs, count)
+    class PlainViewReader(GGUFReader):
+        def _build_fields(self, offs: int, count: int) -> int:
+            self.data = self.data.view(np.ndarray)
+            return super()._build_fields(offs, count)
+
+    return PlainViewReader
 
 
 @functools.lru_cache(maxsize=4)
@@ -105,7 +112,7 @@ def _open(file: Path, size: int, mtime_ns: int) -> GGUFReader:
     if head != MAGIC:
         raise GGUFError(f"{file} is not a GGUF file: it starts with {head!r}, not {MAGIC!r}")
     try:
-        return _Reader(file, "c")
+        return _reader_class()(file, "c")
     except (ValueError, IndexError, KeyError, OverflowError, TypeError) as err:
         # the reader slices its header and every tensor out of the mapping: a file cut short
         # fails there, as an index or reshape error
@@ -124,7 +131,11 @@ def field(reader: GGUFReader, key: str, default: Any = _UNSET, file: Path | None
         value = entry.contents()
     except UnicodeDecodeError as err:
         raise GGUFError(f"{file or 'the GGUF file'}: metadata {key!r} is not valid UTF-8 ({err})") from None
+    from gguf import GGUFValueType
+
     if entry.types == [GGUFValueType.FLOAT32]:
+        import numpy as np
+
         # the shortest decimal that is this float32: the value the writer meant (1e-05, not 9.9999997e-06)
         return float(str(np.float32(value)))
     return value
