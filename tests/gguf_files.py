@@ -22,7 +22,13 @@ from gguf.quants import quantize
 from safetensors.numpy import load_file
 
 Q = GGMLQuantizationType
-ARCH_NAMES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+#: transformers' architecture -> llama.cpp's (Mistral converts as llama, with its sliding window).
+ARCH_NAMES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
 _FILE_TYPES = {
     Q.F32: LlamaFileType.ALL_F32,
     Q.F16: LlamaFileType.MOSTLY_F16,
@@ -91,6 +97,8 @@ def write_gguf(
     rope = config.get("rope_parameters") or {}
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("sliding_window") is not None:
+        writer.add_sliding_window(config["sliding_window"])
     writer.add_file_type(_FILE_TYPES[qtype])
     (vocabulary or add_bpe_vocabulary)(writer, folder)
     for key, value in keys.items():
