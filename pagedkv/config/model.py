@@ -39,6 +39,8 @@ class ModelOptions:
     generation_config: str
     #: Token-id prompts only, outputs without text.
     skip_tokenizer_init: bool
+    #: The tokenizer's folder, GGUF file or Hub id when not the model's own; None: the model's.
+    tokenizer: str | Path | None
     #: A name of :data:`DTYPE_NAMES` or a torch dtype; None: the checkpoint's.
     dtype: str | torch.dtype | None
     #: Context length; None: the model's.

@@ -57,6 +57,9 @@ class EngineConfig:
     #: Run without a tokenizer (vLLM's name): token-id prompts only, outputs without text. A
     #: folder without tokenizer.json runs this way on its own.
     skip_tokenizer_init: bool = False
+    #: The tokenizer, when not the model's own (vLLM's ``--tokenizer``): a folder with
+    #: tokenizer.json, a GGUF file, or a Hub id; None: the model's (a GGUF file's from its metadata).
+    tokenizer: str | Path | None = None
     block_size: int = 16
     #: KV blocks in the pool; None: as many as ``kv_cache_memory`` holds.
     num_kv_blocks: int | None = None

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.config import EngineConfig
@@ -87,7 +88,8 @@ class LLMEngine:
         if model.max_model_len is not None and model.max_model_len > limit:
             raise ValueError(f"max_model_len {model.max_model_len} exceeds the model's {limit} positions")
         self.max_model_len = model.max_model_len or limit
-        self.tokenizer = engine_tokenizer(path, model.skip_tokenizer_init)
+        tokenizer = path if model.tokenizer is None else self._tokenizer_folder(model.tokenizer)
+        self.tokenizer = engine_tokenizer(tokenizer, model.skip_tokenizer_init)
         self.executor: Executor = make_executor(settings, path, self.model_config)
         num_blocks = self.executor.num_kv_blocks
         #: How the pool was sized; ``describe()`` is the line the CLI prints at start-up.
@@ -119,6 +121,12 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.stats_collector = StatsCollector(self.scheduler, self.kv_tier, self.verifier is not None)
         self.requests: dict[str, Request] = {}
+
+    def _tokenizer_folder(self, tokenizer: str | Path) -> Path:
+        """The folder (or GGUF file) of a ``tokenizer`` given apart from the model: a local path,
+        or a Hub id whose tokenizer files are fetched without its weights."""
+        options = self.settings.model
+        return resolve_model(tokenizer, None, options.download_dir, weights=False).folder
 
     def _model_sampling_defaults(self) -> dict[str, Any]:
         """generation_config.json's sampling fields (per ``settings.model.generation_config``), checked

@@ -17,6 +17,8 @@ import torch
 
 from pagedkv.config.model import DTYPE_NAMES
 from pagedkv.memory.kv_bytes import KVSpec
+from pagedkv.models.gguf_config import gguf_config
+from pagedkv.tokenizer.gguf_file import GGUFError, gguf_parts
 
 #: The architectures (``config.json`` ``architectures[0]``) this package can run.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
@@ -26,8 +28,9 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
 )
 
-#: RoPE scalings implemented in :mod:`pagedkv.models.rope`.
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+#: RoPE scalings implemented in :mod:`pagedkv.models.rope`; "freq_factors" is llama.cpp's form of
+#: Llama 3.1's scaling in a GGUF file (one divisor per frequency, ``params["factors"]``).
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "freq_factors")
 
 #: dtype names accepted in config.json and by :func:`pagedkv.models.load_model`.
 DTYPES: dict[str, torch.dtype] = {
@@ -199,7 +202,16 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        """Read ``path/config.json`` (a folder or the file itself)."""
+        """Read ``path/config.json`` (a folder or the file itself), or a GGUF model's metadata
+        (a .gguf file, or a folder holding one and no config.json: :mod:`pagedkv.models.gguf_config`)."""
+        parts = gguf_parts(path)
+        if parts is not None:
+            try:
+                return cls.from_dict(gguf_config(parts))
+            except GGUFError:
+                raise
+            except ValueError as err:
+                raise GGUFError(f"{parts[0]}: {err}") from None
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():

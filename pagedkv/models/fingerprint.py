@@ -3,7 +3,8 @@
 Keys and values computed by one set of weights mean nothing under another, even of the same
 shape; a disk KV tier's files therefore name the weights that wrote them, and a restarted
 server loads only files written by the very same ones. The fingerprint is a sha256 over
-``config.json`` and every weight file, in name order (each file's own digest, then the list).
+``config.json`` and every weight file (a GGUF model: its parts), in name order (each file's own
+digest, then the list).
 
 Hashing gigabytes of weights takes a while, so each file's digest is remembered in a small
 JSON file (``cache_file``, e.g. inside the disk tier's folder) under the file's path, size and
@@ -18,6 +19,8 @@ import logging
 import os
 from pathlib import Path
 
+from pagedkv.tokenizer.gguf_file import gguf_parts
+
 logger = logging.getLogger("pagedkv.models.fingerprint")
 
 #: The files whose contents decide a layer's keys and values.
@@ -26,7 +29,11 @@ _CHUNK = 1 << 22
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The files the fingerprint covers, in name order."""
+    """The files the fingerprint covers, in name order: a GGUF model's parts, else the folder's
+    config and weights."""
+    gguf = gguf_parts(folder)
+    if gguf is not None:
+        return gguf
     found = {path for pattern in WEIGHT_PATTERNS for path in folder.glob(pattern) if path.is_file()}
     return sorted(found, key=lambda path: path.name)
 

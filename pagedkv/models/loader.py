@@ -1,4 +1,5 @@
-"""Build a model from a Hugging Face folder: config.json plus one or sharded *.safetensors.
+"""Build a model from a Hugging Face folder (config.json plus one or sharded *.safetensors) or a
+GGUF file (:mod:`pagedkv.models.gguf_weights`: the same fill from a second source of named tensors).
 
 The model is created uninitialised (no random init of weights about to be overwritten) directly
 in the target dtype and on the target device, then filled tensor by tensor with safetensors'
@@ -24,8 +25,10 @@ from pagedkv.attention import resolve_backend
 from pagedkv.config.model import LOAD_FORMATS
 from pagedkv.models.config import ModelConfig, resolve_dtype
 from pagedkv.models.dummy_weights import fill_dummy_weights
+from pagedkv.models.gguf_weights import GGUFTensors
 from pagedkv.models.linear import PackedLinear, choose_linear_kernel, pack_linears
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.tokenizer.gguf_file import SUFFIX, gguf_parts
 
 if TYPE_CHECKING:
     from pagedkv.models.parallel import TensorParallel
@@ -38,7 +41,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def weight_files(path: str | Path) -> list[Path]:
-    """The safetensors files of a folder: the index's shards, else model.safetensors, else all."""
+    """The weight files of a model: a GGUF model's parts (:func:`~pagedkv.tokenizer.gguf_file.gguf_parts`),
+    else the folder's safetensors: the index's shards, else model.safetensors, else all."""
+    gguf = gguf_parts(path)
+    if gguf is not None:
+        return gguf
     folder = Path(path)
     index = folder / INDEX_FILE
     if index.is_file():
@@ -100,7 +107,7 @@ def load_model(
         fill_dummy_weights(checkpoint_targets(model))
     else:
         read = None if tensor_parallel is None else tensor_parallel.tensor_reader(model)
-        load_weights(model, weight_files(path), read)
+        load_weights(model, weight_files(path), read, checkpoint=cfg)
     model.requires_grad_(False)
     model.linear_kernel = pack_linears(model, kernel, batch_hint)
     return model.eval()
@@ -124,16 +131,21 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
 
 
 def load_weights(
-    model: LlamaForCausalLM, files: list[Path], read: Callable[[str, Any], torch.Tensor] | None = None
+    model: LlamaForCausalLM,
+    files: list[Path],
+    read: Callable[[str, Any], torch.Tensor] | None = None,
+    checkpoint: ModelConfig | None = None,
 ) -> None:
     """Copy every tensor of ``files`` into the parameter (or packed row slice) it names;
-    ``read(name, file)`` reads a tensor (default: whole; a tensor-parallel rank: its slice)."""
+    ``read(name, file)`` reads a tensor (default: whole; a tensor-parallel rank: its slice).
+    ``checkpoint``: the whole model's config, when ``model`` holds a tensor-parallel rank's shard
+    (a GGUF file's rows are put back by the whole model's head counts); default ``model.config``."""
     targets = checkpoint_targets(model)
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _open_weights(file, checkpoint or model.config) as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
@@ -157,3 +169,12 @@ def load_weights(
     missing = sorted(set(targets) - loaded)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weights: {missing[:8]}")
+
+
+def _open_weights(file: Path, config: ModelConfig) -> Any:
+    """A handle on one weight file: safetensors' own, or a GGUF file's
+    (:class:`~pagedkv.models.gguf_weights.GGUFTensors`, its Llama query/key rows unpermuted)."""
+    if file.suffix != SUFFIX:
+        return safe_open(str(file), framework="pt", device="cpu")
+    llama = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    return GGUFTensors(file, (config.num_heads, config.num_kv_heads) if llama else None)

@@ -1,7 +1,8 @@
 """Rotary position embeddings, computed exactly as transformers computes them.
 
 Logits only match a reference to 1e-4 if every rounding matches too, so the inverse
-frequencies are built in float32 with transformers' formulas (default, linear, llama3), the
+frequencies are built in float32 with transformers' formulas (default, linear, llama3; a GGUF
+file's per-frequency divisors, llama.cpp's ``rope_freqs``), the
 angles are ``position * inv_freq`` in float32, and queries/keys rotate with the
 ``rotate_half`` convention (first half of the head paired with the second half), with cos/sin
 cast to the activations' dtype first.
@@ -32,6 +33,11 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         return inv_freq / _param(rope, "factor")
     if rope.type == "llama3":
         return _llama3(inv_freq, rope)
+    if rope.type == "freq_factors":
+        factors = torch.tensor(_param(rope, "factors"), dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"{factors.numel()} RoPE frequency factors for {inv_freq.numel()} frequencies")
+        return inv_freq / factors
     raise ValueError(f"unsupported RoPE scaling {rope.type!r}")
 
 

@@ -1,10 +1,11 @@
-"""The tokenizer of a Hugging Face folder, without transformers.
+"""The tokenizer of a Hugging Face folder or a GGUF file, without transformers.
 
 ``tokenizer.json`` is run by the ``tokenizers`` library (the same Rust code transformers' fast
 tokenizers wrap); ``tokenizer_config.json`` supplies the special tokens and the chat template
 (rendered by :mod:`pagedkv.tokenizer.chat_template`), so a prompt encodes to the same ids with
-either library. A folder without ``tokenizer.json`` runs with a :class:`NoTokenizer`: token ids
-in, token ids out.
+either library. A GGUF file's metadata makes the same three parts
+(:mod:`pagedkv.tokenizer.gguf_tokenizer`). A folder without ``tokenizer.json`` runs with a
+:class:`NoTokenizer`: token ids in, token ids out.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from pagedkv.tokenizer.chat_template import compile_chat_template, read_chat_template, render_chat
 from pagedkv.tokenizer.detokenizer import IncrementalDetokenizer
+from pagedkv.tokenizer.gguf_file import gguf_parts
+from pagedkv.tokenizer.gguf_tokenizer import read_gguf_tokenizer
 
 #: The special-token names transformers exposes to chat templates.
 SPECIAL_TOKEN_NAMES = (
@@ -175,13 +178,21 @@ class _NoText:
 
 
 def engine_tokenizer(path: str | Path, skip_tokenizer_init: bool = False) -> Tokenizer | NoTokenizer:
-    """The folder's tokenizer, or a :class:`NoTokenizer` when asked to skip it or the folder has
-    no tokenizer.json (end-of-sequence ids still come from config.json or generation_config.json)."""
+    """The tokenizer of a model folder (its tokenizer.json) or of a GGUF model (its metadata:
+    :mod:`pagedkv.tokenizer.gguf_tokenizer`), or a :class:`NoTokenizer` when asked to skip it or
+    there is none (end-of-sequence ids still come from config.json or generation_config.json)."""
     folder = Path(path)
-    if not skip_tokenizer_init and (folder / "tokenizer.json").is_file():
+    if skip_tokenizer_init:
+        return NoTokenizer("skip_tokenizer_init is set", _config_eos_ids(folder))
+    if (folder / "tokenizer.json").is_file():
         return load_tokenizer(folder)
-    reason = "skip_tokenizer_init is set" if skip_tokenizer_init else f"no tokenizer.json in {folder}"
-    return NoTokenizer(reason, _config_eos_ids(folder))
+    parts = gguf_parts(folder)
+    if parts is None:
+        return NoTokenizer(f"no tokenizer.json in {folder}", _config_eos_ids(folder))
+    built = read_gguf_tokenizer(parts[0])
+    if built is None:
+        return NoTokenizer(f"{parts[0]} has no tokenizer metadata", ())
+    return Tokenizer(*built)
 
 
 def _read_json(file: Path) -> dict[str, Any]:

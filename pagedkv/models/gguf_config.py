@@ -1,0 +1,112 @@
+"""A GGUF model's architecture as a Hugging Face ``config.json`` dict, read from its metadata.
+
+llama.cpp writes each hyper-parameter under ``{arch}.<key>`` (``llama.block_count``,
+``qwen2.attention.head_count_kv``, ...); this module maps them to the names transformers gives
+them, so :meth:`pagedkv.models.config.ModelConfig.from_dict` settles defaults and checks once for
+both sources. What the metadata does not say, the tensors do: the vocabulary is the embedding's
+row count, the output projection is tied when ``output.weight`` is absent, biases exist when
+their tensors do, Llama 3.1's RoPE scaling is the divisors in ``rope_freqs.weight``. Every
+tensor's type is checked here, before anything is built, so an unsupported type is refused by
+name at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pagedkv.models.gguf_weights import ROPE_FREQS, SUPPORTED_TYPES, gguf_weight, type_name
+from pagedkv.tokenizer.gguf_file import GGUFError, field, open_gguf
+
+#: ``general.architecture`` -> the transformers architecture it is converted from.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+#: ``general.file_type`` (llama.cpp's ``llama_ftype``) -> the checkpoint dtype it stands for;
+#: quantized files dequantize exactly into float32.
+_FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
+
+
+def gguf_config(parts: list[Path]) -> dict[str, Any]:
+    """The config.json dict of the GGUF model in ``parts`` (metadata from the first part,
+    tensor names, shapes and types from all of them)."""
+    first = parts[0]
+    reader = open_gguf(first)
+    shapes: dict[str, tuple[int, ...]] = {}
+    rope_freqs = None
+    for part, part_reader in zip(parts, [reader, *map(open_gguf, parts[1:])], strict=True):
+        for tensor in part_reader.tensors:
+            if tensor.tensor_type not in SUPPORTED_TYPES:
+                raise GGUFError(
+                    f"{part}: tensor {tensor.name} has type {type_name(tensor.tensor_type)}, which pagedkv "
+                    f"cannot read; supported: {[type_name(t) for t in sorted(SUPPORTED_TYPES)]}"
+                )
+            shapes[tensor.name] = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+            if tensor.name == ROPE_FREQS:
+                rope_freqs = [float(f) for f in gguf_weight(tensor).tolist()]
+    arch = field(reader, "general.architecture", None)
+    if arch not in ARCHITECTURES:
+        raise GGUFError(
+            f"{first}: unsupported architecture {arch!r} (general.architecture); "
+            f"pagedkv opens GGUF models of {sorted(ARCHITECTURES)}"
+        )
+    if "token_embd.weight" not in shapes:
+        raise GGUFError(f"{first}: no token_embd.weight tensor")
+
+    def key(name: str, default: Any = ...) -> Any:
+        value = field(reader, f"{arch}.{name}", None, first)
+        if value is None and default is ...:
+            raise GGUFError(f"{first} lacks the metadata key {arch}.{name!r}")
+        return default if value is None else value
+
+    heads = _uniform(key("attention.head_count"), f"{arch}.attention.head_count", first)
+    hidden = key("embedding_length")
+    head_dim = key("attention.key_length", None) or hidden // heads  # llama.cpp's default too
+    raw: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "vocab_size": shapes["token_embd.weight"][0],
+        "hidden_size": hidden,
+        "intermediate_size": _uniform(key("feed_forward_length"), f"{arch}.feed_forward_length", first),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _uniform(key("attention.head_count_kv", heads), "head_count_kv", first),
+        "head_dim": head_dim,
+        "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "max_position_embeddings": key("context_length"),
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(key, rope_freqs),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "mlp_bias": "blk.0.ffn_gate.bias" in shapes,
+        "torch_dtype": _FILE_DTYPES.get(field(reader, "general.file_type", None), "float32"),
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id", None),
+    }
+    window = key("attention.sliding_window", None)
+    if window is not None and arch == "llama":  # Mistral converts as llama, with its window
+        raw |= {"architectures": ["MistralForCausalLM"], "sliding_window": window}
+    return raw
+
+
+def _uniform(value: Any, name: str, file: Path) -> int:
+    """A per-model count; llama.cpp may write one per layer, which pagedkv runs only when equal."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise GGUFError(f"{file}: {name} differs between layers ({sorted(set(value))}); not supported")
+        return value[0]
+    return value
+
+
+def _rope_scaling(key: Any, rope_freqs: list[float] | None) -> dict[str, Any] | None:
+    """``rope.scaling.*`` as transformers' ``rope_scaling`` (None: plain RoPE); the divisors of
+    a ``rope_freqs.weight`` tensor (llama.cpp's form of Llama 3.1's scaling) as "freq_factors"."""
+    if rope_freqs is not None:
+        return {"rope_type": "freq_factors", "factors": rope_freqs}
+    kind = key("rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": key("rope.scaling.factor", 1.0)}
+    original = key("rope.scaling.original_context_length", None)
+    if original is not None:
+        scaling["original_max_position_embeddings"] = original
+    return scaling

@@ -1,0 +1,150 @@
+"""A GGUF file as a source of named checkpoint tensors, read the way the loader reads safetensors.
+
+The loader (:func:`pagedkv.models.loader.load_weights`) fills every parameter from handles that
+offer ``keys()``, ``get_tensor(name)`` and ``get_slice(name)`` under Hugging Face names;
+:class:`GGUFTensors` is such a handle over one GGUF file, so GGUF feeds the same fill, the same
+packing (``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj``) and the same missing/unexpected
+checks as safetensors. Three steps turn a GGUF tensor into a checkpoint tensor:
+
+1. its name, llama.cpp's (``blk.3.attn_q.weight``), becomes transformers' (:func:`checkpoint_name`);
+2. its data becomes a dense tensor in the (rows, columns) layout of the checkpoint
+   (:func:`gguf_weight`: F32/F16/BF16 as stored, quantized types dequantized by ``gguf.quants``,
+   the reference implementation) -- the one place a type is decoded;
+3. for the Llama architecture the query and key rows are put back in the order transformers'
+   rotary embedding expects (:func:`unpermute_rows`): llama.cpp's converter interleaves each
+   head's two rotary halves, and this undoes it, as transformers' GGUF loader does.
+
+Step 3 permutes whole rows, and a quantized block never spans rows, so it applies unchanged to
+a tensor kept in its quantized blocks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, ReaderTensor
+from gguf.quants import dequantize
+
+from pagedkv.tokenizer.gguf_file import open_gguf
+
+Q = GGMLQuantizationType
+#: Types read as they are stored.
+DENSE_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
+#: Quantized types dequantized on load: llama.cpp's block formats people use.
+QUANTIZED_TYPES = frozenset(
+    {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS}
+)
+SUPPORTED_TYPES = DENSE_TYPES | QUANTIZED_TYPES
+
+#: llama.cpp's per-layer tensor names -> transformers' (under ``model.layers.N.``).
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+#: RoPE frequency divisors: read into the config (:mod:`pagedkv.models.gguf_config`), not a weight.
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def type_name(ggml_type: int) -> str:
+    """``Q4_K`` for a ggml type number (``type 99`` for one the gguf package does not know)."""
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"type {ggml_type}"
+
+
+def checkpoint_name(gguf_name: str) -> str:
+    """transformers' name of a llama.cpp tensor (``blk.0.attn_q.weight`` ->
+    ``model.layers.0.self_attn.q_proj.weight``); an unknown name is returned as it is, so the
+    loader reports it as a weight the model does not use."""
+    stem, _, param = gguf_name.rpartition(".")
+    if stem.startswith("blk."):
+        _, layer, leaf = stem.split(".", 2)
+        mapped = _LAYER_NAMES.get(leaf)
+        return gguf_name if mapped is None else f"model.layers.{layer}.{mapped}.{param}"
+    mapped = _MODEL_NAMES.get(stem)
+    return gguf_name if mapped is None else f"{mapped}.{param}"
+
+
+def gguf_weight(tensor: ReaderTensor) -> torch.Tensor:
+    """The tensor as a dense torch tensor of the checkpoint's layout (rows, columns), sharing
+    the file's pages where the type is stored dense.
+
+    This is the one step from a ggml type to a parameter: a loader that keeps quantized types
+    quantized branches here, returning the raw blocks (``tensor.data``, uint8 rows) with
+    ``tensor.tensor_type`` instead of dequantizing."""
+    kind = tensor.tensor_type
+    if kind in (Q.F32, Q.F16):
+        return torch.from_numpy(tensor.data)
+    if kind == Q.BF16:
+        return torch.from_numpy(tensor.data.view(np.int16)).view(torch.bfloat16)
+    if kind in QUANTIZED_TYPES:
+        return torch.from_numpy(dequantize(tensor.data, kind))
+    raise ValueError(f"tensor {tensor.name} has type {type_name(kind)}, which pagedkv cannot read")
+
+
+def unpermute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary permutation of a query or key projection of ``heads`` heads
+    (weight or bias: rows first): within each head, rows ``(pair, half)`` go back to ``(half, pair)``."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+class _Dense:
+    """A dense tensor behind the slice interface the tensor-parallel reader reads
+    (``get_shape()``, indexing): each rank cuts its rows or columns from it."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.tensor[index]
+
+
+class GGUFTensors:
+    """One GGUF file as the loader's tensor handle: ``keys()`` are checkpoint names, each read
+    on request (a quantized tensor is dequantized then, so one tensor at a time is held dense).
+
+    ``rotary_heads`` (Llama only; None for the others): the query and key head counts whose
+    rows :func:`unpermute_rows` puts back."""
+
+    def __init__(self, file: Path, rotary_heads: tuple[int, int] | None) -> None:
+        self.file = file
+        reader = open_gguf(file)
+        self._tensors = {checkpoint_name(t.name): t for t in reader.tensors if t.name != ROPE_FREQS}
+        self._heads: dict[str, int] = {}
+        if rotary_heads is not None:
+            self._heads = {"q_proj": rotary_heads[0], "k_proj": rotary_heads[1]}
+
+    def __enter__(self) -> GGUFTensors:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tensors.clear()  # the last reference to the mapping's arrays goes with it
+
+    def keys(self) -> list[str]:
+        return list(self._tensors)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        tensor = gguf_weight(self._tensors[name])
+        heads = self._heads.get(name.rsplit(".", 2)[-2])
+        return tensor if heads is None else unpermute_rows(tensor, heads)
+
+    def get_slice(self, name: str) -> _Dense:
+        return _Dense(self.get_tensor(name))
