@@ -7,8 +7,8 @@ Each sub-block's scale and min are fitted by ``make_qkx2_quants``: a weighted le
 (weights ``rms(x) + |x|``) tried at 21 grid stretches, keeping the one with the least weighted
 squared error; as in C, a better fit's min moves the grid of the tries after it. Then the 8 scales
 and mins are quantized to 6 bits against the super-block's largest, and the codes recomputed with
-the quantized values. Sums run in float32 like the C code but in numpy's order, so a block may
-differ from llama.cpp's in the last bits of a sum; ``gguf.quants`` has no Q4_K quantizer.
+the quantized values. Sums run in float32 one term after the other, in C's order (``_sum``), so the
+blocks are llama.cpp's bit for bit; ``gguf.quants`` has no Q4_K quantizer.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
     if k % QK_K:
         raise ValueError(f"Q4_K rows hold multiples of {QK_K} weights, not {k}")
     x = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1, SUB)  # sub-blocks
-    weights = np.sqrt(np.mean(x * x, axis=1, keepdims=True)) + np.abs(x)
+    weights = np.sqrt(_sum(x * x) / np.float32(SUB))[:, None] + np.abs(x)
     scales, mins, codes = _make_qkx2(x, weights)
     scales, mins = scales.reshape(-1, 8), mins.reshape(-1, 8)
     max_scale = np.maximum(scales.max(axis=1), 0)
@@ -69,21 +69,21 @@ def _make_qkx2(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
     lo = np.minimum(x.min(axis=1), 0)
     hi = x.max(axis=1)
     flat = hi == lo
-    sum_w = w.sum(axis=1)
-    sum_x = (w * x).sum(axis=1)
+    sum_w = _sum(w)
+    sum_x = _sum(w * x)
 
     def grid(stretch: np.floating, lo: np.ndarray) -> np.ndarray:
         span = np.where(flat, 1, hi - lo)
         return np.clip(np.rint((stretch / span)[:, None] * (x - lo[:, None])), 0, _NMAX)
 
     codes = grid(np.float32(_NMAX), lo)
-    scale = np.where(flat, 1, hi - lo) / np.float32(_NMAX)
-    best = (w * np.square(scale[:, None] * codes + lo[:, None] - x)).sum(axis=1)
+    scale = np.float32(1) / (np.float32(_NMAX) / np.where(flat, 1, hi - lo))
+    best = _sum(w * np.square(scale[:, None] * codes + lo[:, None] - x))
     for step in range(_NSTEP + 1):
         trial = grid(_RMIN + _RDELTA * np.float32(step) + np.float32(_NMAX), lo)
-        sum_l = (w * trial).sum(axis=1)
-        sum_l2 = (w * trial * trial).sum(axis=1)
-        sum_xl = (w * trial * x).sum(axis=1)
+        sum_l = _sum(w * trial)
+        sum_l2 = _sum(w * trial * trial)
+        sum_xl = _sum(w * trial * x)
         det = sum_w * sum_l2 - sum_l * sum_l
         solvable = det > 0
         det = np.where(solvable, det, 1)
@@ -92,7 +92,7 @@ def _make_qkx2(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
         positive = this_min > 0  # the fit must reach down to 0: refit the scale alone
         this_scale = np.where(positive, sum_xl / np.where(sum_l2 > 0, sum_l2, 1), this_scale)
         this_min = np.where(positive, 0, this_min)
-        error = (w * np.square(this_scale[:, None] * trial + this_min[:, None] - x)).sum(axis=1)
+        error = _sum(w * np.square(this_scale[:, None] * trial + this_min[:, None] - x))
         better = solvable & (error < best) & ~flat
         codes = np.where(better[:, None], trial, codes)
         best = np.where(better, error, best)
@@ -101,3 +101,9 @@ def _make_qkx2(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
     scale = np.where(flat, 0, scale).astype(np.float32)
     codes = np.where(flat[:, None], 0, codes)
     return scale, (-lo).astype(np.float32), codes
+
+
+def _sum(terms: np.ndarray) -> np.ndarray:
+    """Each row's sum in float32, added left to right as the C loops add (numpy's own sum pairs
+    terms up, which rounds differently and may flip which fit wins)."""
+    return np.cumsum(terms, axis=1, dtype=np.float32)[:, -1]
