@@ -39,12 +39,14 @@ class Variant:
     #: GPTQ: "gptq" (zero points stored minus one) or "gptq_v2"
     checkpoint_format: str = "gptq"
     desc_act: bool = False
+    #: the scales' dtype: f16 as GPTQ and AWQ store them; compressed-tensors often keeps bfloat16
+    scale_dtype: str = "float16"
 
 
 @dataclass(frozen=True)
 class Ints:
     codes: torch.Tensor  # int64 [out, in]
-    scales: torch.Tensor  # float16 [out, groups]
+    scales: torch.Tensor  # float16 or bfloat16 [out, groups]
     zeros: torch.Tensor  # int64 [out, groups]
 
     def dense(self, group: int) -> torch.Tensor:
@@ -53,18 +55,20 @@ class Ints:
         return s * (self.codes - self.zeros.repeat_interleave(group, dim=1)).float()
 
 
-def round_to_ints(weight: torch.Tensor, bits: int, group: int, symmetric: bool) -> Ints:
-    """Round-to-nearest integers of ``weight`` ``[out, in]`` with one f16 scale per group."""
+def round_to_ints(
+    weight: torch.Tensor, bits: int, group: int, symmetric: bool, scale_dtype: torch.dtype = torch.float16
+) -> Ints:
+    """Round-to-nearest integers of ``weight`` ``[out, in]`` with one scale per group."""
     out, inp = weight.shape
     g = weight.reshape(out, inp // group, group)
     top = 2**bits - 1
     if symmetric:
         middle = 2 ** (bits - 1)
-        scales = (g.abs().amax(-1) / (middle - 1)).clamp_min(1e-4).half()
+        scales = (g.abs().amax(-1) / (middle - 1)).clamp_min(1e-4).to(scale_dtype)
         zeros = torch.full(scales.shape, middle, dtype=torch.int64)
     else:
         lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
-        scales = ((hi - lo) / top).clamp_min(1e-4).half()
+        scales = ((hi - lo) / top).clamp_min(1e-4).to(scale_dtype)
         zeros = (-lo / scales.float()).round().clamp(0, top).long()
     codes = ((g / scales.float()[..., None]).round() + zeros[..., None]).clamp(0, top).long()
     return Ints(codes.reshape(out, inp), scales, zeros)
@@ -179,7 +183,8 @@ def quantized_checkpoint(tmp_path: Path, v: Variant, seed: int = 0) -> tuple[Pat
     dense = {}
     for name in [n for n in tensors if n.endswith(tuple(f"{p}.weight" for p in PROJECTIONS))]:
         layer = name.removesuffix(".weight")
-        ints = round_to_ints(tensors.pop(name), v.bits, v.group_size, v.symmetric)
+        scale_dtype = getattr(torch, v.scale_dtype)
+        ints = round_to_ints(tensors.pop(name), v.bits, v.group_size, v.symmetric, scale_dtype)
         dense[name] = ints.dense(v.group_size)
         tensors.update({f"{layer}.{part}": t for part, t in PACKERS[v.method](ints, v).items()})
     save_file(tensors, str(folder / "model.safetensors"))

@@ -35,6 +35,7 @@ VARIANTS = {
     "gptq-group-64": Variant("gptq", group_size=64, symmetric=False),
     "awq": Variant("awq", symmetric=False),
     "ct-w4a16": Variant("compressed-tensors"),
+    "ct-w4a16-bf16-scales": Variant("compressed-tensors", scale_dtype="bfloat16"),
     "ct-w4a16-asym": Variant("compressed-tensors", symmetric=False),
     "ct-w8a16": Variant("compressed-tensors", bits=8),
 }

@@ -19,6 +19,8 @@ QK_K = 256
 SUB = 32
 #: make_qkx2_quants' arguments for Q4_K: codes 0..15, grid stretches -1.0 + 0.1 * (0..20).
 _NMAX, _RMIN, _RDELTA, _NSTEP = 15, np.float32(-1.0), np.float32(0.1), 20
+#: Super-blocks quantized at once: bounds the fit's float32 temporaries to a few MiB each.
+CHUNK = 4096
 
 
 def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
@@ -26,7 +28,14 @@ def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
     n, k = rows.shape
     if k % QK_K:
         raise ValueError(f"Q4_K rows hold multiples of {QK_K} weights, not {k}")
-    x = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1, SUB)  # sub-blocks
+    blocks = np.ascontiguousarray(rows, dtype=np.float32).reshape(-1, QK_K)
+    chunks = [_super_blocks(blocks[i : i + CHUNK]) for i in range(0, len(blocks), CHUNK)]
+    return np.concatenate(chunks).reshape(n, -1)
+
+
+def _super_blocks(blocks: np.ndarray) -> np.ndarray:
+    """float32 ``[m, 256]`` -> Q4_K blocks ``[m, 144]``."""
+    x = blocks.reshape(-1, SUB)  # sub-blocks
     weights = np.sqrt(_sum(x * x) / np.float32(SUB))[:, None] + np.abs(x)
     scales, mins, codes = _make_qkx2(x, weights)
     scales, mins = scales.reshape(-1, 8), mins.reshape(-1, 8)
@@ -54,7 +63,7 @@ def quantize_q4_k(rows: np.ndarray) -> np.ndarray:
         axis=1,
     ).astype(np.uint8)
     halfs = [np.ascontiguousarray(h.astype("<f2")).reshape(-1, 1).view(np.uint8) for h in (d, dmin)]
-    return np.concatenate([*halfs, packed_scales, qs], axis=1).reshape(n, -1)
+    return np.concatenate([*halfs, packed_scales, qs], axis=1)
 
 
 def _six_bits(values: np.ndarray, largest: np.ndarray) -> np.ndarray:
