@@ -28,7 +28,7 @@ from pagedkv.models.linear import PackedLinear, choose_linear_kernel, pack_linea
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quantization.hf_groups import QuantizedLayers, checkpoint_scheme
 from pagedkv.models.quantization.hf_scheme import QuantScheme
-from pagedkv.models.quantization.install import install_quantized
+from pagedkv.models.quantization.install import HELD_AS, install_quantized
 from pagedkv.models.quantization.on_the_fly import quantize_linears
 
 if TYPE_CHECKING:
@@ -112,6 +112,9 @@ def load_model(
         load_weights(model, weight_files(path), read, scheme)
     if quantization is not None:
         quantize_linears(model, quantization)
+    if scheme is not None or quantization is not None:
+        source = f"{quantization} on load" if scheme is None else f"{scheme.method} int{scheme.bits}"
+        model.quantization = f"{source}, {HELD_AS}"
     model.requires_grad_(False)
     model.linear_kernel = pack_linears(model, kernel, batch_hint)
     return model.eval()

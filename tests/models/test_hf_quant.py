@@ -93,6 +93,7 @@ def test_dense_weights_equal_the_checkpoints_dequantization(tmp_path, key):
     v = VARIANTS[key]
     folder, known = quantized_checkpoint(tmp_path, v)
     model = load_model(folder, dtype="float32", linear_kernel="torch")
+    assert model.quantization.startswith(f"{v.method} int{v.bits}")
     targets = checkpoint_targets(model)
     asymmetric_error = 0.0
     for name, want in known.items():

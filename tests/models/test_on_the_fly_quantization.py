@@ -92,7 +92,10 @@ def _greedy(folder, **options) -> list[list[int]]:
 
 def test_q8_0_generates_the_float_models_greedy_tokens(tmp_path):
     folder = make_checkpoint(tmp_path, "llama", **WIDE)
-    assert _greedy(folder, quantization="q8_0") == _greedy(folder)
+    with LLM(str(folder), dtype="float32", num_kv_blocks=64, quantization="q8_0") as llm:
+        assert "weights q8_0 on load, dequantized into dense weights" in llm.engine.describe()
+        quantized = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert quantized == _greedy(folder)
 
 
 @pytest.mark.parametrize(("name", "qtype", "relative"), [("q4_0", Q.Q4_0, 0.12), ("q4_k", Q.Q4_K, 0.12)])
@@ -100,6 +103,7 @@ def test_4_bit_models_load_quantized_and_generate(tmp_path, name, qtype, relativ
     folder = make_checkpoint(tmp_path, "qwen2", **WIDE)
     plain = load_model(folder, dtype="float32", linear_kernel="torch")
     quantized = load_model(folder, dtype="float32", linear_kernel="torch", quantization=name)
+    assert plain.quantization is None and quantized.quantization.startswith(f"{name} on load")
     for (key, before), after in zip(plain.state_dict().items(), quantized.state_dict().values(), strict=True):
         projection = key.startswith("model.layers.") and key.endswith("proj.weight")
         if not projection:  # embedding, norms, biases, LM head: as in the checkpoint

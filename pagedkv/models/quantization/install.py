@@ -15,6 +15,9 @@ from gguf.quants import dequantize
 
 from pagedkv.models.quantization.blocks import QuantizedWeight
 
+#: What :func:`install_quantized` makes of the blocks, for the engine's description.
+HELD_AS = "dequantized into dense weights"
+
 
 def install_quantized(target: torch.Tensor, weight: QuantizedWeight) -> None:
     """Fill ``target`` (a weight parameter, or a packed projection's row slice of one) with
