@@ -136,3 +136,21 @@ def test_the_trained_models_perplexity_barely_moves(heldout, name, within):
     4-bit types within 1 % (its rows of 128 and 320 weights make q4_k fall back to Q5_0)."""
     reference = _perplexity(heldout, None)
     assert _perplexity(heldout, name) == pytest.approx(reference, rel=within)
+
+
+def test_the_real_models_q4_1_weights_are_those_of_its_gguf_file(real_model):
+    """SmolLM2's folder is its Q4_1 GGUF file dequantized (every projection Q4_1). ggml's Q4_1
+    quantizer maps a block's min and max to codes 0 and 15, so it finds the file's blocks again:
+    quantized to q4_1 on load, every projection is the float folder's bit for bit; q8_0 moves
+    each by under 1 %."""
+    plain = load_model(real_model, dtype="float32", linear_kernel="torch").state_dict()
+    for name, exact in (("q4_1", True), ("q8_0", False)):
+        quantized = load_model(real_model, dtype="float32", linear_kernel="torch", quantization=name)
+        weights = quantized.state_dict()
+        projections = [k for k in plain if k.startswith("model.layers.") and k.endswith("proj.weight")]
+        assert len(projections) == 30 * 4  # qkv, o, gate_up, down
+        for key in projections:
+            if exact:
+                assert torch.equal(weights[key], plain[key]), key
+            else:
+                assert 0 < (weights[key] - plain[key]).norm() <= 0.01 * plain[key].norm(), key
