@@ -26,6 +26,7 @@ from pagedkv.models.config import ModelConfig, resolve_dtype
 from pagedkv.models.dummy_weights import fill_dummy_weights
 from pagedkv.models.linear import PackedLinear, choose_linear_kernel, pack_linears
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.quantization.blocks import QuantizedWeight
 from pagedkv.models.quantization.hf_groups import QuantizedLayers, checkpoint_scheme
 from pagedkv.models.quantization.hf_scheme import QuantScheme
 from pagedkv.models.quantization.install import HELD_AS, install_quantized
@@ -156,7 +157,7 @@ def load_weights(
     ``read(name, file)`` reads a tensor (default: whole; a tensor-parallel rank: its slice).
     With a quantization ``scheme``, a quantized layer's tensors fill its ``weight`` together."""
     targets = checkpoint_targets(model)
-    layers = None if scheme is None else QuantizedLayers(scheme, checkpoint_names(files))
+    layers = None if scheme is None else QuantizedLayers(scheme, checkpoint_names(files), targets)
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -165,26 +166,27 @@ def load_weights(
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
+                tensor: torch.Tensor | QuantizedWeight | None = None
                 if layers is not None and layers.claims(name):
                     done = layers.add(name, f.get_tensor(name))
-                    if done is not None and done[0] not in targets:
-                        unexpected.append(done[0])
-                    elif done is not None:
-                        install_quantized(targets[done[0]], done[1])
-                        loaded.add(done[0])
-                    continue
+                    if done is None:  # more of the layer's parts to come
+                        continue
+                    name, tensor = done
                 target = targets.get(name)
                 if target is None:
-                    if layers is None or not layers.unused_bias(name, f.get_tensor(name)):
-                        unexpected.append(name)
+                    unexpected.append(name)
                     continue
-                tensor = f.get_tensor(name) if read is None else read(name, f)
-                if tensor.shape != target.shape:
+                if tensor is None:
+                    tensor = f.get_tensor(name) if read is None else read(name, f)
+                if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(
                         f"weight {name} in {file.name} has shape {tuple(tensor.shape)}, "
                         f"but the config implies {tuple(target.shape)}"
                     )
-                target.copy_(tensor)
+                if isinstance(tensor, QuantizedWeight):
+                    install_quantized(target, tensor)
+                else:
+                    target.copy_(tensor)
                 loaded.add(name)
     if unexpected:
         raise ValueError(

@@ -155,7 +155,7 @@ def test_quantize_config_json_is_read_and_gptq_zero_biases_are_dropped(tmp_path)
     assert torch.equal(targets[name], known[name])
     tensors["model.layers.0.self_attn.q_proj.bias"] = torch.ones(128)  # not a placeholder: refused
     save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match="q_proj.bias"):
+    with pytest.raises(ValueError, match="q_proj.bias: the model has no bias on this layer"):
         load_model(folder, dtype="float32")
 
 

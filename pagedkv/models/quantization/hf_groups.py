@@ -10,7 +10,7 @@ part arrives, so at most one layer's packed tensors wait at a time for an unshar
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 import torch
@@ -43,23 +43,32 @@ def checkpoint_scheme(
 class QuantizedLayers:
     """Gathers each quantized layer's parts; see the module's docstring."""
 
-    def __init__(self, scheme: QuantScheme, names: Iterable[str]) -> None:
+    def __init__(self, scheme: QuantScheme, names: Iterable[str], model_names: Collection[str]) -> None:
+        """``names``: every tensor of the checkpoint; ``model_names``: the tensors the model loads."""
         self.scheme = scheme
         self.expected: dict[str, set[str]] = {}  # layer name -> the parts the checkpoint has
         for name in names:
             layer, _, part = name.rpartition(".")
             if part in scheme.parts:
                 self.expected.setdefault(layer, set()).add(part)
+        # AutoGPTQ writes an all-zero bias for every layer it quantizes, also where the model has none
+        self.placeholder_biases = {f"{layer}.bias" for layer in self.expected} - set(model_names)
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
 
     def claims(self, name: str) -> bool:
-        """``name`` is a part of a quantized layer (not a tensor of the model's own)."""
+        """``name`` is a part of a quantized layer, or a placeholder bias of one."""
         layer, _, part = name.rpartition(".")
-        return part in self.expected.get(layer, ())
+        return part in self.expected.get(layer, ()) or name in self.placeholder_biases
 
     def add(self, name: str, tensor: torch.Tensor) -> tuple[str, QuantizedWeight] | None:
         """Take part ``name``; once its layer is complete, the model's weight name for it
-        (``<layer>.weight``) and the weight."""
+        (``<layer>.weight``) and the weight. A placeholder bias is dropped."""
+        if name in self.placeholder_biases:
+            if tensor.any():
+                raise ValueError(
+                    f"{name}: the model has no bias on this layer, and the checkpoint's is not zero"
+                )
+            return None
         layer, _, part = name.rpartition(".")
         parts = self.pending.setdefault(layer, {})
         parts[part] = tensor
@@ -71,9 +80,3 @@ class QuantizedLayers:
             raise ValueError(f"quantized layer {layer} lacks {missing} ({self.scheme.method})")
         weight = to_gguf_blocks(unpack(self.scheme, parts, layer), self.scheme.symmetric, layer)
         return f"{layer}.weight", weight
-
-    def unused_bias(self, name: str, tensor: torch.Tensor) -> bool:
-        """``name`` is an all-zero bias of a quantized layer: AutoGPTQ writes one for every layer
-        it quantizes, also where the model has no bias."""
-        layer, _, part = name.rpartition(".")
-        return part == "bias" and layer in self.expected and not bool(tensor.any())
