@@ -226,3 +226,13 @@ def test_a_layer_missing_a_part_is_named(tmp_path):
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj lacks \\['qzeros'\\]"):
         load_model(folder)
+
+
+def test_parts_that_disagree_on_the_shape_are_named(tmp_path):
+    folder, _ = quantized_checkpoint(tmp_path, VARIANTS["awq"])
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.self_attn.o_proj.qzeros"
+    tensors[name] = tensors[name][:, :-1].contiguous()  # 8 output columns short
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.o_proj: scales .* do not match"):
+        load_model(folder)

@@ -37,6 +37,14 @@ def unpack(scheme: QuantScheme, parts: dict[str, torch.Tensor], name: str) -> Gr
     """The integers of layer ``name`` from its tensors ``parts`` (by suffix: ``qweight``, ...)."""
     unpackers = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed}
     weight = unpackers[scheme.method](scheme, {k: v.cpu() for k, v in parts.items()}, name)
+    zeros = weight.zeros
+    if weight.scales.shape[0] != weight.codes.shape[0] or (
+        zeros is not None and zeros.shape != weight.scales.shape
+    ):
+        raise ValueError(
+            f"{name}: scales {weight.scales.shape} and zero points {None if zeros is None else zeros.shape} "
+            f"do not match {weight.codes.shape[0]} output rows (as [rows, groups])"
+        )
     groups = weight.scales.shape[1]
     expected = 1 if scheme.group_size is None else weight.codes.shape[1] // scheme.group_size
     if groups != expected or weight.codes.shape[1] % groups:
