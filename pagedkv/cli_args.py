@@ -32,7 +32,7 @@ from pagedkv.cli_parsing import (
     unit_fraction,
     usage_errors,
 )
-from pagedkv.config.model import DTYPE_NAMES, LOAD_FORMATS
+from pagedkv.config.model import DTYPE_NAMES, LOAD_FORMATS, QUANTIZATION_NAMES
 from pagedkv.config.scheduler import SCHEDULING_POLICIES
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.core.kv_policy import POLICY_NAMES
@@ -217,6 +217,12 @@ ENGINE_OPTIONS = (
         "load_format",
         f"auto: the checkpoint's weights; dummy: seeded random weights of config.json's shape {DEFAULT}",
         choices=LOAD_FORMATS,
+    ),
+    EngineOption(
+        "quantization",
+        "quantize the decoder's projections of a 16/32-bit checkpoint when loading it, to this llama.cpp "
+        "type (a GPTQ, AWQ or compressed-tensors checkpoint loads quantized without it; default: off)",
+        choices=QUANTIZATION_NAMES,
     ),
     EngineOption(
         "speculative_config",

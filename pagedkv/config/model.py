@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 #: vLLM's ``load_format`` values pagedkv reads: the checkpoint's safetensors, or seeded random weights.
 LOAD_FORMATS = ("auto", "dummy")
+#: On-the-fly quantization of a 16/32-bit checkpoint, by llama.cpp's type names
+#: (``pagedkv.models.quantization.on_the_fly``).
+QUANTIZATION_NAMES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k")
 
 
 @dataclass(frozen=True)
@@ -52,12 +55,19 @@ class ModelOptions:
     linear_kernel: str
     #: No CUDA graphs: every decode step runs eagerly.
     enforce_eager: bool
+    #: A name of :data:`QUANTIZATION_NAMES`: the decoder's projections quantized when loaded;
+    #: None: the checkpoint's own weights (quantized ones included).
+    quantization: str | None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and str(self.dtype).removeprefix("torch.") not in DTYPE_NAMES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; choose one of {list(DTYPE_NAMES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"unknown load_format {self.load_format!r}; choose one of {list(LOAD_FORMATS)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_NAMES:
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}; choose one of {list(QUANTIZATION_NAMES)}"
+            )
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(
                 f"unknown linear kernel {self.linear_kernel!r}; choose one of {list(LINEAR_KERNELS)}"

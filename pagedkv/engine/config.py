@@ -101,6 +101,11 @@ class EngineConfig:
     #: "auto": the checkpoint's safetensors; "dummy" (vLLM's): seeded random weights made on the
     #: device from config.json alone, for benchmarks of a model's shape (pagedkv.models.dummy_weights).
     load_format: str = "auto"
+    #: Quantize the decoder layers' projections of a 16/32-bit checkpoint when it loads, to one
+    #: of llama.cpp's types by its name: "q8_0", "q4_0", "q4_1", "q5_0" or "q4_k"
+    #: (pagedkv.models.quantization.on_the_fly); None: the checkpoint's weights as they are. A
+    #: GPTQ, AWQ or compressed-tensors checkpoint loads quantized without it.
+    quantization: str | None = None
     #: "paged", or "contiguous" / "contiguous-oracle" to measure the reservation it replaces.
     kv_policy: str | KVPolicy = "paged"
     #: The most one request may ask for (samples, beams, tokens); an unset token budget

@@ -163,6 +163,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         #: what the linear layers run on; set by the loader once the weights are in
         self.linear_kernel = LinearKernel(TORCH, "not packed")
+        #: how the loader quantized the weights ("gptq int4, ..."); None: dense, as stored
+        self.quantization: str | None = None
         #: the op list as one flat loop (:mod:`pagedkv.models.step_program`), built by the first
         #: forward (after loading and packing: a tensor-parallel shard's layers are in by then)
         self.step_program: StepProgram | None = None

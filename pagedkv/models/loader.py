@@ -28,6 +28,11 @@ from pagedkv.models.dummy_weights import fill_dummy_weights
 from pagedkv.models.gguf_weights import GGUFTensors
 from pagedkv.models.linear import PackedLinear, choose_linear_kernel, pack_linears
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.quantization.blocks import QuantizedWeight
+from pagedkv.models.quantization.hf_groups import QuantizedLayers, checkpoint_scheme
+from pagedkv.models.quantization.hf_scheme import QuantScheme
+from pagedkv.models.quantization.install import HELD_AS, install_quantized
+from pagedkv.models.quantization.on_the_fly import quantize_linears
 from pagedkv.tokenizer.gguf_file import SUFFIX, gguf_parts
 
 if TYPE_CHECKING:
@@ -75,6 +80,7 @@ def load_model(
     batch_hint: int = 2048,
     tensor_parallel: TensorParallel | None = None,
     load_format: str = "auto",
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """The model of folder ``path`` in eval mode, weights cast to ``dtype`` (default: the
     checkpoint's own dtype; "auto": see :func:`~pagedkv.models.config.resolve_dtype`) on
@@ -84,9 +90,13 @@ def load_model(
     With ``tensor_parallel``: that rank's shard of the model, each tensor read as the slice it
     holds (packed like any other weight: the parallel layers are linear layers on their shard).
     ``load_format="dummy"``: no weights are read, every tensor is drawn on the device
-    (:mod:`pagedkv.models.dummy_weights`); ``path`` needs only its config.json."""
+    (:mod:`pagedkv.models.dummy_weights`); ``path`` needs only its config.json. A quantized
+    checkpoint (GPTQ, AWQ, compressed-tensors) loads through GGUF blocks
+    (:mod:`pagedkv.models.quantization`); ``quantization`` ("q8_0", "q4_k", ...) quantizes the
+    decoder layers' projections of a 16/32-bit one the way llama.cpp does."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {list(LOAD_FORMATS)}")
+    scheme = checkpoint_scheme(path, quantization, tensor_parallel is not None)
     backend = resolve_backend(attention_backend, torch.device(device))
     cfg = ModelConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, default=cfg.dtype, device=device)
@@ -107,7 +117,12 @@ def load_model(
         fill_dummy_weights(checkpoint_targets(model))
     else:
         read = None if tensor_parallel is None else tensor_parallel.tensor_reader(model)
-        load_weights(model, weight_files(path), read, checkpoint=cfg)
+        load_weights(model, weight_files(path), read, scheme, checkpoint=cfg)
+    if quantization is not None:
+        quantize_linears(model, quantization)
+    if scheme is not None or quantization is not None:
+        source = f"{quantization} on load" if scheme is None else f"{scheme.method} int{scheme.bits}"
+        model.quantization = f"{source}, {HELD_AS}"
     model.requires_grad_(False)
     model.linear_kernel = pack_linears(model, kernel, batch_hint)
     return model.eval()
@@ -130,17 +145,29 @@ def checkpoint_targets(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     return targets
 
 
+def checkpoint_names(files: list[Path]) -> list[str]:
+    """The names of every tensor of ``files`` (their headers only)."""
+    names = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names.extend(f.keys())
+    return names
+
+
 def load_weights(
     model: LlamaForCausalLM,
     files: list[Path],
     read: Callable[[str, Any], torch.Tensor] | None = None,
+    scheme: QuantScheme | None = None,
     checkpoint: ModelConfig | None = None,
 ) -> None:
     """Copy every tensor of ``files`` into the parameter (or packed row slice) it names;
     ``read(name, file)`` reads a tensor (default: whole; a tensor-parallel rank: its slice).
+    With a quantization ``scheme``, a quantized layer's tensors fill its ``weight`` together.
     ``checkpoint``: the whole model's config, when ``model`` holds a tensor-parallel rank's shard
     (a GGUF file's rows are put back by the whole model's head counts); default ``model.config``."""
     targets = checkpoint_targets(model)
+    layers = None if scheme is None else QuantizedLayers(scheme, checkpoint_names(files), targets)
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -149,17 +176,27 @@ def load_weights(
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
+                tensor: torch.Tensor | QuantizedWeight | None = None
+                if layers is not None and layers.claims(name):
+                    done = layers.add(name, f.get_tensor(name))
+                    if done is None:  # more of the layer's parts to come
+                        continue
+                    name, tensor = done
                 target = targets.get(name)
                 if target is None:
                     unexpected.append(name)
                     continue
-                tensor = f.get_tensor(name) if read is None else read(name, f)
-                if tensor.shape != target.shape:
+                if tensor is None:
+                    tensor = f.get_tensor(name) if read is None else read(name, f)
+                if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(
                         f"weight {name} in {file.name} has shape {tuple(tensor.shape)}, "
                         f"but the config implies {tuple(target.shape)}"
                     )
-                target.copy_(tensor)
+                if isinstance(tensor, QuantizedWeight):
+                    install_quantized(target, tensor)
+                else:
+                    target.copy_(tensor)
                 loaded.add(name)
     if unexpected:
         raise ValueError(

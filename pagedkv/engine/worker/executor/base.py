@@ -127,10 +127,12 @@ class Executor(ABC):
 
 
 def runtime_of(model: torch.nn.Module) -> dict[str, str]:
-    """``Executor.runtime`` of a loaded model: its dtype, linear kernel, attention backend and
-    what runs its decode steps' layers."""
+    """``Executor.runtime`` of a loaded model: its dtype (and quantization, if the loader
+    quantized it), linear kernel, attention backend and what runs its decode steps' layers."""
+    quantized = {} if model.quantization is None else {"weights": model.quantization}
     return {
         "dtype": dtype_name(model.config.dtype),
+        **quantized,
         "linear": model.linear_kernel.describe(),
         "attention": model.attention_backend.name,
         "decode layers": decode_stack.describe(model),

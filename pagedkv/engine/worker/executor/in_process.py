@@ -42,6 +42,7 @@ class InProcessExecutor(Executor):
             options.linear_kernel,
             batch_hint=config.scheduler.max_num_batched_tokens,
             load_format=options.load_format,
+            quantization=options.quantization,
         )
         dtype = model.config.dtype
         spec = model_config.kv_spec()

@@ -106,6 +106,7 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
         batch_hint=spec.config.scheduler.max_num_batched_tokens,
         tensor_parallel=tp,
         load_format=spec.config.model.load_format,
+        quantization=spec.config.model.quantization,
     )
     dtype = model.config.dtype
     kv_cache = KVCache(
