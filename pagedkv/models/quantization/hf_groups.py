@@ -18,6 +18,7 @@ import torch
 from pagedkv.models.quantization.blocks import QuantizedWeight, to_gguf_blocks
 from pagedkv.models.quantization.hf_scheme import QuantScheme, read_scheme
 from pagedkv.models.quantization.hf_unpack import unpack
+from pagedkv.tokenizer.gguf_file import gguf_parts
 
 
 def checkpoint_scheme(
@@ -25,7 +26,10 @@ def checkpoint_scheme(
 ) -> QuantScheme | None:
     """The quantization of the checkpoint in ``folder`` (None: a 16/32-bit one), refusing what
     does not combine with it: on-the-fly ``quantization`` of an already quantized checkpoint,
-    and tensor parallelism (a rank would need its slice of the packed tensors)."""
+    and tensor parallelism (a rank would need its slice of the packed tensors). A GGUF model has
+    none: its quantization is each tensor's own type."""
+    if gguf_parts(folder) is not None:
+        return None
     with open(Path(folder) / "config.json", encoding="utf-8") as f:
         scheme = read_scheme(folder, json.load(f))
     if scheme is not None and quantization is not None:
