@@ -1,0 +1,163 @@
+"""QuantizedLinear: GGUF bytes in, products equal to the dequantized dense weight's, packed
+projections from parts, and a tiny Llama whose projections are quantized generating what the
+same model with the dequantized dense weights generates, its decode steps in the C stack."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+
+from pagedkv.models import load_model
+from pagedkv.models.decode_stack import describe
+from pagedkv.models.quantized import QuantizedLinear
+from pagedkv.models.step_program import StepProgram
+from tests.checkpoints import make_checkpoint
+from tests.quant_blocks import TYPES, Q, quantized, random_blocks
+
+from .paging import PagedBatch
+
+#: a tiny Llama whose every projection input is a whole number of K-type super-blocks
+SHAPE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+
+
+def test_from_gguf_copies_the_bytes_once_and_dequantizes_as_gguf():
+    blocks = random_blocks(Q.Q4_K, 5, 512, seed=1)
+    raw = np.frombuffer(blocks.tobytes(), dtype=np.uint8)  # read-only, as a memory map is
+    layer = QuantizedLinear.from_gguf(raw, Q.Q4_K, (5, 512))
+    assert layer.part0.data_ptr() != raw.ctypes.data
+    assert torch.equal(layer.dense_weight(), torch.from_numpy(gguf_dequantize(blocks, Q.Q4_K)))
+    again = QuantizedLinear.from_gguf(torch.from_numpy(blocks.copy()), Q.Q4_K, (5, 512))
+    assert torch.equal(again.part0, layer.part0)
+    with pytest.raises(ValueError, match="expected 1440 uint8 bytes"):
+        QuantizedLinear.from_gguf(raw[:-1], Q.Q4_K, (5, 512))
+
+
+def _layer(qtype, rows: int, seed: int, in_features: int = 256) -> QuantizedLinear:
+    return QuantizedLinear.from_gguf(
+        random_blocks(qtype, rows, in_features, seed), qtype, (rows, in_features)
+    )
+
+
+@pytest.mark.parametrize("count", [1, 5, 40])
+def test_packed_parts_merge_by_type_and_give_the_separate_products(count):
+    q, k, v = _layer(Q.Q4_K, 64, 1), _layer(Q.Q4_K, 32, 2), _layer(Q.Q6_K, 32, 3)
+    packed = QuantizedLinear.packed([q, k, v])
+    assert packed.qtypes == (int(Q.Q4_K), int(Q.Q6_K)) and packed.part_rows == (96, 32)
+    x = torch.randn(count, 256)
+    want = torch.cat([q(x), k(x), v(x)], dim=1)
+    assert torch.equal(packed(x), want)
+    assert torch.equal(packed.as_function()(x), want)
+    assert torch.equal(
+        packed.dense_weight(), torch.cat([q.dense_weight(), k.dense_weight(), v.dense_weight()])
+    )
+
+
+def test_a_bias_and_an_input_the_kernels_do_not_take():
+    """float64 runs the fallback: the dequantized weight through F.linear."""
+    layer = _layer(Q.Q5_1, 7, 4)
+    layer.bias = torch.nn.Parameter(torch.randn(7), requires_grad=False)
+    x = torch.randn(3, 256, dtype=torch.float64)
+    want = x @ layer.dense_weight(torch.float64).T + layer.bias.double()
+    torch.testing.assert_close(layer(x), want)
+    torch.testing.assert_close(layer(x.float()), want.float(), rtol=1e-5, atol=1e-5)
+
+
+def _quantize_projections(model, qtypes: dict[str, Q]) -> None:
+    """Every decoder projection of ``model`` replaced by QuantizedLinear parts of ``qtypes``
+    (by checkpoint name: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) made
+    from its dense weight."""
+
+    def part(weight: torch.Tensor, name: str) -> QuantizedLinear:
+        qtype = qtypes[name]
+        return QuantizedLinear.from_gguf(quantized(weight, qtype), qtype, tuple(weight.shape))
+
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for owner, name in ((attn, "qkv_proj"), (mlp, "gate_up_proj")):
+            packed = getattr(owner, name)
+            dense = packed.dense_weight()
+            parts = [part(dense[s : s + n], shard) for shard, (s, n) in packed.shard_rows().items()]
+            setattr(owner, name, QuantizedLinear.packed(parts))
+        attn.o_proj = part(attn.o_proj.dense_weight(), "o_proj")
+        mlp.down_proj = part(mlp.down_proj.dense_weight(), "down_proj")
+    model.step_program = None
+
+
+def _dense_twin(model, path, dtype):
+    """The same checkpoint on F.linear with every projection the quantized model's dequantized
+    weight."""
+    twin = load_model(path, dtype=dtype, linear_kernel="torch")
+    for mine, theirs in zip(twin.model.layers, model.model.layers, strict=True):
+        for owner, other, name in (
+            (mine.self_attn, theirs.self_attn, "qkv_proj"),
+            (mine.self_attn, theirs.self_attn, "o_proj"),
+            (mine.mlp, theirs.mlp, "gate_up_proj"),
+            (mine.mlp, theirs.mlp, "down_proj"),
+        ):
+            getattr(owner, name).weight.data.copy_(getattr(other, name).dense_weight())
+    return twin
+
+
+def _greedy(model, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    batch = PagedBatch(model, 32, len(prompts))
+    logits = batch.step(prompts)
+    tokens = [[int(rows[-1].argmax())] for rows in logits]
+    for _ in range(steps):
+        logits = batch.step([[seq[-1]] for seq in tokens])
+        for seq, rows in zip(tokens, logits, strict=True):
+            seq.append(int(rows[-1].argmax()))
+    return tokens
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_a_quantized_llama_generates_what_its_dequantized_dense_twin_does(tmp_path, qtype):
+    path = make_checkpoint(tmp_path, "llama", **SHAPE)
+    model = load_model(path, dtype=torch.float32, linear_kernel="tiled")
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    _quantize_projections(model, dict.fromkeys(names, qtype))
+    twin = _dense_twin(model, path, torch.float32)
+    assert describe(model) == "C stack"
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    assert _greedy(model, prompts, 10) == _greedy(twin, prompts, 10)
+
+
+#: parts of several types in one projection (q/k Q4_K beside a Q6_K v, as GGUF mixes store them)
+MIXED = {
+    "q_proj": Q.Q4_K,
+    "k_proj": Q.Q4_K,
+    "v_proj": Q.Q6_K,
+    "o_proj": Q.Q8_0,
+    "gate_proj": Q.Q5_K,
+    "up_proj": Q.Q4_1,
+    "down_proj": Q.Q5_0,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_stack_gives_the_programs_hidden_states_for_a_quantized_model(tmp_path, dtype):
+    path = make_checkpoint(tmp_path, "llama", **SHAPE)
+    stacked, plain = (load_model(path, dtype=dtype, linear_kernel="tiled") for _ in range(2))
+    for model in (stacked, plain):
+        _quantize_projections(model, MIXED)
+    stacked.step_program = StepProgram.of(stacked)
+    stack = stacked.step_program.stack
+    assert stack is not None
+    taken, run = [], stack.run
+
+    def recording(*args):
+        taken.append(run(*args))
+        return taken[-1]
+
+    stack.run = recording
+    plain.step_program = dataclasses.replace(StepProgram.of(plain), stack=None)
+    a, b = PagedBatch(stacked, 24, 3), PagedBatch(plain, 24, 3)
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14]]
+    for step in [prompts] + [[[20 + i], [30 + i], [40 + i]] for i in range(6)]:
+        got, _ = a.forward(step)
+        want, _ = b.forward(step)
+        assert torch.equal(got, want)
+    assert [hidden is not None for hidden in taken] == [False] + [True] * 6  # decodes in the stack
