@@ -29,26 +29,12 @@
 #define GEMV_COLUMNS 16 /* output columns per work item there (the tile path's: the tile width) */
 #define SPLIT 4         /* lane accumulators per row of the register path: independent FMA chains */
 
-typedef uint8_t vb __attribute__((vector_size(VL)));
-typedef int8_t vsb __attribute__((vector_size(VL)));
-
 static inline vf vload(const float *p) {
     vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
-/* VL bytes at p, zero- or sign-extended into int32 lanes */
-static inline vi bytes_at(const uint8_t *p) {
-    vb b;
-    memcpy(&b, p, sizeof b);
-    return __builtin_convertvector(b, vi);
-}
-static inline vi signed_bytes_at(const int8_t *p) {
-    vsb b;
-    memcpy(&b, p, sizeof b);
-    return __builtin_convertvector(b, vi);
-}
 static inline vf to_float(vi q) { return __builtin_convertvector(q, vf); }
 /* lane i holds first + i */
 static inline vu lane_index(uint32_t first) {
@@ -64,7 +50,7 @@ static inline float lane_sum(const vf acc[SPLIT]) {
 }
 /* the 4-bit quant of element c.. of a 32-element block packed as Q4_0/Q5_0: elements 0..15 the
  * low nibbles of qs, 16..31 the high ones (a vector never straddles the two: VL <= 16) */
-static inline vi nibbles(const uint8_t *qs, int c) { return (bytes_at(qs + c % 16) >> (c / 16 * 4)) & 15; }
+static inline vi nibbles(const uint8_t *qs, int c) { return (vload_u8_i32(qs + c % 16) >> (c / 16 * 4)) & 15; }
 
 /* ---- each type's block dequantizer ---- */
 
@@ -99,7 +85,7 @@ static inline void dequantize_q5_1(const BlockQ5_1 *b, float *out) {
 
 static inline void dequantize_q8_0(const BlockQ8_0 *b, float *out) {
     const float d = half_to_float(b->d);
-    for (int c = 0; c < QK_SMALL; c += VL) vstore(out + c, d * to_float(signed_bytes_at(b->qs + c)));
+    for (int c = 0; c < QK_SMALL; c += VL) vstore(out + c, d * to_float(vload_i8_i32(b->qs + c)));
 }
 
 /* Q4_K and Q5_K: eight sub-blocks of 32, each with a 6-bit scale and minimum (multiples of d and
@@ -116,8 +102,8 @@ static inline void dequantize_k_quants(const uint8_t *packed, uint16_t d_bits, u
         const int mn = high_pair ? (packed[j + 8] >> 4) | (packed[j + 4] >> 6) << 4 : packed[j + 4] & 63;
         const float scale = d * (float)sc, min = dmin * (float)mn;
         for (int c = 0; c < 32; c += VL) {
-            vi q = (bytes_at(qs + 32 * (s / 2) + c) >> (4 * (s % 2))) & 15;
-            if (qh != NULL) q |= ((bytes_at(qh + c) >> s) & 1) << 4;
+            vi q = (vload_u8_i32(qs + 32 * (s / 2) + c) >> (4 * (s % 2))) & 15;
+            if (qh != NULL) q |= ((vload_u8_i32(qh + c) >> s) & 1) << 4;
             vstore(out + 32 * s + c, scale * to_float(q) - min);
         }
     }
@@ -135,8 +121,8 @@ static inline void dequantize_q6_k(const BlockQ6_K *b, float *out) {
     const float d = half_to_float(b->d);
     for (int e = 0; e < QK_K; e += VL) {
         const int half = e / 128, r = e % 128;
-        const vi low = (bytes_at(b->ql + 64 * half + r % 64) >> (4 * (r / 64))) & 15;
-        const vi high = ((bytes_at(b->qh + 32 * half + r % 32) >> (2 * (r / 32))) & 3) << 4;
+        const vi low = (vload_u8_i32(b->ql + 64 * half + r % 64) >> (4 * (r / 64))) & 15;
+        const vi high = ((vload_u8_i32(b->qh + 32 * half + r % 32) >> (2 * (r / 32))) & 3) << 4;
         vstore(out + e, d * (float)b->scales[e / 16] * to_float((low | high) - 32));
     }
 }

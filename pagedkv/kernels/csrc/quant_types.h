@@ -95,7 +95,12 @@ _Static_assert(sizeof(BlockQ4_K) == 144, "Q4_K block");
 _Static_assert(sizeof(BlockQ5_K) == 176, "Q5_K block");
 _Static_assert(sizeof(BlockQ6_K) == 210, "Q6_K block");
 
-/* an IEEE half's bits to float32, exactly (subnormals, infinities and NaNs included) */
+/* an IEEE half's bits to float32, exactly (subnormals, infinities and NaNs included): F16C's
+ * one instruction where the target has it, else by the bits */
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
 static inline float half_to_float(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
     if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24, exact in float32 */
@@ -107,5 +112,6 @@ static inline float half_to_float(uint16_t h) {
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+#endif
 
 #endif
