@@ -69,21 +69,25 @@ def test_a_bias_and_an_input_the_kernels_do_not_take():
 def _quantize_projections(model, qtypes: dict[str, Q]) -> None:
     """Every decoder projection of ``model`` replaced by QuantizedLinear parts of ``qtypes``
     (by checkpoint name: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) made
-    from its dense weight."""
+    from its dense weight, with its bias."""
 
-    def part(weight: torch.Tensor, name: str) -> QuantizedLinear:
+    def part(weight: torch.Tensor, name: str, bias: torch.Tensor | None) -> QuantizedLinear:
         qtype = qtypes[name]
-        return QuantizedLinear.from_gguf(quantized(weight, qtype), qtype, tuple(weight.shape))
+        return QuantizedLinear.from_gguf(quantized(weight, qtype), qtype, tuple(weight.shape), bias)
 
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for owner, name in ((attn, "qkv_proj"), (mlp, "gate_up_proj")):
             packed = getattr(owner, name)
-            dense = packed.dense_weight()
-            parts = [part(dense[s : s + n], shard) for shard, (s, n) in packed.shard_rows().items()]
+            dense, bias = packed.dense_weight(), packed.bias
+            parts = [
+                part(dense[s : s + n], shard, None if bias is None else bias[s : s + n].clone())
+                for shard, (s, n) in packed.shard_rows().items()
+            ]
             setattr(owner, name, QuantizedLinear.packed(parts))
-        attn.o_proj = part(attn.o_proj.dense_weight(), "o_proj")
-        mlp.down_proj = part(mlp.down_proj.dense_weight(), "down_proj")
+        for owner, name in ((attn, "o_proj"), (mlp, "down_proj")):
+            linear = getattr(owner, name)
+            setattr(owner, name, part(linear.dense_weight(), name, linear.bias))
     model.step_program = None
 
 
@@ -138,8 +142,9 @@ MIXED = {
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_c_stack_gives_the_programs_hidden_states_for_a_quantized_model(tmp_path, dtype):
-    path = make_checkpoint(tmp_path, "llama", **SHAPE)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, one per part
+def test_the_c_stack_gives_the_programs_hidden_states_for_a_quantized_model(tmp_path, dtype, arch):
+    path = make_checkpoint(tmp_path, arch, **SHAPE)
     stacked, plain = (load_model(path, dtype=dtype, linear_kernel="tiled") for _ in range(2))
     for model in (stacked, plain):
         _quantize_projections(model, MIXED)
