@@ -25,9 +25,10 @@
 #include "kernels.h"
 #include "quant_types.h"
 
-#define GEMV_ROWS 8     /* rows up to which the product dequantizes into registers */
+#define GEMV_ROWS 12    /* rows up to which the product dequantizes into registers */
 #define GEMV_COLUMNS 16 /* output columns per work item there (the tile path's: the tile width) */
 #define SPLIT 4         /* lane accumulators per row of the register path: independent FMA chains */
+#define TILE_GROUP 16   /* weight rows dequantized together into a tile (a cache line of columns) */
 
 static inline vf vload(const float *p) {
     vf v;

@@ -49,15 +49,22 @@ static void SUFFIX(gemv)(const float *x, const BLOCK *w, int64_t K, int64_t M, i
 }
 
 /* rows n0 .. n0 + width of W dequantized into the tiled GEMM's layout, tile[k * width + j] =
- * W[n0 + j, k]: block column by block column, so the QK tile rows being written stay in L1 */
+ * W[n0 + j, k]: block column by block column, TILE_GROUP rows at a time staged in L1, so each
+ * store into the tile fills a run of TILE_GROUP columns (one cache line), not one float */
 static void SUFFIX(to_tile)(const BLOCK *w, int64_t K, int64_t n0, int64_t width, float *tile) {
     const int64_t blocks = K / QK;
-    float wq[QK] __attribute__((aligned(64)));
+    float stage[TILE_GROUP][QK] __attribute__((aligned(64)));
     for (int64_t i = 0; i < blocks; i++)
-        for (int64_t j = 0; j < width; j++) {
-            DEQUANTIZE(w + (n0 + j) * blocks + i, wq);
-            float *column = tile + i * QK * width + j;
-            for (int e = 0; e < QK; e++) column[e * width] = wq[e];
+        for (int64_t j0 = 0; j0 < width; j0 += TILE_GROUP) {
+            const int64_t group = width - j0 < TILE_GROUP ? width - j0 : TILE_GROUP;
+            for (int64_t j = 0; j < group; j++) DEQUANTIZE(w + (n0 + j0 + j) * blocks + i, stage[j]);
+            float *run = tile + i * QK * width + j0;
+            if (group == TILE_GROUP)
+                for (int e = 0; e < QK; e++)
+                    for (int j = 0; j < TILE_GROUP; j++) run[e * width + j] = stage[j][e];
+            else
+                for (int e = 0; e < QK; e++)
+                    for (int64_t j = 0; j < group; j++) run[e * width + j] = stage[j][e];
         }
 }
 
