@@ -54,6 +54,9 @@ _FAMILIES: tuple[tuple[str, tuple[str, ...], Signature], ...] = (
     ("tiled_rows", (), Signature(INT, (ADDRESS,) * 3 + (I64,) * 5)),
     ("tiled_gemm_tile_width", (), Signature(I64, ())),
     ("tiled_gemm_bf16_loop", (), Signature(I64, ())),
+    # quant_gemm.c
+    ("quant_dequantize", _TILED, Signature(INT, (ADDRESS, I64, ADDRESS, I64, I64))),
+    ("quant_linear", _TILED, Signature(INT, (ADDRESS, ADDRESS, I64, ADDRESS, ADDRESS) + (I64,) * 4)),
     # paged_attention.c
     (
         "paged_attention_rows",
@@ -93,6 +96,8 @@ class DecodeCode(enum.IntEnum):
     ROTARY_WRITE_KV = 4
     ATTEND = 5
     GATE_UP_SILU = 6
+    QUANT_LINEAR = 7
+    SILU_AND_MUL = 8
 
 
 class DecodeBuffer(enum.IntEnum):
@@ -111,4 +116,6 @@ class DecodeOp(ctypes.Structure):
     _fields_ = _fields(I64, "code src dst")
     _fields_ += _fields(ADDRESS, "weight bias q_norm k_norm key_pool value_pool")
     _fields_ += _fields(F32, "eps scale soft_cap")
-    _fields_ += _fields(I64, "n_in n_out heads kv_heads head_dim block_size window split")
+    _fields_ += _fields(
+        I64, "n_in n_out heads kv_heads head_dim block_size window split qtype column columns"
+    )

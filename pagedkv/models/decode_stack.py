@@ -11,8 +11,11 @@ the C loop runs (an opcode, the buffers it reads and writes, its weights and sha
 kernel the op's torch path calls on the same data: the hidden states are bit for bit the
 program's. A model whose every op lowers gets the stack; an op without a lowering, a projection
 off the tiled kernel or a tensor-parallel shard leaves every step to the program, and
-:func:`describe` says why. A new op kind with a C form is one lowering function below, one
-opcode and one ``case`` of the C loop.
+:func:`describe` says why. A projection kept in GGUF blocks
+(:class:`~pagedkv.models.quantized.QuantizedLinear`) lowers to one record per part, each writing
+its columns of one buffer, as its own product does; a quantized gate/up projection is followed by
+the separate activation, as :class:`~pagedkv.models.ops.GateUpAct` runs it. A new op kind with
+a C form is one lowering function below, one opcode and one ``case`` of the C loop.
 
 The stack takes a step when every row is a generated token, the batch fits its buffers
 (:data:`~pagedkv.models.linear.BUFFER_ROWS` rows) and the per-call attention checks are off (they
@@ -42,6 +45,7 @@ from pagedkv.kernels.signatures import ADDRESS, I64, SUFFIXES, DecodeBuffer, Dec
 from pagedkv.models import layer_ops
 from pagedkv.models.linear import BUFFER_ROWS, GateUpLinear, Linear, PackedLinear
 from pagedkv.models.ops import AddNorm, Attend, GateUpAct, KeepRows, Op, Project, RotaryWriteKV
+from pagedkv.models.quantized import QuantizedLinear
 
 
 class _Lowering:
@@ -136,8 +140,33 @@ def _add_norm(op: AddNorm, low: _Lowering) -> str | None:
     return None
 
 
+def _quantized(linear: QuantizedLinear, low: _Lowering) -> str | None:
+    """One record per part of a quantized projection, each writing its columns of one buffer
+    (the parts' calls of :meth:`QuantizedLinear.product`)."""
+    bias = linear.bias
+    if bias is not None and (bias.dtype != low.dtype or not bias.is_contiguous()):
+        return "a quantized projection's bias of another dtype"
+    if any(blocks.device.type != "cpu" for *_, blocks in linear.columns()):
+        return "quantized weights off the CPU"
+    src, dst = low.current, None
+    for column, width, qtype, blocks in linear.columns():
+        bias_at = None if bias is None else bias.data_ptr() + column * bias.element_size()
+        fields = {"weight": blocks.data_ptr(), "bias": bias_at, "n_in": linear.in_features}
+        fields |= {"qtype": qtype, "column": column, "columns": width}
+        if dst is None:
+            low.emit(DecodeCode.QUANT_LINEAR, linear.out_features, **fields)
+            dst = low.current
+        else:  # the later parts read the same input into the same buffer
+            low.records.append(
+                DecodeOp(code=DecodeCode.QUANT_LINEAR, src=src, dst=dst, n_out=linear.out_features, **fields)
+            )
+    return None
+
+
 def _project(op: Project, low: _Lowering) -> str | None:
     linear = op.linear
+    if isinstance(linear, QuantizedLinear):
+        return _quantized(linear, low)
     if type(linear) not in (Linear, PackedLinear):
         return "tensor-parallel shards"
     weight = low.tiled(linear)
@@ -194,6 +223,11 @@ def _attend(op: Attend, low: _Lowering) -> str | None:
 
 def _gate_up_act(op: GateUpAct, low: _Lowering) -> str | None:
     gate_up = op.gate_up
+    if isinstance(gate_up, QuantizedLinear):  # the product, then the separate activation
+        if (why := _quantized(gate_up, low)) is not None:
+            return why
+        low.emit(DecodeCode.SILU_AND_MUL, gate_up.out_features // 2)
+        return None
     if type(gate_up) is not GateUpLinear:
         return "tensor-parallel shards"
     weight = low.tiled(gate_up)

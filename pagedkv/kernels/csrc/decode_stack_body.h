@@ -41,6 +41,15 @@ int SUFFIX(decode_stack)(const DecodeOp *ops, int64_t num_ops, void *const *buff
         case DECODE_GATE_UP_SILU:
             if (SUFFIX(tiled_gate_up)(src, op->weight, dst, tokens, op->n_in, op->n_out, 1)) return 1;
             break;
+        case DECODE_QUANT_LINEAR: {
+            const int status = SUFFIX(quant_linear)(src, op->weight, op->qtype, op->bias, dst + op->column, tokens,
+                                                    op->n_in, op->columns, op->n_out);
+            if (status) return status;
+            break;
+        }
+        case DECODE_SILU_AND_MUL:
+            SUFFIX(silu_and_mul)(src, dst, tokens, op->n_out);
+            break;
         default:
             return 2;
         }

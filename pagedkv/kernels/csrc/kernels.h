@@ -82,6 +82,8 @@ int64_t layer_ops_max_head_dim(void);
  *       bytes, k stored in groups of `group`
  *   tiled_gemm_tile_width() -> output columns per tile
  *   tiled_gemm_bf16_loop() -> 2: AVX512-BF16's dot products, 1: AVX2 widening, 0: portable
+ *   tiled_tile_f32(x, tile, width, y, ldy, M, K)   (C callers: quant_gemm.c)
+ *       y [M, width] (row stride ldy) = x . T for one tile T of width <= tile width columns
  */
 int tiled_linear_f32(const float *x, const float *tiles, const float *bias, float *y, int64_t M, int64_t K,
                      int64_t N);
@@ -94,6 +96,24 @@ int tiled_rows(const char *tiles, const int64_t *ids, char *out, int64_t n, int6
                int64_t group);
 int64_t tiled_gemm_tile_width(void);
 int64_t tiled_gemm_bf16_loop(void);
+void tiled_tile_f32(const float *x, const float *tile, int64_t width, float *y, int64_t ldy, int64_t M, int64_t K);
+
+/* ---- quant_gemm.c: weights kept in GGUF's quantized blocks (quant_types.h) ---------------- *
+ * w: a [N, K] weight as GGUF stores it, each row K / elements blocks of the ggml type `type`
+ * (QuantType: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), K a whole number of blocks.
+ *   quant_dequantize_<f32|bf16>(w, type, out, rows, K) -> 0; 1 without memory; 2 for a type
+ *       or K it does not take. out [rows, K] = the dequantized weight (bfloat16: rounded to
+ *       nearest even)
+ *   quant_linear_<f32|bf16>(x, w, type, bias, y, M, K, N, ldy) -> 0, 1 or 2 as above
+ *       y [M, N] (row stride ldy >= N, so a part of a packed projection writes its columns of
+ *       the packed output in place) = x [M, K] . W^T + bias [N] (or NULL)
+ */
+int quant_dequantize_f32(const void *w, int64_t type, float *out, int64_t rows, int64_t K);
+int quant_dequantize_bf16(const void *w, int64_t type, uint16_t *out, int64_t rows, int64_t K);
+int quant_linear_f32(const float *x, const void *w, int64_t type, const float *bias, float *y, int64_t M, int64_t K,
+                     int64_t N, int64_t ldy);
+int quant_linear_bf16(const uint16_t *x, const void *w, int64_t type, const uint16_t *bias, uint16_t *y, int64_t M,
+                      int64_t K, int64_t N, int64_t ldy);
 
 /* ---- paged_attention.c: attention reading keys and values in place from the block pool ---- *
  * q/out [R, Hq, D]; key/value pools [num_blocks, block_size, Hkv, D]; their float32 scales
@@ -156,8 +176,12 @@ int64_t paged_attention_prefill_lanes(void);
  *                          threads it runs with                           paged_attention_rows_<S>
  *   DECODE_GATE_UP_SILU    dst [n_out] = silu(gate) * up of src [n_in] on the paired tiled
  *                          gate/up weight                                 tiled_gate_up_<S>
- * Weights are the model's dtype, projections in the tiled layout; NULL for no bias or no q/k
- * norm; the KV pools unquantized, of the model's dtype.
+ *   DECODE_QUANT_LINEAR    columns [column, column + columns) of dst [n_out] = src [n_in] .
+ *                          weight^T + bias, weight in GGUF blocks of ggml type qtype (one part
+ *                          of a packed projection; bias: the part's)    quant_linear_<S>
+ *   DECODE_SILU_AND_MUL    dst [n_out] = silu(src[:n_out]) * src[n_out:]  silu_and_mul_<S>
+ * Weights are the model's dtype, projections in the tiled layout or GGUF blocks; NULL for no
+ * bias or no q/k norm; the KV pools unquantized, of the model's dtype.
  */
 typedef enum {
     DECODE_COPY,
@@ -167,6 +191,8 @@ typedef enum {
     DECODE_ROTARY_WRITE_KV,
     DECODE_ATTEND,
     DECODE_GATE_UP_SILU,
+    DECODE_QUANT_LINEAR,
+    DECODE_SILU_AND_MUL,
 } DecodeCode;
 
 /* the buffers every stack has: the embedded tokens (read only), the residual stream and the
@@ -183,12 +209,13 @@ typedef struct {
     const void *weight, *bias, *q_norm, *k_norm;
     void *key_pool, *value_pool;
     float eps, scale, soft_cap;
-    int64_t n_in, n_out, heads, kv_heads, head_dim, block_size, window, split;
+    int64_t n_in, n_out, heads, kv_heads, head_dim, block_size, window, split, qtype, column, columns;
 } DecodeOp;
 
 /*   decode_stack_<f32|bf16>(ops, num_ops, buffers, tokens, cos, sin, slots, tables, max_blocks,
  *       row_seq, row_pos, chunks, threads)
- *       -> 0; 1 when a kernel could not allocate its workspace; 2 for an unknown opcode
+ *       -> 0; 1 when a kernel could not allocate its workspace; 2 for an unknown opcode or
+ *       quantized type
  *       runs ops[0..num_ops) in order on buffers (each room for `tokens` rows of its width);
  *       cos / sin / slots as rotary_write_kv's; tables / row_seq / row_pos as
  *       paged_attention_rows' (one row per generated token); chunks / threads per split

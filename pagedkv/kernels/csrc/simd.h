@@ -7,6 +7,8 @@
  *   vf, vi, vu, vu16, vh   vectors of VL float32, int32, uint32, bfloat16 bits, _Float16
  *   vload_bf16(p)  VL bfloat16 elements at p widened to float32 lanes: the instruction set's own
  *                file, simd_avx512.h, simd_avx2.h or simd_portable.h, defines it
+ *   vload_u8_i32(p), vload_i8_i32(p)  VL unsigned or signed bytes at p widened to int32 lanes (the
+ *                same files)
  *   GEMM_AVX512, GEMM_AVX512_BF16, GEMM_AVX2 (1 or 0)  which of the tiled GEMM's inner loops the
  *                target can run (gemm_avx512.h, gemm_avx512bf16.h, gemm_avx2.h; gemm_portable.h always)
  *

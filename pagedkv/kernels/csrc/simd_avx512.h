@@ -8,3 +8,8 @@
 static inline vf vload_bf16(const uint16_t *p) {
     return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 }
+
+/* VL bytes zero- or sign-extended into int32 lanes (GCC's generic conversion of a byte vector
+ * goes through scalars): the quantized kernels' loads of quants */
+static inline vi vload_u8_i32(const uint8_t *p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi vload_i8_i32(const int8_t *p) { return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }

@@ -98,21 +98,31 @@ static void block_rows(const float *x, int64_t K, const float *tile, int64_t k0,
 
 #endif
 
-/* columns [col, col + width) for all M rows from their tile: a full tile (width NR) in
- * registers, the last partial one with the portable loop */
-static void tile_product(const float *x, const float *tile, const float *bias, float *y,
-                         int64_t M, int64_t K, int64_t N, int64_t col, const char *next_tile) {
-    int64_t width = N - col < NR ? N - col : NR;
+/* a tile of `width` <= NR columns times all M rows, into y (row stride ldy): a full tile in
+ * registers, a narrower one with the portable loop */
+static void tile_columns(const float *x, const float *tile, int64_t width, float *y, int64_t ldy, int64_t M,
+                         int64_t K, const char *next_tile) {
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
         int64_t k1 = k0 + KC < K ? k0 + KC : K;
         for (int64_t m = 0; m < M; m += MR) {
             int rows = M - m < MR ? (int)(M - m) : MR;
             if (width == NR)
-                block_rows(x + m * K, K, tile, k0, k1, y + m * N + col, N, rows, m / MR, M, next_tile);
+                block_rows(x + m * K, K, tile, k0, k1, y + m * ldy, ldy, rows, m / MR, M, next_tile);
             else
-                narrow_rows(x + m * K, K, tile, width, k0, k1, y + m * N + col, N, rows);
+                narrow_rows(x + m * K, K, tile, width, k0, k1, y + m * ldy, ldy, rows);
         }
     }
+}
+
+void tiled_tile_f32(const float *x, const float *tile, int64_t width, float *y, int64_t ldy, int64_t M, int64_t K) {
+    tile_columns(x, tile, width, y, ldy, M, K, NULL);
+}
+
+/* columns [col, col + width) for all M rows from their tile (width: NR, or what is left of N) */
+static void tile_product(const float *x, const float *tile, const float *bias, float *y,
+                         int64_t M, int64_t K, int64_t N, int64_t col, const char *next_tile) {
+    int64_t width = N - col < NR ? N - col : NR;
+    tile_columns(x, tile, width, y + col, N, M, K, next_tile);
     if (bias != NULL) /* added after the sum, as a GEMM with beta = 1 adds it */
         for (int64_t m = 0; m < M; m++)
             for (int64_t j = 0; j < width; j++) y[m * N + col + j] += bias[col + j];

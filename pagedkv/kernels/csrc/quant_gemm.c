@@ -1,0 +1,299 @@
+/*
+ * Weights kept in GGUF's quantized blocks (quant_types.h): each type's pair of functions,
+ * dequantize (one block to float32) and the product y[M, N] = x[M, K] . W[N, K]^T (+ bias) that
+ * dequantizes as it goes, in float32 and bfloat16 activations. Entry points and arguments:
+ * kernels.h.
+ *
+ * Dequantization equals gguf-py's (gguf.quants.dequantize) bit for bit: every product in it is
+ * exact in float32 (a half scale has 11 significant bits, a 6-bit sub-scale 6 and a quant at
+ * most 8, and Q6_K's 8-bit scale with its 6-bit quant stays under 24), so the only rounding is
+ * the final add of a minimum, fused or not.
+ *
+ * The product takes one of two paths by the row count M. Up to GEMV_ROWS rows (decode), each
+ * block of a weight row is dequantized into registers and multiplied into every row's float32
+ * lane accumulators: the weight is read once, as its quantized bytes. Above (prefill), each tile
+ * of 64 weight rows is dequantized once into the tiled GEMM's layout and multiplied by the tiled
+ * GEMM's own loop (tiled_tile_f32), so the rows' results are those of tiled_linear_f32 on the
+ * dequantized weight, bit for bit. Both paths use the dequantized weights exactly; only the
+ * order of the sums differs between them. Threads split the output columns, as the tiled GEMM's
+ * do. bfloat16 activations are widened to float32 once per call (exact) and the results rounded
+ * to nearest even, after the bias, once. The vector code is simd.h's (GCC's vector extensions,
+ * lowered to the target's AVX-512, AVX2 or SSE registers).
+ */
+#include <stdlib.h>
+
+#include "kernels.h"
+#include "quant_types.h"
+
+#define GEMV_ROWS 12    /* rows up to which the product dequantizes into registers */
+#define GEMV_COLUMNS 16 /* output columns per work item there (the tile path's: the tile width) */
+#define SPLIT 4         /* lane accumulators per row of the register path: independent FMA chains */
+#define TILE_GROUP 16   /* weight rows dequantized together into a tile (a cache line of columns) */
+
+static inline vf vload(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf to_float(vi q) { return __builtin_convertvector(q, vf); }
+/* lane i holds first + i */
+static inline vu lane_index(uint32_t first) {
+    vu index;
+    for (int i = 0; i < VL; i++) index[i] = first + (uint32_t)i;
+    return index;
+}
+static inline float lane_sum(const vf acc[SPLIT]) {
+    const vf v = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    float s = 0.0f;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
+}
+/* the 4-bit quant of element c.. of a 32-element block packed as Q4_0/Q5_0: elements 0..15 the
+ * low nibbles of qs, 16..31 the high ones (a vector never straddles the two: VL <= 16) */
+static inline vi nibbles(const uint8_t *qs, int c) { return (vload_u8_i32(qs + c % 16) >> (c / 16 * 4)) & 15; }
+
+/* ---- each type's block dequantizer ---- */
+
+static inline void dequantize_q4_0(const BlockQ4_0 *b, float *out) {
+    const float d = half_to_float(b->d);
+    for (int c = 0; c < QK_SMALL; c += VL) vstore(out + c, d * to_float(nibbles(b->qs, c) - 8));
+}
+
+static inline void dequantize_q4_1(const BlockQ4_1 *b, float *out) {
+    const float d = half_to_float(b->d), m = half_to_float(b->m);
+    for (int c = 0; c < QK_SMALL; c += VL) vstore(out + c, d * to_float(nibbles(b->qs, c)) + m);
+}
+
+/* the fifth bits of Q5_0/Q5_1: bit c + i of the block's 32-bit qh for lane i */
+static inline vi fifth_bits(const uint8_t *qh, int c) {
+    uint32_t bits;
+    memcpy(&bits, qh, sizeof bits);
+    return (vi)((((vu){0} + bits) >> lane_index((uint32_t)c)) & 1u) << 4;
+}
+
+static inline void dequantize_q5_0(const BlockQ5_0 *b, float *out) {
+    const float d = half_to_float(b->d);
+    for (int c = 0; c < QK_SMALL; c += VL)
+        vstore(out + c, d * to_float((nibbles(b->qs, c) | fifth_bits(b->qh, c)) - 16));
+}
+
+static inline void dequantize_q5_1(const BlockQ5_1 *b, float *out) {
+    const float d = half_to_float(b->d), m = half_to_float(b->m);
+    for (int c = 0; c < QK_SMALL; c += VL)
+        vstore(out + c, d * to_float(nibbles(b->qs, c) | fifth_bits(b->qh, c)) + m);
+}
+
+static inline void dequantize_q8_0(const BlockQ8_0 *b, float *out) {
+    const float d = half_to_float(b->d);
+    for (int c = 0; c < QK_SMALL; c += VL) vstore(out + c, d * to_float(vload_i8_i32(b->qs + c)));
+}
+
+/* Q4_K and Q5_K: eight sub-blocks of 32, each with a 6-bit scale and minimum (multiples of d and
+ * dmin) packed in 12 bytes: sub-block j < 4 has the low 6 bits of bytes j and j + 4, sub-block
+ * j >= 4 the nibbles of byte j + 4 below the top two bits of bytes j - 4 and j. Sub-block s's
+ * quants are nibble s % 2 of qs[32 (s / 2) + i], plus for Q5_K (qh not NULL) bit s of qh[i]
+ * as the fifth. */
+static inline void dequantize_k_quants(const uint8_t *packed, uint16_t d_bits, uint16_t dmin_bits,
+                                       const uint8_t *qh, const uint8_t *qs, float *out) {
+    const float d = half_to_float(d_bits), dmin = half_to_float(dmin_bits);
+    for (int s = 0; s < 8; s++) {
+        const int j = s % 4, high_pair = s / 4;
+        const int sc = high_pair ? (packed[j + 8] & 15) | (packed[j] >> 6) << 4 : packed[j] & 63;
+        const int mn = high_pair ? (packed[j + 8] >> 4) | (packed[j + 4] >> 6) << 4 : packed[j + 4] & 63;
+        const float scale = d * (float)sc, min = dmin * (float)mn;
+        for (int c = 0; c < 32; c += VL) {
+            vi q = (vload_u8_i32(qs + 32 * (s / 2) + c) >> (4 * (s % 2))) & 15;
+            if (qh != NULL) q |= ((vload_u8_i32(qh + c) >> s) & 1) << 4;
+            vstore(out + 32 * s + c, scale * to_float(q) - min);
+        }
+    }
+}
+
+static inline void dequantize_q4_k(const BlockQ4_K *b, float *out) {
+    dequantize_k_quants(b->scales, b->d, b->dmin, NULL, b->qs, out);
+}
+
+static inline void dequantize_q5_k(const BlockQ5_K *b, float *out) {
+    dequantize_k_quants(b->scales, b->d, b->dmin, b->qh, b->qs, out);
+}
+
+static inline void dequantize_q6_k(const BlockQ6_K *b, float *out) {
+    const float d = half_to_float(b->d);
+    for (int e = 0; e < QK_K; e += VL) {
+        const int half = e / 128, r = e % 128;
+        const vi low = (vload_u8_i32(b->ql + 64 * half + r % 64) >> (4 * (r / 64))) & 15;
+        const vi high = ((vload_u8_i32(b->qh + 32 * half + r % 32) >> (2 * (r / 32))) & 3) << 4;
+        vstore(out + e, d * (float)b->scales[e / 16] * to_float((low | high) - 32));
+    }
+}
+
+/* ---- the per-type products (quant_gemm_body.h) ---- */
+
+/* A type's entries: elements and bytes per block; `dequantize` turns `blocks` consecutive blocks
+ * into float32; `columns` makes out[m, j] = x[m] . W[n0 + j] for j < width and all M rows of x
+ * (float32, row stride K), into out (row stride ld): on the register path when tile is NULL,
+ * else through tile, room for width * K floats. */
+typedef struct {
+    int64_t elements, bytes;
+    void (*dequantize)(const void *row, float *out, int64_t blocks);
+    void (*columns)(const float *x, const void *w, int64_t K, int64_t M, int64_t n0, int64_t width, float *out,
+                    int64_t ld, float *tile);
+} QuantKind;
+
+#define BLOCK BlockQ4_0
+#define QK QK_SMALL
+#define DEQUANTIZE dequantize_q4_0
+#define SUFFIX(name) name##_q4_0
+#include "quant_gemm_body.h"
+
+#define BLOCK BlockQ4_1
+#define QK QK_SMALL
+#define DEQUANTIZE dequantize_q4_1
+#define SUFFIX(name) name##_q4_1
+#include "quant_gemm_body.h"
+
+#define BLOCK BlockQ5_0
+#define QK QK_SMALL
+#define DEQUANTIZE dequantize_q5_0
+#define SUFFIX(name) name##_q5_0
+#include "quant_gemm_body.h"
+
+#define BLOCK BlockQ5_1
+#define QK QK_SMALL
+#define DEQUANTIZE dequantize_q5_1
+#define SUFFIX(name) name##_q5_1
+#include "quant_gemm_body.h"
+
+#define BLOCK BlockQ8_0
+#define QK QK_SMALL
+#define DEQUANTIZE dequantize_q8_0
+#define SUFFIX(name) name##_q8_0
+#include "quant_gemm_body.h"
+
+#define BLOCK BlockQ4_K
+#define QK QK_K
+#define DEQUANTIZE dequantize_q4_k
+#define SUFFIX(name) name##_q4_k
+#include "quant_gemm_body.h"
+
+#define BLOCK BlockQ5_K
+#define QK QK_K
+#define DEQUANTIZE dequantize_q5_k
+#define SUFFIX(name) name##_q5_k
+#include "quant_gemm_body.h"
+
+#define BLOCK BlockQ6_K
+#define QK QK_K
+#define DEQUANTIZE dequantize_q6_k
+#define SUFFIX(name) name##_q6_k
+#include "quant_gemm_body.h"
+
+/* the type's entries, or NULL for a type not here or a K that is not a whole number of blocks */
+static const QuantKind *kind_of(int64_t type, int64_t K) {
+    const QuantKind *kind = NULL;
+    switch (type) {
+    case QUANT_Q4_0: kind = &kind_q4_0; break;
+    case QUANT_Q4_1: kind = &kind_q4_1; break;
+    case QUANT_Q5_0: kind = &kind_q5_0; break;
+    case QUANT_Q5_1: kind = &kind_q5_1; break;
+    case QUANT_Q8_0: kind = &kind_q8_0; break;
+    case QUANT_Q4_K: kind = &kind_q4_k; break;
+    case QUANT_Q5_K: kind = &kind_q5_k; break;
+    case QUANT_Q6_K: kind = &kind_q6_k; break;
+    default: return NULL;
+    }
+    return K > 0 && K % kind->elements == 0 ? kind : NULL;
+}
+
+int quant_dequantize_f32(const void *w, int64_t type, float *out, int64_t rows, int64_t K) {
+    const QuantKind *kind = kind_of(type, K);
+    if (kind == NULL) return 2;
+    const int64_t blocks = K / kind->elements;
+#pragma omp parallel for schedule(static) if (rows * K >= 65536)
+    for (int64_t r = 0; r < rows; r++) kind->dequantize((const char *)w + r * blocks * kind->bytes, out + r * K, blocks);
+    return 0;
+}
+
+int quant_dequantize_bf16(const void *w, int64_t type, uint16_t *out, int64_t rows, int64_t K) {
+    const QuantKind *kind = kind_of(type, K);
+    if (kind == NULL) return 2;
+    const int64_t blocks = K / kind->elements;
+    int failed = 0;
+#pragma omp parallel if (rows * K >= 65536)
+    {
+        float *row = malloc(sizeof(float) * K);
+        if (row == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            if (row == NULL) continue;
+            kind->dequantize((const char *)w + r * blocks * kind->bytes, row, blocks);
+            for (int64_t k = 0; k < K; k++) out[r * K + k] = f32_to_bf16(row[k]);
+        }
+        free(row);
+    }
+    return failed;
+}
+
+/* output columns per work item, and the tile each thread dequantizes into (NULL: registers) */
+static int64_t columns_per_item(int64_t M) { return M <= GEMV_ROWS ? GEMV_COLUMNS : tiled_gemm_tile_width(); }
+static float *tile_for(int64_t M, int64_t K) {
+    return M <= GEMV_ROWS ? NULL : aligned_alloc(64, sizeof(float) * ((tiled_gemm_tile_width() * K + 15) / 16 * 16));
+}
+
+int quant_linear_f32(const float *x, const void *w, int64_t type, const float *bias, float *y, int64_t M, int64_t K,
+                     int64_t N, int64_t ldy) {
+    const QuantKind *kind = kind_of(type, K);
+    if (kind == NULL) return 2;
+    const int64_t step = columns_per_item(M), items = (N + step - 1) / step;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *tile = tile_for(M, K);
+        const int missing = M > GEMV_ROWS && tile == NULL;
+        if (missing) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < items; t++) {
+            if (missing) continue;
+            const int64_t n0 = t * step, width = N - n0 < step ? N - n0 : step;
+            kind->columns(x, w, K, M, n0, width, y + n0, ldy, tile);
+            if (bias != NULL) /* added after the sum, as the tiled GEMM adds it */
+                for (int64_t m = 0; m < M; m++)
+                    for (int64_t j = 0; j < width; j++) y[m * ldy + n0 + j] += bias[n0 + j];
+        }
+        free(tile);
+    }
+    return failed;
+}
+
+int quant_linear_bf16(const uint16_t *x, const void *w, int64_t type, const uint16_t *bias, uint16_t *y, int64_t M,
+                      int64_t K, int64_t N, int64_t ldy) {
+    const QuantKind *kind = kind_of(type, K);
+    if (kind == NULL) return 2;
+    const int64_t step = columns_per_item(M), items = (N + step - 1) / step;
+    float *wide = malloc(sizeof(float) * (M * K > 0 ? M * K : 1));
+    if (wide == NULL) return 1;
+    for (int64_t i = 0; i < M * K; i++) wide[i] = bf16_to_f32(x[i]);
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *tile = tile_for(M, K), *acc = malloc(sizeof(float) * (M * step > 0 ? M * step : 1));
+        const int missing = (M > GEMV_ROWS && tile == NULL) || acc == NULL;
+        if (missing) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < items; t++) {
+            if (missing) continue;
+            const int64_t n0 = t * step, width = N - n0 < step ? N - n0 : step;
+            kind->columns(wide, w, K, M, n0, width, acc, step, tile);
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t j = 0; j < width; j++) {
+                    const float sum = acc[m * step + j];
+                    y[m * ldy + n0 + j] = f32_to_bf16(bias == NULL ? sum : sum + bf16_to_f32(bias[n0 + j]));
+                }
+        }
+        free(tile);
+        free(acc);
+    }
+    free(wide);
+    return failed;
+}

@@ -1,0 +1,184 @@
+"""Linear layers whose weights stay in GGUF's quantized blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+Q4_K, Q5_K, Q6_K): the only copy of a weight is its blocks, about 4.5 to 8.5 bits per element.
+
+A :class:`QuantizedLinear` holds one or more *parts*, each a ``uint8`` tensor ``[rows, row
+bytes]`` of blocks in one ggml type; their output rows are concatenated in order. A single GGUF
+tensor is one part (:meth:`QuantizedLinear.from_gguf`). The model's packed projections (q/k/v in
+``qkv_proj``, gate/up in ``gate_up_proj``) are made by :meth:`QuantizedLinear.packed`: each output
+row's blocks are independent of the other rows', so neighbouring parts of one type are
+concatenated row-wise into one part (one product); parts of different types (a GGUF file may
+store ``attn_v`` in Q6_K beside Q4_K ``attn_q``) cannot share blocks, so each stays a part and
+writes its columns of the shared output in place. Nothing is requantized.
+
+On the CPU in float32 or bfloat16 the product is the C kernel's
+(:func:`~pagedkv.kernels.quant_gemm.quant_linear`: dequantized on the fly, float32 sums), which
+the C decode stack calls too (``DECODE_QUANT_LINEAR``); elsewhere -- another device or dtype, no
+kernels library -- the weight is dequantized to the activation's dtype for each call and
+multiplied by ``F.linear`` (correct, and as slow as that sounds: for tests and odd setups).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv.kernels import library, quant_gemm
+from pagedkv.models.linear import OutputBuffer
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ W.T + bias`` for ``W`` ``[out_features, in_features]`` held as quantized parts:
+    ``parts`` is ``(blocks, qtype)`` pairs, ``blocks`` a contiguous CPU ``uint8`` tensor of
+    ``rows`` whole rows of ``qtype`` (a ggml type code) blocks; the rows of the parts, in order,
+    are ``W``'s. ``bias``: ``[out_features]`` or None."""
+
+    def __init__(
+        self, parts: Sequence[tuple[torch.Tensor, int]], in_features: int, bias: torch.Tensor | None = None
+    ) -> None:
+        super().__init__()
+        if not parts:
+            raise ValueError("a quantized linear layer has at least one part")
+        self.in_features = in_features
+        #: each part's ggml type code and row count, in output order
+        self.qtypes = tuple(int(qtype) for _, qtype in parts)
+        self.part_rows = tuple(int(blocks.shape[0]) for blocks, _ in parts)
+        self.out_features = sum(self.part_rows)
+        for i, (blocks, qtype) in enumerate(parts):
+            size = quant_gemm.row_bytes(int(qtype), in_features)
+            if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != size:
+                raise ValueError(
+                    f"part {i}: expected uint8 [rows, {size}], got {blocks.dtype} {tuple(blocks.shape)}"
+                )
+            self.register_buffer(f"part{i}", blocks.contiguous())
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"bias must be [{self.out_features}], got {tuple(bias.shape)}")
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def from_gguf(
+        cls,
+        raw: np.ndarray | torch.Tensor,
+        qtype: int,
+        shape: tuple[int, int],
+        bias: torch.Tensor | None = None,
+    ) -> QuantizedLinear:
+        """The layer of one GGUF tensor: ``raw`` its bytes (a memory-mapped ``uint8`` array as a
+        GGUF reader hands it, or a ``uint8`` tensor), ``qtype`` its ``gguf.GGMLQuantizationType``,
+        ``shape`` ``(out, in)``. The bytes are copied once, into the layer's own tensor; nothing
+        keeps ``raw``."""
+        out_features, in_features = shape
+        size = quant_gemm.row_bytes(int(qtype), in_features)
+        blocks = torch.empty((out_features, size), dtype=torch.uint8)
+        if isinstance(raw, torch.Tensor):
+            source = raw.detach().reshape(-1)
+            if source.dtype != torch.uint8 or source.numel() != blocks.numel():
+                raise ValueError(
+                    f"expected {blocks.numel()} uint8 bytes, got {source.numel()} {source.dtype}"
+                )
+            blocks.view(-1).copy_(source)
+        else:
+            source = np.asarray(raw).reshape(-1)
+            if source.dtype != np.uint8 or source.size != blocks.numel():
+                raise ValueError(f"expected {blocks.numel()} uint8 bytes, got {source.size} {source.dtype}")
+            blocks.numpy().reshape(-1)[:] = source
+        return cls([(blocks, int(qtype))], in_features, bias)
+
+    @classmethod
+    def packed(cls, layers: Sequence[QuantizedLinear]) -> QuantizedLinear:
+        """One layer for several of the same input (q/k/v, gate/up), output rows in ``layers``'
+        order: neighbouring parts of one type are concatenated into one, the others kept apart.
+        A bias where some layers have one and others not is zero for the others."""
+        if len({layer.in_features for layer in layers}) != 1:
+            raise ValueError("packed layers share their input width")
+        runs: list[tuple[list[torch.Tensor], int]] = []
+        for layer in layers:
+            for _, _, qtype, blocks in layer.columns():
+                if runs and runs[-1][1] == qtype:
+                    runs[-1][0].append(blocks)
+                else:
+                    runs.append(([blocks], qtype))
+        parts = [(blocks[0] if len(blocks) == 1 else torch.cat(blocks), qtype) for blocks, qtype in runs]
+        biases = [layer.bias for layer in layers]
+        bias = None
+        if any(b is not None for b in biases):
+            like = next(b for b in biases if b is not None)
+            bias = torch.cat(
+                [
+                    b.detach() if b is not None else like.new_zeros(layer.out_features)
+                    for b, layer in zip(biases, layers, strict=True)
+                ]
+            )
+        return cls(parts, layers[0].in_features, bias)
+
+    def columns(self) -> Iterator[tuple[int, int, int, torch.Tensor]]:
+        """``(first column, columns, qtype, blocks)`` of each part, in output order."""
+        column = 0
+        for i, (qtype, rows) in enumerate(zip(self.qtypes, self.part_rows, strict=True)):
+            yield column, rows, qtype, self._buffers[f"part{i}"]
+            column += rows
+
+    def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dequantized ``[out, in]`` weight in ``dtype`` on the blocks' device (a new tensor):
+        the C dequantizer where it runs, else gguf-py's (the reference the C equals)."""
+        return torch.cat(
+            [_dequantize(blocks, qtype, self.in_features, dtype) for _, _, qtype, blocks in self.columns()]
+        )
+
+    def native(self, x: torch.Tensor) -> bool:
+        """Whether the C product takes ``x``: a CPU float32 or bfloat16 input, CPU blocks, the
+        kernels library here."""
+        return (
+            x.device.type == "cpu"
+            and x.dtype in quant_gemm.DTYPES
+            and self._buffers["part0"].device.type == "cpu"
+            and library.why_unavailable() is None
+        )
+
+    def product(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T + bias`` for ``x [..., in]``; on the C path into ``out`` (``[rows, out]``)
+        when given."""
+        rows = x.reshape(-1, self.in_features)
+        if not self.native(rows):
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            y = F.linear(rows, self.dense_weight(x.dtype).to(x.device), bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        rows = rows.contiguous()
+        if out is None:
+            out = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        for column, width, qtype, blocks in self.columns():
+            part_bias = None if bias is None else bias[column : column + width]
+            quant_gemm.quant_linear(rows, blocks, qtype, part_bias, out[:, column : column + width])
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+    def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The product as a plain function of ``x`` (what a :class:`~pagedkv.models.ops.Project`
+        runs), a small 2-D batch written into an output kept between calls
+        (:class:`~pagedkv.models.linear.OutputBuffer`)."""
+        buffer, width = OutputBuffer(), self.out_features
+
+        def project(x: torch.Tensor) -> torch.Tensor:
+            out = buffer.get(x.shape[0], width, x.dtype) if x.dim() == 2 and self.native(x) else None
+            return self.product(x, out)
+
+        return project
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, qtypes={self.qtypes}"
+
+
+def _dequantize(blocks: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """``blocks`` dequantized to ``[rows, in_features]`` of ``dtype`` on their device."""
+    if blocks.device.type == "cpu" and dtype in quant_gemm.DTYPES and library.why_unavailable() is None:
+        return quant_gemm.dequantize(blocks, qtype, in_features, dtype)
+    from gguf.quants import dequantize  # the reference, for where the C cannot run
+
+    dense = torch.from_numpy(dequantize(blocks.cpu().numpy(), qtype))
+    return dense.to(device=blocks.device, dtype=dtype)

@@ -1,0 +1,91 @@
+"""The quantized kernels (csrc/quant_gemm.c) against gguf-py and dense products: dequantization
+bit for bit, products to float32 rounding, the prefill path bit for bit the tiled GEMM's on the
+dequantized weight, bfloat16 as float32 rounded once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize as gguf_dequantize
+
+from pagedkv.kernels import quant_gemm
+from pagedkv.kernels.tiled_gemm import tiled_linear, to_tiles
+from tests.quant_blocks import K_TYPES, TYPES, random_blocks
+
+ROWS = (1, 3, 17, 64)  # the register path (up to GEMV_ROWS) and the tile path
+GEMV_ROWS = 12  # quant_gemm.c's
+
+
+def _in_features(qtype) -> int:
+    return 512 if qtype in K_TYPES else 160
+
+
+def _weight(qtype, out_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random blocks of ``qtype`` as a tensor, and gguf-py's dequantization of them."""
+    blocks = random_blocks(qtype, out_features, _in_features(qtype), seed)
+    return torch.from_numpy(blocks), torch.from_numpy(gguf_dequantize(blocks, qtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_dequantization_equals_gguf_bit_for_bit(qtype):
+    blocks, reference = _weight(qtype, 37, seed=int(qtype))
+    got = quant_gemm.dequantize(blocks, int(qtype), _in_features(qtype))
+    assert torch.equal(got.view(torch.int32), reference.view(torch.int32))
+    as_bf16 = quant_gemm.dequantize(blocks, int(qtype), _in_features(qtype), torch.bfloat16)
+    assert torch.equal(as_bf16.view(torch.int16), reference.to(torch.bfloat16).view(torch.int16))
+
+
+def _rounding_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """What float32 sums of ``x @ dense.T`` may differ from the exact one by, in any order."""
+    k = x.shape[1]
+    return k * 2.0**-23 * (x.double().abs() @ dense.double().abs().T) + 1e-30
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_the_float32_product_is_the_dense_one_to_rounding(qtype, rows):
+    blocks, dense = _weight(qtype, 77, seed=rows)
+    x = torch.randn(rows, dense.shape[1], generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(77)
+    out = torch.empty(rows, 77)
+    got = quant_gemm.quant_linear(x, blocks, int(qtype), bias, out)
+    exact = x.double() @ dense.double().T + bias.double()
+    assert ((got.double() - exact).abs() <= _rounding_bound(x, dense) + exact.abs() * 2.0**-23).all()
+    if rows > GEMV_ROWS:  # the tile path: the tiled GEMM on the dequantized weight, bit for bit
+        assert torch.equal(got, tiled_linear(x, to_tiles(dense), bias))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_bfloat16_is_the_float32_product_of_the_widened_rows_rounded_once(qtype, rows):
+    blocks, dense = _weight(qtype, 77, seed=100 + rows)
+    x = torch.randn(rows, dense.shape[1]).to(torch.bfloat16)
+    bias = torch.randn(77).to(torch.bfloat16)
+    got = quant_gemm.quant_linear(x, blocks, int(qtype), bias, torch.empty(rows, 77, dtype=torch.bfloat16))
+    wide = quant_gemm.quant_linear(x.float(), blocks, int(qtype), bias.float(), torch.empty(rows, 77))
+    assert torch.equal(got.view(torch.int16), wide.to(torch.bfloat16).view(torch.int16))
+    exact = x.double() @ dense.double().T + bias.double()
+    slack = _rounding_bound(x.float(), dense) + exact.abs() * 2.0**-8
+    assert ((got.double() - exact).abs() <= slack).all()
+
+
+@pytest.mark.parametrize("rows", [2, 40])
+def test_a_part_writes_only_its_columns_of_a_wider_output(rows):
+    blocks, dense = _weight(TYPES[0], 21, seed=7)
+    x = torch.randn(rows, dense.shape[1])
+    wide = torch.full((rows, 50), 7.0)
+    quant_gemm.quant_linear(x, blocks, int(TYPES[0]), None, wide[:, 10:31])
+    alone = quant_gemm.quant_linear(x, blocks, int(TYPES[0]), None, torch.empty(rows, 21))
+    assert torch.equal(wide[:, 10:31], alone)
+    assert (wide[:, :10] == 7.0).all() and (wide[:, 31:] == 7.0).all()
+
+
+def test_a_row_that_is_not_whole_blocks_is_refused():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        quant_gemm.row_bytes(int(K_TYPES[0]), 320)
+    with pytest.raises(ValueError, match="no quantized kernel"):
+        quant_gemm.row_bytes(1, 320)  # F16: a dense type
+    blocks = torch.from_numpy(np.zeros((4, 34), dtype=np.uint8))
+    with pytest.raises(ValueError, match="bytes are not"):
+        quant_gemm.quant_linear(torch.zeros(1, 32), blocks, int(TYPES[0]), None, torch.empty(1, 5))
