@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from pagedkv.models.loader import checkpoint_targets
+from pagedkv.models.quantized import QuantizedLinear
 from tests.checkpoints import make_checkpoint
 
 #: Projections wide enough for groups of 128 input columns, outputs a multiple of 8.
@@ -215,3 +217,41 @@ def dense_checkpoint(tmp_path: Path, quantized: Path, weights: dict[str, torch.T
     kept = {n: t for n, t in tensors.items() if n.rpartition(".")[0] not in layers}
     save_file({**kept, **{n: w.contiguous() for n, w in weights.items()}}, str(folder / "model.safetensors"))
     return folder
+
+
+#: a packed projection's checkpoint shards, in its row order
+_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def dense_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> float32 value of every weight of ``model``: dense parameters as held, a
+    :class:`QuantizedLinear`'s blocks dequantized (a packed projection split back into shards)."""
+    quantized = {name for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
+    weights = {
+        name: tensor.float()
+        for name, tensor in checkpoint_targets(model).items()
+        if name.rpartition(".")[0] not in quantized  # a quantized layer's bias: with its weight
+    }
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantizedLinear):
+            continue
+        parent, _, attribute = name.rpartition(".")
+        dense = module.dense_weight()
+        bias = None if module.bias is None else module.bias.detach().float()
+        if attribute not in _SHARDS:
+            weights[f"{name}.weight"] = dense
+            if bias is not None:
+                weights[f"{name}.bias"] = bias
+            continue
+        owner = model.get_submodule(parent)
+        sizes = (
+            (owner.q_size, owner.kv_size, owner.kv_size)
+            if attribute == "qkv_proj"
+            else (owner.intermediate_size,) * 2
+        )
+        for shard, rows in zip(_SHARDS[attribute], dense.split(sizes), strict=True):
+            weights[f"{parent}.{shard}.weight"] = rows
+        if bias is not None:
+            for shard, rows in zip(_SHARDS[attribute], bias.split(sizes), strict=True):
+                weights[f"{parent}.{shard}.bias"] = rows
+    return weights

@@ -28,6 +28,8 @@ import torch
 from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
+from pagedkv.kernels import quant_gemm
+from pagedkv.models.quantization.blocks import QuantizedWeight
 from pagedkv.tokenizer.gguf_file import open_gguf
 
 Q = GGMLQuantizationType
@@ -124,8 +126,11 @@ class GGUFTensors:
     ``rotary_heads`` (Llama only; None for the others): the query and key head counts whose
     rows :func:`unpermute_rows` puts back."""
 
-    def __init__(self, file: Path, rotary_heads: tuple[int, int] | None) -> None:
+    def __init__(
+        self, file: Path, rotary_heads: tuple[int, int] | None, keep_quantized: bool = False
+    ) -> None:
         self.file = file
+        self.keep_quantized = keep_quantized
         reader = open_gguf(file)
         self._tensors = {checkpoint_name(t.name): t for t in reader.tensors if t.name != ROPE_FREQS}
         self._heads: dict[str, int] = {}
@@ -141,10 +146,18 @@ class GGUFTensors:
     def keys(self) -> list[str]:
         return list(self._tensors)
 
-    def get_tensor(self, name: str) -> torch.Tensor:
-        tensor = gguf_weight(self._tensors[name])
+    def get_tensor(self, name: str) -> torch.Tensor | QuantizedWeight:
+        """The tensor ``name``: dense, or with ``keep_quantized`` a quantized type the CPU
+        kernels run as its blocks (a :class:`QuantizedWeight` of the mapped bytes)."""
+        tensor = self._tensors[name]
         heads = self._heads.get(name.rsplit(".", 2)[-2])
-        return tensor if heads is None else unpermute_rows(tensor, heads)
+        if self.keep_quantized and int(tensor.tensor_type) in quant_gemm.BLOCKS:
+            raw = torch.from_numpy(np.asarray(tensor.data).reshape(int(tensor.shape[1]), -1))
+            raw = raw if heads is None else unpermute_rows(raw, heads)
+            shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml lists the row length first
+            return QuantizedWeight(raw.numpy(), Q(tensor.tensor_type), shape)
+        dense = gguf_weight(tensor)
+        return dense if heads is None else unpermute_rows(dense, heads)
 
     def get_slice(self, name: str) -> _Dense:
         return _Dense(self.get_tensor(name))

@@ -31,7 +31,7 @@ from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quantization.blocks import QuantizedWeight
 from pagedkv.models.quantization.hf_groups import QuantizedLayers, checkpoint_scheme
 from pagedkv.models.quantization.hf_scheme import QuantScheme
-from pagedkv.models.quantization.install import HELD_AS, install_quantized
+from pagedkv.models.quantization.install import install_quantized
 from pagedkv.models.quantization.on_the_fly import quantize_linears
 from pagedkv.tokenizer.gguf_file import SUFFIX, gguf_parts
 
@@ -102,6 +102,8 @@ def load_model(
     dtype = resolve_dtype(dtype, default=cfg.dtype, device=device)
     kernel = choose_linear_kernel(linear_kernel, torch.device(device), dtype)
     cfg = dataclasses.replace(cfg, dtype=dtype)  # model.config describes the model as loaded
+    # quantized weights stay in their blocks where the CPU kernels run them
+    keep = torch.device(device).type == "cpu" and tensor_parallel is None
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -117,12 +119,13 @@ def load_model(
         fill_dummy_weights(checkpoint_targets(model))
     else:
         read = None if tensor_parallel is None else tensor_parallel.tensor_reader(model)
-        load_weights(model, weight_files(path), read, scheme, checkpoint=cfg)
+        held = load_weights(model, weight_files(path), read, scheme, checkpoint=cfg, keep_quantized=keep)
+        if held is not None:
+            source = "GGUF" if scheme is None else f"{scheme.method} int{scheme.bits}"
+            model.quantization = f"{source}, {held}"
     if quantization is not None:
-        quantize_linears(model, quantization)
-    if scheme is not None or quantization is not None:
-        source = f"{quantization} on load" if scheme is None else f"{scheme.method} int{scheme.bits}"
-        model.quantization = f"{source}, {HELD_AS}"
+        held = quantize_linears(model, quantization, keep)
+        model.quantization = f"{quantization} on load, {held}"
     model.requires_grad_(False)
     model.linear_kernel = pack_linears(model, kernel, batch_hint)
     return model.eval()
@@ -160,19 +163,24 @@ def load_weights(
     read: Callable[[str, Any], torch.Tensor] | None = None,
     scheme: QuantScheme | None = None,
     checkpoint: ModelConfig | None = None,
-) -> None:
+    keep_quantized: bool = False,
+) -> str | None:
     """Copy every tensor of ``files`` into the parameter (or packed row slice) it names;
     ``read(name, file)`` reads a tensor (default: whole; a tensor-parallel rank: its slice).
     With a quantization ``scheme``, a quantized layer's tensors fill its ``weight`` together.
     ``checkpoint``: the whole model's config, when ``model`` holds a tensor-parallel rank's shard
-    (a GGUF file's rows are put back by the whole model's head counts); default ``model.config``."""
+    (a GGUF file's rows are put back by the whole model's head counts); default ``model.config``.
+    Quantized weights (a quantized checkpoint's layers, a GGUF file's quantized tensors) go
+    through :func:`~pagedkv.models.quantization.install.install_quantized`, kept in their blocks
+    with ``keep_quantized``; returns what they became (None: there were none)."""
     targets = checkpoint_targets(model)
     layers = None if scheme is None else QuantizedLayers(scheme, checkpoint_names(files), targets)
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
     unexpected: list[str] = []
+    quantized: dict[str, QuantizedWeight] = {}
     for file in files:
-        with _open_weights(file, checkpoint or model.config) as f:
+        with _open_weights(file, checkpoint or model.config, keep_quantized and read is None) as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
@@ -194,7 +202,7 @@ def load_weights(
                         f"but the config implies {tuple(target.shape)}"
                     )
                 if isinstance(tensor, QuantizedWeight):
-                    install_quantized(target, tensor)
+                    quantized[name] = tensor
                 else:
                     target.copy_(tensor)
                 loaded.add(name)
@@ -206,12 +214,14 @@ def load_weights(
     missing = sorted(set(targets) - loaded)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weights: {missing[:8]}")
+    return install_quantized(model, quantized, targets, keep_quantized)
 
 
-def _open_weights(file: Path, config: ModelConfig) -> Any:
+def _open_weights(file: Path, config: ModelConfig, keep_quantized: bool) -> Any:
     """A handle on one weight file: safetensors' own, or a GGUF file's
-    (:class:`~pagedkv.models.gguf_weights.GGUFTensors`, its Llama query/key rows unpermuted)."""
+    (:class:`~pagedkv.models.gguf_weights.GGUFTensors`, its Llama query/key rows unpermuted; its
+    quantized tensors as blocks with ``keep_quantized``)."""
     if file.suffix != SUFFIX:
         return safe_open(str(file), framework="pt", device="cpu")
     llama = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
-    return GGUFTensors(file, (config.num_heads, config.num_kv_heads) if llama else None)
+    return GGUFTensors(file, (config.num_heads, config.num_kv_heads) if llama else None, keep_quantized)

@@ -14,11 +14,11 @@ from safetensors.torch import load_file, save_file
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.models import load_model
-from pagedkv.models.loader import checkpoint_targets
 from tests.quant_checkpoints import (
     AWQ_ORDER,
     Variant,
     dense_checkpoint,
+    dense_weights,
     quantized_checkpoint,
     set_quantization_config,
 )
@@ -94,7 +94,7 @@ def test_dense_weights_equal_the_checkpoints_dequantization(tmp_path, key):
     folder, known = quantized_checkpoint(tmp_path, v)
     model = load_model(folder, dtype="float32", linear_kernel="torch")
     assert model.quantization.startswith(f"{v.method} int{v.bits}")
-    targets = checkpoint_targets(model)
+    targets = dense_weights(model)
     asymmetric_error = 0.0
     for name, want in known.items():
         layer = name.removesuffix(".weight")
@@ -150,7 +150,7 @@ def test_quantize_config_json_is_read_and_gptq_zero_biases_are_dropped(tmp_path)
     tensors = load_file(folder / "model.safetensors")
     tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(128)
     save_file(tensors, str(folder / "model.safetensors"))
-    targets = checkpoint_targets(load_model(folder, dtype="float32", linear_kernel="torch"))
+    targets = dense_weights(load_model(folder, dtype="float32", linear_kernel="torch"))
     name = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(targets[name], known[name])
     tensors["model.layers.0.self_attn.q_proj.bias"] = torch.ones(128)  # not a placeholder: refused

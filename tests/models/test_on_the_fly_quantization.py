@@ -18,6 +18,7 @@ from pagedkv.models.builtin.train import stdlib_text
 from pagedkv.models.quantization.k_quants import quantize_q4_k
 from pagedkv.models.quantization.on_the_fly import quantize_weight
 from tests.checkpoints import make_checkpoint
+from tests.quant_checkpoints import dense_weights
 
 Q = GGMLQuantizationType
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -93,7 +94,7 @@ def _greedy(folder, **options) -> list[list[int]]:
 def test_q8_0_generates_the_float_models_greedy_tokens(tmp_path):
     folder = make_checkpoint(tmp_path, "llama", **WIDE)
     with LLM(str(folder), dtype="float32", num_kv_blocks=64, quantization="q8_0") as llm:
-        assert "weights q8_0 on load, dequantized into dense weights" in llm.engine.describe()
+        assert "weights q8_0 on load, kept in GGUF blocks" in llm.engine.describe()
         quantized = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert quantized == _greedy(folder)
 
@@ -104,7 +105,9 @@ def test_4_bit_models_load_quantized_and_generate(tmp_path, name, qtype, relativ
     plain = load_model(folder, dtype="float32", linear_kernel="torch")
     quantized = load_model(folder, dtype="float32", linear_kernel="torch", quantization=name)
     assert plain.quantization is None and quantized.quantization.startswith(f"{name} on load")
-    for (key, before), after in zip(plain.state_dict().items(), quantized.state_dict().values(), strict=True):
+    after_load = dense_weights(quantized)
+    for key, before in dense_weights(plain).items():
+        after = after_load[key]
         projection = key.startswith("model.layers.") and key.endswith("proj.weight")
         if not projection:  # embedding, norms, biases, LM head: as in the checkpoint
             assert torch.equal(before, after), key
@@ -143,12 +146,12 @@ def test_the_real_models_q4_1_weights_are_those_of_its_gguf_file(real_model):
     quantizer maps a block's min and max to codes 0 and 15, so it finds the file's blocks again:
     quantized to q4_1 on load, every projection is the float folder's bit for bit; q8_0 moves
     each by under 1 %."""
-    plain = load_model(real_model, dtype="float32", linear_kernel="torch").state_dict()
+    plain = dense_weights(load_model(real_model, dtype="float32", linear_kernel="torch"))
     for name, exact in (("q4_1", True), ("q8_0", False)):
         quantized = load_model(real_model, dtype="float32", linear_kernel="torch", quantization=name)
-        weights = quantized.state_dict()
+        weights = dense_weights(quantized)
         projections = [k for k in plain if k.startswith("model.layers.") and k.endswith("proj.weight")]
-        assert len(projections) == 30 * 4  # qkv, o, gate_up, down
+        assert len(projections) == 30 * 7  # q, k, v, o, gate, up, down
         for key in projections:
             if exact:
                 assert torch.equal(weights[key], plain[key]), key

@@ -1,29 +1,101 @@
 """The one place a quantized weight enters the model.
 
-Until the linear layers run GGUF blocks themselves (``QuantizedLinear.from_gguf(raw, qtype,
-shape)``), a quantized weight is dequantized here with the ``gguf`` package's reference into the
-dense parameter it fills, so every quantized source -- GPTQ, AWQ, compressed-tensors, on-the-fly
-quantization -- loads and runs end to end, and its numbers are those of the blocks. The dense
-value is ggml's own dequantization (``d * q`` or ``d * q + m`` in float32), cast to the model's
-dtype.
+Every quantized source -- a GGUF file's quantized tensors, GPTQ, AWQ, compressed-tensors,
+on-the-fly quantization -- hands the loader :class:`QuantizedWeight`\\ s (GGUF blocks) under
+checkpoint names. :func:`install_quantized` then turns each linear layer whose weights all came
+quantized, in a type the CPU kernels have (:data:`pagedkv.kernels.quant_gemm.BLOCKS`), into a
+:class:`~pagedkv.models.quantized.QuantizedLinear` holding those blocks as its only copy (a packed
+q/k/v or gate/up projection keeps its parts' types side by side); the op list's ``Project`` then
+runs it, and the C decode stack lowers it. Anything else -- the embedding, whose rows are read,
+not multiplied; a packed projection with a dense part; a type without a kernel; a model that is
+not kept quantized (off the CPU, or a tensor-parallel shard) -- is dequantized into its dense
+parameter with the ``gguf`` package's reference (``d * q`` or ``d * q + m`` in float32, cast to
+the model's dtype).
 """
 
 from __future__ import annotations
 
 import torch
 from gguf.quants import dequantize
+from torch import nn
 
+from pagedkv.kernels import quant_gemm
+from pagedkv.models.linear import Linear, PackedLinear
 from pagedkv.models.quantization.blocks import QuantizedWeight
+from pagedkv.models.quantized import QuantizedLinear
 
-#: What :func:`install_quantized` makes of the blocks, for the engine's description.
-HELD_AS = "dequantized into dense weights"
+#: What :func:`install_quantized` made of the blocks, for the engine's description.
+KEPT = "kept in GGUF blocks"
+DEQUANTIZED = "dequantized into dense weights"
 
 
-def install_quantized(target: torch.Tensor, weight: QuantizedWeight) -> None:
-    """Fill ``target`` (a weight parameter, or a packed projection's row slice of one) with
-    ``weight``, whose shape it must have."""
+def install_quantized(
+    model: nn.Module, weights: dict[str, QuantizedWeight], targets: dict[str, torch.Tensor], keep: bool
+) -> str | None:
+    """Put ``weights`` (checkpoint name -> blocks) into ``model``: linear layers whose weights
+    all came quantized become :class:`QuantizedLinear` when ``keep``, every other weight fills its
+    target in ``targets`` (checkpoint name -> parameter or packed row slice) dense. Returns
+    :data:`KEPT` or :data:`DEQUANTIZED` (what the larger part became), None without weights."""
+    if not weights:
+        return None
+    pending, kept = dict(weights), 0
+    if keep:
+        for name, module in list(model.named_modules()):
+            if not isinstance(module, Linear):
+                continue
+            parts = _parts(name, module)
+            blocks = [pending.get(part) for part in parts]
+            if not all(b is not None and int(b.qtype) in quant_gemm.BLOCKS for b in blocks):
+                continue
+            _replace(model, name, quantized_linear(module, blocks))
+            for part in parts:
+                del pending[part]
+            kept += 1
+    for name, weight in pending.items():
+        dequantize_into(targets[name], weight)
+    return KEPT if kept and kept >= len(pending) else DEQUANTIZED
+
+
+def quantize_module(model: nn.Module, name: str, weight: QuantizedWeight, keep: bool) -> None:
+    """The linear layer ``name`` of ``model`` made of ``weight`` (its whole weight, every
+    shard of a packed projection at once, of one type): a :class:`QuantizedLinear` with the
+    layer's bias when ``keep``, else its dense weight dequantized in place."""
+    module = model.get_submodule(name)
+    if not (keep and int(weight.qtype) in quant_gemm.BLOCKS):
+        dequantize_into(module.weight.data, weight)
+        return
+    bias = None if module.bias is None else module.bias.data.clone()
+    _replace(model, name, QuantizedLinear.from_gguf(weight.raw, int(weight.qtype), weight.shape, bias))
+
+
+def dequantize_into(target: torch.Tensor, weight: QuantizedWeight) -> None:
+    """Fill ``target`` (a parameter or a packed projection's row slice) with ``weight``'s values."""
     if tuple(target.shape) != weight.shape:
         raise ValueError(
             f"a {weight.qtype.name} weight of shape {weight.shape} cannot fill {tuple(target.shape)}"
         )
     target.copy_(torch.from_numpy(dequantize(weight.raw, weight.qtype)))
+
+
+def quantized_linear(module: Linear, blocks: list[QuantizedWeight]) -> QuantizedLinear:
+    """``module`` (a plain or packed linear layer, with its loaded bias) as blocks: one part per
+    shard of a packed projection, in its row order."""
+    rows = module.shard_rows().values() if isinstance(module, PackedLinear) else [(0, module.out_features)]
+    layers = []
+    for weight, (start, count) in zip(blocks, rows, strict=True):  # shapes checked by the loader
+        bias = None if module.bias is None else module.bias.data.narrow(0, start, count).clone()
+        layers.append(QuantizedLinear.from_gguf(weight.raw, int(weight.qtype), weight.shape, bias))
+    return layers[0] if len(layers) == 1 else QuantizedLinear.packed(layers)
+
+
+def _parts(name: str, module: Linear) -> list[str]:
+    """The checkpoint names of ``module``'s weight: one per shard of a packed projection."""
+    if isinstance(module, PackedLinear):
+        parent = name.rpartition(".")[0]
+        return [f"{parent}.{shard}.weight" for shard in module.shard_rows()]
+    return [f"{name}.weight"]
+
+
+def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
+    parent, _, attribute = name.rpartition(".")
+    setattr(model.get_submodule(parent), attribute, layer)

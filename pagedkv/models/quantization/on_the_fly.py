@@ -18,7 +18,7 @@ from pagedkv.config.model import QUANTIZATION_NAMES
 from pagedkv.models.linear import Linear
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quantization.blocks import QuantizedWeight
-from pagedkv.models.quantization.install import install_quantized
+from pagedkv.models.quantization.install import DEQUANTIZED, KEPT, quantize_module
 from pagedkv.models.quantization.k_quants import quantize_q4_k
 
 Q = GGMLQuantizationType
@@ -51,12 +51,15 @@ def quantize_weight(
     return QuantizedWeight(raw, qtype, (rows.shape[0], rows.shape[1]))
 
 
-def quantize_linears(model: LlamaForCausalLM, quantization: str) -> None:
+def quantize_linears(model: LlamaForCausalLM, quantization: str, keep: bool) -> str:
     """Quantize every projection of ``model``'s decoder layers to ``quantization`` (a name of
-    :data:`TYPES`), in place."""
+    :data:`TYPES`), in place: each becomes a :class:`~pagedkv.models.quantized.QuantizedLinear`
+    when ``keep``, else takes its blocks' values densely. Returns what the weights became."""
     if quantization not in TYPES:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {list(TYPES)}")
-    for name, module in model.model.layers.named_modules():
+    layers = model.model.layers
+    for name, module in list(layers.named_modules()):
         if isinstance(module, Linear):
-            weight = module.weight.data
-            install_quantized(weight, quantize_weight(weight, TYPES[quantization], f"layers.{name}"))
+            weight = quantize_weight(module.weight.data, TYPES[quantization], f"layers.{name}")
+            quantize_module(layers, name, weight, keep)
+    return KEPT if keep else DEQUANTIZED
