@@ -52,6 +52,7 @@ from pagedkv.models import ModelConfig
 from pagedkv.models.generation_config import default_sampling_params
 from pagedkv.models.hub import resolve_model
 from pagedkv.tokenizer import engine_tokenizer
+from pagedkv.tokenizer.gguf_file import release_readers
 
 if TYPE_CHECKING:
     from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
@@ -91,6 +92,7 @@ class LLMEngine:
         tokenizer = path if model.tokenizer is None else self._tokenizer_folder(model.tokenizer)
         self.tokenizer = engine_tokenizer(tokenizer, model.skip_tokenizer_init)
         self.executor: Executor = make_executor(settings, path, self.model_config)
+        release_readers()  # a GGUF model's weights are loaded: its files' mappings can go
         num_blocks = self.executor.num_kv_blocks
         #: How the pool was sized; ``describe()`` is the line the CLI prints at start-up.
         self.kv_sizing = self.executor.kv_sizing

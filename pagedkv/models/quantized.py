@@ -182,3 +182,24 @@ def _dequantize(blocks: torch.Tensor, qtype: int, in_features: int, dtype: torch
 
     dense = torch.from_numpy(dequantize(blocks.cpu().numpy(), qtype))
     return dense.to(device=blocks.device, dtype=dtype)
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token embedding held as GGUF blocks (``[vocab, row bytes]`` ``uint8`` of ggml type
+    ``qtype``): a lookup dequantizes only the rows it reads, to the model's ``dtype``, with the
+    values a dense embedding dequantized at load would hold. A tied LM head multiplies by the
+    same blocks (:meth:`tied_head`): the matrix is held once."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        quant_gemm.row_bytes(qtype, hidden_size)  # a type with a kernel, rows of whole blocks
+        self.register_buffer("blocks", blocks.contiguous())
+        self.qtype, self.hidden_size, self.dtype = int(qtype), hidden_size, dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, input_ids.reshape(-1))
+        return _dequantize(rows, self.qtype, self.hidden_size, self.dtype).view(*input_ids.shape, -1)
+
+    def tied_head(self) -> QuantizedLinear:
+        """The LM head whose weight is this embedding's matrix, over the same blocks."""
+        return QuantizedLinear([(self.blocks, self.qtype)], self.hidden_size)

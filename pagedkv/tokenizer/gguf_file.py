@@ -105,6 +105,12 @@ def _reader_class() -> type[GGUFReader]:
     return PlainViewReader
 
 
+def release_readers() -> None:
+    """Forget the readers :func:`open_gguf` keeps: their mappings hold the files' pages, which
+    count in the process's memory once read, and a loaded model has its own copy of every weight."""
+    _open.cache_clear()
+
+
 @functools.lru_cache(maxsize=4)
 def _open(file: Path, size: int, mtime_ns: int) -> GGUFReader:
     with open(file, "rb") as f:

@@ -13,6 +13,8 @@ import torch
 import transformers
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.models import load_model
+from pagedkv.models.quantized import QuantizedEmbedding, QuantizedLinear
 from tests.models.test_real_model import CONVERSATIONS
 from tests.real_model import ENGINE_OPTIONS, GGUF_FILE, gguf_path
 
@@ -68,3 +70,23 @@ def test_chat_answers(llm):
     reply = llm.chat(question, SamplingParams(max_tokens=20, temperature=0.0), use_tqdm=False)
     assert "Paris" in reply[0].outputs[0].text
     assert reply[0].outputs[0].finish_reason in ("stop", "length")
+
+
+def test_its_weights_stay_in_the_files_blocks(gguf_file):
+    """Loaded on the CPU, every projection and the tied embedding keep the file's blocks: the model
+    holds about the file's bytes (its norms in float32 and nothing dense beside the blocks), not
+    the float32 model's four times as many."""
+    model = load_model(str(gguf_file), dtype="float32")
+    assert model.quantization == "GGUF, kept in GGUF blocks"
+    layer = model.model.layers[0]
+    projections = (
+        layer.self_attn.qkv_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_up_proj,
+        layer.mlp.down_proj,
+    )
+    assert all(isinstance(p, QuantizedLinear) for p in projections)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert model.lm_head.part0.data_ptr() == model.model.embed_tokens.blocks.data_ptr()  # held once
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
+    assert sum(held.values()) <= 1.05 * gguf_file.stat().st_size

@@ -6,8 +6,9 @@ checkpoint names. :func:`install_quantized` then turns each linear layer whose w
 quantized, in a type the CPU kernels have (:data:`pagedkv.kernels.quant_gemm.BLOCKS`), into a
 :class:`~pagedkv.models.quantized.QuantizedLinear` holding those blocks as its only copy (a packed
 q/k/v or gate/up projection keeps its parts' types side by side); the op list's ``Project`` then
-runs it, and the C decode stack lowers it. Anything else -- the embedding, whose rows are read,
-not multiplied; a packed projection with a dense part; a type without a kernel; a model that is
+runs it, and the C decode stack lowers it; the token embedding becomes a
+:class:`~pagedkv.models.quantized.QuantizedEmbedding` (a LM head tied to it multiplies by the same
+blocks). Anything else -- a packed projection with a dense part; a type without a kernel; a model that is
 not kept quantized (off the CPU, or a tensor-parallel shard) -- is dequantized into its dense
 parameter with the ``gguf`` package's reference (``d * q`` or ``d * q + m`` in float32, cast to
 the model's dtype).
@@ -22,11 +23,13 @@ from torch import nn
 from pagedkv.kernels import quant_gemm
 from pagedkv.models.linear import Linear, PackedLinear
 from pagedkv.models.quantization.blocks import QuantizedWeight
-from pagedkv.models.quantized import QuantizedLinear
+from pagedkv.models.quantized import QuantizedEmbedding, QuantizedLinear
 
 #: What :func:`install_quantized` made of the blocks, for the engine's description.
 KEPT = "kept in GGUF blocks"
 DEQUANTIZED = "dequantized into dense weights"
+#: the checkpoint name of the token embedding
+EMBEDDING = "model.embed_tokens.weight"
 
 
 def install_quantized(
@@ -51,9 +54,23 @@ def install_quantized(
             for part in parts:
                 del pending[part]
             kept += 1
+    embedding = pending.get(EMBEDDING)
+    if keep and embedding is not None and int(embedding.qtype) in quant_gemm.BLOCKS:
+        _keep_embedding(model, pending.pop(EMBEDDING))
+        kept += 1
     for name, weight in pending.items():
         dequantize_into(targets[name], weight)
     return KEPT if kept and kept >= len(pending) else DEQUANTIZED
+
+
+def _keep_embedding(model: nn.Module, weight: QuantizedWeight) -> None:
+    """The embedding as its blocks, and a LM head tied to it multiplying by the same blocks."""
+    dense = model.model.embed_tokens.weight
+    blocks = QuantizedLinear.from_gguf(weight.raw, int(weight.qtype), weight.shape).columns()
+    embedding = QuantizedEmbedding(next(blocks)[3], int(weight.qtype), weight.shape[1], dense.dtype)
+    model.model.embed_tokens = embedding
+    if model.config.tie_word_embeddings:
+        model.lm_head = embedding.tied_head()
 
 
 def quantize_module(model: nn.Module, name: str, weight: QuantizedWeight, keep: bool) -> None:
