@@ -66,6 +66,17 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # in place: silu's output is ours
 
+    def offset_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gemma's RMSNorm: ``rmsnorm(x) * (1 + weight)`` in float32, cast back once, written
+        as transformers' ``Gemma2RMSNorm`` computes it (bit for bit)."""
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (out * (1.0 + weight.float())).to(x.dtype)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)  # in place: gelu's output is ours
+
     def rotary_write_kv(
         self,
         qkv: torch.Tensor,

@@ -150,6 +150,42 @@ class GateUpAct(Op):
         return self.act(x, batch.ops), residual
 
 
+@dataclass(frozen=True, eq=False)
+class OffsetNorm(Op):
+    """Gemma's RMSNorm ``rmsnorm(x) * (1 + weight)``, all in float32 and cast back once
+    (transformers' ``Gemma2RMSNorm``). The weight is applied before the cast, not after it as in
+    :class:`AddNorm`, so folding ``1 + weight`` into an :class:`AddNorm` would round otherwise in
+    bfloat16. With ``add``, ``x + residual`` first becomes the residual (with no residual yet,
+    ``x`` itself: the scaled embedding), as in :class:`AddNorm`; without, the residual passes on
+    untouched (the norm of a sublayer's output, before it is added)."""
+
+    weight: torch.Tensor
+    eps: float
+    add: bool
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
+        if not self.add:
+            return batch.ops.offset_rms_norm(x, self.weight, self.eps), residual
+        # x is a fresh norm output (or the embedding), so adding into it loses nothing
+        residual = x if residual is None else x.add_(residual)
+        return batch.ops.offset_rms_norm(residual, self.weight, self.eps), residual
+
+
+@dataclass(frozen=True, eq=False)
+class GateUpGelu(Op):
+    """``gelu_tanh(gate) * up`` of ``x`` by the gate/up projection (Gemma's GeGLU, transformers'
+    ``gelu_pytorch_tanh``): the packed product, then the step's ``gelu_tanh_and_mul``."""
+
+    gate_up: nn.Module
+    project: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "project", self.gate_up.as_function())
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
+        return batch.ops.gelu_tanh_and_mul(self.project(x)), residual
+
+
 @dataclass(frozen=True)
 class DecoderOps:
     """A decoder's forward pass as ops: each layer's, then the final ones (the final norm)."""
