@@ -17,6 +17,7 @@ from pagedkv.models import load_model
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.gemma2 import Gemma2ForCausalLM
 from pagedkv.models.layer_ops import TORCH_OPS
+from pagedkv.models.parallel import TensorParallel
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint, to_v4_config
 
 from .paging import PagedBatch
@@ -172,3 +173,24 @@ def test_bfloat16_tracks_float32(tmp_path):
     for g, w in zip(got, want, strict=True):
         assert g.dtype == torch.float32 and torch.isfinite(g).all()
         assert (g - w).abs().max().item() < 0.5 * w.std().item()
+
+
+def test_q8_0_on_load_tracks_the_float_model(tmp_path):
+    """The projections kept in Q8_0 blocks (the GeGLU's packed gate/up among them) on the CPU.
+    Uncapped: the test caps, small enough to saturate, magnify any error of the weights."""
+    uncapped = {**GEMMA2, "attn_logit_softcapping": None, "final_logit_softcapping": None}
+    path = make_checkpoint(tmp_path, "gemma2", **uncapped)
+    full = load_model(path, dtype="float32")
+    q8 = load_model(path, dtype="float32", quantization="q8_0")
+    assert q8.quantization.startswith("q8_0 on load")
+    seqs = prompts(seed=4)
+    want = PagedBatch(full, max(PROMPT_LENS), len(seqs)).step(seqs)
+    got = PagedBatch(q8, max(PROMPT_LENS), len(seqs)).step(seqs)
+    for g, w in zip(got, want, strict=True):
+        assert 0 < (g - w).abs().max().item() < 0.05 * w.std().item()
+
+
+def test_tensor_parallelism_is_refused(tmp_path):
+    path = make_checkpoint(tmp_path, "gemma2", **GEMMA2)
+    with pytest.raises(ValueError, match="tensor parallelism does not cover Gemma2ForCausalLM"):
+        load_model(path, tensor_parallel=TensorParallel(0, 2))
