@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 #: RoPE scalings implemented in :mod:`pagedkv.models.rope`; "freq_factors" is llama.cpp's form of
@@ -57,6 +58,15 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "query_pre_attn_scalar": 256,
         "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0,
+    },
+    "Gemma3ForCausalLM": {
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "sliding_window": 4096,
+        "query_pre_attn_scalar": 256,
     },
 }
 
@@ -137,6 +147,8 @@ class ModelConfig:
     rms_norm_eps: float
     rope: RopeConfig
     max_position_embeddings: int
+    #: the sliding layers' own RoPE (Gemma 3's ``rope_local_base_freq``); None: ``rope``.
+    local_rope: RopeConfig | None = None
     tie_word_embeddings: bool = False
     #: bias on q/k/v projections (Qwen2, or Llama's ``attention_bias``).
     attention_bias: bool = False
@@ -268,6 +280,10 @@ class ModelConfig:
         bias = bool(raw.get("attention_bias", False))
         max_pos = raw.get("max_position_embeddings", defaults["max_position_embeddings"])
         sliding_window, layer_types = _sliding(raw, arch, num_layers)
+        if arch == "Gemma3ForCausalLM":
+            rope, local_rope = _gemma3_ropes(raw, max_pos)
+        else:
+            rope, local_rope = _rope(raw, max_pos), None
         return cls(
             architecture=arch,
             vocab_size=_required(raw, "vocab_size"),
@@ -278,15 +294,16 @@ class ModelConfig:
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", defaults["rms_norm_eps"])),
-            rope=_rope(raw, max_pos),
+            rope=rope,
             max_position_embeddings=max_pos,
+            local_rope=local_rope,
             tie_word_embeddings=bool(
                 raw.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))
             ),
             attention_bias=bias or arch == "Qwen2ForCausalLM",
             o_proj_bias=bias and arch != "Qwen2ForCausalLM",
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=sliding_window,
             layer_types=layer_types,
             query_pre_attn_scalar=raw.get("query_pre_attn_scalar", defaults.get("query_pre_attn_scalar")),
@@ -324,12 +341,28 @@ def _rope(raw: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
     return RopeConfig(theta=float(theta), type=rope_type, params=params)
 
 
+def _gemma3_ropes(raw: dict[str, Any], max_position_embeddings: int) -> tuple[RopeConfig, RopeConfig]:
+    """Gemma 3's RoPE of its full and of its sliding layers: 5.x writes ``rope_parameters`` per
+    layer type; 4.x ``rope_theta`` (+ ``rope_scaling``) and ``rope_local_base_freq``."""
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:
+        full, local = ({"rope_parameters": params[kind]} for kind in ("full_attention", "sliding_attention"))
+    else:
+        full = {**raw, "rope_theta": raw.get("rope_theta", 1e6)}
+        local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+    local_rope = _rope(local, max_position_embeddings)
+    if local_rope.type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE scaling {local_rope.type!r} of the sliding layers")
+    return _rope(full, max_position_embeddings), local_rope
+
+
 def _sliding(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """The sliding window and which layers use it, as transformers decides per architecture.
 
     Mistral slides every layer when ``sliding_window`` is set. Qwen2/Qwen3 slide only with
     ``use_sliding_window`` and only layers from ``max_window_layers`` on (5.x also writes the
-    resulting ``layer_types``). Gemma 2 slides the even layers (0, 2, ...). Llama never slides.
+    resulting ``layer_types``). Gemma 2 slides the even layers (0, 2, ...), Gemma 3 all but every
+    ``sliding_window_pattern``-th (6th). Llama never slides.
     """
     window = raw.get("sliding_window", _ARCH_DEFAULTS[arch].get("sliding_window"))
     if arch == "LlamaForCausalLM":
@@ -343,6 +376,11 @@ def _sliding(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | Non
     layer_types = raw.get("layer_types")
     if layer_types is None and arch == "Gemma2ForCausalLM":
         layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if layer_types is None and arch == "Gemma3ForCausalLM":
+        pattern = raw.get("sliding_window_pattern", 6)
+        layer_types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
+        ]
     if layer_types is None:
         first = raw.get("max_window_layers", 28)
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]

@@ -8,7 +8,10 @@ from pagedkv.models.llama import LlamaForCausalLM
 
 #: architectures (config.json ``architectures[0]``) with their own module; every other supported
 #: one (Llama, Mistral, Qwen2, Qwen3) is a switch of :class:`LlamaForCausalLM`
-_FAMILIES: dict[str, type[LlamaForCausalLM]] = {"Gemma2ForCausalLM": Gemma2ForCausalLM}
+_FAMILIES: dict[str, type[LlamaForCausalLM]] = {
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma2ForCausalLM,
+}
 
 
 def model_class(architecture: str) -> type[LlamaForCausalLM]:

@@ -203,12 +203,23 @@ class LlamaForCausalLM(nn.Module):
                 f"and {tuple(positions.shape)}"
             )
         x = self.embed(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype, metadata.max_seq_len)
-        ops = layer_ops.select(x)
-        batch = ForwardBatch(ops, cos, sin, kv_cache, metadata, self.attention_backend, output_rows)
+        batch = self.forward_batch(x, positions, kv_cache, metadata, output_rows)
         if self.step_program is None:
             self.step_program = StepProgram.of(self)
         return self.step_program.run(x, batch)
+
+    def forward_batch(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        output_rows: torch.Tensor | None,
+    ) -> ForwardBatch:
+        """What every op of the step shares, for the embedded tokens ``x``."""
+        cos, sin = self.rotary.cos_sin(positions, x.dtype, metadata.max_seq_len)
+        ops = layer_ops.select(x)
+        return ForwardBatch(ops, cos, sin, kv_cache, metadata, self.attention_backend, output_rows)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The hidden states the first layer reads for ``input_ids [T]``."""

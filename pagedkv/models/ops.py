@@ -48,6 +48,9 @@ class ForwardBatch:
     #: attention (:class:`KeepRows`): their keys and values are in the cache by then, and
     #: nothing reads the rest of their pass (llama.cpp's ``inp_out_ids``).
     output_rows: torch.Tensor | None = None
+    #: the sliding layers' own rotary ``cos``/``sin`` where their RoPE differs (Gemma 3)
+    local_cos: torch.Tensor | None = None
+    local_sin: torch.Tensor | None = None
 
 
 class Op:
@@ -89,14 +92,17 @@ class Project(Op):
 @dataclass(frozen=True, eq=False)
 class RotaryWriteKV(Op):
     """The packed q/k/v projection ``x`` in: rotary (after the optional per-head q/k norms) on q
-    and k, k and v written into the layer's KV slots; the queries ``[T, Hq, D]`` out."""
+    and k, k and v written into the layer's KV slots; the queries ``[T, Hq, D]`` out. ``local``:
+    by the batch's ``local_cos``/``local_sin`` (a sliding layer of Gemma 3)."""
 
     layout: QKVLayout
     kv_layer: int
+    local: bool = False
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         kv = batch.kv_cache.layers[self.kv_layer]
-        return batch.ops.rotary_write_kv(x, self.layout, batch.cos, batch.sin, kv, batch.metadata), residual
+        cos, sin = (batch.local_cos, batch.local_sin) if self.local else (batch.cos, batch.sin)
+        return batch.ops.rotary_write_kv(x, self.layout, cos, sin, kv, batch.metadata), residual
 
 
 @dataclass(frozen=True, eq=False)

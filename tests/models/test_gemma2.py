@@ -1,4 +1,4 @@
-"""Gemma 2 (its own module, :mod:`pagedkv.models.gemma2`) against transformers' own model.
+"""Gemma 2 and Gemma 3 (their module, :mod:`pagedkv.models.gemma2`) against transformers' own models.
 
 Every Gemma 2 switch is on in the tiny checkpoints and set to bite: a sliding window shorter
 than the prompts on the even layers, attention scaled by ``query_pre_attn_scalar`` (not
@@ -30,6 +30,13 @@ GEMMA2 = {
     "final_logit_softcapping": 3.0,
     "tie_word_embeddings": True,
     "num_hidden_layers": 3,
+}
+#: Gemma 3's switches: q/k norms, its own sliding pattern, the default RoPE bases (1e6 full, 1e4 sliding)
+GEMMA3 = {
+    "sliding_window": 5,
+    "query_pre_attn_scalar": 24,
+    "num_hidden_layers": 3,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
 }
 
 
@@ -80,9 +87,11 @@ def _engine_prompts() -> list[list[int]]:
     return [*own, shared + [5, 6, 7], shared + [9]]
 
 
-@pytest.fixture(scope="module")
-def engine_reference(tmp_path_factory):
-    path = make_checkpoint(tmp_path_factory.mktemp("gemma2"), "gemma2", **{**GEMMA2, "sliding_window": 8})
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def engine_reference(request, tmp_path_factory):
+    arch = request.param
+    overrides = {**(GEMMA2 if arch == "gemma2" else GEMMA3), "sliding_window": 8}
+    path = make_checkpoint(tmp_path_factory.mktemp(arch), arch, **overrides)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
@@ -194,3 +203,40 @@ def test_tensor_parallelism_is_refused(tmp_path):
     path = make_checkpoint(tmp_path, "gemma2", **GEMMA2)
     with pytest.raises(ValueError, match="tensor parallelism does not cover Gemma2ForCausalLM"):
         load_model(path, tensor_parallel=TensorParallel(0, 2))
+
+
+# -- Gemma 3 (text): the same module with q/k norms, no caps, a local RoPE base ------------------
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_gemma3_logits_match_transformers(tmp_path, hf_cache, backend):
+    path = make_checkpoint(tmp_path, "gemma3", **GEMMA3)
+    model = load_model(path, dtype=torch.float32, attention_backend=backend)
+    cfg = model.config
+    assert isinstance(model, Gemma2ForCausalLM) and cfg.qk_norm and cfg.final_logit_softcapping is None
+    assert (cfg.rope.theta, cfg.local_rope.theta) == (1e6, 10000.0)  # two tables, both used
+    batch = PagedBatch(model, max_len=max(PROMPT_LENS) + 1, num_seqs=len(PROMPT_LENS))
+    seqs = prompts()
+    ours = batch.step(seqs)
+    for seq, got in zip(seqs, ours, strict=True):
+        assert (got - reference(hf_cache, path, seq)).abs().max().item() < TOL
+    next_tokens = [[int(logits[-1].argmax())] for logits in ours]
+    for seq, nxt, got in zip(seqs, next_tokens, batch.step(next_tokens), strict=True):
+        assert (got - reference(hf_cache, path, seq + nxt)[-1:]).abs().max().item() < TOL
+
+
+def test_gemma3_layer_types_default_to_five_sliding_to_one_full():
+    raw = {
+        "architectures": ["Gemma3ForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 7,
+        "num_attention_heads": 1,
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4,
+    }
+    cfg = ModelConfig.from_dict(raw)  # a transformers 4.x config.json
+    assert [t == "full_attention" for t in cfg.layer_types] == [False] * 5 + [True, False]
+    assert (cfg.rope.theta, cfg.local_rope.theta) == (1e6, 1e4)
+    assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping is None
