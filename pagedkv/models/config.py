@@ -26,6 +26,8 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 #: RoPE scalings implemented in :mod:`pagedkv.models.rope`; "freq_factors" is llama.cpp's form of
@@ -46,6 +48,26 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 128},
+    "Gemma2ForCausalLM": {
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "sliding_window": 4096,
+        "query_pre_attn_scalar": 256,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    },
+    "Gemma3ForCausalLM": {
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "sliding_window": 4096,
+        "query_pre_attn_scalar": 256,
+    },
 }
 
 
@@ -125,6 +147,8 @@ class ModelConfig:
     rms_norm_eps: float
     rope: RopeConfig
     max_position_embeddings: int
+    #: the sliding layers' own RoPE (Gemma 3's ``rope_local_base_freq``); None: ``rope``.
+    local_rope: RopeConfig | None = None
     tie_word_embeddings: bool = False
     #: bias on q/k/v projections (Qwen2, or Llama's ``attention_bias``).
     attention_bias: bool = False
@@ -137,6 +161,12 @@ class ModelConfig:
     sliding_window: int | None = None
     #: per layer, "full_attention" or "sliding_attention".
     layer_types: tuple[str, ...] = ()
+    #: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` (Gemma); None: ``head_dim``.
+    query_pre_attn_scalar: float | None = None
+    #: attention scores pass through ``cap * tanh(score / cap)`` (Gemma 2); None: uncapped.
+    attn_logit_softcapping: float | None = None
+    #: the logits pass through ``cap * tanh(logit / cap)`` (Gemma 2); None: uncapped.
+    final_logit_softcapping: float | None = None
     dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -191,6 +221,11 @@ class ModelConfig:
             return (self.eos_token_id,)
         return tuple(self.eos_token_id)
 
+    @property
+    def attention_scale(self) -> float:
+        """The factor attention scores are scaled by before the softmax."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
     def layer_sliding_window(self, layer: int) -> int | None:
         """The window layer ``layer`` attends over, None for full causal attention."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
@@ -232,9 +267,11 @@ class ModelConfig:
         if arch not in _ARCH_DEFAULTS:
             raise unsupported_architecture(arch)
         defaults = _ARCH_DEFAULTS[arch]
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r}; the Llama family uses 'silu'")
+        # the MLP activation the family's modules implement (Gemma names it hidden_activation)
+        expected = defaults.get("hidden_activation", "silu")
+        act = raw.get("hidden_activation") or raw.get("hidden_act") or expected
+        if act != expected:
+            raise ValueError(f"unsupported hidden_act {act!r}; {arch} uses {expected!r}")
 
         num_layers = _required(raw, "num_hidden_layers")
         num_heads = _required(raw, "num_attention_heads")
@@ -243,6 +280,10 @@ class ModelConfig:
         bias = bool(raw.get("attention_bias", False))
         max_pos = raw.get("max_position_embeddings", defaults["max_position_embeddings"])
         sliding_window, layer_types = _sliding(raw, arch, num_layers)
+        if arch == "Gemma3ForCausalLM":
+            rope, local_rope = _gemma3_ropes(raw, max_pos)
+        else:
+            rope, local_rope = _rope(raw, max_pos), None
         return cls(
             architecture=arch,
             vocab_size=_required(raw, "vocab_size"),
@@ -253,15 +294,23 @@ class ModelConfig:
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", defaults["rms_norm_eps"])),
-            rope=_rope(raw, max_pos),
+            rope=rope,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            local_rope=local_rope,
+            tie_word_embeddings=bool(
+                raw.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))
+            ),
             attention_bias=bias or arch == "Qwen2ForCausalLM",
             o_proj_bias=bias and arch != "Qwen2ForCausalLM",
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=sliding_window,
             layer_types=layer_types,
+            query_pre_attn_scalar=raw.get("query_pre_attn_scalar", defaults.get("query_pre_attn_scalar")),
+            attn_logit_softcapping=raw.get("attn_logit_softcapping", defaults.get("attn_logit_softcapping")),
+            final_logit_softcapping=raw.get(
+                "final_logit_softcapping", defaults.get("final_logit_softcapping")
+            ),
             dtype=resolve_dtype(raw.get("dtype") or raw.get("torch_dtype")),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
@@ -292,14 +341,30 @@ def _rope(raw: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
     return RopeConfig(theta=float(theta), type=rope_type, params=params)
 
 
+def _gemma3_ropes(raw: dict[str, Any], max_position_embeddings: int) -> tuple[RopeConfig, RopeConfig]:
+    """Gemma 3's RoPE of its full and of its sliding layers: 5.x writes ``rope_parameters`` per
+    layer type; 4.x ``rope_theta`` (+ ``rope_scaling``) and ``rope_local_base_freq``."""
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:
+        full, local = ({"rope_parameters": params[kind]} for kind in ("full_attention", "sliding_attention"))
+    else:
+        full = {**raw, "rope_theta": raw.get("rope_theta", 1e6)}
+        local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
+    local_rope = _rope(local, max_position_embeddings)
+    if local_rope.type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE scaling {local_rope.type!r} of the sliding layers")
+    return _rope(full, max_position_embeddings), local_rope
+
+
 def _sliding(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """The sliding window and which layers use it, as transformers decides per architecture.
 
     Mistral slides every layer when ``sliding_window`` is set. Qwen2/Qwen3 slide only with
     ``use_sliding_window`` and only layers from ``max_window_layers`` on (5.x also writes the
-    resulting ``layer_types``). Llama never slides.
+    resulting ``layer_types``). Gemma 2 slides the even layers (0, 2, ...), Gemma 3 all but every
+    ``sliding_window_pattern``-th (6th). Llama never slides.
     """
-    window = raw.get("sliding_window")
+    window = raw.get("sliding_window", _ARCH_DEFAULTS[arch].get("sliding_window"))
     if arch == "LlamaForCausalLM":
         window = None
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
@@ -309,6 +374,13 @@ def _sliding(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | Non
     if arch == "MistralForCausalLM":
         return window, ("sliding_attention",) * num_layers
     layer_types = raw.get("layer_types")
+    if layer_types is None and arch == "Gemma2ForCausalLM":
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if layer_types is None and arch == "Gemma3ForCausalLM":
+        pattern = raw.get("sliding_window_pattern", 6)
+        layer_types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)
+        ]
     if layer_types is None:
         first = raw.get("max_window_layers", 28)
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]

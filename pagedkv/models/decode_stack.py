@@ -178,6 +178,8 @@ def _project(op: Project, low: _Lowering) -> str | None:
 
 
 def _rotary_write_kv(op: RotaryWriteKV, low: _Lowering) -> str | None:
+    if op.local:
+        return "a second rotary table"
     layout, ops = op.layout, layer_ops.native_ops(low.dtype)
     heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
     if dim > ops.max_head_dim:
@@ -186,7 +188,7 @@ def _rotary_write_kv(op: RotaryWriteKV, low: _Lowering) -> str | None:
         return "an attention shape the compiled kernels do not take"
     if low.widths[low.current] != (heads + 2 * kv_heads) * dim:
         return "a q/k/v layout its projection does not make"
-    if not (low.fits(layout.q_norm, dim) and low.fits(layout.k_norm, dim)):
+    if not (low.fits(layout.q_norm, dim) and low.fits(layout.k_norm, dim)) or layout.offset:
         return "a q/k norm weight the compiled norms do not take"
     pools = low.pools(op.kv_layer, kv_heads, dim)
     if isinstance(pools, str):

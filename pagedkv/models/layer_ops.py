@@ -36,7 +36,7 @@ _OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_write_kv")
 @dataclass(frozen=True)
 class QKVLayout:
     """How a layer's packed q/k/v projection output is laid out, and its optional per-head
-    q/k RMSNorm weights (Qwen3)."""
+    q/k RMSNorm weights (Qwen3; Gemma 3's, with ``offset``, are ``1 + weight`` norms)."""
 
     num_heads: int
     num_kv_heads: int
@@ -44,6 +44,7 @@ class QKVLayout:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     eps: float = 0.0
+    offset: bool = False
 
 
 class TorchOps:
@@ -66,6 +67,17 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # in place: silu's output is ours
 
+    def offset_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gemma's RMSNorm: ``rmsnorm(x) * (1 + weight)`` in float32, cast back once, written
+        as transformers' ``Gemma2RMSNorm`` computes it (bit for bit)."""
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (out * (1.0 + weight.float())).to(x.dtype)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)  # in place: gelu's output is ours
+
     def rotary_write_kv(
         self,
         qkv: torch.Tensor,
@@ -82,10 +94,8 @@ class TorchOps:
         qk = qk.view(tokens, heads + kv_heads, layout.head_dim)
         if layout.q_norm is not None:  # separate weights for query and key heads
             q, k = qk.split((heads, kv_heads), dim=1)
-            normed = (
-                self.rms_norm(q, layout.q_norm, layout.eps),
-                self.rms_norm(k, layout.k_norm, layout.eps),
-            )
+            norm = self.offset_rms_norm if layout.offset else self.rms_norm
+            normed = (norm(q, layout.q_norm, layout.eps), norm(k, layout.k_norm, layout.eps))
             qk = torch.cat(normed, dim=1)
         # one rotation for the query and key heads together
         q, k = apply_rotary(qk, cos, sin).split((heads, kv_heads), dim=1)
@@ -153,6 +163,7 @@ class NativeOps(TorchOps):
         norms = (layout.q_norm, layout.k_norm) if layout.q_norm is not None else ()
         if (
             layer.quantized
+            or layout.offset
             or key.dtype != self.dtype
             or key.shape[2:] != (kv_heads, dim)
             or qkv.shape[-1] != (heads + 2 * kv_heads) * dim

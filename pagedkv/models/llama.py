@@ -86,7 +86,8 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.options = AttentionOptions(cfg.head_dim**-0.5, cfg.layer_sliding_window(layer))
+        window, cap = cfg.layer_sliding_window(layer), cfg.attn_logit_softcapping
+        self.options = AttentionOptions(cfg.attention_scale, window, cap)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = PackedLinear(
@@ -151,14 +152,19 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The decoder plus the LM head; ``forward`` returns final hidden states, not logits, so the
-    engine can project only the rows it samples from (:meth:`compute_logits`)."""
+    engine can project only the rows it samples from (:meth:`compute_logits`). Another family
+    subclasses it with its own ``decoder_class``, :meth:`decoder_ops` and, where they differ,
+    :meth:`embed` and :meth:`compute_logits` (:mod:`pagedkv.models.gemma2`)."""
+
+    #: the module tree holding the embedding, the layers and the final norm
+    decoder_class: type[nn.Module] = LlamaModel
 
     def __init__(self, cfg: ModelConfig, attention_backend: Backend) -> None:
         super().__init__()
         self.config = cfg
         #: the attention kernels every layer calls (see ``pagedkv.attention.resolve_backend``)
         self.attention_backend = attention_backend
-        self.model = LlamaModel(cfg)
+        self.model = self.decoder_class(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
         #: what the linear layers run on; set by the loader once the weights are in
@@ -196,13 +202,28 @@ class LlamaForCausalLM(nn.Module):
                 f"input_ids and positions must be 1-D and equally long, got {tuple(input_ids.shape)} "
                 f"and {tuple(positions.shape)}"
             )
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype, metadata.max_seq_len)
-        ops = layer_ops.select(x)
-        batch = ForwardBatch(ops, cos, sin, kv_cache, metadata, self.attention_backend, output_rows)
+        x = self.embed(input_ids)
+        batch = self.forward_batch(x, positions, kv_cache, metadata, output_rows)
         if self.step_program is None:
             self.step_program = StepProgram.of(self)
         return self.step_program.run(x, batch)
+
+    def forward_batch(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        output_rows: torch.Tensor | None,
+    ) -> ForwardBatch:
+        """What every op of the step shares, for the embedded tokens ``x``."""
+        cos, sin = self.rotary.cos_sin(positions, x.dtype, metadata.max_seq_len)
+        ops = layer_ops.select(x)
+        return ForwardBatch(ops, cos, sin, kv_cache, metadata, self.attention_backend, output_rows)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The hidden states the first layer reads for ``input_ids [T]``."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` for hidden states ``[N, hidden]``."""

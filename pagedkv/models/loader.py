@@ -25,6 +25,7 @@ from pagedkv.attention import resolve_backend
 from pagedkv.config.model import LOAD_FORMATS
 from pagedkv.models.config import ModelConfig, resolve_dtype
 from pagedkv.models.dummy_weights import fill_dummy_weights
+from pagedkv.models.families import model_class
 from pagedkv.models.gguf_weights import GGUFTensors
 from pagedkv.models.linear import PackedLinear, choose_linear_kernel, pack_linears
 from pagedkv.models.llama import LlamaForCausalLM
@@ -102,6 +103,9 @@ def load_model(
     dtype = resolve_dtype(dtype, default=cfg.dtype, device=device)
     kernel = choose_linear_kernel(linear_kernel, torch.device(device), dtype)
     cfg = dataclasses.replace(cfg, dtype=dtype)  # model.config describes the model as loaded
+    family = model_class(cfg.architecture)
+    if tensor_parallel is not None and family is not LlamaForCausalLM:
+        raise ValueError(f"tensor parallelism does not cover {cfg.architecture}; run it on one device")
     # quantized weights stay in their blocks where the CPU kernels run them
     keep = torch.device(device).type == "cpu" and tensor_parallel is None
     previous = torch.get_default_dtype()
@@ -109,7 +113,7 @@ def load_model(
     try:
         with torch.device(device):
             if tensor_parallel is None:
-                model = LlamaForCausalLM(cfg, attention_backend=backend)
+                model = family(cfg, attention_backend=backend)
             else:
                 model = tensor_parallel.build(cfg, backend)
     finally:

@@ -48,6 +48,9 @@ class ForwardBatch:
     #: attention (:class:`KeepRows`): their keys and values are in the cache by then, and
     #: nothing reads the rest of their pass (llama.cpp's ``inp_out_ids``).
     output_rows: torch.Tensor | None = None
+    #: the sliding layers' own rotary ``cos``/``sin`` where their RoPE differs (Gemma 3)
+    local_cos: torch.Tensor | None = None
+    local_sin: torch.Tensor | None = None
 
 
 class Op:
@@ -89,14 +92,17 @@ class Project(Op):
 @dataclass(frozen=True, eq=False)
 class RotaryWriteKV(Op):
     """The packed q/k/v projection ``x`` in: rotary (after the optional per-head q/k norms) on q
-    and k, k and v written into the layer's KV slots; the queries ``[T, Hq, D]`` out."""
+    and k, k and v written into the layer's KV slots; the queries ``[T, Hq, D]`` out. ``local``:
+    by the batch's ``local_cos``/``local_sin`` (a sliding layer of Gemma 3)."""
 
     layout: QKVLayout
     kv_layer: int
+    local: bool = False
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         kv = batch.kv_cache.layers[self.kv_layer]
-        return batch.ops.rotary_write_kv(x, self.layout, batch.cos, batch.sin, kv, batch.metadata), residual
+        cos, sin = (batch.local_cos, batch.local_sin) if self.local else (batch.cos, batch.sin)
+        return batch.ops.rotary_write_kv(x, self.layout, cos, sin, kv, batch.metadata), residual
 
 
 @dataclass(frozen=True, eq=False)
@@ -148,6 +154,42 @@ class GateUpAct(Op):
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         return self.act(x, batch.ops), residual
+
+
+@dataclass(frozen=True, eq=False)
+class OffsetNorm(Op):
+    """Gemma's RMSNorm ``rmsnorm(x) * (1 + weight)``, all in float32 and cast back once
+    (transformers' ``Gemma2RMSNorm``). The weight is applied before the cast, not after it as in
+    :class:`AddNorm`, so folding ``1 + weight`` into an :class:`AddNorm` would round otherwise in
+    bfloat16. With ``add``, ``x + residual`` first becomes the residual (with no residual yet,
+    ``x`` itself: the scaled embedding), as in :class:`AddNorm`; without, the residual passes on
+    untouched (the norm of a sublayer's output, before it is added)."""
+
+    weight: torch.Tensor
+    eps: float
+    add: bool
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
+        if not self.add:
+            return batch.ops.offset_rms_norm(x, self.weight, self.eps), residual
+        # x is a fresh norm output (or the embedding), so adding into it loses nothing
+        residual = x if residual is None else x.add_(residual)
+        return batch.ops.offset_rms_norm(residual, self.weight, self.eps), residual
+
+
+@dataclass(frozen=True, eq=False)
+class GateUpGelu(Op):
+    """``gelu_tanh(gate) * up`` of ``x`` by the gate/up projection (Gemma's GeGLU, transformers'
+    ``gelu_pytorch_tanh``): the packed product, then the step's ``gelu_tanh_and_mul``."""
+
+    gate_up: nn.Module
+    project: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "project", self.gate_up.as_function())
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
+        return batch.ops.gelu_tanh_and_mul(self.project(x)), residual
 
 
 @dataclass(frozen=True)

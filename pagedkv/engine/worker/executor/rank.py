@@ -27,7 +27,7 @@ from pagedkv.engine.worker.model_runner import ModelRunner
 from pagedkv.memory.pool_sizing import PoolSizing
 from pagedkv.models import ModelConfig, load_model
 from pagedkv.models.config import resolve_dtype
-from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.families import model_class
 from pagedkv.models.parallel import TensorParallel, shard_config
 
 
@@ -81,7 +81,7 @@ def shard_weight_bytes(shard: ModelConfig, dtype: torch.dtype, config: EngineSet
     device (nothing is allocated)."""
     backend = resolve_backend(config.model.attention_backend, torch.device(config.model.device))
     with torch.device("meta"):
-        model = LlamaForCausalLM(dataclasses.replace(shard, dtype=dtype), backend)
+        model = model_class(shard.architecture)(dataclasses.replace(shard, dtype=dtype), backend)
     model.tie_weights()
     return sum(p.numel() for p in model.parameters()) * dtype.itemsize
 
