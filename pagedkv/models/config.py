@@ -26,11 +26,20 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 
 #: RoPE scalings implemented in :mod:`pagedkv.models.rope`; "freq_factors" is llama.cpp's form of
 #: Llama 3.1's scaling in a GGUF file (one divisor per frequency, ``params["factors"]``).
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = (
+    "default",
+    "linear",
+    "llama3",
+    "freq_factors",
+    "yarn",
+    "dynamic",
+    "longrope",
+)
 
 #: dtype names accepted in config.json and by :func:`pagedkv.models.load_model`.
 DTYPES: dict[str, torch.dtype] = {
@@ -46,7 +55,11 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "MistralForCausalLM": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6},
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 128},
+    "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
 }
+
+#: Scalings whose parameters name the context length the model was pretrained with.
+_ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
 
 
 def unsupported_architecture(arch: str) -> ValueError:
@@ -242,6 +255,9 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or defaults.get("head_dim") or hidden // num_heads
         bias = bool(raw.get("attention_bias", False))
         max_pos = raw.get("max_position_embeddings", defaults["max_position_embeddings"])
+        rope = _rope(raw, arch, max_pos)
+        if rope.type == "dynamic":  # the context NTK scaling stretches to (vLLM's max_model_len)
+            max_pos = int(max_pos * rope.params["factor"])
         sliding_window, layer_types = _sliding(raw, arch, num_layers)
         return cls(
             architecture=arch,
@@ -253,7 +269,7 @@ class ModelConfig:
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", defaults["rms_norm_eps"])),
-            rope=_rope(raw, max_pos),
+            rope=rope,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bias or arch == "Qwen2ForCausalLM",
@@ -274,8 +290,13 @@ def _required(raw: dict[str, Any], key: str) -> Any:
     return raw[key]
 
 
-def _rope(raw: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
-    """RoPE from 5.x ``rope_parameters`` or from 4.x ``rope_theta`` + ``rope_scaling``."""
+def _rope(raw: dict[str, Any], arch: str, max_position_embeddings: int) -> RopeConfig:
+    """RoPE from 5.x ``rope_parameters`` or from 4.x ``rope_theta`` + ``rope_scaling``, with the
+    parameters transformers fills in settled here: the pretraining length of llama3/yarn/longrope
+    (Phi-3's top-level ``original_max_position_embeddings`` wins, as in transformers), longrope's
+    ``factor`` (context over pretraining length) and dynamic NTK's pretraining length (the
+    config's ``max_position_embeddings``, which :meth:`ModelConfig.from_dict` then stretches by
+    ``factor``: the frequencies are computed once for that length, as vLLM does)."""
     params = dict(raw.get("rope_parameters") or {})
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ValueError(f"per-layer-type RoPE parameters are not supported: {sorted(params)}")
@@ -287,15 +308,26 @@ def _rope(raw: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor {partial} is not supported (only full rotary embeddings)")
-    if rope_type == "llama3":
+    if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi-3's own older names for it
+    if rope_type in _ORIGINAL_LENGTH_TYPES:
+        original = raw.get("original_max_position_embeddings", 4096 if arch == "Phi3ForCausalLM" else None)
+        if original is not None:
+            params["original_max_position_embeddings"] = original
         params.setdefault("original_max_position_embeddings", max_position_embeddings)
+    if rope_type in ("yarn", "longrope") and params.get("factor") is None:
+        params["factor"] = max_position_embeddings / params["original_max_position_embeddings"]
+    if rope_type == "dynamic":
+        if not params.get("factor"):
+            raise ValueError(f"dynamic RoPE scaling needs a 'factor', got {params}")
+        params["original_max_position_embeddings"] = max_position_embeddings
     return RopeConfig(theta=float(theta), type=rope_type, params=params)
 
 
 def _sliding(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """The sliding window and which layers use it, as transformers decides per architecture.
 
-    Mistral slides every layer when ``sliding_window`` is set. Qwen2/Qwen3 slide only with
+    Mistral and Phi-3 slide every layer when ``sliding_window`` is set. Qwen2/Qwen3 slide only with
     ``use_sliding_window`` and only layers from ``max_window_layers`` on (5.x also writes the
     resulting ``layer_types``). Llama never slides.
     """
@@ -306,7 +338,7 @@ def _sliding(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | Non
         window = None
     if window is None:
         return None, ("full_attention",) * num_layers
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return window, ("sliding_attention",) * num_layers
     layer_types = raw.get("layer_types")
     if layer_types is None:

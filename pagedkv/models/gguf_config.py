@@ -99,12 +99,18 @@ def _uniform(value: Any, name: str, file: Path) -> int:
 
 def _rope_scaling(key: Any, rope_freqs: list[float] | None) -> dict[str, Any] | None:
     """``rope.scaling.*`` as transformers' ``rope_scaling`` (None: plain RoPE); the divisors of
-    a ``rope_freqs.weight`` tensor (llama.cpp's form of Llama 3.1's scaling) as "freq_factors"."""
+    a ``rope_freqs.weight`` tensor (llama.cpp's form of Llama 3.1's scaling) as "freq_factors".
+    yarn keeps llama.cpp's defaults, which are transformers' (beta 32 and 1, attention factor
+    ``0.1 ln(factor) + 1``); longrope's factors live in tensors pagedkv does not read."""
     if rope_freqs is not None:
         return {"rope_type": "freq_factors", "factors": rope_freqs}
     kind = key("rope.scaling.type", "none")
     if kind == "none":
         return None
+    if kind == "longrope":
+        raise ValueError(
+            "RoPE scaling 'longrope' (factors in rope_factors_* tensors) is not supported in GGUF"
+        )
     scaling: dict[str, Any] = {"rope_type": kind, "factor": key("rope.scaling.factor", 1.0)}
     original = key("rope.scaling.original_context_length", None)
     if original is not None:

@@ -6,7 +6,8 @@ in the target dtype and on the target device, then filled tensor by tensor with 
 ``safe_open`` so at most one tensor is held twice in memory. Checkpoint tensors keep their
 Hugging Face names; the model packs some of them (``q_proj``/``k_proj``/``v_proj`` into
 ``qkv_proj``, ``gate_proj``/``up_proj`` into ``gate_up_proj``), so each name maps to a parameter
-or to a row slice of one (:func:`checkpoint_targets`). Every target must be filled exactly once:
+or to a row slice of one (:func:`checkpoint_targets`); a checkpoint that stores them fused (Phi-3)
+reads as its parts (:mod:`pagedkv.models.fused_weights`). Every target must be filled exactly once:
 a missing or unexpected tensor is an error naming it, never a silent random weight.
 """
 
@@ -25,6 +26,7 @@ from pagedkv.attention import resolve_backend
 from pagedkv.config.model import LOAD_FORMATS
 from pagedkv.models.config import ModelConfig, resolve_dtype
 from pagedkv.models.dummy_weights import fill_dummy_weights
+from pagedkv.models.fused_weights import SplitFused
 from pagedkv.models.gguf_weights import GGUFTensors
 from pagedkv.models.linear import PackedLinear, choose_linear_kernel, pack_linears
 from pagedkv.models.llama import LlamaForCausalLM
@@ -218,10 +220,10 @@ def load_weights(
 
 
 def _open_weights(file: Path, config: ModelConfig, keep_quantized: bool) -> Any:
-    """A handle on one weight file: safetensors' own, or a GGUF file's
-    (:class:`~pagedkv.models.gguf_weights.GGUFTensors`, its Llama query/key rows unpermuted; its
-    quantized tensors as blocks with ``keep_quantized``)."""
+    """A handle on one weight file: safetensors' own, its fused projections split into their
+    parts, or a GGUF file's (:class:`~pagedkv.models.gguf_weights.GGUFTensors`, its Llama
+    query/key rows unpermuted; its quantized tensors as blocks with ``keep_quantized``)."""
     if file.suffix != SUFFIX:
-        return safe_open(str(file), framework="pt", device="cpu")
+        return SplitFused(safe_open(str(file), framework="pt", device="cpu"), config)
     llama = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
     return GGUFTensors(file, (config.num_heads, config.num_kv_heads) if llama else None, keep_quantized)

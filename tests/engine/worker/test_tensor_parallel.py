@@ -25,6 +25,8 @@ CASES = {
     **EXACTNESS_CASES,
     # one KV head for two ranks: replicated; 515 rows: the second rank's vocabulary is padded
     "llama-mqa-odd-vocab": ("llama", {"num_key_value_heads": 1, "vocab_size": 515}),
+    # fused qkv_proj / gate_up_proj: each rank reads its rows of every part
+    "phi3-fused": ("phi3", {}),
 }
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

@@ -1,0 +1,157 @@
+"""Phi-3 (``Phi3ForCausalLM``) against transformers, in float32.
+
+Its checkpoints store ``qkv_proj`` and ``gate_up_proj`` fused; the loader reads each as its
+parts (:mod:`pagedkv.models.fused_weights`) into the same packed projections a split Llama
+checkpoint fills. Exact through the packed forward (torch and C backends) and ``LLM`` (block
+sizes 1 and 16, chunked prefill, prefix cache), with plain RoPE, a sliding window and the
+128k models' longrope (its long factors: every prompt is longer than the pretraining length).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.models import load_model
+from pagedkv.models.config import ModelConfig
+from tests.checkpoints import make_checkpoint
+from tests.devices import TEST_DEVICE
+
+from .hf_reference import hf_greedy, hf_logits, hf_model, long_prompts
+from .paging import PagedBatch
+
+TOL = 1e-4
+MAX_NEW = 10
+
+LONGROPE = {
+    "max_position_embeddings": 64,
+    "original_max_position_embeddings": 16,
+    "rope_parameters": {
+        "rope_type": "longrope",
+        "rope_theta": 100.0,
+        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [1.0 + 1.5 * i for i in range(8)],
+    },
+}
+CASES = {
+    "phi3": {"max_position_embeddings": 64},
+    "phi3-sliding": {"max_position_embeddings": 64, "sliding_window": 12},
+    "phi3-longrope": LONGROPE,
+}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    refs = {}
+    for name, overrides in CASES.items():
+        path = make_checkpoint(tmp_path_factory.mktemp(name), "phi3", **overrides)
+        refs[name] = (path, hf_model(path))
+    return refs
+
+
+def test_the_checkpoint_stores_fused_projections(references):
+    path, _ = references["phi3"]
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names
+    assert "model.layers.0.mlp.gate_up_proj.weight" in names
+    assert not any("q_proj" in n or "gate_proj" in n for n in names)
+
+
+def test_the_config_reads_phi3_as_transformers_does(references):
+    cfg = ModelConfig.from_pretrained(references["phi3-longrope"][0])
+    assert cfg.architecture == "Phi3ForCausalLM"
+    assert cfg.rope.type == "longrope"
+    assert cfg.rope.params["original_max_position_embeddings"] == 16
+    assert cfg.rope.params["factor"] == 4.0  # context over pretraining length
+    sliding = ModelConfig.from_pretrained(references["phi3-sliding"][0])
+    assert sliding.layer_types == ("sliding_attention",) * sliding.num_layers
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_packed_prefill_and_decode_logits_match_transformers(references, case, backend):
+    path, hf = references[case]
+    model = load_model(path, dtype=torch.float32, attention_backend=backend)
+    seqs = long_prompts()[:4]
+    batch = PagedBatch(model, max_len=max(map(len, seqs)) + 1, num_seqs=len(seqs))
+    ours = batch.step(seqs)
+    for seq, got in zip(seqs, ours, strict=True):
+        assert (got - hf_logits(hf, seq)).abs().max().item() < TOL
+    nxt = [[int(logits[-1].argmax())] for logits in ours]
+    for seq, tok, got in zip(seqs, nxt, batch.step(nxt), strict=True):
+        assert (got - hf_logits(hf, seq + tok)[-1:]).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_greedy_tokens_equal_transformers(references, case, block_size):
+    path, hf = references[case]
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        device=TEST_DEVICE,
+        block_size=block_size,
+        num_kv_blocks=2048 // block_size,
+        max_num_batched_tokens=20,  # chunked prefill of the longer prompts, among decodes
+    )
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(long_prompts(), greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, long_prompts(), MAX_NEW)
+    assert llm.kv_stats()["prefix_cache_hits_tokens"] > 0
+
+
+def _rewrite(path, change) -> None:
+    """Rewrite ``path``'s weights as ``change(name, tensor)`` -> {name: tensor} says."""
+    file = path / "model.safetensors"
+    with safe_open(str(file), "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}
+    save_file({k: v for n, t in tensors.items() for k, v in change(n, t).items()}, str(file))
+
+
+def test_split_and_fused_checkpoints_load_the_same_weights(references, tmp_path):
+    path, _ = references["phi3"]
+    fused = load_model(path, attention_backend="torch")
+    split = tmp_path / "split"
+    split.mkdir()
+    for item in path.iterdir():
+        (split / item.name).write_bytes(item.read_bytes())
+
+    def unfuse(name, tensor):
+        if name.endswith("qkv_proj.weight"):
+            q, k, v = tensor.split((64, 32, 32))  # 4 heads, 2 KV heads of 16
+            stem = name.removesuffix("qkv_proj.weight")
+            return {f"{stem}q_proj.weight": q, f"{stem}k_proj.weight": k, f"{stem}v_proj.weight": v}
+        if name.endswith("gate_up_proj.weight"):
+            gate, up = tensor.chunk(2)
+            stem = name.removesuffix("gate_up_proj.weight")
+            return {f"{stem}gate_proj.weight": gate, f"{stem}up_proj.weight": up}
+        return {name: tensor}
+
+    _rewrite(split, unfuse)
+    loaded = load_model(split, attention_backend="torch")
+    for (name, a), (_, b) in zip(fused.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_fused_weight_of_the_wrong_size_is_named(references, tmp_path):
+    path = make_checkpoint(tmp_path, "phi3", max_position_embeddings=64)
+    _rewrite(path, lambda n, t: {n: t[:-16] if n == "model.layers.1.self_attn.qkv_proj.weight" else t})
+    with pytest.raises(
+        ValueError, match=r"fused weight model\.layers\.1\.self_attn\.qkv_proj\.weight has 112 rows"
+    ):
+        load_model(path, attention_backend="torch")
+
+
+def test_partial_rotary_is_refused_naming_the_option(references, tmp_path):
+    path = make_checkpoint(tmp_path, "phi3", max_position_embeddings=64)
+    raw = json.loads((path / "config.json").read_text())
+    raw["rope_parameters"]["partial_rotary_factor"] = 0.75  # Phi-4-mini's
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
+        LLM(str(path))
