@@ -15,7 +15,16 @@ from pathlib import Path
 import torch
 import transformers
 
+from pagedkv import LLM, SamplingParams
+from pagedkv.models import load_model
 from tests.checkpoints import TEST_VOCAB_SIZE
+from tests.devices import TEST_DEVICE
+
+from .paging import PagedBatch
+
+#: largest absolute logit difference to transformers, in float32
+TOL = 1e-4
+MAX_NEW = 10
 
 
 def hf_model(path: Path, warmup: int = 0) -> transformers.PreTrainedModel:
@@ -57,3 +66,34 @@ def long_prompts(seed: int = 0) -> list[list[int]]:
     shared = [rng.randrange(4, TEST_VOCAB_SIZE) for _ in range(40)]
     prompts = [[rng.randrange(4, TEST_VOCAB_SIZE) for _ in range(n)] for n in (17, 21, 33, 40)]
     return [*prompts, shared + [5, 6, 7], shared + [9]]
+
+
+def assert_packed_logits_match(path: Path, hf: transformers.PreTrainedModel, backend: str) -> None:
+    """Four long prompts prefilled packed in one step, then one packed decode step, over a
+    paged cache on ``backend``: every row's logits are transformers' for that sequence alone."""
+    model = load_model(path, dtype=torch.float32, attention_backend=backend)
+    seqs = long_prompts()[:4]
+    batch = PagedBatch(model, max_len=max(map(len, seqs)) + 1, num_seqs=len(seqs))
+    ours = batch.step(seqs)
+    for seq, got in zip(seqs, ours, strict=True):
+        assert (got - hf_logits(hf, seq)).abs().max().item() < TOL
+    nxt = [[int(logits[-1].argmax())] for logits in ours]
+    for seq, tok, got in zip(seqs, nxt, batch.step(nxt), strict=True):
+        assert (got - hf_logits(hf, seq + tok)[-1:]).abs().max().item() < TOL
+
+
+def assert_greedy_tokens_match(path: Path, hf: transformers.PreTrainedModel, block_size: int) -> None:
+    """``LLM``'s greedy tokens for :func:`long_prompts` are transformers': prefill chunked
+    among decodes by a small token budget, the shared prefix served from the prefix cache."""
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        device=TEST_DEVICE,
+        block_size=block_size,
+        num_kv_blocks=2048 // block_size,
+        max_num_batched_tokens=20,
+    )
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(long_prompts(), greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, long_prompts(), MAX_NEW)
+    assert llm.kv_stats()["prefix_cache_hits_tokens"] > 0

@@ -16,17 +16,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pagedkv import LLM, SamplingParams
+from pagedkv import LLM
 from pagedkv.models import load_model
 from pagedkv.models.config import ModelConfig
 from tests.checkpoints import make_checkpoint
-from tests.devices import TEST_DEVICE
 
-from .hf_reference import hf_greedy, hf_logits, hf_model, long_prompts
-from .paging import PagedBatch
-
-TOL = 1e-4
-MAX_NEW = 10
+from .hf_reference import assert_greedy_tokens_match, assert_packed_logits_match, hf_model
 
 LONGROPE = {
     "max_position_embeddings": 64,
@@ -76,34 +71,13 @@ def test_the_config_reads_phi3_as_transformers_does(references):
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_prefill_and_decode_logits_match_transformers(references, case, backend):
-    path, hf = references[case]
-    model = load_model(path, dtype=torch.float32, attention_backend=backend)
-    seqs = long_prompts()[:4]
-    batch = PagedBatch(model, max_len=max(map(len, seqs)) + 1, num_seqs=len(seqs))
-    ours = batch.step(seqs)
-    for seq, got in zip(seqs, ours, strict=True):
-        assert (got - hf_logits(hf, seq)).abs().max().item() < TOL
-    nxt = [[int(logits[-1].argmax())] for logits in ours]
-    for seq, tok, got in zip(seqs, nxt, batch.step(nxt), strict=True):
-        assert (got - hf_logits(hf, seq + tok)[-1:]).abs().max().item() < TOL
+    assert_packed_logits_match(*references[case], backend)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_greedy_tokens_equal_transformers(references, case, block_size):
-    path, hf = references[case]
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        device=TEST_DEVICE,
-        block_size=block_size,
-        num_kv_blocks=2048 // block_size,
-        max_num_batched_tokens=20,  # chunked prefill of the longer prompts, among decodes
-    )
-    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(long_prompts(), greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, long_prompts(), MAX_NEW)
-    assert llm.kv_stats()["prefix_cache_hits_tokens"] > 0
+    assert_greedy_tokens_match(*references[case], block_size)
 
 
 def _rewrite(path, change) -> None:

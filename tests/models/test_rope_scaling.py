@@ -14,18 +14,12 @@ import pytest
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from pagedkv import LLM, SamplingParams
-from pagedkv.models import load_model
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.rope import RotaryEmbedding, attention_factor, inverse_frequencies
 from tests.checkpoints import hf_config, make_checkpoint
-from tests.devices import TEST_DEVICE
 
-from .hf_reference import hf_greedy, hf_logits, hf_model, long_prompts
-from .paging import PagedBatch
+from .hf_reference import assert_greedy_tokens_match, assert_packed_logits_match, hf_model
 
-TOL = 1e-4
-MAX_NEW = 10
 SHORT = [1.0 + 0.1 * i for i in range(8)]  # head_dim 16: eight frequencies
 LONG = [1.0 + 1.5 * i for i in range(8)]
 
@@ -174,34 +168,13 @@ def references(tmp_path_factory):
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_packed_prefill_and_decode_logits_match_transformers(references, case, backend):
-    path, hf = references[case]
-    model = load_model(path, dtype=torch.float32, attention_backend=backend)
-    seqs = long_prompts()[:4]
-    batch = PagedBatch(model, max_len=max(map(len, seqs)) + 1, num_seqs=len(seqs))
-    ours = batch.step(seqs)
-    for seq, got in zip(seqs, ours, strict=True):
-        assert (got - hf_logits(hf, seq)).abs().max().item() < TOL
-    nxt = [[int(logits[-1].argmax())] for logits in ours]
-    for seq, tok, got in zip(seqs, nxt, batch.step(nxt), strict=True):
-        assert (got - hf_logits(hf, seq + tok)[-1:]).abs().max().item() < TOL
+    assert_packed_logits_match(*references[case], backend)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_greedy_tokens_equal_transformers(references, case, block_size):
-    path, hf = references[case]
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        device=TEST_DEVICE,
-        block_size=block_size,
-        num_kv_blocks=2048 // block_size,
-        max_num_batched_tokens=20,  # chunked prefill of the longer prompts, among decodes
-    )
-    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(long_prompts(), greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, long_prompts(), MAX_NEW)
-    assert llm.kv_stats()["prefix_cache_hits_tokens"] > 0
+    assert_greedy_tokens_match(*references[case], block_size)
 
 
 @pytest.mark.parametrize(
