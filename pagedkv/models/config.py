@@ -146,6 +146,9 @@ class ModelConfig:
     mlp_bias: bool = False
     #: per-head RMSNorm on queries and keys before RoPE (Qwen3).
     qk_norm: bool = False
+    #: how many of a head's dimensions rotate (``partial_rotary_factor`` of it: Phi-4-mini's
+    #: 0.75); None: all of them. See :func:`pagedkv.models.rope.rotary_row_order`.
+    rotary_dim: int | None = None
     #: sliding-window size for the layers marked sliding in ``layer_types``; None: full attention.
     sliding_window: int | None = None
     #: per layer, "full_attention" or "sliding_attention".
@@ -177,6 +180,13 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim is not None and not (
+            0 < self.rotary_dim < self.head_dim and self.rotary_dim % 2 == 0
+        ):
+            raise ValueError(
+                f"partial_rotary_factor gives {self.rotary_dim} rotary dimensions of {self.head_dim}; "
+                "pagedkv needs an even number below head_dim"
+            )
         if self.rope.type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"unsupported RoPE scaling {self.rope.type!r}; pagedkv supports {list(SUPPORTED_ROPE_TYPES)}"
@@ -259,6 +269,8 @@ class ModelConfig:
         if rope.type == "dynamic":  # the context NTK scaling stretches to (vLLM's max_model_len)
             max_pos = int(max_pos * rope.params["factor"])
         sliding_window, layer_types = _sliding(raw, arch, num_layers)
+        rope_dict = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        partial = rope_dict.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
         return cls(
             architecture=arch,
             vocab_size=_required(raw, "vocab_size"),
@@ -276,6 +288,7 @@ class ModelConfig:
             o_proj_bias=bias and arch != "Qwen2ForCausalLM",
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
+            rotary_dim=None if partial == 1.0 else int(head_dim * partial),
             sliding_window=sliding_window,
             layer_types=layer_types,
             dtype=resolve_dtype(raw.get("dtype") or raw.get("torch_dtype")),
@@ -305,9 +318,7 @@ def _rope(raw: dict[str, Any], arch: str, max_position_embeddings: int) -> RopeC
     theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor {partial} is not supported (only full rotary embeddings)")
+    params.pop("partial_rotary_factor", None)  # ModelConfig.rotary_dim
     if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
         rope_type = "longrope"  # Phi-3's own older names for it
     if rope_type in _ORIGINAL_LENGTH_TYPES:

@@ -61,6 +61,8 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
     heads = _uniform(key("attention.head_count"), f"{arch}.attention.head_count", first)
     hidden = key("embedding_length")
     head_dim = key("attention.key_length", None) or hidden // heads  # llama.cpp's default too
+    if key("rope.dimension_count", head_dim) != head_dim:
+        raise GGUFError(f"{first}: partial rotary embeddings ({arch}.rope.dimension_count) are not supported")
     raw: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "vocab_size": shapes["token_embd.weight"][0],
@@ -70,7 +72,6 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": _uniform(key("attention.head_count_kv", heads), "head_count_kv", first),
         "head_dim": head_dim,
-        "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
         "max_position_embeddings": key("context_length"),
         "rope_theta": key("rope.freq_base", 10000.0),

@@ -35,6 +35,7 @@ from pagedkv.models.quantization.hf_groups import QuantizedLayers, checkpoint_sc
 from pagedkv.models.quantization.hf_scheme import QuantScheme
 from pagedkv.models.quantization.install import install_quantized
 from pagedkv.models.quantization.on_the_fly import quantize_linears
+from pagedkv.models.rope import rotary_row_order
 from pagedkv.tokenizer.gguf_file import SUFFIX, gguf_parts
 
 if TYPE_CHECKING:
@@ -45,6 +46,19 @@ SINGLE_FILE = "model.safetensors"
 
 #: Tensors some checkpoints carry that the model recomputes instead of loading.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+#: Tensors whose rows (per head) a partial-rotary model reorders (:func:`rotary_row_order`).
+_ROTARY_ROWS = tuple(
+    f"self_attn.{t}"
+    for t in (
+        "q_proj.weight",
+        "q_proj.bias",
+        "k_proj.weight",
+        "k_proj.bias",
+        "q_norm.weight",
+        "k_norm.weight",
+    )
+)
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -203,6 +217,8 @@ def load_weights(
                         f"weight {name} in {file.name} has shape {tuple(tensor.shape)}, "
                         f"but the config implies {tuple(target.shape)}"
                     )
+                if model.config.rotary_dim is not None and name.endswith(_ROTARY_ROWS):
+                    tensor = _rotary_rows(tensor, model.config)
                 if isinstance(tensor, QuantizedWeight):
                     quantized[name] = tensor
                 else:
@@ -217,6 +233,15 @@ def load_weights(
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weights: {missing[:8]}")
     return install_quantized(model, quantized, targets, keep_quantized)
+
+
+def _rotary_rows(tensor: torch.Tensor | QuantizedWeight, config: ModelConfig) -> torch.Tensor:
+    """Query/key rows (whole heads) in :func:`rotary_row_order`."""
+    if isinstance(tensor, QuantizedWeight):
+        raise ValueError("a quantized checkpoint of a partial-rotary model is not supported")
+    order = rotary_row_order(config.head_dim, config.rotary_dim or config.head_dim)
+    heads = tensor.shape[0] // config.head_dim
+    return tensor.unflatten(0, (heads, config.head_dim))[:, order].flatten(0, 1)
 
 
 def _open_weights(file: Path, config: ModelConfig, keep_quantized: bool) -> Any:

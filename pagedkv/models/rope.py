@@ -6,7 +6,9 @@ dynamic NTK, longrope; a GGUF file's per-frequency divisors, llama.cpp's ``rope_
 angles are ``position * inv_freq`` in float32, cos/sin are multiplied by the scaling's attention
 factor (yarn's and longrope's; 1 otherwise) in float32, and queries/keys rotate with the
 ``rotate_half`` convention (first half of the head paired with the second half), with cos/sin
-cast to the activations' dtype first.
+cast to the activations' dtype first. Where only part of a head rotates (``partial_rotary_factor``)
+the loader reorders query and key rows (:func:`rotary_row_order`) so the same whole-head rotation
+applies, with cos 1 and sin 0 on the dimensions that pass.
 
 transformers recomputes two scalings per forward from the sequence's length; pagedkv fixes them
 once per model, so every sequence of a batch rotates alike and cached keys never go stale:
@@ -159,8 +161,13 @@ class RotaryEmbedding:
     same float for an element whether it lands in a vector or in the scalar tail.
     """
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
-        self.inv_freq = inverse_frequencies(rope, head_dim, max_positions)
+    def __init__(
+        self, rope: RopeConfig, head_dim: int, max_positions: int, rotary_dim: int | None = None
+    ) -> None:
+        #: frequencies of the rotating dimensions; the others (:func:`rotary_row_order`) get
+        #: cos 1 and sin 0, so they pass through unchanged
+        self.inv_freq = inverse_frequencies(rope, rotary_dim or head_dim, max_positions)
+        self.head_dim = head_dim
         #: cos and sin are multiplied by it (yarn's and longrope's attention factor)
         self.scale = attention_factor(rope)
         self.max_positions = max_positions
@@ -200,12 +207,34 @@ class RotaryEmbedding:
         if self.inv_freq.device != device:
             self.inv_freq = self.inv_freq.to(device)
         freqs = torch.arange(size, device=device)[:, None].float() * self.inv_freq
+        half, rotating = self.head_dim // 2, freqs.shape[-1]
+        freqs = torch.nn.functional.pad(freqs, (0, half - rotating))
         emb = torch.cat((freqs, freqs), dim=-1)
-        sin = (emb.sin() * self.scale).to(dtype)
-        sin[:, : freqs.shape[-1]].neg_()
-        tables = (emb.cos() * self.scale).to(dtype), sin
+        cos, sin = emb.cos() * self.scale, emb.sin() * self.scale
+        for start in (rotating, half + rotating):  # the dimensions that do not rotate
+            cos[:, start : start + half - rotating] = 1.0
+            sin[:, start : start + half - rotating] = 0.0
+        sin = sin.to(dtype)
+        sin[:, :half].neg_()
+        tables = cos.to(dtype), sin
         self._tables[(dtype, device)] = tables
         return tables
+
+
+def rotary_row_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Where each row of a head comes from when only ``rotary_dim`` of its ``head_dim``
+    dimensions rotate (transformers: the first ``rotary_dim``, halves paired inside them).
+
+    The loader reorders every query and key head by it (q/k norms too): the rotating halves
+    move to the front of each half of the head, the passing dimensions behind them. Then
+    :func:`apply_rotary`'s whole-head pairing (``i`` with ``i + head_dim / 2``) pairs exactly
+    transformers' rotating dimensions, the passing ones see cos 1 and sin 0, and every kernel
+    rotates as for a full-rotary model. Queries and keys move alike, so their dot products are
+    the same sums (in another order); values and outputs keep their order."""
+    half, rotating = head_dim // 2, rotary_dim // 2
+    passing = torch.arange(rotary_dim, head_dim)
+    first, second = passing[: half - rotating], passing[half - rotating :]
+    return torch.cat((torch.arange(rotating), first, torch.arange(rotating, rotary_dim), second))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

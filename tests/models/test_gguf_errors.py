@@ -67,6 +67,12 @@ def test_an_unsupported_rope_scaling_names_the_file(tmp_path, tiny):
         ModelConfig.from_pretrained(file)
 
 
+def test_partial_rotary_is_refused(tmp_path, tiny):
+    file = write_gguf(tiny[1], tmp_path / "partial.gguf", **{"llama.rope.dimension_count": 8})
+    with pytest.raises(GGUFError, match=rf"{file}: partial rotary embeddings .*dimension_count"):
+        ModelConfig.from_pretrained(file)
+
+
 def test_yarn_scaling_reads_as_transformers_spells_it(tmp_path, tiny):
     metadata = {
         "llama.rope.scaling.type": "yarn",

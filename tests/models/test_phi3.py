@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from pagedkv import LLM
 from pagedkv.models import load_model
 from pagedkv.models.config import ModelConfig
+from pagedkv.models.rope import rotary_row_order
 from tests.checkpoints import make_checkpoint
 
 from .hf_reference import assert_greedy_tokens_match, assert_packed_logits_match, hf_model
@@ -33,10 +34,21 @@ LONGROPE = {
         "long_factor": [1.0 + 1.5 * i for i in range(8)],
     },
 }
+#: Phi-4-mini's shape: longrope over the first three quarters of each head (12 of 16)
+PARTIAL = {
+    **LONGROPE,
+    "rope_parameters": {
+        **LONGROPE["rope_parameters"],
+        "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.1 * i for i in range(6)],
+        "long_factor": [1.0 + 1.5 * i for i in range(6)],
+    },
+}
 CASES = {
     "phi3": {"max_position_embeddings": 64},
     "phi3-sliding": {"max_position_embeddings": 64, "sliding_window": 12},
     "phi3-longrope": LONGROPE,
+    "phi4-mini-partial-rotary": PARTIAL,
 }
 
 
@@ -122,10 +134,22 @@ def test_a_fused_weight_of_the_wrong_size_is_named(references, tmp_path):
         load_model(path, attention_backend="torch")
 
 
-def test_partial_rotary_is_refused_naming_the_option(references, tmp_path):
+def test_partial_rotary_reorders_query_and_key_rows_only(references):
+    path, hf = references["phi4-mini-partial-rotary"]
+    model = load_model(path, attention_backend="torch", linear_kernel="torch")  # weights as loaded
+    assert model.config.rotary_dim == 12
+    assert rotary_row_order(16, 12).tolist() == [0, 1, 2, 3, 4, 5, 12, 13, 6, 7, 8, 9, 10, 11, 14, 15]
+    ours = model.model.layers[0].self_attn.qkv_proj.weight
+    theirs = hf.model.layers[0].self_attn.qkv_proj.weight
+    q_head = theirs[16:32]  # the second query head
+    assert torch.equal(ours[16:32], q_head[rotary_row_order(16, 12)])
+    assert torch.equal(ours[96:], theirs[96:])  # values keep their order
+
+
+def test_an_odd_rotary_width_is_refused_naming_the_option(tmp_path):
     path = make_checkpoint(tmp_path, "phi3", max_position_embeddings=64)
     raw = json.loads((path / "config.json").read_text())
-    raw["rope_parameters"]["partial_rotary_factor"] = 0.75  # Phi-4-mini's
+    raw["rope_parameters"]["partial_rotary_factor"] = 0.5625  # 9 of 16
     (path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
+    with pytest.raises(ValueError, match="partial_rotary_factor gives 9 rotary dimensions of 16"):
         LLM(str(path))
