@@ -28,7 +28,11 @@ ARCHS: dict[str, tuple[str, str]] = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
+
+#: arch short name -> config fields whose transformers defaults do not fit the tiny vocabulary
+_ARCH_OVERRIDES: dict[str, dict[str, Any]] = {"phi3": {"pad_token_id": 2}}
 
 #: Tokenizer (and model) vocabulary of the test checkpoints.
 TEST_VOCAB_SIZE = 512
@@ -67,7 +71,7 @@ def hf_config(arch: str = "llama", **overrides: Any) -> Any:
     if arch not in ARCHS:
         raise ValueError(f"unknown test arch {arch!r}; choose one of {list(ARCHS)}")
     config_class, architecture = ARCHS[arch]
-    kwargs = {**BASE_CONFIG, **overrides}
+    kwargs = {**BASE_CONFIG, **_ARCH_OVERRIDES.get(arch, {}), **overrides}
     config = getattr(transformers, config_class)(**kwargs)
     config.architectures = [architecture]
     return config

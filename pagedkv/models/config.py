@@ -28,11 +28,20 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 
 #: RoPE scalings implemented in :mod:`pagedkv.models.rope`; "freq_factors" is llama.cpp's form of
 #: Llama 3.1's scaling in a GGUF file (one divisor per frequency, ``params["factors"]``).
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = (
+    "default",
+    "linear",
+    "llama3",
+    "freq_factors",
+    "yarn",
+    "dynamic",
+    "longrope",
+)
 
 #: dtype names accepted in config.json and by :func:`pagedkv.models.load_model`.
 DTYPES: dict[str, torch.dtype] = {
@@ -68,7 +77,11 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "sliding_window": 4096,
         "query_pre_attn_scalar": 256,
     },
+    "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
 }
+
+#: Scalings whose parameters name the context length the model was pretrained with.
+_ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
 
 
 def unsupported_architecture(arch: str) -> ValueError:
@@ -157,6 +170,9 @@ class ModelConfig:
     mlp_bias: bool = False
     #: per-head RMSNorm on queries and keys before RoPE (Qwen3).
     qk_norm: bool = False
+    #: how many of a head's dimensions rotate (``partial_rotary_factor`` of it: Phi-4-mini's
+    #: 0.75); None: all of them. See :func:`pagedkv.models.rope.rotary_row_order`.
+    rotary_dim: int | None = None
     #: sliding-window size for the layers marked sliding in ``layer_types``; None: full attention.
     sliding_window: int | None = None
     #: per layer, "full_attention" or "sliding_attention".
@@ -194,6 +210,13 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rotary_dim is not None and not (
+            0 < self.rotary_dim < self.head_dim and self.rotary_dim % 2 == 0
+        ):
+            raise ValueError(
+                f"partial_rotary_factor gives {self.rotary_dim} rotary dimensions of {self.head_dim}; "
+                "pagedkv needs an even number below head_dim"
+            )
         if self.rope.type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"unsupported RoPE scaling {self.rope.type!r}; pagedkv supports {list(SUPPORTED_ROPE_TYPES)}"
@@ -279,11 +302,15 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or defaults.get("head_dim") or hidden // num_heads
         bias = bool(raw.get("attention_bias", False))
         max_pos = raw.get("max_position_embeddings", defaults["max_position_embeddings"])
-        sliding_window, layer_types = _sliding(raw, arch, num_layers)
         if arch == "Gemma3ForCausalLM":
-            rope, local_rope = _gemma3_ropes(raw, max_pos)
+            rope, local_rope = _gemma3_ropes(raw, arch, max_pos)
         else:
-            rope, local_rope = _rope(raw, max_pos), None
+            rope, local_rope = _rope(raw, arch, max_pos), None
+        if rope.type == "dynamic":  # the context NTK scaling stretches to (vLLM's max_model_len)
+            max_pos = int(max_pos * rope.params["factor"])
+        sliding_window, layer_types = _sliding(raw, arch, num_layers)
+        rope_dict = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        partial = rope_dict.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
         return cls(
             architecture=arch,
             vocab_size=_required(raw, "vocab_size"),
@@ -304,6 +331,7 @@ class ModelConfig:
             o_proj_bias=bias and arch != "Qwen2ForCausalLM",
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            rotary_dim=None if partial == 1.0 else int(head_dim * partial),
             sliding_window=sliding_window,
             layer_types=layer_types,
             query_pre_attn_scalar=raw.get("query_pre_attn_scalar", defaults.get("query_pre_attn_scalar")),
@@ -323,8 +351,13 @@ def _required(raw: dict[str, Any], key: str) -> Any:
     return raw[key]
 
 
-def _rope(raw: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
-    """RoPE from 5.x ``rope_parameters`` or from 4.x ``rope_theta`` + ``rope_scaling``."""
+def _rope(raw: dict[str, Any], arch: str, max_position_embeddings: int) -> RopeConfig:
+    """RoPE from 5.x ``rope_parameters`` or from 4.x ``rope_theta`` + ``rope_scaling``, with the
+    parameters transformers fills in settled here: the pretraining length of llama3/yarn/longrope
+    (Phi-3's top-level ``original_max_position_embeddings`` wins, as in transformers), longrope's
+    ``factor`` (context over pretraining length) and dynamic NTK's pretraining length (the
+    config's ``max_position_embeddings``, which :meth:`ModelConfig.from_dict` then stretches by
+    ``factor``: the frequencies are computed once for that length, as vLLM does)."""
     params = dict(raw.get("rope_parameters") or {})
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ValueError(f"per-layer-type RoPE parameters are not supported: {sorted(params)}")
@@ -333,15 +366,26 @@ def _rope(raw: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
     theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor {partial} is not supported (only full rotary embeddings)")
-    if rope_type == "llama3":
+    params.pop("partial_rotary_factor", None)  # ModelConfig.rotary_dim
+    if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi-3's own older names for it
+    if rope_type in _ORIGINAL_LENGTH_TYPES:
+        original = raw.get("original_max_position_embeddings", 4096 if arch == "Phi3ForCausalLM" else None)
+        if original is not None:
+            params["original_max_position_embeddings"] = original
         params.setdefault("original_max_position_embeddings", max_position_embeddings)
+    if rope_type in ("yarn", "longrope") and params.get("factor") is None:
+        params["factor"] = max_position_embeddings / params["original_max_position_embeddings"]
+    if rope_type == "dynamic":
+        if not params.get("factor"):
+            raise ValueError(f"dynamic RoPE scaling needs a 'factor', got {params}")
+        params["original_max_position_embeddings"] = max_position_embeddings
     return RopeConfig(theta=float(theta), type=rope_type, params=params)
 
 
-def _gemma3_ropes(raw: dict[str, Any], max_position_embeddings: int) -> tuple[RopeConfig, RopeConfig]:
+def _gemma3_ropes(
+    raw: dict[str, Any], arch: str, max_position_embeddings: int
+) -> tuple[RopeConfig, RopeConfig]:
     """Gemma 3's RoPE of its full and of its sliding layers: 5.x writes ``rope_parameters`` per
     layer type; 4.x ``rope_theta`` (+ ``rope_scaling``) and ``rope_local_base_freq``."""
     params = raw.get("rope_parameters") or {}
@@ -350,16 +394,16 @@ def _gemma3_ropes(raw: dict[str, Any], max_position_embeddings: int) -> tuple[Ro
     else:
         full = {**raw, "rope_theta": raw.get("rope_theta", 1e6)}
         local = {"rope_theta": raw.get("rope_local_base_freq", 10000.0)}
-    local_rope = _rope(local, max_position_embeddings)
+    local_rope = _rope(local, arch, max_position_embeddings)
     if local_rope.type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported RoPE scaling {local_rope.type!r} of the sliding layers")
-    return _rope(full, max_position_embeddings), local_rope
+    return _rope(full, arch, max_position_embeddings), local_rope
 
 
 def _sliding(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """The sliding window and which layers use it, as transformers decides per architecture.
 
-    Mistral slides every layer when ``sliding_window`` is set. Qwen2/Qwen3 slide only with
+    Mistral and Phi-3 slide every layer when ``sliding_window`` is set. Qwen2/Qwen3 slide only with
     ``use_sliding_window`` and only layers from ``max_window_layers`` on (5.x also writes the
     resulting ``layer_types``). Gemma 2 slides the even layers (0, 2, ...), Gemma 3 all but every
     ``sliding_window_pattern``-th (6th). Llama never slides.
@@ -371,7 +415,7 @@ def _sliding(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | Non
         window = None
     if window is None:
         return None, ("full_attention",) * num_layers
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return window, ("sliding_attention",) * num_layers
     layer_types = raw.get("layer_types")
     if layer_types is None and arch == "Gemma2ForCausalLM":

@@ -61,6 +61,8 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
     heads = _uniform(key("attention.head_count"), f"{arch}.attention.head_count", first)
     hidden = key("embedding_length")
     head_dim = key("attention.key_length", None) or hidden // heads  # llama.cpp's default too
+    if key("rope.dimension_count", head_dim) != head_dim:
+        raise GGUFError(f"{first}: partial rotary embeddings ({arch}.rope.dimension_count) are not supported")
     raw: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "vocab_size": shapes["token_embd.weight"][0],
@@ -70,7 +72,6 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": _uniform(key("attention.head_count_kv", heads), "head_count_kv", first),
         "head_dim": head_dim,
-        "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
         "max_position_embeddings": key("context_length"),
         "rope_theta": key("rope.freq_base", 10000.0),
@@ -99,12 +100,18 @@ def _uniform(value: Any, name: str, file: Path) -> int:
 
 def _rope_scaling(key: Any, rope_freqs: list[float] | None) -> dict[str, Any] | None:
     """``rope.scaling.*`` as transformers' ``rope_scaling`` (None: plain RoPE); the divisors of
-    a ``rope_freqs.weight`` tensor (llama.cpp's form of Llama 3.1's scaling) as "freq_factors"."""
+    a ``rope_freqs.weight`` tensor (llama.cpp's form of Llama 3.1's scaling) as "freq_factors".
+    yarn keeps llama.cpp's defaults, which are transformers' (beta 32 and 1, attention factor
+    ``0.1 ln(factor) + 1``); longrope's factors live in tensors pagedkv does not read."""
     if rope_freqs is not None:
         return {"rope_type": "freq_factors", "factors": rope_freqs}
     kind = key("rope.scaling.type", "none")
     if kind == "none":
         return None
+    if kind == "longrope":
+        raise ValueError(
+            "RoPE scaling 'longrope' (factors in rope_factors_* tensors) is not supported in GGUF"
+        )
     scaling: dict[str, Any] = {"rope_type": kind, "factor": key("rope.scaling.factor", 1.0)}
     original = key("rope.scaling.original_context_length", None)
     if original is not None:

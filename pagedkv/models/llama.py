@@ -166,7 +166,7 @@ class LlamaForCausalLM(nn.Module):
         self.attention_backend = attention_backend
         self.model = self.decoder_class(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, cfg.rotary_dim)
         #: what the linear layers run on; set by the loader once the weights are in
         self.linear_kernel = LinearKernel(TORCH, "not packed")
         #: how the loader quantized the weights ("gptq int4, ..."); None: dense, as stored

@@ -6,7 +6,8 @@ in the target dtype and on the target device, then filled tensor by tensor with 
 ``safe_open`` so at most one tensor is held twice in memory. Checkpoint tensors keep their
 Hugging Face names; the model packs some of them (``q_proj``/``k_proj``/``v_proj`` into
 ``qkv_proj``, ``gate_proj``/``up_proj`` into ``gate_up_proj``), so each name maps to a parameter
-or to a row slice of one (:func:`checkpoint_targets`). Every target must be filled exactly once:
+or to a row slice of one (:func:`checkpoint_targets`); a checkpoint that stores them fused (Phi-3)
+reads as its parts (:mod:`pagedkv.models.fused_weights`). Every target must be filled exactly once:
 a missing or unexpected tensor is an error naming it, never a silent random weight.
 """
 
@@ -26,6 +27,7 @@ from pagedkv.config.model import LOAD_FORMATS
 from pagedkv.models.config import ModelConfig, resolve_dtype
 from pagedkv.models.dummy_weights import fill_dummy_weights
 from pagedkv.models.families import model_class
+from pagedkv.models.fused_weights import SplitFused
 from pagedkv.models.gguf_weights import GGUFTensors
 from pagedkv.models.linear import PackedLinear, choose_linear_kernel, pack_linears
 from pagedkv.models.llama import LlamaForCausalLM
@@ -34,6 +36,7 @@ from pagedkv.models.quantization.hf_groups import QuantizedLayers, checkpoint_sc
 from pagedkv.models.quantization.hf_scheme import QuantScheme
 from pagedkv.models.quantization.install import install_quantized
 from pagedkv.models.quantization.on_the_fly import quantize_linears
+from pagedkv.models.rope import rotary_row_order
 from pagedkv.tokenizer.gguf_file import SUFFIX, gguf_parts
 
 if TYPE_CHECKING:
@@ -44,6 +47,19 @@ SINGLE_FILE = "model.safetensors"
 
 #: Tensors some checkpoints carry that the model recomputes instead of loading.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+#: Tensors whose rows (per head) a partial-rotary model reorders (:func:`rotary_row_order`).
+_ROTARY_ROWS = tuple(
+    f"self_attn.{t}"
+    for t in (
+        "q_proj.weight",
+        "q_proj.bias",
+        "k_proj.weight",
+        "k_proj.bias",
+        "q_norm.weight",
+        "k_norm.weight",
+    )
+)
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -205,6 +221,8 @@ def load_weights(
                         f"weight {name} in {file.name} has shape {tuple(tensor.shape)}, "
                         f"but the config implies {tuple(target.shape)}"
                     )
+                if model.config.rotary_dim is not None and name.endswith(_ROTARY_ROWS):
+                    tensor = _rotary_rows(tensor, model.config)
                 if isinstance(tensor, QuantizedWeight):
                     quantized[name] = tensor
                 else:
@@ -221,11 +239,20 @@ def load_weights(
     return install_quantized(model, quantized, targets, keep_quantized)
 
 
+def _rotary_rows(tensor: torch.Tensor | QuantizedWeight, config: ModelConfig) -> torch.Tensor:
+    """Query/key rows (whole heads) in :func:`rotary_row_order`."""
+    if isinstance(tensor, QuantizedWeight):
+        raise ValueError("a quantized checkpoint of a partial-rotary model is not supported")
+    order = rotary_row_order(config.head_dim, config.rotary_dim or config.head_dim)
+    heads = tensor.shape[0] // config.head_dim
+    return tensor.unflatten(0, (heads, config.head_dim))[:, order].flatten(0, 1)
+
+
 def _open_weights(file: Path, config: ModelConfig, keep_quantized: bool) -> Any:
-    """A handle on one weight file: safetensors' own, or a GGUF file's
-    (:class:`~pagedkv.models.gguf_weights.GGUFTensors`, its Llama query/key rows unpermuted; its
-    quantized tensors as blocks with ``keep_quantized``)."""
+    """A handle on one weight file: safetensors' own, its fused projections split into their
+    parts, or a GGUF file's (:class:`~pagedkv.models.gguf_weights.GGUFTensors`, its Llama
+    query/key rows unpermuted; its quantized tensors as blocks with ``keep_quantized``)."""
     if file.suffix != SUFFIX:
-        return safe_open(str(file), framework="pt", device="cpu")
+        return SplitFused(safe_open(str(file), framework="pt", device="cpu"), config)
     llama = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
     return GGUFTensors(file, (config.num_heads, config.num_kv_heads) if llama else None, keep_quantized)

@@ -1,11 +1,22 @@
 """Rotary position embeddings, computed exactly as transformers computes them.
 
 Logits only match a reference to 1e-4 if every rounding matches too, so the inverse
-frequencies are built in float32 with transformers' formulas (default, linear, llama3; a GGUF
-file's per-frequency divisors, llama.cpp's ``rope_freqs``), the
-angles are ``position * inv_freq`` in float32, and queries/keys rotate with the
+frequencies are built in float32 with transformers' formulas (default, linear, llama3, yarn,
+dynamic NTK, longrope; a GGUF file's per-frequency divisors, llama.cpp's ``rope_freqs``), the
+angles are ``position * inv_freq`` in float32, cos/sin are multiplied by the scaling's attention
+factor (yarn's and longrope's; 1 otherwise) in float32, and queries/keys rotate with the
 ``rotate_half`` convention (first half of the head paired with the second half), with cos/sin
-cast to the activations' dtype first.
+cast to the activations' dtype first. Where only part of a head rotates (``partial_rotary_factor``)
+the loader reorders query and key rows (:func:`rotary_row_order`) so the same whole-head rotation
+applies, with cos 1 and sin 0 on the dimensions that pass.
+
+transformers recomputes two scalings per forward from the sequence's length; pagedkv fixes them
+once per model, so every sequence of a batch rotates alike and cached keys never go stale:
+dynamic NTK is computed for the whole stretched context (``factor`` times the pretraining length,
+as vLLM does; transformers agrees for a sequence of that length and, once it has seen one, for
+every sequence longer than the pretraining length); longrope takes its long factors when the
+model's context (``max_position_embeddings``) exceeds the pretraining length, its short ones
+otherwise (transformers agrees for every sequence longer, resp. not longer, than that length).
 
 transformers computes ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``.
 We fold the minus sign into the sin table instead (``[-sin, sin]``) and swap the halves with one
@@ -17,14 +28,16 @@ rotate together in one call.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from pagedkv.models.config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """``[head_dim // 2]`` float32 inverse frequencies, on the CPU."""
+def inverse_frequencies(rope: RopeConfig, head_dim: int, max_positions: int = 0) -> torch.Tensor:
+    """``[head_dim // 2]`` float32 inverse frequencies, on the CPU, for a model holding
+    ``max_positions`` positions (longrope's choice of factors depends on it)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.type == "default":
@@ -34,17 +47,87 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     if rope.type == "llama3":
         return _llama3(inv_freq, rope)
     if rope.type == "freq_factors":
-        factors = torch.tensor(_param(rope, "factors"), dtype=torch.float32)
-        if factors.shape != inv_freq.shape:
-            raise ValueError(f"{factors.numel()} RoPE frequency factors for {inv_freq.numel()} frequencies")
-        return inv_freq / factors
+        return inv_freq / _factors(rope, "factors", inv_freq)
+    if rope.type == "yarn":
+        return _yarn(exponents, rope, head_dim)
+    if rope.type == "dynamic":
+        return _dynamic_ntk(exponents, rope, head_dim)
+    if rope.type == "longrope":
+        long = max_positions > _param(rope, "original_max_position_embeddings")
+        factors = _factors(rope, "long_factor" if long else "short_factor", inv_freq)
+        return 1.0 / (factors * rope.theta**exponents)
     raise ValueError(f"unsupported RoPE scaling {rope.type!r}")
 
 
-def _param(rope: RopeConfig, key: str) -> float:
+def attention_factor(rope: RopeConfig) -> float:
+    """What cos and sin are multiplied by: yarn's ``0.1 ln(factor) + 1`` (or its mscale ratio),
+    longrope's ``sqrt(1 + ln(factor) / ln(original length))``, unless the config gives
+    ``attention_factor``; 1 for the other scalings."""
+    if rope.type not in ("yarn", "longrope"):
+        return 1.0
+    given = rope.params.get("attention_factor")
+    if given is not None:
+        return float(given)
+    factor = _param(rope, "factor")
+    if rope.type == "longrope":
+        original = _param(rope, "original_max_position_embeddings")
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    mscale, mscale_all_dim = rope.params.get("mscale"), rope.params.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def _param(rope: RopeConfig, key: str) -> Any:
     if key not in rope.params:
         raise ValueError(f"RoPE scaling {rope.type!r} needs {key!r} in its parameters, got {rope.params}")
     return rope.params[key]
+
+
+def _factors(rope: RopeConfig, key: str, inv_freq: torch.Tensor) -> torch.Tensor:
+    """One float32 divisor per frequency from parameter ``key``."""
+    factors = torch.tensor(_param(rope, key), dtype=torch.float32)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"{factors.numel()} RoPE {key} for {inv_freq.numel()} frequencies")
+    return factors
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(exponents: torch.Tensor, rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN: interpolate (divide by ``factor``) the frequencies that turn fewer than
+    ``beta_slow`` times over the pretraining length, keep those turning more than ``beta_fast``
+    times, ramp linearly between."""
+    factor = _param(rope, "factor")
+    original = _param(rope, "original_max_position_embeddings")
+    beta_fast = rope.params.get("beta_fast") or 32
+    beta_slow = rope.params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no empty ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = rope.theta**exponents
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def _dynamic_ntk(exponents: torch.Tensor, rope: RopeConfig, dim: int) -> torch.Tensor:
+    """NTK-aware scaling for the stretched context ``factor * original``: a larger base,
+    computed in float32 the way transformers computes it from a tensor sequence length."""
+    factor = _param(rope, "factor")
+    original = _param(rope, "original_max_position_embeddings")
+    seq_len = torch.tensor(int(original * factor))
+    base = rope.theta * ((factor * seq_len / original) - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (base**exponents)
 
 
 def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -78,8 +161,15 @@ class RotaryEmbedding:
     same float for an element whether it lands in a vector or in the scalar tail.
     """
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
-        self.inv_freq = inverse_frequencies(rope, head_dim)
+    def __init__(
+        self, rope: RopeConfig, head_dim: int, max_positions: int, rotary_dim: int | None = None
+    ) -> None:
+        #: frequencies of the rotating dimensions; the others (:func:`rotary_row_order`) get
+        #: cos 1 and sin 0, so they pass through unchanged
+        self.inv_freq = inverse_frequencies(rope, rotary_dim or head_dim, max_positions)
+        self.head_dim = head_dim
+        #: cos and sin are multiplied by it (yarn's and longrope's attention factor)
+        self.scale = attention_factor(rope)
         self.max_positions = max_positions
         #: (dtype, device) -> (cos, sign-folded sin) ``[n, head_dim]`` for positions ``[0, n)``
         self._tables: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -117,12 +207,34 @@ class RotaryEmbedding:
         if self.inv_freq.device != device:
             self.inv_freq = self.inv_freq.to(device)
         freqs = torch.arange(size, device=device)[:, None].float() * self.inv_freq
+        half, rotating = self.head_dim // 2, freqs.shape[-1]
+        freqs = torch.nn.functional.pad(freqs, (0, half - rotating))
         emb = torch.cat((freqs, freqs), dim=-1)
-        sin = emb.sin().to(dtype)
-        sin[:, : freqs.shape[-1]].neg_()
-        tables = emb.cos().to(dtype), sin
+        cos, sin = emb.cos() * self.scale, emb.sin() * self.scale
+        for start in (rotating, half + rotating):  # the dimensions that do not rotate
+            cos[:, start : start + half - rotating] = 1.0
+            sin[:, start : start + half - rotating] = 0.0
+        sin = sin.to(dtype)
+        sin[:, :half].neg_()
+        tables = cos.to(dtype), sin
         self._tables[(dtype, device)] = tables
         return tables
+
+
+def rotary_row_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Where each row of a head comes from when only ``rotary_dim`` of its ``head_dim``
+    dimensions rotate (transformers: the first ``rotary_dim``, halves paired inside them).
+
+    The loader reorders every query and key head by it (q/k norms too): the rotating halves
+    move to the front of each half of the head, the passing dimensions behind them. Then
+    :func:`apply_rotary`'s whole-head pairing (``i`` with ``i + head_dim / 2``) pairs exactly
+    transformers' rotating dimensions, the passing ones see cos 1 and sin 0, and every kernel
+    rotates as for a full-rotary model. Queries and keys move alike, so their dot products are
+    the same sums (in another order); values and outputs keep their order."""
+    half, rotating = head_dim // 2, rotary_dim // 2
+    passing = torch.arange(rotary_dim, head_dim)
+    first, second = passing[: half - rotating], passing[half - rotating :]
+    return torch.cat((torch.arange(rotating), first, torch.arange(rotating, rotary_dim), second))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

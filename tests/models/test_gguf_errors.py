@@ -62,9 +62,26 @@ def test_an_unknown_architecture_is_named_with_the_supported_ones(tmp_path, tiny
 
 
 def test_an_unsupported_rope_scaling_names_the_file(tmp_path, tiny):
-    file = write_gguf(tiny[1], tmp_path / "yarn.gguf", **{"llama.rope.scaling.type": "yarn"})
-    with pytest.raises(GGUFError, match=rf"{file}: unsupported RoPE scaling 'yarn'"):
+    file = write_gguf(tiny[1], tmp_path / "longrope.gguf", **{"llama.rope.scaling.type": "longrope"})
+    with pytest.raises(GGUFError, match=rf"{file}: RoPE scaling 'longrope' .* not supported"):
         ModelConfig.from_pretrained(file)
+
+
+def test_partial_rotary_is_refused(tmp_path, tiny):
+    file = write_gguf(tiny[1], tmp_path / "partial.gguf", **{"llama.rope.dimension_count": 8})
+    with pytest.raises(GGUFError, match=rf"{file}: partial rotary embeddings .*dimension_count"):
+        ModelConfig.from_pretrained(file)
+
+
+def test_yarn_scaling_reads_as_transformers_spells_it(tmp_path, tiny):
+    metadata = {
+        "llama.rope.scaling.type": "yarn",
+        "llama.rope.scaling.factor": 4.0,
+        "llama.rope.scaling.original_context_length": 64,
+    }
+    rope = ModelConfig.from_pretrained(write_gguf(tiny[1], tmp_path / "yarn.gguf", **metadata)).rope
+    assert rope.type == "yarn"
+    assert rope.params == {"factor": 4.0, "original_max_position_embeddings": 64}
 
 
 def test_an_unknown_tokenizer_is_named(tmp_path, tiny):

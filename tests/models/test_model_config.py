@@ -150,9 +150,9 @@ def test_unsupported_architecture_names_the_supported_ones():
         ({"hidden_size": None}, "hidden_size"),
         ({"num_key_value_heads": 3}, "multiple of"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"rope_scaling": {"rope_type": "mrope", "mrope_section": [2, 2, 4]}}, "mrope"),
         ({"torch_dtype": "int8"}, "int8"),
-        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"partial_rotary_factor": 1.5}, "partial_rotary_factor gives"),
         ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window"),
     ],
 )

@@ -25,6 +25,10 @@ CASES = {
     **EXACTNESS_CASES,
     # one KV head for two ranks: replicated; 515 rows: the second rank's vocabulary is padded
     "llama-mqa-odd-vocab": ("llama", {"num_key_value_heads": 1, "vocab_size": 515}),
+    # fused qkv_proj / gate_up_proj: each rank reads its rows of every part
+    "phi3-fused": ("phi3", {}),
+    # query/key heads reordered for partial rotary: each rank's whole heads
+    "phi3-partial-rotary": ("phi3", {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.75}}),
 }
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
