@@ -212,6 +212,13 @@ class ThroughputConfig:
     llamacpp_convert: str | None = option(
         None, "llama.cpp's convert_hf_to_gguf.py, to make GGUFs on first use", group="engines"
     )
+    llamacpp_gguf: str | None = option(
+        None,
+        "instead of --model: a GGUF file that pagedkv and llama.cpp both load, its weights kept in "
+        "their blocks (--dtypes: the compute dtype)",
+        metavar="FILE",
+        group="engines",
+    )
     llamacpp_kv: str = option(
         "f16",
         "llama.cpp's KV cache: f16 (its default) or the model's dtype",
@@ -226,8 +233,16 @@ class ThroughputConfig:
         check_options(self)
         if self.model is not None and not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"--model {self.model}: no config.json there")
-        if self.model is not None and self.model_shape is not None:
-            raise ValueError("--model and --model-shape both name the model: give one")
+        if sum(m is not None for m in (self.model, self.model_shape, self.llamacpp_gguf)) > 1:
+            raise ValueError("--model, --model-shape and --llamacpp-gguf each name the model: give one")
+        if self.llamacpp_gguf is not None:
+            if not Path(self.llamacpp_gguf).is_file() or Path(self.llamacpp_gguf).suffix != ".gguf":
+                raise ValueError(f"--llamacpp-gguf {self.llamacpp_gguf}: no such .gguf file")
+            if self.decode_batches:
+                raise ValueError("--decode-batches: the bandwidth floor counts float weights, not a GGUF's")
+            # the GEMM roofline and the floor are the float kernels': a GGUF's blocks run others
+            object.__setattr__(self, "gemm", False)
+            object.__setattr__(self, "decode_batches", ())
         # the device's defaults (frozen: set once, here)
         if self.engines is None:
             object.__setattr__(self, "engines", DEFAULT_ENGINES[self.device])

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Protocol
@@ -25,6 +26,9 @@ from pagedkv.bench.throughput_floor import measure_copy_rate
 from pagedkv.bench.throughput_gemm import measure_gemm, roofline_seconds
 from pagedkv.bench.throughput_report import EngineStatus, ThroughputResult
 from pagedkv.memory import blocks_for
+from pagedkv.models.gguf_config import gguf_config
+from pagedkv.models.gguf_weights import type_name
+from pagedkv.tokenizer.gguf_file import open_gguf
 
 RIVALS_DIR = Path(__file__).parent / "rivals"
 WORKER_SCRIPTS = {"vllm": RIVALS_DIR / "vllm_worker.py", "llamacpp": RIVALS_DIR / "llamacpp_worker.py"}
@@ -128,6 +132,10 @@ class TransformersEngine:
             with torch.device(spec.device):
                 model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
             fill_dummy_weights(dict(model.named_parameters()))
+        elif spec.model.suffix == ".gguf":  # dequantized by transformers (with the gguf package)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                str(spec.model.parent), gguf_file=spec.model.name, dtype=dtype
+            )
         else:
             model = transformers.AutoModelForCausalLM.from_pretrained(str(spec.model), dtype=dtype)
         model.generation_config.eos_token_id = None
@@ -248,14 +256,19 @@ def run_throughput(config: ThroughputConfig) -> ThroughputResult:
     """Run everything the config asks for, on ``config.threads`` torch threads."""
     import torch
 
-    if config.model_shape is not None:
-        model_path = shape_model_path(config.out / "models", config.model_shape)
+    weight_types: dict[str, int] = {}
+    if config.llamacpp_gguf is not None:
+        model_path = Path(config.llamacpp_gguf)
+        model_config, weight_types = gguf_config([model_path]), gguf_weight_types(model_path)
     else:
-        model_path = Path(config.model) if config.model else bench_model_path(config.out / "models")
-    model_config = json.loads((model_path / "config.json").read_text(encoding="utf-8"))
-    vocab = model_config["vocab_size"]
+        if config.model_shape is not None:
+            model_path = shape_model_path(config.out / "models", config.model_shape)
+        else:
+            model_path = Path(config.model) if config.model else bench_model_path(config.out / "models")
+        model_config = json.loads((model_path / "config.json").read_text(encoding="utf-8"))
+    vocab = model_config["vocab_size"]  # a GGUF's: its embedding's rows, llama.cpp's n_vocab too
     workloads = build_workloads(config.workloads, config.shape, vocab, config.decode_batches)
-    result = ThroughputResult(config, model_path, model_config, workloads)
+    result = ThroughputResult(config, model_path, model_config, workloads, weight_types=weight_types)
     with run_settings(config.threads):
         result.host = host_state("start") | {"torch": torch.__version__}
         if config.decode_batches:
@@ -324,9 +337,18 @@ def _run_dtype(result, dtype: str) -> None:
             engine.close()
 
 
+def gguf_weight_types(file: Path) -> dict[str, int]:
+    """How many of the GGUF file's tensors are of each ggml type (``{"Q4_1": 210, "F32": 61}``)."""
+    return dict(Counter(type_name(t.tensor_type) for t in open_gguf(file).tensors).most_common())
+
+
 def _rival_options(config: ThroughputConfig, model_path: Path, dtype: str) -> dict[str, dict]:
+    """What the rivals' workers load: llama.cpp the ``--llamacpp-gguf`` file as it is, or else a
+    GGUF of the checkpoint in ``dtype``, converted on first use."""
     suffix = {"float32": "f32", "bfloat16": "bf16"}[dtype]
     gguf = (config.out / "models" / "gguf" / f"{model_path.name}-{suffix}.gguf").resolve()
+    if config.llamacpp_gguf is not None:
+        gguf = Path(config.llamacpp_gguf).resolve()
     load = {"gguf": str(gguf), "convert_script": config.llamacpp_convert, "kv_type": config.llamacpp_kv}
     return {
         "vllm": {"python": config.vllm_python},

@@ -82,6 +82,8 @@ class ThroughputResult:
     #: the device's measured copy rate, GB/s (:mod:`~pagedkv.bench.throughput_floor`), when
     #: decode batches ran
     copy_rate_gbs: float | None = None
+    #: a GGUF model's tensors per ggml type (``{"Q4_1": 210, "F32": 61}``); empty for a checkpoint
+    weight_types: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -106,7 +108,11 @@ class ThroughputResult:
     def to_json(self) -> dict:
         return {
             "config": asdict(self.config),
-            "model": {"path": str(self.model_path), "config": self.model_config},
+            "model": {
+                "path": str(self.model_path),
+                "config": self.model_config,
+                "weight_types": self.weight_types,
+            },
             "workloads": [
                 {
                     "name": w.name,
@@ -363,6 +369,9 @@ def print_result(result: ThroughputResult, console: Console) -> None:
     print_decode(decode_rows(result), ENGINE_TITLES, result.copy_rate_gbs, console)
     print_agreement(result, console)
     print_gemm(result, console)
+    types = ", ".join(f"{name} x {count}" for name, count in result.weight_types.items())
     console.print(
-        f"model: {result.model_path} | roofline: linear layers only, at the fastest kernel's warm-cache rate"
+        f"model: {result.model_path}"
+        + (f" (GGUF tensors: {types})" if types else "")
+        + " | roofline: linear layers only, at the fastest kernel's warm-cache rate"
     )

@@ -4,7 +4,8 @@ Imports only the standard library, llama-cpp-python (and numpy, its dependency) 
 :mod:`worker_io` (see it for the protocol); converting the checkpoint also needs sentencepiece,
 gguf, torch and transformers in the same venv (llama.cpp's converter imports them).
 
-The GGUF: llama.cpp reads its own format, made by ``convert_hf_to_gguf.py`` from the
+The GGUF: a file that exists is loaded as it is (``--llamacpp-gguf``: the one pagedkv runs too).
+Otherwise llama.cpp reads its own format, made by ``convert_hf_to_gguf.py`` from the
 llama-cpp-python sdist (``vendor/llama.cpp/``), whose path the driver passes. For a Llama that
 converter wants a SentencePiece ``tokenizer.model`` with the model's vocabulary size; the bench
 model has none (prompts are token ids), so one is trained here on seeded made-up words with
