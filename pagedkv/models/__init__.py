@@ -7,7 +7,8 @@
 """
 
 from pagedkv.models.builtin import BUILTIN_NOTE, builtin_model_path, shipped_model_path
-from pagedkv.models.config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
+from pagedkv.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeConfig
+from pagedkv.models.dtypes import DTYPES
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.loader import load_model
 

@@ -24,7 +24,8 @@ from safetensors import safe_open
 
 from pagedkv.attention import resolve_backend
 from pagedkv.config.model import LOAD_FORMATS
-from pagedkv.models.config import ModelConfig, resolve_dtype
+from pagedkv.models.config import ModelConfig
+from pagedkv.models.dtypes import resolve_dtype
 from pagedkv.models.dummy_weights import fill_dummy_weights
 from pagedkv.models.families import model_class
 from pagedkv.models.fused_weights import SplitFused
@@ -100,7 +101,7 @@ def load_model(
     quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """The model of folder ``path`` in eval mode, weights cast to ``dtype`` (default: the
-    checkpoint's own dtype; "auto": see :func:`~pagedkv.models.config.resolve_dtype`) on
+    checkpoint's own dtype; "auto": see :func:`~pagedkv.models.dtypes.resolve_dtype`) on
     ``device``, its attention kernels those of ``attention_backend`` (default: the device's, see
     :mod:`pagedkv.attention.backends`), its linear layers packed for ``linear_kernel`` once the
     weights are in (see :mod:`pagedkv.models.linear`; ``batch_hint``: the most rows per call).

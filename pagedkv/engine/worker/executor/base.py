@@ -18,7 +18,7 @@ from pagedkv.engine.core.plan import StepPlan
 from pagedkv.memory import TransferReport
 from pagedkv.memory.pool_sizing import PoolSizing
 from pagedkv.models import decode_stack
-from pagedkv.models.config import dtype_name
+from pagedkv.models.dtypes import dtype_name
 
 
 class ExecutorError(RuntimeError):

@@ -26,7 +26,7 @@ from pagedkv.engine.worker.executor.tier_io import RankTier
 from pagedkv.engine.worker.model_runner import ModelRunner
 from pagedkv.memory.pool_sizing import PoolSizing
 from pagedkv.models import ModelConfig, load_model
-from pagedkv.models.config import resolve_dtype
+from pagedkv.models.dtypes import resolve_dtype
 from pagedkv.models.families import model_class
 from pagedkv.models.parallel import TensorParallel, shard_config
 

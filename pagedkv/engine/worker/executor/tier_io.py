@@ -30,7 +30,7 @@ from pagedkv.memory.tier.host import HostKVTier, KVLayout
 from pagedkv.memory.tier.limits import check_disk_tier, check_host_tier
 from pagedkv.memory.tier.movers import DiskTierMover, HostTierMover
 from pagedkv.models import ModelConfig
-from pagedkv.models.config import resolve_dtype
+from pagedkv.models.dtypes import resolve_dtype
 from pagedkv.models.fingerprint import model_fingerprint
 
 #: Where a disk tier remembers its model's fingerprint between runs.
