@@ -26,8 +26,6 @@ from pagedkv.bench.throughput_floor import measure_copy_rate
 from pagedkv.bench.throughput_gemm import measure_gemm, roofline_seconds
 from pagedkv.bench.throughput_report import EngineStatus, ThroughputResult
 from pagedkv.memory import blocks_for
-from pagedkv.models.gguf_config import gguf_config
-from pagedkv.models.gguf_weights import type_name
 from pagedkv.tokenizer.gguf_file import open_gguf
 
 RIVALS_DIR = Path(__file__).parent / "rivals"
@@ -256,6 +254,8 @@ def run_throughput(config: ThroughputConfig) -> ThroughputResult:
     """Run everything the config asks for, on ``config.threads`` torch threads."""
     import torch
 
+    from pagedkv.models.gguf_config import gguf_config  # the models package imports torch
+
     weight_types: dict[str, int] = {}
     if config.llamacpp_gguf is not None:
         model_path = Path(config.llamacpp_gguf)
@@ -339,6 +339,8 @@ def _run_dtype(result, dtype: str) -> None:
 
 def gguf_weight_types(file: Path) -> dict[str, int]:
     """How many of the GGUF file's tensors are of each ggml type (``{"Q4_1": 210, "F32": 61}``)."""
+    from pagedkv.models.gguf_weights import type_name  # the models package imports torch
+
     return dict(Counter(type_name(t.tensor_type) for t in open_gguf(file).tensors).most_common())
 
 
