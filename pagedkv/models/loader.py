@@ -13,8 +13,10 @@ a missing or unexpected tensor is an error naming it, never a silent random weig
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -89,6 +91,20 @@ def weight_files(path: str | Path) -> list[Path]:
     return files
 
 
+def return_freed_heap() -> None:
+    """Give the pages freed while loading back to the system. Loading builds a full-size model and
+    replaces its placeholder tensors (with the checkpoint's, packed or kept in blocks) and reads
+    through transient buffers; glibc keeps the freed heap mapped in the process unless trimmed, so
+    the loaded model would be charged for memory it no longer holds. Elsewhere than glibc: nothing."""
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl has no malloc_trim)
+        return
+    libc.malloc_trim(0)
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype | str | None = None,
@@ -149,6 +165,7 @@ def load_model(
         model.quantization = f"{quantization} on load, {held}"
     model.requires_grad_(False)
     model.linear_kernel = pack_linears(model, kernel, batch_hint)
+    return_freed_heap()
     return model.eval()
 
 
