@@ -38,26 +38,20 @@ class LayerKV:
     value: torch.Tensor
     key_scale: torch.Tensor | None = None
     value_scale: torch.Tensor | None = None
+    #: the pools' four dimensions, read off ``key`` once
+    num_blocks: int = dataclasses.field(init=False, repr=False, compare=False)
+    block_size: int = dataclasses.field(init=False, repr=False, compare=False)
+    num_kv_heads: int = dataclasses.field(init=False, repr=False, compare=False)
+    head_dim: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        dims = ("num_blocks", "block_size", "num_kv_heads", "head_dim")
+        for name, size in zip(dims, self.key.shape, strict=True):
+            object.__setattr__(self, name, int(size))  # frozen: the one place they are set
 
     @property
     def quantized(self) -> bool:
         return self.key_scale is not None
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.key.shape[0])
-
-    @property
-    def block_size(self) -> int:
-        return int(self.key.shape[1])
-
-    @property
-    def num_kv_heads(self) -> int:
-        return int(self.key.shape[2])
-
-    @property
-    def head_dim(self) -> int:
-        return int(self.key.shape[3])
 
     @property
     def num_slots(self) -> int:

@@ -44,6 +44,16 @@ SUPPORTED_ROPE_TYPES: tuple[str, ...] = (
 )
 
 
+#: What transformers' Gemma 2 and Gemma 3 configs default alike (their lengths and soft-caps differ).
+_GEMMA_DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-6,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+    "sliding_window": 4096,
+    "query_pre_attn_scalar": 256,
+}
+
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     # The values transformers' own config classes default to when config.json omits a key.
     "LlamaForCausalLM": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6},
@@ -51,25 +61,12 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
     "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 128},
     "Gemma2ForCausalLM": {
+        **_GEMMA_DEFAULTS,
         "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-6,
-        "head_dim": 256,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "tie_word_embeddings": True,
-        "sliding_window": 4096,
-        "query_pre_attn_scalar": 256,
         "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0,
     },
-    "Gemma3ForCausalLM": {
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-6,
-        "head_dim": 256,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "tie_word_embeddings": True,
-        "sliding_window": 4096,
-        "query_pre_attn_scalar": 256,
-    },
+    "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072},
     "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
 }
 

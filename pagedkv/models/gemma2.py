@@ -21,31 +21,25 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch import nn
 
-from pagedkv.attention import AttentionMetadata, Backend, KVCache
 from pagedkv.models.config import ModelConfig
-from pagedkv.models.llama import MLP, Attention, Embedding, LlamaForCausalLM, RMSNorm
+from pagedkv.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel, RMSNorm
 from pagedkv.models.ops import (
     Attend,
     DecoderOps,
-    ForwardBatch,
     GateUpGelu,
     OffsetNorm,
     Op,
     Project,
     RotaryWriteKV,
 )
-from pagedkv.models.rope import RotaryEmbedding
 
 
-class Gemma2DecoderLayer(nn.Module):
+class Gemma2DecoderLayer(DecoderLayer):
+    """Llama's layer with a norm after each sublayer too (the sandwich)."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        super().__init__(cfg, layer)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         #: whether the layer rotates by the sliding layers' own RoPE (Gemma 3's local one)
@@ -76,42 +70,15 @@ def _norm(norm: RMSNorm, add: bool) -> OffsetNorm:
     return OffsetNorm(norm.weight, norm.eps, add)
 
 
-class Gemma2Model(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+class Gemma2Model(LlamaModel):
+    layer_class = Gemma2DecoderLayer
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     """Gemma 2's (and Gemma 3's) decoder plus the (tied) LM head, run as
-    :class:`LlamaForCausalLM` runs its op list."""
+    :class:`LlamaForCausalLM` runs its op list (which also builds Gemma 3's local rotary)."""
 
     decoder_class = Gemma2Model
-
-    def __init__(self, cfg: ModelConfig, attention_backend: Backend) -> None:
-        super().__init__(cfg, attention_backend)
-        local = cfg.local_rope
-        #: the sliding layers' rotary tables where their RoPE differs (Gemma 3)
-        self.local_rotary = (
-            None if local is None else RotaryEmbedding(local, cfg.head_dim, cfg.max_position_embeddings)
-        )
-
-    def forward_batch(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: KVCache,
-        metadata: AttentionMetadata,
-        output_rows: torch.Tensor | None,
-    ) -> ForwardBatch:
-        """Llama's, with the sliding layers' own ``cos``/``sin`` where they have them."""
-        batch = super().forward_batch(x, positions, kv_cache, metadata, output_rows)
-        if self.local_rotary is None:
-            return batch
-        cos, sin = self.local_rotary.cos_sin(positions, x.dtype, metadata.max_seq_len)
-        return dataclasses.replace(batch, local_cos=cos, local_sin=sin)
 
     def decoder_ops(self) -> DecoderOps:
         """Every layer's ops, then the final norm (which adds the last layer's output)."""

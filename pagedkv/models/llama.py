@@ -67,12 +67,6 @@ class Embedding(nn.Module):
         self.hidden_size = hidden_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
 
-    def decoder_ops(self) -> DecoderOps:
-        """Every layer's ops, then the final norm (which adds the last layer's output)."""
-        norm = self.model.norm
-        layers = tuple(layer.ops() for layer in self.model.layers)
-        return DecoderOps(layers, (AddNorm(norm.weight, norm.eps),))
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.weight.dim() == 1:
             return tiled_rows(self.weight, input_ids, self.hidden_size)
@@ -143,10 +137,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The embedding, the layers and the final norm, under the checkpoint's names; another family
+    names its own ``layer_class``."""
+
+    #: the module one layer's weights live in (built as ``layer_class(cfg, layer_index)``)
+    layer_class: type[nn.Module] = DecoderLayer
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -167,6 +167,11 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.decoder_class(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, cfg.rotary_dim)
+        local = cfg.local_rope
+        #: the sliding layers' rotary tables where their RoPE differs (Gemma 3); None: ``rotary``
+        self.local_rotary = (
+            None if local is None else RotaryEmbedding(local, cfg.head_dim, cfg.max_position_embeddings)
+        )
         #: what the linear layers run on; set by the loader once the weights are in
         self.linear_kernel = LinearKernel(TORCH, "not packed")
         #: how the loader quantized the weights ("gptq int4, ..."); None: dense, as stored
@@ -216,10 +221,14 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         output_rows: torch.Tensor | None,
     ) -> ForwardBatch:
-        """What every op of the step shares, for the embedded tokens ``x``."""
+        """What every op of the step shares, for the embedded tokens ``x``: with the sliding
+        layers' own ``cos``/``sin`` where they have them."""
         cos, sin = self.rotary.cos_sin(positions, x.dtype, metadata.max_seq_len)
-        ops = layer_ops.select(x)
-        return ForwardBatch(ops, cos, sin, kv_cache, metadata, self.attention_backend, output_rows)
+        local_cos = local_sin = None
+        if self.local_rotary is not None:
+            local_cos, local_sin = self.local_rotary.cos_sin(positions, x.dtype, metadata.max_seq_len)
+        ops, backend = layer_ops.select(x), self.attention_backend
+        return ForwardBatch(ops, cos, sin, kv_cache, metadata, backend, output_rows, local_cos, local_sin)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The hidden states the first layer reads for ``input_ids [T]``."""

@@ -185,51 +185,59 @@ def chat_template(args: argparse.Namespace) -> str | None:
     return template
 
 
-def _add_connection_options(parser: argparse.ArgumentParser) -> None:
-    # The defaults are ConnectionLimits' (pagedkv.server.connections), written out here so that
-    # --help stays fast: that module imports uvicorn.
-    group = parser.add_argument_group("connections (a slow or surplus client is closed, not waited for)")
-    group.add_argument(
-        "--timeout-keep-alive",
-        type=positive_float,
-        metavar="SECONDS",
-        default=5.0,
-        help="close a kept-alive connection idle for this many seconds (default: %(default)s)",
-    )
-    group.add_argument(
-        "--timeout-request-header",
-        type=positive_float,
-        metavar="SECONDS",
-        default=10.0,
-        help="close a connection whose request line and headers are not complete this many seconds "
+#: The connection options, one per ``ConnectionLimits`` field of the same name: (field, type,
+#: metavar, default, help). The defaults are ConnectionLimits' (pagedkv.server.connections),
+#: written out here so that --help stays fast: that module imports uvicorn.
+_CONNECTION_OPTIONS = (
+    (
+        "timeout_keep_alive",
+        positive_float,
+        "SECONDS",
+        5.0,
+        "close a kept-alive connection idle for this many seconds (default: %(default)s)",
+    ),
+    (
+        "timeout_request_header",
+        positive_float,
+        "SECONDS",
+        10.0,
+        "close a connection whose request line and headers are not complete this many seconds "
         "after it opened or its previous response ended; 408 if part of a request came "
         "(default: %(default)s)",
-    )
-    group.add_argument(
-        "--timeout-request-body",
-        type=positive_float,
-        metavar="SECONDS",
-        default=30.0,
-        help="answer 408 and close when a request body is not complete this many seconds after its "
+    ),
+    (
+        "timeout_request_body",
+        positive_float,
+        "SECONDS",
+        30.0,
+        "answer 408 and close when a request body is not complete this many seconds after its "
         "headers (default: %(default)s)",
-    )
-    group.add_argument(
-        "--limit-concurrency",
-        type=positive_int,
-        metavar="N",
-        default=None,
-        help="most open connections; past it the connection that has been reading its request the "
+    ),
+    (
+        "limit_concurrency",
+        positive_int,
+        "N",
+        None,
+        "most open connections; past it the connection that has been reading its request the "
         "longest (a slow or idle client) is closed with 503, or, when every connection is busy "
         "with a request, the new one gets 503 (default: what the open-file limit, raised to its "
         "hard limit at start, leaves after the accept backlog and 64 files, at most 16384)",
-    )
-    group.add_argument(
-        "--h11-max-incomplete-event-size",
-        type=positive_int,
-        metavar="BYTES",
-        default=16 * 1024,
-        help="most bytes of a request line and headers; more gets 400 (default: %(default)s)",
-    )
+    ),
+    (
+        "h11_max_incomplete_event_size",
+        positive_int,
+        "BYTES",
+        16 * 1024,
+        "most bytes of a request line and headers; more gets 400 (default: %(default)s)",
+    ),
+)
+
+
+def _add_connection_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("connections (a slow or surplus client is closed, not waited for)")
+    for field, kind, metavar, default, help_text in _CONNECTION_OPTIONS:
+        flag = "--" + field.replace("_", "-")
+        group.add_argument(flag, type=kind, metavar=metavar, default=default, help=help_text)
 
 
 def connection_limits(args: argparse.Namespace):
@@ -237,13 +245,7 @@ def connection_limits(args: argparse.Namespace):
     from pagedkv.server.connections import ConnectionLimits
 
     try:
-        return ConnectionLimits(
-            timeout_keep_alive=args.timeout_keep_alive,
-            timeout_request_header=args.timeout_request_header,
-            timeout_request_body=args.timeout_request_body,
-            limit_concurrency=args.limit_concurrency,
-            h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
-        )
+        return ConnectionLimits(**{field: getattr(args, field) for field, *_ in _CONNECTION_OPTIONS})
     except ValueError as err:
         args.parser.error(str(err).replace("_", "-"))
 
