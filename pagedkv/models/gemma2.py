@@ -25,7 +25,7 @@ from torch import nn
 
 from pagedkv.attention import AttentionMetadata, Backend, KVCache
 from pagedkv.models.config import ModelConfig
-from pagedkv.models.llama import MLP, Attention, Embedding, LlamaForCausalLM, RMSNorm
+from pagedkv.models.llama import MLP, Attention, LlamaForCausalLM, LlamaModel, RMSNorm
 from pagedkv.models.ops import (
     Attend,
     DecoderOps,
@@ -76,12 +76,8 @@ def _norm(norm: RMSNorm, add: bool) -> OffsetNorm:
     return OffsetNorm(norm.weight, norm.eps, add)
 
 
-class Gemma2Model(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+class Gemma2Model(LlamaModel):
+    layer_class = Gemma2DecoderLayer
 
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
