@@ -94,6 +94,10 @@ class Linear(nn.Linear):
     billion parameters only to discard them costs seconds) whose weight may be packed for oneDNN.
     """
 
+    #: on-the-fly quantization leaves the layer in the checkpoint's precision (an MoE router,
+    #: whose few logits pick the experts: llama.cpp keeps its ``ffn_gate_inp`` unquantized too)
+    keeps_precision = False
+
     def reset_parameters(self) -> None:
         pass
 

@@ -60,6 +60,14 @@ class ExpertMLP(nn.Module):
         return GateUpAct(self.gate_up_proj), Project(getattr(self, self.down_name))
 
 
+class Router(Linear):
+    """A router: one logit per expert (or the shared expert's one gate logit). Kept in the
+    checkpoint's precision by on-the-fly quantization, as llama.cpp keeps ``ffn_gate_inp``: a
+    small error in a logit can pick another expert."""
+
+    keeps_precision = True
+
+
 class SparseMoeBlock(nn.Module):
     """A sparse layer's MLP: the router ``gate`` (one logit per expert), the routed experts and,
     with ``moe.shared_expert_size``, the shared expert and its one-logit ``shared_expert_gate``."""
@@ -67,12 +75,12 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: MoeConfig, names: tuple[str, str, str]) -> None:
         super().__init__()
         hidden = cfg.hidden_size
-        self.gate = Linear(hidden, moe.num_experts, bias=False)
+        self.gate = Router(hidden, moe.num_experts, bias=False)
         experts = (ExpertMLP(hidden, moe.expert_size, names) for _ in range(moe.num_experts))
         self.experts = nn.ModuleList(experts)
         if moe.shared_expert_size is not None:
             self.shared_expert = ExpertMLP(hidden, moe.shared_expert_size, QWEN_NAMES)
-            self.shared_expert_gate = Linear(hidden, 1, bias=False)
+            self.shared_expert_gate = Router(hidden, 1, bias=False)
 
 
 def _run_mlp(ops: tuple[GateUpAct, Project], x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
