@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pagedkv import LLM, SamplingParams
 from pagedkv.models import load_model
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.decode_stack import describe
@@ -25,11 +26,14 @@ from pagedkv.models.ops import ForwardBatch, Project
 from pagedkv.models.parallel import TensorParallel
 from pagedkv.models.quantized import QuantizedLinear
 from tests.checkpoints import make_checkpoint, to_v4_config
+from tests.engine.spec.test_engine_spec import NGRAM
 
 from .hf_reference import (
+    MAX_NEW,
     TOL,
     assert_greedy_tokens_match,
     assert_packed_logits_match,
+    hf_greedy,
     hf_logits,
     hf_model,
     long_prompts,
@@ -158,12 +162,12 @@ def test_each_switch_changes_the_logits(references, tmp_path):
     plain = hf_model(make_checkpoint(tmp_path, "qwen3moe", **{**QWEN3MOE, "norm_topk_prob": False}))
     assert (hf_logits(plain, seq) - hf_logits(renormalised, seq)).abs().max().item() > 100 * TOL
     path, shared = references["qwen2moe-shared-dense-layer"]
+    unshared = hf_model(path)  # its own copy: the fixture's model stays the reference
     with torch.no_grad():
-        for layer in shared.model.layers:
+        for layer in unshared.model.layers:
             if hasattr(layer.mlp, "shared_expert_gate"):
                 layer.mlp.shared_expert_gate.weight.fill_(-1e4)  # sigmoid 0: no shared expert
-        without = hf_logits(shared, seq)
-    assert (without - hf_logits(hf_model(path), seq)).abs().max().item() > 100 * TOL
+    assert (hf_logits(unshared, seq) - hf_logits(shared, seq)).abs().max().item() > 100 * TOL
 
 
 def test_route_renormalises_only_where_asked():
@@ -263,3 +267,17 @@ def test_bfloat16_and_q8_0_on_load_track_the_float_model(references):
         spread = want.std().item()
         assert rows.min() > 0 and rows.max() < spread
         assert (rows < 0.1 * spread).float().mean() >= 0.9
+
+
+def test_speculation_and_preemption_change_no_token(references):
+    """n-gram drafts verified as k + 1 rows per sequence (each routed on its own) and a KV pool
+    too small for every sequence at once (preemption, recompute): transformers' greedy tokens."""
+    path, hf = references["qwen2moe-shared-dense-layer"]
+    tiny = {"block_size": 4, "num_kv_blocks": 24, "watermark": 0.0, "decode_headroom": 0.0}
+    llm = LLM(str(path), dtype="float32", speculative_config=NGRAM, **tiny)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(long_prompts(), greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf, long_prompts(), MAX_NEW)
+    assert llm.kv_stats()["preemptions"] > 0
+    assert llm.engine.verifier.speculator.totals.num_drafts > 0
+    assert llm.kv_stats()["blocks_used"] == 0
