@@ -85,6 +85,7 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     :class:`LlamaForCausalLM` runs its op list."""
 
     decoder_class = Gemma2Model
+    supports_tensor_parallel = False
 
     def __init__(self, cfg: ModelConfig, attention_backend: Backend) -> None:
         super().__init__(cfg, attention_backend)

@@ -24,10 +24,16 @@ Module names are the checkpoint's (Mixtral: ``block_sparse_moe.gate``,
 ``mlp.experts.N.gate_proj/up_proj/down_proj``, ``mlp.shared_expert.*``,
 ``mlp.shared_expert_gate``), as ``save_pretrained`` writes them, so the loader fills them as it
 fills Llama. :class:`RouteExperts` has no C form: decode steps run on the step program.
+
+Tensor parallelism cuts every expert (the shared one too) as it cuts Llama's MLP, each rank
+holding its share of the intermediate rows, as vLLM's fused MoE does; the router is replicated,
+so every rank routes every row alike. A rank's weighted expert outputs are partial sums, and one
+all-reduce per layer adds them (not one per expert).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -81,6 +87,14 @@ class SparseMoeBlock(nn.Module):
         if moe.shared_expert_size is not None:
             self.shared_expert = ExpertMLP(hidden, moe.shared_expert_size, QWEN_NAMES)
             self.shared_expert_gate = Router(hidden, 1, bias=False)
+        #: on a tensor-parallel rank, the all-reduce that adds the ranks' partial outputs
+        #: (set by :meth:`~pagedkv.models.parallel.TensorParallel.build`); None: one device
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def mlps(self) -> list[ExpertMLP]:
+        """Every expert, the shared one last."""
+        shared = [self.shared_expert] if hasattr(self, "shared_expert") else []
+        return [*self.experts, *shared]
 
 
 def _run_mlp(ops: tuple[GateUpAct, Project], x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -113,6 +127,7 @@ class RouteExperts(Op):
     router: Project = field(init=False, repr=False)
     experts: tuple[tuple[GateUpAct, Project], ...] = field(init=False, repr=False)
     shared: tuple[Project, tuple[GateUpAct, Project]] | None = field(init=False, repr=False)
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         block = self.block
@@ -122,6 +137,7 @@ class RouteExperts(Op):
         if self.moe.shared_expert_size is not None:
             shared = Project(block.shared_expert_gate), block.shared_expert.ops()
         object.__setattr__(self, "shared", shared)
+        object.__setattr__(self, "all_reduce", block.all_reduce)
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         experts, weights = route(self.router.run(x, None, batch)[0], self.moe)
@@ -130,6 +146,8 @@ class RouteExperts(Op):
             gate, mlp = self.shared
             scale = torch.sigmoid(gate.run(x, None, batch)[0])
             out = out + scale * _run_mlp(mlp, x, batch)
+        if self.all_reduce is not None:  # a rank's experts hold its share of their rows
+            out = self.all_reduce(out)
         return out, residual
 
     def grouped(
@@ -177,12 +195,17 @@ class MoeDecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg)
 
+    @property
+    def sparse_block(self) -> SparseMoeBlock | None:
+        """The layer's mixture of experts; None on a dense layer."""
+        return getattr(self, self.block_name) if self.sparse else None
+
     def ops(self) -> tuple[Op, ...]:
         """Llama's attention ops, then the routed experts (or Llama's dense MLP ops)."""
         attention = attention_ops(self.self_attn, self.input_layernorm, self.post_attention_layernorm)
         if not self.sparse:
             return (*attention, GateUpAct(self.mlp.gate_up_proj), Project(self.mlp.down_proj))
-        return (*attention, RouteExperts(getattr(self, self.block_name), self.moe))
+        return (*attention, RouteExperts(self.sparse_block, self.moe))
 
 
 class MoeModel(LlamaModel):

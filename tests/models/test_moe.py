@@ -10,12 +10,15 @@ writes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.attention import resolve_backend
 from pagedkv.models import load_model
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.decode_stack import describe
@@ -23,7 +26,7 @@ from pagedkv.models.layer_ops import TORCH_OPS
 from pagedkv.models.moe import MoeForCausalLM, RouteExperts, Router, route
 from pagedkv.models.moe_config import MoeConfig
 from pagedkv.models.ops import ForwardBatch, Project
-from pagedkv.models.parallel import TensorParallel
+from pagedkv.models.parallel import TensorParallel, TensorSlice, check_divisible, shard_config
 from pagedkv.models.quantized import QuantizedLinear
 from tests.checkpoints import make_checkpoint, to_v4_config
 from tests.engine.spec.test_engine_spec import NGRAM
@@ -215,9 +218,26 @@ def _expert(op: RouteExperts, e: torch.Tensor, x: torch.Tensor, batch: ForwardBa
     return Project.run(down, act.run(x, None, batch)[0], None, batch)[0]
 
 
-def test_tensor_parallelism_is_refused(references):
-    with pytest.raises(ValueError, match="tensor parallelism does not cover MixtralForCausalLM"):
-        load_model(references["mixtral"][0], tensor_parallel=TensorParallel(0, 2))
+def test_each_rank_holds_its_rows_of_every_expert(references):
+    """Tensor parallelism (exact against one rank in tests/engine/worker/test_tensor_parallel.py)
+    cuts each expert and the shared one by intermediate rows, replicates the routers, and leaves
+    the experts' down projections unreduced: the block all-reduces once."""
+    cfg = ModelConfig.from_pretrained(references["qwen2moe-shared-dense-layer"][0])
+    local = shard_config(cfg, 2)
+    assert (local.moe.expert_size, local.moe.shared_expert_size, local.intermediate_size) == (16, 32, 64)
+    odd = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, expert_size=30))
+    with pytest.raises(ValueError, match=r"expert intermediate size 30 not divisible by 4"):
+        check_divisible(odd, 4)
+    model = TensorParallel(1, 2).build(cfg, resolve_backend("torch", torch.device("cpu")))
+    slices = TensorParallel(1, 2).checkpoint_slices(model)
+    layer = "model.layers.0.mlp"
+    assert slices[f"{layer}.experts.3.up_proj.weight"] == TensorSlice(0, 16, 16, 16)
+    assert slices[f"{layer}.experts.3.down_proj.weight"] == TensorSlice(1, 16, 16, 16)
+    assert slices[f"{layer}.shared_expert.gate_proj.weight"] == TensorSlice(0, 32, 32, 32)
+    assert f"{layer}.gate.weight" not in slices and f"{layer}.shared_expert_gate.weight" not in slices
+    block = model.model.layers[0].sparse_block
+    assert block.all_reduce is not None and not block.experts[3].down_proj.reduce
+    assert model.model.layers[1].mlp.down_proj.reduce  # the dense layer reduces as Llama's
 
 
 def test_a_missing_expert_weight_is_named(tmp_path):
