@@ -18,6 +18,7 @@ import torch
 from pagedkv.memory.kv_bytes import KVSpec
 from pagedkv.models.dtypes import dtype_name, resolve_dtype
 from pagedkv.models.gguf_config import gguf_config
+from pagedkv.models.moe_config import MOE_ARCHITECTURES, MoeConfig, moe_config
 from pagedkv.tokenizer.gguf_file import GGUFError, gguf_parts
 
 #: The architectures (``config.json`` ``architectures[0]``) this package can run.
@@ -29,6 +30,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
+    *MOE_ARCHITECTURES,
 )
 
 #: RoPE scalings implemented in :mod:`pagedkv.models.rope`; "freq_factors" is llama.cpp's form of
@@ -68,6 +70,9 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "Gemma3ForCausalLM": {**_GEMMA_DEFAULTS, "max_position_embeddings": 131072},
     "Phi3ForCausalLM": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+    "MixtralForCausalLM": {"max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    "Qwen2MoeForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
+    "Qwen3MoeForCausalLM": {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6},
 }
 
 #: Scalings whose parameters name the context length the model was pretrained with.
@@ -125,6 +130,8 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     #: the logits pass through ``cap * tanh(logit / cap)`` (Gemma 2); None: uncapped.
     final_logit_softcapping: float | None = None
+    #: the mixture of experts of a MoE family (:mod:`pagedkv.models.moe`); None: a dense MLP.
+    moe: MoeConfig | None = None
     dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -243,6 +250,9 @@ class ModelConfig:
         hidden = _required(raw, "hidden_size")
         head_dim = raw.get("head_dim") or defaults.get("head_dim") or hidden // num_heads
         bias = bool(raw.get("attention_bias", False))
+        # Qwen2 always has q/k/v biases, Qwen2-MoE by its qkv_bias; neither has an o_proj bias
+        qkv_bias = {"Qwen2ForCausalLM": True, "Qwen2MoeForCausalLM": raw.get("qkv_bias", True)}
+        qkv_bias = qkv_bias.get(arch, bias)
         max_pos = raw.get("max_position_embeddings", defaults["max_position_embeddings"])
         if arch == "Gemma3ForCausalLM":
             rope, local_rope = _gemma3_ropes(raw, arch, max_pos)
@@ -269,10 +279,10 @@ class ModelConfig:
             tie_word_embeddings=bool(
                 raw.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))
             ),
-            attention_bias=bias or arch == "Qwen2ForCausalLM",
-            o_proj_bias=bias and arch != "Qwen2ForCausalLM",
+            attention_bias=bool(qkv_bias),
+            o_proj_bias=bias and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             rotary_dim=None if partial == 1.0 else int(head_dim * partial),
             sliding_window=sliding_window,
             layer_types=layer_types,
@@ -281,6 +291,7 @@ class ModelConfig:
             final_logit_softcapping=raw.get(
                 "final_logit_softcapping", defaults.get("final_logit_softcapping")
             ),
+            moe=moe_config(raw, arch, num_layers),
             dtype=resolve_dtype(raw.get("dtype") or raw.get("torch_dtype")),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=raw.get("eos_token_id"),
@@ -305,7 +316,8 @@ def _rope(raw: dict[str, Any], arch: str, max_position_embeddings: int) -> RopeC
         raise ValueError(f"per-layer-type RoPE parameters are not supported: {sorted(params)}")
     if not params:
         params = dict(raw.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", None) or raw.get("rope_theta") or 10000.0
+    default_theta = _ARCH_DEFAULTS[arch].get("rope_theta", 10000.0)
+    theta = params.pop("rope_theta", None) or raw.get("rope_theta") or default_theta
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     params.pop("partial_rotary_factor", None)  # ModelConfig.rotary_dim
@@ -345,21 +357,25 @@ def _gemma3_ropes(
 def _sliding(raw: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """The sliding window and which layers use it, as transformers decides per architecture.
 
-    Mistral and Phi-3 slide every layer when ``sliding_window`` is set. Qwen2/Qwen3 slide only with
-    ``use_sliding_window`` and only layers from ``max_window_layers`` on (5.x also writes the
-    resulting ``layer_types``). Gemma 2 slides the even layers (0, 2, ...), Gemma 3 all but every
-    ``sliding_window_pattern``-th (6th). Llama never slides.
+    Mistral, Mixtral and Phi-3 slide every layer when ``sliding_window`` is set. Qwen2/Qwen3 slide
+    only with ``use_sliding_window`` and only layers from ``max_window_layers`` on (5.x also writes
+    the resulting ``layer_types``); Qwen3-MoE slides every layer with ``use_sliding_window``,
+    Qwen2-MoE its ``layer_types`` (which 4.x did not write: refused without them). Gemma 2 slides
+    the even layers (0, 2, ...), Gemma 3 all but every ``sliding_window_pattern``-th (6th).
+    Llama never slides.
     """
     window = raw.get("sliding_window", _ARCH_DEFAULTS[arch].get("sliding_window"))
     if arch == "LlamaForCausalLM":
         window = None
-    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+    elif arch.startswith(("Qwen2", "Qwen3")) and not raw.get("use_sliding_window", False):
         window = None
     if window is None:
         return None, ("full_attention",) * num_layers
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM"):
         return window, ("sliding_attention",) * num_layers
     layer_types = raw.get("layer_types")
+    if layer_types is None and arch == "Qwen2MoeForCausalLM":
+        raise ValueError("a Qwen2MoeForCausalLM config with use_sliding_window needs its layer_types")
     if layer_types is None and arch == "Gemma2ForCausalLM":
         layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     if layer_types is None and arch == "Gemma3ForCausalLM":

@@ -63,6 +63,11 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
     head_dim = key("attention.key_length", None) or hidden // heads  # llama.cpp's default too
     if key("rope.dimension_count", head_dim) != head_dim:
         raise GGUFError(f"{first}: partial rotary embeddings ({arch}.rope.dimension_count) are not supported")
+    if key("expert_count", 0):  # Mixtral converts as llama, with its experts
+        raise GGUFError(
+            f"{first}: mixture-of-experts GGUF files ({arch}.expert_count) are not supported; "
+            "pagedkv runs Mixtral from its Hugging Face folder"
+        )
     raw: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "vocab_size": shapes["token_embd.weight"][0],

@@ -94,6 +94,10 @@ class Linear(nn.Linear):
     billion parameters only to discard them costs seconds) whose weight may be packed for oneDNN.
     """
 
+    #: on-the-fly quantization leaves the layer in the checkpoint's precision (an MoE router,
+    #: whose few logits pick the experts: llama.cpp keeps its ``ffn_gate_inp`` unquantized too)
+    keeps_precision = False
+
     def reset_parameters(self) -> None:
         pass
 
@@ -169,10 +173,18 @@ class GateUpLinear(PackedLinear):
     in one pass: tiled (without a bias), the weight takes the paired layout of
     :func:`~pagedkv.kernels.tiled_gemm.to_paired_tiles`, and :meth:`act_function` applies the
     activation to each block of columns while it is in cache, through the same C function as
-    the separate op (bit for bit its result). Every other kernel keeps the two passes."""
+    the separate op (bit for bit its result). Every other kernel keeps the two passes.
+    ``names``: the checkpoint's names of the gate and the up projection (Mixtral's experts:
+    ``w1``, ``w3``)."""
 
-    def __init__(self, in_features: int, intermediate_size: int, bias: bool) -> None:
-        super().__init__(in_features, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias)
+    def __init__(
+        self,
+        in_features: int,
+        intermediate_size: int,
+        bias: bool,
+        names: tuple[str, str] = ("gate_proj", "up_proj"),
+    ) -> None:
+        super().__init__(in_features, dict.fromkeys(names, intermediate_size), bias)
         self.paired = False
 
     def _product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -122,18 +122,22 @@ class DecoderLayer(nn.Module):
     def ops(self) -> tuple[Op, ...]:
         """The layer's forward pass: pre-norm attention, then the gated MLP, each sublayer's
         output added to the residual by the next norm."""
-        attn, mlp = self.self_attn, self.mlp
-        layout = attn.layout()
-        return (
-            AddNorm(self.input_layernorm.weight, self.input_layernorm.eps),
-            Project(attn.qkv_proj),
-            RotaryWriteKV(layout, attn.layer),
-            Attend(layout, attn.options, attn.layer),
-            Project(attn.o_proj),
-            AddNorm(self.post_attention_layernorm.weight, self.post_attention_layernorm.eps),
-            GateUpAct(mlp.gate_up_proj),
-            Project(mlp.down_proj),
-        )
+        attention = attention_ops(self.self_attn, self.input_layernorm, self.post_attention_layernorm)
+        return (*attention, GateUpAct(self.mlp.gate_up_proj), Project(self.mlp.down_proj))
+
+
+def attention_ops(attn: Attention, input_norm: RMSNorm, post_norm: RMSNorm) -> tuple[Op, ...]:
+    """A Llama layer's attention sublayer: ``input_norm`` (adding the last sublayer's output to
+    the residual), attention, then ``post_norm``, which adds its output and norms the MLP's input."""
+    layout = attn.layout()
+    return (
+        AddNorm(input_norm.weight, input_norm.eps),
+        Project(attn.qkv_proj),
+        RotaryWriteKV(layout, attn.layer),
+        Attend(layout, attn.options, attn.layer),
+        Project(attn.o_proj),
+        AddNorm(post_norm.weight, post_norm.eps),
+    )
 
 
 class LlamaModel(nn.Module):
@@ -158,6 +162,8 @@ class LlamaForCausalLM(nn.Module):
 
     #: the module tree holding the embedding, the layers and the final norm
     decoder_class: type[nn.Module] = LlamaModel
+    #: :meth:`~pagedkv.models.parallel.TensorParallel.build` can cut the family's layers
+    supports_tensor_parallel = True
 
     def __init__(self, cfg: ModelConfig, attention_backend: Backend) -> None:
         super().__init__()

@@ -5,6 +5,10 @@
   block), so attention and the SiLU gate run on local data with no communication.
 * ``o_proj`` and ``down_proj`` are row-parallel: each rank multiplies its input columns and one
   all-reduce sums the partial products (two all-reduces per layer).
+* A mixture of experts (:mod:`pagedkv.models.moe`) cuts every expert, and the shared one, as
+  the MLP: each rank holds its gate/up rows and down columns of each; the routers are
+  replicated, so every rank routes every row alike. The experts' down projections do not
+  all-reduce: the block adds its weighted partial outputs and all-reduces once per layer.
 * The embedding and the LM head are vocabulary-parallel: each rank holds ``ceil(vocab / N)``
   rows (the last rank's tail padded with zeros); the embedding masks ids it does not hold and
   all-reduces, the LM head computes its vocabulary slice of the sampled rows only and gathers
@@ -31,9 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from pagedkv.attention import Backend
 from pagedkv.models.config import ModelConfig
+from pagedkv.models.families import model_class
 from pagedkv.models.linear import Linear, PackedLinear
 from pagedkv.models.llama import Embedding, LlamaForCausalLM
 
@@ -51,6 +57,11 @@ def check_divisible(cfg: ModelConfig, size: int) -> None:
         problems.append(f"{cfg.num_kv_heads} key/value heads (fewer than the ranks, and not a divisor)")
     if cfg.intermediate_size % size:
         problems.append(f"intermediate size {cfg.intermediate_size}")
+    moe = cfg.moe
+    if moe is not None and moe.expert_size % size:
+        problems.append(f"expert intermediate size {moe.expert_size}")
+    if moe is not None and (moe.shared_expert_size or 0) % size:
+        problems.append(f"shared expert intermediate size {moe.shared_expert_size}")
     if problems:
         raise ValueError(
             f"tensor_parallel_size {size} cannot split this {cfg.architecture}: "
@@ -64,14 +75,20 @@ def kv_heads_per_rank(cfg: ModelConfig, size: int) -> int:
 
 
 def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """The config of one rank's model: its heads, its intermediate rows, its vocabulary rows."""
+    """The config of one rank's model: its heads, its intermediate rows (each expert's too), its
+    vocabulary rows."""
     check_divisible(cfg, size)
+    moe = cfg.moe
+    if moe is not None:
+        shared = None if moe.shared_expert_size is None else moe.shared_expert_size // size
+        moe = dataclasses.replace(moe, expert_size=moe.expert_size // size, shared_expert_size=shared)
     return dataclasses.replace(
         cfg,
         num_heads=cfg.num_heads // size,
         num_kv_heads=kv_heads_per_rank(cfg, size),
         intermediate_size=cfg.intermediate_size // size,
         vocab_size=-(-cfg.vocab_size // size),
+        moe=moe,
     )
 
 
@@ -142,26 +159,39 @@ class TensorParallel:
         """This rank's model, uninitialised: the single-device model of :func:`shard_config`
         with its projections, embedding and LM head swapped for their parallel versions."""
         local = shard_config(cfg, self.size)
-        model = LlamaForCausalLM(local, attention_backend=backend)
+        model = model_class(cfg.architecture)(local, attention_backend=backend)
         hd = cfg.head_dim
         q_start = self.rank * local.num_heads * hd
         kv_start = self.first_kv_head(cfg) * hd
         for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             kv = (kv_start, attn.kv_size)
             qkv = {"q_proj": (q_start, attn.q_size), "k_proj": kv, "v_proj": kv}
             attn.qkv_proj = ColumnParallelLinear(cfg.hidden_size, qkv, bias=cfg.attention_bias)
             attn.o_proj = RowParallelLinear(attn.q_size, cfg.hidden_size, cfg.o_proj_bias, self, q_start)
-            rows = local.intermediate_size
-            mlp.gate_up_proj = ColumnParallelLinear(
-                cfg.hidden_size,
-                {"gate_proj": (self.rank * rows, rows), "up_proj": (self.rank * rows, rows)},
-                bias=cfg.mlp_bias,
-            )
-            mlp.down_proj = RowParallelLinear(rows, cfg.hidden_size, cfg.mlp_bias, self, self.rank * rows)
+            block = getattr(layer, "sparse_block", None)
+            mlps = [layer.mlp] if block is None else block.mlps()
+            for mlp in mlps:
+                self._shard_mlp(mlp, cfg, reduce=block is None)
+            if block is not None:  # the experts' partial sums are added once, by the block
+                block.all_reduce = self.all_reduce
         model.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self)
         model.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self)
         return model
+
+    def _shard_mlp(self, mlp: nn.Module, cfg: ModelConfig, reduce: bool) -> None:
+        """A gated MLP (Llama's, or an expert: its own checkpoint names) cut to the rank's share
+        of its intermediate rows; its down projection all-reduces with ``reduce``."""
+        rows = mlp.gate_up_proj.out_features // 2  # the local config's: the rank's share
+        gate, up = mlp.gate_up_proj.shards
+        first = self.rank * rows
+        bias = mlp.gate_up_proj.bias is not None
+        mlp.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, {gate: (first, rows), up: (first, rows)}, bias=bias
+        )
+        down_name = getattr(mlp, "down_name", "down_proj")
+        down = RowParallelLinear(rows, cfg.hidden_size, bias, self, first, reduce)
+        setattr(mlp, down_name, down)
 
     def first_kv_head(self, cfg: ModelConfig) -> int:
         """The first KV head this rank holds: its share of them, or, with fewer KV heads than
@@ -216,21 +246,30 @@ class ColumnParallelLinear(PackedLinear, ParallelLayer):
 
 class RowParallelLinear(Linear, ParallelLayer):
     """The rank's input columns; one all-reduce sums the partial products. Rank 0 alone holds
-    the bias, so it is added once."""
+    the bias, so it is added once. Without ``reduce`` the output stays a partial sum, which the
+    owner adds up once (an MoE block: every expert's, weighted, then one all-reduce)."""
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, first_column: int
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TensorParallel,
+        first_column: int,
+        reduce: bool = True,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
         self.first_column = first_column
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x))
+        out = super().forward(x)
+        return self.tp.all_reduce(out) if self.reduce else out
 
     def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
         local = super().as_function()
-        return lambda x: self.tp.all_reduce(local(x))
+        return (lambda x: self.tp.all_reduce(local(x))) if self.reduce else local
 
     def checkpoint_slices(self, parent: str, name: str) -> dict[str, TensorSlice]:
         cols = self.in_features

@@ -73,6 +73,12 @@ def test_partial_rotary_is_refused(tmp_path, tiny):
         ModelConfig.from_pretrained(file)
 
 
+def test_a_mixture_of_experts_is_refused(tmp_path, tiny):
+    file = write_gguf(tiny[1], tmp_path / "mixtral.gguf", **{"llama.expert_count": 8})
+    with pytest.raises(GGUFError, match=rf"{file}: mixture-of-experts GGUF files .*expert_count"):
+        ModelConfig.from_pretrained(file)
+
+
 def test_yarn_scaling_reads_as_transformers_spells_it(tmp_path, tiny):
     metadata = {
         "llama.rope.scaling.type": "yarn",

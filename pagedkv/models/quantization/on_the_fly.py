@@ -1,9 +1,10 @@
 """On-the-fly quantization of a 16/32-bit checkpoint to llama.cpp's types, by llama.cpp's names.
 
-Every projection of the decoder layers (q/k/v, o, gate/up, down) is quantized row by row, as
-``llama-quantize`` does; the embedding, the final norm and the LM head keep the checkpoint's
-precision. Q8_0, Q4_0, Q4_1 and Q5_0 use the ``gguf`` package's quantizers (ports of ggml's
-reference ones), Q4_K :mod:`pagedkv.models.quantization.k_quants`. A K-quant needs rows of a
+Every projection of the decoder layers (q/k/v, o, gate/up, down, each expert's) is quantized row
+by row, as ``llama-quantize`` does; the embedding, the final norm, the LM head and an MoE's
+routers (:attr:`~pagedkv.models.linear.Linear.keeps_precision`) keep the checkpoint's precision.
+Q8_0, Q4_0, Q4_1 and Q5_0 use the ``gguf`` package's quantizers (ports of ggml's reference
+ones), Q4_K :mod:`pagedkv.models.quantization.k_quants`. A K-quant needs rows of a
 multiple of 256 weights; a projection whose rows are not falls back as in llama.cpp
 (``llama-quant.cpp``): Q4_K to Q5_0.
 """
@@ -59,7 +60,7 @@ def quantize_linears(model: LlamaForCausalLM, quantization: str, keep: bool) -> 
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {list(TYPES)}")
     layers = model.model.layers
     for name, module in list(layers.named_modules()):
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and not module.keeps_precision:
             weight = quantize_weight(module.weight.data, TYPES[quantization], f"layers.{name}")
             quantize_module(layers, name, weight, keep)
     return KEPT if keep else DEQUANTIZED

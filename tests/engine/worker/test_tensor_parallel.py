@@ -29,6 +29,19 @@ CASES = {
     "phi3-fused": ("phi3", {}),
     # query/key heads reordered for partial rotary: each rank's whole heads
     "phi3-partial-rotary": ("phi3", {"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.75}}),
+    # each rank holds its rows of every expert (and of Qwen2-MoE's shared one), one all-reduce a layer
+    "mixtral": ("mixtral", {"num_local_experts": 4}),
+    "qwen2moe-shared-dense-layer": (
+        "qwen2moe",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+            "num_hidden_layers": 3,
+            "mlp_only_layers": [1],
+        },
+    ),
 }
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
