@@ -14,6 +14,11 @@ same model, same pool of blocks, same scheduling; only the cache's storage diffe
    ignored), compared position by position with ``auto``'s continuation -- once two
    continuations part, the later positions mostly differ too, so the first divergence is given
    as well.
+
+``--text FILE`` scores a text file instead (tokenized whole, as ``llama-perplexity -f`` does), and
+``--llamacpp-chunks`` cuts it as ``llama-perplexity -c WINDOW`` does
+(:func:`pagedkv.engine.perplexity.llamacpp_chunks`): a GGUF model's figure then stands beside
+llama.cpp's on the same file, text and windows.
 """
 
 from __future__ import annotations
@@ -29,8 +34,16 @@ from rich.console import Console
 
 from pagedkv.bench.driver import EngineOptions, cell, print_checks, progress, run_settings, table
 from pagedkv.bench.options import check_options, option
+from pagedkv.bench.quality_text import HeldOut
 from pagedkv.engine import SamplingParams
-from pagedkv.engine.perplexity import Perplexity, run_to_completion, sliding_windows, window_logprobs
+from pagedkv.engine.perplexity import (
+    Perplexity,
+    Window,
+    llamacpp_chunks,
+    run_to_completion,
+    sliding_windows,
+    window_logprobs,
+)
 from pagedkv.memory.kv_bytes import KV_CACHE_DTYPE_NAMES
 
 if TYPE_CHECKING:
@@ -67,6 +80,17 @@ class QualityConfig:
     stride: int | None = option(
         None, "window stride; smaller: sliding windows (default: --window)", group=TEXT
     )
+    text: str | None = option(
+        None,
+        "score this UTF-8 text file, tokenized whole, instead of the held-out files",
+        group=TEXT,
+        metavar="FILE",
+    )
+    llamacpp_chunks: bool = option(
+        False,
+        "llama-perplexity's windows: consecutive chunks of --window tokens, each scoring its second half",
+        group=TEXT,
+    )
     logits_rows: int = option(8192, "logits rows compared", positive=True, group=TEXT)
     num_prompts: int = option(8, "prompts", positive=True, group=GREEDY)
     prompt_len: int = option(128, "prompt tokens", positive=True, group=GREEDY)
@@ -80,6 +104,10 @@ class QualityConfig:
             raise ValueError(f"window must hold at least 2 tokens, got {self.window}")
         if self.stride is not None and not 1 <= self.stride <= self.window:
             raise ValueError(f"stride must be in [1, window = {self.window}], got {self.stride!r}")
+        if self.llamacpp_chunks and self.stride is not None:
+            raise ValueError("llamacpp_chunks are consecutive chunks: they take no stride")
+        if self.text is not None and self.max_heldout_chars is not None:
+            raise ValueError("max_heldout_chars cuts the held-out files: it does not apply to text")
         if not self.goal_pct >= 0:
             raise ValueError(f"goal_pct must be >= 0, got {self.goal_pct!r}")
 
@@ -92,6 +120,18 @@ class QualityConfig:
     def max_model_len(self) -> int:
         """Context of every engine: a window plus its one generated token, a prompt plus its output."""
         return max(self.window + 1, self.prompt_len + self.gen_tokens)
+
+    def windows(self, heldout: HeldOut) -> list[Window]:
+        """The perplexity windows of ``heldout``'s documents (never across two)."""
+        if self.llamacpp_chunks:
+            return [w for ids in heldout.documents for w in llamacpp_chunks(ids, self.window, heldout.bos)]
+        return [w for ids in heldout.documents for w in sliding_windows(ids, self.window, self.stride)]
+
+    def load_text(self) -> HeldOut:
+        """The text scored: ``text`` if given, else the held-out files."""
+        if self.text is not None:
+            return HeldOut.from_file(self.engine.model, Path(self.text))
+        return HeldOut.load(self.engine.model, self.max_heldout_chars)
 
 
 class LogitsTap:
@@ -125,44 +165,6 @@ class LogitsTap:
         import torch
 
         return torch.cat(self.rows) if self.rows else torch.empty(0)
-
-
-@dataclass
-class HeldOut:
-    """The held-out text: its files, their token ids (BOS first, EOS last, as in training)."""
-
-    files: list[str]
-    chars: int
-    documents: list[list[int]]
-
-    @classmethod
-    def load(cls, model: str | None, max_chars: int | None) -> HeldOut:
-        """The first ``max_chars`` characters of the held-out files (None: all of them; the last
-        file read may be cut) as ``model``'s tokenizer encodes them (None: the built-in model's)."""
-        from pagedkv.models import ModelConfig, builtin_model_path
-        from pagedkv.models.builtin.train import stdlib_text
-        from pagedkv.tokenizer import load_tokenizer
-
-        path = builtin_model_path() if model is None else Path(model)
-        tokenizer, eos = load_tokenizer(path), ModelConfig.from_pretrained(path).eos_token_ids[0]
-        files, texts, total = [], [], 0
-        for relpath in stdlib_text.split_files()[1]:
-            if max_chars is not None and total >= max_chars:
-                break
-            (text,) = stdlib_text.read_sources([relpath])
-            text = text if max_chars is None else text[: max_chars - total]
-            files.append(relpath)
-            texts.append(text)
-            total += len(text)
-        return cls(files, total, [tokenizer.encode(text) + [eos] for text in texts])
-
-    def prompts(self, count: int, length: int) -> list[list[int]]:
-        """``count`` prompts of ``length`` tokens, evenly spaced over the held-out documents'
-        consecutive ``length``-token pieces (fewer if there are fewer pieces)."""
-        pieces = [
-            ids[i : i + length] for ids in self.documents for i in range(0, len(ids) - length + 1, length)
-        ]
-        return pieces if len(pieces) <= count else [pieces[i * len(pieces) // count] for i in range(count)]
 
 
 @dataclass
@@ -241,8 +243,7 @@ def run_dtype(config: QualityConfig, kv_cache_dtype: str, heldout: HeldOut) -> D
     engine = quality_engine(config, kv_cache_dtype)
     tap = LogitsTap(engine.executor, config.logits_rows)
     engine.executor = tap  # the engine's seam to the model: observed, not changed
-    windows = [w for ids in heldout.documents for w in sliding_windows(ids, config.window, config.stride)]
-    perplexity = Perplexity.of(window_logprobs(engine, windows))
+    perplexity = Perplexity.of(window_logprobs(engine, config.windows(heldout)))
     engine.executor = tap.inner
     greedy = SamplingParams(max_tokens=config.gen_tokens, temperature=0.0, ignore_eos=True)
     outputs = run_to_completion(engine, heldout.prompts(config.num_prompts, config.prompt_len), greedy)
@@ -284,7 +285,7 @@ def compare(run: DtypeRun, reference: DtypeRun) -> QualityRow:
 def run_quality(config: QualityConfig) -> QualityResult:
     """Every dtype of ``config`` in turn, ``auto`` first; the table's rows against it."""
     with run_settings(config.engine.threads):
-        heldout = HeldOut.load(config.engine.model, config.max_heldout_chars)
+        heldout = config.load_text()
         runs = []
         for kv_cache_dtype in config.dtypes:
             progress(f"quality: kv_cache_dtype={kv_cache_dtype}")
@@ -308,10 +309,13 @@ def print_quality(result: QualityResult, console: Console) -> None:
 
     config, engine = result.config, result.config.engine
     windows = f"windows of {config.window}" + (f" every {config.stride}" if config.stride else "")
+    if config.llamacpp_chunks:
+        windows = f"llama-perplexity's chunks of {config.window}, second halves scored"
+    source = f"{result.heldout_files} stdlib files never trained on" if config.text is None else config.text
     console.print(
         f"[bold]KV cache dtype vs quality[/] -- {BUILTIN_NOTE if engine.model is None else engine.model}; "
         f"model dtype {engine.dtype}.\nPerplexity: {result.scored_tokens:,} held-out tokens "
-        f"({result.heldout_files} stdlib files never trained on, {windows}). Logits error: the first "
+        f"({source}, {windows}). Logits error: the first "
         f"{result.logits_rows:,} rows of those windows vs auto. Greedy: {result.num_prompts} held-out "
         f"prompts of {config.prompt_len} tokens, {config.gen_tokens} tokens each, vs auto."
     )

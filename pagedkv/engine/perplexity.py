@@ -12,6 +12,9 @@ first window is past. ``stride == window`` (the default) cuts the text into cons
 non-overlapping windows, each scored on all its tokens but the first: the training script's
 held-out perplexity (:mod:`pagedkv.models.builtin.train.windows`). A smaller stride costs
 ``window / stride`` times the compute and gives every token more context.
+
+:func:`llamacpp_chunks` are llama.cpp's ``llama-perplexity`` windows instead (consecutive chunks,
+each scoring its second half), so a figure can be set beside llama.cpp's on the same file.
 """
 
 from __future__ import annotations
@@ -82,6 +85,31 @@ def sliding_windows(token_ids: Sequence[int], window: int, stride: int | None = 
         scored_until = end
         if end == len(token_ids):
             break
+    return windows
+
+
+def llamacpp_chunks(token_ids: Sequence[int], n_ctx: int, bos_token_id: int | None = None) -> list[Window]:
+    """The windows of llama.cpp's ``llama-perplexity -c n_ctx`` (without ``--ppl-stride``).
+
+    The text's tokens are cut into ``len(token_ids) // n_ctx`` consecutive chunks of ``n_ctx``
+    (a shorter tail is left out); in each, the logits from position ``n_ctx // 2`` on score the
+    tokens after them, so every scored token saw at least half a chunk, and the first half of
+    each chunk is context only. For a model that adds BOS (``bos_token_id`` given), each chunk's
+    first token is replaced by BOS, as llama-perplexity does. Like llama-perplexity, it wants
+    two chunks at least.
+    """
+    if not isinstance(n_ctx, int) or n_ctx < 4:
+        raise ValueError(f"a llama-perplexity chunk holds at least 4 tokens, got {n_ctx!r}")
+    if len(token_ids) < 2 * n_ctx:
+        raise ValueError(
+            f"the text has {len(token_ids)} tokens: llama-perplexity's chunks of {n_ctx} need {2 * n_ctx}"
+        )
+    windows = []
+    for begin in range(0, len(token_ids) - n_ctx + 1, n_ctx):
+        chunk = list(token_ids[begin : begin + n_ctx])
+        if bos_token_id is not None:
+            chunk[0] = bos_token_id
+        windows.append(Window(chunk, n_ctx // 2 + 1))
     return windows
 
 

@@ -23,6 +23,7 @@ from pagedkv.bench.quality import (
 )
 from pagedkv.cli import main
 from pagedkv.engine.perplexity import perplexity
+from pagedkv.models.builtin.train import stdlib_text
 
 SMALL = QualityConfig(
     max_heldout_chars=2_000, window=48, logits_rows=100, num_prompts=2, prompt_len=16, gen_tokens=12
@@ -47,6 +48,23 @@ def test_the_command_prints_json_and_writes_it(tmp_path, capsys):
     assert document["ok"] == (fp8["perplexity_change_pct"] <= 1.0)
     assert document["heldout"]["scored_tokens"] > 100 and document["logits_rows_compared"] == 50
     assert document["config"]["window"] == 48 and document["config"]["engine"]["max_num_batched_tokens"] == 64
+
+
+def test_a_text_file_in_llama_perplexity_chunks(tmp_path, capsys):
+    """``--text`` scores the file as the model's tokenizer encodes it whole; ``--llamacpp-chunks``
+    cuts it into whole chunks of --window, each scoring the tokens after its middle."""
+    text = tmp_path / "text.py"
+    (source,) = stdlib_text.read_sources(stdlib_text.split_files()[1][:1])
+    text.write_text(source[:3_000], encoding="utf-8")
+    argv = ["bench", "quality", "--json", "--out", str(tmp_path), "--text", str(text), "--llamacpp-chunks"]
+    argv += ["--window", "32", "--logits-rows", "8", "--num-prompts", "1", "--prompt-len", "8"]
+    argv += ["--gen-tokens", "2", "--kv-cache-dtypes", "auto"]
+    assert main(argv) == 0
+    document = json.loads(capsys.readouterr().out)
+    num_tokens = len(HeldOut.from_file(None, text).documents[0])
+    assert document["heldout"]["files"] == 1 and document["heldout"]["windows"] == num_tokens // 32
+    assert document["heldout"]["scored_tokens"] == (num_tokens // 32) * (32 - 16 - 1)
+    assert 2 < document["rows"][0]["perplexity"] < 500
 
 
 def test_auto_against_itself_has_no_error_and_the_perplexity_of_the_engine():
@@ -77,6 +95,11 @@ def test_auto_against_itself_has_no_error_and_the_perplexity_of_the_engine():
         (["--window", "1"], "window must hold at least 2 tokens"),
         (["--stride", "300"], "stride must be in [1, window = 256]"),
         (["--gen-tokens", "0"], "gen_tokens must be a positive integer"),
+        (
+            ["--llamacpp-chunks", "--stride", "64"],
+            "llamacpp_chunks are consecutive chunks: they take no stride",
+        ),
+        (["--text", "t.txt", "--max-heldout-chars", "9"], "max_heldout_chars cuts the held-out files"),
     ],
 )
 def test_bad_options_are_usage_errors(argv, message, capsys):

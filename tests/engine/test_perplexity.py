@@ -13,7 +13,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedkv import LLM
-from pagedkv.engine.perplexity import Perplexity, perplexity, sliding_windows, window_logprobs
+from pagedkv.engine.perplexity import (
+    Perplexity,
+    llamacpp_chunks,
+    perplexity,
+    sliding_windows,
+    window_logprobs,
+)
 from pagedkv.models import builtin_model_path
 from pagedkv.models.builtin.train import stdlib_text
 from pagedkv.models.builtin.train.windows import document_windows
@@ -90,3 +96,20 @@ def test_windows_score_every_token_once_with_the_promised_context(n, window, str
     assert scored == [p for p in range(1, n) if stride < window or p % window]
     if stride == window:
         assert [w.token_ids for w in sliding_windows(ids, window)] == document_windows([ids], window)
+
+
+@given(n=st.integers(8, 90), n_ctx=st.integers(4, 16), bos=st.sampled_from([None, 1]))
+def test_llamacpp_chunks_score_the_second_half_of_each_whole_chunk(n, n_ctx, bos):
+    """As llama-perplexity: ``n // n_ctx`` chunks, the tail left out; in each, the logits from
+    position ``n_ctx // 2`` on score the token after them; BOS (if any) replaces the first token."""
+    ids = list(range(100, 100 + n))
+    if n < 2 * n_ctx:
+        with pytest.raises(ValueError, match=f"the text has {n} tokens: .* chunks of {n_ctx} need"):
+            llamacpp_chunks(ids, n_ctx, bos)
+        return
+    chunks = llamacpp_chunks(ids, n_ctx, bos)
+    assert len(chunks) == n // n_ctx
+    for i, chunk in enumerate(chunks):
+        whole = ids[i * n_ctx : (i + 1) * n_ctx]
+        assert chunk.token_ids == (whole if bos is None else [bos, *whole[1:]])
+        assert chunk.scored_from == n_ctx // 2 + 1 and chunk.num_scored == n_ctx - n_ctx // 2 - 1
