@@ -43,26 +43,72 @@ static inline vu lane_index(uint32_t first) {
     for (int i = 0; i < VL; i++) index[i] = first + (uint32_t)i;
     return index;
 }
+/* the accumulators' sum: lanes folded in halves (log2(VL) adds of half-width vectors, not a chain
+ * of VL scalar adds), the same order for every row count */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
 static inline float lane_sum(const vf acc[SPLIT]) {
-    const vf v = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    float s = 0.0f;
-    for (int i = 0; i < VL; i++) s += v[i];
-    return s;
+    const vf all = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+#if VL == 16
+    vf8 low8, high8;
+    memcpy(&low8, &all, sizeof low8);
+    memcpy(&high8, (const char *)&all + sizeof low8, sizeof high8);
+    const vf8 eight = low8 + high8;
+#elif VL == 8
+    const vf8 eight = all;
+#endif
+#if VL >= 8
+    vf4 low4, high4;
+    memcpy(&low4, &eight, sizeof low4);
+    memcpy(&high4, (const char *)&eight + sizeof low4, sizeof high4);
+    const vf4 four = low4 + high4;
+#else
+    const vf4 four = all;
+#endif
+    return (four[0] + four[2]) + (four[1] + four[3]);
 }
+
+/* every half float's value, by its bits (half_to_float's): a block's scale is then one load the
+ * multiply broadcasts, not a conversion and a broadcast */
+static float half_values[1 << 16];
+__attribute__((constructor)) static void fill_half_values(void) {
+    for (uint32_t h = 0; h < 1u << 16; h++) half_values[h] = half_to_float((uint16_t)h);
+}
+static inline float scale_of(uint16_t h) { return half_values[h]; }
 /* the 4-bit quant of element c.. of a 32-element block packed as Q4_0/Q5_0: elements 0..15 the
  * low nibbles of qs, 16..31 the high ones (a vector never straddles the two: VL <= 16) */
 static inline vi nibbles(const uint8_t *qs, int c) { return (vload_u8_i32(qs + c % 16) >> (c / 16 * 4)) & 15; }
 
 /* ---- each type's block dequantizer ---- */
 
+#if SIMD_PICK16
+/* a 4-bit block of one vector's worth of values per nibble (VL = 16): table[q] is the weight of
+ * quant q, computed as the generic code computes it, and each element picks its own; the low
+ * nibble needs no mask (vpick16 reads the index modulo 16) */
+static inline void pick_nibbles(const uint8_t *qs, vf table, float *out) {
+    const vi q = vload_u8_i32(qs);
+    vstore(out, vpick16(table, q));
+    vstore(out + 16, vpick16(table, q >> 4));
+}
+static inline vf quant_values(void) { return to_float((vi)lane_index(0)); }
+#endif
+
 static inline void dequantize_q4_0(const BlockQ4_0 *b, float *out) {
-    const float d = half_to_float(b->d);
+    const float d = scale_of(b->d);
+#if SIMD_PICK16
+    pick_nibbles(b->qs, d * (quant_values() - 8.0f), out);
+#else
     for (int c = 0; c < QK_SMALL; c += VL) vstore(out + c, d * to_float(nibbles(b->qs, c) - 8));
+#endif
 }
 
 static inline void dequantize_q4_1(const BlockQ4_1 *b, float *out) {
-    const float d = half_to_float(b->d), m = half_to_float(b->m);
+    const float d = scale_of(b->d), m = scale_of(b->m);
+#if SIMD_PICK16
+    pick_nibbles(b->qs, d * quant_values() + m, out);
+#else
     for (int c = 0; c < QK_SMALL; c += VL) vstore(out + c, d * to_float(nibbles(b->qs, c)) + m);
+#endif
 }
 
 /* the fifth bits of Q5_0/Q5_1: bit c + i of the block's 32-bit qh for lane i */
@@ -73,19 +119,19 @@ static inline vi fifth_bits(const uint8_t *qh, int c) {
 }
 
 static inline void dequantize_q5_0(const BlockQ5_0 *b, float *out) {
-    const float d = half_to_float(b->d);
+    const float d = scale_of(b->d);
     for (int c = 0; c < QK_SMALL; c += VL)
         vstore(out + c, d * to_float((nibbles(b->qs, c) | fifth_bits(b->qh, c)) - 16));
 }
 
 static inline void dequantize_q5_1(const BlockQ5_1 *b, float *out) {
-    const float d = half_to_float(b->d), m = half_to_float(b->m);
+    const float d = scale_of(b->d), m = scale_of(b->m);
     for (int c = 0; c < QK_SMALL; c += VL)
         vstore(out + c, d * to_float(nibbles(b->qs, c) | fifth_bits(b->qh, c)) + m);
 }
 
 static inline void dequantize_q8_0(const BlockQ8_0 *b, float *out) {
-    const float d = half_to_float(b->d);
+    const float d = scale_of(b->d);
     for (int c = 0; c < QK_SMALL; c += VL) vstore(out + c, d * to_float(vload_i8_i32(b->qs + c)));
 }
 
@@ -96,7 +142,7 @@ static inline void dequantize_q8_0(const BlockQ8_0 *b, float *out) {
  * as the fifth. */
 static inline void dequantize_k_quants(const uint8_t *packed, uint16_t d_bits, uint16_t dmin_bits,
                                        const uint8_t *qh, const uint8_t *qs, float *out) {
-    const float d = half_to_float(d_bits), dmin = half_to_float(dmin_bits);
+    const float d = scale_of(d_bits), dmin = scale_of(dmin_bits);
     for (int s = 0; s < 8; s++) {
         const int j = s % 4, high_pair = s / 4;
         const int sc = high_pair ? (packed[j + 8] & 15) | (packed[j] >> 6) << 4 : packed[j] & 63;
@@ -119,7 +165,7 @@ static inline void dequantize_q5_k(const BlockQ5_K *b, float *out) {
 }
 
 static inline void dequantize_q6_k(const BlockQ6_K *b, float *out) {
-    const float d = half_to_float(b->d);
+    const float d = scale_of(b->d);
     for (int e = 0; e < QK_K; e += VL) {
         const int half = e / 128, r = e % 128;
         const vi low = (vload_u8_i32(b->ql + 64 * half + r % 64) >> (4 * (r / 64))) & 15;
