@@ -139,15 +139,29 @@ static inline void dequantize_q8_0(const BlockQ8_0 *b, float *out) {
  * dmin) packed in 12 bytes: sub-block j < 4 has the low 6 bits of bytes j and j + 4, sub-block
  * j >= 4 the nibbles of byte j + 4 below the top two bits of bytes j - 4 and j. Sub-block s's
  * quants are nibble s % 2 of qs[32 (s / 2) + i], plus for Q5_K (qh not NULL) bit s of qh[i]
- * as the fifth. */
+ * as the fifth. The sub-blocks' scales and minimums are unpacked first, all eight at once, into
+ * arrays the loop over sub-blocks broadcasts from. */
 static inline void dequantize_k_quants(const uint8_t *packed, uint16_t d_bits, uint16_t dmin_bits,
                                        const uint8_t *qh, const uint8_t *qs, float *out) {
     const float d = scale_of(d_bits), dmin = scale_of(dmin_bits);
+    float scales[8], mins[8];
     for (int s = 0; s < 8; s++) {
         const int j = s % 4, high_pair = s / 4;
         const int sc = high_pair ? (packed[j + 8] & 15) | (packed[j] >> 6) << 4 : packed[j] & 63;
         const int mn = high_pair ? (packed[j + 8] >> 4) | (packed[j + 4] >> 6) << 4 : packed[j + 4] & 63;
-        const float scale = d * (float)sc, min = dmin * (float)mn;
+        scales[s] = d * (float)sc;
+        mins[s] = dmin * (float)mn;
+    }
+    for (int s = 0; s < 8; s++) {
+        const float scale = scales[s], min = mins[s];
+#if SIMD_PICK16
+        if (qh == NULL) { /* Q4_K: each sub-block's 16 values picked from its table */
+            const vf table = scale * quant_values() - min;
+            for (int c = 0; c < 32; c += VL)
+                vstore(out + 32 * s + c, vpick16(table, vload_u8_i32(qs + 32 * (s / 2) + c) >> (4 * (s % 2))));
+            continue;
+        }
+#endif
         for (int c = 0; c < 32; c += VL) {
             vi q = (vload_u8_i32(qs + 32 * (s / 2) + c) >> (4 * (s % 2))) & 15;
             if (qh != NULL) q |= ((vload_u8_i32(qh + c) >> s) & 1) << 4;
