@@ -7,7 +7,10 @@
  * Dequantization equals gguf-py's (gguf.quants.dequantize) bit for bit: every product in it is
  * exact in float32 (a half scale has 11 significant bits, a 6-bit sub-scale 6 and a quant at
  * most 8, and Q6_K's 8-bit scale with its 6-bit quant stays under 24), so the only rounding is
- * the final add of a minimum, fused or not.
+ * the final add of a minimum, fused or not. Half scales are read from a table of all 65,536
+ * values (one load the multiply broadcasts). On AVX-512 the 4-bit types (Q4_0, Q4_1, Q4_K) make
+ * a block's (or sub-block's) 16 possible weights once, as the generic code computes each, and
+ * every element picks its own by its nibble (vpick16): the same values in fewer instructions.
  *
  * The product takes one of two paths by the row count M. Up to GEMV_ROWS rows (decode), each
  * block of a weight row is dequantized into registers and multiplied into every row's float32
