@@ -18,7 +18,9 @@
  * of 64 weight rows is dequantized once into the tiled GEMM's layout and multiplied by the tiled
  * GEMM's own loop (tiled_tile_f32), so the rows' results are those of tiled_linear_f32 on the
  * dequantized weight, bit for bit. Both paths use the dequantized weights exactly; only the
- * order of the sums differs between them. Threads split the output columns, as the tiled GEMM's
+ * order of the sums differs between them. The register path prefetches the weight a few KiB
+ * ahead of the block it reads: a decode step streams every weight of the model from memory
+ * once, and the hardware's own prefetch alone left the loop waiting on it. Threads split the output columns, as the tiled GEMM's
  * do. bfloat16 activations are widened to float32 once per call (exact) and the results rounded
  * to nearest even, after the bias, once. The vector code is simd.h's (GCC's vector extensions,
  * lowered to the target's AVX-512, AVX2 or SSE registers).
@@ -31,6 +33,7 @@
 #define GEMV_ROWS 12    /* rows up to which the product dequantizes into registers */
 #define GEMV_COLUMNS 16 /* output columns per work item there (the tile path's: the tile width) */
 #define SPLIT 4         /* lane accumulators per row of the register path: independent FMA chains */
+#define PREFETCH_BYTES 4096 /* how far ahead of its block the register path asks for weight bytes */
 #define TILE_GROUP 16   /* weight rows dequantized together into a tile (a cache line of columns) */
 
 static inline vf vload(const float *p) {
