@@ -4,12 +4,17 @@ dequantized weight, bfloat16 as float32 rounded once."""
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize as gguf_dequantize
 
-from pagedkv.kernels import quant_gemm
+from pagedkv import cbuild
+from pagedkv.kernels import library, quant_gemm
+from pagedkv.kernels.library import KernelLibrary
 from pagedkv.kernels.tiled_gemm import tiled_linear, to_tiles
 from tests.quant_blocks import K_TYPES, TYPES, random_blocks
 
@@ -89,3 +94,35 @@ def test_a_row_that_is_not_whole_blocks_is_refused():
     blocks = torch.from_numpy(np.zeros((4, 34), dtype=np.uint8))
     with pytest.raises(ValueError, match="bytes are not"):
         quant_gemm.quant_linear(torch.zeros(1, 32), blocks, int(TYPES[0]), None, torch.empty(1, 5))
+
+
+def _builds() -> list[tuple[str, ...]]:
+    """Flag sets whose vector code differs from the native build's: portable C (4 lanes, no F16C),
+    and on x86 with AVX2 the 8-lane AVX2 code (the native build here may be AVX-512's)."""
+    builds = [("-O2", "-fopenmp", "-DPAGEDKV_NO_F16")]
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if platform.machine() == "x86_64" and " avx2 " in flags and " f16c " in flags and " fma " in flags:
+        builds.append(("-O2", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DPAGEDKV_NO_F16"))
+    return builds
+
+
+@pytest.mark.parametrize("flags", _builds(), ids=lambda f: "avx2" if "-mavx2" in f else "portable")
+def test_other_instruction_sets_dequantize_bit_for_bit_and_multiply_to_rounding(flags):
+    """Each type's block code has a generic form and, on AVX-512, a table-picking one: every
+    build dequantizes every type as gguf-py does, and its one-row product is the dense one to
+    float32 rounding."""
+    sources = [library.CSRC / name for name in ("quant_gemm.c", "tiled_gemm.c", "layer_ops.c")]
+    other = KernelLibrary(
+        cbuild.build_library("quant_gemm_" + flags[1].lstrip("-"), sources, flag_sets=[flags])
+    )
+    for qtype in TYPES:
+        blocks, reference = _weight(qtype, 37, seed=int(qtype) + 1)
+        K = _in_features(qtype)
+        got = torch.empty(37, K)
+        assert other.entry("quant_dequantize_f32")(blocks.data_ptr(), int(qtype), got.data_ptr(), 37, K) == 0
+        assert torch.equal(got.view(torch.int32), reference.view(torch.int32)), qtype.name
+        x, out = torch.randn(1, K), torch.empty(1, 37)
+        args = (x.data_ptr(), blocks.data_ptr(), int(qtype), None, out.data_ptr(), 1, K, 37, 37)
+        assert other.entry("quant_linear_f32")(*args) == 0
+        exact = x.double() @ reference.double().T
+        assert ((out.double() - exact).abs() <= _rounding_bound(x, reference) + exact.abs() * 2.0**-23).all()

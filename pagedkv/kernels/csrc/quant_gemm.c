@@ -7,7 +7,10 @@
  * Dequantization equals gguf-py's (gguf.quants.dequantize) bit for bit: every product in it is
  * exact in float32 (a half scale has 11 significant bits, a 6-bit sub-scale 6 and a quant at
  * most 8, and Q6_K's 8-bit scale with its 6-bit quant stays under 24), so the only rounding is
- * the final add of a minimum, fused or not.
+ * the final add of a minimum, fused or not. Half scales are read from a table of all 65,536
+ * values (one load the multiply broadcasts). On AVX-512 the 4-bit types (Q4_0, Q4_1, Q4_K) make
+ * a block's (or sub-block's) 16 possible weights once, as the generic code computes each, and
+ * every element picks its own by its nibble (vpick16): the same values in fewer instructions.
  *
  * The product takes one of two paths by the row count M. Up to GEMV_ROWS rows (decode), each
  * block of a weight row is dequantized into registers and multiplied into every row's float32
@@ -15,7 +18,9 @@
  * of 64 weight rows is dequantized once into the tiled GEMM's layout and multiplied by the tiled
  * GEMM's own loop (tiled_tile_f32), so the rows' results are those of tiled_linear_f32 on the
  * dequantized weight, bit for bit. Both paths use the dequantized weights exactly; only the
- * order of the sums differs between them. Threads split the output columns, as the tiled GEMM's
+ * order of the sums differs between them. The register path prefetches the weight a few KiB
+ * ahead of the block it reads: a decode step streams every weight of the model from memory
+ * once, and the hardware's own prefetch alone left the loop waiting on it. Threads split the output columns, as the tiled GEMM's
  * do. bfloat16 activations are widened to float32 once per call (exact) and the results rounded
  * to nearest even, after the bias, once. The vector code is simd.h's (GCC's vector extensions,
  * lowered to the target's AVX-512, AVX2 or SSE registers).
@@ -28,6 +33,7 @@
 #define GEMV_ROWS 12    /* rows up to which the product dequantizes into registers */
 #define GEMV_COLUMNS 16 /* output columns per work item there (the tile path's: the tile width) */
 #define SPLIT 4         /* lane accumulators per row of the register path: independent FMA chains */
+#define PREFETCH_BYTES 4096 /* how far ahead of its block the register path asks for weight bytes */
 #define TILE_GROUP 16   /* weight rows dequantized together into a tile (a cache line of columns) */
 
 static inline vf vload(const float *p) {
@@ -43,26 +49,72 @@ static inline vu lane_index(uint32_t first) {
     for (int i = 0; i < VL; i++) index[i] = first + (uint32_t)i;
     return index;
 }
+/* the accumulators' sum: lanes folded in halves (log2(VL) adds of half-width vectors, not a chain
+ * of VL scalar adds), the same order for every row count */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
 static inline float lane_sum(const vf acc[SPLIT]) {
-    const vf v = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    float s = 0.0f;
-    for (int i = 0; i < VL; i++) s += v[i];
-    return s;
+    const vf all = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+#if VL == 16
+    vf8 low8, high8;
+    memcpy(&low8, &all, sizeof low8);
+    memcpy(&high8, (const char *)&all + sizeof low8, sizeof high8);
+    const vf8 eight = low8 + high8;
+#elif VL == 8
+    const vf8 eight = all;
+#endif
+#if VL >= 8
+    vf4 low4, high4;
+    memcpy(&low4, &eight, sizeof low4);
+    memcpy(&high4, (const char *)&eight + sizeof low4, sizeof high4);
+    const vf4 four = low4 + high4;
+#else
+    const vf4 four = all;
+#endif
+    return (four[0] + four[2]) + (four[1] + four[3]);
 }
+
+/* every half float's value, by its bits (half_to_float's): a block's scale is then one load the
+ * multiply broadcasts, not a conversion and a broadcast */
+static float half_values[1 << 16];
+__attribute__((constructor)) static void fill_half_values(void) {
+    for (uint32_t h = 0; h < 1u << 16; h++) half_values[h] = half_to_float((uint16_t)h);
+}
+static inline float scale_of(uint16_t h) { return half_values[h]; }
 /* the 4-bit quant of element c.. of a 32-element block packed as Q4_0/Q5_0: elements 0..15 the
  * low nibbles of qs, 16..31 the high ones (a vector never straddles the two: VL <= 16) */
 static inline vi nibbles(const uint8_t *qs, int c) { return (vload_u8_i32(qs + c % 16) >> (c / 16 * 4)) & 15; }
 
 /* ---- each type's block dequantizer ---- */
 
+#if SIMD_PICK16
+/* a 4-bit block of one vector's worth of values per nibble (VL = 16): table[q] is the weight of
+ * quant q, computed as the generic code computes it, and each element picks its own; the low
+ * nibble needs no mask (vpick16 reads the index modulo 16) */
+static inline void pick_nibbles(const uint8_t *qs, vf table, float *out) {
+    const vi q = vload_u8_i32(qs);
+    vstore(out, vpick16(table, q));
+    vstore(out + 16, vpick16(table, q >> 4));
+}
+static inline vf quant_values(void) { return to_float((vi)lane_index(0)); }
+#endif
+
 static inline void dequantize_q4_0(const BlockQ4_0 *b, float *out) {
-    const float d = half_to_float(b->d);
+    const float d = scale_of(b->d);
+#if SIMD_PICK16
+    pick_nibbles(b->qs, d * (quant_values() - 8.0f), out);
+#else
     for (int c = 0; c < QK_SMALL; c += VL) vstore(out + c, d * to_float(nibbles(b->qs, c) - 8));
+#endif
 }
 
 static inline void dequantize_q4_1(const BlockQ4_1 *b, float *out) {
-    const float d = half_to_float(b->d), m = half_to_float(b->m);
+    const float d = scale_of(b->d), m = scale_of(b->m);
+#if SIMD_PICK16
+    pick_nibbles(b->qs, d * quant_values() + m, out);
+#else
     for (int c = 0; c < QK_SMALL; c += VL) vstore(out + c, d * to_float(nibbles(b->qs, c)) + m);
+#endif
 }
 
 /* the fifth bits of Q5_0/Q5_1: bit c + i of the block's 32-bit qh for lane i */
@@ -73,19 +125,19 @@ static inline vi fifth_bits(const uint8_t *qh, int c) {
 }
 
 static inline void dequantize_q5_0(const BlockQ5_0 *b, float *out) {
-    const float d = half_to_float(b->d);
+    const float d = scale_of(b->d);
     for (int c = 0; c < QK_SMALL; c += VL)
         vstore(out + c, d * to_float((nibbles(b->qs, c) | fifth_bits(b->qh, c)) - 16));
 }
 
 static inline void dequantize_q5_1(const BlockQ5_1 *b, float *out) {
-    const float d = half_to_float(b->d), m = half_to_float(b->m);
+    const float d = scale_of(b->d), m = scale_of(b->m);
     for (int c = 0; c < QK_SMALL; c += VL)
         vstore(out + c, d * to_float(nibbles(b->qs, c) | fifth_bits(b->qh, c)) + m);
 }
 
 static inline void dequantize_q8_0(const BlockQ8_0 *b, float *out) {
-    const float d = half_to_float(b->d);
+    const float d = scale_of(b->d);
     for (int c = 0; c < QK_SMALL; c += VL) vstore(out + c, d * to_float(vload_i8_i32(b->qs + c)));
 }
 
@@ -93,15 +145,29 @@ static inline void dequantize_q8_0(const BlockQ8_0 *b, float *out) {
  * dmin) packed in 12 bytes: sub-block j < 4 has the low 6 bits of bytes j and j + 4, sub-block
  * j >= 4 the nibbles of byte j + 4 below the top two bits of bytes j - 4 and j. Sub-block s's
  * quants are nibble s % 2 of qs[32 (s / 2) + i], plus for Q5_K (qh not NULL) bit s of qh[i]
- * as the fifth. */
+ * as the fifth. The sub-blocks' scales and minimums are unpacked first, all eight at once, into
+ * arrays the loop over sub-blocks broadcasts from. */
 static inline void dequantize_k_quants(const uint8_t *packed, uint16_t d_bits, uint16_t dmin_bits,
                                        const uint8_t *qh, const uint8_t *qs, float *out) {
-    const float d = half_to_float(d_bits), dmin = half_to_float(dmin_bits);
+    const float d = scale_of(d_bits), dmin = scale_of(dmin_bits);
+    float scales[8], mins[8];
     for (int s = 0; s < 8; s++) {
         const int j = s % 4, high_pair = s / 4;
         const int sc = high_pair ? (packed[j + 8] & 15) | (packed[j] >> 6) << 4 : packed[j] & 63;
         const int mn = high_pair ? (packed[j + 8] >> 4) | (packed[j + 4] >> 6) << 4 : packed[j + 4] & 63;
-        const float scale = d * (float)sc, min = dmin * (float)mn;
+        scales[s] = d * (float)sc;
+        mins[s] = dmin * (float)mn;
+    }
+    for (int s = 0; s < 8; s++) {
+        const float scale = scales[s], min = mins[s];
+#if SIMD_PICK16
+        if (qh == NULL) { /* Q4_K: each sub-block's 16 values picked from its table */
+            const vf table = scale * quant_values() - min;
+            for (int c = 0; c < 32; c += VL)
+                vstore(out + 32 * s + c, vpick16(table, vload_u8_i32(qs + 32 * (s / 2) + c) >> (4 * (s % 2))));
+            continue;
+        }
+#endif
         for (int c = 0; c < 32; c += VL) {
             vi q = (vload_u8_i32(qs + 32 * (s / 2) + c) >> (4 * (s % 2))) & 15;
             if (qh != NULL) q |= ((vload_u8_i32(qh + c) >> s) & 1) << 4;
@@ -119,7 +185,7 @@ static inline void dequantize_q5_k(const BlockQ5_K *b, float *out) {
 }
 
 static inline void dequantize_q6_k(const BlockQ6_K *b, float *out) {
-    const float d = half_to_float(b->d);
+    const float d = scale_of(b->d);
     for (int e = 0; e < QK_K; e += VL) {
         const int half = e / 128, r = e % 128;
         const vi low = (vload_u8_i32(b->ql + 64 * half + r % 64) >> (4 * (r / 64))) & 15;

@@ -30,6 +30,7 @@ static inline __attribute__((always_inline)) void SUFFIX(gemv_rows)(const float 
             for (int s = 0; s < SPLIT; s++) acc[m][s] = (vf){0};
         for (int64_t i = 0; i < blocks; i++) {
             float wq[QK] __attribute__((aligned(64)));
+            __builtin_prefetch((const char *)(row + i) + PREFETCH_BYTES);
             DEQUANTIZE(row + i, wq);
             for (int64_t m = 0; m < M; m++) {
                 const float *xm = x + m * K + i * QK;

@@ -9,6 +9,8 @@
  *                file, simd_avx512.h, simd_avx2.h or simd_portable.h, defines it
  *   vload_u8_i32(p), vload_i8_i32(p)  VL unsigned or signed bytes at p widened to int32 lanes (the
  *                same files)
+ *   vpick16(table, index)  where SIMD_PICK16 is 1 (AVX-512): lane i of table at index[i] % 16, one
+ *                instruction (the other sets would need two and a blend: they leave it undefined)
  *   GEMM_AVX512, GEMM_AVX512_BF16, GEMM_AVX2 (1 or 0)  which of the tiled GEMM's inner loops the
  *                target can run (gemm_avx512.h, gemm_avx512bf16.h, gemm_avx2.h; gemm_portable.h always)
  *
@@ -93,5 +95,9 @@ static inline uint16_t f32_to_bf16(float x) {
 }
 
 #include SIMD_HEADER
+
+#ifndef SIMD_PICK16
+#define SIMD_PICK16 0
+#endif
 
 #endif

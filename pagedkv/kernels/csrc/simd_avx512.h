@@ -13,3 +13,8 @@ static inline vf vload_bf16(const uint16_t *p) {
  * goes through scalars): the quantized kernels' loads of quants */
 static inline vi vload_u8_i32(const uint8_t *p) { return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 static inline vi vload_i8_i32(const int8_t *p) { return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+
+/* lane i of table at lane index[i] % 16 (vpermps): a block's 16 possible 4-bit values, computed
+ * once, picked per element instead of converting each quant to float and scaling it */
+#define SIMD_PICK16 1
+static inline vf vpick16(vf table, vi index) { return _mm512_permutexvar_ps((__m512i)index, table); }
