@@ -324,6 +324,10 @@ class KVCacheManager:
             return self.pool.count_private(blocks)
         return sum(1 for b in blocks if self.pool.refcount(b) == 1 and b not in shared_soon)
 
+    def held_blocks(self, seq_id: SeqId) -> int:
+        """Blocks ``seq_id``'s table holds (what it gives back, shared ones aside, when freed)."""
+        return len(self.table(seq_id).block_ids)
+
     def is_in_use(self, block: int) -> bool:
         return self.pool.refcount(block) > 0
 
