@@ -17,6 +17,7 @@ prefix is then recomputed -- correct, if more often than vLLM's search from the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 
 from pagedkv.memory.block_hash import salted_root
@@ -24,7 +25,7 @@ from pagedkv.memory.block_table import BlockTable, CopyPair, blocks_for
 from pagedkv.memory.errors import PoolExhaustedError
 from pagedkv.memory.grouped_table import GroupedTable, WindowedBlockTable, first_needed_block
 from pagedkv.memory.kv_groups import KVGroups
-from pagedkv.memory.manager import KVCacheManager, PoolSnapshot, SeqId, TableSnapshot
+from pagedkv.memory.manager import KVCacheManager, KVUsage, PoolSnapshot, SeqId, TableSnapshot
 from pagedkv.memory.prefix_cache import root_of
 
 
@@ -210,6 +211,13 @@ class HybridKVCacheManager(KVCacheManager):
         table.num_cached_blocks = full
 
     # -- reporting --------------------------------------------------------------------------
+    def usage(self) -> KVUsage:
+        """The pool less the null block, which holds no sequence's data."""
+        usage = super().usage()
+        return dataclasses.replace(
+            usage, total_blocks=usage.total_blocks - 1, used_blocks=usage.used_blocks - 1
+        )
+
     def held_blocks(self, seq_id: SeqId) -> int:
         return len(self.grouped(seq_id).live_block_ids())
 
