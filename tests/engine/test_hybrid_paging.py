@@ -126,3 +126,37 @@ def test_blocks_out_of_the_window_return_to_the_pool(tmp_path):
     assert held[False] == 30
     assert 30 < held[True] <= 30 + 3
     assert held[True] * 2 <= 0.55 * held[False] * 4
+
+
+@pytest.mark.parametrize("mode", ["ngram", "beam", "n2"])
+def test_speculation_beams_and_samples_equal_hybrid_off(tmp_path, mode):
+    """Rollbacks of rejected draft tokens, beams forking and freeing, parallel samples sharing a
+    prompt and copying on write: hybrid paging changes none of their tokens."""
+    from pagedkv import BeamSearchParams
+
+    path = make_checkpoint(tmp_path, "gemma2", **FAMILIES["gemma2"])
+    gen = torch.Generator().manual_seed(3)
+    prompts = [
+        [5, 6, 7, 8] * 6 + torch.randint(4, TEST_VOCAB_SIZE, (n,), generator=gen).tolist() for n in (3, 30)
+    ]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    results = []
+    for hybrid in (True, False):
+        llm = LLM(
+            str(path),
+            dtype="float32",
+            block_size=4,
+            num_kv_blocks=120,
+            disable_hybrid_kv_cache_manager=not hybrid,
+            **({"speculative_config": spec} if mode == "ngram" else {}),
+        )
+        if mode == "beam":
+            inputs = [{"prompt_token_ids": p} for p in prompts]
+            outs = llm.beam_search(inputs, BeamSearchParams(beam_width=3, max_tokens=20))
+        else:
+            n = 2 if mode == "n2" else 1
+            params = SamplingParams(n=n, max_tokens=30, temperature=0.8 * (n > 1), seed=1, ignore_eos=True)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([[c.token_ids for c in out.outputs] for out in outs])
+        assert llm.kv_stats()["blocks_used"] == 0
+    assert results[0] == results[1]
