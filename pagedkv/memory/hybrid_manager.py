@@ -191,24 +191,11 @@ class HybridKVCacheManager(KVCacheManager):
         windowed = isinstance(table, WindowedBlockTable)
         if windowed and not table.cacheable:
             return
-        bs, cache = self.block_size, self.pool.prefix_cache
-        if windowed and (done < table.num_nulled or (done and table.block_ids[done - 1] not in cache)):
+        in_cache = not done or table.block_ids[done - 1] in self.pool.prefix_cache
+        if windowed and (done < table.num_nulled or not in_cache):
             table.cacheable = False  # its chain's start is gone with the window: nothing after it is findable
             return
-        if done and table.block_ids[done - 1] not in cache:
-            done = 0
-        for i in range(done, full):
-            parent = table.block_ids[i - 1] if i else table.root
-            block, tokens = table.block_ids[i], token_ids[i * bs : (i + 1) * bs]
-            twin = cache.lookup(parent, tokens)
-            if twin is None:
-                if block not in cache:
-                    self.pool.cache_block(block, parent, tokens)
-            elif twin != block:
-                self.pool.incref(twin)
-                self.pool.free([block])
-                table.block_ids[i] = twin
-        table.num_cached_blocks = full
+        self._register_blocks(table, token_ids, done if in_cache else 0, full)
 
     # -- reporting --------------------------------------------------------------------------
     def usage(self) -> KVUsage:
