@@ -205,6 +205,17 @@ class HybridKVCacheManager(KVCacheManager):
             usage, total_blocks=usage.total_blocks - 1, used_blocks=usage.used_blocks - 1
         )
 
+    def peak_blocks(self, admitted_tokens: int, final_tokens: int) -> int:
+        """Every group holds what admission allocates; a full group then grows to the final
+        tokens, a sliding one to a window's blocks and the one a boundary adds before the step's
+        end hands the oldest back."""
+        admitted, final = (blocks_for(n, self.block_size) for n in (admitted_tokens, final_tokens))
+        peak = 0
+        for window in self.groups.windows:
+            reach = final if window is None else min(final, blocks_for(window, self.block_size) + 2)
+            peak += max(admitted, reach)
+        return peak
+
     def held_blocks(self, seq_id: SeqId) -> int:
         return len(self.grouped(seq_id).live_block_ids())
 

@@ -329,6 +329,11 @@ class KVCacheManager:
             return self.pool.count_private(blocks)
         return sum(1 for b in blocks if self.pool.refcount(b) == 1 and b not in shared_soon)
 
+    def peak_blocks(self, admitted_tokens: int, final_tokens: int) -> int:
+        """The most blocks one sequence holds at once: ``admitted_tokens`` allocated at admission,
+        ``final_tokens`` at its end."""
+        return blocks_for(max(admitted_tokens, final_tokens), self.block_size)
+
     def held_blocks(self, seq_id: SeqId) -> int:
         """Blocks ``seq_id``'s table holds (what it gives back, shared ones aside, when freed)."""
         return len(self.table(seq_id).block_ids)

@@ -160,3 +160,22 @@ def test_speculation_beams_and_samples_equal_hybrid_off(tmp_path, mode):
         results.append([[c.token_ids for c in out.outputs] for out in outs])
         assert llm.kv_stats()["blocks_used"] == 0
     assert results[0] == results[1]
+
+
+def test_a_prompt_that_fits_no_group_layout_is_refused_and_a_long_output_is_not(tmp_path):
+    """A prompt's blocks are allocated in every KV group at admission: one that the pool holds
+    once but not three times is refused up front (it could never be admitted), while a short
+    prompt with a long output -- a window's worth of blocks per sliding group -- runs."""
+    from pagedkv.engine.validation import InvalidRequestError
+
+    path = make_checkpoint(tmp_path, "gemma3", **FAMILIES["gemma3"])
+    llm = LLM(
+        str(path), dtype="float32", block_size=4, num_kv_blocks=49, watermark=0.0
+    )  # 48 and the null block
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match="can never fit in the KV cache"):
+        llm.generate([list(range(4, 104))], params, use_tqdm=False)
+    long = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate([list(range(4, 14))], long, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 150
+    assert llm.kv_stats()["blocks_used"] == 0
