@@ -6,11 +6,11 @@ budget in bytes: one pages by KV group (:mod:`pagedkv.memory.kv_groups`, its blo
 layers deep), one keeps every block of every layer (``disable_hybrid_kv_cache_manager``). Every
 request is submitted at once: a prompt of the context less ``decode_tokens``, then
 ``decode_tokens`` greedy tokens, so each ends holding a whole context. The figure is the most
-sequences running at once, and their ratio, next to its bound: the layer-blocks a whole
-context takes without over with hybrid paging (at 32k, 4,096: 1.77x, below the 1.8x asked;
-admission falls short of the bound because a prompt's windowed blocks are all held for the step
-that computes it). The budget holds ``budget_contexts`` whole contexts
-of the engine without hybrid paging.
+sequences running at once, and their ratio, next to its bound: the layer-blocks a whole context
+takes without hybrid paging over those it takes with it (at 32k and 4,096: 1.77x, below the 1.8x
+asked). Admission falls short of the bound because a prompt's windowed blocks are all held for
+the step that computes it. The budget holds ``budget_contexts`` whole contexts of the engine
+without hybrid paging.
 
 The models are tiny (hidden 64) with seeded random weights (``load_format="dummy"``): what is
 measured is the scheduler's admission against the pool, which depends on the KV shapes and the
