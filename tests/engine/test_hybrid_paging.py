@@ -128,10 +128,11 @@ def test_blocks_out_of_the_window_return_to_the_pool(tmp_path):
     assert held[True] * 2 <= 0.55 * held[False] * 4
 
 
-@pytest.mark.parametrize("mode", ["ngram", "beam", "n2"])
+@pytest.mark.parametrize("mode", ["ngram", "beam", "n2", "int8"])
 def test_speculation_beams_and_samples_equal_hybrid_off(tmp_path, mode):
     """Rollbacks of rejected draft tokens, beams forking and freeing, parallel samples sharing a
-    prompt and copying on write: hybrid paging changes none of their tokens."""
+    prompt and copying on write, a quantized cache (its scales grouped like the blocks): hybrid
+    paging changes none of their tokens."""
     from pagedkv import BeamSearchParams
 
     path = make_checkpoint(tmp_path, "gemma2", **FAMILIES["gemma2"])
@@ -149,6 +150,7 @@ def test_speculation_beams_and_samples_equal_hybrid_off(tmp_path, mode):
             num_kv_blocks=120,
             disable_hybrid_kv_cache_manager=not hybrid,
             **({"speculative_config": spec} if mode == "ngram" else {}),
+            **({"kv_cache_dtype": "int8"} if mode == "int8" else {}),
         )
         if mode == "beam":
             inputs = [{"prompt_token_ids": p} for p in prompts]
