@@ -138,6 +138,12 @@ ENGINE_OPTIONS = (
         "enable_prefix_caching", "turn prefix caching off", flag="--no-prefix-caching", action="store_false"
     ),
     EngineOption(
+        "disable_hybrid_kv_cache_manager",
+        "keep every block of sliding-window layers (default: a model with windowed layers pages them by "
+        "KV group, handing back the blocks out of every window)",
+        action="store_true",
+    ),
+    EngineOption(
         "kv_cache_dtype",
         f"KV element type: auto (the model's dtype), fp8 (e4m3) or int8, with a float32 scale per token "
         f"and KV head {DEFAULT}",

@@ -5,6 +5,10 @@ value pool of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``; a bloc
 same thing in every layer, so one block table serves the whole model. All layers live in one
 allocation so that copy-on-write (:func:`pagedkv.attention.copy_blocks`) is one indexed copy.
 
+With KV groups (hybrid paging, :mod:`pagedkv.memory.kv_groups`) the allocation holds
+``group_size`` layers, not one per model layer: layer ``l`` stores into tensor
+``layer_slot[l]``, and its :class:`LayerKV` says its ``group``, whose block table it reads.
+
 A quantized cache (``kv_cache_dtype`` ``fp8`` or ``int8``, see :mod:`pagedkv.attention.quant`)
 stores one byte per element and keeps a second allocation beside the blocks: one float32 scale
 per slot and KV head, ``[num_layers, 2, num_blocks, block_size, num_kv_heads]``.
@@ -19,6 +23,7 @@ import torch
 
 from pagedkv.attention.quant import SCALE_DTYPE, check_kv_cache_dtype
 from pagedkv.memory.kv_bytes import QUANTIZED_KV_DTYPES, KVSpec
+from pagedkv.memory.kv_groups import KVGroups
 
 #: KVSpec dtype names that map onto a torch dtype the attention kernels compute in.
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -32,12 +37,14 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 class LayerKV:
     """One layer's key and value pools, ``[num_blocks, block_size, num_kv_heads, head_dim]``;
     for a quantized cache also their scales, ``[num_blocks, block_size, num_kv_heads]`` float32
-    (element ``stored * scale`` is the value), else None."""
+    (element ``stored * scale`` is the value), else None. ``group``: the KV group whose block
+    table addresses it (0 without groups)."""
 
     key: torch.Tensor
     value: torch.Tensor
     key_scale: torch.Tensor | None = None
     value_scale: torch.Tensor | None = None
+    group: int = 0
     #: the pools' four dimensions, read off ``key`` once
     num_blocks: int = dataclasses.field(init=False, repr=False, compare=False)
     block_size: int = dataclasses.field(init=False, repr=False, compare=False)
@@ -98,6 +105,7 @@ class KVCache:
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         kv_cache_dtype: str = "auto",
+        groups: KVGroups | None = None,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
@@ -110,16 +118,25 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device)
-        shape = (spec.num_layers, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        #: [num_layers, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]
+        self.groups = groups
+        if groups is not None and groups.num_layers != spec.num_layers:
+            raise ValueError(f"KV groups of {groups.num_layers} layers for a model of {spec.num_layers}")
+        tensors = spec.num_layers if groups is None else groups.group_size
+        shape = (tensors, 2, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        #: [tensors, 2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]; tensors is
+        #: num_layers, or a group's layer count with KV groups
         self.data = torch.zeros(shape, dtype=self.storage_dtype, device=self.device)
-        #: [num_layers, 2, num_blocks, block_size, num_kv_heads] float32, or None when not quantized
+        #: [tensors, 2, num_blocks, block_size, num_kv_heads] float32, or None when not quantized
         self.scales: torch.Tensor | None = None
-        self.layers: list[LayerKV] = [LayerKV(kv[0], kv[1]) for kv in self.data]
         if self.storage_dtype != self.dtype:
             self.scales = torch.ones(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
-            pairs = zip(self.data, self.scales, strict=True)
-            self.layers = [LayerKV(kv[0], kv[1], sc[0], sc[1]) for kv, sc in pairs]
+        slots = range(spec.num_layers) if groups is None else groups.layer_slot
+        self.layers: list[LayerKV] = []
+        for layer, slot in enumerate(slots):
+            kv, sc = self.data[slot], None if self.scales is None else self.scales[slot]
+            group = 0 if groups is None else groups.layer_group[layer]
+            scales = (None, None) if sc is None else (sc[0], sc[1])
+            self.layers.append(LayerKV(kv[0], kv[1], *scales, group=group))
 
     @staticmethod
     def block_bytes(
@@ -164,6 +181,11 @@ class KVCache:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def num_groups(self) -> int:
+        """Block tables a step carries per sequence: one per KV group (1 without groups)."""
+        return 1 if self.groups is None else self.groups.num_groups
 
     @property
     def num_slots(self) -> int:

@@ -74,6 +74,9 @@ class AttentionMetadata:
         it sizes launches, never what a kernel reads); also bounds the positions (< it).
     num_actual_tokens: ``cu_seqlens_q[-1]``, the query rows that belong to sequences.
     slots_padded: whether any ``slot_mapping`` entry is negative.
+    groups: with KV groups (hybrid paging), each group's metadata -- the same step with that
+        group's slots and block tables -- by group; a layer reads its group's
+        (:meth:`of_group`). None: one block table per sequence serves every layer.
     """
 
     slot_mapping: torch.Tensor
@@ -85,6 +88,7 @@ class AttentionMetadata:
     max_seq_len: int | None = None
     num_actual_tokens: int | None = None
     slots_padded: bool | None = None
+    groups: tuple[AttentionMetadata, ...] | None = None
     #: what backends derived from this step for their kernels, by key (:meth:`derived`)
     _derived: dict[Hashable, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -103,6 +107,11 @@ class AttentionMetadata:
             max_query_len = int(lengths.max()) if lengths.numel() else 0
         empty = torch.empty(0, dtype=torch.int64, device=device)
         return cls(empty, block_tables, context_lens, cu_seqlens_q, max_query_len)
+
+    def of_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of KV group ``group`` reads: its group's, or this one without
+        groups."""
+        return self if self.groups is None else self.groups[group]
 
     def derived(self, key: Hashable, build: Callable[[AttentionMetadata], T]) -> T:
         """``build(self)``, made by the step's first layer that asks for ``key`` and kept for its

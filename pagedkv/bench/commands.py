@@ -10,6 +10,7 @@ from __future__ import annotations
 from pagedkv.bench.capacity import CAPACITY_MAX_NUM_SEQS, CapacityConfig, run_capacity
 from pagedkv.bench.capacity_report import print_capacity, write_capacity_plots
 from pagedkv.bench.driver import Bench
+from pagedkv.bench.hybrid_capacity import HybridCapacityConfig, print_hybrid_capacity, run_hybrid_capacity
 from pagedkv.bench.parallel import ParallelConfig, print_parallel, run_parallel
 from pagedkv.bench.quality import QualityConfig, print_quality, run_quality
 from pagedkv.bench.router import REPLICA_ENGINE, RouterConfig, bench_router, print_router
@@ -44,6 +45,22 @@ CAPACITY = Bench(
     plots=write_capacity_plots,
     engine_fields=(*MODEL_FIELDS, "max_num_seqs", "decode_headroom", "kv_cache_dtype", "scale", "threads"),
     engine_defaults={"max_num_seqs": CAPACITY_MAX_NUM_SEQS},
+)
+
+
+CAPACITY_HYBRID = Bench(
+    name="capacity-hybrid",
+    doc="""sequences one KV budget holds with hybrid paging on and off, in the live engine
+
+    For a Gemma-2-shaped model (half the layers windowed at 4,096 tokens) and a Gemma-3-shaped one
+    (five in six at 1,024), at 32k-token contexts (divided by --scale), submit every request at
+    once to two engines with the same KV budget in bytes, one paging by KV group and one keeping
+    every block (--disable-hybrid-kv-cache-manager); report the most sequences each held at once.
+    Tiny models with random weights: admission depends on the KV shapes and lengths only.
+    """,
+    config=HybridCapacityConfig,
+    run=run_hybrid_capacity,
+    report=print_hybrid_capacity,
 )
 
 
@@ -203,4 +220,16 @@ STRUCTURED = Bench(
 )
 
 
-BENCHES = (CAPACITY, SHARING, SERVE, ROUTER, THROUGHPUT, PARALLEL, QUALITY, TIERS, SPEC, STRUCTURED)
+BENCHES = (
+    CAPACITY,
+    CAPACITY_HYBRID,
+    SHARING,
+    SERVE,
+    ROUTER,
+    THROUGHPUT,
+    PARALLEL,
+    QUALITY,
+    TIERS,
+    SPEC,
+    STRUCTURED,
+)

@@ -31,6 +31,10 @@ class CacheConfig:
     enable_prefix_caching: bool
     #: Share of the blocks kept free at admission, so running sequences can still grow.
     watermark: float
+    #: Keep every block of a sliding-window layer (vLLM's flag): off, a model with windowed
+    #: layers pages them by KV group and hands back blocks out of every window
+    #: (:mod:`pagedkv.memory.hybrid_manager`).
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         positive_int("block_size", self.block_size)

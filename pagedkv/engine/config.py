@@ -72,6 +72,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    #: Keep every block of sliding-window layers (vLLM's flag); by default a model with windowed
+    #: layers gets a block table per KV group and hands back blocks out of every window.
+    disable_hybrid_kv_cache_manager: bool = False
     #: Share of the blocks kept free at admission, so running sequences can still grow.
     watermark: float = 0.01
     #: "auto" (the model's dtype), "fp8" (e4m3) or "int8": what each KV element is stored in.

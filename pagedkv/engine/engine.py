@@ -108,7 +108,8 @@ class LLMEngine:
             kv_policy=self.kv_policy,
             block_size=settings.cache.block_size,
             num_blocks=num_blocks,
-            usable_blocks=num_blocks - self.kv_manager.watermark_blocks,
+            usable_blocks=self.kv_manager.usage().total_blocks - self.kv_manager.watermark_blocks,
+            peak_blocks=self.kv_manager.peak_blocks,
             limits=settings.limits.resolved(pool_tokens, settings.scheduler.max_num_seqs, self.max_model_len),
         )
         eos = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)

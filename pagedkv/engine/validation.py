@@ -13,7 +13,7 @@ until the kernel kills it). A refusal is an :class:`InvalidRequestError` that na
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from pagedkv.config.checks import positive_int
@@ -193,6 +193,10 @@ class RequestValidator:
     #: Blocks a single request may take: the pool minus the admission watermark.
     usable_blocks: int
     limits: RequestLimits = field(default_factory=RequestLimits)
+    #: The most blocks a request takes at once, from the tokens its admission allocates and the
+    #: tokens it ends with (the KV manager's ``peak_blocks``: with KV groups, a prompt is
+    #: allocated in every group); None: the final tokens' blocks.
+    peak_blocks: Callable[[int, int], int] | None = None
 
     @property
     def max_kv_tokens(self) -> int:
@@ -228,7 +232,11 @@ class RequestValidator:
             check_token_ids(ids, self.vocab_size, "bad_words")
         check_context(len(token_ids), params.max_tokens, self.max_model_len)
         reserved = self.kv_policy.peak_tokens(len(token_ids), params.max_tokens, self.max_model_len)
-        needed = blocks_for(reserved, self.block_size)
+        if self.peak_blocks is None:
+            needed = blocks_for(reserved, self.block_size)
+        else:
+            admitted = len(token_ids) if self.kv_policy.grows_on_demand else reserved
+            needed = self.peak_blocks(admitted, reserved)
         if needed > self.usable_blocks:
             raise InvalidRequestError(
                 f"the request can never fit in the KV cache: {reserved} tokens need {needed} blocks of "

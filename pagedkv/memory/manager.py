@@ -259,10 +259,15 @@ class KVCacheManager:
         done = table.num_cached_blocks
         if full <= done:  # no block filled up since: the common case, 15 steps in 16 at decode
             return
+        if done and table.block_ids[done - 1] not in self.pool.prefix_cache:
+            done = 0  # a reset forgot this chain: register it again from the start
+        self._register_blocks(table, token_ids, done, full)
+
+    def _register_blocks(self, table: BlockTable, token_ids: Sequence[int], done: int, full: int) -> None:
+        """Offer ``table``'s blocks ``done..full-1`` (computed, full, chained to block ``done - 1``)
+        to the prefix cache; one another sequence cached first replaces ours in the table."""
         bs = self.block_size
         cache = self.pool.prefix_cache
-        if done and table.block_ids[done - 1] not in cache:
-            done = 0  # a reset forgot this chain: register it again from the start
         for i in range(done, full):
             parent = table.block_ids[i - 1] if i else table.root
             block, tokens = table.block_ids[i], token_ids[i * bs : (i + 1) * bs]
@@ -323,6 +328,15 @@ class KVCacheManager:
         if not shared_soon:
             return self.pool.count_private(blocks)
         return sum(1 for b in blocks if self.pool.refcount(b) == 1 and b not in shared_soon)
+
+    def peak_blocks(self, admitted_tokens: int, final_tokens: int) -> int:
+        """The most blocks one sequence holds at once: ``admitted_tokens`` allocated at admission,
+        ``final_tokens`` at its end."""
+        return blocks_for(max(admitted_tokens, final_tokens), self.block_size)
+
+    def held_blocks(self, seq_id: SeqId) -> int:
+        """Blocks ``seq_id``'s table holds (what it gives back, shared ones aside, when freed)."""
+        return len(self.table(seq_id).block_ids)
 
     def is_in_use(self, block: int) -> bool:
         return self.pool.refcount(block) > 0

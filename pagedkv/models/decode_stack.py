@@ -332,8 +332,8 @@ class DecodeStack:
         tokens = x.shape[0]
         if not 0 < tokens <= BUFFER_ROWS or per_call_checks() or x.dtype != self.dtype:
             return None
-        if x.device.type != "cpu":
-            return None
+        if x.device.type != "cpu" or metadata.groups is not None:
+            return None  # (KV groups: a table per group, the C stack reads one per step)
         rows = cpu_rows.generated_rows(metadata)
         if rows is None or rows.row_seq.shape[0] != tokens:
             return None

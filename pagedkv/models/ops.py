@@ -102,7 +102,8 @@ class RotaryWriteKV(Op):
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         kv = batch.kv_cache.layers[self.kv_layer]
         cos, sin = (batch.local_cos, batch.local_sin) if self.local else (batch.cos, batch.sin)
-        return batch.ops.rotary_write_kv(x, self.layout, cos, sin, kv, batch.metadata), residual
+        metadata = batch.metadata.of_group(kv.group)
+        return batch.ops.rotary_write_kv(x, self.layout, cos, sin, kv, metadata), residual
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,7 +117,7 @@ class Attend(Op):
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         kv = batch.kv_cache.layers[self.kv_layer]
-        out = attend(x, kv, batch.metadata, self.options, batch.backend)
+        out = attend(x, kv, batch.metadata.of_group(kv.group), self.options, batch.backend)
         return out.reshape(x.shape[0], self.layout.num_heads * self.layout.head_dim), residual
 
 

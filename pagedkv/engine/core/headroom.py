@@ -134,7 +134,7 @@ class Headroom:
         ``shared_soon`` will not come back when it finishes (a new request shares them)."""
         table = self.kv_manager.table(seq.seq_id)
         slots = table.num_tokens
-        natural = blocks_for(slots + 1, table.block_size) - len(table.block_ids)
+        natural = blocks_for(slots + 1, table.block_size) - table.capacity // table.block_size
         copies = seq.num_copies
         # Prompt tokens that hold slots but are not computed yet (between steps, a decoding
         # sequence's sampled token has no slot yet: that is its next append, not a delay).
@@ -248,7 +248,7 @@ class Projection:
         self.running.append(seq)
         self.scheduled[seq.seq_id] = scheduled_tokens
         manager = self.headroom.kv_manager
-        if manager.private_blocks(seq.seq_id) < len(manager.table(seq.seq_id).block_ids):
+        if manager.private_blocks(seq.seq_id) < manager.held_blocks(seq.seq_id):
             # It shares blocks a running sequence held alone: those no longer come back when that
             # one finishes, so every ``held`` is read again.
             self.growths = [

@@ -31,6 +31,7 @@ from pagedkv.engine.core.plan import StepPlan
 from pagedkv.engine.stats import StepStats, TierStats, TierStep
 from pagedkv.log_limits import ThrottledLog
 from pagedkv.memory import KVCacheManager, KVTier, KVTransfers, SwapCostModel, TieredKVCacheManager
+from pagedkv.memory.hybrid_manager import HybridKVCacheManager
 
 if TYPE_CHECKING:
     from pagedkv.engine.core.scheduler_output import SchedulerOutput
@@ -52,6 +53,11 @@ def make_kv_manager(
     (whose blocks a restarted disk tier indexes again at once), and its link to the tier."""
     num_blocks, spec = executor.num_kv_blocks, executor.tier
     config, caching = settings.cache, settings.prefix_caching
+    if spec is None and executor.kv_groups is not None:
+        groups = executor.kv_groups
+        return HybridKVCacheManager(
+            num_blocks, groups, config.block_size, caching, config.watermark
+        ), NoKVTier()
     if spec is None:
         return KVCacheManager(num_blocks, config.block_size, caching, config.watermark), NoKVTier()
     tier = KVTier(spec.capacity, spec.medium)

@@ -53,7 +53,8 @@ class ModelRunner:
 
     def arrays(self, plan: StepPlan) -> StepArrays:
         """The plan's inputs on the host (its table edits applied), checked against the pool."""
-        return step_arrays(plan, self.tables, self.kv_cache.block_size, self.num_pool_blocks)
+        kv = self.kv_cache
+        return step_arrays(plan, self.tables, kv.block_size, self.num_pool_blocks, kv.num_groups)
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         """The plan's table edits, then its inputs on the device, for an eager forward pass."""

@@ -63,10 +63,18 @@ class RunnerTables:
                 self._grow(self._array.shape[0], max(len(table), 2 * self._array.shape[1]))
             self._array[row, edit.keep : len(table)] = edit.new_block_ids
 
-    def padded(self, seq_ids: list[SeqId], width: int) -> np.ndarray:
+    def padded(self, seq_ids: list[SeqId], width: int, group: int = 0, num_groups: int = 1) -> np.ndarray:
         """The tables of ``seq_ids`` as a new ``[len(seq_ids), width]`` int32 array, each padded
-        with 0 (``width``: the longest of them)."""
-        return self._array[[self._rows[seq_id] for seq_id in seq_ids], :width]
+        with 0 (``width``: the longest of them); of tables interleaving ``num_groups`` KV groups,
+        group ``group``'s."""
+        rows = [self._rows[seq_id] for seq_id in seq_ids]
+        if num_groups == 1:
+            return self._array[rows, :width]
+        return self._array[rows, group : width * num_groups : num_groups]
+
+    def group(self, group: int, num_groups: int) -> GroupTables:
+        """KV group ``group``'s tables, out of tables interleaving ``num_groups`` groups."""
+        return GroupTables(self, group, num_groups)
 
     def get(self, seq_id: SeqId) -> list[int] | None:
         return self._tables.get(seq_id)
@@ -88,3 +96,20 @@ class RunnerTables:
         grown = np.zeros((rows, width), np.int32)
         grown[: self._array.shape[0], : self._array.shape[1]] = self._array
         self._array = grown
+
+
+class GroupTables:
+    """One KV group's block tables, read out of :class:`RunnerTables` whose tables interleave
+    the groups' (logical block ``i`` of group ``g`` at ``i * num_groups + g``, what a
+    :class:`~pagedkv.memory.grouped_table.GroupedTable` sends): the ``get`` and ``padded`` a
+    step's arrays read."""
+
+    def __init__(self, tables: RunnerTables, group: int, num_groups: int) -> None:
+        self.tables, self.group, self.num_groups = tables, group, num_groups
+
+    def get(self, seq_id: SeqId) -> list[int] | None:
+        table = self.tables.get(seq_id)
+        return None if table is None else table[self.group :: self.num_groups]
+
+    def padded(self, seq_ids: list[SeqId], width: int) -> np.ndarray:
+        return self.tables.padded(seq_ids, width, self.group, self.num_groups)

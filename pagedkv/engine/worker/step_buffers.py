@@ -45,6 +45,8 @@ class StepLayout:
     num_seqs: int
     table_width: int
     has_prompt_lens: bool
+    #: KV groups: each has its slots and block tables (1: one table per sequence)
+    num_groups: int = 1
 
     @staticmethod
     def of(arrays: StepArrays) -> StepLayout:
@@ -52,22 +54,23 @@ class StepLayout:
             arrays.input_ids.shape[0],
             arrays.logits_indices.shape[0],
             arrays.context_lens.shape[0],
-            arrays.block_tables.shape[1],
+            arrays.block_tables.shape[-1],
             arrays.prompt_lens is not None,
+            arrays.num_groups,
         )
 
     def elements(self) -> dict[str, int]:
         """Each field's element count, in buffer order."""
-        t, s = self.num_tokens, self.num_seqs
+        t, s, g = self.num_tokens, self.num_seqs, self.num_groups
         return {
             "input_ids": t,
             "positions": t,
-            "slot_mapping": t,
+            "slot_mapping": g * t,
             "logits_indices": self.num_logits,
             "context_lens": s,
             "cu_seqlens_q": s + 1,
             "prompt_lens": s if self.has_prompt_lens else 0,
-            "block_tables": s * self.table_width,
+            "block_tables": g * s * self.table_width,
         }
 
     @functools.cached_property
@@ -167,17 +170,25 @@ class StepBuffers:
             if len(self._views) >= KEPT_LAYOUTS:
                 self._views.clear()
             views = self._views[layout] = self._make_views(layout)
-        metadata = AttentionMetadata(
-            slot_mapping=views["slot_mapping"],
-            block_tables=views["block_tables"],
-            context_lens=views["context_lens"],
-            cu_seqlens_q=views["cu_seqlens_q"],
-            max_query_len=max_query_len,
-            prompt_lens=views["prompt_lens"],
-            max_seq_len=max_seq_len,
-            num_actual_tokens=layout.num_tokens,
-            slots_padded=False,
-        )
+        t = layout.num_tokens
+
+        def metadata_of(group: int) -> AttentionMetadata:
+            tables = views["block_tables"]
+            return AttentionMetadata(
+                slot_mapping=views["slot_mapping"][group * t : (group + 1) * t],
+                block_tables=tables if layout.num_groups == 1 else tables[group],
+                context_lens=views["context_lens"],
+                cu_seqlens_q=views["cu_seqlens_q"],
+                max_query_len=max_query_len,
+                prompt_lens=views["prompt_lens"],
+                max_seq_len=max_seq_len,
+                num_actual_tokens=t,
+                slots_padded=False,
+            )
+
+        metadata = metadata_of(0)
+        if layout.num_groups > 1:
+            metadata.groups = tuple([metadata, *map(metadata_of, range(1, layout.num_groups))])
         return StepInputs(views["input_ids"], views["positions"], views["logits_indices"], metadata)
 
     def _make_views(self, layout: StepLayout) -> dict[str, torch.Tensor | None]:
@@ -187,7 +198,10 @@ class StepBuffers:
                 tensors[name] = self.buffer[first : first + count]
             else:
                 tensors[name] = self.buffer[first : first + -(-count // 2)].view(torch.int32)[:count]
-        tensors["block_tables"] = tensors["block_tables"].view(layout.num_seqs, layout.table_width)
+        shape = (layout.num_seqs, layout.table_width)
+        if layout.num_groups > 1:
+            shape = (layout.num_groups, *shape)
+        tensors["block_tables"] = tensors["block_tables"].view(shape)
         if not layout.has_prompt_lens:
             tensors["prompt_lens"] = None
         return tensors

@@ -26,7 +26,7 @@ from typing import NoReturn
 import numpy as np
 
 from pagedkv.engine.core.plan import StepPlan
-from pagedkv.engine.worker.runner_tables import RunnerTables
+from pagedkv.engine.worker.runner_tables import GroupTables, RunnerTables
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,12 @@ class StepArrays:
 
     input_ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
-    slot_mapping: np.ndarray  # [T] int64, never negative
+    slot_mapping: np.ndarray  # [G * T] int64, never negative: each KV group's in turn (G = 1 without)
     #: the rows whose logits the step returns (``SeqSlice.logits_rows``), increasing
     logits_indices: np.ndarray  # [L] int64
     context_lens: np.ndarray  # [S] int32
     cu_seqlens_q: np.ndarray  # [S + 1] int32
-    block_tables: np.ndarray  # [S, W] int32, padded with any id of the pool
+    block_tables: np.ndarray  # [S, W] int32, padded with any id of the pool; [G, S, W] with G groups
     prompt_lens: np.ndarray | None  # [S] int32, or None when a slice does not say
     max_query_len: int
     max_seq_len: int
@@ -50,6 +50,10 @@ class StepArrays:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def num_groups(self) -> int:
+        return 1 if self.block_tables.ndim == 2 else int(self.block_tables.shape[0])
 
     @property
     def num_seqs(self) -> int:
@@ -61,10 +65,16 @@ class StepArrays:
         return self.logits_indices.shape[0] == self.num_tokens
 
 
-def step_arrays(plan: StepPlan, tables: RunnerTables, block_size: int, num_blocks: int) -> StepArrays:
+def step_arrays(
+    plan: StepPlan, tables: RunnerTables | GroupTables, block_size: int, num_blocks: int, num_groups: int = 1
+) -> StepArrays:
     """The plan's inputs, its slices' block tables read from ``tables`` (the plan's edits
     applied); ``num_blocks``: the pool's blocks, which every table entry must be among (a
-    ValueError naming the first slice that breaks it)."""
+    ValueError naming the first slice that breaks it). With ``num_groups`` KV groups a table
+    interleaves the groups' (:class:`~pagedkv.memory.grouped_table.GroupedTable`): the arrays
+    then hold each group's slots and tables in turn (:func:`grouped_arrays`)."""
+    if num_groups > 1:
+        return grouped_arrays(plan, tables, block_size, num_blocks, num_groups)
     bs = block_size
     slice_tables = [tables.get(piece.seq_id) for piece in plan.slices]
     if None in slice_tables:
@@ -105,6 +115,23 @@ def step_arrays(plan: StepPlan, tables: RunnerTables, block_size: int, num_block
         prompt_lens=None if None in prompt_lens else np.asarray(prompt_lens, np.int32),
         max_query_len=max(len(piece.token_ids) for piece in plan.slices),
         max_seq_len=max(context_lens),
+    )
+
+
+def grouped_arrays(
+    plan: StepPlan, tables: RunnerTables | GroupTables, block_size: int, num_blocks: int, num_groups: int
+) -> StepArrays:
+    """:func:`step_arrays` of tables interleaving ``num_groups`` KV groups: the slots of group 0,
+    then of group 1, ...; the tables ``[num_groups, S, W]``. A sliding group's null entries
+    (block 0) are read as zeros behind the window's mask, never written."""
+    assert isinstance(tables, RunnerTables)
+    per_group = [
+        step_arrays(plan, tables.group(g, num_groups), block_size, num_blocks) for g in range(num_groups)
+    ]
+    return replace(
+        per_group[0],
+        slot_mapping=np.concatenate([arrays.slot_mapping for arrays in per_group]),
+        block_tables=np.stack([arrays.block_tables for arrays in per_group]),
     )
 
 

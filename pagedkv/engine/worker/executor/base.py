@@ -16,6 +16,7 @@ import torch
 
 from pagedkv.engine.core.plan import StepPlan
 from pagedkv.memory import TransferReport
+from pagedkv.memory.kv_groups import KVGroups
 from pagedkv.memory.pool_sizing import PoolSizing
 from pagedkv.models import decode_stack
 from pagedkv.models.dtypes import dtype_name
@@ -80,6 +81,8 @@ class Executor(ABC):
     runtime: dict[str, str]
     #: The second KV tier every rank holds its share of (None: no tier).
     tier: TierSpec | None = None
+    #: The KV groups the pool is paged by (hybrid paging; None: one table per sequence).
+    kv_groups: KVGroups | None = None
 
     @abstractmethod
     def execute(self, plan: StepPlan) -> torch.Tensor:

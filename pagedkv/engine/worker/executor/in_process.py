@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from pagedkv.engine.config import EngineSettings
 from pagedkv.engine.core.plan import StepPlan
 from pagedkv.engine.worker.cuda_graphs import DecodeGraphSpec, eager_reason
 from pagedkv.engine.worker.executor.base import Executor, ExecutorError, KVMemory, runtime_of
+from pagedkv.engine.worker.executor.hybrid import hybrid_kv_groups
 from pagedkv.engine.worker.executor.kv_budget import available_memory, size_pool
 from pagedkv.engine.worker.executor.tier_io import RankTier, plan_tier
 from pagedkv.engine.worker.model_runner import ModelRunner
@@ -48,22 +50,35 @@ class InProcessExecutor(Executor):
         spec = model_config.kv_spec()
         kv_dtype = config.cache.kv_cache_dtype
         max_model_len = options.max_model_len or model_config.max_position_embeddings
-        block_bytes = KVCache.block_bytes(spec, config.cache.block_size, dtype, kv_dtype)
+        eager = eager_reason(options.device, options.enforce_eager, config.parallel.tensor_parallel_size)
+        self.kv_groups, hybrid = hybrid_kv_groups(config, model_config, self.tier is not None, eager is None)
+        # With KV groups a block spans one group's layers, not every layer.
+        pool_spec = (
+            spec
+            if self.kv_groups is None
+            else dataclasses.replace(spec, num_layers=self.kv_groups.group_size)
+        )
+        block_bytes = KVCache.block_bytes(pool_spec, config.cache.block_size, dtype, kv_dtype)
         # measured now: the weights are in place, nothing of the pool is yet
         available = functools.partial(available_memory, options.device)  # probed only for "auto"
         self.kv_sizing = size_pool(config, block_bytes, max_model_len, available)
         blocks = self.kv_sizing.num_blocks
-        eager = eager_reason(options.device, options.enforce_eager, config.parallel.tensor_parallel_size)
         graphs = None
         if eager is None:
             graphs = DecodeGraphSpec.for_engine(config.scheduler.max_num_seqs, max_model_len, options.device)
         kv_cache = KVCache(
-            spec, blocks + (graphs is not None), config.cache.block_size, dtype, options.device, kv_dtype
+            spec,
+            blocks + (graphs is not None),
+            config.cache.block_size,
+            dtype,
+            options.device,
+            kv_dtype,
+            self.kv_groups,
         )
         self.num_kv_blocks = blocks
         self.kv_memory = KVMemory(kv_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes)
         self.runner: ModelRunner | None = ModelRunner(model, kv_cache, graphs)
-        self.runtime = runtime_of(model) | {"cuda graphs": eager or graphs.describe()}
+        self.runtime = runtime_of(model) | {"cuda graphs": eager or graphs.describe(), "hybrid kv": hybrid}
         if self.tier is not None:
             self.runner.tier = RankTier(self.tier, kv_cache)
 
