@@ -36,6 +36,8 @@ from pagedkv.engine.core.kv_tier import make_kv_manager
 from pagedkv.engine.core.plan import ShippedTables
 from pagedkv.engine.core.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.core.sequence import BeamState, Request, Sequence
+from pagedkv.engine.lora_registry import LoRARegistry
+from pagedkv.engine.lora_request import LoRARequest
 from pagedkv.engine.output_processor import OutputProcessor, ProcessedStep, SampledStep
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sample.prompt_logprobs import take_prompt_logprobs
@@ -123,6 +125,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.stats_collector = StatsCollector(self.scheduler, self.kv_tier, self.verifier is not None)
         self.requests: dict[str, Request] = {}
+        #: The LoRA adapters requests may name (checked when added); refuses all without LoRA.
+        self.loras = LoRARegistry(settings.lora, self.model_config)
 
     def _tokenizer_folder(self, tokenizer: str | Path) -> Path:
         """The folder (or GGUF file) of a ``tokenizer`` given apart from the model: a local path,
@@ -161,6 +165,7 @@ class LLMEngine:
         client_request_id: str | None = None,
         grammar: CompiledGrammar | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and queue a request; raises :class:`InvalidRequestError` with the reason.
 
@@ -169,13 +174,35 @@ class LLMEngine:
         ``grammar``: ``params.structured_outputs`` compiled ahead (the server's way), else here.
         Without ``params``: :meth:`get_default_sampling_params`. ``cache_salt`` (vLLM's): a
         non-empty string; the request reuses cached KV blocks only of requests with the same salt,
-        so one tenant cannot time another's prompts.
+        so one tenant cannot time another's prompts. ``lora_request``: the adapter the request runs
+        with (added by :meth:`add_lora` if it is new); None: the base model.
         """
         self.scheduler.check_priority(priority)
         params = params or self.get_default_sampling_params()
+        if lora_request is not None:
+            self.add_lora(lora_request)
         request = self._make_request(request_id, prompt, params, cache_salt, grammar=grammar)
         request.priority, request.client_request_id = priority, client_request_id
+        request.lora_request = lora_request
         return self._queue(request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check a LoRA adapter against the model and make it known (vLLM's); False if it was
+        known already. Raises :class:`InvalidRequestError` naming what is wrong with it."""
+        return self.loras.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter and free its slot; False if it is unknown. Refused
+        (:class:`InvalidRequestError`) while a request runs or waits with it."""
+        if any(r.lora_int_id == lora_int_id for r in self.requests.values()):
+            raise InvalidRequestError(f"LoRA adapter {lora_int_id} is in use by a request", "lora_int_id")
+        if self.scheduler.adapters is not None:
+            self.scheduler.adapters.forget(lora_int_id, self.scheduler.adapters_in_use())
+        return self.loras.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters requests may name, in the order they were added."""
+        return self.loras.list()
 
     def add_beam_request(
         self,
