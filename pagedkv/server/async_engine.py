@@ -21,10 +21,11 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from pagedkv.engine import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
+from pagedkv.engine import InvalidRequestError, LLMEngine, LoRARequest, RequestOutput, SamplingParams
 from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.server.errors import EngineRequestError, QueueFullError
 from pagedkv.server.metrics import ServerMetrics
@@ -88,12 +89,23 @@ class _Add:
     grammar: CompiledGrammar | None = None
     #: vLLM's ``cache_salt``: the prompts share cached blocks only with the same salt.
     cache_salt: str | None = None
+    #: The LoRA adapter the prompts run with (None: the base model).
+    lora_request: LoRARequest | None = None
     submitted: float = field(default_factory=time.monotonic)
 
 
 @dataclass
 class _Abort:
     request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    """A function of the engine run on the worker (which alone touches the engine); its result
+    or its exception resolves ``done``."""
+
+    function: Callable[[LLMEngine], object]
+    done: asyncio.Future
 
 
 @dataclass
@@ -107,14 +119,15 @@ class _Live:
     num_tokens: int = 0
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    """Resolve ``future`` on its own loop unless its waiter already gave up."""
+def _settle(future: asyncio.Future, error: BaseException | None, result: object = None) -> None:
+    """Resolve ``future`` (to ``result``, or ``error``) on its own loop unless its waiter already
+    gave up."""
 
     def settle() -> None:
         if future.done():
             return
         if error is None:
-            future.set_result(None)
+            future.set_result(result)
         else:
             future.set_exception(error)
 
@@ -137,7 +150,7 @@ class AsyncEngine:
         self.engine = engine
         self.metrics = metrics
         self.max_waiting = max_waiting
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | _Call] = deque()
         self._wakeup = threading.Condition()
         self._stopping = False
         #: Set (to the reason) once the worker has stopped; later requests fail at once.
@@ -162,6 +175,7 @@ class AsyncEngine:
         client_request_id: str | None = None,
         grammar: CompiledGrammar | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue every prompt or none; returns once accepted, raises ``InvalidRequestError`` /
         ``QueueFullError``. Outputs of ``prompts[i]`` arrive on ``stream`` tagged ``i``; the
@@ -182,9 +196,17 @@ class AsyncEngine:
                 client_request_id,
                 grammar,
                 cache_salt,
+                lora_request,
             )
         )
         await accepted
+
+    async def call(self, function: Callable[[LLMEngine], object]) -> object:
+        """``function(engine)`` run on the worker between steps; its result, or its exception
+        raised here (e.g. loading a LoRA adapter)."""
+        done = asyncio.get_running_loop().create_future()
+        self._send(_Call(function, done))
+        return await done
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests wherever they are (queued or running); harmless if they already finished."""
@@ -227,10 +249,10 @@ class AsyncEngine:
         with self._wakeup:
             self._wakeup.notify()
 
-    def _send(self, command: _Add | _Abort) -> None:
+    def _send(self, command: _Add | _Abort | _Call) -> None:
         with self._wakeup:
             if self._closed is not None:
-                if isinstance(command, _Add):
+                if isinstance(command, _Add | _Call):
                     raise Aborted(self._closed)
                 return  # nothing is running any more: nothing to abort
             self._commands.append(command)
@@ -252,6 +274,8 @@ class AsyncEngine:
             for command in commands:
                 if isinstance(command, _Add):
                     _settle(command.accepted, Aborted(reason))
+                elif isinstance(command, _Call):
+                    _settle(command.done, Aborted(reason))
             for request_id, live in self._live.items():
                 live.stream.put(live.tag, Aborted(reason))
                 with contextlib.suppress(Exception):  # return its blocks if the engine still can
@@ -275,6 +299,8 @@ class AsyncEngine:
             for command in commands:
                 if isinstance(command, _Add):
                     self._add(command)
+                elif isinstance(command, _Call):
+                    self._call(command)
                 else:
                     for request_id in command.request_ids:
                         self._abort(request_id)
@@ -323,6 +349,7 @@ class AsyncEngine:
                     command.client_request_id,
                     grammar=command.grammar,
                     cache_salt=command.cache_salt,
+                    lora_request=command.lora_request,
                 )
             except InvalidRequestError as err:  # the handler turns it into a 400
                 error = err if arriving == 1 else InvalidRequestError(f"prompt {index}: {err}", err.param)
@@ -339,6 +366,14 @@ class AsyncEngine:
             self._live[request_id] = _Live(command.stream, index, command.submitted)
         self._publish_stats()  # a client that was admitted sees itself in /metrics
         _settle(command.accepted, None)
+
+    def _call(self, command: _Call) -> None:
+        try:
+            result = command.function(self.engine)
+        except Exception as err:
+            _settle(command.done, err)
+            return
+        _settle(command.done, None, result)
 
     def _abort(self, request_id: str, reason: BaseException | None = None) -> None:
         live = self._live.pop(request_id, None)

@@ -69,6 +69,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help='publish KV cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
         '"publisher": "zmq", "endpoint": "tcp://*:5557"}\' (for vllm-router --policy kv_aware)',
     )
+    _add_lora_options(parser)
     _add_tool_options(parser)
     _add_chat_options(parser)
     _add_connection_options(parser)
@@ -93,6 +94,26 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="pass one more argument to vllm-router (repeat; e.g. --router-arg=--disable-retries)",
     )
     return parser
+
+
+def _add_lora_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("LoRA adapters (with --enable-lora)")
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters served from the start: a request's model names one (PEFT folders; vLLM's JSON "
+        'form {"name": ..., "path": ...} too)',
+    )
+    group.add_argument(
+        "--lora-dir",
+        action="append",
+        default=[],
+        help="a folder POST /v1/load_lora_adapter may load adapters from (repeat; without one the load "
+        "and unload routes are off)",
+    )
 
 
 def _add_tool_options(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +152,8 @@ def app_options(args: argparse.Namespace) -> dict:
         "chat_template": chat_template(args),
         "trust_request_chat_template": args.trust_request_chat_template,
         "reasoning_parser": args.reasoning_parser,
+        "lora_modules": args.lora_modules,
+        "lora_dirs": args.lora_dir,
     }
 
 
