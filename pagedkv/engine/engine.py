@@ -50,6 +50,7 @@ from pagedkv.engine.structured.manager import StructuredOutputManager
 from pagedkv.engine.validation import InvalidRequestError, RequestValidator, check_cache_salt
 from pagedkv.engine.worker.executor import Executor
 from pagedkv.engine.worker.executor.factory import make_executor
+from pagedkv.memory.prefix_cache import root_of
 from pagedkv.models import ModelConfig
 from pagedkv.models.generation_config import default_sampling_params
 from pagedkv.models.hub import resolve_model
@@ -127,6 +128,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         #: The LoRA adapters requests may name (checked when added); refuses all without LoRA.
         self.loras = LoRARegistry(settings.lora, self.model_config)
+        #: Prefix-cache root -> the adapter whose requests' blocks hash under it (read by KV
+        #: events, which name a block's adapter); one entry per adapter and cache salt.
+        self.lora_roots: dict[int, LoRARequest] = {}
 
     def _tokenizer_folder(self, tokenizer: str | Path) -> Path:
         """The folder (or GGUF file) of a ``tokenizer`` given apart from the model: a local path,
@@ -183,7 +187,9 @@ class LLMEngine:
             self.add_lora(lora_request)
         request = self._make_request(request_id, prompt, params, cache_salt, grammar=grammar)
         request.priority, request.client_request_id = priority, client_request_id
-        request.lora_request = lora_request
+        if lora_request is not None:
+            request.lora_request = lora_request
+            self.lora_roots[root_of(request.prefix_salt)] = lora_request
         return self._queue(request)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -198,6 +204,8 @@ class LLMEngine:
             raise InvalidRequestError(f"LoRA adapter {lora_int_id} is in use by a request", "lora_int_id")
         if self.scheduler.adapters is not None:
             self.scheduler.adapters.forget(lora_int_id, self.scheduler.adapters_in_use())
+        for root in [root for root, lora in self.lora_roots.items() if lora.lora_int_id == lora_int_id]:
+            del self.lora_roots[root]  # in place: KV events read this dict
         return self.loras.remove(lora_int_id)
 
     def list_loras(self) -> list[LoRARequest]:

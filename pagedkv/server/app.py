@@ -181,7 +181,9 @@ def create_app(
         adapters.add_at_start(engine, *parse_lora_module(module))  # a bad one stops the start
     publisher = None
     if kv_events is not None and kv_events.enabled:
-        publisher = ZmqKVEventPublisher(kv_events, engine.settings.cache.block_size)
+        publisher = ZmqKVEventPublisher(
+            kv_events, engine.settings.cache.block_size, lora_roots=engine.lora_roots
+        )
         engine.kv_manager.set_listener(publisher)  # before the worker thread starts
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, metrics, max_waiting)
