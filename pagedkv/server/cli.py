@@ -141,6 +141,15 @@ def app_options(args: argparse.Namespace) -> dict:
     engine loads."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         args.parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    from pagedkv.server.lora import parse_lora_module
+
+    if (args.lora_modules or args.lora_dir) and not args.enable_lora:
+        args.parser.error("--lora-modules and --lora-dir need --enable-lora")
+    for module in args.lora_modules:
+        try:
+            parse_lora_module(module)
+        except ValueError as err:
+            args.parser.error(str(err))
     return {
         "api_key": args.api_key,
         "served_model_name": args.served_model_name,
@@ -292,6 +301,7 @@ def _run_replicas(args: argparse.Namespace, options: dict) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from pagedkv.engine import InvalidRequestError
     from pagedkv.server.app import create_app
     from pagedkv.server.connections import raise_open_file_limit
     from pagedkv.server.kv_events import KVEventsConfig
@@ -317,7 +327,11 @@ def run_serve(args: argparse.Namespace) -> int:
         except (ValueError, TypeError) as err:
             args.parser.error(str(err))
     engine = build_engine(args)
-    app = create_app(engine, kv_events=kv_events, **options)
+    try:
+        app = create_app(engine, kv_events=kv_events, **options)
+    except InvalidRequestError as err:  # a --lora-modules adapter this model cannot serve
+        engine.shutdown()
+        args.parser.error(f"--lora-modules: {err}")
     name = app.state.context.model_name
     auth = "API key required" if args.api_key else "no API key"
     print(

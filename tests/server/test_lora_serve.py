@@ -4,6 +4,10 @@ while the server runs, only from the allowed folder and only with the API key.""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import httpx
 import openai
 import pytest
@@ -13,6 +17,7 @@ from pagedkv.engine import EngineConfig
 from pagedkv.server import ServerThread, create_app
 from tests.checkpoints import make_checkpoint
 from tests.lora_adapters import make_adapter
+from tests.server.process import SERVE, ServeProcess, free_port
 
 KEY = "lora-key"
 BASE = "tiny-base"
@@ -114,3 +119,33 @@ def test_a_bad_adapter_is_refused_by_name_and_the_server_serves_on(setup, expect
     refused = httpx.post(f"{base_url}/v1/load_lora_adapter", json=body, headers=headers)
     assert refused.status_code == 400 and "adapter_config.json is not valid JSON" in refused.text
     assert _complete(client, "first") == expected["first"]
+
+
+def test_pagedkv_serve_takes_the_lora_options(setup):
+    _, _, base, first, _, _ = setup
+    options = ["--model", str(base), "--dtype", "float32", "--num-kv-blocks", "32", "--api-key", KEY]
+    lora = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"first={first}"]
+    with ServeProcess(*options, *lora) as server:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        cards = httpx.get(f"{server.base_url}/v1/models", headers=headers).json()["data"]
+        assert [(c["id"], c["parent"]) for c in cards] == [(base.name, None), ("first", base.name)]
+        body = {"model": "first", "prompt": PROMPT, "max_tokens": 2}
+        completion = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert completion.status_code == 200, completion.text
+        assert (
+            httpx.post(f"{server.base_url}/v1/load_lora_adapter", json={}, headers=headers).status_code == 404
+        )
+    assert server.returncode == 0
+
+
+def test_a_bad_lora_module_stops_the_start(setup):
+    _, _, base, _, _, outside = setup
+    options = ["--model", str(base), "--num-kv-blocks", "32", "--enable-lora", "--max-lora-rank", "2"]
+    command = [sys.executable, "-c", SERVE, "serve", "--port", str(free_port()), *options]
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    ended = subprocess.run(
+        [*command, "--lora-modules", f"big={outside}"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert ended.returncode == 2  # a usage error, not a crash
+    assert "--lora-modules:" in ended.stderr and "LoRA rank 4 is over max_lora_rank 2" in ended.stderr
+    assert "Traceback" not in ended.stderr
