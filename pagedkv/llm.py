@@ -102,6 +102,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}`` dicts) or a list of them;
         outputs in input order, as :meth:`generate` gives them (vLLM's ``LLM.chat``).
@@ -111,6 +112,7 @@ class LLM:
         tokenized without special tokens: the template places any BOS itself. The output's
         ``prompt`` is the rendered text. ``add_generation_prompt`` opens the assistant's turn;
         ``continue_final_message`` instead leaves the last message open for the model to go on.
+        ``lora_request``: as :meth:`generate` takes it.
         """
         if add_generation_prompt and continue_final_message:
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
@@ -127,7 +129,7 @@ class LLM:
             for conversation in conversations
         ]
         prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
         for output, text in zip(outputs, texts, strict=True):
             output.prompt = text
         return outputs
@@ -184,14 +186,19 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Beam search for each prompt; each output's completions are its beams, best first.
 
         Beams are forked block tables: they share every block they have in common.
+        ``lora_request``: the adapter every prompt runs with (None: the base model).
         """
         prompts = self._as_prompt_list(prompts)
         ids = self._submit(
-            [lambda rid, p=p: self.engine.add_beam_request(rid, p[0], params, p[1]) for p in prompts]
+            [
+                lambda rid, p=p: self.engine.add_beam_request(rid, p[0], params, p[1], lora_request)
+                for p in prompts
+            ]
         )
         return self._run(ids, use_tqdm)
 

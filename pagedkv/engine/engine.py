@@ -183,13 +183,10 @@ class LLMEngine:
         """
         self.scheduler.check_priority(priority)
         params = params or self.get_default_sampling_params()
-        if lora_request is not None:
-            self.add_lora(lora_request)
-        request = self._make_request(request_id, prompt, params, cache_salt, grammar=grammar)
+        request = self._make_request(
+            request_id, prompt, params, cache_salt, grammar=grammar, lora=lora_request
+        )
         request.priority, request.client_request_id = priority, client_request_id
-        if lora_request is not None:
-            request.lora_request = lora_request
-            self.lora_roots[root_of(request.prefix_salt)] = lora_request
         return self._queue(request)
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -218,9 +215,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: BeamSearchParams,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Queue a beam search; its result arrives as one RequestOutput, beams best first."""
-        request = self._make_request(request_id, prompt, params.sampling_params(), cache_salt, beam=params)
+        sampling = params.sampling_params()
+        request = self._make_request(request_id, prompt, sampling, cache_salt, beam=params, lora=lora_request)
         request.beam = BeamState(params, self.eos_token_ids)
         return self._queue(request)
 
@@ -232,12 +231,15 @@ class LLMEngine:
         cache_salt: str | None,
         beam: BeamSearchParams | None = None,
         grammar: CompiledGrammar | None = None,
+        lora: LoRARequest | None = None,
     ) -> Request:
         """The checked request with its first sequence, not queued yet: the caller sets what
         only its kind of request has, then :meth:`_queue` makes it visible to the scheduler."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_cache_salt(cache_salt)
+        if lora is not None:
+            self.add_lora(lora)
         samples = self.validator.check_before_encoding(prompt, params, beam)
         if not self.tokenizer.has_text and (isinstance(prompt, str) or params.stop):
             raise InvalidRequestError(f"{self.tokenizer.reason}: send token ids, no stop strings", "prompt")
@@ -251,7 +253,9 @@ class LLMEngine:
         self.validator.check(token_ids, params, samples)
         matcher = self.structured_outputs.matcher(params, grammar)  # the last check: may compile
         now = time.monotonic()
-        request = Request(request_id, text, token_ids, params, now, cache_salt=cache_salt)
+        request = Request(request_id, text, token_ids, params, now, cache_salt=cache_salt, lora_request=lora)
+        if lora is not None:
+            self.lora_roots[root_of(request.prefix_salt)] = lora
         seq = Sequence(request, 0, list(token_ids), make_generator(params.seed, 0))
         seq.detokenizer = self.tokenizer.detokenizer(
             token_ids, params.skip_special_tokens, params.spaces_between_special_tokens

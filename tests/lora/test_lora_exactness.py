@@ -101,3 +101,27 @@ def test_real_model_adapter_equals_peft(real_model, tmp_path):
         lora = LoRARequest("real", 1, str(adapter))
         outs = llm.generate(prompts * 2, params, lora_request=[lora, None], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [expected[0], plain[0]]
+
+
+def test_beam_search_and_samples_keep_their_adapter(case):
+    """Beams and ``n`` samples fork from the prompt's sequence: every fork runs its adapter."""
+    import peft
+    import torch
+    import transformers
+
+    from pagedkv import BeamSearchParams
+    from tests.engine.sample.test_beam_search import reference_beam_search
+
+    base, adapters, prompts, expected = case
+    lora = LoRARequest("all", 1, str(adapters["all"]))
+    params = BeamSearchParams(beam_width=2, max_tokens=5)
+    peft_model = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapters["all"]
+    )
+    with LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=256) as llm:
+        [beams] = llm.beam_search([prompts[1]], params, use_tqdm=False, lora_request=lora)
+        n_greedy = SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+        [samples] = llm.generate([prompts[1]], n_greedy, lora_request=lora, use_tqdm=False)
+    reference = reference_beam_search(base, prompts[1], params, model=peft_model)
+    assert [c.token_ids for c in beams.outputs] == [h.token_ids for h in reference]
+    assert [c.token_ids for c in samples.outputs] == [expected["all"][1]] * 2
