@@ -22,6 +22,14 @@ def make_adapter(
     use_rslora: bool = False,
 ) -> Path:
     """A PEFT adapter folder for the checkpoint ``base``, written by ``save_pretrained``."""
+    _peft_model(folder, base, seed, rank, alpha, targets, use_rslora)
+    return Path(folder)
+
+
+def _peft_model(
+    folder: Path, base: Path, seed: int, rank: int, alpha: float, targets: tuple[str, ...], use_rslora: bool
+):
+    """The PEFT model whose adapter ``make_adapter`` saves into ``folder``."""
     import peft
     import torch
     import transformers
@@ -37,7 +45,20 @@ def make_adapter(
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
     model.save_pretrained(folder)
-    return Path(folder)
+    return model
+
+
+def adapter_and_references(
+    folder: Path, base: Path, seed: int, prompts: list[list[int]], max_new: int, **options
+) -> tuple[Path, list[list[int]], list[list[int]]]:
+    """``make_adapter``'s folder, with PEFT's greedy tokens with the adapter and without it, from
+    the one PEFT model that saved it (one load of the base model: the real model's is slow)."""
+    settings = {"rank": 4, "alpha": 8.0, "targets": ALL_TARGETS, "use_rslora": False} | options
+    model = _peft_model(folder, base, seed, **settings)
+    adapted = _greedy(model, prompts, max_new)
+    with model.disable_adapter():
+        plain = _greedy(model, prompts, max_new)
+    return Path(folder), adapted, plain
 
 
 def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], max_new: int) -> list[list[int]]:
@@ -49,6 +70,12 @@ def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], max_
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if adapter is not None:
         model = peft.PeftModel.from_pretrained(model, adapter)
+    return _greedy(model, prompts, max_new)
+
+
+def _greedy(model, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    import torch
+
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     outs = []

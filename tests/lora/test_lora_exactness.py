@@ -10,7 +10,7 @@ import pytest
 
 from pagedkv import LLM, LoRARequest, SamplingParams
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
-from tests.lora_adapters import make_adapter, peft_greedy
+from tests.lora_adapters import adapter_and_references, make_adapter, peft_greedy
 from tests.real_model import ENGINE_OPTIONS
 
 MAX_NEW = 8
@@ -90,11 +90,11 @@ def test_prefix_cache_is_not_shared_across_adapters(case):
 
 
 def test_real_model_adapter_equals_peft(real_model, tmp_path):
-    adapter = make_adapter(
-        tmp_path / "adapter", real_model, seed=5, rank=8, targets=("q_proj", "v_proj", "down_proj")
-    )
     prompts = [[1, 504, 3458, 314, 260, 3575, 282, 4649, 47]]
-    expected, plain = peft_greedy(real_model, adapter, prompts, 6), peft_greedy(real_model, None, prompts, 6)
+    targets = ("q_proj", "v_proj", "down_proj")
+    adapter, expected, plain = adapter_and_references(
+        tmp_path / "adapter", real_model, 5, prompts, 6, rank=8, targets=targets
+    )
     assert expected != plain
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     with LLM(str(real_model), **ENGINE_OPTIONS, enable_lora=True, max_lora_rank=8) as llm:
