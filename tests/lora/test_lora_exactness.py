@@ -125,3 +125,17 @@ def test_beam_search_and_samples_keep_their_adapter(case):
     reference = reference_beam_search(base, prompts[1], params, model=peft_model)
     assert [c.token_ids for c in beams.outputs] == [h.token_ids for h in reference]
     assert [c.token_ids for c in samples.outputs] == [expected["all"][1]] * 2
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_other_families_equal_peft(tmp_path, arch):
+    """Qwen3 (q/k norms after the adapted q/k projections) and Gemma 2 (GeGLU: the adapter's
+    output joins the gate/up product before the activation)."""
+    base = make_checkpoint(tmp_path, arch)
+    prompts = _prompts()[:2]
+    adapter, expected, plain = adapter_and_references(tmp_path / "adapter", base, 4, prompts, MAX_NEW)
+    assert expected != plain
+    lora = LoRARequest("a", 1, str(adapter))
+    with LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=8, num_kv_blocks=128) as llm:
+        outs = llm.generate(prompts * 2, GREEDY, lora_request=[lora, lora, None, None], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected + plain
