@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.core.commit import StepDecisions, finish, update_from_output
 from pagedkv.engine.core.kv_tier import make_kv_manager
-from pagedkv.engine.core.plan import ShippedTables
+from pagedkv.engine.core.plan import ShippedTables, StepPlan
 from pagedkv.engine.core.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.core.sequence import BeamState, Request, Sequence
 from pagedkv.engine.lora_registry import LoRARegistry
@@ -58,6 +58,8 @@ from pagedkv.tokenizer import engine_tokenizer
 from pagedkv.tokenizer.gguf_file import release_readers
 
 if TYPE_CHECKING:
+    import torch
+
     from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
 
 __all__ = ["EngineConfig", "InvalidRequestError", "LLMEngine"]
@@ -297,7 +299,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests waiting (a bug)")
             return []
         plan = scheduled.plan(self.kv_manager, self.shipped_tables)
-        plan, logits, reverted = self.kv_tier.settle(scheduled, plan, self.executor.execute(plan))
+        plan, logits, reverted = self.kv_tier.settle(scheduled, plan, self._execute(plan))
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
         decisions = StepDecisions.after(scheduled, reverted)
         logits = take_prompt_logprobs(scheduled.scheduled, plan.slices, logits, decisions)
@@ -307,6 +309,15 @@ class LLMEngine:
         outputs = self.output_processor.outputs(processed, finished_only)
         self._publish(scheduled, sampled, processed, outputs, started)
         return outputs
+
+    def _execute(self, plan: StepPlan) -> torch.Tensor:
+        """The executor's step; if it fails, the adapters it was to load are not resident."""
+        try:
+            return self.executor.execute(plan)
+        except Exception:
+            if plan.lora_loads and self.scheduler.adapters is not None:
+                self.scheduler.adapters.undo(plan.lora_loads)
+            raise
 
     def _publish(
         self,

@@ -95,6 +95,14 @@ class AdapterResidency:
             self._loads = [load for load in self._loads if load.lora_int_id != lora_int_id]
         return True
 
+    def undo(self, loads: list[SlotLoad]) -> None:
+        """Forget placements whose loads failed (the step that carried them did not run): their
+        slots are free again, and a later request of the adapter loads it anew."""
+        for load in loads:
+            if self._slot_of.get(load.lora_int_id) == load.slot:
+                del self._slot_of[load.lora_int_id]
+                self._free.append(load.slot)
+
     def take_loads(self) -> list[SlotLoad]:
         """The placements since the last call, in order (the next plan's)."""
         loads, self._loads = self._loads, []

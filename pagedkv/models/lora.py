@@ -99,12 +99,15 @@ class LoRASlots:
 
     def load(self, slot: int, spec: AdapterSpec) -> None:
         """Adapter ``spec`` into ``slot``, replacing what the slot held (untargeted projections
-        zeroed)."""
-        self.clear(slot)
+        zeroed). Every tensor is read before the slot changes: a file that fails to read leaves
+        the slot as it was."""
         with safe_open(spec.weights_file, framework="pt") as tensors:
-            for (layer, shard), (a_name, b_name) in spec.tensors.items():
-                slots = self.modules[layer, TARGETS[shard]]
-                slots.put(slot, shard, tensors.get_tensor(a_name), tensors.get_tensor(b_name))
+            read = {
+                key: (tensors.get_tensor(a), tensors.get_tensor(b)) for key, (a, b) in spec.tensors.items()
+            }
+        self.clear(slot)
+        for (layer, shard), (a, b) in read.items():
+            self.modules[layer, TARGETS[shard]].put(slot, shard, a, b)
         self.scale_table[slot, slot] = spec.scaling
 
     def clear(self, slot: int) -> None:

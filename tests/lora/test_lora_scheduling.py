@@ -6,6 +6,7 @@ import pytest
 
 from pagedkv import LLM, LoRARequest, SamplingParams
 from pagedkv.engine import InvalidRequestError
+from pagedkv.models.lora_checkpoint import LoRAAdapterError
 from tests.checkpoints import make_checkpoint
 from tests.lora_adapters import make_adapter
 from tests.server.helpers import assert_pool_whole
@@ -54,4 +55,31 @@ def test_an_adapter_in_use_cannot_be_removed(adapters):
         assert engine.remove_lora(loras[0].lora_int_id)
         assert engine.scheduler.adapters.slots() == {}
         assert engine.list_loras() == []
+        assert_pool_whole(engine)
+
+
+def test_an_adapter_whose_folder_fails_to_load_is_loaded_anew_later(adapters, tmp_path):
+    """The folder is read again when the adapter takes a slot; if that read fails the step fails,
+    and the adapter is not taken for resident: once the folder is back, its tokens are right."""
+    import shutil
+
+    base, loras = adapters
+    folder = tmp_path / "moved"
+    shutil.copytree(loras[0].lora_path, folder)
+    lora = LoRARequest("moved", 9, str(folder))
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    with LLM(str(base), dtype="float32", enable_lora=True, max_lora_rank=2, num_kv_blocks=32) as llm:
+        engine = llm.engine
+        engine.add_request("r", [5, 6, 7], params, lora_request=lora)
+        weights = folder / "adapter_model.safetensors"
+        saved = weights.read_bytes()
+        weights.unlink()
+        with pytest.raises(LoRAAdapterError, match="adapter_model.safetensors is missing"):
+            engine.step()
+        engine.abort("r")
+        assert engine.scheduler.adapters.slot_of(9) is None
+        weights.write_bytes(saved)
+        again = llm.generate([[5, 6, 7]], params, lora_request=lora, use_tqdm=False)[0]
+        same = llm.generate([[5, 6, 7]], params, lora_request=loras[0], use_tqdm=False)[0]
+        assert again.outputs[0].token_ids == same.outputs[0].token_ids
         assert_pool_whole(engine)

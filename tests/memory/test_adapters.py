@@ -50,3 +50,12 @@ def test_slots_are_held_once_and_in_use_adapters_stay(num_slots, actions):
         assert all(after.get(a) == before[a] for a in in_use)  # in use: never moved or evicted
         assert len(set(after.values())) == len(after) <= num_slots
         assert sorted(list(after.values()) + slots._free) == list(range(num_slots))
+
+
+def test_a_failed_load_is_undone():
+    slots = AdapterResidency(2)
+    slots.place(1, "a", "/a", in_use=set())
+    slots.place(2, "b", "/b", in_use=set())
+    slots.undo([load for load in slots.take_loads() if load.lora_int_id == 2])
+    assert slots.slots() == {1: 0}
+    assert slots.place(3, "c", "/c", in_use={1}) == 1  # the undone slot is free again
