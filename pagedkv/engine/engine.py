@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.core.adapter_admission import adapters_in_use
 from pagedkv.engine.core.commit import StepDecisions, finish, update_from_output
 from pagedkv.engine.core.kv_tier import make_kv_manager
 from pagedkv.engine.core.plan import ShippedTables, StepPlan
@@ -202,7 +203,7 @@ class LLMEngine:
         if any(r.lora_int_id == lora_int_id for r in self.requests.values()):
             raise InvalidRequestError(f"LoRA adapter {lora_int_id} is in use by a request", "lora_int_id")
         if self.scheduler.adapters is not None:
-            self.scheduler.adapters.forget(lora_int_id, self.scheduler.adapters_in_use())
+            self.scheduler.adapters.forget(lora_int_id, adapters_in_use(self.scheduler.running))
         for root in [root for root, lora in self.lora_roots.items() if lora.lora_int_id == lora_int_id]:
             del self.lora_roots[root]  # in place: KV events read this dict
         return self.loras.remove(lora_int_id)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from pagedkv.engine import InvalidRequestError, LLMEngine, LoRARequest, RequestOutput, SamplingParams
 from pagedkv.engine.spec.metrics import SpecDecodingStats
+from pagedkv.server.engine_calls import EngineCall
+from pagedkv.server.engine_calls import settle as _settle
 from pagedkv.server.errors import EngineRequestError, QueueFullError
 from pagedkv.server.metrics import ServerMetrics
 
@@ -100,15 +102,6 @@ class _Abort:
 
 
 @dataclass
-class _Call:
-    """A function of the engine run on the worker (which alone touches the engine); its result
-    or its exception resolves ``done``."""
-
-    function: Callable[[LLMEngine], object]
-    done: asyncio.Future
-
-
-@dataclass
 class _Live:
     """The worker's view of an accepted request: where its outputs go and its timings."""
 
@@ -117,22 +110,6 @@ class _Live:
     submitted: float
     last_token: float | None = None
     num_tokens: int = 0
-
-
-def _settle(future: asyncio.Future, error: BaseException | None, result: object = None) -> None:
-    """Resolve ``future`` (to ``result``, or ``error``) on its own loop unless its waiter already
-    gave up."""
-
-    def settle() -> None:
-        if future.done():
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-
-    with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
-        future.get_loop().call_soon_threadsafe(settle)
 
 
 def _finish_reason(output: RequestOutput) -> str:
@@ -150,7 +127,7 @@ class AsyncEngine:
         self.engine = engine
         self.metrics = metrics
         self.max_waiting = max_waiting
-        self._commands: deque[_Add | _Abort | _Call] = deque()
+        self._commands: deque[_Add | _Abort | EngineCall] = deque()
         self._wakeup = threading.Condition()
         self._stopping = False
         #: Set (to the reason) once the worker has stopped; later requests fail at once.
@@ -205,7 +182,7 @@ class AsyncEngine:
         """``function(engine)`` run on the worker between steps; its result, or its exception
         raised here (e.g. loading a LoRA adapter)."""
         done = asyncio.get_running_loop().create_future()
-        self._send(_Call(function, done))
+        self._send(EngineCall(function, done))
         return await done
 
     def abort(self, request_ids: list[str]) -> None:
@@ -249,10 +226,10 @@ class AsyncEngine:
         with self._wakeup:
             self._wakeup.notify()
 
-    def _send(self, command: _Add | _Abort | _Call) -> None:
+    def _send(self, command: _Add | _Abort | EngineCall) -> None:
         with self._wakeup:
             if self._closed is not None:
-                if isinstance(command, _Add | _Call):
+                if isinstance(command, _Add | EngineCall):
                     raise Aborted(self._closed)
                 return  # nothing is running any more: nothing to abort
             self._commands.append(command)
@@ -274,7 +251,7 @@ class AsyncEngine:
             for command in commands:
                 if isinstance(command, _Add):
                     _settle(command.accepted, Aborted(reason))
-                elif isinstance(command, _Call):
+                elif isinstance(command, EngineCall):
                     _settle(command.done, Aborted(reason))
             for request_id, live in self._live.items():
                 live.stream.put(live.tag, Aborted(reason))
@@ -299,8 +276,8 @@ class AsyncEngine:
             for command in commands:
                 if isinstance(command, _Add):
                     self._add(command)
-                elif isinstance(command, _Call):
-                    self._call(command)
+                elif isinstance(command, EngineCall):
+                    command.run(self.engine)
                 else:
                     for request_id in command.request_ids:
                         self._abort(request_id)
@@ -366,14 +343,6 @@ class AsyncEngine:
             self._live[request_id] = _Live(command.stream, index, command.submitted)
         self._publish_stats()  # a client that was admitted sees itself in /metrics
         _settle(command.accepted, None)
-
-    def _call(self, command: _Call) -> None:
-        try:
-            result = command.function(self.engine)
-        except Exception as err:
-            _settle(command.done, err)
-            return
-        _settle(command.done, None, result)
 
     def _abort(self, request_id: str, reason: BaseException | None = None) -> None:
         live = self._live.pop(request_id, None)

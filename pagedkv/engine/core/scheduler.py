@@ -32,6 +32,7 @@ from collections import Counter, deque
 from collections.abc import Collection
 
 from pagedkv.engine.config import EngineSettings
+from pagedkv.engine.core.adapter_admission import adapter_waits, place_adapter
 from pagedkv.engine.core.fairness import (
     FairShare,
     Holdings,
@@ -109,8 +110,7 @@ class Scheduler:
         #: This step's admission stopped at a waiting request whose blocks did not fit, with
         #: room left in the batch: the KV pool, not the batch size, kept it waiting.
         self.admission_blocked_by_kv = False
-        #: The LoRA adapters' slots (None: no adapters): a sequence of an adapter is admitted
-        #: only when its adapter is resident or can take a slot from an idle one.
+        #: The LoRA adapters' slots (None: no adapters; see ``adapter_admission``).
         self.adapters = adapters
         if decode_headroom and kv_policy.grows_on_demand:
             self.headroom = Headroom(kv_manager, decode_headroom, max_num_batched_tokens, max_model_len)
@@ -242,17 +242,6 @@ class Scheduler:
             out.lora_slots = self.adapters.slots()
         return out
 
-    def adapters_in_use(self) -> set[int]:
-        """The ids of the adapters running sequences run with: the slots that must stay."""
-        return {seq.request.lora_int_id for seq in self.running if seq.request.lora_request is not None}
-
-    def _adapter_waits(self, seq: Sequence) -> bool:
-        """``seq`` runs with an adapter that is not resident and finds no slot free or idle."""
-        lora_id = seq.request.lora_int_id
-        if lora_id is None or self.adapters is None:
-            return False
-        return not self.adapters.can_place(lora_id, self.adapters_in_use())
-
     def _schedule_running(self, out: SchedulerOutput) -> int:
         """Decodes first (they are cheap and keep inter-token latency steady), then the tokens
         they proposed (:func:`~pagedkv.engine.spec.scheduling.add_spec_tokens`), then unfinished
@@ -301,7 +290,7 @@ class Scheduler:
                 break
             if client in passed_over or not self.kv_manager.swap_ready(seq.seq_id):
                 continue  # at its share; or its blocks are still being swapped out
-            if self._adapter_waits(seq):
+            if self.adapters is not None and adapter_waits(self.adapters, seq, self.running):
                 continue  # every adapter slot serves a running sequence: others may go first
             if self._others_wait(client) and not holdings.may_start(seq):
                 passed_over.add(client)  # at its share while others wait
@@ -338,11 +327,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int, holdings: Holdings) -> int:
         """Allocate ``seq``'s blocks and schedule its first chunk; returns the chunk's tokens."""
         self._dequeue(seq)
-        lora = seq.request.lora_request
-        if lora is not None and self.adapters is not None:
-            path, in_use = str(lora.lora_path), self.adapters_in_use()
-            placed = self.adapters.place(lora.lora_int_id, lora.lora_name, path, in_use)
-            assert placed is not None  # checked by _adapter_waits before the room was made
+        if self.adapters is not None:
+            place_adapter(self.adapters, seq, self.running)
         reserve = self.reserve_tokens(seq)
         use_cache, salt = not seq.needs_prompt_logits, seq.request.prefix_salt
         cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids, reserve, use_cache, salt)
