@@ -122,7 +122,8 @@ class LoRASlots:
         if all(slot < 0 for slot in row_slots):
             return None
         index = torch.tensor(row_slots, dtype=torch.long).to(self.scale_table.device)
-        scale = self.scale_table.index_select(0, index % (self.max_loras + 1))
+        covered = max(row_slots) + 1  # the leading slots the rows use (LoRARows)
+        scale = self.scale_table[:, :covered].index_select(0, index % (self.max_loras + 1))
         kept = None if output_rows is None else scale.index_select(0, output_rows)
         return LoRARows(scale, kept)
 

@@ -60,24 +60,26 @@ class LoRARows:
     """Which adapter slot each row of a step runs with, as the factor each slot's low-rank
     product is scaled by: ``scale [T, slots, 1]`` holds the row's adapter's ``lora_alpha / r``
     at its slot and 0 at every other (all 0 for a base row), ``kept`` the same for the rows
-    :class:`KeepRows` keeps (None when it keeps all).
+    :class:`KeepRows` keeps (None when it keeps all). It covers the leading ``slots`` slots
+    only, up to the highest one a row uses (slots fill from 0): the others cost nothing.
 
     :meth:`delta` is Punica's BGMV over the resident adapters, written as two dense products:
-    ``x`` times every slot's ``A`` (stacked ``[slots * r, in]``), each row's products of other
-    slots zeroed by its scale, then times every slot's ``B`` (stacked ``[slots * r, out]``).
-    The zeros are exact, so each row gets its own adapter's ``scaling * B (A x)`` and a base
-    row exactly nothing, in one pair of GEMMs whatever the mix of adapters."""
+    ``x`` times every covered slot's ``A`` (stacked ``[slots * r, in]``), each row's products of
+    other slots zeroed by its scale, then times every covered slot's ``B`` (stacked
+    ``[slots * r, out]``). The zeros are exact, so each row gets its own adapter's
+    ``scaling * B (A x)`` and a base row exactly nothing, in one pair of GEMMs whatever the mix
+    of adapters."""
 
     scale: torch.Tensor
     kept: torch.Tensor | None = None
 
     def delta(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """The rows' adapter outputs for ``x [T, in]``, from a projection's slot tensors
-        ``a [slots, r, in]`` and ``b [slots, r, out]``."""
-        slots, rank = a.shape[0], a.shape[1]
+        ``a [max_loras, r, in]`` and ``b [max_loras, r, out]``."""
+        slots, rank = self.scale.shape[1], a.shape[1]
         scale = self.scale if x.shape[0] == self.scale.shape[0] or self.kept is None else self.kept
-        low = torch.mm(x, a.view(slots * rank, -1).t()).view(-1, slots, rank).mul_(scale)
-        return torch.mm(low.view(-1, slots * rank), b.view(slots * rank, -1))
+        low = torch.mm(x, a[:slots].reshape(slots * rank, -1).t()).view(-1, slots, rank).mul_(scale)
+        return torch.mm(low.view(-1, slots * rank), b[:slots].reshape(slots * rank, -1))
 
 
 class Op:
