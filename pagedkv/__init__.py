@@ -9,10 +9,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pagedkv.engine import BeamSearchParams, RequestOutput, SamplingParams, StructuredOutputsParams
+    from pagedkv.engine import (
+        BeamSearchParams,
+        LoRARequest,
+        RequestOutput,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
     from pagedkv.llm import LLM
 
-__all__ = ["LLM", "BeamSearchParams", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 __version__ = "0.1.0"
 
 
@@ -21,7 +34,13 @@ def __getattr__(name: str) -> Any:
         from pagedkv.llm import LLM
 
         return LLM
-    if name in ("SamplingParams", "RequestOutput", "BeamSearchParams", "StructuredOutputsParams"):
+    if name in (
+        "SamplingParams",
+        "RequestOutput",
+        "BeamSearchParams",
+        "StructuredOutputsParams",
+        "LoRARequest",
+    ):
         import pagedkv.engine
 
         return getattr(pagedkv.engine, name)

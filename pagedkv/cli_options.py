@@ -206,6 +206,17 @@ ENGINE_OPTIONS = (
     ),
     EngineOption("attention_backend", "torch, cpu or triton (default: triton on CUDA, else cpu)"),
     EngineOption(
+        "enable_lora",
+        "serve LoRA adapters (PEFT folders) beside the base model: --lora-modules, a request's lora",
+        action="store_true",
+    ),
+    EngineOption(
+        "max_loras", f"LoRA adapters resident at once; more wait for a slot {DEFAULT}", positive_int
+    ),
+    EngineOption(
+        "max_lora_rank", f"the largest LoRA rank an adapter may have (at most 64) {DEFAULT}", positive_int
+    ),
+    EngineOption(
         "enforce_eager",
         "capture no CUDA graphs: decode steps run eagerly (graphs are captured only on CUDA, one rank)",
         action="store_true",

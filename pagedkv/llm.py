@@ -7,7 +7,14 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedkv.engine import BeamSearchParams, EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from pagedkv.engine import (
+    BeamSearchParams,
+    EngineConfig,
+    LLMEngine,
+    LoRARequest,
+    RequestOutput,
+    SamplingParams,
+)
 
 #: A prompt as vLLM's ``LLM`` takes it: text, token ids, or a ``TextPrompt`` / ``TokensPrompt``
 #: dict (``{"prompt": ...}`` or ``{"prompt_token_ids": [...]}``, with an optional ``cache_salt``).
@@ -49,12 +56,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt (text, token ids, or a prompt dict) to completion; outputs in input order.
 
         Without ``sampling_params``: :meth:`get_default_sampling_params` (the model's defaults).
         ``priority``: one per prompt, lower first (vLLM's); needs ``scheduling_policy="priority"``.
         A prompt dict's ``cache_salt`` (vLLM's) keeps its prefix cache apart from other salts'.
+        ``lora_request``: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); needs ``enable_lora=True``.
         """
         prompts = self._as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -66,12 +76,18 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         ids = self._submit(
             [
-                lambda rid, p=p, sp=sp, pr=pr: self.engine.add_request(
-                    rid, p[0], sp, priority=pr, cache_salt=p[1]
+                lambda rid, p=p, sp=sp, pr=pr, lo=lo: self.engine.add_request(
+                    rid, p[0], sp, priority=pr, cache_salt=p[1], lora_request=lo
                 )
-                for p, sp, pr in zip(prompts, params, priorities, strict=True)
+                for p, sp, pr, lo in zip(prompts, params, priorities, loras, strict=True)
             ]
         )
         return self._run(ids, use_tqdm)
@@ -86,6 +102,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}`` dicts) or a list of them;
         outputs in input order, as :meth:`generate` gives them (vLLM's ``LLM.chat``).
@@ -95,6 +112,7 @@ class LLM:
         tokenized without special tokens: the template places any BOS itself. The output's
         ``prompt`` is the rendered text. ``add_generation_prompt`` opens the assistant's turn;
         ``continue_final_message`` instead leaves the last message open for the model to go on.
+        ``lora_request``: as :meth:`generate` takes it.
         """
         if add_generation_prompt and continue_final_message:
             raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
@@ -111,7 +129,7 @@ class LLM:
             for conversation in conversations
         ]
         prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in texts]
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
         for output, text in zip(outputs, texts, strict=True):
             output.prompt = text
         return outputs
@@ -168,14 +186,19 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Beam search for each prompt; each output's completions are its beams, best first.
 
         Beams are forked block tables: they share every block they have in common.
+        ``lora_request``: the adapter every prompt runs with (None: the base model).
         """
         prompts = self._as_prompt_list(prompts)
         ids = self._submit(
-            [lambda rid, p=p: self.engine.add_beam_request(rid, p[0], params, p[1]) for p in prompts]
+            [
+                lambda rid, p=p: self.engine.add_beam_request(rid, p[0], params, p[1], lora_request)
+                for p in prompts
+            ]
         )
         return self._run(ids, use_tqdm)
 

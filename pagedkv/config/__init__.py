@@ -2,7 +2,8 @@
 ``vllm/config``): :class:`ModelOptions` (the checkpoint and how it runs), :class:`CacheConfig`
 (the KV pool), :class:`SchedulerConfig` (batching and admission), :class:`ParallelConfig`
 (tensor-parallel ranks), :class:`TierConfig` (the second KV tier), :class:`SpeculativeConfig`
-(speculative decoding). A refusal is a ``ValueError`` naming the option.
+(speculative decoding), :class:`LoRAConfig` (LoRA adapters' slots). A refusal is a
+``ValueError`` naming the option.
 
 The flat options a user gives (``LLM(**kwargs)``, the command line) are
 :class:`pagedkv.engine.config.EngineConfig`; its ``resolve()`` builds these parts, with the
@@ -16,6 +17,7 @@ model and the kernels' names, never torch, so the command line reads it for free
 """
 
 from pagedkv.config.cache import CacheConfig
+from pagedkv.config.lora import LoRAConfig
 from pagedkv.config.model import ModelOptions
 from pagedkv.config.parallel import ParallelConfig
 from pagedkv.config.scheduler import SchedulerConfig
@@ -24,6 +26,7 @@ from pagedkv.config.tier import TierConfig
 
 __all__ = [
     "CacheConfig",
+    "LoRAConfig",
     "ModelOptions",
     "ParallelConfig",
     "SchedulerConfig",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.lora_request import LoRARequest
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.structured import StructuredOutputsParams
@@ -24,6 +25,7 @@ __all__ = [
     "EngineConfig",
     "InvalidRequestError",
     "LLMEngine",
+    "LoRARequest",
     "RequestLimits",
     "RequestOutput",
     "SamplingParams",

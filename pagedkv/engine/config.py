@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedkv.config import CacheConfig, ModelOptions, ParallelConfig, SchedulerConfig, TierConfig
+from pagedkv.config.lora import LoRAConfig
 from pagedkv.config.speculative import SpeculativeConfig
 from pagedkv.engine.core.kv_policy import KVPolicy
 from pagedkv.engine.structured.config import StructuredOutputsConfig
@@ -142,6 +143,11 @@ class EngineConfig:
     #: Speculative decoding (vLLM's ``speculative_config``): a :class:`SpeculativeConfig`, or its
     #: dict or JSON text (parsed here, so a bad one is refused before anything loads); None: off.
     speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
+    #: Serve LoRA adapters (``LoRARequest``) beside the base model; ``max_loras`` of them
+    #: resident at once, each of rank at most ``max_lora_rank`` (vLLM's defaults).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         spec = self.speculative_config
@@ -172,6 +178,7 @@ class EngineConfig:
                 folder=None if self.kv_offload_dir is None else Path(self.kv_offload_dir),
             ),
             speculative=spec,
+            lora=self._part(LoRAConfig) if self.enable_lora else None,
             kv_policy=KVPolicy.named(self.kv_policy),
             limits=self.limits,
             structured_outputs=self.structured_outputs_config,
@@ -190,7 +197,7 @@ class EngineSettings:
     """An engine's settings in typed parts (vLLM's ``VllmConfig``), made by
     :meth:`EngineConfig.resolve`: the one place each value is read from once the engine starts,
     and what the executor ships to tensor-parallel ranks. Checks that span two parts are made
-    here. LoRA adapters, when they come, are one more part beside these."""
+    here."""
 
     model: ModelOptions
     cache: CacheConfig
@@ -199,6 +206,8 @@ class EngineSettings:
     tier: TierConfig
     #: Speculative decoding; None: off.
     speculative: SpeculativeConfig | None
+    #: LoRA adapters' slots and rank limit; None: no adapters (``enable_lora`` off).
+    lora: LoRAConfig | None
     #: How admission reserves KV blocks: paged, or a contiguous reservation.
     kv_policy: KVPolicy
     #: The most one request may ask for; an unset token budget derives from the KV pool.
@@ -210,6 +219,10 @@ class EngineSettings:
             raise ValueError(
                 "the disk KV tier runs on one rank; with --tensor-parallel-size > 1 use the host tier "
                 "(--kv-offloading-size without --kv-offload-dir)"
+            )
+        if self.lora is not None and self.parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_lora runs on one rank; LoRA with --tensor-parallel-size > 1 is not supported"
             )
 
     @property

@@ -31,11 +31,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.core.adapter_admission import adapters_in_use
 from pagedkv.engine.core.commit import StepDecisions, finish, update_from_output
 from pagedkv.engine.core.kv_tier import make_kv_manager
-from pagedkv.engine.core.plan import ShippedTables
+from pagedkv.engine.core.plan import ShippedTables, StepPlan
 from pagedkv.engine.core.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.core.sequence import BeamState, Request, Sequence
+from pagedkv.engine.lora_registry import LoRARegistry
+from pagedkv.engine.lora_request import LoRARequest
 from pagedkv.engine.output_processor import OutputProcessor, ProcessedStep, SampledStep
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sample.prompt_logprobs import take_prompt_logprobs
@@ -48,6 +51,7 @@ from pagedkv.engine.structured.manager import StructuredOutputManager
 from pagedkv.engine.validation import InvalidRequestError, RequestValidator, check_cache_salt
 from pagedkv.engine.worker.executor import Executor
 from pagedkv.engine.worker.executor.factory import make_executor
+from pagedkv.memory.prefix_cache import root_of
 from pagedkv.models import ModelConfig
 from pagedkv.models.generation_config import default_sampling_params
 from pagedkv.models.hub import resolve_model
@@ -55,6 +59,8 @@ from pagedkv.tokenizer import engine_tokenizer
 from pagedkv.tokenizer.gguf_file import release_readers
 
 if TYPE_CHECKING:
+    import torch
+
     from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
 
 __all__ = ["EngineConfig", "InvalidRequestError", "LLMEngine"]
@@ -124,6 +130,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.stats_collector = StatsCollector(self.scheduler, self.kv_tier, self.verifier is not None)
         self.requests: dict[str, Request] = {}
+        #: The LoRA adapters requests may name (checked when added); refuses all without LoRA.
+        self.loras = LoRARegistry(settings.lora, self.model_config)
+        #: Prefix-cache root -> the adapter whose requests' blocks hash under it (read by KV
+        #: events, which name a block's adapter); one entry per adapter and cache salt.
+        self.lora_roots: dict[int, LoRARequest] = {}
 
     def _tokenizer_folder(self, tokenizer: str | Path) -> Path:
         """The folder (or GGUF file) of a ``tokenizer`` given apart from the model: a local path,
@@ -162,6 +173,7 @@ class LLMEngine:
         client_request_id: str | None = None,
         grammar: CompiledGrammar | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and queue a request; raises :class:`InvalidRequestError` with the reason.
 
@@ -170,13 +182,36 @@ class LLMEngine:
         ``grammar``: ``params.structured_outputs`` compiled ahead (the server's way), else here.
         Without ``params``: :meth:`get_default_sampling_params`. ``cache_salt`` (vLLM's): a
         non-empty string; the request reuses cached KV blocks only of requests with the same salt,
-        so one tenant cannot time another's prompts.
+        so one tenant cannot time another's prompts. ``lora_request``: the adapter the request runs
+        with (added by :meth:`add_lora` if it is new); None: the base model.
         """
         self.scheduler.check_priority(priority)
         params = params or self.get_default_sampling_params()
-        request = self._make_request(request_id, prompt, params, cache_salt, grammar=grammar)
+        request = self._make_request(
+            request_id, prompt, params, cache_salt, grammar=grammar, lora=lora_request
+        )
         request.priority, request.client_request_id = priority, client_request_id
         return self._queue(request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check a LoRA adapter against the model and make it known (vLLM's); False if it was
+        known already. Raises :class:`InvalidRequestError` naming what is wrong with it."""
+        return self.loras.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter and free its slot; False if it is unknown. Refused
+        (:class:`InvalidRequestError`) while a request runs or waits with it."""
+        if any(r.lora_int_id == lora_int_id for r in self.requests.values()):
+            raise InvalidRequestError(f"LoRA adapter {lora_int_id} is in use by a request", "lora_int_id")
+        if self.scheduler.adapters is not None:
+            self.scheduler.adapters.forget(lora_int_id, adapters_in_use(self.scheduler.running))
+        for root in [root for root, lora in self.lora_roots.items() if lora.lora_int_id == lora_int_id]:
+            del self.lora_roots[root]  # in place: KV events read this dict
+        return self.loras.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters requests may name, in the order they were added."""
+        return self.loras.list()
 
     def add_beam_request(
         self,
@@ -184,9 +219,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: BeamSearchParams,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Queue a beam search; its result arrives as one RequestOutput, beams best first."""
-        request = self._make_request(request_id, prompt, params.sampling_params(), cache_salt, beam=params)
+        sampling = params.sampling_params()
+        request = self._make_request(request_id, prompt, sampling, cache_salt, beam=params, lora=lora_request)
         request.beam = BeamState(params, self.eos_token_ids)
         return self._queue(request)
 
@@ -198,12 +235,15 @@ class LLMEngine:
         cache_salt: str | None,
         beam: BeamSearchParams | None = None,
         grammar: CompiledGrammar | None = None,
+        lora: LoRARequest | None = None,
     ) -> Request:
         """The checked request with its first sequence, not queued yet: the caller sets what
         only its kind of request has, then :meth:`_queue` makes it visible to the scheduler."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_cache_salt(cache_salt)
+        if lora is not None:
+            self.add_lora(lora)
         samples = self.validator.check_before_encoding(prompt, params, beam)
         if not self.tokenizer.has_text and (isinstance(prompt, str) or params.stop):
             raise InvalidRequestError(f"{self.tokenizer.reason}: send token ids, no stop strings", "prompt")
@@ -217,7 +257,9 @@ class LLMEngine:
         self.validator.check(token_ids, params, samples)
         matcher = self.structured_outputs.matcher(params, grammar)  # the last check: may compile
         now = time.monotonic()
-        request = Request(request_id, text, token_ids, params, now, cache_salt=cache_salt)
+        request = Request(request_id, text, token_ids, params, now, cache_salt=cache_salt, lora_request=lora)
+        if lora is not None:
+            self.lora_roots[root_of(request.prefix_salt)] = lora
         seq = Sequence(request, 0, list(token_ids), make_generator(params.seed, 0))
         seq.detokenizer = self.tokenizer.detokenizer(
             token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
@@ -259,7 +301,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests waiting (a bug)")
             return []
         plan = scheduled.plan(self.kv_manager, self.shipped_tables)
-        plan, logits, reverted = self.kv_tier.settle(scheduled, plan, self.executor.execute(plan))
+        plan, logits, reverted = self.kv_tier.settle(scheduled, plan, self._execute(plan))
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
         decisions = StepDecisions.after(scheduled, reverted)
         logits = take_prompt_logprobs(scheduled.scheduled, plan.slices, logits, decisions)
@@ -269,6 +311,15 @@ class LLMEngine:
         outputs = self.output_processor.outputs(processed, finished_only)
         self._publish(scheduled, sampled, processed, outputs, started)
         return outputs
+
+    def _execute(self, plan: StepPlan) -> torch.Tensor:
+        """The executor's step; if it fails, the adapters it was to load are not resident."""
+        try:
+            return self.executor.execute(plan)
+        except Exception:
+            if plan.lora_loads and self.scheduler.adapters is not None:
+                self.scheduler.adapters.undo(plan.lora_loads)
+            raise
 
     def _publish(
         self,

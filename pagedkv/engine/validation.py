@@ -143,7 +143,8 @@ def check_text(text: str, param: str) -> None:
 
 
 def check_cache_salt(cache_salt: object) -> None:
-    """vLLM's ``cache_salt``: None, or a non-empty string of valid text (it is hashed as UTF-8)."""
+    """vLLM's ``cache_salt``: None, or a non-empty string of valid text (it is hashed as UTF-8)
+    without a NUL character (which marks an adapter's salt: ``Request.prefix_salt``)."""
     if cache_salt is None:
         return
     if not isinstance(cache_salt, str) or not cache_salt:
@@ -151,6 +152,8 @@ def check_cache_salt(cache_salt: object) -> None:
             f"cache_salt must be a non-empty string, got {cache_salt!r:.40}", param="cache_salt"
         )
     check_text(cache_salt, "cache_salt")
+    if "\x00" in cache_salt:
+        raise InvalidRequestError("cache_salt must not contain a NUL character", param="cache_salt")
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:

@@ -21,6 +21,9 @@ float32 then cast back, weight applied after the cast) so fp32 logits agree to ~
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,12 +40,16 @@ from pagedkv.models.ops import (
     DecoderOps,
     ForwardBatch,
     GateUpAct,
+    LoRARows,
     Op,
     Project,
     RotaryWriteKV,
 )
 from pagedkv.models.rope import RotaryEmbedding
 from pagedkv.models.step_program import StepProgram
+
+if TYPE_CHECKING:
+    from pagedkv.models.lora import LoRASlots
 
 
 class RMSNorm(nn.Module):
@@ -185,6 +192,9 @@ class LlamaForCausalLM(nn.Module):
         #: the op list as one flat loop (:mod:`pagedkv.models.step_program`), built by the first
         #: forward (after loading and packing: a tensor-parallel shard's layers are in by then)
         self.step_program: StepProgram | None = None
+        #: the resident LoRA adapters' slot tensors (:mod:`pagedkv.models.lora`), set before
+        #: the first forward; None: no adapters
+        self.lora: LoRASlots | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the checkpoint ties them."""
@@ -204,10 +214,12 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: KVCache,
         metadata: AttentionMetadata,
         output_rows: torch.Tensor | None = None,
+        lora: LoRARows | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` for packed ``input_ids``/``positions`` ``[T]``, or
         ``[R, hidden]`` of the rows ``output_rows [R]`` (increasing), which saves the last
-        layer's projections for the others (see :class:`ForwardBatch`)."""
+        layer's projections for the others (see :class:`ForwardBatch`); ``lora``: the rows'
+        adapters (:attr:`lora`'s :meth:`~pagedkv.models.lora.LoRASlots.rows`)."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and positions must be 1-D and equally long, got {tuple(input_ids.shape)} "
@@ -215,6 +227,8 @@ class LlamaForCausalLM(nn.Module):
             )
         x = self.embed(input_ids)
         batch = self.forward_batch(x, positions, kv_cache, metadata, output_rows)
+        if lora is not None:
+            batch = dataclasses.replace(batch, lora=lora)
         if self.step_program is None:
             self.step_program = StepProgram.of(self)
         return self.step_program.run(x, batch)

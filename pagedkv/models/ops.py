@@ -51,6 +51,35 @@ class ForwardBatch:
     #: the sliding layers' own rotary ``cos``/``sin`` where their RoPE differs (Gemma 3)
     local_cos: torch.Tensor | None = None
     local_sin: torch.Tensor | None = None
+    #: The step's rows' LoRA adapters; None: every row runs the base model.
+    lora: LoRARows | None = None
+
+
+@dataclass(frozen=True)
+class LoRARows:
+    """Which adapter slot each row of a step runs with, as the factor each slot's low-rank
+    product is scaled by: ``scale [T, slots, 1]`` holds the row's adapter's ``lora_alpha / r``
+    at its slot and 0 at every other (all 0 for a base row), ``kept`` the same for the rows
+    :class:`KeepRows` keeps (None when it keeps all). It covers the leading ``slots`` slots
+    only, up to the highest one a row uses (slots fill from 0): the others cost nothing.
+
+    :meth:`delta` is Punica's BGMV over the resident adapters, written as two dense products:
+    ``x`` times every covered slot's ``A`` (stacked ``[slots * r, in]``), each row's products of
+    other slots zeroed by its scale, then times every covered slot's ``B`` (stacked
+    ``[slots * r, out]``). The zeros are exact, so each row gets its own adapter's
+    ``scaling * B (A x)`` and a base row exactly nothing, in one pair of GEMMs whatever the mix
+    of adapters."""
+
+    scale: torch.Tensor
+    kept: torch.Tensor | None = None
+
+    def delta(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The rows' adapter outputs for ``x [T, in]``, from a projection's slot tensors
+        ``a [max_loras, r, in]`` and ``b [max_loras, r, out]``."""
+        slots, rank = self.scale.shape[1], a.shape[1]
+        scale = self.scale if x.shape[0] == self.scale.shape[0] or self.kept is None else self.kept
+        low = torch.mm(x, a[:slots].reshape(slots * rank, -1).t()).view(-1, slots, rank).mul_(scale)
+        return torch.mm(low.view(-1, slots * rank), b[:slots].reshape(slots * rank, -1))
 
 
 class Op:
@@ -191,6 +220,45 @@ class GateUpGelu(Op):
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         return batch.ops.gelu_tanh_and_mul(self.project(x)), residual
+
+
+@dataclass(frozen=True, eq=False)
+class LoRAProject(Op):
+    """``base`` (a :class:`Project`), plus each row's adapter output when the step has adapter
+    rows; ``a``/``b`` are the projection's slot tensors (:class:`LoRARows`)."""
+
+    base: Project
+    a: torch.Tensor
+    b: torch.Tensor
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
+        out, residual = self.base.run(x, residual, batch)
+        if batch.lora is not None:
+            out = out.add_(batch.lora.delta(x, self.a, self.b))
+        return out, residual
+
+
+@dataclass(frozen=True, eq=False)
+class LoRAGateUp(Op):
+    """A gate/up op (``base``: :class:`GateUpAct` or :class:`GateUpGelu`) with adapters: with
+    adapter rows in the step, the packed product first, each row's adapter output added to it,
+    then the activation ``activation`` (a method of the step's ops); else ``base`` as it is."""
+
+    base: Op
+    gate_up: nn.Module
+    activation: str
+    a: torch.Tensor
+    b: torch.Tensor
+    project: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "project", self.gate_up.as_function())
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
+        if batch.lora is None:
+            return self.base.run(x, residual, batch)
+        product = self.project(x).add_(batch.lora.delta(x, self.a, self.b))
+        return getattr(batch.ops, self.activation)(product), residual
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,10 @@ _Run = Callable[[torch.Tensor, torch.Tensor | None, ForwardBatch], Stream]
 
 @dataclass(frozen=True)
 class StepProgram:
-    """A model's ops in order (:meth:`~pagedkv.models.ops.DecoderOps.sequence`) and the C stack
-    (:mod:`pagedkv.models.decode_stack`) that runs its decode steps where it can."""
+    """A model's ops in order (:meth:`~pagedkv.models.ops.DecoderOps.sequence`; with LoRA
+    slots, the ops that apply them: :meth:`~pagedkv.models.lora.LoRASlots.wrap`) and the C stack
+    (:mod:`pagedkv.models.decode_stack`) that runs its decode steps where it can. The stack is
+    lowered from the base ops, so it runs only steps without adapter rows."""
 
     ops: tuple[Op, ...]
     stack: DecodeStack | None = None
@@ -43,12 +45,14 @@ class StepProgram:
         """The program of a :class:`~pagedkv.models.llama.LlamaForCausalLM` (or its tensor-parallel
         shard: its row-parallel layers' functions all-reduce)."""
         ops = model.decoder_ops().sequence()
-        return cls(ops, decode_stack(model, ops, model.model.norm.weight.dtype))
+        stack = decode_stack(model, ops, model.model.norm.weight.dtype)
+        lora = getattr(model, "lora", None)
+        return cls(ops if lora is None else lora.wrap(ops), stack)
 
     def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The final hidden states for the embedded tokens ``x [T, hidden]`` (of the rows
         ``batch.output_rows`` only, when given)."""
-        if self.stack is not None and batch.output_rows is None:
+        if self.stack is not None and batch.output_rows is None and batch.lora is None:
             hidden = self.stack.run(x, batch.cos, batch.sin, batch.kv_cache, batch.metadata)
             if hidden is not None:
                 return hidden

@@ -8,6 +8,7 @@ several servers in one process. uvicorn (``pagedkv serve``) or any ASGI server r
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 from pathlib import Path
@@ -26,6 +27,7 @@ from pagedkv.server.chat_protocol import ChatCompletionRequest
 from pagedkv.server.dashboard import install_dashboard
 from pagedkv.server.errors import APIError, ClientGoneError
 from pagedkv.server.kv_events import KVEventsConfig, ZmqKVEventPublisher
+from pagedkv.server.lora import ServedAdapters, install_lora_routes, parse_lora_module
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.middleware import (
     APIKeyMiddleware,
@@ -132,6 +134,8 @@ def create_app(
     chat_template: str | None = None,
     trust_request_chat_template: bool = False,
     reasoning_parser: str | None = None,
+    lora_modules: Sequence[str] = (),
+    lora_dirs: Sequence[str] = (),
 ) -> FastAPI:
     """An OpenAI-compatible app over ``engine`` (a ready ``LLMEngine``, or the config to build one).
 
@@ -147,6 +151,9 @@ def create_app(
     ``trust_request_chat_template``: accept a request's own ``chat_template`` (vLLM refuses it
     otherwise). ``reasoning_parser`` (vLLM's ``qwen3`` or ``deepseek_r1``): chat answers carry the
     model's thinking in ``reasoning_content`` (:mod:`pagedkv.server.reasoning`).
+    ``lora_modules`` (``name=path``, the engine started with ``enable_lora``): adapters a request's
+    ``model`` may name; ``lora_dirs``: the roots ``/v1/load_lora_adapter`` may load from (the
+    route exists only with them; :mod:`pagedkv.server.lora`).
     The engine's worker thread starts now and stops when the app's lifespan ends.
     """
     if api_key is not None and not api_key.strip():
@@ -169,9 +176,14 @@ def create_app(
     if owns_engine:
         engine = LLMEngine(engine or EngineConfig())
     model_name = served_model_name or default_model_name(engine)
+    adapters = ServedAdapters(lora_dirs)
+    for module in lora_modules:
+        adapters.add_at_start(engine, *parse_lora_module(module))  # a bad one stops the start
     publisher = None
     if kv_events is not None and kv_events.enabled:
-        publisher = ZmqKVEventPublisher(kv_events, engine.settings.cache.block_size)
+        publisher = ZmqKVEventPublisher(
+            kv_events, engine.settings.cache.block_size, lora_roots=engine.lora_roots
+        )
         engine.kv_manager.set_listener(publisher)  # before the worker thread starts
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, metrics, max_waiting)
@@ -189,6 +201,7 @@ def create_app(
         chat_template=chat_template,
         trust_request_chat_template=trust_request_chat_template,
         reasoning_parser=reasoning_parser,
+        adapters=adapters,
     )
 
     @asynccontextmanager
@@ -221,13 +234,21 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, ctx)
 
+    if lora_dirs:
+        install_lora_routes(app, async_engine, adapters)
     install_render_routes(app, ctx)
     install_tokenize_routes(app, ctx)
 
     @app.get("/v1/models", responses=error_responses(401))
     async def models() -> ModelList:
         card = ModelCard(id=model_name, root=str(engine.model_path), max_model_len=engine.max_model_len)
-        return ModelList(data=[card])
+        loras = [
+            ModelCard(
+                id=a.lora_name, root=str(a.lora_path), parent=model_name, max_model_len=engine.max_model_len
+            )
+            for a in adapters
+        ]
+        return ModelList(data=[card, *loras])
 
     @app.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
     async def health() -> JSONResponse:

@@ -21,11 +21,14 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from pagedkv.engine import InvalidRequestError, LLMEngine, RequestOutput, SamplingParams
+from pagedkv.engine import InvalidRequestError, LLMEngine, LoRARequest, RequestOutput, SamplingParams
 from pagedkv.engine.spec.metrics import SpecDecodingStats
+from pagedkv.server.engine_calls import EngineCall
+from pagedkv.server.engine_calls import settle as _settle
 from pagedkv.server.errors import EngineRequestError, QueueFullError
 from pagedkv.server.metrics import ServerMetrics
 
@@ -88,6 +91,8 @@ class _Add:
     grammar: CompiledGrammar | None = None
     #: vLLM's ``cache_salt``: the prompts share cached blocks only with the same salt.
     cache_salt: str | None = None
+    #: The LoRA adapter the prompts run with (None: the base model).
+    lora_request: LoRARequest | None = None
     submitted: float = field(default_factory=time.monotonic)
 
 
@@ -107,21 +112,6 @@ class _Live:
     num_tokens: int = 0
 
 
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    """Resolve ``future`` on its own loop unless its waiter already gave up."""
-
-    def settle() -> None:
-        if future.done():
-            return
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
-
-    with contextlib.suppress(RuntimeError):  # the loop closed: nobody is waiting
-        future.get_loop().call_soon_threadsafe(settle)
-
-
 def _finish_reason(output: RequestOutput) -> str:
     """The request's finish reason for the metrics: error, else length if any sample hit it."""
     reasons = {c.finish_reason for c in output.outputs}
@@ -137,7 +127,7 @@ class AsyncEngine:
         self.engine = engine
         self.metrics = metrics
         self.max_waiting = max_waiting
-        self._commands: deque[_Add | _Abort] = deque()
+        self._commands: deque[_Add | _Abort | EngineCall] = deque()
         self._wakeup = threading.Condition()
         self._stopping = False
         #: Set (to the reason) once the worker has stopped; later requests fail at once.
@@ -162,6 +152,7 @@ class AsyncEngine:
         client_request_id: str | None = None,
         grammar: CompiledGrammar | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue every prompt or none; returns once accepted, raises ``InvalidRequestError`` /
         ``QueueFullError``. Outputs of ``prompts[i]`` arrive on ``stream`` tagged ``i``; the
@@ -182,9 +173,17 @@ class AsyncEngine:
                 client_request_id,
                 grammar,
                 cache_salt,
+                lora_request,
             )
         )
         await accepted
+
+    async def call(self, function: Callable[[LLMEngine], object]) -> object:
+        """``function(engine)`` run on the worker between steps; its result, or its exception
+        raised here (e.g. loading a LoRA adapter)."""
+        done = asyncio.get_running_loop().create_future()
+        self._send(EngineCall(function, done))
+        return await done
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop requests wherever they are (queued or running); harmless if they already finished."""
@@ -227,10 +226,10 @@ class AsyncEngine:
         with self._wakeup:
             self._wakeup.notify()
 
-    def _send(self, command: _Add | _Abort) -> None:
+    def _send(self, command: _Add | _Abort | EngineCall) -> None:
         with self._wakeup:
             if self._closed is not None:
-                if isinstance(command, _Add):
+                if isinstance(command, _Add | EngineCall):
                     raise Aborted(self._closed)
                 return  # nothing is running any more: nothing to abort
             self._commands.append(command)
@@ -252,6 +251,8 @@ class AsyncEngine:
             for command in commands:
                 if isinstance(command, _Add):
                     _settle(command.accepted, Aborted(reason))
+                elif isinstance(command, EngineCall):
+                    _settle(command.done, Aborted(reason))
             for request_id, live in self._live.items():
                 live.stream.put(live.tag, Aborted(reason))
                 with contextlib.suppress(Exception):  # return its blocks if the engine still can
@@ -275,6 +276,8 @@ class AsyncEngine:
             for command in commands:
                 if isinstance(command, _Add):
                     self._add(command)
+                elif isinstance(command, EngineCall):
+                    command.run(self.engine)
                 else:
                     for request_id in command.request_ids:
                         self._abort(request_id)
@@ -323,6 +326,7 @@ class AsyncEngine:
                     command.client_request_id,
                     grammar=command.grammar,
                     cache_salt=command.cache_salt,
+                    lora_request=command.lora_request,
                 )
             except InvalidRequestError as err:  # the handler turns it into a 400
                 error = err if arriving == 1 else InvalidRequestError(f"prompt {index}: {err}", err.param)

@@ -69,6 +69,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help='publish KV cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
         '"publisher": "zmq", "endpoint": "tcp://*:5557"}\' (for vllm-router --policy kv_aware)',
     )
+    _add_lora_options(parser)
     _add_tool_options(parser)
     _add_chat_options(parser)
     _add_connection_options(parser)
@@ -93,6 +94,26 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="pass one more argument to vllm-router (repeat; e.g. --router-arg=--disable-retries)",
     )
     return parser
+
+
+def _add_lora_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("LoRA adapters (with --enable-lora)")
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters served from the start: a request's model names one (PEFT folders; vLLM's JSON "
+        'form {"name": ..., "path": ...} too)',
+    )
+    group.add_argument(
+        "--lora-dir",
+        action="append",
+        default=[],
+        help="a folder POST /v1/load_lora_adapter may load adapters from (repeat; without one the load "
+        "and unload routes are off)",
+    )
 
 
 def _add_tool_options(parser: argparse.ArgumentParser) -> None:
@@ -120,6 +141,15 @@ def app_options(args: argparse.Namespace) -> dict:
     engine loads."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         args.parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    from pagedkv.server.lora import parse_lora_module
+
+    if (args.lora_modules or args.lora_dir) and not args.enable_lora:
+        args.parser.error("--lora-modules and --lora-dir need --enable-lora")
+    for module in args.lora_modules:
+        try:
+            parse_lora_module(module)
+        except ValueError as err:
+            args.parser.error(str(err))
     return {
         "api_key": args.api_key,
         "served_model_name": args.served_model_name,
@@ -131,6 +161,8 @@ def app_options(args: argparse.Namespace) -> dict:
         "chat_template": chat_template(args),
         "trust_request_chat_template": args.trust_request_chat_template,
         "reasoning_parser": args.reasoning_parser,
+        "lora_modules": args.lora_modules,
+        "lora_dirs": args.lora_dir,
     }
 
 
@@ -271,6 +303,7 @@ def _run_replicas(args: argparse.Namespace, options: dict) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from pagedkv.engine import InvalidRequestError
     from pagedkv.server.app import create_app
     from pagedkv.server.connections import raise_open_file_limit
     from pagedkv.server.kv_events import KVEventsConfig
@@ -296,7 +329,11 @@ def run_serve(args: argparse.Namespace) -> int:
         except (ValueError, TypeError) as err:
             args.parser.error(str(err))
     engine = build_engine(args)
-    app = create_app(engine, kv_events=kv_events, **options)
+    try:
+        app = create_app(engine, kv_events=kv_events, **options)
+    except InvalidRequestError as err:  # a --lora-modules adapter this model cannot serve
+        engine.shutdown()
+        args.parser.error(f"--lora-modules: {err}")
     name = app.state.context.model_name
     auth = "API key required" if args.api_key else "no API key"
     print(

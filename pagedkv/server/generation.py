@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import Receive
 
-from pagedkv.engine import CompletionOutput, RequestOutput, SamplingParams
+from pagedkv.engine import CompletionOutput, LoRARequest, RequestOutput, SamplingParams
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.server.async_engine import AsyncEngine, Stream
 from pagedkv.server.errors import ClientGoneError, EngineRequestError
@@ -91,9 +91,11 @@ class Generation:
         priority: int = 0,
         grammar: CompiledGrammar | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.engine = engine
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
         self.grammar = grammar
         self.request_id = request_id
         self.prompts = prompts
@@ -127,6 +129,7 @@ class Generation:
                 self.request_id,
                 self.grammar,
                 self.cache_salt,
+                self.lora_request,
             )
         except BaseException:
             self.close()  # cancelled while waiting: withdraw whatever the worker admits

@@ -26,7 +26,10 @@ engine step never waits on a socket.
 A salted request's blocks (``cache_salt``) hash under the salt's root, so their hashes differ
 from an unsalted prefix's; their events keep vLLM's format: a first block's
 ``parent_block_hash`` is null, salted or not, as vLLM announces it (the salt itself is never
-published).
+published). A LoRA adapter's blocks hash under a root of their own too (the prefix cache never
+shares them across adapters), and their ``BlockStored`` events name the adapter (``lora_id``,
+``lora_name``): the engine's ``lora_roots`` says which adapter a root is, and a block inherits
+its parent's. A second tier's events name none.
 """
 
 from __future__ import annotations
@@ -35,13 +38,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgpack
 import zmq
 
 from pagedkv.config.checks import json_object
+from pagedkv.engine import LoRARequest
 from pagedkv.memory import POOL_MEDIUM, TierEvent, block_hash, is_root, root_hash
 
 logger = logging.getLogger("pagedkv.server.kv_events")
@@ -79,8 +83,17 @@ class KVEventsConfig:
 class ZmqKVEventPublisher:
     """A :class:`~pagedkv.memory.KVCacheListener` that publishes the pool's changes over ZMQ."""
 
-    def __init__(self, config: KVEventsConfig, block_size: int, data_parallel_rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: KVEventsConfig,
+        block_size: int,
+        data_parallel_rank: int = 0,
+        lora_roots: Mapping[int, LoRARequest] | None = None,
+    ) -> None:
         self.block_size = block_size
+        #: prefix root -> the adapter whose blocks hash under it (the engine's ``lora_roots``)
+        self.lora_roots = {} if lora_roots is None else lora_roots
+        self._lora_of: dict[int, LoRARequest] = {}  # cached block id -> its adapter
         self.topic = config.topic.encode()
         self.data_parallel_rank = data_parallel_rank
         # NOTE: the process-wide context, never terminated: a Context() of our own that the
@@ -130,20 +143,26 @@ class ZmqKVEventPublisher:
                 return None
             digest = block_hash(parent_hash, tokens)
             self._hash_of[block_id] = digest
+            lora = self.lora_roots.get(parent) if is_root(parent) else self._lora_of.get(parent)
+            if lora is not None:
+                self._lora_of[block_id] = lora
             return {
                 "type": "BlockStored",
                 "block_hashes": [digest],
                 "parent_block_hash": _announced_parent(parent_hash),
                 "token_ids": list(tokens),
                 "block_size": self.block_size,
-                "lora_id": None,
+                "lora_id": None if lora is None else lora.lora_int_id,
                 "medium": MEDIUM,
-                "lora_name": None,
+                "lora_name": None if lora is None else lora.lora_name,
             }
         if kind == "removed":
+            for block_id in item[1]:
+                self._lora_of.pop(block_id, None)
             hashes = [self._hash_of.pop(b) for b in item[1] if b in self._hash_of]
             return {"type": "BlockRemoved", "block_hashes": hashes, "medium": MEDIUM} if hashes else None
         self._hash_of.clear()
+        self._lora_of.clear()
         return {"type": "AllBlocksCleared"}
 
     def _run(self) -> None:

@@ -23,15 +23,16 @@ without a generation prompt the last message's (vLLM's ``get_chat_request_role``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pagedkv.engine import InvalidRequestError, RequestLimits, SamplingParams
+from pagedkv.engine import InvalidRequestError, LoRARequest, RequestLimits, SamplingParams
 from pagedkv.engine.validation import RequestValidator
 from pagedkv.server.async_engine import AsyncEngine
 from pagedkv.server.chat_prompt import check_chat_options, render_conversation
 from pagedkv.server.chat_protocol import ChatCompletionRequest
 from pagedkv.server.errors import APIError
+from pagedkv.server.lora import ServedAdapters
 from pagedkv.server.prompts import PromptEncoder, PromptLimits
 from pagedkv.server.protocol import CompletionRequest
 from pagedkv.server.structured import Constraint, compile_constraint
@@ -65,6 +66,8 @@ class ServingContext:
     trust_request_chat_template: bool = False
     #: ``--reasoning-parser``: splits an answer's reasoning from its content (None: no split).
     reasoning_parser: str | None = None
+    #: The LoRA adapters a request's ``model`` may name (empty without --enable-lora).
+    adapters: ServedAdapters = field(default_factory=ServedAdapters)
 
     async def compile(self, constraint: Constraint | None) -> CompiledGrammar | None:
         """The output constraint's grammar (None without one); a 400 naming the field if refused."""
@@ -90,10 +93,14 @@ class ServingContext:
             raise APIError.from_value_error(err) from None
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name != self.model_name and self.adapters.get(name) is None:
             raise APIError.bad_request(
                 f"the model {name!r} does not exist; this server serves {self.model_name!r}", param="model"
             )
+
+    def lora_request(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model)."""
+        return self.adapters.get(name)
 
     def check_size(self, num_prompts: int, params: SamplingParams) -> None:
         """The limits that need no tokens, checked before any prompt is tokenized."""

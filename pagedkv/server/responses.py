@@ -164,6 +164,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedkv"
     root: str
+    #: the base model's name for a LoRA adapter; None for the base model (vLLM's)
+    parent: str | None = None
     max_model_len: int
 
 

@@ -114,8 +114,10 @@ async def _start(
     priority: int,
     grammar: CompiledGrammar | None,
     cache_salt: str | None,
+    model: str | None,
 ) -> Generation:
-    generation = Generation(ctx.engine, request_id, prompts, params, priority, grammar, cache_salt)
+    lora = ctx.lora_request(model)
+    generation = Generation(ctx.engine, request_id, prompts, params, priority, grammar, cache_salt, lora)
     try:
         await generation.start()
     except QueueFullError as err:
@@ -161,7 +163,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     params = inputs.params
     headers = ignored_headers(body, request_id)
     generation = await _start(
-        ctx, request_id, inputs.prompts, params, body.priority, inputs.grammar, body.cache_salt
+        ctx, request_id, inputs.prompts, params, body.priority, inputs.grammar, body.cache_salt, body.model
     )
     formatter = LogprobFormatter(ctx.tokenizer, bool(body.return_tokens_as_token_ids))
     wants_logprobs = params.logprobs is not None
@@ -273,7 +275,7 @@ async def create_chat_completion(
     prompt, params = inputs.prompt, inputs.params
     headers = ignored_headers(body, request_id)
     generation = await _start(
-        ctx, request_id, [prompt], params, body.priority, inputs.grammar, body.cache_salt
+        ctx, request_id, [prompt], params, body.priority, inputs.grammar, body.cache_salt, body.model
     )
     formatter = LogprobFormatter(ctx.tokenizer, bool(body.return_tokens_as_token_ids))
     wants_logprobs = params.logprobs is not None

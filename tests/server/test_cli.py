@@ -93,3 +93,20 @@ def test_serve_process_serves_and_shuts_down_cleanly():
     assert server.returncode == 0
     assert BUILTIN_NOTE in server.stderr
     assert f"http://127.0.0.1:{server.port}/v1" in server.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--lora-modules", "a=/x"], "need --enable-lora"),
+        (["--enable-lora", "--lora-modules", "no-path"], "name=path"),
+        (["--enable-lora", "--lora-modules", '{"name": "a"}'], '"name" and "path"'),
+    ],
+)
+def test_serve_refuses_bad_lora_modules_before_loading(option, message, capsys):
+    from pagedkv.server.cli import app_options
+
+    args = _parser().parse_args(["serve", *option])
+    with pytest.raises(SystemExit):
+        app_options(args)
+    assert message in capsys.readouterr().err

@@ -229,7 +229,7 @@ class Projection:
         headroom, manager = self.headroom, self.headroom.kv_manager
         growths = self.growths
         use_cache = not candidate.needs_prompt_logits
-        hits = manager.cached_prefix_blocks(candidate.token_ids, use_cache, candidate.request.cache_salt)
+        hits = manager.cached_prefix_blocks(candidate.token_ids, use_cache, candidate.request.prefix_salt)
         in_use = [b for b in hits if manager.is_in_use(b)]
         if in_use:  # it will share blocks the running hold: those stay when their holders finish
             shared = frozenset(in_use)

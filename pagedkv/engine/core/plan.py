@@ -21,6 +21,7 @@ from collections.abc import Hashable
 from dataclasses import asdict, dataclass, field
 
 from pagedkv.memory import KVCacheManager, KVTransfers
+from pagedkv.memory.adapters import SlotLoad
 
 SeqId = Hashable
 
@@ -48,6 +49,8 @@ class SeqSlice:
     #: The slice's last tokens are this many proposed ones (speculative decoding): the step
     #: verifies them, so the logits of each of them and of the token before them are returned.
     num_spec_tokens: int = 0
+    #: The LoRA adapter slot the slice's rows run with; -1: the base model.
+    lora_slot: int = -1
 
     @property
     def end(self) -> int:
@@ -80,8 +83,8 @@ class StepPlan:
     """Everything one forward pass computes: the slices in batch order, the block-table edits to
     apply first, the copy-on-write block copies ``(source, destination)`` to perform before it,
     and the moves between the pool and a second KV tier (None: no tier), performed around those
-    copies in the order :mod:`pagedkv.memory.tier.transfers` gives. A plan without slices only moves
-    blocks.
+    copies in the order :mod:`pagedkv.memory.tier.transfers` gives, and the LoRA adapters to load
+    into their slots. A plan without slices only moves blocks.
 
     The runner applies the tables' changes in field order: ``reset`` forgets every table,
     ``finished`` forgets those sequences' tables, then each of ``table_edits``."""
@@ -96,6 +99,8 @@ class StepPlan:
     #: The runner forgets every table first: the first plan of a :class:`ShippedTables`, whose
     #: edits then send every slice's table whole (a runner that missed plans starts over here).
     reset: bool = False
+    #: LoRA adapters to read into their slots before the forward pass, in order.
+    lora_loads: list[SlotLoad] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +124,7 @@ class StepPlan:
             table_edits=[TableEdit(**edit) for edit in data.get("table_edits", [])],
             finished=list(data.get("finished", [])),
             reset=bool(data.get("reset", False)),
+            lora_loads=[SlotLoad(**load) for load in data.get("lora_loads", [])],
         )
 
 
@@ -148,6 +154,7 @@ class ShippedTables:
         kv_manager: KVCacheManager,
         block_copies: list[tuple[int, int]] | None = None,
         kv_transfers: KVTransfers | None = None,
+        lora_loads: list[SlotLoad] | None = None,
     ) -> StepPlan:
         """The plan of ``slices``, whose tables ``kv_manager`` holds, with the edits that bring
         the runners' tables to the manager's."""
@@ -173,7 +180,7 @@ class ShippedTables:
             held.extend(new)
             edits.append(TableEdit(piece.seq_id, keep, new))
         reset, self._reset = self._reset, False
-        return StepPlan(slices, block_copies or [], kv_transfers, edits, finished, reset)
+        return StepPlan(slices, block_copies or [], kv_transfers, edits, finished, reset, lora_loads or [])
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -32,6 +32,7 @@ from collections import Counter, deque
 from collections.abc import Collection
 
 from pagedkv.engine.config import EngineSettings
+from pagedkv.engine.core.adapter_admission import adapter_waits, place_adapter
 from pagedkv.engine.core.fairness import (
     FairShare,
     Holdings,
@@ -45,6 +46,7 @@ from pagedkv.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput  
 from pagedkv.engine.core.sequence import Sequence, SequenceStatus
 from pagedkv.engine.spec.scheduling import add_spec_tokens
 from pagedkv.memory import KVCacheManager
+from pagedkv.memory.adapters import AdapterResidency
 
 logger = logging.getLogger("pagedkv.scheduler")
 
@@ -69,6 +71,7 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
         max_running_share: float = 0.5,
         priority_range: tuple[int, int] = (-100, 100),
+        adapters: AdapterResidency | None = None,
     ) -> None:
         self.scheduling_policy = scheduling_policy
         self.by_priority = scheduling_policy == "priority"
@@ -107,6 +110,8 @@ class Scheduler:
         #: This step's admission stopped at a waiting request whose blocks did not fit, with
         #: room left in the batch: the KV pool, not the batch size, kept it waiting.
         self.admission_blocked_by_kv = False
+        #: The LoRA adapters' slots (None: no adapters; see ``adapter_admission``).
+        self.adapters = adapters
         if decode_headroom and kv_policy.grows_on_demand:
             self.headroom = Headroom(kv_manager, decode_headroom, max_num_batched_tokens, max_model_len)
 
@@ -126,6 +131,7 @@ class Scheduler:
             config.scheduling_policy,
             config.max_running_share,
             config.priority_range,
+            None if settings.lora is None else AdapterResidency(settings.lora.max_loras),
         )
 
     # -- queue management -------------------------------------------------------------------
@@ -186,7 +192,7 @@ class Scheduler:
 
     def _blocks_to_admit(self, seq: Sequence) -> int:
         use_cache = not seq.needs_prompt_logits  # a cached token has no logits to score it
-        salt, reserve = seq.request.cache_salt, self.reserve_tokens(seq)
+        salt, reserve = seq.request.prefix_salt, self.reserve_tokens(seq)
         return self.kv_manager.blocks_to_allocate(seq.token_ids, reserve, use_cache, salt)
 
     def _shortfall(
@@ -231,6 +237,9 @@ class Scheduler:
         out.prefix_cache_hits = self.kv_manager.prefix_hit_tokens - hits
         out.kv_blocks_used = self.kv_manager.usage().used_blocks
         out.kv_table_blocks = self.kv_manager.num_table_blocks()
+        if self.adapters is not None:
+            out.lora_loads = self.adapters.take_loads()
+            out.lora_slots = self.adapters.slots()
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> int:
@@ -281,6 +290,8 @@ class Scheduler:
                 break
             if client in passed_over or not self.kv_manager.swap_ready(seq.seq_id):
                 continue  # at its share; or its blocks are still being swapped out
+            if self.adapters is not None and adapter_waits(self.adapters, seq, self.running):
+                continue  # every adapter slot serves a running sequence: others may go first
             if self._others_wait(client) and not holdings.may_start(seq):
                 passed_over.add(client)  # at its share while others wait
                 continue
@@ -316,8 +327,10 @@ class Scheduler:
     def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int, holdings: Holdings) -> int:
         """Allocate ``seq``'s blocks and schedule its first chunk; returns the chunk's tokens."""
         self._dequeue(seq)
+        if self.adapters is not None:
+            place_adapter(self.adapters, seq, self.running)
         reserve = self.reserve_tokens(seq)
-        use_cache, salt = not seq.needs_prompt_logits, seq.request.cache_salt
+        use_cache, salt = not seq.needs_prompt_logits, seq.request.prefix_salt
         cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids, reserve, use_cache, salt)
         seq.num_computed_tokens = cached
         if seq.num_output_tokens == 0:

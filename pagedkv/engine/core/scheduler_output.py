@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pagedkv.engine.core.plan import SeqSlice, ShippedTables, StepPlan
 from pagedkv.engine.core.sequence import Sequence
 from pagedkv.memory import KVCacheManager
+from pagedkv.memory.adapters import SlotLoad
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,10 @@ class SchedulerOutput:
     #: Blocks the live block tables reference then, a shared block once per holder (what the
     #: same sequences would hold without sharing).
     kv_table_blocks: int = 0
+    #: LoRA adapters placed into slots at this step's admissions, and every resident adapter's
+    #: slot (adapter id -> slot) once they are placed.
+    lora_loads: list[SlotLoad] = field(default_factory=list)
+    lora_slots: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -95,7 +100,13 @@ class SchedulerOutput:
                 prompt_logits=item.seq.needs_prompt_logits,
                 prompt_len=item.seq.prompt_len,
                 num_spec_tokens=item.num_spec_tokens,
+                lora_slot=self._lora_slot(item.seq),
             )
             for item in self.scheduled
         ]
-        return tables.plan(slices, kv_manager, list(self.block_copies), kv_manager.take_transfers())
+        transfers = kv_manager.take_transfers()
+        return tables.plan(slices, kv_manager, list(self.block_copies), transfers, self.lora_loads)
+
+    def _lora_slot(self, seq: Sequence) -> int:
+        lora_id = seq.request.lora_int_id
+        return -1 if lora_id is None else self.lora_slots[lora_id]

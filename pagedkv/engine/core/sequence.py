@@ -13,6 +13,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedkv.engine.lora_request import LoRARequest
 from pagedkv.engine.outputs import TokenLogprobs
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.spec.metrics import SpecDecodingStats
@@ -185,6 +186,8 @@ class Request:
     #: vLLM's ``cache_salt``: the request shares cached KV blocks only with requests of the same
     #: salt (None: with unsalted ones); see :mod:`pagedkv.memory.block_hash`.
     cache_salt: str | None = None
+    #: The LoRA adapter the request runs with; None: the base model.
+    lora_request: LoRARequest | None = None
     #: What speculative decoding drafted and accepted for this request's sequences (None: the
     #: engine does not speculate).
     spec_decoding: SpecDecodingStats | None = field(default=None, init=False)
@@ -206,6 +209,22 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
+
+    @property
+    def lora_int_id(self) -> int | None:
+        return None if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """What the prefix cache salts this request's blocks with: its ``cache_salt``, and with
+        an adapter the adapter too -- the same tokens make other keys and values under another
+        adapter, so blocks are shared only between requests of one adapter. (A user's salt is
+        text; a NUL never appears in one, so no salt names an adapter's.)"""
+        lora = self.lora_request
+        if lora is None:
+            return self.cache_salt
+        adapter = f"{lora.lora_int_id}\x00{lora.lora_name}\x00{lora.lora_path}"
+        return f"\x00lora\x00{adapter}\x00{self.cache_salt or ''}"
 
     @property
     def needs_fork(self) -> bool:

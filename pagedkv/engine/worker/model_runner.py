@@ -11,7 +11,9 @@ kernels' launches travel beside them in the metadata, so no step waits on the de
 shape.
 
 A decode step replays a CUDA graph when the runner has them (:mod:`pagedkv.engine.worker.cuda_graphs`);
-every other step runs the model eagerly.
+every other step runs the model eagerly, as does every step with LoRA adapter rows: the plan's
+adapters are read into their slots first, and each row's slot goes to the model as its
+:class:`~pagedkv.models.ops.LoRARows`.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from pagedkv.engine.worker.host_memory import reuse_freed_memory
 from pagedkv.engine.worker.runner_tables import RunnerTables
 from pagedkv.engine.worker.step_buffers import StepBuffers, StepInputs
 from pagedkv.engine.worker.step_inputs import StepArrays, step_arrays
+from pagedkv.models.lora_checkpoint import read_adapter
+from pagedkv.models.ops import LoRARows
 
 
 class ModelRunner:
@@ -71,14 +75,27 @@ class ModelRunner:
             self.tier.move(self.kv_cache, plan)
         elif plan.block_copies:
             copy_blocks(self.kv_cache, plan.block_copies)
+        self._load_adapters(plan)
         if not plan.slices:
             return torch.empty(0, dtype=torch.float32)
         arrays = self.arrays(plan)
-        if self.graphs is not None:
+        adapters = any(piece.lora_slot >= 0 for piece in plan.slices)
+        if self.graphs is not None and not adapters:
             hidden = self.graphs.run(arrays)
             if hidden is not None:
                 return self.model.compute_logits(hidden)
         inputs = self.buffers.stage(arrays)
         rows = None if arrays.samples_every_row else inputs.logits_indices  # all, in order: a decode
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata, rows)
+        lora = self._lora_rows(plan, rows) if adapters else None
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata, rows, lora)
         return self.model.compute_logits(hidden)
+
+    def _load_adapters(self, plan: StepPlan) -> None:
+        """The plan's LoRA adapters into their slots (checked again: the folder is read now)."""
+        slots = self.model.lora
+        for load in plan.lora_loads:
+            slots.load(load.slot, read_adapter(load.path, self.model.config, slots.max_rank))
+
+    def _lora_rows(self, plan: StepPlan, output_rows: torch.Tensor | None) -> LoRARows | None:
+        row_slots = [piece.lora_slot for piece in plan.slices for _ in piece.token_ids]
+        return self.model.lora.rows(row_slots, output_rows)

@@ -23,11 +23,13 @@ def _prompts():
     return [[rng.randrange(4, TEST_VOCAB_SIZE) for _ in range(n)] for n in (6, 13)]
 
 
-def reference_beam_search(path, prompt, params):
-    """The same ranking rules, recomputing every beam from scratch with transformers."""
+def reference_beam_search(path, prompt, params, model=None):
+    """The same ranking rules, recomputing every beam from scratch with transformers (or with
+    ``model``, e.g. a PEFT model, when given)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     state = BeamState(params, EOS)
     beams = [Hypothesis([], 0.0)]
     with torch.no_grad():

@@ -18,6 +18,7 @@ from pagedkv.engine.worker.executor.kv_budget import available_memory, size_pool
 from pagedkv.engine.worker.executor.tier_io import RankTier, plan_tier
 from pagedkv.engine.worker.model_runner import ModelRunner
 from pagedkv.models import ModelConfig, load_model
+from pagedkv.models.lora import LoRASlots
 
 
 class InProcessExecutor(Executor):
@@ -46,6 +47,8 @@ class InProcessExecutor(Executor):
             load_format=options.load_format,
             quantization=options.quantization,
         )
+        if config.lora is not None:  # before the first forward pass builds the op list
+            model.lora = LoRASlots(model, config.lora.max_loras, config.lora.max_lora_rank)
         dtype = model.config.dtype
         spec = model_config.kv_spec()
         kv_dtype = config.cache.kv_cache_dtype

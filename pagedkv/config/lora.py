@@ -1,0 +1,29 @@
+"""The LoRA part of the engine's settings: how many adapters are resident at once and the
+largest rank one may have (vLLM's ``LoRAConfig``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedkv.config.checks import positive_int
+
+#: The largest ``max_lora_rank``: the slot tensors of every targeted projection are padded to
+#: the rank limit, so it sizes the memory and the work of every adapter row.
+MAX_LORA_RANK_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Checked when made; an engine without ``enable_lora`` has none (``EngineSettings.lora``)."""
+
+    #: Adapters held in the model's slot tensors at once: rows of at most this many adapters
+    #: (and base rows) share a step; an adapter beyond them waits for an idle one to be evicted.
+    max_loras: int
+    #: The largest rank an adapter may have; smaller ones are zero-padded to it.
+    max_lora_rank: int
+
+    def __post_init__(self) -> None:
+        positive_int("max_loras", self.max_loras)
+        rank = positive_int("max_lora_rank", self.max_lora_rank)
+        if rank > MAX_LORA_RANK_LIMIT:
+            raise ValueError(f"max_lora_rank must be at most {MAX_LORA_RANK_LIMIT}, got {rank}")

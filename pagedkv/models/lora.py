@@ -1,0 +1,147 @@
+"""The resident LoRA adapters' weights inside a model, and the op list that applies them.
+
+Every adaptable projection of every layer gets two slot tensors, zero until an adapter is
+loaded: ``a [slots, shards * max_rank, in]`` and ``b [slots, shards * max_rank, out]`` (``B``
+transposed, so a slot's rows are contiguous). The packed projections hold one block of
+``max_rank`` rows per checkpoint projection -- q, k, v in ``qkv_proj``, gate and up in
+``gate_up_proj`` -- and each ``B`` block writes only its projection's output columns, so the
+packed product of the delta is block-diagonal: each shard's ``B_s A_s x`` lands in its own
+columns, as PEFT's separate q/k/v (gate/up) layers compute it. A smaller rank is zero-padded:
+the zeros add nothing. The scaling (``lora_alpha / r``) is a slot's, applied per row by the
+step's :class:`~pagedkv.models.ops.LoRARows`.
+
+:meth:`LoRASlots.wrap` turns a model's op list into the one with adapters: each adaptable
+projection's op becomes a :class:`~pagedkv.models.ops.LoRAProject` or
+:class:`~pagedkv.models.ops.LoRAGateUp` holding its slot tensors, and a step without adapter
+rows runs exactly the base ops. Loading reads one PEFT folder (checked by
+:mod:`pagedkv.models.lora_checkpoint`) into one slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pagedkv.models.lora_checkpoint import TARGETS, AdapterSpec, projection_shapes
+from pagedkv.models.ops import GateUpAct, GateUpGelu, LoRAGateUp, LoRAProject, LoRARows, Op, Project
+
+#: each packed module's checkpoint projections, in their row order inside it
+_SHARDS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+#: the activation method of the step's ops each gate/up op applies
+_ACTIVATIONS: dict[type, str] = {GateUpAct: "silu_and_mul", GateUpGelu: "gelu_tanh_and_mul"}
+
+
+class ModuleSlots:
+    """One packed projection's slot tensors, and where each of its checkpoint projections sits:
+    ``shard -> (block index, first output column, columns)``."""
+
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, int]],
+        shards: tuple[str, ...],
+        slots: int,
+        rank: int,
+        like: torch.Tensor,
+    ) -> None:
+        in_features = shapes[shards[0]][0]
+        self.rank = rank
+        self.places: dict[str, tuple[int, int, int]] = {}
+        column = 0
+        for block, name in enumerate(shards):
+            width = shapes[name][1]
+            self.places[name] = (block, column, width)
+            column += width
+        rows = len(shards) * rank
+        self.a = torch.zeros((slots, rows, in_features), dtype=like.dtype, device=like.device)
+        self.b = torch.zeros((slots, rows, column), dtype=like.dtype, device=like.device)
+
+    def put(self, slot: int, shard: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Adapter matrices ``a [r, in]`` and ``b [out, r]`` of checkpoint projection ``shard``."""
+        block, column, width = self.places[shard]
+        first, r = block * self.rank, a.shape[0]
+        self.a[slot, first : first + r].copy_(a)
+        self.b[slot, first : first + r, column : column + width].copy_(b.t())
+
+
+class LoRASlots:
+    """``max_loras`` adapter slots over every layer of ``model`` (a Llama-family or Gemma
+    model), in the dtype and on the device of its norms."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+        config = model.config
+        if config.rotary_dim not in (None, config.head_dim):
+            raise ValueError(
+                "LoRA adapters are not supported on partial-rotary models (their q/k rows are reordered)"
+            )
+        like = model.model.norm.weight
+        shapes = projection_shapes(config)
+        self.max_loras, self.max_rank = max_loras, max_rank
+        #: (layer, packed module name) -> its slots; the module object -> the same slots
+        self.modules: dict[tuple[int, str], ModuleSlots] = {}
+        self._by_module: dict[int, ModuleSlots] = {}
+        for index, layer in enumerate(model.model.layers):
+            owners = {"qkv_proj": layer.self_attn, "o_proj": layer.self_attn}
+            owners |= {"gate_up_proj": layer.mlp, "down_proj": layer.mlp}
+            for name, shards in _SHARDS.items():
+                slots = ModuleSlots(shapes, shards, max_loras, max_rank, like)
+                self.modules[index, name] = slots
+                self._by_module[id(getattr(owners[name], name))] = slots
+        #: each slot's scaling at its own column, a zero row last (index -1: a base row)
+        self.scale_table = torch.zeros((max_loras + 1, max_loras, 1), dtype=like.dtype, device=like.device)
+
+    def load(self, slot: int, spec: AdapterSpec) -> None:
+        """Adapter ``spec`` into ``slot``, replacing what the slot held (untargeted projections
+        zeroed). Every tensor is read before the slot changes: a file that fails to read leaves
+        the slot as it was."""
+        with safe_open(spec.weights_file, framework="pt") as tensors:
+            read = {
+                key: (tensors.get_tensor(a), tensors.get_tensor(b)) for key, (a, b) in spec.tensors.items()
+            }
+        self.clear(slot)
+        for (layer, shard), (a, b) in read.items():
+            self.modules[layer, TARGETS[shard]].put(slot, shard, a, b)
+        self.scale_table[slot, slot] = spec.scaling
+
+    def clear(self, slot: int) -> None:
+        for slots in self.modules.values():
+            slots.a[slot].zero_()
+            slots.b[slot].zero_()
+        self.scale_table[slot, slot] = 0
+
+    def rows(self, row_slots: Sequence[int], output_rows: torch.Tensor | None) -> LoRARows | None:
+        """The step's :class:`LoRARows` for each row's slot (-1: base), or None when every row
+        is a base row (the step runs the base ops, C decode stack and graphs included)."""
+        if all(slot < 0 for slot in row_slots):
+            return None
+        index = torch.tensor(row_slots, dtype=torch.long).to(self.scale_table.device)
+        covered = max(row_slots) + 1  # the leading slots the rows use (LoRARows)
+        scale = self.scale_table[:, :covered].index_select(0, index % (self.max_loras + 1))
+        kept = None if output_rows is None else scale.index_select(0, output_rows)
+        return LoRARows(scale, kept)
+
+    def wrap(self, ops: Sequence[Op]) -> tuple[Op, ...]:
+        """``ops`` with every adaptable projection's op applying the step's adapters."""
+        wrapped: list[Op] = []
+        adapted = 0
+        for op in ops:
+            if isinstance(op, Project) and id(op.linear) in self._by_module:
+                slots = self._by_module[id(op.linear)]
+                op = LoRAProject(op, slots.a, slots.b)
+            elif type(op) in _ACTIVATIONS and id(op.gate_up) in self._by_module:
+                slots = self._by_module[id(op.gate_up)]
+                op = LoRAGateUp(op, op.gate_up, _ACTIVATIONS[type(op)], slots.a, slots.b)
+            adapted += isinstance(op, (LoRAProject, LoRAGateUp))
+            wrapped.append(op)
+        if adapted != len(self._by_module):
+            raise ValueError(
+                f"this model's op list runs {adapted} of its {len(self._by_module)} adaptable projections"
+            )
+        return tuple(wrapped)
