@@ -8,9 +8,10 @@
  * exact in float32 (a half scale has 11 significant bits, a 6-bit sub-scale 6 and a quant at
  * most 8, and Q6_K's 8-bit scale with its 6-bit quant stays under 24), so the only rounding is
  * the final add of a minimum, fused or not. Half scales are read from a table of all 65,536
- * values (one load the multiply broadcasts). On AVX-512 the 4-bit types (Q4_0, Q4_1, Q4_K) make
- * a block's (or sub-block's) 16 possible weights once, as the generic code computes each, and
- * every element picks its own by its nibble (vpick16): the same values in fewer instructions.
+ * values (one load the multiply broadcasts). On AVX-512 the 4- and 5-bit types (Q4_0, Q4_1, Q4_K,
+ * Q5_0, Q5_1, Q5_K) make a block's (or sub-block's) 16 or 32 possible weights once, as the
+ * generic code computes each, and every element picks its own by its quant (vpick16, vpick32):
+ * the same values in fewer instructions.
  *
  * The product takes one of two paths by the row count M. Up to GEMV_ROWS rows (decode), each
  * block of a weight row is dequantized into registers and multiplied into every row's float32
@@ -124,16 +125,36 @@ static inline vi fifth_bits(const uint8_t *qh, int c) {
     return (vi)((((vu){0} + bits) >> lane_index((uint32_t)c)) & 1u) << 4;
 }
 
+#if SIMD_PICK16
+/* a 5-bit block (VL = 16): low[q] and high[q] the weights of quants q and 16 + q, computed as the
+ * generic code computes them; each element's index is its nibble with its fifth bit as bit 4 */
+static inline void pick_fifths(const uint8_t *qs, const uint8_t *qh, vf low, vf high, float *out) {
+    const vi q = vload_u8_i32(qs);
+    uint16_t fifths[2]; /* elements 0..15's fifth bits, then 16..31's */
+    memcpy(fifths, qh, sizeof fifths);
+    vstore(out, vpick32(low, high, vwith_bit4(q & 15, fifths[0])));
+    vstore(out + 16, vpick32(low, high, vwith_bit4(q >> 4, fifths[1])));
+}
+#endif
+
 static inline void dequantize_q5_0(const BlockQ5_0 *b, float *out) {
     const float d = scale_of(b->d);
+#if SIMD_PICK16
+    pick_fifths(b->qs, b->qh, d * (quant_values() - 16.0f), d * quant_values(), out);
+#else
     for (int c = 0; c < QK_SMALL; c += VL)
         vstore(out + c, d * to_float((nibbles(b->qs, c) | fifth_bits(b->qh, c)) - 16));
+#endif
 }
 
 static inline void dequantize_q5_1(const BlockQ5_1 *b, float *out) {
     const float d = scale_of(b->d), m = scale_of(b->m);
+#if SIMD_PICK16
+    pick_fifths(b->qs, b->qh, d * quant_values() + m, d * (quant_values() + 16.0f) + m, out);
+#else
     for (int c = 0; c < QK_SMALL; c += VL)
         vstore(out + c, d * to_float(nibbles(b->qs, c) | fifth_bits(b->qh, c)) + m);
+#endif
 }
 
 static inline void dequantize_q8_0(const BlockQ8_0 *b, float *out) {
@@ -165,6 +186,14 @@ static inline void dequantize_k_quants(const uint8_t *packed, uint16_t d_bits, u
             const vf table = scale * quant_values() - min;
             for (int c = 0; c < 32; c += VL)
                 vstore(out + 32 * s + c, vpick16(table, vload_u8_i32(qs + 32 * (s / 2) + c) >> (4 * (s % 2))));
+            continue;
+        }
+        { /* Q5_K: each sub-block's 32 values picked from its two tables */
+            const vf low = scale * quant_values() - min, high = scale * (quant_values() + 16.0f) - min;
+            for (int c = 0; c < 32; c += VL) {
+                const vi q = (vload_u8_i32(qs + 32 * (s / 2) + c) >> (4 * (s % 2))) & 15;
+                vstore(out + 32 * s + c, vpick32(low, high, q | ((vload_u8_i32(qh + c) >> s) & 1) << 4));
+            }
             continue;
         }
 #endif

@@ -11,6 +11,9 @@
  *                same files)
  *   vpick16(table, index)  where SIMD_PICK16 is 1 (AVX-512): lane i of table at index[i] % 16, one
  *                instruction (the other sets would need two and a blend: they leave it undefined)
+ *   vpick32(low, high, index)  where SIMD_PICK16 is 1: lane i of the 32 entries low then high at
+ *                index[i] % 32, one instruction; vwith_bit4(index, lanes) index with 16 or'ed into
+ *                the lanes whose bit is set in the 16-bit lanes
  *   GEMM_AVX512, GEMM_AVX512_BF16, GEMM_AVX2 (1 or 0)  which of the tiled GEMM's inner loops the
  *                target can run (gemm_avx512.h, gemm_avx512bf16.h, gemm_avx2.h; gemm_portable.h always)
  *

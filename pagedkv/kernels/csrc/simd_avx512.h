@@ -18,3 +18,15 @@ static inline vi vload_i8_i32(const int8_t *p) { return (vi)_mm512_cvtepi8_epi32
  * once, picked per element instead of converting each quant to float and scaling it */
 #define SIMD_PICK16 1
 static inline vf vpick16(vf table, vi index) { return _mm512_permutexvar_ps((__m512i)index, table); }
+
+/* lane i of the 32-entry table (low, high) at index[i] % 32 (vpermt2ps): entries 0..15 from low,
+ * 16..31 from high; the 5-bit types' table picks, as vpick16 is the 4-bit types' */
+static inline vf vpick32(vf low, vf high, vi index) {
+    return _mm512_permutex2var_ps(low, (__m512i)index, high);
+}
+
+/* index with bit 4 set in the lanes whose bit is set in lanes (one masked or): a 5-bit quant from
+ * its nibble and its block's 16 fifth bits, without spreading the bits over lanes first */
+static inline vi vwith_bit4(vi index, uint16_t lanes) {
+    return (vi)_mm512_mask_or_epi32((__m512i)index, (__mmask16)lanes, (__m512i)index, _mm512_set1_epi32(16));
+}
