@@ -215,6 +215,7 @@ static inline void dequantize_q5_k(const BlockQ5_K *b, float *out) {
 
 static inline void dequantize_q6_k(const BlockQ6_K *b, float *out) {
     const float d = scale_of(b->d);
+#pragma GCC unroll 16 /* every offset and shift a constant: rolled, the index arithmetic cost more than the values */
     for (int e = 0; e < QK_K; e += VL) {
         const int half = e / 128, r = e % 128;
         const vi low = (vload_u8_i32(b->ql + 64 * half + r % 64) >> (4 * (r / 64))) & 15;
