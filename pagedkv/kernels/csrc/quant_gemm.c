@@ -9,9 +9,10 @@
  * most 8, and Q6_K's 8-bit scale with its 6-bit quant stays under 24), so the only rounding is
  * the final add of a minimum, fused or not. Half scales are read from a table of all 65,536
  * values (one load the multiply broadcasts). On AVX-512 the 4- and 5-bit types (Q4_0, Q4_1, Q4_K,
- * Q5_0, Q5_1, Q5_K) make a block's (or sub-block's) 16 or 32 possible weights once, as the
+ * Q5_0, Q5_1) make a block's (or Q4_K's sub-block's) 16 or 32 possible weights once, as the
  * generic code computes each, and every element picks its own by its quant (vpick16, vpick32):
- * the same values in fewer instructions.
+ * the same values in fewer instructions. Q5_K's fifth bits come one per byte, not as a lane mask,
+ * and its two tables per 32 values cost what they save: it converts each quant.
  *
  * The product takes one of two paths by the row count M. Up to GEMV_ROWS rows (decode), each
  * block of a weight row is dequantized into registers and multiplied into every row's float32
@@ -186,14 +187,6 @@ static inline void dequantize_k_quants(const uint8_t *packed, uint16_t d_bits, u
             const vf table = scale * quant_values() - min;
             for (int c = 0; c < 32; c += VL)
                 vstore(out + 32 * s + c, vpick16(table, vload_u8_i32(qs + 32 * (s / 2) + c) >> (4 * (s % 2))));
-            continue;
-        }
-        { /* Q5_K: each sub-block's 32 values picked from its two tables */
-            const vf low = scale * quant_values() - min, high = scale * (quant_values() + 16.0f) - min;
-            for (int c = 0; c < 32; c += VL) {
-                const vi q = (vload_u8_i32(qs + 32 * (s / 2) + c) >> (4 * (s % 2))) & 15;
-                vstore(out + 32 * s + c, vpick32(low, high, q | ((vload_u8_i32(qh + c) >> s) & 1) << 4));
-            }
             continue;
         }
 #endif
