@@ -127,3 +127,46 @@ def test_bad_pages_and_shapes_are_refused_by_name():
     weights[2]["o_proj"] = (torch.zeros(2, HIDDEN), torch.zeros(HIDDEN, 3))
     with pytest.raises(ValueError, match="layer 2 target 'o_proj': A .* rank 2 but B .* rank 3"):
         write_adapter(cache, list(range(12)), weights)
+
+
+def test_a_peft_adapter_read_back_from_its_pages_computes_peft_s_outputs():
+    """A PEFT LoRA on a tiny Llama, every target module, paged into a KV cache of the model's
+    own shape: each module's output from the read-back A and B equals PEFT's, bit for bit."""
+    import peft
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(TARGET_DIMS), init_lora_weights=False)
+    model = peft.get_peft_model(LlamaForCausalLM(config), lora)
+    modules = []
+    for layer in model.base_model.model.model.layers:
+        attention = {t: getattr(layer.self_attn, t) for t in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        modules.append(attention | {t: getattr(layer.mlp, t) for t in ("gate_proj", "up_proj", "down_proj")})
+    weights = [
+        {
+            t: (m.lora_A["default"].weight.detach(), m.lora_B["default"].weight.detach())
+            for t, m in layer.items()
+        }
+        for layer in modules
+    ]
+    cache = KVCache(KVSpec(2, 2, 8), 16, 4, dtype=torch.float32)  # the model's 2 KV heads of 8
+    shapes = [{t: (tuple(a.shape), tuple(b.shape)) for t, (a, b) in layer.items()} for layer in weights]
+    pages = AdapterLayout.of(shapes).pages(cache_slab_elements(cache))
+    block_ids = list(range(15, 15 - pages, -1))
+    layout = write_adapter(cache, block_ids, weights)
+    linear = torch.nn.functional.linear
+    with torch.no_grad():
+        for layer, read in zip(modules, adapter_views(cache, block_ids, layout), strict=True):
+            for target, module in layer.items():
+                a, b = read[target]
+                x = torch.randn(3, a.shape[1])
+                ours = module.base_layer(x) + linear(linear(x, a), b) * module.scaling["default"]
+                assert torch.equal(module(x), ours), target
