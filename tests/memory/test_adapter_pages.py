@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.memory import KVCacheManager, PoolExhaustedError
+from pagedkv.memory import KVCacheManager, KVTier, PoolExhaustedError, TieredKVCacheManager
 from pagedkv.memory.adapter_pages import AdapterPages, AdapterPagesError, AdapterUsage, ResidentAdapter
 
 BLOCK_SIZE = 2
@@ -136,3 +136,16 @@ def test_an_evicted_adapter_is_not_written():
     pages.load("a", 2)
     kv.allocate("s", [1, 2, 3, 4, 5, 6])  # takes a's pages before the worker heard of them
     assert pages.take_writes() == [] and pages.take_evicted() == ["a"]
+
+
+def test_with_a_second_tier_a_load_spills_the_cached_blocks_it_evicts():
+    kv = TieredKVCacheManager(4, BLOCK_SIZE, KVTier(8), 1000, watermark=0.0)
+    pages = AdapterPages(kv.pool)
+    prompt = [1, 2, 3, 4, 5]
+    kv.allocate("s", prompt)
+    kv.cache_computed_blocks("s", prompt, 5)
+    kv.free("s")  # 2 cached-free blocks, 2 plain free
+    kv.take_transfers()
+    blocks = pages.load("sql", 3)
+    spilled = [spill.block_id for spill in kv.take_transfers().spills]
+    assert len(spilled) == 1 and spilled[0] in blocks  # read out before the adapter is written there
