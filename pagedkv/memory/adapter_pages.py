@@ -244,6 +244,12 @@ class AdapterPages:
         self._unwritten.clear()
         return writes
 
+    def rewrite(self, adapter_id: AdapterId) -> None:
+        """The worker failed to write a resident adapter's weights: the next :meth:`take_writes`
+        names it again (nothing may read its pages before then)."""
+        if adapter_id in self._blocks:
+            self._unwritten[adapter_id] = self._blocks[adapter_id]
+
     def take_evicted(self) -> list[AdapterId]:
         """Adapters evicted or unloaded since the last call (their pages may now hold KV)."""
         evicted, self._evicted = self._evicted, []
