@@ -6,7 +6,7 @@ it; the running set is the only record of that, so nothing is counted that could
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pagedkv.config.lora import LoRAConfig
 from pagedkv.engine.core.adapter_paging import PagedAdapters
@@ -15,8 +15,14 @@ from pagedkv.engine.core.sequence import Sequence
 from pagedkv.memory import KVCacheManager
 from pagedkv.memory.adapters import AdapterResidency
 
-if TYPE_CHECKING:
-    from pagedkv.engine.core.scheduler import Scheduler
+
+class Scheduling(Protocol):
+    """What of the scheduler the functions below read (it passes itself)."""
+
+    kv_manager: KVCacheManager
+    running: list[Sequence]
+    adapters: AdapterResidency | None
+    paged_adapters: PagedAdapters | None
 
 
 def adapter_parts(
@@ -59,7 +65,7 @@ class AdapterGate:
 
 
 def allocate_with_adapter(
-    scheduler: Scheduler, seq: Sequence, reserve: int, use_cache: bool, salt: str | None
+    scheduler: Scheduling, seq: Sequence, reserve: int, use_cache: bool, salt: str | None
 ) -> int:
     """``seq``'s KV blocks (the cached tokens returned), with its adapter placed in a slot and,
     under unified paging, its pages loaded and pinned around them."""
@@ -90,13 +96,13 @@ def record_adapters(out: SchedulerOutput, adapters: AdapterResidency, paged: Pag
         out.lora_evicted = paged.pages.take_evicted()
 
 
-def release_adapter(scheduler: Scheduler, seq: Sequence) -> None:
+def release_adapter(scheduler: Scheduling, seq: Sequence) -> None:
     """``seq`` gave its block table back (finished or preempted): under unified paging its
     adapter's pin goes with it."""
     if scheduler.paged_adapters is not None:
         scheduler.paged_adapters.release(seq)
 
 
-def page_blocks(scheduler: Scheduler, seq: Sequence) -> int:
+def page_blocks(scheduler: Scheduling, seq: Sequence) -> int:
     """Free blocks ``seq``'s adapter takes at admission beside its KV blocks (unified paging)."""
     return 0 if scheduler.paged_adapters is None else scheduler.paged_adapters.blocks_to_admit(seq)
