@@ -81,6 +81,15 @@ class StepStats:
     tier_bytes_moved: int = 0
     tier_blocks_used: int = 0
     tier_blocks_total: int = 0
+    #: Unified LoRA paging (all 0 without it): adapters loaded into pages of the pool at this
+    #: step (their weights written before its forward pass) and evicted from them since the last
+    #: step; after the step, the resident adapters and their pages, of which those pinned by
+    #: running sequences (counted in ``kv_blocks_used``; the idle ones count as free).
+    lora_page_loads: int = 0
+    lora_page_evictions: int = 0
+    lora_adapters_resident: int = 0
+    lora_pages_resident: int = 0
+    lora_pages_pinned: int = 0
     #: The drafts this step verified (vLLM's ``SpecDecodingStats``); None when none was.
     spec_decoding: SpecDecodingStats | None = None
 
@@ -282,6 +291,20 @@ class StatsCollector:
         #: The drafts of every step so far (None when the engine does not speculate).
         self.spec_totals = SpecDecodingStats() if speculating else None
 
+    def _adapter_pages(self, out: SchedulerOutput) -> dict[str, int]:
+        """The step's :class:`StepStats` fields of unified LoRA paging (none without it)."""
+        paged = self.scheduler.paged_adapters
+        if paged is None:
+            return {}
+        usage = paged.pages.usage()
+        return {
+            "lora_page_loads": len(out.lora_page_writes),
+            "lora_page_evictions": len(out.lora_evicted),
+            "lora_adapters_resident": usage.resident_adapters,
+            "lora_pages_resident": usage.resident_pages,
+            "lora_pages_pinned": usage.pinned_pages,
+        }
+
     def record_step(
         self,
         out: SchedulerOutput,
@@ -321,6 +344,7 @@ class StatsCollector:
             step_time_s=seconds,
             swapped_preemptions=out.swapped_preemptions,
             **self._tier_step(),
+            **self._adapter_pages(out),
             spec_decoding=spec_decoding,
         )
         if spec_decoding is not None and self.spec_totals is not None:
