@@ -71,7 +71,7 @@ class LoRARegistry:
             in_features, out_features = shapes[shard]
             layers[layer][shard] = ((spec.rank, in_features), (out_features, spec.rank))
         pages = AdapterLayout.of(layers).pages(slab_elements(block_size, num_kv_heads, head_dim))
-        return AdapterFile(str(lora.lora_path), pages, weights_checksum(spec.weights_file))
+        return AdapterFile(lora.lora_name, str(lora.lora_path), pages, weights_checksum(spec.weights_file))
 
     def remove(self, lora_int_id: int) -> bool:
         """Forget an adapter; False if it was not known."""

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pagedkv.engine.core.adapter_paging import AdapterBlocks
 from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.memory import KVUsage
 
@@ -233,6 +234,8 @@ class BlockInfo:
     refcount: int
     cached: bool
     owners: tuple[str, ...]
+    #: The LoRA adapter whose weights the block holds (one of its pages, unified paging), if any.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -259,6 +262,8 @@ class KVSnapshot:
     refcounts: tuple[int, ...]
     cached: frozenset[int]
     sequences: list[SequenceBlocks]
+    #: The resident LoRA adapters' pages (unified paging; none without it).
+    adapters: tuple[AdapterBlocks, ...] = ()
 
     @cached_property
     def blocks(self) -> list[BlockInfo]:
@@ -267,8 +272,9 @@ class KVSnapshot:
             for block in seq.block_ids:
                 if seq.request_id not in owners[block]:
                     owners[block].append(seq.request_id)
+        adapter_of = {block: a.name for a in self.adapters for block in a.block_ids}
         return [
-            BlockInfo(block, refcount, block in self.cached, tuple(owners[block]))
+            BlockInfo(block, refcount, block in self.cached, tuple(owners[block]), adapter_of.get(block))
             for block, refcount in enumerate(self.refcounts)
         ]
 
@@ -401,4 +407,6 @@ class StatsCollector:
                     request.num_cached_tokens,
                 )
             )
-        return KVSnapshot(pool.block_size, pool.refcounts, pool.cached, sequences)
+        paged = self.scheduler.paged_adapters
+        adapters = () if paged is None else paged.snapshot()
+        return KVSnapshot(pool.block_size, pool.refcounts, pool.cached, sequences, adapters)

@@ -26,11 +26,25 @@ from pagedkv.memory.manager import KVCacheManager
 
 @dataclass(frozen=True)
 class AdapterFile:
-    """A known adapter's folder, the pages its weights take, and its weights file's CRC-32."""
+    """A known adapter's name and folder, the pages its weights take, and its weights file's
+    CRC-32."""
 
+    name: str
     path: str
     pages: int
     checksum: int
+
+
+@dataclass(frozen=True)
+class AdapterBlocks:
+    """One LoRA adapter resident in pages of the pool (unified paging): its pages in the order
+    its weights fill them, and how many running sequences pin it (0: idle, its pages reclaimable
+    after the cached-free blocks)."""
+
+    lora_int_id: int
+    name: str
+    block_ids: tuple[int, ...]
+    pins: int
 
 
 class PagedAdapters:
@@ -104,6 +118,13 @@ class PagedAdapters:
         """The step carrying ``writes`` failed: the next one writes those adapters again."""
         for write in writes:
             self.pages.rewrite(write.lora_int_id)
+
+    def snapshot(self) -> tuple[AdapterBlocks, ...]:
+        """Every resident adapter's pages and pins, pinned ones first (the block map's)."""
+        return tuple(
+            AdapterBlocks(r.adapter_id, self._files[r.adapter_id].name, r.block_ids, r.pins)
+            for r in self.pages.resident()
+        )
 
     def with_pages(self, loads: list[SlotLoad]) -> list[SlotLoad]:
         """``loads`` filled from their adapters' pages (each is pinned by the sequence admitted
