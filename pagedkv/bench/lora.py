@@ -36,9 +36,12 @@ from rich.table import Table
 
 from pagedkv.bench.driver import EngineOptions, run_settings
 from pagedkv.bench.lora_adapters import slot_bytes, write_adapter
+from pagedkv.bench.lora_capacity import LoraBudget
 from pagedkv.bench.options import check_options, option
 
 FIRST_TOKEN = 4
+#: Tokens a request of the short-context workload ends with (prompt and generated).
+SHORT_TOKENS = 6
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,25 @@ class LoraBenchResult:
     def ok(self) -> bool:
         return not any(self.blocks_after.values())
 
+    def budget(self) -> LoraBudget:
+        """The budget as :mod:`pagedkv.bench.lora_capacity` divides it (its closed forms)."""
+        config = self.config
+        return LoraBudget(
+            config.max_loras * self.slot_bytes + config.kv_blocks * self.block_bytes,
+            self.block_bytes,
+            config.engine.run_block_size,
+            self.adapter_pages,
+            self.slot_bytes,
+            config.max_loras,
+        )
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self) | {"throughput_ratio": self.throughput_ratio}
+        config, budget = self.config, self.budget()
+        bounds = {
+            "held_requests": asdict(budget.concurrent_requests(config.context, config.active_adapters)),
+            "resident_adapters": asdict(budget.resident_adapters(SHORT_TOKENS, 0)),
+        }
+        return asdict(self) | {"throughput_ratio": self.throughput_ratio, "closed_form": bounds}
 
 
 def run_lora_bench(config: LoraBenchConfig) -> LoraBenchResult:
@@ -157,7 +177,7 @@ def _capacity(config: LoraBenchConfig, result: LoraBenchResult, paging: str, fol
         peak = max(peak, len(engine.scheduler.running))
     result.held_requests[paging] = peak
     many = _requests(folders, range(config.many_adapters))
-    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=SHORT_TOKENS - 4, temperature=0.0, ignore_eos=True)
     reads = []
     for round_ in range(2):
         before = _reads(engine)
@@ -215,26 +235,29 @@ def _throughput(config: LoraBenchConfig, result: LoraBenchResult, folders: list[
 
 
 def print_lora_bench(result: LoraBenchResult, console: Console) -> None:
-    config = result.config
-    budget = config.max_loras * result.slot_bytes + config.kv_blocks * result.block_bytes
+    config, budget = result.config, result.budget()
+    held = budget.concurrent_requests(config.context, config.active_adapters)
+    resident = budget.resident_adapters(SHORT_TOKENS, 0)
     table = Table(
-        title=f"one budget of {budget / 2**20:.2f} MiB: "
+        title=f"one budget of {budget.budget_bytes / 2**20:.2f} MiB: "
         f"{config.max_loras} slots of rank {config.max_lora_rank} "
         f"({result.slot_bytes / 2**10:.0f} KiB each) + {config.kv_blocks} KV blocks, or one pool; "
         f"an adapter takes {result.adapter_pages} pages of {result.block_bytes / 2**10:.0f} KiB"
     )
-    for column in ("workload", "unified paging", "fixed slots"):
+    for column in ("workload", "unified paging", "fixed slots", "closed form (unified / slots)"):
         table.add_column(column)
     table.add_row("pool blocks", str(result.pool_blocks["unified"]), str(result.pool_blocks["slots"]))
     table.add_row(
         f"requests held ({config.active_adapters} adapters, {config.context}-token contexts)",
         str(result.held_requests["unified"]),
         str(result.held_requests["slots"]),
+        f"{held.unified} / {held.slots}",
     )
     table.add_row(
         f"adapters resident ({config.many_adapters} adapters, short contexts)",
         str(result.resident_adapters["unified"]),
         str(result.resident_adapters["slots"]),
+        f"{resident.unified} / {resident.slots}",
     )
     table.add_row(
         "adapter files read again in a second pass",

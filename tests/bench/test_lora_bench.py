@@ -38,4 +38,6 @@ def test_the_lora_bench_compares_unified_paging_with_slots():
     text = console.export_text()
     for row in ("pool blocks", "requests held", "adapters resident", "read again", "LoRA tok/s", "ratio"):
         assert row in text
-    assert "unified paging" in text and "fixed slots" in text
+    assert "unified paging" in text and "fixed slots" in text and "closed form" in text
+    bound = result.to_json()["closed_form"]["held_requests"]
+    assert result.held_requests["slots"] <= bound["slots"] and result.held_requests["unified"] <= bound["unified"]
