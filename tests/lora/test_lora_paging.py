@@ -199,3 +199,22 @@ def test_a_quantized_kv_cache_refuses_unified_paging(case):
     base, _, _ = case
     with pytest.raises(ValueError, match="cannot be paged in a quantized KV cache"):
         LLM(str(base), dtype="float32", enable_lora=True, num_kv_blocks=16, kv_cache_dtype="int8")
+
+
+def test_with_a_second_tier_an_adapter_load_spills_the_cached_blocks_it_takes(case):
+    """An adapter's pages may take cached-free KV blocks: with a host tier they are copied out
+    before the adapter's weights overwrite them, so the prefix is served from the tier later,
+    and the adapter's tokens stay PEFT's."""
+    base, loras, expected = case
+    options = dict(dtype="float32", enable_lora=True, max_lora_rank=4, num_kv_blocks=8)
+    with LLM(str(base), kv_offload="host", kv_offload_memory="1MiB", **options) as llm:
+        engine = llm.engine
+        long_prompt = list(range(4, 4 + 16 * 5 + 1))  # 5 full blocks, cached once computed
+        _run(engine, [("base", long_prompt, None)])
+        assert engine.kv_manager.pool.num_cached_free_blocks == 5
+        tokens = _run(engine, [("a", PROMPTS[1], loras[0])])  # 4 pages: some of the cached blocks
+        assert tokens["a"] == expected[loras[0].lora_int_id][1]
+        assert engine.kv_manager.pool.num_cached_free_blocks < 5
+        _run(engine, [("again", long_prompt, None)])
+        assert engine.last_step is not None and engine.stats().tier.hit_tokens > 0
+        assert_pool_whole(engine)
