@@ -297,20 +297,6 @@ class StatsCollector:
         #: The drafts of every step so far (None when the engine does not speculate).
         self.spec_totals = SpecDecodingStats() if speculating else None
 
-    def _adapter_pages(self, out: SchedulerOutput) -> dict[str, int]:
-        """The step's :class:`StepStats` fields of unified LoRA paging (none without it)."""
-        paged = self.scheduler.paged_adapters
-        if paged is None:
-            return {}
-        usage = paged.pages.usage()
-        return {
-            "lora_page_loads": len(out.lora_page_writes),
-            "lora_page_evictions": len(out.lora_evicted),
-            "lora_adapters_resident": usage.resident_adapters,
-            "lora_pages_resident": usage.resident_pages,
-            "lora_pages_pinned": usage.pinned_pages,
-        }
-
     def record_step(
         self,
         out: SchedulerOutput,
@@ -350,7 +336,7 @@ class StatsCollector:
             step_time_s=seconds,
             swapped_preemptions=out.swapped_preemptions,
             **self._tier_step(),
-            **self._adapter_pages(out),
+            **({} if scheduler.paged_adapters is None else scheduler.paged_adapters.step_stats(out)),
             spec_decoding=spec_decoding,
         )
         if spec_decoding is not None and self.spec_totals is not None:

@@ -40,4 +40,5 @@ def test_the_lora_bench_compares_unified_paging_with_slots():
         assert row in text
     assert "unified paging" in text and "fixed slots" in text and "closed form" in text
     bound = result.to_json()["closed_form"]["held_requests"]
-    assert result.held_requests["slots"] <= bound["slots"] and result.held_requests["unified"] <= bound["unified"]
+    assert result.held_requests["slots"] <= bound["slots"]
+    assert result.held_requests["unified"] <= bound["unified"]

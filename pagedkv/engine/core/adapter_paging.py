@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pagedkv.engine.core.scheduler_output import SchedulerOutput
 from pagedkv.engine.core.sequence import Sequence
 from pagedkv.memory.adapter_pages import AdapterPages
 from pagedkv.memory.adapters import PageWrite, SlotLoad
@@ -118,6 +119,17 @@ class PagedAdapters:
         """The step carrying ``writes`` failed: the next one writes those adapters again."""
         for write in writes:
             self.pages.rewrite(write.lora_int_id)
+
+    def step_stats(self, out: SchedulerOutput) -> dict[str, int]:
+        """The ``lora_*`` fields of the step's :class:`~pagedkv.engine.stats.StepStats`."""
+        usage = self.pages.usage()
+        return {
+            "lora_page_loads": len(out.lora_page_writes),
+            "lora_page_evictions": len(out.lora_evicted),
+            "lora_adapters_resident": usage.resident_adapters,
+            "lora_pages_resident": usage.resident_pages,
+            "lora_pages_pinned": usage.pinned_pages,
+        }
 
     def snapshot(self) -> tuple[AdapterBlocks, ...]:
         """Every resident adapter's pages and pins, pinned ones first (the block map's)."""
