@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pagedkv.engine.core.adapter_paging import AdapterBlocks
 from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.memory import KVUsage
 
@@ -81,6 +82,15 @@ class StepStats:
     tier_bytes_moved: int = 0
     tier_blocks_used: int = 0
     tier_blocks_total: int = 0
+    #: Unified LoRA paging (all 0 without it): adapters loaded into pages of the pool at this
+    #: step (their weights written before its forward pass) and evicted from them since the last
+    #: step; after the step, the resident adapters and their pages, of which those pinned by
+    #: running sequences (counted in ``kv_blocks_used``; the idle ones count as free).
+    lora_page_loads: int = 0
+    lora_page_evictions: int = 0
+    lora_adapters_resident: int = 0
+    lora_pages_resident: int = 0
+    lora_pages_pinned: int = 0
     #: The drafts this step verified (vLLM's ``SpecDecodingStats``); None when none was.
     spec_decoding: SpecDecodingStats | None = None
 
@@ -224,6 +234,8 @@ class BlockInfo:
     refcount: int
     cached: bool
     owners: tuple[str, ...]
+    #: The LoRA adapter whose weights the block holds (one of its pages, unified paging), if any.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -250,6 +262,8 @@ class KVSnapshot:
     refcounts: tuple[int, ...]
     cached: frozenset[int]
     sequences: list[SequenceBlocks]
+    #: The resident LoRA adapters' pages (unified paging; none without it).
+    adapters: tuple[AdapterBlocks, ...] = ()
 
     @cached_property
     def blocks(self) -> list[BlockInfo]:
@@ -258,8 +272,9 @@ class KVSnapshot:
             for block in seq.block_ids:
                 if seq.request_id not in owners[block]:
                     owners[block].append(seq.request_id)
+        adapter_of = {block: a.name for a in self.adapters for block in a.block_ids}
         return [
-            BlockInfo(block, refcount, block in self.cached, tuple(owners[block]))
+            BlockInfo(block, refcount, block in self.cached, tuple(owners[block]), adapter_of.get(block))
             for block, refcount in enumerate(self.refcounts)
         ]
 
@@ -321,6 +336,7 @@ class StatsCollector:
             step_time_s=seconds,
             swapped_preemptions=out.swapped_preemptions,
             **self._tier_step(),
+            **({} if scheduler.paged_adapters is None else scheduler.paged_adapters.step_stats(out)),
             spec_decoding=spec_decoding,
         )
         if spec_decoding is not None and self.spec_totals is not None:
@@ -377,4 +393,6 @@ class StatsCollector:
                     request.num_cached_tokens,
                 )
             )
-        return KVSnapshot(pool.block_size, pool.refcounts, pool.cached, sequences)
+        paged = self.scheduler.paged_adapters
+        adapters = () if paged is None else paged.snapshot()
+        return KVSnapshot(pool.block_size, pool.refcounts, pool.cached, sequences, adapters)

@@ -52,11 +52,14 @@ const Grid = {
   render(selected) {
     if (this.cells.length !== Model.blocks.length) this.build(Model.blocks.length);
     this.holders = Model.holders();
+    this.pages = Model.adapterPages();
     for (let block = 0; block < this.cells.length; block++) {
       const refcount = Model.refcount(block), cached = Model.isCached(block);
       const owners = [...new Set((this.holders[block] || []).map((h) => h.seq.r))];
-      const state = refcount === 0 ? (cached ? "cached" : "free") : refcount > 1 ? "shared" : "used";
-      const key = `${state}|${refcount}|${owners.join(" ")}|${owners.includes(selected)}`;
+      const page = this.pages[block];
+      const state = page ? (page.adapter.pins ? "adapter" : "adapter-idle")
+        : refcount === 0 ? (cached ? "cached" : "free") : refcount > 1 ? "shared" : "used";
+      const key = `${state}|${refcount}|${owners.join(" ")}|${owners.includes(selected)}|${page ? page.name : ""}`;
       if (key === this.keys[block]) continue;
       this.keys[block] = key;
       const cell = this.cells[block];
@@ -64,13 +67,21 @@ const Grid = {
       cell.dataset.state = state;
       cell.dataset.refcount = refcount;
       cell.dataset.owners = owners.join(" ");
+      cell.dataset.adapter = page ? page.name : "";
       cell.style.background = owners.length ? colourOf(owners[0]) : "";
       cell.textContent = refcount > 1 ? String(refcount) : "";
     }
   },
 
   describe(block) {
-    const refcount = Model.refcount(block), cached = Model.isCached(block);
+    const refcount = Model.refcount(block), cached = Model.isCached(block), page = this.pages[block];
+    if (page) {
+      const { name, adapter } = page;
+      const use = adapter.pins
+        ? `pinned by ${adapter.pins} running sequence${adapter.pins > 1 ? "s" : ""}`
+        : "idle: taken back after the cached-free blocks, least recently used adapter first";
+      return `block ${block}: LoRA adapter ${name}, page ${page.page + 1} of ${adapter.b.length}\n${use}`;
+    }
     if (refcount === 0) {
       return cached
         ? `block ${block}: cached-free\nno request holds it; its tokens stay in the prefix cache until it is evicted`
