@@ -65,6 +65,8 @@ _FAMILIES: tuple[tuple[str, tuple[str, ...], Signature], ...] = (
     ),
     ("paged_attention_prefill", _LAYER, Signature(INT, (ADDRESS,) * 9 + (I64,) * 6 + (F32, INT))),
     ("paged_attention_prefill_lanes", (), Signature(I64, ())),
+    # lora_bgmv.c
+    ("lora_bgmv", _TILED, Signature(INT, (ADDRESS,) * 7 + (I64,) * 6)),
     # decode_stack.c
     (
         "decode_stack",

@@ -158,6 +158,22 @@ PAGED_ATTENTION_PREFILL(paged_attention_prefill_f16, _Float16);
 #endif
 int64_t paged_attention_prefill_lanes(void);
 
+/* ---- lora_bgmv.c: LoRA adapters' outputs for rows of mixed adapters (BGMV) -------------- *
+ *   lora_bgmv_<f32|bf16>(x, a, b, row_slot, scaling, columns, y, rows, n_in, n_out, slots, rank,
+ *       shards) -> 0; 1 without memory; 2 for a row_slot >= slots
+ *       y [rows, n_out] += scaling[s] * B_s (A_s x) for each row r of slot s = row_slot[r] (-1: no
+ *       adapter, the row is left as it is). x [rows, n_in]; a [slots, shards * rank, n_in]; b
+ *       [slots, shards * rank, n_out] (B transposed); block p of `rank` rows writes only the
+ *       columns [columns[p], columns[p + 1]) (columns [shards + 1]); scaling [slots] float32.
+ *       Sums in float32, y rounded once.
+ */
+#define LORA_BGMV(name, T)                                                                                \
+    int name(const T *x, const T *a, const T *b, const int32_t *row_slot, const float *scaling,          \
+             const int64_t *columns, T *y, int64_t rows, int64_t n_in, int64_t n_out, int64_t slots,      \
+             int64_t rank, int64_t shards)
+LORA_BGMV(lora_bgmv_f32, float);
+LORA_BGMV(lora_bgmv_bf16, uint16_t);
+
 /* ---- decode_stack.c: a decode step's decoder layers in one call ------------------------- *
  * The stack runs a list of DecodeOp records, lowered in Python from the model's op list
  * (pagedkv/models/decode_stack.py): each names its opcode, the buffers it reads (src) and

@@ -1,0 +1,69 @@
+/*
+ * LoRA adapters' outputs for a batch of rows of mixed adapters (Punica's and S-LoRA's BGMV): each
+ * row is multiplied by its own adapter's matrices only, gathered by its slot, and a row of no
+ * adapter costs nothing. Entry points and arguments: kernels.h.
+ *
+ * A projection's slot tensors hold every resident adapter: a [slots, shards * rank, in] and b
+ * [slots, shards * rank, out] (B transposed: a rank row's output columns are contiguous). A
+ * packed projection (q/k/v, gate/up) holds one block of `rank` rows per checkpoint projection,
+ * and block p's B is zero outside its own output columns [columns[p], columns[p + 1]): the
+ * expand reads only those, so a packed product costs what its separate ones would. A rank below
+ * the slots' is zero-padded; a zero rank row's expand is skipped (it adds nothing).
+ *
+ * For each adapted row r of slot s: low = scaling[s] * (x_r . A_s^T) into float32 (the shrink,
+ * `shards * rank` dot products over `in`), then y_r[c] += sum_j low[j] * B_s[j][c] over the rank
+ * rows j of c's block (the expand), in float32, rounded to the storage dtype once when added to
+ * y. The rows are taken grouped by slot (a counting sort), so a thread's consecutive rows read
+ * the same adapter from cache; each row's sums run in one fixed order whatever else is in the
+ * call, so a row's result does not depend on the batch it is in, nor on the thread count.
+ */
+#include <stdlib.h>
+
+#include "kernels.h"
+
+#define WIDE 4 /* vectors per step of a dot product and of an expand: independent FMA chains */
+
+static inline vf vload_f32(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+static inline float hsum(vf v) {
+    float sum = 0.0f;
+    for (int i = 0; i < VL; i++) sum += v[i];
+    return sum;
+}
+
+/* rows with an adapter, grouped by slot in increasing order (order[0..count)), or -1 for a slot
+ * outside [0, slots) */
+static int64_t group_rows(const int32_t *row_slot, int64_t rows, int64_t slots, int64_t *order) {
+    int64_t *start = calloc((size_t)slots + 1, sizeof *start);
+    if (start == NULL) return -2;
+    for (int64_t r = 0; r < rows; r++) {
+        if (row_slot[r] >= slots) {
+            free(start);
+            return -1;
+        }
+        if (row_slot[r] >= 0) start[row_slot[r] + 1]++;
+    }
+    for (int64_t s = 0; s < slots; s++) start[s + 1] += start[s];
+    const int64_t count = start[slots];
+    for (int64_t r = 0; r < rows; r++)
+        if (row_slot[r] >= 0) order[start[row_slot[r]]++] = r;
+    free(start);
+    return count;
+}
+
+#define T float
+#define SUFFIX(name) name##_f32
+#define VLOAD(p) vload_f32(p)
+#define TO_F32(v) (v)
+#define FROM_F32(v) (v)
+#include "lora_bgmv_body.h"
+
+#define T uint16_t
+#define SUFFIX(name) name##_bf16
+#define VLOAD(p) vload_bf16(p)
+#define TO_F32(v) bf16_to_f32(v)
+#define FROM_F32(v) f32_to_bf16(v)
+#include "lora_bgmv_body.h"
