@@ -196,6 +196,12 @@ LORA_BGMV(lora_bgmv_bf16, uint16_t);
  *                          weight^T + bias, weight in GGUF blocks of ggml type qtype (one part
  *                          of a packed projection; bias: the part's)    quant_linear_<S>
  *   DECODE_SILU_AND_MUL    dst [n_out] = silu(src[:n_out]) * src[n_out:]  silu_and_mul_<S>
+ *   DECODE_GATE_UP         dst [n_out] = src [n_in] . weight^T, the plain product [gate | up] of
+ *                          the paired tiled gate/up weight (n_out = 2 I)  tiled_gate_up_<S>
+ *   DECODE_LORA            dst [n_out] += each row's LoRA adapter output for src [n_in] (src: the
+ *                          projection's input, dst: its output): weight = a, lora_b = b,
+ *                          lora_columns, lora_slots, lora_rank, lora_shards as lora_bgmv's; the
+ *                          step's row_slot and scaling at lora_slot / lora_scaling  lora_bgmv_<S>
  * Weights are the model's dtype, projections in the tiled layout or GGUF blocks; NULL for no
  * bias or no q/k norm; the KV pools unquantized, of the model's dtype.
  */
@@ -209,6 +215,8 @@ typedef enum {
     DECODE_GATE_UP_SILU,
     DECODE_QUANT_LINEAR,
     DECODE_SILU_AND_MUL,
+    DECODE_GATE_UP,
+    DECODE_LORA,
 } DecodeCode;
 
 /* the buffers every stack has: the embedded tokens (read only), the residual stream and the
@@ -226,6 +234,8 @@ typedef struct {
     void *key_pool, *value_pool;
     float eps, scale, soft_cap;
     int64_t n_in, n_out, heads, kv_heads, head_dim, block_size, window, split, qtype, column, columns;
+    const void *lora_b, *lora_columns, *lora_slot, *lora_scaling; /* DECODE_LORA's */
+    int64_t lora_slots, lora_rank, lora_shards;
 } DecodeOp;
 
 /*   decode_stack_<f32|bf16>(ops, num_ops, buffers, tokens, cos, sin, slots, tables, max_blocks,
