@@ -13,25 +13,45 @@
  * For each adapted row r of slot s: low = scaling[s] * (x_r . A_s^T) into float32 (the shrink,
  * `shards * rank` dot products over `in`), then y_r[c] += sum_j low[j] * B_s[j][c] over the rank
  * rows j of c's block (the expand), in float32, rounded to the storage dtype once when added to
- * y. The rows are taken grouped by slot (a counting sort), so a thread's consecutive rows read
- * the same adapter from cache; each row's sums run in one fixed order whatever else is in the
- * call, so a row's result does not depend on the batch it is in, nor on the thread count.
+ * y. The rows are grouped by slot (a counting sort) and computed up to GROUP rows of one slot at
+ * a time, each load of the adapter's weights shared by the group's rows (the adapters of a step
+ * can hold as many bytes as the base model: their reads, not their arithmetic, are the cost). Each
+ * (row, output) sum has its own accumulator, summed in one fixed order whatever the group, so a
+ * row's result does not depend on the batch it is in, nor on the thread count.
  */
 #include <stdlib.h>
 
 #include "kernels.h"
 
-#define WIDE 4 /* vectors per step of a dot product and of an expand: independent FMA chains */
+#define WIDE 4 /* vectors of output columns per step of an expand */
+#define GROUP 4 /* rows of one adapter computed together, sharing each load of its weights */
+#define SHRINK_ROWS_J 2 /* rank rows per step of a shrink of GROUP rows (8 independent sums) */
+#define SHRINK_ONE_J 8  /* rank rows per step of a shrink of one row */
 
 static inline vf vload_f32(const float *p) {
     vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
+/* p[0..VL) += v, rounded to the storage dtype once */
+static inline void vadd_f32(float *p, vf v) {
+    v += vload_f32(p);
+    memcpy(p, &v, sizeof v);
+}
+static inline void vadd_bf16(uint16_t *p, vf v) {
+    v += vload_bf16(p);
+    const vu u = (vu)v;
+    const vu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16; /* to nearest even, NaN to 0x7FC0 */
+    const vu16 h = __builtin_convertvector((vu)vselect(v != v, (vf)((vu){0} + 0x7FC0u), (vf)rounded), vu16);
+    memcpy(p, &h, sizeof h);
+}
+/* the lanes' sum, folded in halves: the same order for every row */
 static inline float hsum(vf v) {
-    float sum = 0.0f;
-    for (int i = 0; i < VL; i++) sum += v[i];
-    return sum;
+    float lanes[VL];
+    memcpy(lanes, &v, sizeof lanes);
+    for (int w = VL / 2; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) lanes[i] += lanes[i + w];
+    return lanes[0];
 }
 
 /* rows with an adapter, grouped by slot in increasing order (order[0..count)), or -1 for a slot
@@ -59,6 +79,7 @@ static int64_t group_rows(const int32_t *row_slot, int64_t rows, int64_t slots, 
 #define VLOAD(p) vload_f32(p)
 #define TO_F32(v) (v)
 #define FROM_F32(v) (v)
+#define VADD(p, v) vadd_f32(p, v)
 #include "lora_bgmv_body.h"
 
 #define T uint16_t
@@ -66,4 +87,5 @@ static int64_t group_rows(const int32_t *row_slot, int64_t rows, int64_t slots, 
 #define VLOAD(p) vload_bf16(p)
 #define TO_F32(v) bf16_to_f32(v)
 #define FROM_F32(v) f32_to_bf16(v)
+#define VADD(p, v) vadd_bf16(p, v)
 #include "lora_bgmv_body.h"
