@@ -23,8 +23,9 @@ MODULES = {
     "gate_up_proj": (64, {"gate_proj": 96, "up_proj": 96}),
     "down_proj": (96, {"down_proj": 64}),
 }
-#: each row's slot: three adapters, base rows (-1) between them, and slot 3 never used
-ROW_SLOTS = [-1, 0, 2, 1, 0, -1, 2, 2, 1]
+#: each row's slot: three adapters (five rows of slot 2: a group of four computed together, and
+#: one more), base rows (-1) between them, and slot 3 never used
+ROW_SLOTS = [-1, 0, 2, 1, 0, -1, 2, 2, 1, 2, 2]
 SCALING = torch.tensor([2.0, 0.5, 1.25, 3.0])
 
 
@@ -54,7 +55,7 @@ def _reference(x: torch.Tensor, y: torch.Tensor, slots: ModuleSlots) -> torch.Te
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rank", [8, 16, 64])
+@pytest.mark.parametrize("rank", [8, 12, 16, 64])  # 12: rank rows in blocks of 8 and a rest
 @pytest.mark.parametrize("name", list(MODULES))
 def test_each_row_gets_its_own_adapter(name, rank, dtype):
     slots = _module(name, rank, dtype)

@@ -45,13 +45,40 @@ static inline void vadd_bf16(uint16_t *p, vf v) {
     const vu16 h = __builtin_convertvector((vu)vselect(v != v, (vf)((vu){0} + 0x7FC0u), (vf)rounded), vu16);
     memcpy(p, &h, sizeof h);
 }
-/* the lanes' sum, folded in halves: the same order for every row */
+/* the lanes' sum, folded in halves (lane i plus lane i + w, w = VL / 2, ..., 1) */
 static inline float hsum(vf v) {
     float lanes[VL];
     memcpy(lanes, &v, sizeof lanes);
     for (int w = VL / 2; w > 0; w /= 2)
         for (int i = 0; i < w; i++) lanes[i] += lanes[i + w];
     return lanes[0];
+}
+
+/* out[i] = hsum(v[i]) for 8 vectors, bit for bit: on AVX-512 the same folds of all 8 at once, two
+ * vectors' halves side by side per add (a transposing reduction: 15 adds instead of 32) */
+static inline void hsum8(const vf v[8], float out[8]) {
+#if VL == 16
+    vf half[4], quarter[2];
+    for (int i = 0; i < 4; i++)
+        half[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                          22, 23) +
+                  __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                          29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        quarter[i] = __builtin_shufflevector(half[2 * i], half[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                             19, 24, 25, 26, 27) +
+                     __builtin_shufflevector(half[2 * i], half[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                             23, 28, 29, 30, 31);
+    const vf pairs = __builtin_shufflevector(quarter[0], quarter[1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24,
+                                             25, 28, 29) +
+                     __builtin_shufflevector(quarter[0], quarter[1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26,
+                                             27, 30, 31);
+    const vf sums = __builtin_shufflevector(pairs, pairs, 0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14) +
+                    __builtin_shufflevector(pairs, pairs, 1, 3, 5, 7, 9, 11, 13, 15, 1, 3, 5, 7, 9, 11, 13, 15);
+    memcpy(out, &sums, 8 * sizeof *out);
+#else
+    for (int i = 0; i < 8; i++) out[i] = hsum(v[i]);
+#endif
 }
 
 /* rows with an adapter, grouped by slot in increasing order (order[0..count)), or -1 for a slot

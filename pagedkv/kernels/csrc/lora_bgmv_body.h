@@ -25,9 +25,19 @@ static inline __attribute__((always_inline)) void SUFFIX(dots)(const T *const *x
             for (int r = 0; r < nr; r++) acc[r][q] += w * xv[r];
         }
     }
+    float sums[GROUP * SHRINK_ONE_J];
+    if (nr * nj == 8) {
+        vf flat[8];
+        for (int r = 0; r < nr; r++)
+            for (int q = 0; q < nj; q++) flat[r * nj + q] = acc[r][q];
+        hsum8(flat, sums);
+    } else {
+        for (int r = 0; r < nr; r++)
+            for (int q = 0; q < nj; q++) sums[r * nj + q] = hsum(acc[r][q]);
+    }
     for (int r = 0; r < nr; r++)
         for (int q = 0; q < nj; q++) {
-            float sum = hsum(acc[r][q]);
+            float sum = sums[r * nj + q];
             for (int64_t t = k; t < n_in; t++) sum += TO_F32(x[r][t]) * TO_F32(a[(j0 + q) * n_in + t]);
             low[r][j0 + q] = sum * scaling;
         }
