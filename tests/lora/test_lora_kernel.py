@@ -12,6 +12,7 @@ import torch
 from pagedkv.kernels.lora_bgmv import lora_bgmv
 from pagedkv.models import load_model
 from pagedkv.models.lora import LoRASlots, ModuleSlots
+from pagedkv.models.ops import LoRARows
 from pagedkv.models.step_program import StepProgram
 from tests.checkpoints import make_checkpoint
 from tests.models.paging import PagedBatch
@@ -83,6 +84,21 @@ def test_each_row_gets_its_own_adapter(name, rank, dtype):
             y[row : row + 1].clone(),
         )
         assert torch.equal(alone[0], got[row])
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_the_dense_product_off_the_kernel_gives_the_same_rows(name):
+    """Where the kernel does not run (float16 here, CUDA in the engine), :meth:`LoRARows.add`
+    is the dense product over every slot, each row masked to its own."""
+    slots = _module(name, 16, torch.float16)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(len(ROW_SLOTS), slots.a.shape[2], generator=gen).half()
+    y = torch.randn(len(ROW_SLOTS), slots.b.shape[2], generator=gen).half()
+    rows = LoRARows(torch.tensor(ROW_SLOTS, dtype=torch.int32), SCALING)
+    got = rows.add(x, slots.a, slots.b, slots.columns, y.clone())
+    torch.testing.assert_close(got.double(), _reference(x, y, slots), rtol=1e-2, atol=1e-2)
+    base = [row for row, slot in enumerate(ROW_SLOTS) if slot < 0]
+    assert torch.equal(got[base], y[base])
 
 
 def test_a_slot_outside_the_slots_is_refused():
