@@ -78,4 +78,4 @@ class PagedAdapterWeights:
         for layer, targets in enumerate(layers):
             for shard, (a, b) in targets.items():
                 slots.modules[layer, TARGETS[shard]].put(load.slot, shard, a, b)
-        slots.scale_table[load.slot, load.slot] = scaling
+        slots.scaling[load.slot] = scaling
