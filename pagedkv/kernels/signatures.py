@@ -69,7 +69,7 @@ _FAMILIES: tuple[tuple[str, tuple[str, ...], Signature], ...] = (
     (
         "decode_stack",
         _TILED,
-        Signature(INT, (ADDRESS, I64, ADDRESS, I64) + (ADDRESS,) * 4 + (I64,) + (ADDRESS,) * 4),
+        Signature(INT, (ADDRESS, I64, ADDRESS, I64) + (ADDRESS,) * 9),
     ),
 )
 
@@ -119,3 +119,4 @@ class DecodeOp(ctypes.Structure):
     _fields_ += _fields(
         I64, "n_in n_out heads kv_heads head_dim block_size window split qtype column columns"
     )
+    _fields_ += _fields(I64, "group")

@@ -23,7 +23,9 @@ run in the program). Generated rows are decodes and, with speculative decoding, 
 rows of a sequence verifying ``k`` proposed tokens: the row kernel takes any number of rows per
 sequence, each attending its sequence up to its own position
 (:func:`~pagedkv.attention.backends.cpu_rows.generated_rows`, the rows the program's prefill
-attention gives the same kernel). Like the program, it reads each projection's weight as its
+attention gives the same kernel). With KV groups (hybrid paging) a layer's KV write and
+attention records name its group, and the step passes every group's slots and block tables,
+as each op of the program reads its group's metadata. Like the program, it reads each projection's weight as its
 module holds it at every step: a replaced weight is lowered again (or, no longer tiled, leaves
 the steps to the program).
 """
@@ -100,8 +102,9 @@ class _Lowering:
         return weight if weight.dim() == 1 and weight.dtype == self.dtype else None
 
     def pools(self, kv_layer: int, kv_heads: int, head_dim: int) -> dict[str, Any] | str:
-        """The layer's key and value pools and block size as record fields, or why the C cannot
-        use them (it takes unquantized, contiguous pools of the model's dtype and heads)."""
+        """The layer's key and value pools, block size and KV group (whose slots and block tables
+        it reads) as record fields, or why the C cannot use them (it takes unquantized,
+        contiguous pools of the model's dtype and heads)."""
         if self.kv_cache is None:
             return {}
         kv = self.kv_cache.layers[kv_layer]
@@ -111,7 +114,8 @@ class _Lowering:
             return "a KV cache of other heads"
         if not (kv.key.is_contiguous() and kv.value.is_contiguous()):
             return "a KV cache that is not contiguous"
-        return {"key_pool": kv.key.data_ptr(), "value_pool": kv.value.data_ptr(), "block_size": kv.block_size}
+        pools = {"key_pool": kv.key.data_ptr(), "value_pool": kv.value.data_ptr()}
+        return pools | {"block_size": kv.block_size, "group": kv.group}
 
     def split(self, window: int, heads: int, head_dim: int) -> int:
         key = (window, heads, head_dim)
@@ -318,6 +322,8 @@ class DecodeStack:
         lowered = _lower(self.ops, low) is None
         self._records = (DecodeOp * len(low.records))(*low.records) if lowered else None
         self._kv_cache, self._parameters, self._bound = kv_cache, low.parameters, low.weights
+        groups = kv_cache.num_groups
+        self._slots, self._tables, self._widths = (ADDRESS * groups)(), (ADDRESS * groups)(), (I64 * groups)()
 
     def run(
         self,
@@ -332,8 +338,8 @@ class DecodeStack:
         tokens = x.shape[0]
         if not 0 < tokens <= BUFFER_ROWS or per_call_checks() or x.dtype != self.dtype:
             return None
-        if x.device.type != "cpu" or metadata.groups is not None:
-            return None  # (KV groups: a table per group, the C stack reads one per step)
+        if x.device.type != "cpu":
+            return None
         rows = cpu_rows.generated_rows(metadata)
         if rows is None or rows.row_seq.shape[0] != tokens:
             return None
@@ -342,12 +348,9 @@ class DecodeStack:
         )
         if kv_cache is not self._kv_cache or replaced:
             self._bind(kv_cache)
-        if self._records is None:
+        if self._records is None or cos.dtype != self.dtype:
             return None
-        slots = metadata.slot_mapping
-        if slots.dtype != torch.int64 or cos.dtype != self.dtype:
-            return None
-        if not (cos.is_contiguous() and sin.is_contiguous()):
+        if not (cos.is_contiguous() and sin.is_contiguous() and self._group_tables(rows, metadata)):
             return None
         for i, (window, heads, head_dim) in enumerate(self._splits):
             self._threads[i], self._chunks[i] = cpu_rows.split_work(rows.total(window), heads, head_dim)
@@ -362,9 +365,9 @@ class DecodeStack:
             tokens,
             cos.data_ptr(),
             sin.data_ptr(),
-            slots.data_ptr(),
-            rows.tables.data_ptr(),
-            rows.tables.shape[1],
+            self._slots,
+            self._tables,
+            self._widths,
             rows.row_seq.data_ptr(),
             rows.row_pos.data_ptr(),
             self._chunks,
@@ -375,6 +378,20 @@ class DecodeStack:
         if status:
             raise RuntimeError(f"the decode stack stopped with status {status}")
         return out
+
+    def _group_tables(self, rows: cpu_rows.KernelRows, metadata: AttentionMetadata) -> bool:
+        """Point the bound per-group arrays at each KV group's slots and block tables for the
+        step (group 0's rows are ``rows``; without groups in the metadata every group reads
+        its tables); False when a group's slots are not the int64 the C reads."""
+        for group in range(len(self._slots)):
+            of_group = metadata.of_group(group)
+            group_rows = rows if of_group is metadata else cpu_rows.generated_rows(of_group)
+            slots = of_group.slot_mapping
+            if group_rows is None or slots.dtype != torch.int64 or not slots.is_contiguous():
+                return False
+            self._slots[group], self._tables[group] = slots.data_ptr(), group_rows.tables.data_ptr()
+            self._widths[group] = group_rows.tables.shape[1]
+        return True
 
 
 def decode_stack(model: nn.Module, ops: tuple[Op, ...], dtype: torch.dtype) -> DecodeStack | None:

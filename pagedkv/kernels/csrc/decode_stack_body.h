@@ -6,8 +6,9 @@
  */
 
 int SUFFIX(decode_stack)(const DecodeOp *ops, int64_t num_ops, void *const *buffers, int64_t tokens,
-                         const T *cos, const T *sin, const int64_t *slots, const int32_t *tables,
-                         int64_t max_blocks, const int32_t *row_seq, const int32_t *row_pos,
+                         const T *cos, const T *sin, const int64_t *const *slots,
+                         const int32_t *const *tables, const int64_t *max_blocks, const int32_t *row_seq,
+                         const int32_t *row_pos,
                          const int64_t *chunks, const int64_t *threads) {
     T *residual = buffers[DECODE_RESIDUAL];
     for (int64_t i = 0; i < num_ops; i++) {
@@ -29,12 +30,12 @@ int SUFFIX(decode_stack)(const DecodeOp *ops, int64_t num_ops, void *const *buff
             break;
         case DECODE_ROTARY_WRITE_KV:
             SUFFIX(rotary_write_kv)(src, dst, cos, sin, op->q_norm, op->k_norm, op->eps, op->key_pool,
-                                    op->value_pool, slots, tokens, op->heads, op->kv_heads, op->head_dim);
+                                    op->value_pool, slots[op->group], tokens, op->heads, op->kv_heads, op->head_dim);
             break;
         case DECODE_ATTEND:
-            if (SUFFIX(paged_attention_rows)(src, op->key_pool, op->value_pool, NULL, NULL, tables, row_seq,
+            if (SUFFIX(paged_attention_rows)(src, op->key_pool, op->value_pool, NULL, NULL, tables[op->group], row_seq,
                                              row_pos, dst, tokens, op->heads, op->kv_heads, op->head_dim,
-                                             op->block_size, max_blocks, op->scale, op->window, op->soft_cap,
+                                             op->block_size, max_blocks[op->group], op->scale, op->window, op->soft_cap,
                                              chunks[op->split], (int)threads[op->split]))
                 return 1;
             break;

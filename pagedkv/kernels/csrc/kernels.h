@@ -210,6 +210,7 @@ typedef struct {
     void *key_pool, *value_pool;
     float eps, scale, soft_cap;
     int64_t n_in, n_out, heads, kv_heads, head_dim, block_size, window, split, qtype, column, columns;
+    int64_t group; /* the KV group whose slots and block tables the layer's KV ops read */
 } DecodeOp;
 
 /*   decode_stack_<f32|bf16>(ops, num_ops, buffers, tokens, cos, sin, slots, tables, max_blocks,
@@ -217,16 +218,19 @@ typedef struct {
  *       -> 0; 1 when a kernel could not allocate its workspace; 2 for an unknown opcode or
  *       quantized type
  *       runs ops[0..num_ops) in order on buffers (each room for `tokens` rows of its width);
- *       cos / sin / slots as rotary_write_kv's; tables / row_seq / row_pos as
- *       paged_attention_rows' (one row per generated token); chunks / threads per split
+ *       cos / sin as rotary_write_kv's; slots, tables and max_blocks per KV group (a record
+ *       reads its `group`'s): the group's slots as rotary_write_kv's, its block tables
+ *       [num_seqs, max_blocks] as paged_attention_rows'; row_seq / row_pos as
+ *       paged_attention_rows' (one row per generated token, the same in every group);
+ *       chunks / threads per split
  */
 int decode_stack_f32(const DecodeOp *ops, int64_t num_ops, void *const *buffers, int64_t tokens,
-                     const float *cos, const float *sin, const int64_t *slots, const int32_t *tables,
-                     int64_t max_blocks, const int32_t *row_seq, const int32_t *row_pos,
-                     const int64_t *chunks, const int64_t *threads);
+                     const float *cos, const float *sin, const int64_t *const *slots,
+                     const int32_t *const *tables, const int64_t *max_blocks, const int32_t *row_seq,
+                     const int32_t *row_pos, const int64_t *chunks, const int64_t *threads);
 int decode_stack_bf16(const DecodeOp *ops, int64_t num_ops, void *const *buffers, int64_t tokens,
-                      const uint16_t *cos, const uint16_t *sin, const int64_t *slots, const int32_t *tables,
-                      int64_t max_blocks, const int32_t *row_seq, const int32_t *row_pos,
-                      const int64_t *chunks, const int64_t *threads);
+                      const uint16_t *cos, const uint16_t *sin, const int64_t *const *slots,
+                      const int32_t *const *tables, const int64_t *max_blocks, const int32_t *row_seq,
+                      const int32_t *row_pos, const int64_t *chunks, const int64_t *threads);
 
 #endif
