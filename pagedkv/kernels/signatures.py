@@ -45,9 +45,12 @@ _FAMILIES: tuple[tuple[str, tuple[str, ...], Signature], ...] = (
     (
         "rotary_write_kv",
         _LAYER,
-        Signature(None, (ADDRESS,) * 6 + (F32, ADDRESS, ADDRESS, ADDRESS) + (I64,) * 4),
+        Signature(None, (ADDRESS,) * 6 + (F32, ADDRESS, ADDRESS, ADDRESS) + (I64,) * 5),
     ),
     ("layer_ops_max_head_dim", (), Signature(I64, ())),
+    ("offset_rms_norm", _LAYER, Signature(None, (ADDRESS, ADDRESS, ADDRESS, I64, I64, F32))),
+    ("add_offset_rms_norm", _LAYER, Signature(None, (ADDRESS, ADDRESS, ADDRESS, I64, I64, F32))),
+    ("gelu_tanh_and_mul", _LAYER, Signature(None, (ADDRESS, ADDRESS, I64, I64))),
     # tiled_gemm.c
     ("tiled_linear", _TILED, Signature(INT, (ADDRESS,) * 4 + (I64,) * 3)),
     ("tiled_gate_up", _TILED, Signature(INT, (ADDRESS,) * 3 + (I64,) * 3 + (INT,))),
@@ -98,6 +101,10 @@ class DecodeCode(enum.IntEnum):
     GATE_UP_SILU = 6
     QUANT_LINEAR = 7
     SILU_AND_MUL = 8
+    OFFSET_NORM = 9
+    ADD_OFFSET_NORM = 10
+    GATE_UP = 11
+    GELU_TANH_AND_MUL = 12
 
 
 class DecodeBuffer(enum.IntEnum):
@@ -119,4 +126,4 @@ class DecodeOp(ctypes.Structure):
     _fields_ += _fields(
         I64, "n_in n_out heads kv_heads head_dim block_size window split qtype column columns"
     )
-    _fields_ += _fields(I64, "group")
+    _fields_ += _fields(I64, "group offset rope")

@@ -53,7 +53,7 @@ class StepProgram:
         """The final hidden states for the embedded tokens ``x [T, hidden]`` (of the rows
         ``batch.output_rows`` only, when given)."""
         if self.stack is not None and batch.output_rows is None and batch.lora is None:
-            hidden = self.stack.run(x, batch.cos, batch.sin, batch.kv_cache, batch.metadata)
+            hidden = self.stack.run(x, batch)
             if hidden is not None:
                 return hidden
         residual = None
