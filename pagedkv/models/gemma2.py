@@ -81,7 +81,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     :class:`LlamaForCausalLM` runs its op list (which also builds Gemma 3's local rotary)."""
 
     decoder_class = Gemma2Model
-    supports_tensor_parallel = False
 
     def decoder_ops(self) -> DecoderOps:
         """Every layer's ops, then the final norm (which adds the last layer's output)."""

@@ -17,7 +17,6 @@ from pagedkv.models import load_model
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.gemma2 import Gemma2ForCausalLM
 from pagedkv.models.layer_ops import TORCH_OPS
-from pagedkv.models.parallel import TensorParallel
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint, to_v4_config
 
 from .paging import PagedBatch
@@ -198,12 +197,6 @@ def test_q8_0_on_load_tracks_the_float_model(tmp_path):
     got = PagedBatch(q8, max(PROMPT_LENS), len(seqs)).step(seqs)
     for g, w in zip(got, want, strict=True):
         assert 0 < (g - w).abs().max().item() < 0.05 * w.std().item()
-
-
-def test_tensor_parallelism_is_refused(tmp_path):
-    path = make_checkpoint(tmp_path, "gemma2", **GEMMA2)
-    with pytest.raises(ValueError, match="tensor parallelism does not cover Gemma2ForCausalLM"):
-        load_model(path, tensor_parallel=TensorParallel(0, 2))
 
 
 # -- Gemma 3 (text): the same module with q/k norms, no caps, a local RoPE base ------------------
