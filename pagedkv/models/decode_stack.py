@@ -365,6 +365,7 @@ class DecodeStack:
             raise RuntimeError(f"the decode stack stopped with status {status}")
         return out
 
+
 def decode_stack(model: nn.Module, ops: tuple[Op, ...], dtype: torch.dtype) -> DecodeStack | None:
     """The C decode stack of ``model``'s ops in order
     (:meth:`~pagedkv.models.ops.DecoderOps.sequence`) for activations of ``dtype``, or None when

@@ -11,7 +11,15 @@
  *   ROUND(x)     each lane rounded to T and back, as torch rounds after each op
  */
 
-#include "layer_ops_gemma_body.h" /* Gemma's norms and GeGLU */
+/* residual = round(x + residual), kept as float32 in row too: the adding norms' first half */
+static inline void SUFFIX(add_residual_row)(const T *x, T *residual, float *row, int64_t n) {
+    for (int64_t i = 0; i < n; i += VL) {
+        const int64_t m = chunk(n, i);
+        const vf sum = ROUND(LOAD(x + i, m) + LOAD(residual + i, m));
+        STORE(residual + i, sum, m);
+        store_f32(row + i, sum, m);
+    }
+}
 
 /* out = round(round(x * scale) * w): transformers' RMSNorm (cast back, then the weight). */
 static inline void SUFFIX(norm_row)(const float *x, T *out, const T *w, int64_t n, float eps) {
@@ -27,28 +35,36 @@ static inline void SUFFIX(to_f32)(const T *x, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i += VL) store_f32(out + i, LOAD(x + i, chunk(n, i)), chunk(n, i));
 }
 
-void SUFFIX(rms_norm)(const T *x, T *out, const T *w, int64_t rows, int64_t n, float eps) {
+#include "layer_ops_gemma_body.h" /* Gemma's norms and GeGLU */
+
+/* each row of x normed into out: Llama's norm, or Gemma's 1 + weight one when offset; with
+ * add, x is first added to the residual and normed in place */
+static inline void SUFFIX(norm_rows)(T *x, T *out, T *residual, const T *w, int64_t rows, int64_t n, float eps,
+                                     int offset) {
 #pragma omp parallel for if (rows * n >= GRAIN)
     for (int64_t r = 0; r < rows; r++) {
         float row[n];
-        SUFFIX(to_f32)(x + r * n, row, n);
-        SUFFIX(norm_row)(row, out + r * n, w, n, eps);
+        if (residual) SUFFIX(add_residual_row)(x + r * n, residual + r * n, row, n);
+        else SUFFIX(to_f32)(x + r * n, row, n);
+        if (offset) SUFFIX(offset_norm_row)(row, out + r * n, w, n, eps);
+        else SUFFIX(norm_row)(row, out + r * n, w, n, eps);
     }
 }
 
+void SUFFIX(rms_norm)(const T *x, T *out, const T *w, int64_t rows, int64_t n, float eps) {
+    SUFFIX(norm_rows)((T *)x, out, NULL, w, rows, n, eps, 0);
+}
+
 void SUFFIX(add_rms_norm)(T *x, T *residual, const T *w, int64_t rows, int64_t n, float eps) {
-#pragma omp parallel for if (rows * n >= GRAIN)
-    for (int64_t r = 0; r < rows; r++) {
-        T *xr = x + r * n, *res = residual + r * n;
-        float row[n];
-        for (int64_t i = 0; i < n; i += VL) {
-            const int64_t m = chunk(n, i);
-            const vf sum = ROUND(LOAD(xr + i, m) + LOAD(res + i, m));
-            STORE(res + i, sum, m);
-            store_f32(row + i, sum, m);
-        }
-        SUFFIX(norm_row)(row, xr, w, n, eps);
-    }
+    SUFFIX(norm_rows)(x, x, residual, w, rows, n, eps, 0);
+}
+
+void SUFFIX(offset_rms_norm)(const T *x, T *out, const T *w, int64_t rows, int64_t n, float eps) {
+    SUFFIX(norm_rows)((T *)x, out, NULL, w, rows, n, eps, 1);
+}
+
+void SUFFIX(add_offset_rms_norm)(T *x, T *residual, const T *w, int64_t rows, int64_t n, float eps) {
+    SUFFIX(norm_rows)(x, x, residual, w, rows, n, eps, 1);
 }
 
 void SUFFIX(silu_and_mul_rows)(const T *gate_up, T *out, int64_t rows, int64_t n, int64_t out_stride) {

@@ -1,7 +1,8 @@
 /*
  * Gemma's element-wise ops for one storage dtype, included by layer_ops_body.h (the names it is
- * given -- T, SUFFIX, LOAD, STORE, ROUND -- and the helpers of layer_ops.c are its). Entry points
- * and arguments: kernels.h.
+ * given -- T, SUFFIX, LOAD, STORE, ROUND -- and the helpers of layer_ops.c are its): the row of
+ * its RMSNorm, which layer_ops_body.h's norm entries run, and GeGLU. Entry points and
+ * arguments: kernels.h.
  *
  * Gemma's RMSNorm multiplies by 1 + weight in float32 and rounds once (transformers'
  * Gemma2RMSNorm), where Llama's rounds the normed row before the weight; its MLP is GeGLU with
@@ -15,30 +16,6 @@ static inline void SUFFIX(offset_norm_row)(const float *x, T *out, const T *w, i
     for (int64_t i = 0; i < n; i += VL) {
         const int64_t m = chunk(n, i);
         STORE(out + i, ROUND(load_f32(x + i, m) * scale * (1.0f + LOAD(w + i, m))), m);
-    }
-}
-
-void SUFFIX(offset_rms_norm)(const T *x, T *out, const T *w, int64_t rows, int64_t n, float eps) {
-#pragma omp parallel for if (rows * n >= GRAIN)
-    for (int64_t r = 0; r < rows; r++) {
-        float row[n];
-        for (int64_t i = 0; i < n; i += VL) store_f32(row + i, LOAD(x + r * n + i, chunk(n, i)), chunk(n, i));
-        SUFFIX(offset_norm_row)(row, out + r * n, w, n, eps);
-    }
-}
-
-void SUFFIX(add_offset_rms_norm)(T *x, T *residual, const T *w, int64_t rows, int64_t n, float eps) {
-#pragma omp parallel for if (rows * n >= GRAIN)
-    for (int64_t r = 0; r < rows; r++) {
-        T *xr = x + r * n, *res = residual + r * n;
-        float row[n];
-        for (int64_t i = 0; i < n; i += VL) {
-            const int64_t m = chunk(n, i);
-            const vf sum = ROUND(LOAD(xr + i, m) + LOAD(res + i, m));
-            STORE(res + i, sum, m);
-            store_f32(row + i, sum, m);
-        }
-        SUFFIX(offset_norm_row)(row, xr, w, n, eps);
     }
 }
 
