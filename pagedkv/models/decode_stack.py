@@ -72,11 +72,16 @@ class _Lowering:
         self.weights: list[torch.Tensor] = []
         #: (sliding window, heads, head_dim) of each attention split computed per step
         self.splits: list[tuple[int, int, int]] = []
+        #: what records point into besides the weights (an experts' weight table): held
+        self.held: list[Any] = []
 
     def lower(self, op: Op) -> str | None:
         """Append ``op``'s records, or say why it has none."""
         lowering = _LOWERINGS.get(type(op))
-        return f"no C form for {type(op).__name__}" if lowering is None else lowering(op, self)
+        if lowering is not None:
+            return lowering(op, self)
+        own = getattr(op, "decode_lowering", None)  # an op defined with its family (RouteExperts)
+        return f"no C form for {type(op).__name__}" if own is None else own(self)
 
     def emit(self, code: DecodeCode, width: int, dst: int | None = None, **fields: Any) -> None:
         """Append a record reading ``current`` and writing ``dst`` (a new working buffer of
@@ -317,6 +322,7 @@ class DecodeStack:
         lowered = _lower(self.ops, low) is None
         self._records = (DecodeOp * len(low.records))(*low.records) if lowered else None
         self._kv_cache, self._parameters, self._bound = kv_cache, low.parameters, low.weights
+        self._held = low.held
         self._tables = StepTables(self.dtype, kv_cache.num_groups, low.local_rope)
 
     def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:

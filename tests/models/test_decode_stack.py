@@ -19,6 +19,7 @@ from tests.checkpoints import make_checkpoint
 
 from .paging import PagedBatch
 from .test_gemma2 import GEMMA2, GEMMA3
+from .test_moe import MIXTRAL, QWEN3MOE
 
 
 def _with_stack(model) -> tuple[object, list[bool]]:
@@ -53,6 +54,8 @@ def _without_stack(model) -> None:
         ("llama", {"num_key_value_heads": 4}),  # one query head per KV head
         ("gemma2", GEMMA2),  # offset norms, sandwich norms, GeGLU, soft-capped attention
         ("gemma3", GEMMA3),  # offset q/k norms, the sliding layers' own rotary table
+        ("mixtral", MIXTRAL),  # the routed experts: float32 weights
+        ("qwen3moe", QWEN3MOE),  # renormalised top-3, weights in the model's dtype
     ],
 )
 def test_the_stack_gives_the_programs_hidden_states_bit_for_bit(tmp_path, dtype, arch, overrides):

@@ -64,6 +64,11 @@ int SUFFIX(decode_stack)(const DecodeOp *ops, int64_t num_ops, void *const *buff
         case DECODE_GELU_TANH_AND_MUL:
             SUFFIX(gelu_tanh_and_mul)(src, dst, tokens, op->n_out);
             break;
+        case DECODE_MOE_EXPERTS:
+            if (SUFFIX(moe_experts)(src, op->weight, dst, tokens, op->n_in, op->experts, op->top_k, op->expert_rows,
+                                    op->moe_flags))
+                return 1;
+            break;
         default:
             return 2;
         }

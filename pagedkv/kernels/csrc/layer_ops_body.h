@@ -126,6 +126,10 @@ void SUFFIX(rotary_write_kv)(const T *qkv, T *q_out, const T *cos, const T *sin,
     }
 }
 
+#ifdef MOE
+#include "layer_ops_moe_body.h" /* the routed experts (dtypes with a tiled GEMM) */
+#undef MOE
+#endif
 
 #undef T
 #undef SUFFIX
