@@ -51,7 +51,7 @@ _FAMILIES: tuple[tuple[str, tuple[str, ...], Signature], ...] = (
     ("offset_rms_norm", _LAYER, Signature(None, (ADDRESS, ADDRESS, ADDRESS, I64, I64, F32))),
     ("add_offset_rms_norm", _LAYER, Signature(None, (ADDRESS, ADDRESS, ADDRESS, I64, I64, F32))),
     ("gelu_tanh_and_mul", _LAYER, Signature(None, (ADDRESS, ADDRESS, I64, I64))),
-    ("moe_experts", _TILED, Signature(INT, (ADDRESS,) * 3 + (I64,) * 6)),
+    ("moe_experts", _TILED, Signature(INT, (ADDRESS,) * 3 + (I64,) * 7)),
     # tiled_gemm.c
     ("tiled_linear", _TILED, Signature(INT, (ADDRESS,) * 4 + (I64,) * 3)),
     ("tiled_gate_up", _TILED, Signature(INT, (ADDRESS,) * 3 + (I64,) * 3 + (INT,))),
@@ -129,4 +129,4 @@ class DecodeOp(ctypes.Structure):
         I64, "n_in n_out heads kv_heads head_dim block_size window split qtype column columns"
     )
     _fields_ += _fields(I64, "group offset rope")
-    _fields_ += _fields(I64, "experts top_k expert_rows moe_flags")
+    _fields_ += _fields(I64, "experts top_k expert_rows shared_rows moe_flags")

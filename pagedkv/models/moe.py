@@ -47,7 +47,7 @@ from pagedkv.models.config import ModelConfig
 from pagedkv.models.linear import GateUpLinear, Linear
 from pagedkv.models.llama import MLP, Attention, LlamaForCausalLM, LlamaModel, RMSNorm, attention_ops
 from pagedkv.models.moe_config import MoeConfig
-from pagedkv.models.moe_native import flags, native_experts, weight_table
+from pagedkv.models.moe_native import expert_rows, flags, native_experts, weight_table
 from pagedkv.models.ops import ForwardBatch, GateUpAct, Op, Project, Stream
 
 #: a gated MLP's checkpoint names: (gate, up, down)
@@ -146,9 +146,10 @@ class RouteExperts(Op):
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         out = None if self.all_reduce is not None else native_experts(x, self.block, self.moe)
-        if out is None:
-            experts, weights = route(self.router.run(x, None, batch)[0], self.moe)
-            out = self.grouped(x, experts, weights, batch)
+        if out is not None:  # the routed and the shared experts, in C
+            return out, residual
+        experts, weights = route(self.router.run(x, None, batch)[0], self.moe)
+        out = self.grouped(x, experts, weights, batch)
         if self.shared is not None:
             gate, mlp = self.shared
             scale = torch.sigmoid(gate.run(x, None, batch)[0])
@@ -161,8 +162,6 @@ class RouteExperts(Op):
         """The C decode stack's record of the routed experts (the kernel the CPU program calls:
         :mod:`pagedkv.models.moe_native`), reading the weights through ``low`` (the stack's
         lowering state), or why there is none."""
-        if self.shared is not None:
-            return "a shared expert"
         if self.all_reduce is not None:
             return "tensor-parallel shards"
         table = weight_table(self.block, low.dtype, low.tiled)
@@ -170,9 +169,8 @@ class RouteExperts(Op):
             return "experts not on the tiled kernel"
         low.held.append(table)
         moe, width = self.moe, low.widths[low.current]
-        rows = self.block.experts[0].gate_up_proj.out_features // 2
-        fields = {"experts": moe.num_experts, "top_k": moe.top_k, "expert_rows": rows}
-        fields["moe_flags"] = flags(moe)
+        fields = {"experts": moe.num_experts, "top_k": moe.top_k, "moe_flags": flags(moe)}
+        fields["expert_rows"], fields["shared_rows"] = expert_rows(self.block)
         low.emit(DecodeCode.MOE_EXPERTS, width, weight=ctypes.addressof(table), n_in=width, **fields)
         return None
 

@@ -1,14 +1,14 @@
 """A mixture of experts' routed MLP as one call into C on the CPU (``moe_experts_<S>``, in
 ``pagedkv/kernels/csrc/layer_ops_moe_body.h``), for the step program and the C decode stack.
 
-The kernel computes what :meth:`~pagedkv.models.moe.RouteExperts.grouped` computes, in its
-order -- the router's logits, the float32 softmax and top-k, the (row, expert) pairs grouped by
-expert, each expert once over its rows on the tiled kernels, the weighted products added into
-their rows expert by expert -- in one call instead of a dozen torch calls per expert. It takes
-weights in the tiled layout of the activations' dtype (float32, bfloat16): the router's, each
-expert's paired gate/up and its down projection. Both paths call it on the same data, so the
-stack's hidden states are the program's bit for bit; the softmax's ``exp`` is libm's, so the
-routing weights may differ from torch's in their last float32 bit.
+The kernel computes what :meth:`~pagedkv.models.moe.RouteExperts.run` computes, in its order --
+the router's logits, the float32 softmax and top-k, the (row, expert) pairs grouped by expert,
+each expert once over its rows on the tiled kernels, the weighted products added into their
+rows expert by expert, then the shared expert scaled by ``sigmoid`` of its gate -- in one call
+instead of a dozen torch calls per expert. It takes weights in the tiled layout of the
+activations' dtype (float32, bfloat16). Both paths call it on the same data, so the stack's
+hidden states are the program's bit for bit; its ``exp`` is libm's, so the routing weights may
+differ from torch's in their last float32 bit.
 """
 
 from __future__ import annotations
@@ -36,6 +36,14 @@ def flags(moe: MoeConfig) -> int:
     return RENORMALIZE * moe.renormalize + FLOAT32_WEIGHTS * moe.float32_weights
 
 
+def expert_rows(block: Any) -> tuple[int, int]:
+    """The intermediate rows of ``block``'s routed experts and of its shared one (0: none)."""
+    shared = getattr(block, "shared_expert", None)
+    return block.experts[
+        0
+    ].gate_up_proj.out_features // 2, 0 if shared is None else shared.gate_up_proj.out_features // 2
+
+
 def _tiled(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
     weight = linear._parameters["weight"]
     return weight if weight.dim() == 1 and weight.dtype == dtype else None
@@ -45,17 +53,22 @@ def weight_table(
     block: Any, dtype: torch.dtype, tiled: Callable[[nn.Module], torch.Tensor | None] | None = None
 ) -> ctypes.Array | None:
     """The kernel's ``weights`` for ``block`` (a :class:`~pagedkv.models.moe.SparseMoeBlock`):
-    the router's tiled weight, then each expert's gate/up and down, as read by ``tiled`` (the
+    the router's tiled weight, then each expert's gate/up and down (then, with a shared expert,
+    its one-logit gate, gate/up and down), as read by ``tiled`` (the
     weight in the tiled layout of ``dtype``, or None); None when one is not (a quantized or
     tensor-parallel projection, another kernel)."""
     tiled = tiled or (lambda linear: _tiled(linear, dtype))
     linears: list[nn.Module] = [block.gate]
-    for expert in block.experts:
+    shared = getattr(block, "shared_expert", None)
+    for i, expert in enumerate([*block.experts, *([] if shared is None else [shared])]):
         gate_up, down = expert.gate_up_proj, getattr(expert, expert.down_name)
         if type(gate_up) is not GateUpLinear or not gate_up.paired or not isinstance(down, Linear):
             return None
+        if i == len(block.experts):  # the shared expert: its gate first
+            linears.append(block.shared_expert_gate)
         linears += [gate_up, down]
-    if not isinstance(block.gate, Linear) or any(linear.bias is not None for linear in linears):
+    routers = [block.gate, *([] if shared is None else [block.shared_expert_gate])]
+    if not all(isinstance(r, Linear) for r in routers) or any(linear.bias is not None for linear in linears):
         return None
     weights = [tiled(linear) for linear in linears]
     if any(weight is None for weight in weights):
@@ -79,8 +92,7 @@ def native_experts(x: torch.Tensor, block: Any, moe: MoeConfig) -> torch.Tensor 
         return None
     x = x.contiguous()
     out = torch.empty_like(x)
-    rows = block.experts[0].gate_up_proj.out_features // 2
-    args = (x.shape[0], x.shape[1], moe.num_experts, moe.top_k, rows, flags(moe))
+    args = (x.shape[0], x.shape[1], moe.num_experts, moe.top_k, *expert_rows(block), flags(moe))
     if entry(x.data_ptr(), table, out.data_ptr(), *args):
         raise MemoryError("the experts kernel could not allocate its workspace")
     return out

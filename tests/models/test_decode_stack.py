@@ -19,7 +19,7 @@ from tests.checkpoints import make_checkpoint
 
 from .paging import PagedBatch
 from .test_gemma2 import GEMMA2, GEMMA3
-from .test_moe import MIXTRAL, QWEN3MOE
+from .test_moe import MIXTRAL, QWEN2MOE, QWEN3MOE
 
 
 def _with_stack(model) -> tuple[object, list[bool]]:
@@ -56,6 +56,7 @@ def _without_stack(model) -> None:
         ("gemma3", GEMMA3),  # offset q/k norms, the sliding layers' own rotary table
         ("mixtral", MIXTRAL),  # the routed experts: float32 weights
         ("qwen3moe", QWEN3MOE),  # renormalised top-3, weights in the model's dtype
+        ("qwen2moe", QWEN2MOE),  # the gated shared expert, a dense layer
     ],
 )
 def test_the_stack_gives_the_programs_hidden_states_bit_for_bit(tmp_path, dtype, arch, overrides):

@@ -66,7 +66,7 @@ int SUFFIX(decode_stack)(const DecodeOp *ops, int64_t num_ops, void *const *buff
             break;
         case DECODE_MOE_EXPERTS:
             if (SUFFIX(moe_experts)(src, op->weight, dst, tokens, op->n_in, op->experts, op->top_k, op->expert_rows,
-                                    op->moe_flags))
+                                    op->shared_rows, op->moe_flags))
                 return 1;
             break;
         default:

@@ -86,11 +86,14 @@ GELU_TANH_AND_MUL(gelu_tanh_and_mul_f16, _Float16);
 #endif
 int64_t layer_ops_max_head_dim(void);
 /* A mixture of experts' routed MLP (layer_ops_moe_body.h), float32 and bfloat16:
- *   moe_experts_<f32|bf16>(x, weights, out, tokens, hidden, num_experts, top_k, rows, flags)
+ *   moe_experts_<f32|bf16>(x, weights, out, tokens, hidden, num_experts, top_k, rows, shared_rows,
+ *                          flags)
  *       -> 0, or 1 without memory
  *       out [tokens, hidden] = sum over each row's top_k experts of weight * expert(x [tokens,
  *       hidden]); weights: the router's tiled [num_experts, hidden] weight, then each expert's
- *       paired tiled gate/up [2 rows, hidden] and tiled down [hidden, rows]; flags:
+ *       paired tiled gate/up [2 rows, hidden] and tiled down [hidden, rows]; with shared_rows > 0
+ *       the shared expert's one-logit gate [1, hidden], gate/up and down, its output scaled by
+ *       sigmoid(gate) and added to every row; flags:
  *       MOE_RENORMALIZE (the top-k weights divided by their sum), MOE_FLOAT32_WEIGHTS (not
  *       rounded to the storage dtype)
  */
@@ -98,7 +101,7 @@ int64_t layer_ops_max_head_dim(void);
 #define MOE_FLOAT32_WEIGHTS 2
 #define MOE_EXPERTS(name, T)                                                                            \
     int name(const T *x, const void *const *weights, T *out, int64_t tokens, int64_t hidden,            \
-             int64_t num_experts, int64_t top_k, int64_t rows, int64_t flags)
+             int64_t num_experts, int64_t top_k, int64_t rows, int64_t shared_rows, int64_t flags)
 MOE_EXPERTS(moe_experts_f32, float);
 MOE_EXPERTS(moe_experts_bf16, uint16_t);
 
@@ -220,7 +223,8 @@ int64_t paged_attention_prefill_lanes(void);
  *   DECODE_GELU_TANH_AND_MUL  dst [n_out] = gelu_tanh(src[:n_out]) * src[n_out:]
  *                                                                         gelu_tanh_and_mul_<S>
  *   DECODE_MOE_EXPERTS     dst [n_out] = the routed experts of src [n_in]: weight, experts,
- *                          top_k, expert_rows, moe_flags as moe_experts_<S>'s    moe_experts_<S>
+ *                          top_k, expert_rows, shared_rows, moe_flags as moe_experts_<S>'s
+ *                                                                         moe_experts_<S>
  * DECODE_ROTARY_WRITE_KV's offset says its q/k norms are Gemma's, rope which rotary table
  * (cos / sin) it reads; a KV record's group, the KV group whose slots and tables it reads.
  * Weights are the model's dtype, projections in the tiled layout or GGUF blocks; NULL for no
@@ -259,7 +263,7 @@ typedef struct {
     float eps, scale, soft_cap;
     int64_t n_in, n_out, heads, kv_heads, head_dim, block_size, window, split, qtype, column, columns;
     int64_t group, offset, rope;
-    int64_t experts, top_k, expert_rows, moe_flags;
+    int64_t experts, top_k, expert_rows, shared_rows, moe_flags;
 } DecodeOp;
 
 /*   decode_stack_<f32|bf16>(ops, num_ops, buffers, tokens, cos, sin, slots, tables, max_blocks,

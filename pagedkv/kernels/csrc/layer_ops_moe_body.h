@@ -10,18 +10,20 @@
  * the weights stay float32; then the (row, expert) pairs grouped by expert, rows in order, and
  * each expert with rows runs once over them (tiled_gate_up with the fused SiLU, tiled_linear),
  * its products rounded to T after the weight and added into their rows (rounded), expert after
- * expert in increasing order, from zeros: out[r] = round(out[r] + round(y * w)).
+ * expert in increasing order, from zeros: out[r] = round(out[r] + round(y * w)); then the
+ * shared expert over every row, scaled by round(sigmoid(its gate logit)) and added alike.
  */
 
 int SUFFIX(moe_experts)(const T *x, const void *const *weights, T *out, int64_t tokens, int64_t hidden,
-                        int64_t num_experts, int64_t top_k, int64_t rows, int64_t flags) {
+                        int64_t num_experts, int64_t top_k, int64_t rows, int64_t shared_rows, int64_t flags) {
     const int64_t E = num_experts;
     T *logits = malloc(sizeof(T) * (size_t)(tokens * E));
     int64_t *chosen = malloc(sizeof(int64_t) * (size_t)(tokens * top_k));
     float *chosen_w = malloc(sizeof(float) * (size_t)(tokens * top_k));
     int64_t *counts = calloc((size_t)E + 1, sizeof(int64_t));
     int64_t *order = malloc(sizeof(int64_t) * (size_t)(tokens * top_k)); /* pair index t * top_k + j */
-    T *xs = malloc(sizeof(T) * (size_t)(tokens * (2 * hidden + rows)));
+    const int64_t widest = rows > shared_rows ? rows : shared_rows;
+    T *xs = malloc(sizeof(T) * (size_t)(tokens * (2 * hidden + widest)));
     int status = !(logits && chosen && chosen_w && counts && order && xs);
     if (!status) status = SUFFIX(tiled_linear)(x, weights[0], NULL, logits, tokens, hidden, E);
     for (int64_t t = 0; t < tokens && !status; t++) {
@@ -67,7 +69,7 @@ int SUFFIX(moe_experts)(const T *x, const void *const *weights, T *out, int64_t 
         free(next);
         memset(out, 0, sizeof(T) * (size_t)(tokens * hidden));
     }
-    T *hs = xs + tokens * hidden, *ys = hs + tokens * rows;
+    T *hs = xs + tokens * hidden, *ys = hs + tokens * widest;
     for (int64_t e = 0; e < E && !status; e++) {
         const int64_t first = counts[e], count = counts[e + 1] - first;
         if (!count) continue;
@@ -82,6 +84,21 @@ int SUFFIX(moe_experts)(const T *x, const void *const *weights, T *out, int64_t 
             for (int64_t c = 0; c < hidden; c += VL) {
                 const int64_t m = chunk(hidden, c);
                 STORE(row + c, ROUND(LOAD(row + c, m) + ROUND(LOAD(ys + i * hidden + c, m) * w)), m);
+            }
+        }
+    }
+    if (!status && shared_rows) { /* out += round(round(sigmoid(gate)) * shared(x)), gate in logits */
+        const void *const *shared = weights + 1 + 2 * E;
+        status = SUFFIX(tiled_linear)(x, shared[0], NULL, logits, tokens, hidden, 1);
+        if (!status) status = SUFFIX(tiled_gate_up)(x, shared[1], hs, tokens, hidden, shared_rows, 1);
+        if (!status) status = SUFFIX(tiled_linear)(hs, shared[2], NULL, ys, tokens, shared_rows, hidden);
+        for (int64_t t = 0; t < tokens && !status; t++) {
+            const vf g = LOAD(logits + t, 1);
+            const float scale = ROUND((vf){0} + 1.0f / (1.0f + expf(-g[0])))[0];
+            T *row = out + t * hidden;
+            for (int64_t c = 0; c < hidden; c += VL) {
+                const int64_t m = chunk(hidden, c);
+                STORE(row + c, ROUND(LOAD(row + c, m) + ROUND(LOAD(ys + t * hidden + c, m) * scale)), m);
             }
         }
     }
