@@ -45,9 +45,13 @@ _FAMILIES: tuple[tuple[str, tuple[str, ...], Signature], ...] = (
     (
         "rotary_write_kv",
         _LAYER,
-        Signature(None, (ADDRESS,) * 6 + (F32, ADDRESS, ADDRESS, ADDRESS) + (I64,) * 4),
+        Signature(None, (ADDRESS,) * 6 + (F32, ADDRESS, ADDRESS, ADDRESS) + (I64,) * 5),
     ),
     ("layer_ops_max_head_dim", (), Signature(I64, ())),
+    ("offset_rms_norm", _LAYER, Signature(None, (ADDRESS, ADDRESS, ADDRESS, I64, I64, F32))),
+    ("add_offset_rms_norm", _LAYER, Signature(None, (ADDRESS, ADDRESS, ADDRESS, I64, I64, F32))),
+    ("gelu_tanh_and_mul", _LAYER, Signature(None, (ADDRESS, ADDRESS, I64, I64))),
+    ("moe_experts", _TILED, Signature(INT, (ADDRESS,) * 3 + (I64,) * 7)),
     # tiled_gemm.c
     ("tiled_linear", _TILED, Signature(INT, (ADDRESS,) * 4 + (I64,) * 3)),
     ("tiled_gate_up", _TILED, Signature(INT, (ADDRESS,) * 3 + (I64,) * 3 + (INT,))),
@@ -71,7 +75,7 @@ _FAMILIES: tuple[tuple[str, tuple[str, ...], Signature], ...] = (
     (
         "decode_stack",
         _TILED,
-        Signature(INT, (ADDRESS, I64, ADDRESS, I64) + (ADDRESS,) * 4 + (I64,) + (ADDRESS,) * 4),
+        Signature(INT, (ADDRESS, I64, ADDRESS, I64) + (ADDRESS,) * 9),
     ),
 )
 
@@ -100,8 +104,12 @@ class DecodeCode(enum.IntEnum):
     GATE_UP_SILU = 6
     QUANT_LINEAR = 7
     SILU_AND_MUL = 8
-    GATE_UP = 9
-    LORA = 10
+    OFFSET_NORM = 9
+    ADD_OFFSET_NORM = 10
+    GATE_UP = 11
+    GELU_TANH_AND_MUL = 12
+    MOE_EXPERTS = 13
+    LORA = 14
 
 
 class DecodeBuffer(enum.IntEnum):
@@ -123,5 +131,7 @@ class DecodeOp(ctypes.Structure):
     _fields_ += _fields(
         I64, "n_in n_out heads kv_heads head_dim block_size window split qtype column columns"
     )
+    _fields_ += _fields(I64, "group offset rope")
+    _fields_ += _fields(I64, "experts top_k expert_rows shared_rows moe_flags")
     _fields_ += _fields(ADDRESS, "lora_b lora_columns lora_slot lora_scaling")
     _fields_ += _fields(I64, "lora_slots lora_rank lora_shards")

@@ -23,9 +23,11 @@ run in the program). Generated rows are decodes and, with speculative decoding, 
 rows of a sequence verifying ``k`` proposed tokens: the row kernel takes any number of rows per
 sequence, each attending its sequence up to its own position
 (:func:`~pagedkv.attention.backends.cpu_rows.generated_rows`, the rows the program's prefill
-attention gives the same kernel). Like the program, it reads each projection's weight as its
-module holds it at every step: a replaced weight is lowered again (or, no longer tiled, leaves
-the steps to the program).
+attention gives the same kernel). With KV groups (hybrid paging) a layer's KV write and
+attention records name its group, and the step passes every group's slots and block tables,
+as each op of the program reads its group's metadata. Like the program, it reads each
+projection's weight as its module holds it at every step: a replaced weight is lowered again
+(or, no longer tiled, leaves the steps to the program).
 """
 
 from __future__ import annotations
@@ -37,15 +39,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedkv.attention import AttentionMetadata, KVCache
+from pagedkv.attention import KVCache
 from pagedkv.attention.backends import cpu_rows
 from pagedkv.attention.checks import per_call_checks
 from pagedkv.kernels import library, paged_attention, tiled_gemm
 from pagedkv.kernels.signatures import ADDRESS, I64, SUFFIXES, DecodeBuffer, DecodeCode, DecodeOp
 from pagedkv.models import layer_ops
+from pagedkv.models.decode_gemma import GEMMA_LOWERINGS, adding_norm
 from pagedkv.models.decode_lora import LORA_LOWERINGS, LoRARowBuffers
+from pagedkv.models.decode_step_tables import StepTables
 from pagedkv.models.linear import BUFFER_ROWS, GateUpLinear, Linear, PackedLinear
-from pagedkv.models.ops import AddNorm, Attend, GateUpAct, KeepRows, LoRARows, Op, Project, RotaryWriteKV
+from pagedkv.models.ops import AddNorm, Attend, ForwardBatch, GateUpAct, KeepRows, Op, Project, RotaryWriteKV
 from pagedkv.models.quantized import QuantizedLinear
 
 
@@ -63,16 +67,23 @@ class _Lowering:
         self.widths = [hidden] * DecodeBuffer.WORK  # INPUT, RESIDUAL, OUTPUT
         self.current = int(DecodeBuffer.INPUT)
         self.residual_started = False
+        #: whether a record rotates by the second rotary table (Gemma 3's sliding layers)
+        self.local_rope = False
         #: each projection's parameter table, and the weight read from it
         self.parameters: list[dict[str, Any]] = []
         self.weights: list[torch.Tensor] = []
         #: (sliding window, heads, head_dim) of each attention split computed per step
         self.splits: list[tuple[int, int, int]] = []
+        #: what records point into besides the weights (an experts' weight table): held
+        self.held: list[Any] = []
 
     def lower(self, op: Op) -> str | None:
         """Append ``op``'s records, or say why it has none."""
         lowering = _LOWERINGS.get(type(op))
-        return f"no C form for {type(op).__name__}" if lowering is None else lowering(op, self)
+        if lowering is not None:
+            return lowering(op, self)
+        own = getattr(op, "decode_lowering", None)  # an op defined with its family (RouteExperts)
+        return f"no C form for {type(op).__name__}" if own is None else own(self)
 
     def emit(self, code: DecodeCode, width: int, dst: int | None = None, **fields: Any) -> None:
         """Append a record reading ``current`` and writing ``dst`` (a new working buffer of
@@ -107,8 +118,9 @@ class _Lowering:
         return weight if weight.dim() == 1 and weight.dtype == self.dtype else None
 
     def pools(self, kv_layer: int, kv_heads: int, head_dim: int) -> dict[str, Any] | str:
-        """The layer's key and value pools and block size as record fields, or why the C cannot
-        use them (it takes unquantized, contiguous pools of the model's dtype and heads)."""
+        """The layer's key and value pools, block size and KV group (whose slots and block tables
+        it reads) as record fields, or why the C cannot use them (it takes unquantized,
+        contiguous pools of the model's dtype and heads)."""
         if self.kv_cache is None:
             return {}
         kv = self.kv_cache.layers[kv_layer]
@@ -118,7 +130,8 @@ class _Lowering:
             return "a KV cache of other heads"
         if not (kv.key.is_contiguous() and kv.value.is_contiguous()):
             return "a KV cache that is not contiguous"
-        return {"key_pool": kv.key.data_ptr(), "value_pool": kv.value.data_ptr(), "block_size": kv.block_size}
+        pools = {"key_pool": kv.key.data_ptr(), "value_pool": kv.value.data_ptr()}
+        return pools | {"block_size": kv.block_size, "group": kv.group}
 
     def split(self, window: int, heads: int, head_dim: int) -> int:
         key = (window, heads, head_dim)
@@ -132,19 +145,7 @@ def _address(t: torch.Tensor | None) -> int | None:
 
 
 def _add_norm(op: AddNorm, low: _Lowering) -> str | None:
-    width = low.widths[low.current]
-    if not low.fits(op.weight, width):
-        return "a norm weight the compiled norms do not take"
-    fields = {"weight": op.weight.data_ptr(), "eps": op.eps}
-    if not low.residual_started:  # the embedding becomes the residual, then is normalised
-        low.emit(DecodeCode.COPY, width, dst=DecodeBuffer.RESIDUAL)
-        low.emit(DecodeCode.NORM, width, **fields)
-        low.residual_started = True
-    elif width == low.widths[DecodeBuffer.RESIDUAL]:
-        low.emit(DecodeCode.ADD_NORM, width, dst=low.current, **fields)
-    else:
-        return "a residual add of another width"
-    return None
+    return adding_norm(op.weight, op.eps, DecodeCode.NORM, DecodeCode.ADD_NORM, low)
 
 
 def _quantized(linear: QuantizedLinear, low: _Lowering) -> str | None:
@@ -185,8 +186,6 @@ def _project(op: Project, low: _Lowering) -> str | None:
 
 
 def _rotary_write_kv(op: RotaryWriteKV, low: _Lowering) -> str | None:
-    if op.local:
-        return "a second rotary table"
     layout, ops = op.layout, layer_ops.native_ops(low.dtype)
     heads, kv_heads, dim = layout.num_heads, layout.num_kv_heads, layout.head_dim
     if dim > ops.max_head_dim:
@@ -195,14 +194,16 @@ def _rotary_write_kv(op: RotaryWriteKV, low: _Lowering) -> str | None:
         return "an attention shape the compiled kernels do not take"
     if low.widths[low.current] != (heads + 2 * kv_heads) * dim:
         return "a q/k/v layout its projection does not make"
-    if not (low.fits(layout.q_norm, dim) and low.fits(layout.k_norm, dim)) or layout.offset:
+    if not (low.fits(layout.q_norm, dim) and low.fits(layout.k_norm, dim)):
         return "a q/k norm weight the compiled norms do not take"
     pools = low.pools(op.kv_layer, kv_heads, dim)
     if isinstance(pools, str):
         return pools
     norms = {"q_norm": _address(layout.q_norm), "k_norm": _address(layout.k_norm), "eps": layout.eps}
     shape = {"heads": heads, "kv_heads": kv_heads, "head_dim": dim}
-    low.emit(DecodeCode.ROTARY_WRITE_KV, heads * dim, **pools, **norms, **shape)
+    low.local_rope = low.local_rope or op.local
+    rope = {"offset": int(layout.offset), "rope": int(op.local)}
+    low.emit(DecodeCode.ROTARY_WRITE_KV, heads * dim, **pools, **norms, **shape, **rope)
     return None
 
 
@@ -259,6 +260,7 @@ _LOWERINGS: dict[type[Op], Callable[[Any, _Lowering], str | None]] = {
     Attend: _attend,
     GateUpAct: _gate_up_act,
     KeepRows: _keep_rows,
+    **GEMMA_LOWERINGS,
     **LORA_LOWERINGS,
 }
 
@@ -325,23 +327,18 @@ class DecodeStack:
         lowered = _lower(self.ops, low) is None
         self._records = (DecodeOp * len(low.records))(*low.records) if lowered else None
         self._kv_cache, self._parameters, self._bound = kv_cache, low.parameters, low.weights
+        self._held = low.held
+        self._tables = StepTables(self.dtype, kv_cache.num_groups, low.local_rope)
 
-    def run(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: KVCache,
-        metadata: AttentionMetadata,
-        lora: LoRARows | None = None,
-    ) -> torch.Tensor | None:
-        """The final hidden states ``[T, hidden]`` of a step of generated rows (adapters: ``lora``),
-        or None when this step is not one the stack takes (the caller runs the program)."""
+    def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """The final hidden states ``[T, hidden]`` of a step of generated rows ``x``, or None
+        when this step is not one the stack takes (the caller runs the program)."""
+        kv_cache, metadata = batch.kv_cache, batch.metadata
         tokens = x.shape[0]
         if not 0 < tokens <= BUFFER_ROWS or per_call_checks() or x.dtype != self.dtype:
             return None
-        if x.device.type != "cpu" or metadata.groups is not None:
-            return None  # (KV groups: a table per group, the C stack reads one per step)
+        if x.device.type != "cpu":
+            return None
         rows = cpu_rows.generated_rows(metadata)
         if rows is None or rows.row_seq.shape[0] != tokens:
             return None
@@ -350,16 +347,11 @@ class DecodeStack:
         )
         if kv_cache is not self._kv_cache or replaced:
             self._bind(kv_cache)
-        if self._records is None:
-            return None
-        slots = metadata.slot_mapping
-        if slots.dtype != torch.int64 or cos.dtype != self.dtype:
-            return None
-        if not (cos.is_contiguous() and sin.is_contiguous()):
+        if self._records is None or not self._tables.point(batch, rows):
             return None
         for i, (window, heads, head_dim) in enumerate(self._splits):
             self._threads[i], self._chunks[i] = cpu_rows.split_work(rows.total(window), heads, head_dim)
-        if not self._lora_rows.stage(lora, tokens):
+        if not self._lora_rows.stage(batch.lora, tokens):
             return None
         x = x.contiguous()
         out = torch.empty_like(x)
@@ -370,11 +362,11 @@ class DecodeStack:
             len(self._records),
             self._addresses,
             tokens,
-            cos.data_ptr(),
-            sin.data_ptr(),
-            slots.data_ptr(),
-            rows.tables.data_ptr(),
-            rows.tables.shape[1],
+            self._tables.cos,
+            self._tables.sin,
+            self._tables.slots,
+            self._tables.tables,
+            self._tables.widths,
             rows.row_seq.data_ptr(),
             rows.row_pos.data_ptr(),
             self._chunks,

@@ -8,8 +8,10 @@ they are added to the residual), each ``rmsnorm(x) * (1 + weight)`` rounded once
 to the hidden dtype; attention scaled by ``query_pre_attn_scalar ** -0.5`` with soft-capped
 scores, sliding on every other layer (both in the attention options, from
 :class:`~pagedkv.models.config.ModelConfig`); soft-capped logits; tied embeddings. Module and
-parameter names are the checkpoint's, so the loader fills it as it fills Llama. Its norm and
-activation ops have no C form yet: its decode steps run on the step program.
+parameter names are the checkpoint's, so the loader fills it as it fills Llama. Every op has a C
+form (:mod:`pagedkv.models.decode_gemma`: the C decode stack runs its decode steps); the
+embedding scale and the logit soft-cap are outside the layers (:meth:`Gemma2ForCausalLM.embed`,
+:meth:`Gemma2ForCausalLM.compute_logits`).
 
 Gemma 3 is the same layer with switches, as Qwen3 is Llama's: q/k norms (``1 + weight``, in the
 q/k/v layout), no soft-caps, five sliding layers to one full, and the sliding layers' own RoPE
@@ -79,7 +81,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     :class:`LlamaForCausalLM` runs its op list (which also builds Gemma 3's local rotary)."""
 
     decoder_class = Gemma2Model
-    supports_tensor_parallel = False
 
     def decoder_ops(self) -> DecoderOps:
         """Every layer's ops, then the final norm (which adds the last layer's output)."""

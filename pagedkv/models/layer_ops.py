@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ from pagedkv.models.rope import apply_rotary
 logger = logging.getLogger(__name__)
 
 #: the ops :class:`NativeOps` takes from the library, for each dtype
-_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_write_kv")
+_OPS = ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_write_kv", "offset_rms_norm", "gelu_tanh_and_mul")
 
 
 @dataclass(frozen=True)
@@ -121,15 +122,32 @@ class NativeOps(TorchOps):
         """Whether ``weight`` is what the C reads for rows of ``size``: the C trusts shapes."""
         return weight.dtype == self.dtype and weight.shape == (size,) and weight.is_contiguous()
 
+    def _norm(
+        self, entry: Callable[..., None], x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``entry`` (a compiled norm) over the rows of ``x``, which ``weight`` fits."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        entry(x.data_ptr(), out.data_ptr(), weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps)
+        return out
+
+    def _act_and_mul(self, entry: Callable[..., None], gate_up: torch.Tensor) -> torch.Tensor:
+        """``entry`` (a compiled ``act(gate) * up``) over the rows of ``gate_up [T, 2 n]``."""
+        gate_up = gate_up.contiguous()
+        half = gate_up.shape[-1] // 2
+        out = gate_up.new_empty((gate_up.shape[0], half))
+        entry(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], half)
+        return out
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if not self._fits(weight, x.shape[-1]):
             return super().rms_norm(x, weight, eps)
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        self._rms_norm(
-            x.data_ptr(), out.data_ptr(), weight.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps
-        )
-        return out
+        return self._norm(self._rms_norm, x, weight, eps)
+
+    def offset_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if not self._fits(weight, x.shape[-1]):
+            return super().offset_rms_norm(x, weight, eps)
+        return self._norm(self._offset_rms_norm, x, weight, eps)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -143,11 +161,12 @@ class NativeOps(TorchOps):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.shape[-1] % 2:
             return super().silu_and_mul(gate_up)
-        gate_up = gate_up.contiguous()
-        half = gate_up.shape[-1] // 2
-        out = gate_up.new_empty((gate_up.shape[0], half))
-        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], half)
-        return out
+        return self._act_and_mul(self._silu_and_mul, gate_up)
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.shape[-1] % 2:
+            return super().gelu_tanh_and_mul(gate_up)
+        return self._act_and_mul(self._gelu_tanh_and_mul, gate_up)
 
     def rotary_write_kv(
         self,
@@ -163,7 +182,6 @@ class NativeOps(TorchOps):
         norms = (layout.q_norm, layout.k_norm) if layout.q_norm is not None else ()
         if (
             layer.quantized
-            or layout.offset
             or key.dtype != self.dtype
             or key.shape[2:] != (kv_heads, dim)
             or qkv.shape[-1] != (heads + 2 * kv_heads) * dim
@@ -196,6 +214,7 @@ class NativeOps(TorchOps):
             heads,
             kv_heads,
             dim,
+            layout.offset,
         )
         return q
 

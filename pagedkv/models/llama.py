@@ -169,8 +169,6 @@ class LlamaForCausalLM(nn.Module):
 
     #: the module tree holding the embedding, the layers and the final norm
     decoder_class: type[nn.Module] = LlamaModel
-    #: :meth:`~pagedkv.models.parallel.TensorParallel.build` can cut the family's layers
-    supports_tensor_parallel = True
 
     def __init__(self, cfg: ModelConfig, attention_backend: Backend) -> None:
         super().__init__()

@@ -137,8 +137,6 @@ def load_model(
     kernel = choose_linear_kernel(linear_kernel, torch.device(device), dtype)
     cfg = dataclasses.replace(cfg, dtype=dtype)  # model.config describes the model as loaded
     family = model_class(cfg.architecture)
-    if tensor_parallel is not None and not family.supports_tensor_parallel:
-        raise ValueError(f"tensor parallelism does not cover {cfg.architecture}; run it on one device")
     # quantized weights stay in their blocks where the CPU kernels run them
     keep = torch.device(device).type == "cpu" and tensor_parallel is None
     previous = torch.get_default_dtype()

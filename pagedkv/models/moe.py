@@ -23,7 +23,8 @@ Module names are the checkpoint's (Mixtral: ``block_sparse_moe.gate``,
 ``block_sparse_moe.experts.N.w1/w3/w2``; Qwen: ``mlp.gate``,
 ``mlp.experts.N.gate_proj/up_proj/down_proj``, ``mlp.shared_expert.*``,
 ``mlp.shared_expert_gate``), as ``save_pretrained`` writes them, so the loader fills them as it
-fills Llama. :class:`RouteExperts` has no C form: decode steps run on the step program.
+fills Llama. On the CPU, with the weights tiled, the routed experts are one call into C
+(:mod:`pagedkv.models.moe_native`), in the step program and in the C decode stack alike.
 
 Tensor parallelism cuts every expert (the shared one too) as it cuts Llama's MLP, each rank
 holding its share of the intermediate rows, as vLLM's fused MoE does; the router is replicated,
@@ -33,16 +34,20 @@ all-reduce per layer adds them (not one per expert).
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from pagedkv.kernels.signatures import DecodeCode
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.linear import GateUpLinear, Linear
 from pagedkv.models.llama import MLP, Attention, LlamaForCausalLM, LlamaModel, RMSNorm, attention_ops
 from pagedkv.models.moe_config import MoeConfig
+from pagedkv.models.moe_native import expert_rows, flags, native_experts, weight_table
 from pagedkv.models.ops import ForwardBatch, GateUpAct, Op, Project, Stream
 
 #: a gated MLP's checkpoint names: (gate, up, down)
@@ -140,6 +145,9 @@ class RouteExperts(Op):
         object.__setattr__(self, "all_reduce", block.all_reduce)
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
+        out = None if self.all_reduce is not None else native_experts(x, self.block, self.moe)
+        if out is not None:  # the routed and the shared experts, in C
+            return out, residual
         experts, weights = route(self.router.run(x, None, batch)[0], self.moe)
         out = self.grouped(x, experts, weights, batch)
         if self.shared is not None:
@@ -149,6 +157,22 @@ class RouteExperts(Op):
         if self.all_reduce is not None:  # a rank's experts hold its share of their rows
             out = self.all_reduce(out)
         return out, residual
+
+    def decode_lowering(self, low: Any) -> str | None:
+        """The C decode stack's record of the routed experts (the kernel the CPU program calls:
+        :mod:`pagedkv.models.moe_native`), reading the weights through ``low`` (the stack's
+        lowering state), or why there is none."""
+        if self.all_reduce is not None:
+            return "tensor-parallel shards"
+        table = weight_table(self.block, low.dtype, low.tiled)
+        if table is None:
+            return "experts not on the tiled kernel"
+        low.held.append(table)
+        moe, width = self.moe, low.widths[low.current]
+        fields = {"experts": moe.num_experts, "top_k": moe.top_k, "moe_flags": flags(moe)}
+        fields["expert_rows"], fields["shared_rows"] = expert_rows(self.block)
+        low.emit(DecodeCode.MOE_EXPERTS, width, weight=ctypes.addressof(table), n_in=width, **fields)
+        return None
 
     def grouped(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, batch: ForwardBatch

@@ -60,7 +60,7 @@ class StepProgram:
         ``batch.output_rows`` only, when given)."""
         stack = self.stack if batch.lora is None else self.lora_stack
         if stack is not None and batch.output_rows is None:
-            hidden = stack.run(x, batch.cos, batch.sin, batch.kv_cache, batch.metadata, batch.lora)
+            hidden = stack.run(x, batch)
             if hidden is not None:
                 return hidden
         residual = None

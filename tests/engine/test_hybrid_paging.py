@@ -9,6 +9,7 @@ import torch
 import transformers
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.models.step_program import StepProgram
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 
 WINDOW = 8
@@ -23,8 +24,15 @@ FAMILIES = {
         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
     },
     "mistral": {"sliding_window": WINDOW},
+    # the first layer full, the second sliding
+    "qwen2": {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
 }
-GROUPS = {"gemma2": "2 KV groups of 2 layers", "gemma3": "3 KV groups of 1 layers", "mistral": "1 KV groups"}
+GROUPS = {
+    "gemma2": "2 KV groups of 2 layers",
+    "gemma3": "3 KV groups of 1 layers",
+    "mistral": "1 KV groups",
+    "qwen2": "2 KV groups of 1 layers",
+}
 
 
 def _prompts() -> list[list[int]]:
@@ -80,6 +88,32 @@ def test_greedy_tokens_equal_transformers(reference, block_size, hybrid):
     stats = llm.kv_stats()
     assert stats["prefix_cache_hits_tokens"] > 0
     assert stats["blocks_used"] == 0
+
+
+@pytest.mark.parametrize("reference", ["qwen2", "mistral"], indirect=True)
+def test_windowed_models_decode_on_the_c_stack_with_hybrid_paging(reference):
+    """The C decode stack reads each layer's KV group's tables: with hybrid paging on, every
+    decode step of a windowed Qwen2 (two groups) or Mistral (one) runs in it, exactly."""
+    arch, path, expected = reference
+    llm = LLM(str(path), dtype="float32", block_size=4, num_kv_blocks=512, max_num_batched_tokens=12)
+    assert GROUPS[arch] in repr(llm)
+    assert llm.engine.executor.runtime["decode layers"] == "C stack"
+    model = llm.engine.executor.runner.model
+    model.step_program = StepProgram.of(model)
+    stack, taken = model.step_program.stack, []
+    run = stack.run
+
+    def recording(*args):
+        hidden = run(*args)
+        taken.append(hidden is not None)
+        return hidden
+
+    stack.run = recording
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(_prompts(), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    # the steps past every prompt: the last MAX_NEW - 1 at least, each in the stack
+    assert sum(taken) >= MAX_NEW - 1
 
 
 @pytest.mark.parametrize("reference", ["gemma2", "gemma3"], indirect=True)

@@ -11,12 +11,15 @@ from torch import nn
 from pagedkv.attention import set_per_call_checks
 from pagedkv.engine.worker.executor.base import runtime_of
 from pagedkv.kernels.tiled_gemm import to_tiles
+from pagedkv.memory.kv_groups import plan_kv_groups
 from pagedkv.models import load_model
 from pagedkv.models.linear import BUFFER_ROWS
 from pagedkv.models.step_program import StepProgram
 from tests.checkpoints import make_checkpoint
 
 from .paging import PagedBatch
+from .test_gemma2 import GEMMA2, GEMMA3
+from .test_moe import MIXTRAL, QWEN2MOE, QWEN3MOE
 
 
 def _with_stack(model) -> tuple[object, list[bool]]:
@@ -49,6 +52,11 @@ def _without_stack(model) -> None:
         ("qwen3", {}),  # q/k norms
         ("mistral", {"sliding_window": 5}),
         ("llama", {"num_key_value_heads": 4}),  # one query head per KV head
+        ("gemma2", GEMMA2),  # offset norms, sandwich norms, GeGLU, soft-capped attention
+        ("gemma3", GEMMA3),  # offset q/k norms, the sliding layers' own rotary table
+        ("mixtral", MIXTRAL),  # the routed experts: float32 weights
+        ("qwen3moe", QWEN3MOE),  # renormalised top-3, weights in the model's dtype
+        ("qwen2moe", QWEN2MOE),  # the gated shared expert, a dense layer
     ],
 )
 def test_the_stack_gives_the_programs_hidden_states_bit_for_bit(tmp_path, dtype, arch, overrides):
@@ -64,6 +72,34 @@ def test_the_stack_gives_the_programs_hidden_states_bit_for_bit(tmp_path, dtype,
         want, _ = b.forward(step)
         assert torch.equal(got, want)
     assert taken == [False] + [True] * 8  # the prompt step runs the program, every decode the stack
+
+
+#: Qwen2 with its first layer full and the second sliding: two KV groups under hybrid paging
+QWEN2_HYBRID = {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch,overrides", [("qwen2", QWEN2_HYBRID), ("gemma2", GEMMA2)])
+def test_grouped_steps_read_each_layers_group_tables_bit_for_bit(tmp_path, dtype, arch, overrides):
+    """Hybrid paging: each KV group's slots and block tables on blocks of its own, so a layer
+    that read another group's would write and attend the wrong blocks."""
+    path = make_checkpoint(tmp_path, arch, **overrides)
+    stacked = load_model(path, dtype=dtype, linear_kernel="tiled")
+    plain = load_model(path, dtype=dtype, linear_kernel="tiled")
+    config = stacked.config
+    groups = plan_kv_groups([config.layer_sliding_window(i) for i in range(config.num_layers)])
+    assert groups is not None and groups.num_groups >= 2
+    _, taken = _with_stack(stacked)
+    _without_stack(plain)
+    a, b = PagedBatch(stacked, 24, 3, groups=groups), PagedBatch(plain, 24, 3, groups=groups)
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14]]
+    for step in [prompts] + [[[20 + i], [30 + i], [40 + i]] for i in range(8)]:
+        got, _ = a.forward(step)
+        want, _ = b.forward(step)
+        assert torch.equal(got, want)
+    assert taken == [False] + [True] * 8
+    for mine, theirs in zip(a.kv_cache.layers, b.kv_cache.layers, strict=True):
+        assert torch.equal(mine.key, theirs.key) and torch.equal(mine.value, theirs.value)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

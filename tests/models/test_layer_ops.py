@@ -93,6 +93,24 @@ def test_silu_and_mul_matches_torch(rows, size, dtype, seed):
     assert_close_in(dtype, got, TORCH_OPS.silu_and_mul(gate_up), ulps=1)
 
 
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), size=sizes, dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+def test_gemma_offset_norm_and_gelu_tanh_match_torch(rows, size, dtype, seed):
+    """Gemma's ``rmsnorm(x) * (1 + w)`` rounds once (so within one ulp). GeGLU's tanh is libm's
+    where torch's is Sleef's, each within an ulp; where ``1 + tanh`` cancels (gate below about
+    -4) that ulp is the whole of a tiny result, so there it agrees within 1e-5 absolute."""
+    ops = native(dtype)
+    x, weight = randn(rows, size, dtype=dtype, seed=seed), randn(size, dtype=dtype, seed=seed + 1)
+    want = TORCH_OPS.offset_rms_norm(x, weight, 1e-6)
+    assert_close_in(dtype, ops.offset_rms_norm(x, weight, 1e-6), want, ulps=1)
+    gate_up = randn(rows, 2 * size, dtype=dtype, seed=seed + 2) * 6
+    gate_up[0, 0] = -200.0  # tanh saturates: gelu is -0, as in torch
+    got, want = ops.gelu_tanh_and_mul(gate_up), TORCH_OPS.gelu_tanh_and_mul(gate_up)
+    assert got.dtype == dtype and got.shape == want.shape
+    rtol = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=1e-5)
+
+
 def _writing(slots: torch.Tensor) -> AttentionMetadata:
     """Metadata for a step that writes ``slots`` (the attention part is not used here)."""
     tables = torch.zeros(1, 1, dtype=torch.int32)
@@ -106,8 +124,12 @@ def _kv_layer(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dt
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("head_dim", "qk_norm"), [(24, True), (32, False), (64, True), (128, False)])
-def test_rotary_and_kv_write_match_torch(dtype, head_dim, qk_norm):
+@pytest.mark.parametrize(
+    ("head_dim", "qk_norm", "offset"),
+    [(24, True, False), (32, False, False), (64, True, False), (128, False, False), (64, True, True)],
+)
+def test_rotary_and_kv_write_match_torch(dtype, head_dim, qk_norm, offset):
+    """``offset``: Gemma 3's ``1 + weight`` q/k norms."""
     heads, kv_heads, tokens = 6, 2, 7
     gen = torch.Generator().manual_seed(head_dim)
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=head_dim) * 3
@@ -117,7 +139,7 @@ def test_rotary_and_kv_write_match_torch(dtype, head_dim, qk_norm):
             "q_norm": randn(head_dim, dtype=dtype, seed=1),
             "k_norm": randn(head_dim, dtype=dtype, seed=2),
         }
-    layout = QKVLayout(heads, kv_heads, head_dim, **norms, eps=1e-6)
+    layout = QKVLayout(heads, kv_heads, head_dim, **norms, eps=1e-6, offset=offset)
     positions = torch.randint(0, 5000, (tokens,), generator=gen)
     cos, sin = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 5000).cos_sin(positions, dtype)
     slots = torch.randperm(40, generator=gen)[:tokens]

@@ -82,10 +82,11 @@ def test_greedy_tokens_equal_transformers(references, case, block_size):
     assert_greedy_tokens_match(*references[case], block_size)
 
 
-def test_the_step_program_runs_the_experts(references):
+def test_the_c_stack_runs_the_experts(references):
     model = load_model(references["mixtral"][0])
     assert isinstance(model, MoeForCausalLM)
-    assert describe(model) == "step program (no C form for RouteExperts)"
+    assert describe(model) == "C stack"
+    assert describe(load_model(references["qwen2moe-shared-dense-layer"][0])) == "C stack"
 
 
 def test_the_checkpoints_store_each_expert_under_its_family_names(references):

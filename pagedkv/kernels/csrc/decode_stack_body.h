@@ -6,8 +6,9 @@
  */
 
 int SUFFIX(decode_stack)(const DecodeOp *ops, int64_t num_ops, void *const *buffers, int64_t tokens,
-                         const T *cos, const T *sin, const int64_t *slots, const int32_t *tables,
-                         int64_t max_blocks, const int32_t *row_seq, const int32_t *row_pos,
+                         const T *const *cos, const T *const *sin, const int64_t *const *slots,
+                         const int32_t *const *tables, const int64_t *max_blocks, const int32_t *row_seq,
+                         const int32_t *row_pos,
                          const int64_t *chunks, const int64_t *threads) {
     T *residual = buffers[DECODE_RESIDUAL];
     for (int64_t i = 0; i < num_ops; i++) {
@@ -28,13 +29,14 @@ int SUFFIX(decode_stack)(const DecodeOp *ops, int64_t num_ops, void *const *buff
             if (SUFFIX(tiled_linear)(src, op->weight, op->bias, dst, tokens, op->n_in, op->n_out)) return 1;
             break;
         case DECODE_ROTARY_WRITE_KV:
-            SUFFIX(rotary_write_kv)(src, dst, cos, sin, op->q_norm, op->k_norm, op->eps, op->key_pool,
-                                    op->value_pool, slots, tokens, op->heads, op->kv_heads, op->head_dim);
+            SUFFIX(rotary_write_kv)(src, dst, cos[op->rope], sin[op->rope], op->q_norm, op->k_norm, op->eps,
+                                    op->key_pool, op->value_pool, slots[op->group], tokens, op->heads, op->kv_heads,
+                                    op->head_dim, op->offset);
             break;
         case DECODE_ATTEND:
-            if (SUFFIX(paged_attention_rows)(src, op->key_pool, op->value_pool, NULL, NULL, tables, row_seq,
+            if (SUFFIX(paged_attention_rows)(src, op->key_pool, op->value_pool, NULL, NULL, tables[op->group], row_seq,
                                              row_pos, dst, tokens, op->heads, op->kv_heads, op->head_dim,
-                                             op->block_size, max_blocks, op->scale, op->window, op->soft_cap,
+                                             op->block_size, max_blocks[op->group], op->scale, op->window, op->soft_cap,
                                              chunks[op->split], (int)threads[op->split]))
                 return 1;
             break;
@@ -50,8 +52,22 @@ int SUFFIX(decode_stack)(const DecodeOp *ops, int64_t num_ops, void *const *buff
         case DECODE_SILU_AND_MUL:
             SUFFIX(silu_and_mul)(src, dst, tokens, op->n_out);
             break;
+        case DECODE_OFFSET_NORM:
+            SUFFIX(offset_rms_norm)(src, dst, op->weight, tokens, op->n_out, op->eps);
+            break;
+        case DECODE_ADD_OFFSET_NORM:
+            SUFFIX(add_offset_rms_norm)(dst, residual, op->weight, tokens, op->n_out, op->eps);
+            break;
         case DECODE_GATE_UP:
             if (SUFFIX(tiled_gate_up)(src, op->weight, dst, tokens, op->n_in, op->n_out / 2, 0)) return 1;
+            break;
+        case DECODE_GELU_TANH_AND_MUL:
+            SUFFIX(gelu_tanh_and_mul)(src, dst, tokens, op->n_out);
+            break;
+        case DECODE_MOE_EXPERTS:
+            if (SUFFIX(moe_experts)(src, op->weight, dst, tokens, op->n_in, op->experts, op->top_k, op->expert_rows,
+                                    op->shared_rows, op->moe_flags))
+                return 1;
             break;
         case DECODE_LORA: {
             const int status = SUFFIX(lora_bgmv)(src, op->weight, op->lora_b, op->lora_slot, op->lora_scaling,

@@ -40,6 +40,12 @@
  *       [tokens, d] (rotate_half convention, sign folded into sin's first half), q written to
  *       q_out [tokens, nq, d], k and v to KV slot slots[t] of the pools [slots, nkv, d]; a
  *       negative slot is padding and writes nothing. d <= layer_ops_max_head_dim(), even.
+ *       offset: the q/k norms are Gemma's (below; Gemma 3)
+ * Gemma's (layer_ops_gemma_body.h):
+ *   offset_rms_norm_<S>(x, out, w, rows, n, eps)     out = rmsnorm(x) * (1 + w), rounded once
+ *   add_offset_rms_norm_<S>(x, residual, w, rows, n, eps)
+ *       residual += x; x = rmsnorm(residual) * (1 + w), rounded once
+ *   gelu_tanh_and_mul_<S>(gate_up, out, rows, n)    out = gelu_tanh(gate_up[:, :n]) * gate_up[:, n:]
  */
 /* each op's prototype for element type T, named in full where it is declared below */
 #define RMS_NORM(name, T) void name(const T *x, T *out, const T *w, int64_t rows, int64_t n, float eps)
@@ -50,25 +56,54 @@
 #define ROTARY_WRITE_KV(name, T)                                                                         \
     void name(const T *qkv, T *q_out, const T *cos, const T *sin, const T *q_w, const T *k_w, float eps, \
               T *key_pool, T *value_pool, const int64_t *slots, int64_t tokens, int64_t nq, int64_t nkv,  \
-              int64_t d)
+              int64_t d, int64_t offset)
+#define GELU_TANH_AND_MUL(name, T) void name(const T *gate_up, T *out, int64_t rows, int64_t n)
 RMS_NORM(rms_norm_f32, float);
 ADD_RMS_NORM(add_rms_norm_f32, float);
 SILU_AND_MUL(silu_and_mul_f32, float);
 SILU_AND_MUL_ROWS(silu_and_mul_rows_f32, float);
 ROTARY_WRITE_KV(rotary_write_kv_f32, float);
+RMS_NORM(offset_rms_norm_f32, float);
+ADD_RMS_NORM(add_offset_rms_norm_f32, float);
+GELU_TANH_AND_MUL(gelu_tanh_and_mul_f32, float);
 RMS_NORM(rms_norm_bf16, uint16_t);
 ADD_RMS_NORM(add_rms_norm_bf16, uint16_t);
 SILU_AND_MUL(silu_and_mul_bf16, uint16_t);
 SILU_AND_MUL_ROWS(silu_and_mul_rows_bf16, uint16_t);
 ROTARY_WRITE_KV(rotary_write_kv_bf16, uint16_t);
+RMS_NORM(offset_rms_norm_bf16, uint16_t);
+ADD_RMS_NORM(add_offset_rms_norm_bf16, uint16_t);
+GELU_TANH_AND_MUL(gelu_tanh_and_mul_bf16, uint16_t);
 #ifndef PAGEDKV_NO_F16
 RMS_NORM(rms_norm_f16, _Float16);
 ADD_RMS_NORM(add_rms_norm_f16, _Float16);
 SILU_AND_MUL(silu_and_mul_f16, _Float16);
 SILU_AND_MUL_ROWS(silu_and_mul_rows_f16, _Float16);
 ROTARY_WRITE_KV(rotary_write_kv_f16, _Float16);
+RMS_NORM(offset_rms_norm_f16, _Float16);
+ADD_RMS_NORM(add_offset_rms_norm_f16, _Float16);
+GELU_TANH_AND_MUL(gelu_tanh_and_mul_f16, _Float16);
 #endif
 int64_t layer_ops_max_head_dim(void);
+/* A mixture of experts' routed MLP (layer_ops_moe_body.h), float32 and bfloat16:
+ *   moe_experts_<f32|bf16>(x, weights, out, tokens, hidden, num_experts, top_k, rows, shared_rows,
+ *                          flags)
+ *       -> 0, or 1 without memory
+ *       out [tokens, hidden] = sum over each row's top_k experts of weight * expert(x [tokens,
+ *       hidden]); weights: the router's tiled [num_experts, hidden] weight, then each expert's
+ *       paired tiled gate/up [2 rows, hidden] and tiled down [hidden, rows]; with shared_rows > 0
+ *       the shared expert's one-logit gate [1, hidden], gate/up and down, its output scaled by
+ *       sigmoid(gate) and added to every row; flags:
+ *       MOE_RENORMALIZE (the top-k weights divided by their sum), MOE_FLOAT32_WEIGHTS (not
+ *       rounded to the storage dtype)
+ */
+#define MOE_RENORMALIZE 1
+#define MOE_FLOAT32_WEIGHTS 2
+#define MOE_EXPERTS(name, T)                                                                            \
+    int name(const T *x, const void *const *weights, T *out, int64_t tokens, int64_t hidden,            \
+             int64_t num_experts, int64_t top_k, int64_t rows, int64_t shared_rows, int64_t flags)
+MOE_EXPERTS(moe_experts_f32, float);
+MOE_EXPERTS(moe_experts_bf16, uint16_t);
 
 /* ---- tiled_gemm.c: y = x . W^T + b on weights stored in column tiles --------------------- *
  * x [M, K], y [M, N]; bias [N] or NULL; tiles: W [N, K] in the tiled layout (see the source).
@@ -196,12 +231,22 @@ LORA_BGMV(lora_bgmv_bf16, uint16_t);
  *                          weight^T + bias, weight in GGUF blocks of ggml type qtype (one part
  *                          of a packed projection; bias: the part's)    quant_linear_<S>
  *   DECODE_SILU_AND_MUL    dst [n_out] = silu(src[:n_out]) * src[n_out:]  silu_and_mul_<S>
- *   DECODE_GATE_UP         dst [n_out] = src [n_in] . weight^T, the plain product [gate | up] of
- *                          the paired tiled gate/up weight (n_out = 2 I)  tiled_gate_up_<S>
+ *   DECODE_OFFSET_NORM     dst = rmsnorm(src) * (1 + weight)             offset_rms_norm_<S>
+ *   DECODE_ADD_OFFSET_NORM residual += src; src = rmsnorm(residual) * (1 + weight), in place
+ *                                                                         add_offset_rms_norm_<S>
+ *   DECODE_GATE_UP         dst [n_out] = src [n_in] . weight^T on the paired tiled gate/up
+ *                          weight, gate's n_out / 2 columns then up's     tiled_gate_up_<S>
+ *   DECODE_GELU_TANH_AND_MUL  dst [n_out] = gelu_tanh(src[:n_out]) * src[n_out:]
+ *                                                                         gelu_tanh_and_mul_<S>
+ *   DECODE_MOE_EXPERTS     dst [n_out] = the routed experts of src [n_in]: weight, experts,
+ *                          top_k, expert_rows, shared_rows, moe_flags as moe_experts_<S>'s
+ *                                                                         moe_experts_<S>
  *   DECODE_LORA            dst [n_out] += each row's LoRA adapter output for src [n_in] (src: the
  *                          projection's input, dst: its output): weight = a, lora_b = b,
  *                          lora_columns, lora_slots, lora_rank, lora_shards as lora_bgmv's; the
  *                          step's row_slot and scaling at lora_slot / lora_scaling  lora_bgmv_<S>
+ * DECODE_ROTARY_WRITE_KV's offset says its q/k norms are Gemma's, rope which rotary table
+ * (cos / sin) it reads; a KV record's group, the KV group whose slots and tables it reads.
  * Weights are the model's dtype, projections in the tiled layout or GGUF blocks; NULL for no
  * bias or no q/k norm; the KV pools unquantized, of the model's dtype.
  */
@@ -215,7 +260,11 @@ typedef enum {
     DECODE_GATE_UP_SILU,
     DECODE_QUANT_LINEAR,
     DECODE_SILU_AND_MUL,
+    DECODE_OFFSET_NORM,
+    DECODE_ADD_OFFSET_NORM,
     DECODE_GATE_UP,
+    DECODE_GELU_TANH_AND_MUL,
+    DECODE_MOE_EXPERTS,
     DECODE_LORA,
 } DecodeCode;
 
@@ -234,6 +283,8 @@ typedef struct {
     void *key_pool, *value_pool;
     float eps, scale, soft_cap;
     int64_t n_in, n_out, heads, kv_heads, head_dim, block_size, window, split, qtype, column, columns;
+    int64_t group, offset, rope;
+    int64_t experts, top_k, expert_rows, shared_rows, moe_flags;
     const void *lora_b, *lora_columns, *lora_slot, *lora_scaling; /* DECODE_LORA's */
     int64_t lora_slots, lora_rank, lora_shards;
 } DecodeOp;
@@ -243,16 +294,19 @@ typedef struct {
  *       -> 0; 1 when a kernel could not allocate its workspace; 2 for an unknown opcode or
  *       quantized type
  *       runs ops[0..num_ops) in order on buffers (each room for `tokens` rows of its width);
- *       cos / sin / slots as rotary_write_kv's; tables / row_seq / row_pos as
- *       paged_attention_rows' (one row per generated token); chunks / threads per split
+ *       cos / sin per rotary table (a record reads its `rope`'s) as rotary_write_kv's; slots, tables and max_blocks per KV group (a record
+ *       reads its `group`'s): the group's slots as rotary_write_kv's, its block tables
+ *       [num_seqs, max_blocks] as paged_attention_rows'; row_seq / row_pos as
+ *       paged_attention_rows' (one row per generated token, the same in every group);
+ *       chunks / threads per split
  */
 int decode_stack_f32(const DecodeOp *ops, int64_t num_ops, void *const *buffers, int64_t tokens,
-                     const float *cos, const float *sin, const int64_t *slots, const int32_t *tables,
-                     int64_t max_blocks, const int32_t *row_seq, const int32_t *row_pos,
-                     const int64_t *chunks, const int64_t *threads);
+                     const float *const *cos, const float *const *sin, const int64_t *const *slots,
+                     const int32_t *const *tables, const int64_t *max_blocks, const int32_t *row_seq,
+                     const int32_t *row_pos, const int64_t *chunks, const int64_t *threads);
 int decode_stack_bf16(const DecodeOp *ops, int64_t num_ops, void *const *buffers, int64_t tokens,
-                      const uint16_t *cos, const uint16_t *sin, const int64_t *slots, const int32_t *tables,
-                      int64_t max_blocks, const int32_t *row_seq, const int32_t *row_pos,
-                      const int64_t *chunks, const int64_t *threads);
+                      const uint16_t *const *cos, const uint16_t *const *sin, const int64_t *const *slots,
+                      const int32_t *const *tables, const int64_t *max_blocks, const int32_t *row_seq,
+                      const int32_t *row_pos, const int64_t *chunks, const int64_t *threads);
 
 #endif

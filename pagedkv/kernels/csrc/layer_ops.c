@@ -11,6 +11,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* before kernels.h, whose inline helpers (simd.h's exp_reduced) then round as the ops here do */
@@ -101,6 +102,7 @@ int64_t layer_ops_max_head_dim(void) { return MAX_HEAD_DIM; }
 #define LOAD load_f32
 #define STORE store_f32
 #define ROUND round_f32
+#define MOE
 #include "layer_ops_body.h"
 
 #define T uint16_t
@@ -108,6 +110,7 @@ int64_t layer_ops_max_head_dim(void) { return MAX_HEAD_DIM; }
 #define LOAD load_bf16
 #define STORE store_bf16
 #define ROUND round_bf16
+#define MOE
 #include "layer_ops_body.h"
 
 #ifndef PAGEDKV_NO_F16

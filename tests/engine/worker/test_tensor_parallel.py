@@ -42,7 +42,30 @@ CASES = {
             "mlp_only_layers": [1],
         },
     ),
+    # sandwich norms, GeGLU, soft-caps, tied and scaled embeddings; two KV groups (hybrid paging)
+    "gemma2-hybrid": (
+        "gemma2",
+        {
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+            "num_hidden_layers": 4,
+        },
+    ),
+    # 1 + w q/k norms, the sliding layers' own rotary table; three KV groups
+    "gemma3-hybrid": (
+        "gemma3",
+        {
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        },
+    ),
 }
+#: the cases paged by KV group (hybrid paging) on one rank and on two: their groups
+HYBRID = {"gemma2-hybrid": 2, "gemma3-hybrid": 3}
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
@@ -68,12 +91,15 @@ def _pair(path, **options) -> tuple[LLM, LLM]:
 def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(tmp_path, case):
     arch, overrides = CASES[case]
     path = make_checkpoint(tmp_path, arch, **overrides)
+    groups = HYBRID.get(case, 1)
     # a small token budget: longer prompts are prefilled in chunks, interleaved with decodes
-    one, two = _pair(path, block_size=4, num_kv_blocks=128, max_num_batched_tokens=20)
+    one, two = _pair(path, block_size=4, num_kv_blocks=128 * groups, max_num_batched_tokens=20)
     try:
         prompts = _prompts()
-        # the prompts' last-token logits in one step, each prompt in its own blocks (fresh pools)
-        tables = [list(range(16 * i, 16 * i + 16)) for i in range(len(prompts))]
+        # the prompts' last-token logits in one step, each prompt in its own blocks (fresh pools);
+        # with KV groups a table interleaves the groups' (16 blocks each), past the null block 0
+        width = 16 * groups
+        tables = [list(range(1 + width * i, 1 + width * (i + 1))) for i in range(len(prompts))]
         plan = plan_of([Piece(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
         expected, got = one.engine.executor.execute(plan), two.engine.executor.execute(plan)
         assert got.shape == expected.shape == (len(prompts), one.engine.model_config.vocab_size)
@@ -85,6 +111,9 @@ def test_two_ranks_give_the_logits_and_greedy_tokens_of_one(tmp_path, case):
         )
         assert two.kv_stats()["prefix_cache_hits_tokens"] > 0
         assert two.kv_stats()["blocks_used"] == 0
+        if case in HYBRID:
+            paged = f"{groups} KV groups"
+            assert paged in repr(one) and paged in repr(two)
     finally:
         two.engine.shutdown()
 

@@ -1,13 +1,16 @@
 """Whether an engine pages its KV cache by group (hybrid paging, :mod:`pagedkv.memory.kv_groups`):
 on for a model with sliding-window layers unless ``disable_hybrid_kv_cache_manager`` says no or
 a part of the engine cannot carry a table per group yet -- then off, with the reason logged and
-shown by ``describe()``."""
+shown by ``describe()``. Both executors ask here: a tensor-parallel rank pages its share of the
+KV heads by the same groups, as every rank applies the same table edits."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from pagedkv.engine.config import EngineSettings
+from pagedkv.memory.kv_bytes import KVSpec
 from pagedkv.memory.kv_groups import KVGroups, plan_kv_groups
 from pagedkv.models import ModelConfig
 
@@ -20,8 +23,8 @@ def hybrid_kv_groups(
     """The KV groups the engine pages by (None: one table per sequence) and why, in words.
 
     Off with a second KV tier (it moves one block of every layer per id), with decode CUDA
-    graphs (they capture one table per sequence), with unified LoRA paging (an adapter's page
-    holds all its layers) and under tensor parallelism (not in this executor)."""
+    graphs (they capture one table per sequence) and with unified LoRA paging (an adapter's page
+    holds all its layers)."""
     windows = [model_config.layer_sliding_window(layer) for layer in range(model_config.num_layers)]
     groups = plan_kv_groups(windows)
     if groups is None:
@@ -40,3 +43,8 @@ def hybrid_kv_groups(
         return None, f"off ({reason})"
     logger.info("hybrid KV paging: %s", groups.describe())
     return groups, groups.describe()
+
+
+def pool_spec(spec: KVSpec, groups: KVGroups | None) -> KVSpec:
+    """The spec of one block of the pool: with KV groups a block spans one group's layers."""
+    return spec if groups is None else dataclasses.replace(spec, num_layers=groups.group_size)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from pagedkv.engine.config import EngineSettings
 from pagedkv.engine.core.plan import StepPlan
 from pagedkv.engine.worker.cuda_graphs import DecodeGraphSpec, eager_reason
 from pagedkv.engine.worker.executor.base import Executor, ExecutorError, KVMemory, runtime_of
-from pagedkv.engine.worker.executor.hybrid import hybrid_kv_groups
+from pagedkv.engine.worker.executor.hybrid import hybrid_kv_groups, pool_spec
 from pagedkv.engine.worker.executor.kv_budget import available_memory, size_pool
 from pagedkv.engine.worker.executor.tier_io import RankTier, plan_tier
 from pagedkv.engine.worker.lora_pages import PagedAdapterWeights
@@ -56,13 +55,8 @@ class InProcessExecutor(Executor):
         max_model_len = options.max_model_len or model_config.max_position_embeddings
         eager = eager_reason(options.device, options.enforce_eager, config.parallel.tensor_parallel_size)
         self.kv_groups, hybrid = hybrid_kv_groups(config, model_config, self.tier is not None, eager is None)
-        # With KV groups a block spans one group's layers, not every layer.
-        pool_spec = (
-            spec
-            if self.kv_groups is None
-            else dataclasses.replace(spec, num_layers=self.kv_groups.group_size)
-        )
-        block_bytes = KVCache.block_bytes(pool_spec, config.cache.block_size, dtype, kv_dtype)
+        block_size = config.cache.block_size
+        block_bytes = KVCache.block_bytes(pool_spec(spec, self.kv_groups), block_size, dtype, kv_dtype)
         # measured now: the weights are in place, nothing of the pool is yet
         available = functools.partial(available_memory, options.device)  # probed only for "auto"
         self.kv_sizing = size_pool(config, block_bytes, max_model_len, available)

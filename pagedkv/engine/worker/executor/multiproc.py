@@ -42,6 +42,7 @@ from pagedkv.engine.core.plan import StepPlan
 from pagedkv.engine.worker.cuda_graphs import eager_reason
 from pagedkv.engine.worker.executor import launch
 from pagedkv.engine.worker.executor.base import Executor, ExecutorError, KVMemory, runtime_of
+from pagedkv.engine.worker.executor.hybrid import hybrid_kv_groups
 from pagedkv.engine.worker.executor.rank import RankSpec, build_runner, size_rank_pools
 from pagedkv.engine.worker.executor.tier_io import plan_tier
 from pagedkv.memory.pool_sizing import AUTO, PoolSizing
@@ -66,10 +67,13 @@ def rank_spec(
     local_ranks = len(rendezvous.spawn_ranks) + (1 if rendezvous.runs_engine else 0)
     threads = config.parallel.threads_per_rank or max(1, torch.get_num_threads() // max(1, local_ranks))
     tier = plan_tier(config, model_path, model_config)
+    graphs = eager_reason(config.model.device, config.model.enforce_eager, rendezvous.world_size) is None
+    kv_groups, hybrid = hybrid_kv_groups(config, model_config, tier is not None, graphs)
     # the ranks of this machine share its memory; torchrun starts each in a process of its own
     machine_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if rendezvous.external else local_ranks
-    sizing = size_rank_pools(config, model_config, max(1, machine_ranks))
-    spec = RankSpec(config, model_path, rendezvous, sizing.num_blocks, threads, tier, sizing.source == AUTO)
+    sizing = size_rank_pools(config, model_config, max(1, machine_ranks), kv_groups)
+    auto = sizing.source == AUTO
+    spec = RankSpec(config, model_path, rendezvous, sizing.num_blocks, threads, tier, auto, kv_groups, hybrid)
     return spec, sizing
 
 
@@ -122,7 +126,7 @@ class MultiprocExecutor(Executor):
                 "this process is not rank 0: run the worker node (pagedkv.engine.worker.executor.node)"
             )
         self.num_kv_blocks = spec.num_kv_blocks
-        self.tier = spec.tier
+        self.tier, self.kv_groups = spec.tier, spec.kv_groups
         self.world_size = spec.rendezvous.world_size
         self.timeout = timedelta(seconds=spec.rendezvous.timeout)
         #: How this machine's worker ranks were started: "fork" or "spawn".
@@ -164,6 +168,7 @@ class MultiprocExecutor(Executor):
                 spec.config.model.device, spec.config.model.enforce_eager, self.world_size
             ),
             "kv cache": f"{kv_cache.nbytes / 2**20:.1f} MiB per rank ({kv_cache.num_blocks} blocks)",
+            "hybrid kv": spec.hybrid_kv,
         }
         torch.distributed.barrier(group=self.ranks.groups.control)
 

@@ -21,9 +21,11 @@ from pagedkv.attention import KVCache, resolve_backend
 from pagedkv.distributed import Rendezvous, groups, heartbeat
 from pagedkv.engine.config import EngineSettings
 from pagedkv.engine.worker.executor.base import TierSpec
+from pagedkv.engine.worker.executor.hybrid import pool_spec
 from pagedkv.engine.worker.executor.kv_budget import available_memory, size_pool
 from pagedkv.engine.worker.executor.tier_io import RankTier
 from pagedkv.engine.worker.model_runner import ModelRunner
+from pagedkv.memory.kv_groups import KVGroups
 from pagedkv.memory.pool_sizing import PoolSizing
 from pagedkv.models import ModelConfig, load_model
 from pagedkv.models.dtypes import resolve_dtype
@@ -45,9 +47,15 @@ class RankSpec:
     #: True when "auto" sized the pool from this machine's memory (the ranks then agree on the
     #: fewest blocks any machine found room for).
     auto_sized: bool = False
+    #: The KV groups every rank's pool is paged by (hybrid paging; None: one table per sequence),
+    #: and why, in words (:func:`~pagedkv.engine.worker.executor.hybrid.hybrid_kv_groups`).
+    kv_groups: KVGroups | None = None
+    hybrid_kv: str = "off (no sliding-window layer)"
 
 
-def size_rank_pools(config: EngineSettings, model_config: ModelConfig, local_ranks: int) -> PoolSizing:
+def size_rank_pools(
+    config: EngineSettings, model_config: ModelConfig, local_ranks: int, kv_groups: KVGroups | None = None
+) -> PoolSizing:
     """Every rank's pool (all the same): ``num_kv_blocks``, else as many blocks as
     ``kv_cache_memory`` holds on each rank, else ("auto") sized from what this machine has left
     once its ``local_ranks`` ranks hold their weights. A rank holds only its KV heads of every
@@ -56,12 +64,13 @@ def size_rank_pools(config: EngineSettings, model_config: ModelConfig, local_ran
 
     It is sized before any rank loads, so "auto" takes the memory free now less the weights'
     bytes (a rank's shard, counted on the meta device): on the CPU the ranks of this machine
-    share the host's memory and split the share; on CUDA each rank has a device of its own."""
+    share the host's memory and split the share; on CUDA each rank has a device of its own.
+    With ``kv_groups`` a block spans one group's layers, not every layer."""
     options = config.model
     dtype = resolve_dtype(options.dtype, default=model_config.dtype, device=options.device)
     shard = shard_config(model_config, config.parallel.tensor_parallel_size)
     block_bytes = KVCache.block_bytes(
-        shard.kv_spec(), config.cache.block_size, dtype, config.cache.kv_cache_dtype
+        pool_spec(shard.kv_spec(), kv_groups), config.cache.block_size, dtype, config.cache.kv_cache_dtype
     )
     max_model_len = options.max_model_len or model_config.max_position_embeddings
     on_cuda = options.device.startswith("cuda")
@@ -116,6 +125,7 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
         dtype,
         device,
         spec.config.cache.kv_cache_dtype,
+        spec.kv_groups,
     )
     runner = ModelRunner(model, kv_cache)
     if spec.tier is not None:
