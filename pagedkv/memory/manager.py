@@ -201,6 +201,12 @@ class KVCacheManager:
         """Grow ``seq_id`` by ``n`` tokens if the pool allows (its block copies), else None."""
         return self.table(seq_id).try_append(n)
 
+    def try_hold(self, seq_id: SeqId, start: int, end: int) -> bool:
+        """Hold the blocks a step computing ``seq_id``'s positions ``start .. end - 1`` writes,
+        or answer False (the pool is short). Admission allocated a whole prompt here, so this
+        holds nothing; a manager that allocates prompts chunk by chunk takes them now."""
+        return True
+
     def truncate(self, seq_id: SeqId, num_tokens: int, free_blocks: bool = True) -> None:
         """Shrink ``seq_id`` to its first ``num_tokens`` tokens (speculative tokens the target
         model rejected); see :meth:`BlockTable.truncate`."""
