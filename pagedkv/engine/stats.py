@@ -238,6 +238,8 @@ class SequenceBlocks:
     #: The request's prompt length and the prompt tokens the prefix cache served it.
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    #: With KV groups, each group's table (``block_ids`` holds their blocks, null block aside).
+    group_tables: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -250,6 +252,10 @@ class KVSnapshot:
     refcounts: tuple[int, ...]
     cached: frozenset[int]
     sequences: list[SequenceBlocks]
+    #: Per KV group, its window (None: full attention); empty without groups. The null block
+    #: (held, never written) stands in a sliding group's table for blocks its window left.
+    group_windows: tuple[int | None, ...] = ()
+    null_block: int | None = None
 
     @cached_property
     def blocks(self) -> list[BlockInfo]:
@@ -375,6 +381,10 @@ class StatsCollector:
                     table.num_tokens,
                     len(request.prompt_token_ids),
                     request.num_cached_tokens,
+                    table.groups,
                 )
             )
-        return KVSnapshot(pool.block_size, pool.refcounts, pool.cached, sequences)
+        kv = self.scheduler.kv_manager
+        return KVSnapshot(
+            pool.block_size, pool.refcounts, pool.cached, sequences, kv.group_windows, kv.null_block
+        )

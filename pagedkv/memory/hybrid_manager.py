@@ -77,6 +77,10 @@ class HybridKVCacheManager(KVCacheManager):
             return BlockTable(self.pool, block_ids, num_tokens, root)
         return WindowedBlockTable(self.pool, window, self.null_block, block_ids, num_tokens, root)
 
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        return self.groups.windows
+
     def grouped(self, seq_id: SeqId) -> GroupedTable:
         table = self.table(seq_id)
         assert isinstance(table, GroupedTable)
@@ -275,7 +279,11 @@ class HybridKVCacheManager(KVCacheManager):
 
     def snapshot(self) -> PoolSnapshot:
         tables = {
-            seq: TableSnapshot(tuple(t.live_block_ids()), t.num_tokens)  # type: ignore[attr-defined]
+            seq: TableSnapshot(
+                tuple(t.live_block_ids()),  # type: ignore[attr-defined]
+                t.num_tokens,
+                tuple(tuple(group.block_ids) for group in t.tables),  # type: ignore[attr-defined]
+            )
             for seq, t in self._tables.items()
         }
         pool = self.pool
