@@ -217,6 +217,11 @@ ENGINE_OPTIONS = (
         "max_lora_rank", f"the largest LoRA rank an adapter may have (at most 64) {DEFAULT}", positive_int
     ),
     EngineOption(
+        "lora_paging",
+        f"where resident LoRA adapters live: unified (pages of the KV block pool) or slots {DEFAULT}",
+        choices=("unified", "slots"),
+    ),
+    EngineOption(
         "enforce_eager",
         "capture no CUDA graphs: decode steps run eagerly (graphs are captured only on CUDA, one rank)",
         action="store_true",

@@ -11,6 +11,7 @@ from pagedkv.bench.capacity import CAPACITY_MAX_NUM_SEQS, CapacityConfig, run_ca
 from pagedkv.bench.capacity_report import print_capacity, write_capacity_plots
 from pagedkv.bench.driver import Bench
 from pagedkv.bench.hybrid_capacity import HybridCapacityConfig, print_hybrid_capacity, run_hybrid_capacity
+from pagedkv.bench.lora import LoraBenchConfig, print_lora_bench, run_lora_bench
 from pagedkv.bench.parallel import ParallelConfig, print_parallel, run_parallel
 from pagedkv.bench.quality import QualityConfig, print_quality, run_quality
 from pagedkv.bench.router import REPLICA_ENGINE, RouterConfig, bench_router, print_router
@@ -221,6 +222,23 @@ STRUCTURED = Bench(
 )
 
 
+LORA = Bench(
+    name="lora",
+    doc="""LoRA adapters: unified paging vs fixed slots at one budget, and throughput over adapters
+
+    At one memory budget (max_loras fixed slots plus --kv-blocks KV blocks, or one pool holding
+    both), count in the live engine the requests held when few adapters are active with long
+    contexts, and the adapters kept resident (and read again) when many run short requests; then
+    time a batch spread over adapters against the same batch on the base model, and the first
+    step of a new adapter. The built-in model unless --model.
+    """,
+    config=LoraBenchConfig,
+    run=run_lora_bench,
+    report=print_lora_bench,
+    engine_fields=("model", "dtype", "block_size", "attention_backend", "threads"),
+)
+
+
 BENCHES = (
     CAPACITY,
     CAPACITY_HYBRID,
@@ -233,4 +251,5 @@ BENCHES = (
     TIERS,
     SPEC,
     STRUCTURED,
+    LORA,
 )

@@ -144,10 +144,12 @@ class EngineConfig:
     #: dict or JSON text (parsed here, so a bad one is refused before anything loads); None: off.
     speculative_config: SpeculativeConfig | Mapping[str, Any] | str | None = None
     #: Serve LoRA adapters (``LoRARequest``) beside the base model; ``max_loras`` of them
-    #: resident at once, each of rank at most ``max_lora_rank`` (vLLM's defaults).
+    #: resident at once, each of rank at most ``max_lora_rank`` (vLLM's defaults);
+    #: ``lora_paging`` "unified" pages their weights in the KV block pool, "slots" does not.
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    lora_paging: str = "unified"
 
     def __post_init__(self) -> None:
         spec = self.speculative_config

@@ -196,7 +196,12 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Check a LoRA adapter against the model and make it known (vLLM's); False if it was
         known already. Raises :class:`InvalidRequestError` naming what is wrong with it."""
-        return self.loras.add(lora_request)
+        added = self.loras.add(lora_request)
+        paged = self.scheduler.paged_adapters
+        if added and paged is not None:
+            kv = self.settings.cache.block_size, self.model_config.num_kv_heads, self.model_config.head_dim
+            paged.register(lora_request.lora_int_id, self.loras.paged_file(lora_request.lora_int_id, *kv))
+        return added
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter and free its slot; False if it is unknown. Refused
@@ -205,6 +210,8 @@ class LLMEngine:
             raise InvalidRequestError(f"LoRA adapter {lora_int_id} is in use by a request", "lora_int_id")
         if self.scheduler.adapters is not None:
             self.scheduler.adapters.forget(lora_int_id, adapters_in_use(self.scheduler.running))
+        if self.scheduler.paged_adapters is not None:
+            self.scheduler.paged_adapters.forget(lora_int_id)  # its pages back to the pool
         for root in [root for root, lora in self.lora_roots.items() if lora.lora_int_id == lora_int_id]:
             del self.lora_roots[root]  # in place: KV events read this dict
         return self.loras.remove(lora_int_id)
@@ -319,6 +326,8 @@ class LLMEngine:
         except Exception:
             if plan.lora_loads and self.scheduler.adapters is not None:
                 self.scheduler.adapters.undo(plan.lora_loads)
+            if plan.lora_page_writes and self.scheduler.paged_adapters is not None:
+                self.scheduler.paged_adapters.retry(plan.lora_page_writes)
             raise
 
     def _publish(

@@ -6,12 +6,16 @@ takes engine state. Which adapters are resident in the model's slots is the sche
 
 from __future__ import annotations
 
+import zlib
+from pathlib import Path
 from typing import Any
 
 from pagedkv.config.lora import LoRAConfig
+from pagedkv.engine.core.adapter_paging import AdapterFile
 from pagedkv.engine.lora_request import LoRARequest
 from pagedkv.engine.validation import InvalidRequestError
-from pagedkv.models.lora_checkpoint import AdapterSpec, LoRAAdapterError, read_adapter
+from pagedkv.memory.adapter_layout import AdapterLayout, slab_elements
+from pagedkv.models.lora_checkpoint import AdapterSpec, LoRAAdapterError, projection_shapes, read_adapter
 
 
 class LoRARegistry:
@@ -53,6 +57,22 @@ class LoRARegistry:
         self._adapters[lora.lora_int_id] = (lora, spec)
         return True
 
+    def paged_file(self, lora_int_id: int, block_size: int, num_kv_heads: int, head_dim: int) -> AdapterFile:
+        """What unified paging needs of a known adapter: its folder, the pages its weights take
+        in a KV cache of these block sizes (:class:`~pagedkv.memory.adapter_layout.AdapterLayout`,
+        from the checked header's shapes), and the CRC-32 of its weights file, which the worker
+        checks each time it reads the file into the pages (an evicted adapter is read again)."""
+        lora, spec = self._adapters[lora_int_id]
+        shapes = projection_shapes(self.model_config)
+        layers: list[dict[str, tuple[tuple[int, int], tuple[int, int]]]] = [
+            {} for _ in range(self.model_config.num_layers)
+        ]
+        for layer, shard in spec.tensors:
+            in_features, out_features = shapes[shard]
+            layers[layer][shard] = ((spec.rank, in_features), (out_features, spec.rank))
+        pages = AdapterLayout.of(layers).pages(slab_elements(block_size, num_kv_heads, head_dim))
+        return AdapterFile(lora.lora_name, str(lora.lora_path), pages, weights_checksum(spec.weights_file))
+
     def remove(self, lora_int_id: int) -> bool:
         """Forget an adapter; False if it was not known."""
         return self._adapters.pop(lora_int_id, None) is not None
@@ -60,3 +80,12 @@ class LoRARegistry:
     def list(self) -> list[LoRARequest]:
         """The known adapters, in the order they were added."""
         return [lora for lora, _ in self._adapters.values()]
+
+
+def weights_checksum(file: Path) -> int:
+    """The CRC-32 of an adapter's weights file (read in 1 MiB pieces)."""
+    crc = 0
+    with open(file, "rb") as f:
+        while piece := f.read(1 << 20):
+            crc = zlib.crc32(piece, crc)
+    return crc

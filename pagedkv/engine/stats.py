@@ -20,12 +20,12 @@ from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pagedkv.engine.core.adapter_paging import AdapterBlocks
 from pagedkv.engine.spec.metrics import SpecDecodingStats
 from pagedkv.memory import KVUsage
 
 if TYPE_CHECKING:
     from pagedkv.engine.core.scheduler import Scheduler, SchedulerOutput
-    from pagedkv.engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,15 @@ class StepStats:
     tier_bytes_moved: int = 0
     tier_blocks_used: int = 0
     tier_blocks_total: int = 0
+    #: Unified LoRA paging (all 0 without it): adapters loaded into pages of the pool at this
+    #: step (their weights written before its forward pass) and evicted from them since the last
+    #: step; after the step, the resident adapters and their pages, of which those pinned by
+    #: running sequences (counted in ``kv_blocks_used``; the idle ones count as free).
+    lora_page_loads: int = 0
+    lora_page_evictions: int = 0
+    lora_adapters_resident: int = 0
+    lora_pages_resident: int = 0
+    lora_pages_pinned: int = 0
     #: The drafts this step verified (vLLM's ``SpecDecodingStats``); None when none was.
     spec_decoding: SpecDecodingStats | None = None
 
@@ -224,6 +233,8 @@ class BlockInfo:
     refcount: int
     cached: bool
     owners: tuple[str, ...]
+    #: The LoRA adapter whose weights the block holds (one of its pages, unified paging), if any.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -252,8 +263,9 @@ class KVSnapshot:
     refcounts: tuple[int, ...]
     cached: frozenset[int]
     sequences: list[SequenceBlocks]
-    #: Per KV group, its window (None: full attention); empty without groups. The null block
-    #: (held, never written) stands in a sliding group's table for blocks its window left.
+    #: The resident LoRA adapters' pages (unified paging; none without it).
+    adapters: tuple[AdapterBlocks, ...] = ()
+    #: Per KV group its window (None: full attention; none without groups), and the null block.
     group_windows: tuple[int | None, ...] = ()
     null_block: int | None = None
 
@@ -264,8 +276,9 @@ class KVSnapshot:
             for block in seq.block_ids:
                 if seq.request_id not in owners[block]:
                     owners[block].append(seq.request_id)
+        adapter_of = {block: a.name for a in self.adapters for block in a.block_ids}
         return [
-            BlockInfo(block, refcount, block in self.cached, tuple(owners[block]))
+            BlockInfo(block, refcount, block in self.cached, tuple(owners[block]), adapter_of.get(block))
             for block, refcount in enumerate(self.refcounts)
         ]
 
@@ -327,6 +340,7 @@ class StatsCollector:
             step_time_s=seconds,
             swapped_preemptions=out.swapped_preemptions,
             **self._tier_step(),
+            **({} if scheduler.paged_adapters is None else scheduler.paged_adapters.step_stats(out)),
             spec_decoding=spec_decoding,
         )
         if spec_decoding is not None and self.spec_totals is not None:
@@ -368,23 +382,19 @@ class StatsCollector:
         return replace(totals, num_accepted_tokens_per_pos=list(totals.num_accepted_tokens_per_pos))
 
     def kv_snapshot(self) -> KVSnapshot:
-        pool = self.scheduler.kv_manager.snapshot()
-        live: list[Sequence] = [s for s in self.scheduler.running if s.seq_id in pool.tables]
+        kv, paged = self.scheduler.kv_manager, self.scheduler.paged_adapters
+        pool = kv.snapshot()
         sequences = []
-        for seq in live:
-            table, request = pool.tables[seq.seq_id], seq.request
-            sequences.append(
-                SequenceBlocks(
-                    request.request_id,
-                    seq.index,
-                    table.block_ids,
-                    table.num_tokens,
-                    len(request.prompt_token_ids),
-                    request.num_cached_tokens,
-                    table.groups,
+        for seq in self.scheduler.running:
+            table, request = pool.tables.get(seq.seq_id), seq.request
+            if table is not None:
+                prompt = (len(request.prompt_token_ids), request.num_cached_tokens)
+                blocks = (table.block_ids, table.num_tokens)
+                sequences.append(
+                    SequenceBlocks(request.request_id, seq.index, *blocks, *prompt, table.groups)
                 )
-            )
-        kv = self.scheduler.kv_manager
+        adapters = () if paged is None else paged.snapshot()
+        windows = kv.group_windows
         return KVSnapshot(
-            pool.block_size, pool.refcounts, pool.cached, sequences, kv.group_windows, kv.null_block
+            pool.block_size, pool.refcounts, pool.cached, sequences, adapters, windows, kv.null_block
         )

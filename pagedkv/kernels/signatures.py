@@ -65,6 +65,8 @@ _FAMILIES: tuple[tuple[str, tuple[str, ...], Signature], ...] = (
     ),
     ("paged_attention_prefill", _LAYER, Signature(INT, (ADDRESS,) * 9 + (I64,) * 6 + (F32, INT))),
     ("paged_attention_prefill_lanes", (), Signature(I64, ())),
+    # lora_bgmv.c
+    ("lora_bgmv", _TILED, Signature(INT, (ADDRESS,) * 7 + (I64,) * 6)),
     # decode_stack.c
     (
         "decode_stack",
@@ -98,6 +100,8 @@ class DecodeCode(enum.IntEnum):
     GATE_UP_SILU = 6
     QUANT_LINEAR = 7
     SILU_AND_MUL = 8
+    GATE_UP = 9
+    LORA = 10
 
 
 class DecodeBuffer(enum.IntEnum):
@@ -119,3 +123,5 @@ class DecodeOp(ctypes.Structure):
     _fields_ += _fields(
         I64, "n_in n_out heads kv_heads head_dim block_size window split qtype column columns"
     )
+    _fields_ += _fields(ADDRESS, "lora_b lora_columns lora_slot lora_scaling")
+    _fields_ += _fields(I64, "lora_slots lora_rank lora_shards")

@@ -13,9 +13,10 @@ plus the free ones are exactly ``range(num_slots)``; an adapter named in ``in_us
 evicted. Being in use is not counted here but passed in by the caller (the adapters of the
 running sequences), so no release can be missed and no count can leak.
 
-Accounting is per slot today, each slot sized for the largest rank. When adapter weights move
-into the KV block pool (unified paging), a placement will take an adapter's pages from the pool
-instead of a fixed slot, and an eviction return them, under the same in-use rule.
+The slots are the compute format, each sized for the largest rank. With unified paging the
+adapter's weights also live in pages of the KV block pool
+(:mod:`pagedkv.memory.adapter_pages`), which decide what stays resident beyond the slots; a
+slot is then filled from the pages (:attr:`SlotLoad.pages`), not from the folder.
 """
 
 from __future__ import annotations
@@ -34,6 +35,22 @@ class SlotLoad:
     lora_int_id: int
     lora_name: str
     path: str
+    #: The adapter's pages in the KV block pool, whose weights the worker wrote there: the slot
+    #: is filled from them. Empty: the slot is read from the folder (no unified paging).
+    pages: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PageWrite:
+    """Write adapter ``lora_int_id``'s weights, read from the folder ``path`` and checked against
+    ``checksum`` (the CRC-32 of its weights file when the adapter was added), into its pages
+    ``block_ids`` of the KV cache, after the step's tier moves and block copies and before its
+    slot loads and forward pass. Plain data: it travels in the step plan."""
+
+    lora_int_id: int
+    path: str
+    checksum: int
+    block_ids: tuple[int, ...]
 
 
 class AdapterResidency:

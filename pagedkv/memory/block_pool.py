@@ -2,12 +2,17 @@
 
 Three disjoint states cover every block at all times:
 
-* in use -- refcount > 0, held by one or more block tables;
+* in use -- refcount > 0, held by one or more block tables (or by the adapter pages of
+  :mod:`pagedkv.memory.adapter_pages`, which hold each of their blocks once);
 * free -- refcount 0 and holding nothing worth keeping (a stack: O(1) pop and push);
 * cached-free -- refcount 0 but its contents are registered in the prefix cache, so a later
   request with the same prefix can take it back without recomputing. These sit in an LRU queue
   (an ``OrderedDict``: O(1) push, pop and removal by id) and are evicted, oldest first, only when
   the plain free stack is empty.
+
+A :class:`BlockReclaimer` (the pool's ``reclaimer``) may hold in-use blocks it can give back on
+demand -- an idle LoRA adapter's pages. They count as free, like cached-free blocks, and are
+taken back last: an allocation evicts cached-free KV blocks first, then asks the reclaimer.
 """
 
 from __future__ import annotations
@@ -44,6 +49,18 @@ class KVCacheListener(Protocol):
         the step that moved them)."""
 
 
+class BlockReclaimer(Protocol):
+    """Holds in-use blocks that an allocation may take back (idle adapter pages)."""
+
+    @property
+    def reclaimable_blocks(self) -> int:
+        """Blocks :meth:`reclaim` could free right now."""
+
+    def reclaim(self, n: int) -> int:
+        """Free at least ``n`` blocks to the pool's free stack (fewer only when
+        :attr:`reclaimable_blocks` is smaller); returns how many it freed."""
+
+
 class BlockPool:
     """A fixed number of physical blocks of ``block_size`` token slots each.
 
@@ -72,12 +89,16 @@ class BlockPool:
         #: their ids are handed out: their contents are intact until the step that reuses them
         #: writes there, so they can still be copied to a second tier (None: nobody).
         self.on_evict: Callable[[list[RemovedBlock]], None] | None = None
+        #: Gives back in-use blocks when the free and cached-free ones run short (None: nobody).
+        self.reclaimer: BlockReclaimer | None = None
 
     # -- counts -----------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation can take right now: plain free plus evictable cached ones."""
-        return len(self._free) + len(self._evictable)
+        """Blocks an allocation can take right now: plain free, evictable cached ones, and those
+        the reclaimer can give back."""
+        free = len(self._free) + len(self._evictable)
+        return free if self.reclaimer is None else free + self.reclaimer.reclaimable_blocks
 
     @property
     def num_used_blocks(self) -> int:
@@ -124,7 +145,7 @@ class BlockPool:
         """Take ``n`` blocks with refcount 1, all or nothing.
 
         Plain free blocks go first; only then are cached-free blocks evicted, least recently
-        used first.
+        used first; only then does the reclaimer give blocks back.
         """
         if n == 1 and self._free:  # a decode's new block: no eviction, no loop
             block = self._free.pop()
@@ -134,6 +155,9 @@ class BlockPool:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > self.num_free_blocks:
             raise PoolExhaustedError(n, self.num_free_blocks, self.num_blocks)
+        short = n - len(self._free) - len(self._evictable)
+        if short > 0 and self.reclaimer is not None:
+            self.reclaimer.reclaim(short)
         blocks = []
         for _ in range(n):
             if not self._free:

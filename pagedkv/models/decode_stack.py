@@ -43,8 +43,9 @@ from pagedkv.attention.checks import per_call_checks
 from pagedkv.kernels import library, paged_attention, tiled_gemm
 from pagedkv.kernels.signatures import ADDRESS, I64, SUFFIXES, DecodeBuffer, DecodeCode, DecodeOp
 from pagedkv.models import layer_ops
+from pagedkv.models.decode_lora import LORA_LOWERINGS, LoRARowBuffers
 from pagedkv.models.linear import BUFFER_ROWS, GateUpLinear, Linear, PackedLinear
-from pagedkv.models.ops import AddNorm, Attend, GateUpAct, KeepRows, Op, Project, RotaryWriteKV
+from pagedkv.models.ops import AddNorm, Attend, GateUpAct, KeepRows, LoRARows, Op, Project, RotaryWriteKV
 from pagedkv.models.quantized import QuantizedLinear
 
 
@@ -57,6 +58,7 @@ class _Lowering:
 
     def __init__(self, dtype: torch.dtype, hidden: int, kv_cache: KVCache | None) -> None:
         self.dtype, self.kv_cache = dtype, kv_cache
+        self.lora_rows = (0, 0)  # where the LoRA records read the step's rows (LoRARowBuffers)
         self.records: list[DecodeOp] = []
         self.widths = [hidden] * DecodeBuffer.WORK  # INPUT, RESIDUAL, OUTPUT
         self.current = int(DecodeBuffer.INPUT)
@@ -66,6 +68,11 @@ class _Lowering:
         self.weights: list[torch.Tensor] = []
         #: (sliding window, heads, head_dim) of each attention split computed per step
         self.splits: list[tuple[int, int, int]] = []
+
+    def lower(self, op: Op) -> str | None:
+        """Append ``op``'s records, or say why it has none."""
+        lowering = _LOWERINGS.get(type(op))
+        return f"no C form for {type(op).__name__}" if lowering is None else lowering(op, self)
 
     def emit(self, code: DecodeCode, width: int, dst: int | None = None, **fields: Any) -> None:
         """Append a record reading ``current`` and writing ``dst`` (a new working buffer of
@@ -252,16 +259,14 @@ _LOWERINGS: dict[type[Op], Callable[[Any, _Lowering], str | None]] = {
     Attend: _attend,
     GateUpAct: _gate_up_act,
     KeepRows: _keep_rows,
+    **LORA_LOWERINGS,
 }
 
 
 def _lower(ops: tuple[Op, ...], low: _Lowering) -> str | None:
     """Lower every op into ``low``, then copy the result to the output; or say why not."""
     for op in ops:
-        lowering = _LOWERINGS.get(type(op))
-        if lowering is None:
-            return f"no C form for {type(op).__name__}"
-        if (why := lowering(op, low)) is not None:
+        if (why := low.lower(op)) is not None:
             return why
     width = low.widths[DecodeBuffer.OUTPUT]
     if low.widths[low.current] != width:
@@ -308,6 +313,7 @@ class DecodeStack:
         self._bound: list[torch.Tensor] = []
         self._splits = shape.splits
         self._chunks, self._threads = (I64 * len(self._splits))(), (I64 * len(self._splits))()
+        self._lora_rows = LoRARowBuffers(ops)
 
     def _bind(self, kv_cache: KVCache) -> None:
         """Lower the op list again for ``kv_cache`` and the projections' current weights (held:
@@ -315,6 +321,7 @@ class DecodeStack:
         lower (a weight off the tiled layout, a pool the C does not take): the steps go to the
         program until the cache or a weight changes again."""
         low = _Lowering(self.dtype, self.hidden, kv_cache)
+        low.lora_rows = self._lora_rows.addresses()
         lowered = _lower(self.ops, low) is None
         self._records = (DecodeOp * len(low.records))(*low.records) if lowered else None
         self._kv_cache, self._parameters, self._bound = kv_cache, low.parameters, low.weights
@@ -326,9 +333,10 @@ class DecodeStack:
         sin: torch.Tensor,
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        lora: LoRARows | None = None,
     ) -> torch.Tensor | None:
-        """The final hidden states ``[T, hidden]`` of a step of generated rows, or None when this
-        step is not one the stack takes (the caller runs the program)."""
+        """The final hidden states ``[T, hidden]`` of a step of generated rows (adapters: ``lora``),
+        or None when this step is not one the stack takes (the caller runs the program)."""
         tokens = x.shape[0]
         if not 0 < tokens <= BUFFER_ROWS or per_call_checks() or x.dtype != self.dtype:
             return None
@@ -351,6 +359,8 @@ class DecodeStack:
             return None
         for i, (window, heads, head_dim) in enumerate(self._splits):
             self._threads[i], self._chunks[i] = cpu_rows.split_work(rows.total(window), heads, head_dim)
+        if not self._lora_rows.stage(lora, tokens):
+            return None
         x = x.contiguous()
         out = torch.empty_like(x)
         self._addresses[DecodeBuffer.INPUT] = x.data_ptr()

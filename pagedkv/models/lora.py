@@ -59,6 +59,8 @@ class ModuleSlots:
             width = shapes[name][1]
             self.places[name] = (block, column, width)
             column += width
+        #: the bounds of each block's output columns (block p writes ``columns[p]:columns[p + 1]``)
+        self.columns = torch.tensor([place[1] for place in self.places.values()] + [column])
         rows = len(shards) * rank
         self.a = torch.zeros((slots, rows, in_features), dtype=like.dtype, device=like.device)
         self.b = torch.zeros((slots, rows, column), dtype=like.dtype, device=like.device)
@@ -94,8 +96,8 @@ class LoRASlots:
                 slots = ModuleSlots(shapes, shards, max_loras, max_rank, like)
                 self.modules[index, name] = slots
                 self._by_module[id(getattr(owners[name], name))] = slots
-        #: each slot's scaling at its own column, a zero row last (index -1: a base row)
-        self.scale_table = torch.zeros((max_loras + 1, max_loras, 1), dtype=like.dtype, device=like.device)
+        #: each slot's scaling (``lora_alpha / r``; 0 for an empty slot)
+        self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=like.device)
 
     def load(self, slot: int, spec: AdapterSpec) -> None:
         """Adapter ``spec`` into ``slot``, replacing what the slot held (untargeted projections
@@ -108,24 +110,22 @@ class LoRASlots:
         self.clear(slot)
         for (layer, shard), (a, b) in read.items():
             self.modules[layer, TARGETS[shard]].put(slot, shard, a, b)
-        self.scale_table[slot, slot] = spec.scaling
+        self.scaling[slot] = spec.scaling
 
     def clear(self, slot: int) -> None:
         for slots in self.modules.values():
             slots.a[slot].zero_()
             slots.b[slot].zero_()
-        self.scale_table[slot, slot] = 0
+        self.scaling[slot] = 0
 
     def rows(self, row_slots: Sequence[int], output_rows: torch.Tensor | None) -> LoRARows | None:
         """The step's :class:`LoRARows` for each row's slot (-1: base), or None when every row
         is a base row (the step runs the base ops, C decode stack and graphs included)."""
         if all(slot < 0 for slot in row_slots):
             return None
-        index = torch.tensor(row_slots, dtype=torch.long).to(self.scale_table.device)
-        covered = max(row_slots) + 1  # the leading slots the rows use (LoRARows)
-        scale = self.scale_table[:, :covered].index_select(0, index % (self.max_loras + 1))
-        kept = None if output_rows is None else scale.index_select(0, output_rows)
-        return LoRARows(scale, kept)
+        slot = torch.tensor(row_slots, dtype=torch.int32).to(self.scaling.device)
+        kept = None if output_rows is None else slot.index_select(0, output_rows)
+        return LoRARows(slot, self.scaling, kept)
 
     def wrap(self, ops: Sequence[Op]) -> tuple[Op, ...]:
         """``ops`` with every adaptable projection's op applying the step's adapters."""
@@ -134,10 +134,10 @@ class LoRASlots:
         for op in ops:
             if isinstance(op, Project) and id(op.linear) in self._by_module:
                 slots = self._by_module[id(op.linear)]
-                op = LoRAProject(op, slots.a, slots.b)
+                op = LoRAProject(op, slots.a, slots.b, slots.columns)
             elif type(op) in _ACTIVATIONS and id(op.gate_up) in self._by_module:
                 slots = self._by_module[id(op.gate_up)]
-                op = LoRAGateUp(op, op.gate_up, _ACTIVATIONS[type(op)], slots.a, slots.b)
+                op = LoRAGateUp(op, op.gate_up, _ACTIVATIONS[type(op)], slots.a, slots.b, slots.columns)
             adapted += isinstance(op, (LoRAProject, LoRAGateUp))
             wrapped.append(op)
         if adapted != len(self._by_module):

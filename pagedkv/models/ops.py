@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache, attend
+from pagedkv.kernels import lora_bgmv
 from pagedkv.models.layer_ops import QKVLayout, TorchOps
 
 #: the residual stream between two ops: ``(x, residual)``
@@ -57,29 +58,35 @@ class ForwardBatch:
 
 @dataclass(frozen=True)
 class LoRARows:
-    """Which adapter slot each row of a step runs with, as the factor each slot's low-rank
-    product is scaled by: ``scale [T, slots, 1]`` holds the row's adapter's ``lora_alpha / r``
-    at its slot and 0 at every other (all 0 for a base row), ``kept`` the same for the rows
-    :class:`KeepRows` keeps (None when it keeps all). It covers the leading ``slots`` slots
-    only, up to the highest one a row uses (slots fill from 0): the others cost nothing.
+    """Which adapter slot each row of a step runs with: ``slot [T]`` (int32, -1 for a base row),
+    ``kept`` the same for the rows :class:`KeepRows` keeps (None when it keeps all), and each
+    slot's factor ``scaling [slots]`` (float32: the adapter's ``lora_alpha / r``).
 
-    :meth:`delta` is Punica's BGMV over the resident adapters, written as two dense products:
-    ``x`` times every covered slot's ``A`` (stacked ``[slots * r, in]``), each row's products of
-    other slots zeroed by its scale, then times every covered slot's ``B`` (stacked
-    ``[slots * r, out]``). The zeros are exact, so each row gets its own adapter's
-    ``scaling * B (A x)`` and a base row exactly nothing, in one pair of GEMMs whatever the mix
-    of adapters."""
+    :meth:`add` is Punica's BGMV: each row times its own slot's ``A``, scaled, times its
+    ``B``, added to the row's output; a base row gets exactly nothing. On the CPU it is one call
+    of the C kernel (:mod:`pagedkv.kernels.lora_bgmv`), whose work is the rows' own adapters'
+    products -- the C decode stack calls the same kernel on the same data. Elsewhere it is two
+    dense products over every slot, each row's products of other slots zeroed by its scale (no
+    host synchronisation, whatever the mix)."""
 
-    scale: torch.Tensor
+    slot: torch.Tensor
+    scaling: torch.Tensor
     kept: torch.Tensor | None = None
 
-    def delta(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """The rows' adapter outputs for ``x [T, in]``, from a projection's slot tensors
-        ``a [max_loras, r, in]`` and ``b [max_loras, r, out]``."""
-        slots, rank = self.scale.shape[1], a.shape[1]
-        scale = self.scale if x.shape[0] == self.scale.shape[0] or self.kept is None else self.kept
-        low = torch.mm(x, a[:slots].reshape(slots * rank, -1).t()).view(-1, slots, rank).mul_(scale)
-        return torch.mm(low.view(-1, slots * rank), b[:slots].reshape(slots * rank, -1))
+    def add(
+        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, columns: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """``out [T, out]`` plus the rows' adapter outputs for ``x [T, in]`` (in place where it
+        can), from a projection's slot tensors ``a [slots, shards * r, in]`` and ``b [slots,
+        shards * r, out]``, block ``p`` writing the columns ``columns[p]:columns[p + 1]``."""
+        slot = self.slot if x.shape[0] == self.slot.shape[0] or self.kept is None else self.kept
+        if lora_bgmv.takes(x, a) and out.is_contiguous():
+            return lora_bgmv.lora_bgmv(x, a, b, slot, self.scaling, columns, out)
+        slots, rank = a.shape[0], a.shape[1]
+        every = torch.arange(slots, device=slot.device)
+        scale = (slot.unsqueeze(1) == every).to(x.dtype).mul_(self.scaling.to(x.dtype)).unsqueeze(2)
+        low = torch.mm(x, a.reshape(slots * rank, -1).t()).view(-1, slots, rank).mul_(scale)
+        return out.add_(torch.mm(low.view(-1, slots * rank), b.reshape(slots * rank, -1)))
 
 
 class Op:
@@ -225,16 +232,18 @@ class GateUpGelu(Op):
 @dataclass(frozen=True, eq=False)
 class LoRAProject(Op):
     """``base`` (a :class:`Project`), plus each row's adapter output when the step has adapter
-    rows; ``a``/``b`` are the projection's slot tensors (:class:`LoRARows`)."""
+    rows; ``a``/``b`` are the projection's slot tensors, ``columns`` the bounds of each block's
+    output columns (:class:`LoRARows`)."""
 
     base: Project
     a: torch.Tensor
     b: torch.Tensor
+    columns: torch.Tensor
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         out, residual = self.base.run(x, residual, batch)
         if batch.lora is not None:
-            out = out.add_(batch.lora.delta(x, self.a, self.b))
+            out = batch.lora.add(x, self.a, self.b, self.columns, out)
         return out, residual
 
 
@@ -249,6 +258,7 @@ class LoRAGateUp(Op):
     activation: str
     a: torch.Tensor
     b: torch.Tensor
+    columns: torch.Tensor
     project: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -257,7 +267,7 @@ class LoRAGateUp(Op):
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         if batch.lora is None:
             return self.base.run(x, residual, batch)
-        product = self.project(x).add_(batch.lora.delta(x, self.a, self.b))
+        product = batch.lora.add(x, self.a, self.b, self.columns, self.project(x))
         return getattr(batch.ops, self.activation)(product), residual
 
 

@@ -30,11 +30,13 @@ _Run = Callable[[torch.Tensor, torch.Tensor | None, ForwardBatch], Stream]
 class StepProgram:
     """A model's ops in order (:meth:`~pagedkv.models.ops.DecoderOps.sequence`; with LoRA
     slots, the ops that apply them: :meth:`~pagedkv.models.lora.LoRASlots.wrap`) and the C stack
-    (:mod:`pagedkv.models.decode_stack`) that runs its decode steps where it can. The stack is
-    lowered from the base ops, so it runs only steps without adapter rows."""
+    (:mod:`pagedkv.models.decode_stack`) that runs its decode steps where it can. ``stack`` is
+    lowered from the base ops and runs the steps without adapter rows (the fused gate/up
+    product included); ``lora_stack``, lowered from the ops with adapters, runs the others."""
 
     ops: tuple[Op, ...]
     stack: DecodeStack | None = None
+    lora_stack: DecodeStack | None = None
     _runs: tuple[_Run, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -45,15 +47,20 @@ class StepProgram:
         """The program of a :class:`~pagedkv.models.llama.LlamaForCausalLM` (or its tensor-parallel
         shard: its row-parallel layers' functions all-reduce)."""
         ops = model.decoder_ops().sequence()
-        stack = decode_stack(model, ops, model.model.norm.weight.dtype)
+        dtype = model.model.norm.weight.dtype
+        stack = decode_stack(model, ops, dtype)
         lora = getattr(model, "lora", None)
-        return cls(ops if lora is None else lora.wrap(ops), stack)
+        if lora is None:
+            return cls(ops, stack)
+        wrapped = lora.wrap(ops)
+        return cls(wrapped, stack, decode_stack(model, wrapped, dtype))
 
     def run(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The final hidden states for the embedded tokens ``x [T, hidden]`` (of the rows
         ``batch.output_rows`` only, when given)."""
-        if self.stack is not None and batch.output_rows is None and batch.lora is None:
-            hidden = self.stack.run(x, batch.cos, batch.sin, batch.kv_cache, batch.metadata)
+        stack = self.stack if batch.lora is None else self.lora_stack
+        if stack is not None and batch.output_rows is None:
+            hidden = stack.run(x, batch.cos, batch.sin, batch.kv_cache, batch.metadata, batch.lora)
             if hidden is not None:
                 return hidden
         residual = None

@@ -64,7 +64,9 @@ def run_prefill(case, q_lens, num_heads, scale, backend, window=None, cap=None, 
 def test_decode_matches_contiguous(backend, index):
     block_size, gqa = GRID[index]
     head_dim = HEAD_DIMS[(index // 3 + index) % 3]  # every GQA ratio meets every head dim
-    case = make_case(boundary_lens(block_size), block_size, KV_HEADS, head_dim, seed=index)
+    # the slow interpreter takes a shorter long context (its splits have their own tests)
+    long = 600 if backend == "triton" and DEVICE.type == "cpu" else LONG
+    case = make_case(boundary_lens(block_size, long), block_size, KV_HEADS, head_dim, seed=index)
     out, expected = run_decode(case, KV_HEADS * gqa, head_dim**-0.5, backend)
     assert_close(out, expected, torch.float32)
 

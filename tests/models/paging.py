@@ -12,6 +12,7 @@ import torch
 
 from pagedkv.attention import AttentionMetadata, KVCache
 from pagedkv.models import LlamaForCausalLM
+from pagedkv.models.ops import LoRARows
 
 BLOCK_SIZE = 4
 
@@ -47,11 +48,12 @@ class PagedBatch:
         new_tokens: list[list[int]],
         output_rows: list[int] | None = None,
         prompt_lens: list[int] | None = None,
+        lora: LoRARows | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """The model's packed hidden states for each sequence's ``new_tokens`` (only the packed
         rows ``output_rows``, when given), and where each sequence's rows start (its last entry:
         the row count). ``prompt_lens``: each sequence's prompt length, as the engine passes it
-        (positions from there on are generated tokens)."""
+        (positions from there on are generated tokens). ``lora``: the rows' LoRA adapters."""
         ids, positions, slots, cu = [], [], [], [0]
         for seq, tokens in enumerate(new_tokens):
             start = self.lens[seq]
@@ -77,5 +79,5 @@ class PagedBatch:
                 torch.tensor(ids, device=self.device),
                 torch.tensor(positions, device=self.device),
             )
-            hidden = self.model(ids_t, positions_t, self.kv_cache, metadata, rows)
+            hidden = self.model(ids_t, positions_t, self.kv_cache, metadata, rows, lora)
         return hidden, cu

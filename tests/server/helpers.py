@@ -78,14 +78,20 @@ def wait_idle(base_url: str, timeout: float = 20.0) -> dict[str, float]:
 
 
 def assert_pool_whole(engine: LLMEngine) -> None:
-    """White-box check once idle: no request, block table or block reference is left behind."""
+    """White-box check once idle: no request, block table or block reference is left behind. The
+    one holder left is unified LoRA paging's: each page of a resident (idle, unpinned) adapter
+    is held once, and counts as free."""
     assert not engine.requests
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert engine.kv_manager.num_seqs == 0
     pool = engine.kv_manager.pool
-    assert all(pool.refcount(b) == 0 for b in range(pool.num_blocks))
+    paged = engine.scheduler.paged_adapters
+    pages = [] if paged is None else [b for r in paged.pages.resident() for b in r.block_ids]
+    assert paged is None or (not paged.pinned and all(r.pins == 0 for r in paged.pages.resident()))
+    assert all(pool.refcount(b) == (b in pages) for b in range(pool.num_blocks))
     assert pool.num_free_blocks == pool.num_blocks
-    assert sorted(pool.free_block_ids() + pool.cached_free_block_ids()) == list(range(pool.num_blocks))
+    held = pool.free_block_ids() + pool.cached_free_block_ids() + pages
+    assert sorted(held) == list(range(pool.num_blocks))
 
 
 class EngineGate:

@@ -351,3 +351,51 @@ def test_a_windowed_model_shows_its_kv_groups_and_the_null_block(browser, tmp_pa
         wait_idle(server.base_url)
         wait_for(browser, lambda d: not groups_shown(d), "the groups' cells to return")
         assert cells(browser)[null][0] == "null"
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory):
+    """A server with unified LoRA paging and one adapter, ``first``, of a tiny checkpoint."""
+    from tests.checkpoints import make_checkpoint
+    from tests.lora_adapters import make_adapter
+
+    tmp = tmp_path_factory.mktemp("dashboard-lora")
+    base = make_checkpoint(tmp, "llama")
+    first = make_adapter(tmp / "first", base, seed=1)
+    config = EngineConfig(model=str(base), dtype="float32", enable_lora=True, max_lora_rank=4, **OPTIONS)
+    with ServerThread(
+        create_app(config, served_model_name=MODEL, lora_modules=[f"first={first}"])
+    ) as running:
+        yield running
+
+
+def test_adapter_pages_show_beside_the_kv_blocks(browser, lora_server):
+    """While a request of the adapter runs its pages are drawn as pinned adapter pages, never as a
+    request's; once it ends they stay resident, drawn as idle."""
+    engine = lora_server.app.state.engine.engine
+    base_url = lora_server.base_url
+    open_dashboard(browser, base_url)
+
+    def adapter_cells(driver, state: str) -> set[int]:
+        return {i for i, (s, _, _) in enumerate(cells(driver)) if s == state}
+
+    with EngineGate(engine) as gate:
+        gate.close()
+        thread = complete_in_background(base_url, model="first", prompt=[5, 9, 14, 3], max_tokens=20)
+        hold_after_first_token(gate, engine)
+        (adapter,) = engine.kv_snapshot().adapters
+        assert adapter.name == "first" and adapter.pins == 1
+        pages = set(adapter.block_ids)
+        wait_for(browser, lambda d: adapter_cells(d, "adapter") == pages, "the adapter's pages")
+        shown = browser.execute_script(
+            "return [...document.querySelectorAll('#grid .cell.adapter')].map(c => c.dataset.adapter)"
+        )
+        assert set(shown) == {"first"}
+        cell = browser.find_element(By.CSS_SELECTOR, f'#grid .cell[data-block="{min(pages)}"]')
+        ActionChains(browser).move_to_element(cell).perform()
+        tooltip = browser.find_element(By.ID, "tooltip")
+        assert "LoRA adapter first" in tooltip.text and "pinned by 1 running sequence" in tooltip.text
+        assert "LoRA adapter pages" in browser.find_element(By.ID, "pool-summary").text
+    thread.join(120)
+    wait_idle(base_url)
+    wait_for(browser, lambda d: adapter_cells(d, "adapter-idle") == pages, "the idle adapter's pages")

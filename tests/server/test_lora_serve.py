@@ -149,3 +149,29 @@ def test_a_bad_lora_module_stops_the_start(setup):
     assert ended.returncode == 2  # a usage error, not a crash
     assert "--lora-modules:" in ended.stderr and "LoRA rank 4 is over max_lora_rank 2" in ended.stderr
     assert "Traceback" not in ended.stderr
+
+
+def test_unloading_an_adapter_a_running_request_holds_is_a_400(setup):
+    """The adapter's pages are pinned by the running request: the unload is refused, naming why,
+    and succeeds once the request has ended."""
+    from tests.server.helpers import EngineGate, complete_in_background
+
+    _, _, base, first, _, _ = setup
+    app = create_app(EngineConfig(model=str(base), **OPTIONS), lora_dirs=[str(first.parent)])
+    with ServerThread(app) as server:
+        engine = server.app.state.engine.engine
+        body = {"lora_name": "held", "lora_path": str(first)}
+        assert httpx.post(f"{server.base_url}/v1/load_lora_adapter", json=body).status_code == 200
+        with EngineGate(engine) as gate:
+            gate.close()
+            thread = complete_in_background(server.base_url, model="held", prompt=PROMPT, max_tokens=8)
+            gate.open_until(lambda outputs: bool(engine.scheduler.running))
+            assert gate.holding.wait(60)
+            (adapter,) = engine.kv_snapshot().adapters
+            assert adapter.name == "held" and adapter.pins == 1
+            unload = {"lora_name": "held"}
+            refused = httpx.post(f"{server.base_url}/v1/unload_lora_adapter", json=unload)
+            assert refused.status_code == 400 and "in use by a request" in refused.text
+        thread.join(120)
+        done = httpx.post(f"{server.base_url}/v1/unload_lora_adapter", json=unload)
+        assert done.status_code == 200 and engine.kv_snapshot().adapters == ()

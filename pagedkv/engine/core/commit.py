@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedkv.engine.core.adapter_admission import release_adapter
 from pagedkv.engine.core.sequence import Request, Sequence
 from pagedkv.engine.outputs import TokenLogprobs
 
@@ -130,6 +131,7 @@ def finish(
     stay reusable). Also how ``LLMEngine.abort`` ends a request's sequences."""
     scheduler.remove(seq)
     scheduler.kv_manager.free(seq.seq_id)
+    release_adapter(scheduler, seq)  # after the KV blocks: cached ones go before its pages
     scheduler.blocks_returned()
     seq.finish_reason, seq.stop_reason = reason, stop_reason
 
@@ -157,6 +159,8 @@ def _fork(scheduler: Scheduler, fork: Fork) -> None:
     child.num_computed_tokens = parent.num_computed_tokens
     share = scheduler.kv_policy.shares_blocks
     scheduler.pending_copies.extend(scheduler.kv_manager.fork(parent.seq_id, child.seq_id, share=share))
+    if scheduler.paged_adapters is not None:
+        scheduler.paged_adapters.fork(parent, child)
     scheduler.run(child)
 
 

@@ -21,7 +21,7 @@ from collections.abc import Hashable
 from dataclasses import asdict, dataclass, field
 
 from pagedkv.memory import KVCacheManager, KVTransfers
-from pagedkv.memory.adapters import SlotLoad
+from pagedkv.memory.adapters import PageWrite, SlotLoad
 
 SeqId = Hashable
 
@@ -101,6 +101,8 @@ class StepPlan:
     reset: bool = False
     #: LoRA adapters to read into their slots before the forward pass, in order.
     lora_loads: list[SlotLoad] = field(default_factory=list)
+    #: LoRA adapters' weights to write into their pages of the KV cache first (unified paging).
+    lora_page_writes: list[PageWrite] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -124,7 +126,14 @@ class StepPlan:
             table_edits=[TableEdit(**edit) for edit in data.get("table_edits", [])],
             finished=list(data.get("finished", [])),
             reset=bool(data.get("reset", False)),
-            lora_loads=[SlotLoad(**load) for load in data.get("lora_loads", [])],
+            lora_loads=[
+                SlotLoad(**(load | {"pages": tuple(load.get("pages", ()))}))
+                for load in data.get("lora_loads", [])
+            ],
+            lora_page_writes=[
+                PageWrite(**(w | {"block_ids": tuple(w["block_ids"])}))
+                for w in data.get("lora_page_writes", [])
+            ],
         )
 
 
@@ -155,6 +164,7 @@ class ShippedTables:
         block_copies: list[tuple[int, int]] | None = None,
         kv_transfers: KVTransfers | None = None,
         lora_loads: list[SlotLoad] | None = None,
+        lora_page_writes: list[PageWrite] | None = None,
     ) -> StepPlan:
         """The plan of ``slices``, whose tables ``kv_manager`` holds, with the edits that bring
         the runners' tables to the manager's."""
@@ -180,7 +190,8 @@ class ShippedTables:
             held.extend(new)
             edits.append(TableEdit(piece.seq_id, keep, new))
         reset, self._reset = self._reset, False
-        return StepPlan(slices, block_copies or [], kv_transfers, edits, finished, reset, lora_loads or [])
+        loras = lora_loads or [], lora_page_writes or []
+        return StepPlan(slices, block_copies or [], kv_transfers, edits, finished, reset, *loras)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

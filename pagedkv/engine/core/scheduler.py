@@ -32,7 +32,7 @@ from collections import Counter, deque
 from collections.abc import Collection
 
 from pagedkv.engine.config import EngineSettings
-from pagedkv.engine.core.adapter_admission import adapter_waits, place_adapter
+from pagedkv.engine.core import adapter_admission as lora
 from pagedkv.engine.core.fairness import FairShare, Holdings, admission_order, check_priority, choose_victim
 from pagedkv.engine.core.headroom import Headroom, Projection, Refusal
 from pagedkv.engine.core.kv_policy import PAGED, KVPolicy
@@ -40,7 +40,6 @@ from pagedkv.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput  
 from pagedkv.engine.core.sequence import Sequence, SequenceStatus
 from pagedkv.engine.spec.scheduling import add_spec_tokens
 from pagedkv.memory import KVCacheManager
-from pagedkv.memory.adapters import AdapterResidency
 
 logger = logging.getLogger("pagedkv.scheduler")
 
@@ -65,7 +64,8 @@ class Scheduler:
         scheduling_policy: str = "fcfs",
         max_running_share: float = 0.5,
         priority_range: tuple[int, int] = (-100, 100),
-        adapters: AdapterResidency | None = None,
+        adapters: lora.AdapterResidency | None = None,
+        paged_adapters: lora.PagedAdapters | None = None,
     ) -> None:
         self.scheduling_policy = scheduling_policy
         self.by_priority = scheduling_policy == "priority"
@@ -104,8 +104,9 @@ class Scheduler:
         #: This step's admission stopped at a waiting request whose blocks did not fit, with
         #: room left in the batch: the KV pool, not the batch size, kept it waiting.
         self.admission_blocked_by_kv = False
-        #: The LoRA adapters' slots (None: no adapters; see ``adapter_admission``).
+        #: LoRA adapters' slots and pages (None: off; ``adapter_admission``, ``adapter_paging``).
         self.adapters = adapters
+        self.paged_adapters = paged_adapters
         if decode_headroom and kv_policy.grows_on_demand:
             self.headroom = Headroom(kv_manager, decode_headroom, max_num_batched_tokens, max_model_len)
 
@@ -125,7 +126,7 @@ class Scheduler:
             config.scheduling_policy,
             config.max_running_share,
             config.priority_range,
-            None if settings.lora is None else AdapterResidency(settings.lora.max_loras),
+            *lora.adapter_parts(settings.lora, kv_manager),
         )
 
     # -- queue management -------------------------------------------------------------------
@@ -187,7 +188,8 @@ class Scheduler:
     def _blocks_to_admit(self, seq: Sequence) -> int:
         use_cache = not seq.needs_prompt_logits  # a cached token has no logits to score it
         salt, reserve = seq.request.prefix_salt, self.reserve_tokens(seq)
-        return self.kv_manager.blocks_to_allocate(seq.token_ids, reserve, use_cache, salt)
+        blocks = self.kv_manager.blocks_to_allocate(seq.token_ids, reserve, use_cache, salt)
+        return blocks + lora.page_blocks(self, seq)  # its adapter's pages count beside them
 
     def _shortfall(
         self, seq: Sequence, needed: int, budget: int, out: SchedulerOutput, unprotected: Collection[str]
@@ -232,8 +234,7 @@ class Scheduler:
         out.kv_blocks_used = self.kv_manager.usage().used_blocks
         out.kv_table_blocks = self.kv_manager.num_table_blocks()
         if self.adapters is not None:
-            out.lora_loads = self.adapters.take_loads()
-            out.lora_slots = self.adapters.slots()
+            lora.record_adapters(out, self.adapters, self.paged_adapters)
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> int:
@@ -275,14 +276,15 @@ class Scheduler:
         holdings = self.share.holdings(self.running)
         admitted: set[int] = set()  # ids admitted this step: spared by this step's reclaims
         passed_over: set[str] = set()  # client requests at their share: the rest of theirs waits
+        adapter_gate = lora.AdapterGate(self.adapters, self.running)  # FCFS among adapters' sequences
         for seq in admission_order(self.waiting, holdings, self.by_priority, self._waiting_clients):
             client = seq.request.client
             if budget <= 0:
                 break
             if client in passed_over or not self.kv_manager.swap_ready(seq.seq_id):
                 continue  # at its share; or its blocks are still being swapped out
-            if self.adapters is not None and adapter_waits(self.adapters, seq, self.running):
-                continue  # every adapter slot serves a running sequence: others may go first
+            if adapter_gate.waits(seq):
+                continue  # its adapter (or an earlier one) finds no slot: base sequences go first
             if self._others_wait(client) and not holdings.may_start(seq):
                 passed_over.add(client)  # at its share while others wait
                 continue
@@ -318,11 +320,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, out: SchedulerOutput, budget: int, holdings: Holdings) -> int:
         """Allocate ``seq``'s blocks and schedule its first chunk; returns the chunk's tokens."""
         self._dequeue(seq)
-        if self.adapters is not None:
-            place_adapter(self.adapters, seq, self.running)
-        reserve = self.reserve_tokens(seq)
-        use_cache, salt = not seq.needs_prompt_logits, seq.request.prefix_salt
-        cached = self.kv_manager.allocate(seq.seq_id, seq.token_ids, reserve, use_cache, salt)
+        lookup = (self.reserve_tokens(seq), not seq.needs_prompt_logits, seq.request.prefix_salt)
+        cached = lora.allocate_with_adapter(self, seq, *lookup)  # its adapter placed and pinned too
         seq.num_computed_tokens = cached
         if seq.num_output_tokens == 0:
             seq.request.num_cached_tokens = cached
@@ -373,6 +372,7 @@ class Scheduler:
         # Never the last token: readmission computes it, and its logits with it.
         kept = min(seq.num_computed_tokens, seq.num_tokens - 1)
         outcome = self.kv_manager.preempt(seq.seq_id, seq.token_ids, kept, not seq.needs_prompt_logits)
+        lora.release_adapter(self, seq)
         lost = seq.num_computed_tokens - outcome.tokens_kept
         seq.num_computed_tokens = 0
         seq.spec_token_ids = []

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pagedkv.engine.core.plan import SeqSlice, ShippedTables, StepPlan
 from pagedkv.engine.core.sequence import Sequence
 from pagedkv.memory import KVCacheManager
-from pagedkv.memory.adapters import SlotLoad
+from pagedkv.memory.adapters import PageWrite, SlotLoad
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,11 @@ class SchedulerOutput:
     #: slot (adapter id -> slot) once they are placed.
     lora_loads: list[SlotLoad] = field(default_factory=list)
     lora_slots: dict[int, int] = field(default_factory=dict)
+    #: With unified paging: the adapters loaded into pages of the KV block pool at this step's
+    #: admissions (their weights to write), and the adapters evicted from their pages since the
+    #: last step.
+    lora_page_writes: list[PageWrite] = field(default_factory=list)
+    lora_evicted: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -105,7 +110,9 @@ class SchedulerOutput:
             for item in self.scheduled
         ]
         transfers = kv_manager.take_transfers()
-        return tables.plan(slices, kv_manager, list(self.block_copies), transfers, self.lora_loads)
+        return tables.plan(
+            slices, kv_manager, list(self.block_copies), transfers, self.lora_loads, self.lora_page_writes
+        )
 
     def _lora_slot(self, seq: Sequence) -> int:
         lora_id = seq.request.lora_int_id

@@ -12,8 +12,9 @@ shape.
 
 A decode step replays a CUDA graph when the runner has them (:mod:`pagedkv.engine.worker.cuda_graphs`);
 every other step runs the model eagerly, as does every step with LoRA adapter rows: the plan's
-adapters are read into their slots first, and each row's slot goes to the model as its
-:class:`~pagedkv.models.ops.LoRARows`.
+adapters are written into their pages of the KV cache (unified paging,
+:mod:`pagedkv.engine.worker.lora_pages`) after the block moves and copies, then read into their
+slots, and each row's slot goes to the model as its :class:`~pagedkv.models.ops.LoRARows`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pagedkv.attention import KVCache, copy_blocks
 from pagedkv.engine.core.plan import StepPlan
 from pagedkv.engine.worker.cuda_graphs import DecodeGraphs, DecodeGraphSpec
 from pagedkv.engine.worker.host_memory import reuse_freed_memory
+from pagedkv.engine.worker.lora_pages import PagedAdapterWeights
 from pagedkv.engine.worker.runner_tables import RunnerTables
 from pagedkv.engine.worker.step_buffers import StepBuffers, StepInputs
 from pagedkv.engine.worker.step_inputs import StepArrays, step_arrays
@@ -46,6 +48,8 @@ class ModelRunner:
         #: This rank's second KV tier (``executor/tier_io.RankTier``), moving the plan's
         #: blocks around the copy-on-write copies; None: no tier.
         self.tier = None
+        #: Adapters' weights in pages of the KV cache (unified LoRA paging); None: off.
+        self.adapter_pages: PagedAdapterWeights | None = None
         if self.device.type == "cpu":
             reuse_freed_memory()
         self.buffers = StepBuffers(self.device)
@@ -91,10 +95,18 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _load_adapters(self, plan: StepPlan) -> None:
-        """The plan's LoRA adapters into their slots (checked again: the folder is read now)."""
+        """The plan's LoRA adapters into their pages (the folder read now, and checked), then
+        into their slots: from their pages, or from the folder without unified paging."""
+        for page_write in plan.lora_page_writes:
+            if self.adapter_pages is None:
+                raise RuntimeError("a plan writes LoRA adapter pages, but this runner does not page adapters")
+            self.adapter_pages.write(page_write)
         slots = self.model.lora
         for load in plan.lora_loads:
-            slots.load(load.slot, read_adapter(load.path, self.model.config, slots.max_rank))
+            if load.pages and self.adapter_pages is not None:
+                self.adapter_pages.fill_slot(slots, load)
+            else:
+                slots.load(load.slot, read_adapter(load.path, self.model.config, slots.max_rank))
 
     def _lora_rows(self, plan: StepPlan, output_rows: torch.Tensor | None) -> LoRARows | None:
         row_slots = [piece.lora_slot for piece in plan.slices for _ in piece.token_ids]

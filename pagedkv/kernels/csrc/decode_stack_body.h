@@ -50,6 +50,16 @@ int SUFFIX(decode_stack)(const DecodeOp *ops, int64_t num_ops, void *const *buff
         case DECODE_SILU_AND_MUL:
             SUFFIX(silu_and_mul)(src, dst, tokens, op->n_out);
             break;
+        case DECODE_GATE_UP:
+            if (SUFFIX(tiled_gate_up)(src, op->weight, dst, tokens, op->n_in, op->n_out / 2, 0)) return 1;
+            break;
+        case DECODE_LORA: {
+            const int status = SUFFIX(lora_bgmv)(src, op->weight, op->lora_b, op->lora_slot, op->lora_scaling,
+                                                 op->lora_columns, dst, tokens, op->n_in, op->n_out, op->lora_slots,
+                                                 op->lora_rank, op->lora_shards);
+            if (status) return status;
+            break;
+        }
         default:
             return 2;
         }

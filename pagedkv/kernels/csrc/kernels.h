@@ -158,6 +158,22 @@ PAGED_ATTENTION_PREFILL(paged_attention_prefill_f16, _Float16);
 #endif
 int64_t paged_attention_prefill_lanes(void);
 
+/* ---- lora_bgmv.c: LoRA adapters' outputs for rows of mixed adapters (BGMV) -------------- *
+ *   lora_bgmv_<f32|bf16>(x, a, b, row_slot, scaling, columns, y, rows, n_in, n_out, slots, rank,
+ *       shards) -> 0; 1 without memory; 2 for a row_slot >= slots
+ *       y [rows, n_out] += scaling[s] * B_s (A_s x) for each row r of slot s = row_slot[r] (-1: no
+ *       adapter, the row is left as it is). x [rows, n_in]; a [slots, shards * rank, n_in]; b
+ *       [slots, shards * rank, n_out] (B transposed); block p of `rank` rows writes only the
+ *       columns [columns[p], columns[p + 1]) (columns [shards + 1]); scaling [slots] float32.
+ *       Sums in float32, y rounded once.
+ */
+#define LORA_BGMV(name, T)                                                                                \
+    int name(const T *x, const T *a, const T *b, const int32_t *row_slot, const float *scaling,          \
+             const int64_t *columns, T *y, int64_t rows, int64_t n_in, int64_t n_out, int64_t slots,      \
+             int64_t rank, int64_t shards)
+LORA_BGMV(lora_bgmv_f32, float);
+LORA_BGMV(lora_bgmv_bf16, uint16_t);
+
 /* ---- decode_stack.c: a decode step's decoder layers in one call ------------------------- *
  * The stack runs a list of DecodeOp records, lowered in Python from the model's op list
  * (pagedkv/models/decode_stack.py): each names its opcode, the buffers it reads (src) and
@@ -180,6 +196,12 @@ int64_t paged_attention_prefill_lanes(void);
  *                          weight^T + bias, weight in GGUF blocks of ggml type qtype (one part
  *                          of a packed projection; bias: the part's)    quant_linear_<S>
  *   DECODE_SILU_AND_MUL    dst [n_out] = silu(src[:n_out]) * src[n_out:]  silu_and_mul_<S>
+ *   DECODE_GATE_UP         dst [n_out] = src [n_in] . weight^T, the plain product [gate | up] of
+ *                          the paired tiled gate/up weight (n_out = 2 I)  tiled_gate_up_<S>
+ *   DECODE_LORA            dst [n_out] += each row's LoRA adapter output for src [n_in] (src: the
+ *                          projection's input, dst: its output): weight = a, lora_b = b,
+ *                          lora_columns, lora_slots, lora_rank, lora_shards as lora_bgmv's; the
+ *                          step's row_slot and scaling at lora_slot / lora_scaling  lora_bgmv_<S>
  * Weights are the model's dtype, projections in the tiled layout or GGUF blocks; NULL for no
  * bias or no q/k norm; the KV pools unquantized, of the model's dtype.
  */
@@ -193,6 +215,8 @@ typedef enum {
     DECODE_GATE_UP_SILU,
     DECODE_QUANT_LINEAR,
     DECODE_SILU_AND_MUL,
+    DECODE_GATE_UP,
+    DECODE_LORA,
 } DecodeCode;
 
 /* the buffers every stack has: the embedded tokens (read only), the residual stream and the
@@ -210,6 +234,8 @@ typedef struct {
     void *key_pool, *value_pool;
     float eps, scale, soft_cap;
     int64_t n_in, n_out, heads, kv_heads, head_dim, block_size, window, split, qtype, column, columns;
+    const void *lora_b, *lora_columns, *lora_slot, *lora_scaling; /* DECODE_LORA's */
+    int64_t lora_slots, lora_rank, lora_shards;
 } DecodeOp;
 
 /*   decode_stack_<f32|bf16>(ops, num_ops, buffers, tokens, cos, sin, slots, tables, max_blocks,

@@ -5,13 +5,15 @@ engine) from ``kv_snapshot()`` and ``stats()``; everything else -- the diff agai
 view, the JSON -- works on these copies. A block travels as one integer, ``refcount * 2 +
 cached``; who owns it and which tokens it holds the page derives from the block tables, which
 travel per sequence and only when they changed. A frame is therefore a few hundred bytes while
-requests decode (a token count per sequence) and grows only when blocks move.
+requests decode (a token count per sequence) and grows only when blocks move. Resident LoRA
+adapters (unified paging) travel the same way as sequences: by name, their pages and pins, only
+when they changed; the page draws their pages in a colour of their own.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.engine import LLMEngine
@@ -21,6 +23,8 @@ from pagedkv.engine.stats import TierStats
 #: tokens, prompt tokens, prompt tokens served by the prefix cache, and with KV groups each
 #: group's table (the null block where a window passed or a prompt chunk is to come).
 _SEQ_FIELDS = ("r", "i", "b", "n", "p", "c", "g")
+#: A resident adapter's fields as the page reads them: adapter id, pages, running sequences pinning it.
+_ADAPTER_FIELDS = ("id", "b", "pins")
 #: Blocks compared as one slice when diffing.
 _CHUNK = 256
 
@@ -34,6 +38,8 @@ class View:
     cached: frozenset[int]
     seqs: dict[str, tuple]
     stats: dict[str, float | int]
+    #: Resident LoRA adapters by name: (id, pages, pins).
+    adapters: dict[str, tuple] = field(default_factory=dict)
 
     def code(self, block: int) -> int:
         return self.refcounts[block] * 2 + (block in self.cached)
@@ -85,7 +91,9 @@ def take_view(engine: LLMEngine, stamp: float) -> View:
         counters["specDrafts"] = stats.spec_decoding.num_drafts
         counters["specDraftTokens"] = stats.spec_decoding.num_draft_tokens
         counters["specAccepted"] = stats.spec_decoding.num_accepted_tokens
-    return View(snapshot.refcounts, snapshot.cached, seqs, counters)
+    adapters = {a.name: (a.lora_int_id, a.block_ids, a.pins) for a in snapshot.adapters}
+    counters["adapterPages"] = sum(len(a.block_ids) for a in snapshot.adapters)
+    return View(snapshot.refcounts, snapshot.cached, seqs, counters, adapters)
 
 
 def _tier_counters(tier: TierStats) -> dict[str, int | str]:
@@ -111,8 +119,13 @@ def full_frame(view: View, config: dict[str, Any]) -> dict[str, Any]:
         "config": config,
         "blocks": view.blocks,
         "seqs": {key: dict(zip(_SEQ_FIELDS, seq, strict=True)) for key, seq in view.seqs.items()},
+        "adapters": _adapters(view.adapters),
         "stats": view.stats,
     }
+
+
+def _adapters(adapters: dict[str, tuple]) -> dict[str, dict[str, Any]]:
+    return {name: dict(zip(_ADAPTER_FIELDS, a, strict=True)) for name, a in adapters.items()}
 
 
 def diff_frame(before: View, after: View) -> dict[str, Any]:
@@ -134,7 +147,12 @@ def diff_frame(before: View, after: View) -> dict[str, Any]:
             changes = ((2, "b"), (3, "n"), (5, "c"), (6, "g"))
             seqs[key] = {name: seq[k] for k, name in changes if old[k] != seq[k]}
     gone = [key for key in before.seqs if key not in after.seqs]
-    return {"kind": "diff", "blocks": blocks, "seqs": seqs, "gone": gone, "stats": after.stats}
+    frame = {"kind": "diff", "blocks": blocks, "seqs": seqs, "gone": gone, "stats": after.stats}
+    if before.adapters != after.adapters:  # an adapter loaded, evicted, pinned or unpinned
+        changed_adapters = {k: a for k, a in after.adapters.items() if before.adapters.get(k) != a}
+        frame["adapters"] = _adapters(changed_adapters)
+        frame["adaptersGone"] = [name for name in before.adapters if name not in after.adapters]
+    return frame
 
 
 def encode(frame: dict[str, Any]) -> str:

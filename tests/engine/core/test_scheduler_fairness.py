@@ -290,7 +290,7 @@ def _run_to_end(engine, on_step=lambda step: None) -> None:
     assert totals.kv.used_blocks == 0 and totals.kv_sequences == 0
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(big_requests, small_requests, st.sampled_from([1.0, 0.5]))
 def test_a_large_request_never_starves_the_small_ones_sent_after_it(model_path, big, smalls, headroom):
     """Whatever the large client request (in the budget: up to the whole pool), each small one

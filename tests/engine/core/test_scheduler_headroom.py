@@ -122,7 +122,7 @@ SHARED_THEN_ADMITTED = [
 ]
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(actions)
 @example(script=SHARED_THEN_ADMITTED)
 def test_with_headroom_random_workloads_never_leak_and_never_preempt(engine_factory, script):
@@ -219,7 +219,7 @@ RECLAIMED_DURING_ADMISSION = [
 ]
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(actions, chunky_engine, st.booleans(), st.sampled_from([1.0, 0.5]))
 @example(script=RECLAIMED_DURING_ADMISSION, budget=8, early=False, ratio=1.0)
 def test_a_standing_refusal_schedules_exactly_as_projecting(

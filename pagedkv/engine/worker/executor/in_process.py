@@ -16,6 +16,7 @@ from pagedkv.engine.worker.executor.base import Executor, ExecutorError, KVMemor
 from pagedkv.engine.worker.executor.hybrid import hybrid_kv_groups
 from pagedkv.engine.worker.executor.kv_budget import available_memory, size_pool
 from pagedkv.engine.worker.executor.tier_io import RankTier, plan_tier
+from pagedkv.engine.worker.lora_pages import PagedAdapterWeights
 from pagedkv.engine.worker.model_runner import ModelRunner
 from pagedkv.models import ModelConfig, load_model
 from pagedkv.models.lora import LoRASlots
@@ -84,6 +85,8 @@ class InProcessExecutor(Executor):
         self.runtime = runtime_of(model) | {"cuda graphs": eager or graphs.describe(), "hybrid kv": hybrid}
         if self.tier is not None:
             self.runner.tier = RankTier(self.tier, kv_cache)
+        if config.lora is not None and config.lora.unified_paging:  # a quantized cache is refused
+            self.runner.adapter_pages = PagedAdapterWeights(kv_cache, model.config, config.lora.max_lora_rank)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         if self.runner is None:

@@ -60,7 +60,8 @@ const Page = {
     const stats = Model.stats;
     document.getElementById("pool-summary").textContent =
       `${model} · ${numBlocks} blocks of ${blockSize} tokens · ${stats.used} in use, ` +
-      `${stats.cachedFree} cached-free · step ${stats.step}` + speculation(stats);
+      `${stats.cachedFree} cached-free` + (stats.adapterPages ? `, ${stats.adapterPages} LoRA adapter pages` : "") +
+      ` · step ${stats.step}` + speculation(stats);
     document.getElementById("request-summary").textContent =
       `${stats.running} running, ${stats.waiting} waiting (click one, or a cell)`;
     TierView.render(stats.tier);

@@ -2,14 +2,16 @@
 /* model.js: the engine's state as the stream describes it. A block is one integer,
    refcount * 2 + cached; a sequence is {r: request id, i: sample/beam index, b: block table,
    n: tokens, p: prompt tokens, c: prompt tokens served by the prefix cache, g: with KV groups,
-   each group's table, the null block where a window passed or a prompt chunk is to come}. A full
-   frame replaces everything, a diff patches blocks and sequences (see
+   each group's table, the null block where a window passed or a prompt chunk is to come}; a
+   resident LoRA adapter (unified paging) is {id, b: its pages, pins: running sequences using it},
+   by name. A full frame replaces everything, a diff patches blocks, sequences and adapters (see
    pagedkv/server/dashboard/frames.py). */
 
 const Model = {
   config: null,
   blocks: [],
   seqs: new Map(),
+  adapters: new Map(),
   stats: null,
   frames: 0,
 
@@ -18,6 +20,7 @@ const Model = {
       this.config = frame.config;
       this.blocks = frame.blocks.slice();
       this.seqs = new Map(Object.entries(frame.seqs));
+      this.adapters = new Map(Object.entries(frame.adapters || {}));
     } else {
       const changed = frame.blocks;
       for (let k = 0; k < changed.length; k += 2) this.blocks[changed[k]] = changed[k + 1];
@@ -26,6 +29,8 @@ const Model = {
         this.seqs.set(key, seq ? Object.assign(seq, fields) : fields);
       }
       for (const key of frame.gone) this.seqs.delete(key);
+      for (const [name, adapter] of Object.entries(frame.adapters || {})) this.adapters.set(name, adapter);
+      for (const name of frame.adaptersGone || []) this.adapters.delete(name);
     }
     this.stats = frame.stats;
     this.frames += 1;
@@ -75,6 +80,15 @@ const Model = {
       });
     }
     return usage.map((u) => ({ held: u.held.size, expired: u.expired, pending: u.pending }));
+  },
+
+  /* Per physical block, the {name, adapter, page} of the resident adapter whose page it is. */
+  adapterPages() {
+    const pages = new Array(this.blocks.length);
+    for (const [name, adapter] of this.adapters) {
+      adapter.b.forEach((block, page) => { pages[block] = { name, adapter, page }; });
+    }
+    return pages;
   },
 
   /* Request id -> its live sequences, by index. */

@@ -52,16 +52,19 @@ const Grid = {
   render(selected) {
     if (this.cells.length !== Model.blocks.length) this.build(Model.blocks.length);
     this.holders = Model.holders();
+    this.pages = Model.adapterPages();
     for (let block = 0; block < this.cells.length; block++) {
       const refcount = Model.refcount(block), cached = Model.isCached(block);
       const holders = this.holders[block] || [];
       const owners = [...new Set(holders.map((h) => h.seq.r))];
+      const page = this.pages[block];
       const state = block === Model.config.nullBlock ? "null"
+        : page ? (page.adapter.pins ? "adapter" : "adapter-idle")
         : refcount === 0 ? (cached ? "cached" : "free") : refcount > 1 ? "shared" : "used";
       // With KV groups a held block belongs to one group: full ones plain, sliding ones striped.
       const group = Model.hasGroups() && holders.length ? holders[0].group : "";
       const kind = group === "" ? "" : Model.config.kvGroups[group] === null ? " full" : " sliding";
-      const key = `${state}|${refcount}|${owners.join(" ")}|${owners.includes(selected)}|${group}`;
+      const key = `${state}|${refcount}|${owners.join(" ")}|${owners.includes(selected)}|${page ? page.name : ""}|${group}`;
       if (key === this.keys[block]) continue;
       this.keys[block] = key;
       const cell = this.cells[block];
@@ -69,6 +72,7 @@ const Grid = {
       cell.dataset.state = state;
       cell.dataset.refcount = refcount;
       cell.dataset.owners = owners.join(" ");
+      cell.dataset.adapter = page ? page.name : "";
       cell.dataset.group = group;
       cell.style.backgroundColor = owners.length ? colourOf(owners[0]) : "";
       cell.textContent = state === "null" ? "∅" : refcount > 1 ? String(refcount) : "";
@@ -80,7 +84,14 @@ const Grid = {
       return `block ${block}: the null block\nwhat a sliding group's table points at where its window has ` +
         "passed or a prompt chunk is still to come; never written, read as masked zeros";
     }
-    const refcount = Model.refcount(block), cached = Model.isCached(block);
+    const refcount = Model.refcount(block), cached = Model.isCached(block), page = this.pages[block];
+    if (page) {
+      const { name, adapter } = page;
+      const use = adapter.pins
+        ? `pinned by ${adapter.pins} running sequence${adapter.pins > 1 ? "s" : ""}`
+        : "idle: taken back after the cached-free blocks, least recently used adapter first";
+      return `block ${block}: LoRA adapter ${name}, page ${page.page + 1} of ${adapter.b.length}\n${use}`;
+    }
     if (refcount === 0) {
       return cached
         ? `block ${block}: cached-free\nno request holds it; its tokens stay in the prefix cache until it is evicted`

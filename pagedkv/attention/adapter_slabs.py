@@ -1,0 +1,124 @@
+"""LoRA adapter weights written into, and read back from, their pages of the KV cache.
+
+The worker's half of unified paging (:mod:`pagedkv.memory.adapter_pages` is the control plane's):
+an adapter's pages are block ids, and in layer ``l`` block ``b`` is two contiguous chunks of
+``KVCache.data`` -- ``data[l, 0, b]`` (keys) and ``data[l, 1, b]`` (values). Layer ``l``'s weights,
+laid out by :class:`~pagedkv.memory.adapter_layout.AdapterLayout`, fill the chunks
+``key(b0), value(b0), key(b1), value(b1), ...`` in that order; the tail past the weights is zeroed.
+Reading a layer back is one gather of those chunks, after which every ``A`` and ``B`` is a view of
+the gathered copy, bit-exact to what was written.
+
+The weights are stored in the cache's element type, which is the model's: a quantized cache
+(``kv_cache_dtype`` ``fp8``/``int8``) is refused, its one-byte elements cannot hold them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from pagedkv.attention.kv_cache import KVCache
+from pagedkv.memory.adapter_layout import AdapterLayout, slab_elements
+
+#: Per layer, each target module's ``(A, B)``: ``A`` ``[rank, in_features]``, ``B`` ``[out_features, rank]``.
+LayerWeights = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def check_unified_paging(kv_cache: KVCache) -> None:
+    """Refuse a KV cache whose blocks cannot hold adapter weights, naming why."""
+    if kv_cache.scales is not None or kv_cache.storage_dtype != kv_cache.dtype:
+        raise ValueError(
+            "LoRA adapters cannot be paged in a quantized KV cache "
+            f"(kv_cache_dtype={kv_cache.kv_cache_dtype!r} stores {kv_cache.storage_dtype}); "
+            "use kv_cache_dtype='auto' to page adapters with the KV cache"
+        )
+    if kv_cache.data.dim() != 6 or not kv_cache.data.is_contiguous():
+        raise ValueError(
+            "LoRA adapters are paged in one contiguous KV tensor [layers, 2, blocks, block_size, kv_heads, "
+            f"head_dim]; this cache's is {tuple(kv_cache.data.shape)}"
+        )
+
+
+def cache_slab_elements(kv_cache: KVCache) -> int:
+    """Elements one block id holds in one layer of ``kv_cache``."""
+    spec = kv_cache.spec
+    return slab_elements(kv_cache.block_size, spec.num_kv_heads, spec.head_dim)
+
+
+def chunk_index(kv_cache: KVCache, block_ids: Sequence[int]) -> torch.Tensor:
+    """The rows of :func:`_layer_chunks` that make up ``block_ids``' slabs, in page order."""
+    blocks = torch.as_tensor(list(block_ids), dtype=torch.long)
+    if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= kv_cache.num_blocks):
+        raise ValueError(
+            f"adapter pages {list(block_ids)} are not all blocks of a {kv_cache.num_blocks}-block cache"
+        )
+    return torch.stack([blocks, blocks + kv_cache.num_blocks], dim=1).reshape(-1).to(kv_cache.device)
+
+
+def _layer_chunks(kv_cache: KVCache, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s cache as ``[2 * num_blocks, block_size * kv_heads * head_dim]``: keys'
+    chunks, then values' (a view)."""
+    data = kv_cache.data[layer]
+    return data.view(2 * kv_cache.num_blocks, -1)
+
+
+def _check_pages(kv_cache: KVCache, block_ids: Sequence[int], layout: AdapterLayout) -> None:
+    check_unified_paging(kv_cache)
+    if layout.num_layers != kv_cache.num_layers:
+        raise ValueError(f"the adapter has {layout.num_layers} layers, the KV cache {kv_cache.num_layers}")
+    needed = layout.pages(cache_slab_elements(kv_cache))
+    if len(block_ids) != needed:
+        raise ValueError(f"the adapter needs {needed} page(s) of this KV cache, got {len(block_ids)}")
+
+
+def write_adapter(
+    kv_cache: KVCache, block_ids: Sequence[int], per_layer_weights: Sequence[LayerWeights]
+) -> AdapterLayout:
+    """Pack each layer's ``(A, B)`` per target into that layer's slabs of ``block_ids``, in the
+    cache's dtype; returns the layout that reads them back. Only those blocks change."""
+    shapes = [
+        {t: (tuple(a.shape), tuple(b.shape)) for t, (a, b) in layer.items()} for layer in per_layer_weights
+    ]
+    layout = AdapterLayout.of(shapes)
+    _check_pages(kv_cache, block_ids, layout)
+    index = chunk_index(kv_cache, block_ids)
+    slab = cache_slab_elements(kv_cache)
+    for layer, (slots, weights) in enumerate(zip(layout.layers, per_layer_weights, strict=True)):
+        flat = torch.zeros(len(block_ids) * slab, dtype=kv_cache.dtype, device=kv_cache.device)
+        for slot in slots:
+            a, b = weights[slot.target]
+            flat[slot.a_offset : slot.b_offset] = a.reshape(-1)
+            flat[slot.b_offset : slot.end] = b.reshape(-1)
+        chunks = _layer_chunks(kv_cache, layer)
+        chunks.index_copy_(0, index, flat.view(index.numel(), -1))
+    return layout
+
+
+def gather_adapter_layer(
+    kv_cache: KVCache, block_ids: Sequence[int] | torch.Tensor, layout: AdapterLayout, layer: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Layer ``layer``'s ``{target: (A, B)}``: one gather of the adapter's slabs, then views of it.
+    ``block_ids`` may be a :func:`chunk_index` computed once per load (what a runner keeps)."""
+    if isinstance(block_ids, torch.Tensor):
+        index = block_ids
+    else:
+        _check_pages(kv_cache, block_ids, layout)
+        index = chunk_index(kv_cache, block_ids)
+    flat = _layer_chunks(kv_cache, layer).index_select(0, index).view(-1)
+    return {
+        slot.target: (
+            flat[slot.a_offset : slot.b_offset].view(slot.a_shape),
+            flat[slot.b_offset : slot.end].view(slot.b_shape),
+        )
+        for slot in layout.layers[layer]
+    }
+
+
+def adapter_views(
+    kv_cache: KVCache, block_ids: Sequence[int], layout: AdapterLayout
+) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Every layer's ``{target: (A, B)}`` read back from the adapter's pages."""
+    _check_pages(kv_cache, block_ids, layout)
+    index = chunk_index(kv_cache, block_ids)
+    return [gather_adapter_layer(kv_cache, index, layout, layer) for layer in range(layout.num_layers)]

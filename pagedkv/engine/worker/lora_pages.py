@@ -1,0 +1,81 @@
+"""The worker's half of unified LoRA paging: adapters' weights written into their pages of the
+KV cache, and the model's compute slots filled from those pages.
+
+The plan says which adapters were loaded into which pages (:class:`~pagedkv.memory.adapters.PageWrite`):
+the folder is read once, its weights file checked against the CRC-32 taken when the adapter was
+added (an evicted adapter is read again later, and must be the same adapter), and its ``A`` and
+``B`` written into the pages (:func:`~pagedkv.attention.adapter_slabs.write_adapter`). A slot load
+that names pages (:attr:`~pagedkv.memory.adapters.SlotLoad.pages`) then gathers every layer back
+from them -- bit-exact, in the cache's dtype, which is the model's -- and puts it into the slot,
+so the pages are the adapter's one resident copy the slots are filled from. Every layer is
+gathered before the slot changes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+
+from pagedkv.attention.adapter_slabs import (
+    check_unified_paging,
+    chunk_index,
+    gather_adapter_layer,
+    write_adapter,
+)
+from pagedkv.attention.kv_cache import KVCache
+from pagedkv.memory.adapter_layout import AdapterLayout
+from pagedkv.memory.adapters import PageWrite, SlotLoad
+from pagedkv.models.lora import LoRASlots
+from pagedkv.models.lora_checkpoint import TARGETS, LoRAAdapterError, read_adapter
+
+
+class PagedAdapterWeights:
+    """Where each written adapter's weights sit in ``kv_cache``: its pages, their layout and its
+    scaling, as of the last write (pages reused by KV since are never read: the control plane
+    loads an evicted adapter anew, which writes it anew)."""
+
+    def __init__(self, kv_cache: KVCache, model_config: Any, max_rank: int) -> None:
+        check_unified_paging(kv_cache)
+        self.kv_cache = kv_cache
+        self.model_config = model_config
+        self.max_rank = max_rank
+        self._written: dict[int, tuple[tuple[int, ...], AdapterLayout, float]] = {}
+
+    def write(self, page_write: PageWrite) -> None:
+        """Read the adapter's folder (checked) and write its weights into its pages."""
+        spec = read_adapter(page_write.path, self.model_config, self.max_rank)
+        data = Path(spec.weights_file).read_bytes()
+        if zlib.crc32(data) != page_write.checksum:
+            raise LoRAAdapterError(
+                f"{spec.weights_file}: the file changed since the adapter was added (its CRC-32 differs); "
+                "add it again under a new id"
+            )
+        tensors = load_safetensors(data)
+        layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
+            {} for _ in range(self.kv_cache.num_layers)
+        ]
+        for (layer, shard), (a, b) in spec.tensors.items():
+            layers[layer][shard] = (tensors[a], tensors[b])
+        layout = write_adapter(self.kv_cache, page_write.block_ids, layers)
+        self._written[page_write.lora_int_id] = (tuple(page_write.block_ids), layout, spec.scaling)
+
+    def fill_slot(self, slots: LoRASlots, load: SlotLoad) -> None:
+        """Slot ``load.slot`` from the adapter's pages, which a write put there."""
+        written = self._written.get(load.lora_int_id)
+        if written is None or written[0] != tuple(load.pages):
+            raise RuntimeError(
+                f"LoRA adapter {load.lora_name!r} was not written into pages {list(load.pages)} "
+                "before its slot load (a plan was lost)"
+            )
+        block_ids, layout, scaling = written
+        index = chunk_index(self.kv_cache, block_ids)
+        layers = [gather_adapter_layer(self.kv_cache, index, layout, i) for i in range(layout.num_layers)]
+        slots.clear(load.slot)
+        for layer, targets in enumerate(layers):
+            for shard, (a, b) in targets.items():
+                slots.modules[layer, TARGETS[shard]].put(load.slot, shard, a, b)
+        slots.scaling[load.slot] = scaling

@@ -1,0 +1,220 @@
+"""Unified paging: adapters' weights in pages of the KV block pool. More adapters than the pool
+holds at once take turns and give PEFT's tokens; an adapter evicted for KV blocks or other
+adapters is read again and gives the same tokens; at every step each block's refcount is its
+block tables' holders plus one for an adapter's page, and every block comes back."""
+
+from collections import Counter
+
+import pytest
+
+from pagedkv import LLM, LoRARequest, SamplingParams
+from pagedkv.engine import InvalidRequestError
+from tests.checkpoints import make_checkpoint
+from tests.lora_adapters import make_adapter, peft_greedy
+from tests.server.helpers import assert_pool_whole
+
+MAX_NEW = 5
+PROMPTS = [[5, 9, 14], [7, 3, 22, 30, 11, 8]]
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    """A checkpoint, four rank-4 adapters (4 pages each at block size 16) and PEFT's tokens."""
+    tmp = tmp_path_factory.mktemp("lora-paging")
+    base = make_checkpoint(tmp, "llama")
+    folders = [make_adapter(tmp / f"a{i}", base, seed=10 + i) for i in range(4)]
+    loras = [LoRARequest(f"a{i}", i + 1, str(f)) for i, f in enumerate(folders)]
+    expected = {lora.lora_int_id: peft_greedy(base, lora.lora_path, PROMPTS, MAX_NEW) for lora in loras}
+    expected[None] = peft_greedy(base, None, PROMPTS, MAX_NEW)
+    return base, loras, expected
+
+
+def _check_holders(engine) -> None:
+    """Each block's refcount is the tables holding it plus one if it is an adapter's page, and an
+    adapter's pins are the running sequences of it that hold a table."""
+    pool, paged = engine.kv_manager.pool, engine.scheduler.paged_adapters
+    holders = Counter(b for t in engine.kv_manager.snapshot().tables.values() for b in t.block_ids)
+    resident = paged.pages.resident()
+    pages = Counter(b for r in resident for b in r.block_ids)
+    assert all(n == 1 for n in pages.values()) and not set(pages) & set(holders)
+    assert [pool.refcount(b) for b in range(pool.num_blocks)] == [
+        holders[b] + pages[b] for b in range(pool.num_blocks)
+    ]
+    running = Counter(
+        s.request.lora_int_id for s in engine.scheduler.running if s.seq_id in engine.kv_manager
+    )
+    assert {r.adapter_id: r.pins for r in resident if r.pins} == {k: n for k, n in running.items() if k}
+
+
+def _run(engine, requests) -> dict[str, list[int]]:
+    for rid, prompt, lora in requests:
+        engine.add_request(rid, prompt, GREEDY, lora_request=lora)
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+        _check_holders(engine)
+    return tokens
+
+
+def test_more_adapters_than_the_pool_holds_take_turns_and_equal_peft(case):
+    """16 blocks: four adapters of 4 pages cannot all be resident beside their KV blocks, though
+    four slots could hold them; they take turns in the pool, idle ones evicted."""
+    base, loras, expected = case
+    for lora in loras:
+        assert expected[lora.lora_int_id] != expected[None]
+    options = dict(dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=4, num_kv_blocks=16)
+    with LLM(str(base), **options) as llm:
+        engine = llm.engine
+        order = [*loras, None, *loras]
+        requests = [(f"{n}-{k}", p, lora) for n, lora in enumerate(order) for k, p in enumerate(PROMPTS)]
+        tokens = _run(engine, requests)
+        paged = engine.scheduler.paged_adapters
+        assert paged.pages.num_evictions > 0 and paged.pages.num_loads > len(loras)
+        assert_pool_whole(engine)
+    for n, lora in enumerate(order):
+        for k in range(len(PROMPTS)):
+            assert tokens[f"{n}-{k}"] == expected[None if lora is None else lora.lora_int_id][k]
+
+
+def test_an_evicted_adapter_is_read_again_and_gives_the_same_tokens(case):
+    base, loras, expected = case
+    first = loras[0]
+    options = dict(dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=4, num_kv_blocks=12)
+    with LLM(str(base), **options) as llm:
+        engine = llm.engine
+        paged = engine.scheduler.paged_adapters
+        before = _run(engine, [("x", PROMPTS[0], first)])
+        assert paged.pages.is_resident(first.lora_int_id)  # idle, kept for its next request
+        _run(engine, [("y", PROMPTS[1], loras[1]), ("z", PROMPTS[1], loras[2])])
+        assert not paged.pages.is_resident(first.lora_int_id)  # its pages went to the others
+        loads = paged.pages.num_loads
+        again = _run(engine, [("x2", PROMPTS[0], first)])
+        assert paged.pages.num_loads == loads + 1 and engine.last_step is not None
+        assert before["x"] == again["x2"] == expected[first.lora_int_id][0]
+        assert_pool_whole(engine)
+
+
+def test_cached_kv_blocks_go_before_an_idle_adapter(case):
+    """An allocation takes plain free blocks, then cached-free KV blocks, and only then the
+    pages of an idle adapter."""
+    base, loras, _ = case
+    options = dict(dtype="float32", enable_lora=True, max_lora_rank=4, num_kv_blocks=12)
+    with LLM(str(base), **options) as llm:
+        engine = llm.engine
+        paged = engine.scheduler.paged_adapters
+        _run(engine, [("a", PROMPTS[0], loras[0])])  # 4 pages; 8 tokens fill no block
+        long_prompt = list(range(4, 4 + 16 * 6 + 1))  # 7 blocks: free ones, then cached-free ones
+        _run(engine, [("base", long_prompt, None)])
+        assert paged.pages.is_resident(loras[0].lora_int_id)
+        assert engine.kv_manager.pool.num_cached_free_blocks == 6
+        _run(engine, [("base2", [p + 1 for p in long_prompt] + [5] * 32, None)])  # 9 blocks: 1 more
+        assert not paged.pages.is_resident(loras[0].lora_int_id)
+        assert engine.last_step.lora_adapters_resident == 0
+        assert_pool_whole(engine)
+
+
+def test_page_loads_and_evictions_show_in_the_step_stats(case):
+    base, loras, _ = case
+    options = dict(dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=4, num_kv_blocks=12)
+    with LLM(str(base), **options) as llm:
+        engine = llm.engine
+        engine.add_request("a", PROMPTS[0], GREEDY, lora_request=loras[0])
+        engine.step()
+        step = engine.last_step
+        assert (step.lora_page_loads, step.lora_adapters_resident) == (1, 1)
+        assert step.lora_pages_pinned == step.lora_pages_resident == 4
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.last_step.lora_pages_pinned == 0 and engine.last_step.lora_pages_resident == 4
+        evictions = []
+        for rid, lora in (("b", loras[1]), ("c", loras[2])):
+            engine.add_request(rid, PROMPTS[0], GREEDY, lora_request=lora)
+            while engine.has_unfinished_requests():
+                engine.step()
+                evictions.append(engine.last_step.lora_page_evictions)
+        assert sum(evictions) >= 1
+        assert_pool_whole(engine)
+
+
+def test_an_adapter_held_by_a_request_cannot_be_removed_and_its_pages_return_after(case):
+    base, loras, _ = case
+    options = dict(dtype="float32", enable_lora=True, max_lora_rank=4, num_kv_blocks=16)
+    with LLM(str(base), **options) as llm:
+        engine = llm.engine
+        engine.add_request("held", PROMPTS[0], GREEDY, lora_request=loras[0])
+        engine.step()
+        with pytest.raises(InvalidRequestError, match="in use by a request"):
+            engine.remove_lora(loras[0].lora_int_id)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.scheduler.paged_adapters.pages.is_resident(loras[0].lora_int_id)
+        assert engine.remove_lora(loras[0].lora_int_id)
+        assert engine.scheduler.paged_adapters.pages.resident() == []
+        pool = engine.kv_manager.pool
+        assert all(pool.refcount(b) == 0 for b in range(pool.num_blocks))
+
+
+def test_an_adapter_waiting_for_a_slot_is_not_passed_by_a_stream_of_another(case):
+    """One slot, adapter A running, then B queued, then a new A request at every step: B is
+    admitted once the A requests before it finish; later A requests wait behind it."""
+    base, loras, _ = case
+    a, b = loras[0], loras[1]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    options = dict(dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=4, num_kv_blocks=64)
+    with LLM(str(base), **options) as llm:
+        engine = llm.engine
+        engine.add_request("a0", PROMPTS[0], params, lora_request=a)
+        engine.step()
+        engine.add_request("b", PROMPTS[0], params, lora_request=b)
+        admitted_at, stream = None, 0
+        for step in range(12):
+            stream += 1
+            engine.add_request(f"a{stream}", PROMPTS[0], params, lora_request=a)
+            engine.step()
+            running = {s.request.request_id for s in engine.scheduler.running}
+            if "b" in running:
+                admitted_at = step
+                assert running == {"b"}  # the A requests queued after it wait
+                break
+        assert admitted_at is not None and admitted_at <= 4
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert_pool_whole(engine)
+
+
+def test_slots_without_unified_paging_take_no_pages(case):
+    base, loras, expected = case
+    options = dict(dtype="float32", enable_lora=True, max_lora_rank=4, num_kv_blocks=16, lora_paging="slots")
+    with LLM(str(base), **options) as llm:
+        assert llm.engine.scheduler.paged_adapters is None
+        out = llm.generate([PROMPTS[0]], GREEDY, lora_request=loras[0], use_tqdm=False)
+        assert out[0].outputs[0].token_ids == expected[loras[0].lora_int_id][0]
+        assert_pool_whole(llm.engine)
+
+
+def test_a_quantized_kv_cache_refuses_unified_paging(case):
+    base, _, _ = case
+    with pytest.raises(ValueError, match="cannot be paged in a quantized KV cache"):
+        LLM(str(base), dtype="float32", enable_lora=True, num_kv_blocks=16, kv_cache_dtype="int8")
+
+
+def test_with_a_second_tier_an_adapter_load_spills_the_cached_blocks_it_takes(case):
+    """An adapter's pages may take cached-free KV blocks: with a host tier they are copied out
+    before the adapter's weights overwrite them, so the prefix is served from the tier later,
+    and the adapter's tokens stay PEFT's."""
+    base, loras, expected = case
+    options = dict(dtype="float32", enable_lora=True, max_lora_rank=4, num_kv_blocks=8)
+    with LLM(str(base), kv_offload="host", kv_offload_memory="1MiB", **options) as llm:
+        engine = llm.engine
+        long_prompt = list(range(4, 4 + 16 * 5 + 1))  # 5 full blocks, cached once computed
+        _run(engine, [("base", long_prompt, None)])
+        assert engine.kv_manager.pool.num_cached_free_blocks == 5
+        tokens = _run(engine, [("a", PROMPTS[1], loras[0])])  # 4 pages: some of the cached blocks
+        assert tokens["a"] == expected[loras[0].lora_int_id][1]
+        assert engine.kv_manager.pool.num_cached_free_blocks < 5
+        _run(engine, [("again", long_prompt, None)])
+        assert engine.last_step is not None and engine.stats().tier.hit_tokens > 0
+        assert_pool_whole(engine)
