@@ -18,7 +18,7 @@ from pagedkv.bench import capacity, sharing
 from pagedkv.bench.commands import BENCHES, CAPACITY, SHARING
 from pagedkv.bench.driver import add_bench, run_section
 from pagedkv.cli_args import add_engine_options, engine_config
-from pagedkv.cli_parsing import add_command, byte_size, config_from_args, usage_errors
+from pagedkv.cli_parsing import add_command, byte_size, config_from_args, layer_windows, usage_errors
 from pagedkv.cli_report import DEFAULT_OUT, ReportOptions, add_report_options, show_report
 from pagedkv.memory.kv_bytes import KV_CACHE_DTYPE_NAMES
 from pagedkv.server.cli import add_serve_parser
@@ -78,6 +78,20 @@ def _add_simulation_options(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="KV element type: auto (the model's fp16), fp8 or int8 (one byte plus a float32 scale per "
         "token and KV head) (default: auto)",
+    )
+    group.add_argument(
+        "--layer-windows",
+        type=layer_windows,
+        default=(),
+        help="a windowed model: per layer, repeated over the layers, its sliding window or 'full', e.g. "
+        "4096,full (Gemma 2) or 1024,1024,1024,1024,1024,full (Gemma 3); adds experiment (g), hybrid "
+        "paging vs whole-context allocation",
+    )
+    group.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=2048,
+        help="prompt tokens one step computes, in experiment (g) (default: %(default)s)",
     )
     group.add_argument(
         "--prefix-len",

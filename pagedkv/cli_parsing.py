@@ -27,6 +27,22 @@ def byte_size(text: str) -> int:
     return value
 
 
+def layer_windows(text: str) -> tuple[int | None, ...]:
+    """argparse type for ``--layer-windows``: "4096,full" -> (4096, None)."""
+    windows: list[int | None] = []
+    for part in text.split(","):
+        word = part.strip().lower()
+        if word == "full":
+            windows.append(None)
+        elif word.isdigit() and int(word) > 0:
+            windows.append(int(word))
+        else:
+            raise argparse.ArgumentTypeError(
+                f"a layer's window is a positive number of tokens or 'full', got {part.strip()!r}"
+            )
+    return tuple(windows)
+
+
 def kv_memory_size(text: str) -> int | str:
     """argparse type for ``--kv-cache-memory``: "auto" or a positive size."""
     return AUTO if text.strip().lower() == AUTO else byte_size(text)

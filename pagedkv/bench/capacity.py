@@ -27,6 +27,7 @@ from functools import cached_property
 import numpy as np
 
 from pagedkv.bench.driver import EngineOptions, MeasuredEngine, mean, progress, run_settings, step_in_turn
+from pagedkv.bench.hybrid_capacity import HybridCapacityConfig, HybridCapacityResult, run_hybrid_capacity
 from pagedkv.bench.options import check_options, option
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.core.kv_policy import CONTIGUOUS, CONTIGUOUS_ORACLE, KV_POLICIES, PAGED, KVPolicy
@@ -55,6 +56,11 @@ class CapacityConfig:
     kv_tokens: int = option(16 * 2048, "KV budget in tokens", positive=True)
     max_model_len: int = option(2048, "context length", positive=True)
     seed: int = option(0, "random seed")
+    hybrid: bool = option(
+        False,
+        "instead: sequences one KV budget holds with hybrid paging on and off, for --model's layer kinds "
+        "and window (without it, Gemma 2's and 3's); the capacity-hybrid command takes its other options",
+    )
     #: every policy's schedule is the same in each run, so each step's time is taken as its least
     #: over the runs (what a burst of other work did not disturb)
     repeats: int = option(1, "runs of the workload; each step is timed by its fastest run", positive=True)
@@ -314,11 +320,15 @@ def _policy_run(policy: KVPolicy, repeats: list[MeasuredEngine]) -> PolicyRun:
     )
 
 
-def run_capacity(config: CapacityConfig) -> CapacityResult:
+def run_capacity(config: CapacityConfig) -> CapacityResult | HybridCapacityResult:
     """Run the workload under every KV policy, interleaved step by step, ``config.repeats``
     times on fresh engines, after a warm-up engine has paid the one-time costs (the kernels'
-    loading, first-call allocations) that would otherwise fall on one policy's clock."""
+    loading, first-call allocations) that would otherwise fall on one policy's clock. With
+    ``hybrid``: :func:`~pagedkv.bench.hybrid_capacity.run_hybrid_capacity` for the model."""
     from pagedkv.engine import SamplingParams
+
+    if config.hybrid:
+        return run_hybrid_capacity(HybridCapacityConfig(model=config.engine.model))
 
     with run_settings(config.engine.threads):
         warm = MeasuredEngine.start(config.engine_config(PAGED), prime=False)

@@ -22,6 +22,7 @@ from rich.table import Table
 
 from pagedkv.bench.capacity import CapacityResult
 from pagedkv.bench.driver import cell, print_checks, table
+from pagedkv.bench.hybrid_capacity import HybridCapacityResult, print_hybrid_capacity
 from pagedkv.engine.core.kv_policy import CONTIGUOUS, CONTIGUOUS_ORACLE, KV_POLICIES, PAGED
 
 #: The least concurrency paged must reach against contiguous ``max_model_len`` reservation.
@@ -92,8 +93,12 @@ def _figures(result: CapacityResult, title: str, rows: tuple[Row, ...]) -> Table
     return made
 
 
-def print_capacity(result: CapacityResult, console: Console) -> None:
-    """The counted and the timed figures, the predictions and the claims."""
+def print_capacity(result: CapacityResult | HybridCapacityResult, console: Console) -> None:
+    """The counted and the timed figures, the predictions and the claims (``--hybrid``: the
+    sequences held with hybrid paging on and off)."""
+    if isinstance(result, HybridCapacityResult):
+        print_hybrid_capacity(result, console)
+        return
     config, runs = result.config, result.runs
     scaled = f" (every length / {config.scale})" if config.scale > 1 else ""
     repeats = f"; each step timed by the fastest of {config.repeats} runs of the same schedule" * (
@@ -213,8 +218,11 @@ def _print_claims(result: CapacityResult, console: Console) -> None:
             )
 
 
-def write_capacity_plots(result: CapacityResult, out_dir: str | Path) -> list[Path]:
-    """KV utilization and concurrency over time, per policy, in ``out_dir``; their paths."""
+def write_capacity_plots(result: CapacityResult | HybridCapacityResult, out_dir: str | Path) -> list[Path]:
+    """KV utilization and concurrency over time, per policy, in ``out_dir``; their paths (none
+    with ``--hybrid``, whose figures are a table)."""
+    if isinstance(result, HybridCapacityResult):
+        return []
     from pagedkv.plotting import new_figure, save, write_figures
 
     config = result.config

@@ -51,13 +51,14 @@ CAPACITY = Bench(
 
 CAPACITY_HYBRID = Bench(
     name="capacity-hybrid",
-    doc="""sequences one KV budget holds with hybrid paging on and off, in the live engine
+    doc="""sequences one KV budget holds with hybrid paging on and off (capacity --hybrid)
 
     For a Gemma-2-shaped model (half the layers windowed at 4,096 tokens) and a Gemma-3-shaped one
-    (five in six at 1,024), at 32k-token contexts (divided by --scale), submit every request at
-    once to two engines with the same KV budget in bytes, one paging by KV group and one keeping
-    every block (--disable-hybrid-kv-cache-manager); report the most sequences each held at once.
-    Tiny models with random weights: admission depends on the KV shapes and lengths only.
+    (five in six at 1,024), or --model's layer kinds and window, at 32k-token contexts (divided by
+    --scale), submit every request at once to two engines with the same KV budget in bytes, one
+    paging by KV group and one keeping every block (--disable-hybrid-kv-cache-manager); report the
+    most sequences each held at once. Tiny models with random weights: admission depends on the
+    layer kinds and lengths only. `pagedkv bench capacity --hybrid` runs it on its defaults.
     """,
     config=HybridCapacityConfig,
     run=run_hybrid_capacity,

@@ -26,7 +26,6 @@ from pagedkv.memory import KVUsage
 
 if TYPE_CHECKING:
     from pagedkv.engine.core.scheduler import Scheduler, SchedulerOutput
-    from pagedkv.engine.core.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -250,6 +249,8 @@ class SequenceBlocks:
     #: The request's prompt length and the prompt tokens the prefix cache served it.
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    #: With KV groups, each group's table (``block_ids`` holds their blocks, null block aside).
+    group_tables: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,9 @@ class KVSnapshot:
     sequences: list[SequenceBlocks]
     #: The resident LoRA adapters' pages (unified paging; none without it).
     adapters: tuple[AdapterBlocks, ...] = ()
+    #: Per KV group its window (None: full attention; none without groups), and the null block.
+    group_windows: tuple[int | None, ...] = ()
+    null_block: int | None = None
 
     @cached_property
     def blocks(self) -> list[BlockInfo]:
@@ -378,21 +382,19 @@ class StatsCollector:
         return replace(totals, num_accepted_tokens_per_pos=list(totals.num_accepted_tokens_per_pos))
 
     def kv_snapshot(self) -> KVSnapshot:
-        pool = self.scheduler.kv_manager.snapshot()
-        live: list[Sequence] = [s for s in self.scheduler.running if s.seq_id in pool.tables]
+        kv, paged = self.scheduler.kv_manager, self.scheduler.paged_adapters
+        pool = kv.snapshot()
         sequences = []
-        for seq in live:
-            table, request = pool.tables[seq.seq_id], seq.request
-            sequences.append(
-                SequenceBlocks(
-                    request.request_id,
-                    seq.index,
-                    table.block_ids,
-                    table.num_tokens,
-                    len(request.prompt_token_ids),
-                    request.num_cached_tokens,
+        for seq in self.scheduler.running:
+            table, request = pool.tables.get(seq.seq_id), seq.request
+            if table is not None:
+                prompt = (len(request.prompt_token_ids), request.num_cached_tokens)
+                blocks = (table.block_ids, table.num_tokens)
+                sequences.append(
+                    SequenceBlocks(request.request_id, seq.index, *blocks, *prompt, table.groups)
                 )
-            )
-        paged = self.scheduler.paged_adapters
         adapters = () if paged is None else paged.snapshot()
-        return KVSnapshot(pool.block_size, pool.refcounts, pool.cached, sequences, adapters)
+        windows = kv.group_windows
+        return KVSnapshot(
+            pool.block_size, pool.refcounts, pool.cached, sequences, adapters, windows, kv.null_block
+        )

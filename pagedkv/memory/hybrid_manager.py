@@ -6,6 +6,13 @@ group's table keeps every block; a sliding group's table hands a block back to t
 no later step reads it (after each step, at :meth:`cache_computed_blocks`, as vLLM's
 ``SlidingWindowManager.remove_skipped_blocks``), leaving the null block in its place.
 
+Given the most tokens a step computes for one sequence (``max_chunk_tokens``, the scheduler's
+token budget), admission allocates a prompt whole in the full groups but, in the sliding
+groups, only up to where its first step can end; each later step of the prompt takes its
+blocks at :meth:`try_hold`, after its window's old ones went back. A sliding group then holds at
+most a window and a chunk of a prompt, never the whole of it. A reservation past the prompt
+(the contiguous policies) is allocated whole in every group.
+
 The prefix cache keeps each group's chain under its own root (the request's root for group 0,
 one derived from it and the group for the others), so a group shares only blocks of its own
 layers. A prompt's hit is the longest prefix every group still holds from its root: a full
@@ -51,11 +58,16 @@ class HybridKVCacheManager(KVCacheManager):
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
+        max_chunk_tokens: int | None = None,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"hybrid paging needs a block beside the null block, got {num_blocks} blocks")
+        if max_chunk_tokens is not None and max_chunk_tokens <= 0:
+            raise ValueError(f"max_chunk_tokens must be positive, got {max_chunk_tokens}")
         super().__init__(num_blocks, block_size, enable_prefix_caching, watermark)
         self.groups = groups
+        #: The most tokens one step computes for a sequence; None: prompts are allocated whole.
+        self.max_chunk_tokens = max_chunk_tokens
         (self.null_block,) = self.pool.allocate(1)
 
     # -- tables -----------------------------------------------------------------------------
@@ -64,6 +76,10 @@ class HybridKVCacheManager(KVCacheManager):
         if window is None:
             return BlockTable(self.pool, block_ids, num_tokens, root)
         return WindowedBlockTable(self.pool, window, self.null_block, block_ids, num_tokens, root)
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        return self.groups.windows
 
     def grouped(self, seq_id: SeqId) -> GroupedTable:
         table = self.table(seq_id)
@@ -110,20 +126,31 @@ class HybridKVCacheManager(KVCacheManager):
         cache_salt: str | None = None,
     ) -> int:
         hits = self._group_hits(token_ids, use_cache, cache_salt)
-        return self._new_blocks(hits, max(len(token_ids), reserve_tokens))
+        step_end = self._first_step_end(len(token_ids), len(hits[0]) * self.block_size, reserve_tokens)
+        return self._new_blocks(hits, max(len(token_ids), reserve_tokens), step_end)
 
-    def _new_blocks(self, hits: list[list[int]], total_tokens: int) -> int:
+    def _first_step_end(self, num_tokens: int, cached_tokens: int, reserve_tokens: int) -> int | None:
+        """Where the first step of a prompt can end at the latest: what its sliding groups hold
+        at admission (None: the whole prompt and reservation, in every group)."""
+        if self.max_chunk_tokens is None or reserve_tokens > num_tokens:
+            return None
+        return min(num_tokens, cached_tokens + self.max_chunk_tokens)
+
+    def _new_blocks(self, hits: list[list[int]], total_tokens: int, step_end: int | None) -> int:
         """Blocks taken from the free pool: every group's new blocks and revived cached ones."""
         logical = blocks_for(total_tokens, self.block_size)
+        held_now = logical if step_end is None else blocks_for(step_end, self.block_size)
         shared = [b for group in hits for b in group if b != self.null_block]
         revived = sum(1 for b in shared if self.pool.refcount(b) == 0)
-        return self.groups.num_groups * logical - sum(len(group) for group in hits) + revived
+        entries = sum(logical if w is None else held_now for w in self.groups.windows)
+        return entries - sum(len(group) for group in hits) + revived
 
     def _allocate_prompt(
         self, seq_id: SeqId, token_ids: Sequence[int], reserve: int, use_cache: bool, salt: str | None
     ) -> int:
         hits = self._group_hits(token_ids, use_cache, salt)
-        needed = self._new_blocks(hits, max(len(token_ids), reserve))
+        step_end = self._first_step_end(len(token_ids), len(hits[0]) * self.block_size, reserve)
+        needed = self._new_blocks(hits, max(len(token_ids), reserve), step_end)
         if needed > self.pool.num_free_blocks:
             raise PoolExhaustedError(needed, self.pool.num_free_blocks, self.num_blocks)
         cached_tokens = len(hits[0]) * self.block_size
@@ -138,13 +165,26 @@ class HybridKVCacheManager(KVCacheManager):
             table.num_cached_blocks = len(group_hits)
             tables.append(table)
         grouped = GroupedTable(tables)
-        grouped.append_slots(len(token_ids) - cached_tokens)
-        grouped.reserve(reserve)
+        if step_end is None:
+            grouped.append_slots(len(token_ids) - cached_tokens)
+            grouped.reserve(reserve)
+        else:
+            for table in tables:
+                if isinstance(table, WindowedBlockTable):
+                    table.extend_pending(len(token_ids))
+                    table.hold(step_end)
+                else:
+                    table.append_slots(len(token_ids) - cached_tokens)
         self._tables[seq_id] = grouped
         if self.enable_prefix_caching and use_cache:
             self.prefix_query_tokens += len(token_ids)
             self.prefix_hit_tokens += cached_tokens
         return cached_tokens
+
+    def try_hold(self, seq_id: SeqId, start: int, end: int) -> bool:
+        """The sliding groups' blocks for a step computing ``start .. end - 1``, taken once their
+        windows' old blocks went back (those go back even when the pool is short)."""
+        return self.grouped(seq_id).try_hold(start, end)
 
     # -- sharing ----------------------------------------------------------------------------
     def fork(self, parent_id: SeqId, child_id: SeqId, share: bool = True) -> list[CopyPair]:
@@ -206,14 +246,24 @@ class HybridKVCacheManager(KVCacheManager):
         )
 
     def peak_blocks(self, admitted_tokens: int, final_tokens: int) -> int:
-        """Every group holds what admission allocates; a full group then grows to the final
-        tokens, a sliding one to a window's blocks and the one a boundary adds before the step's
-        end hands the oldest back."""
+        """A full group holds what admission allocates, then grows to the final tokens. A
+        sliding group holds, once its prompt is computed, a window's blocks and the one a
+        boundary adds before the step's end hands the oldest back; while the prompt is computed
+        chunk by chunk (admission allocating the prompt only, as a paged policy does), a window
+        and a chunk of ``max_chunk_tokens`` at most, else what admission allocates."""
         admitted, final = (blocks_for(n, self.block_size) for n in (admitted_tokens, final_tokens))
+        chunked = self.max_chunk_tokens is not None and admitted_tokens < final_tokens
         peak = 0
         for window in self.groups.windows:
-            reach = final if window is None else min(final, blocks_for(window, self.block_size) + 2)
-            peak += max(admitted, reach)
+            if window is None:
+                peak += max(admitted, final)
+                continue
+            reach = min(final, blocks_for(window, self.block_size) + 2)
+            if chunked:
+                step = blocks_for(window + self.max_chunk_tokens, self.block_size) + 2
+                peak += max(reach, min(admitted, step))
+            else:
+                peak += max(admitted, reach)
         return peak
 
     def held_blocks(self, seq_id: SeqId) -> int:
@@ -229,7 +279,11 @@ class HybridKVCacheManager(KVCacheManager):
 
     def snapshot(self) -> PoolSnapshot:
         tables = {
-            seq: TableSnapshot(tuple(t.live_block_ids()), t.num_tokens)  # type: ignore[attr-defined]
+            seq: TableSnapshot(
+                tuple(t.live_block_ids()),  # type: ignore[attr-defined]
+                t.num_tokens,
+                tuple(tuple(group.block_ids) for group in t.tables),  # type: ignore[attr-defined]
+            )
             for seq, t in self._tables.items()
         }
         pool = self.pool

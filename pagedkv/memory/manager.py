@@ -34,8 +34,12 @@ class Preemption:
 
 @dataclass(frozen=True)
 class TableSnapshot:
+    """A table's held blocks and tokens; with KV groups, each group's table too (logical block
+    ``i`` at index ``i``, the null block where a window passed or a prompt chunk is to come)."""
+
     block_ids: tuple[int, ...]
     num_tokens: int
+    groups: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,9 @@ class KVUsage:
 class KVCacheManager:
     """Owns the block pool and one :class:`BlockTable` per live sequence."""
 
+    #: The block no table holds but whose entries point at it (KV groups' null block); None here.
+    null_block: int | None = None
+
     def __init__(
         self,
         num_blocks: int,
@@ -90,6 +97,12 @@ class KVCacheManager:
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        """Per KV group, its layers' window (None: full attention); empty: one table per
+        sequence, every layer in it."""
+        return ()
 
     def __contains__(self, seq_id: SeqId) -> bool:
         return seq_id in self._tables
@@ -200,6 +213,12 @@ class KVCacheManager:
     def try_append(self, seq_id: SeqId, n: int = 1) -> list[CopyPair] | None:
         """Grow ``seq_id`` by ``n`` tokens if the pool allows (its block copies), else None."""
         return self.table(seq_id).try_append(n)
+
+    def try_hold(self, seq_id: SeqId, start: int, end: int) -> bool:
+        """Hold the blocks a step computing ``seq_id``'s positions ``start .. end - 1`` writes,
+        or answer False (the pool is short). Admission allocated a whole prompt here, so this
+        holds nothing; a manager that allocates prompts chunk by chunk takes them now."""
+        return True
 
     def truncate(self, seq_id: SeqId, num_tokens: int, free_blocks: bool = True) -> None:
         """Shrink ``seq_id`` to its first ``num_tokens`` tokens (speculative tokens the target

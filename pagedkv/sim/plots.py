@@ -31,6 +31,8 @@ def write_plots(result: SimResult, out_dir: str | Path) -> list[Path]:
         "memory_map.png": plot_memory_map,
         "dynamic_trace.png": plot_trace,
     }
+    if result.hybrid is not None:
+        figures["kv_groups.png"] = plot_kv_groups
     return write_figures(result, out_dir, figures)
 
 
@@ -202,4 +204,40 @@ def plot_trace(result: SimResult, path: Path) -> Path:
     )
     ax.grid(alpha=0.3)
     ax.legend(loc="lower center", ncol=2)
+    return save(fig, path)
+
+
+def plot_kv_groups(result: SimResult, path: Path) -> Path:
+    """(g): the KV memory at each setting's fill, by who holds it -- whole context: the requests;
+    hybrid paging: the full-attention groups and the sliding ones -- and the requests held."""
+    hy = result.hybrid
+    assert hy is not None
+    fig = new_figure(8.5, 4.2)
+    ax = fig.add_subplot()
+    pool = hy.pool_blocks["hybrid"]
+    full = sum(g.held_blocks for g in hy.groups if g.window is None)
+    sliding = sum(g.held_blocks for g in hy.groups if g.window is not None)
+    bars = {
+        "whole context": [("every layer", hy.used_blocks["whole"] / hy.pool_blocks["whole"], "#d62728")],
+        "hybrid paging": [
+            ("full-attention groups", full / pool, "#1f77b4"),
+            ("sliding groups", sliding / pool, "#17becf"),
+        ],
+    }
+    for i, parts in enumerate(bars.values()):
+        bottom = 0.0
+        for label, fraction, colour in parts:
+            ax.bar(i, 100 * fraction, bottom=100 * bottom, color=colour, width=0.6, label=label)
+            if fraction >= 0.04:
+                ax.text(i, 100 * (bottom + fraction / 2), f"{100 * fraction:.0f}%", ha="center", fontsize=8)
+            bottom += fraction
+        setting = "whole" if i == 0 else "hybrid"
+        ax.text(i, 100 * bottom + 2, f"{hy.requests[setting]} requests", ha="center", fontsize=9)
+    ax.set_xticks(range(len(bars)), list(bars))
+    ax.set_ylim(0, 112)
+    ax.set_ylabel("KV memory in use (%)")
+    windows = sorted({g.window for g in hy.groups if g.window is not None})
+    ax.set_title(f"(g) sliding windows {', '.join(map(str, windows))}: {hy.ratio:.2f}x the requests")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
     return save(fig, path)

@@ -62,6 +62,7 @@ def print_report(result: SimResult, console: Console) -> None:
     _print_trace(result, console)
     _print_block_sizes(result, console)
     _print_prefix_and_capacity(result, console)
+    _print_hybrid(result, console)
 
 
 def _table(title: str, first: str) -> Table:
@@ -165,4 +166,29 @@ def _print_prefix_and_capacity(result: SimResult, console: Console) -> None:
         f"[bold](e) Capacity[/] in {human_bytes(result.config.kv_memory)} of KV memory: "
         + ", ".join(f"{LABELS[k]} {v:,}" for k, v in fits.items())
         + f" concurrent requests -> paged fits [bold]{fits['paged'] / naive:.1f}x[/] the naive count."
+    )
+
+
+def _print_hybrid(result: SimResult, console: Console) -> None:
+    """Experiment (g), when the model has sliding-window layers."""
+    hy = result.hybrid
+    if hy is None:
+        return
+    table = _table(
+        f"(g) Sliding windows in {human_bytes(result.config.kv_memory)}: hybrid paging (a block "
+        f"{hy.block_layers['hybrid']} layers deep) at its fill",
+        "KV group",
+    )
+    for column in ("attends over", "layers", "blocks held", "handed back as the window passed"):
+        table.add_column(column, justify="right")
+    for g, group in enumerate(hy.groups):
+        window = "the whole context" if group.window is None else f"window {group.window:,}"
+        expired = "" if group.window is None else f"{group.expired_blocks:,}"
+        table.add_row(str(g), window, str(group.layers), f"{group.held_blocks:,}", expired)
+    console.print(table)
+    console.print(
+        f"Requests held at once: hybrid paging [green]{hy.requests['hybrid']:,}[/] "
+        f"({_pct(hy.used_blocks['hybrid'] / hy.pool_blocks['hybrid'])} of its blocks in use), whole "
+        f"context (every layer every token) [red]{hy.requests['whole']:,}[/] "
+        f"({_pct(hy.used_blocks['whole'] / hy.pool_blocks['whole'])}) -> [bold]{hy.ratio:.2f}x[/]."
     )

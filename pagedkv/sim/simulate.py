@@ -24,6 +24,7 @@ from pagedkv.sim.experiments import (
     prefix_sharing,
     worked_example,
 )
+from pagedkv.sim.hybrid import HybridCapacity, expand_layer_windows, hybrid_capacity
 from pagedkv.sim.snapshot import ALLOCATORS, Snapshot, take_snapshot
 from pagedkv.sim.trace import TraceResult, run_contiguous, run_paged
 from pagedkv.sim.workloads import Request, Workload, poisson_arrivals
@@ -34,7 +35,7 @@ JSON_NAMES = {"max": "naive", "pow2": "pow2", "oracle": "oracle", "paged": "page
 DEFAULT_PREFIX_LEN = 600
 
 # Random stream ids, one per experiment.
-_SNAPSHOT, _TRACE, _PREFIX, _CAPACITY = 1, 2, 3, 4
+_SNAPSHOT, _TRACE, _PREFIX, _CAPACITY, _HYBRID = 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,21 @@ class SimConfig:
     trace_concurrency: int = 200
     trace_steps: int = 5000
     snapshot_moments: int = 8
+    #: per layer, repeated over the model's layers, the window it attends over (None: the whole
+    #: context); empty: no layer has one, and experiment (g) does not run
+    layer_windows: tuple[int | None, ...] = ()
+    #: tokens of a prompt one step computes (experiment (g): what a sliding group holds at once)
+    prefill_chunk: int = 2048
 
     def __post_init__(self) -> None:
-        positive = ("block_size", "sweep_batch_size", "prefix_requests", "trace_concurrency", "trace_steps")
+        positive = (
+            "block_size",
+            "sweep_batch_size",
+            "prefix_requests",
+            "trace_concurrency",
+            "trace_steps",
+            "prefill_chunk",
+        )
         for name in (*positive, "snapshot_moments"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -89,6 +102,8 @@ class SimConfig:
             )
         self.make_workload(self.workload)
         self.make_workload("shared-prefix")
+        if self.layer_windows:
+            expand_layer_windows(self.layer_windows, self.kv_spec.num_layers)
 
     @property
     def stored_kv_spec(self) -> KVSpec:
@@ -131,6 +146,8 @@ class SimResult:
     capacity: dict[str, int]
     arrival_rate: float
     trace: dict[str, TraceResult]
+    #: experiment (g), with ``layer_windows`` only
+    hybrid: HybridCapacity | None = None
 
     def snapshot(self, batch_size: int) -> Snapshot:
         return next(s for s in self.snapshots if s.batch_size == batch_size)
@@ -208,6 +225,7 @@ class SimResult:
                 "arrival_rate": self.arrival_rate,
                 "allocators": {JSON_NAMES[k]: v.to_json(bpt) for k, v in self.trace.items()},
             },
+            "hybrid": None if self.hybrid is None else self.hybrid.to_json(),
         }
 
 
@@ -265,6 +283,12 @@ def simulate(config: SimConfig, progress: bool = False) -> SimResult:
         config.trace_steps,
     )
     step("trace paged")
+    hybrid = None
+    if config.layer_windows:
+        windows = expand_layer_windows(config.layer_windows, config.kv_spec.num_layers)
+        hybrid = hybrid_capacity(
+            workload, config.kv_slots, config.block_size, windows, config.prefill_chunk, config.rng(_HYBRID)
+        )
     bar.close()
     return SimResult(
         config=config,
@@ -275,4 +299,5 @@ def simulate(config: SimConfig, progress: bool = False) -> SimResult:
         capacity=fits,
         arrival_rate=rate,
         trace=trace,
+        hybrid=hybrid,
     )

@@ -1,6 +1,8 @@
 """Hypothesis drives the hybrid KV cache manager (a table per KV group, sliding groups handing
-blocks back) with random interleavings of prompts, decode steps past the window, speculative
-rollbacks, forks, frees, preemptions and prefix hits, and checks it after every step.
+blocks back) with random interleavings of prompts computed in chunks (the sliding groups
+allocating each chunk's blocks as it comes, or the whole prompt at admission), decode steps past
+the window, speculative rollbacks, forks, frees, preemptions and prefix hits, and checks it after
+every step.
 
 A shadow records what each physical block holds (its group, the tokens before it, its tokens):
 a block is never written while shared, never written once out of every window (the null
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pagedkv.memory import PoolExhaustedError
+from pagedkv.memory.block_table import blocks_for
 from pagedkv.memory.grouped_table import WindowedBlockTable
 from pagedkv.memory.hybrid_manager import HybridKVCacheManager
 from pagedkv.memory.kv_groups import plan_kv_groups
@@ -25,11 +28,21 @@ LAYOUTS = [(None, 3), (None, 2, 2, 2, 2, 2), (4, 4), (None, None, 1, 1, 5, 5)]
 
 
 class HybridMachine(RuleBasedStateMachine):
-    @initialize(num_blocks=st.integers(6, 40), caching=st.booleans(), layout=st.sampled_from(LAYOUTS))
-    def setup(self, num_blocks, caching, layout):
+    @initialize(
+        num_blocks=st.integers(6, 40),
+        caching=st.booleans(),
+        layout=st.sampled_from(LAYOUTS),
+        chunk=st.sampled_from([None, 1, 2, 3, 5]),
+    )
+    def setup(self, num_blocks, caching, layout, chunk):
         self.groups = plan_kv_groups(layout)
-        self.kv = HybridKVCacheManager(num_blocks, self.groups, BLOCK_SIZE, caching, watermark=0.0)
+        self.kv = HybridKVCacheManager(num_blocks, self.groups, BLOCK_SIZE, caching, 0.0, chunk)
+        self.chunk = chunk
         self.tokens: dict[int, list[int]] = {}
+        #: per sequence: tokens computed (below its length: its prompt is still being computed),
+        #: and the tokens it was admitted with
+        self.computed: dict[int, int] = {}
+        self.admitted: dict[int, int] = {}
         self.content: dict[int, tuple] = {}  # block -> (group, tokens before it, its tokens)
         self.next_id = 0
 
@@ -69,11 +82,8 @@ class HybridMachine(RuleBasedStateMachine):
     def _step_done(self, seq):
         self.kv.cache_computed_blocks(seq, self.tokens[seq], len(self.tokens[seq]))
 
-    # -- rules ----------------------------------------------------------------------------
-    @rule(prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(0, 9), max_size=6))
-    def add(self, prefix, extra):
-        toks = prefix + extra
-        seq, self.next_id = self.next_id, self.next_id + 1
+    def _admit(self, seq, toks):
+        """Allocate and compute the first chunk (the engine's admission step); False: no room."""
         predicted = self.kv.blocks_to_allocate(toks)
         free = self.kv.pool.num_free_blocks
         try:
@@ -81,31 +91,64 @@ class HybridMachine(RuleBasedStateMachine):
         except PoolExhaustedError:
             assert predicted > free
             assert seq not in self.kv
-            return
+            return False
         assert free - self.kv.pool.num_free_blocks == predicted
-        self.tokens[seq] = toks
+        self.tokens[seq], self.admitted[seq] = toks, len(toks)
         self._check_hits(seq, cached)
-        self._write(seq, cached, len(toks))
-        self._step_done(seq)
+        end = len(toks) if self.chunk is None else min(len(toks), cached + self.chunk)
+        self._compute(seq, cached, end)
+        return True
 
-    @precondition(lambda self: self.tokens)
+    def _compute(self, seq, start, end):
+        self._write(seq, start, end)
+        self.kv.cache_computed_blocks(seq, self.tokens[seq], end)
+        self.computed[seq] = end
+
+    def _forget(self, seq):
+        for held in (self.tokens, self.computed, self.admitted):
+            del held[seq]
+
+    def _done(self):
+        return sorted(s for s, toks in self.tokens.items() if self.computed[s] == len(toks))
+
+    # -- rules ----------------------------------------------------------------------------
+    @rule(prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(0, 9), max_size=6))
+    def add(self, prefix, extra):
+        seq, self.next_id = self.next_id, self.next_id + 1
+        self._admit(seq, prefix + extra)
+
+    @precondition(lambda self: len(self._done()) < len(self.tokens))
+    @rule(data=st.data())
+    def prefill_chunk(self, data):
+        """The next chunk of a prompt: its sliding blocks are held first, or the pool is short
+        and the sequence is preempted (recomputed later)."""
+        seq = data.draw(st.sampled_from(sorted(set(self.tokens) - set(self._done()))))
+        start = self.computed[seq]
+        end = min(len(self.tokens[seq]), start + self.chunk)
+        if not self.kv.try_hold(seq, start, end):
+            self.kv.preempt(seq, self.tokens[seq], start)
+            self._forget(seq)
+            return
+        self._compute(seq, start, end)
+
+    @precondition(lambda self: self._done())
     @rule(data=st.data(), token=st.integers(0, 9))
     def decode(self, data, token):
-        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        seq = data.draw(st.sampled_from(self._done()))
         copies = self.kv.try_append(seq, 1)
         if copies is None:
             return
         self._copy(copies)
         self.tokens[seq].append(token)
         n = len(self.tokens[seq])
-        self._write(seq, n - 1, n)
-        self._step_done(seq)
+        self._compute(seq, n - 1, n)
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: self._done())
     @rule(data=st.data(), proposed=st.integers(1, 3))
     def speculate(self, data, proposed):
         """Append draft tokens, compute them, keep some: the table shrinks back."""
-        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        seq = data.draw(st.sampled_from(self._done()))
+        proposed = min(proposed, self.chunk or proposed)  # a step's tokens include the drafts
         copies = self.kv.try_append(seq, proposed)
         if copies is None:
             return
@@ -117,11 +160,12 @@ class HybridMachine(RuleBasedStateMachine):
         del self.tokens[seq][kept:]
         self.kv.truncate(seq, kept)
         self._step_done(seq)
+        self.computed[seq] = kept
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: self._done())
     @rule(data=st.data(), share=st.booleans())
     def fork(self, data, share):
-        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        parent = data.draw(st.sampled_from(self._done()))
         child, self.next_id = self.next_id, self.next_id + 1
         try:
             copies = self.kv.fork(parent, child, share=share)
@@ -130,29 +174,25 @@ class HybridMachine(RuleBasedStateMachine):
             return
         self._copy(copies)
         self.tokens[child] = list(self.tokens[parent])
+        self.computed[child], self.admitted[child] = self.computed[parent], self.admitted[parent]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data):
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         self.kv.free(seq)
-        del self.tokens[seq]
+        self._forget(seq)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def preempt_and_readmit(self, data):
-        """Recompute preemption: the blocks go back, the sequence comes back on prefix hits."""
+        """Recompute preemption, in the middle of a prompt too: the blocks go back, the sequence
+        comes back on prefix hits."""
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
-        toks = self.tokens.pop(seq)
-        self.kv.preempt(seq, toks, len(toks))
-        try:
-            cached = self.kv.allocate(seq, toks)
-        except PoolExhaustedError:
-            return
-        self.tokens[seq] = toks
-        self._check_hits(seq, cached)
-        self._write(seq, cached, len(toks))
-        self._step_done(seq)
+        toks = self.tokens[seq]
+        self.kv.preempt(seq, toks, self.computed[seq])
+        self._forget(seq)
+        self._admit(seq, toks)
 
     # -- invariants -----------------------------------------------------------------------
     @invariant()
@@ -170,6 +210,8 @@ class HybridMachine(RuleBasedStateMachine):
 
     @invariant()
     def windows_bound_live_blocks(self):
+        """A sliding group holds a window's blocks (and the one a boundary adds); allocated by
+        chunks, nothing past the next chunk; and never more than ``peak_blocks`` says."""
         for seq, toks in self.tokens.items():
             grouped = self.kv.grouped(seq)
             for table in grouped.tables:
@@ -177,7 +219,12 @@ class HybridMachine(RuleBasedStateMachine):
                 if isinstance(table, WindowedBlockTable):
                     bound = -(-table.window // BLOCK_SIZE) + 1
                     assert len(table.live_block_ids()) <= bound
-                    assert all(b == self.kv.null_block for b in table.block_ids[: table.num_nulled])
+                    nulls = table.block_ids[: table.num_nulled] + table.block_ids[table.held_end :]
+                    assert all(b == self.kv.null_block for b in nulls)
+                    if self.chunk is not None:
+                        assert table.held_end <= blocks_for(self.computed[seq] + self.chunk, BLOCK_SIZE)
+            final = max(len(toks), self.admitted[seq] + 1)
+            assert self.kv.held_blocks(seq) <= self.kv.peak_blocks(self.admitted[seq], final)
 
 
 TestHybridMachine = HybridMachine.TestCase

@@ -49,3 +49,41 @@ def test_a_hit_needs_every_group():
     kv.free("a")
     kv.allocate("big", [99] * 40)  # takes 20 blocks: the LRU cached-free ones go first
     assert kv.cached_prefix_blocks(prompt) == []
+
+
+def test_a_sliding_group_holds_a_prompt_chunk_by_chunk():
+    """With the step's token budget known, admission holds the first chunk's sliding blocks only;
+    each later chunk takes its own once the window's old ones went back."""
+    kv = HybridKVCacheManager(
+        64, GEMMA2_LIKE, block_size=4, enable_prefix_caching=False, watermark=0.0, max_chunk_tokens=8
+    )
+    prompt = list(range(40))
+    assert kv.blocks_to_allocate(prompt) == 10 + 2
+    kv.allocate("a", prompt)
+    full, sliding = kv.grouped("a").tables
+    assert len(full.block_ids) == 10 and len(sliding.live_block_ids()) == 2
+    assert len(kv.block_ids("a")) == 2 * 10 and sliding.num_pending == 8
+    most = 0
+    for start in range(0, 40, 8):
+        assert kv.try_hold("a", start, start + 8)
+        most = max(most, len(sliding.live_block_ids()))
+        kv.cache_computed_blocks("a", prompt, start + 8)
+    # A step from p reads keys above p - 8: two blocks before the chunk, and the chunk's two.
+    assert most == 4 and sliding.num_pending == 0
+    assert kv.held_blocks("a") == 10 + 2
+    assert 10 + most <= kv.peak_blocks(40, 41) < 2 * 10
+    kv.free("a")
+    assert kv.pool.num_used_blocks == 1
+
+
+def test_a_chunk_that_does_not_fit_changes_nothing_but_the_window():
+    kv = HybridKVCacheManager(
+        14, GEMMA2_LIKE, block_size=4, enable_prefix_caching=False, watermark=0.0, max_chunk_tokens=8
+    )
+    kv.allocate("a", list(range(40)))  # 10 full blocks, 2 sliding: the pool (13 less the null) is full
+    assert kv.pool.num_free_blocks == 1
+    kv.cache_computed_blocks("a", list(range(40)), 8)
+    assert not kv.try_hold("a", 8, 24)  # blocks 2..5 of which 0..1 are held: 4 new, 1 free
+    assert kv.pool.num_free_blocks == 1 and kv.grouped("a").tables[1].num_pending == 8
+    assert kv.try_hold("a", 8, 12)
+    assert kv.pool.num_free_blocks == 0

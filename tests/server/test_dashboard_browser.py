@@ -281,6 +281,78 @@ def test_the_second_tier_shows_beside_the_pool(browser, dashboard_server):
         assert f"CPU · {tier.capacity_blocks} blocks · {tier.cached_blocks} cached" in panel.text
 
 
+def test_a_windowed_model_shows_its_kv_groups_and_the_null_block(browser, tmp_path):
+    """Hybrid paging (a Gemma-2-like model, window 8): each held cell names its KV group, the
+    null block has a cell of its own, and the groups panel counts what the sliding group handed
+    back as its window passed -- all equal to the engine's own tables."""
+    from tests.checkpoints import make_checkpoint
+
+    path = make_checkpoint(
+        tmp_path, "gemma2", sliding_window=8, query_pre_attn_scalar=24, num_hidden_layers=4
+    )
+    options = dict(model=str(path), num_kv_blocks=64, block_size=4, max_model_len=128, max_num_seqs=4)
+    with ServerThread(create_app(EngineConfig(**options), served_model_name=MODEL)) as server:
+        engine = server.app.state.engine.engine
+        null = engine.kv_manager.null_block
+        open_dashboard(browser, server.base_url)
+        panel = browser.find_element(By.ID, "groups")
+        assert panel.is_displayed()
+        assert "null block 0" in panel.text and "group 1 (window 8)" in panel.text
+        assert cells(browser)[null][0] == "null"
+        with EngineGate(engine) as gate:
+            gate.close()
+            thread = complete_in_background(
+                server.base_url, prompt=list(range(4, 44)), max_tokens=30, ignore_eos=True
+            )
+
+            def window_passed(_outputs) -> bool:
+                seqs = engine.kv_snapshot().sequences
+                return bool(seqs) and seqs[0].group_tables[1][:2] == (null, null) and seqs[0].num_tokens > 44
+
+            gate.open_until(window_passed)
+            assert gate.holding.wait(60)
+            (seq,) = engine.kv_snapshot().sequences
+            full, sliding = seq.group_tables
+            expected = {b: "0" for b in full} | {b: "1" for b in sliding if b != null}
+            expired = next(i for i, b in enumerate(sliding) if b != null)
+
+            def groups_shown(driver) -> dict[int, str]:
+                shown = driver.execute_script(
+                    "return [...document.querySelectorAll('#grid .cell')].map(c => c.dataset.group)"
+                )
+                return {b: g for b, g in enumerate(shown) if g}
+
+            wait_for(browser, lambda d: groups_shown(d) == expected, "each held block's group")
+            sliding_item = browser.find_element(By.CSS_SELECTOR, '#group-list li[data-group="1"]')
+            full_item = browser.find_element(By.CSS_SELECTOR, '#group-list li[data-group="0"]')
+            assert int(sliding_item.get_attribute("data-expired")) == expired > 0
+            assert int(sliding_item.get_attribute("data-held")) == len(sliding) - expired <= 8 // 4 + 1
+            assert int(full_item.get_attribute("data-held")) == len(full)
+            assert "handed back as the window passed" in sliding_item.text
+            live = sliding[expired]
+            cell = browser.find_element(By.CSS_SELECTOR, f'#grid .cell[data-block="{live}"]')
+            assert "sliding" in cell.get_attribute("class").split()
+            ActionChains(browser).move_to_element(cell).perform()
+            tooltip = browser.find_element(By.ID, "tooltip")
+            assert f"window 8 group, logical block {expired}" in tooltip.text
+            cell.click()
+            detail = browser.find_element(By.ID, "detail")
+            wait_for(browser, lambda d: detail.get_attribute("data-live") == "true", "the detail")
+            drawn = browser.execute_script(
+                "return [...document.querySelectorAll('#block-table line.arrow')]"
+                ".map(a => [Number(a.dataset.group), Number(a.dataset.physical)])"
+            )
+            assert sorted(map(tuple, drawn)) == sorted(
+                [(0, b) for b in full] + [(1, b) for b in sliding if b != null]
+            )
+            assert len(browser.find_elements(By.CSS_SELECTOR, "#block-table rect.null")) == expired
+            save_screenshot(browser, "dashboard_kv_groups")  # docs/img/dashboard_kv_groups.png is a copy
+        thread.join(120)
+        wait_idle(server.base_url)
+        wait_for(browser, lambda d: not groups_shown(d), "the groups' cells to return")
+        assert cells(browser)[null][0] == "null"
+
+
 @pytest.fixture(scope="module")
 def lora_server(tmp_path_factory):
     """A server with unified LoRA paging and one adapter, ``first``, of a tiny checkpoint."""

@@ -55,8 +55,9 @@ def make_kv_manager(
     config, caching = settings.cache, settings.prefix_caching
     if spec is None and executor.kv_groups is not None:
         groups = executor.kv_groups
+        chunk = settings.scheduler.max_num_batched_tokens
         return HybridKVCacheManager(
-            num_blocks, groups, config.block_size, caching, config.watermark
+            num_blocks, groups, config.block_size, caching, config.watermark, chunk
         ), NoKVTier()
     if spec is None:
         return KVCacheManager(num_blocks, config.block_size, caching, config.watermark), NoKVTier()

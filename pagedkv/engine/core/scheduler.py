@@ -33,13 +33,7 @@ from collections.abc import Collection
 
 from pagedkv.engine.config import EngineSettings
 from pagedkv.engine.core import adapter_admission as lora
-from pagedkv.engine.core.fairness import (
-    FairShare,
-    Holdings,
-    admission_order,
-    check_priority,
-    choose_victim,
-)
+from pagedkv.engine.core.fairness import FairShare, Holdings, admission_order, check_priority, choose_victim
 from pagedkv.engine.core.headroom import Headroom, Projection, Refusal
 from pagedkv.engine.core.kv_policy import PAGED, KVPolicy
 from pagedkv.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput  # the step's record
@@ -257,17 +251,14 @@ class Scheduler:
                 continue  # preempted while making room for an earlier one
             if seq.num_computed_tokens == seq.num_tokens:
                 continue  # a beam waiting for its siblings: nothing to compute
-            if seq.in_prefill:
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            else:
-                preempted = len(out.preempted)
-                copies = self._make_room(seq, out)
-                if len(out.preempted) != preempted:
-                    budget = self.max_num_batched_tokens - out.num_tokens  # victims gave theirs back
-                if copies is None:
-                    continue
-                out.block_copies.extend(copies)
-                n = 1
+            preempted = len(out.preempted)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget) if seq.in_prefill else 1
+            copies = self._make_room(seq, out, seq.num_computed_tokens + n if seq.in_prefill else None)
+            if len(out.preempted) != preempted:
+                budget = self.max_num_batched_tokens - out.num_tokens  # victims gave theirs back
+            if copies is None:
+                continue
+            out.block_copies.extend(copies)
             out.scheduled.append(ScheduledSeq.next_chunk(seq, n))
             budget -= n
         return add_spec_tokens(out, self.kv_manager, budget) if num_decodes == len(running) else budget
@@ -342,12 +333,19 @@ class Scheduler:
             self._projection.add(seq, n)
         return n
 
-    def _make_room(self, seq: Sequence, out: SchedulerOutput) -> list[tuple[int, int]] | None:
-        """Grow ``seq`` by one token, preempting running sequences (:meth:`_victim`) until it fits.
-
-        Returns its copy-on-write block copies, or None if ``seq`` itself had to be preempted.
-        """
-        while (copies := self.kv_manager.try_append(seq.seq_id, 1)) is None:
+    def _make_room(
+        self, seq: Sequence, out: SchedulerOutput, chunk_end: int | None = None
+    ) -> list[tuple[int, int]] | None:
+        """Grow ``seq`` by one token, or hold the blocks of its prompt chunk up to ``chunk_end``
+        (:meth:`KVCacheManager.try_hold`), preempting running sequences (:meth:`_victim`) until
+        it fits. Returns its copy-on-write block copies, or None if ``seq`` itself had to be
+        preempted."""
+        kv, start = self.kv_manager, seq.num_computed_tokens
+        while (
+            copies := kv.try_append(seq.seq_id, 1)
+            if chunk_end is None
+            else ([] if kv.try_hold(seq.seq_id, start, chunk_end) else None)
+        ) is None:
             victim = self._victim()
             self._preempt(victim, out)
             if victim is seq:

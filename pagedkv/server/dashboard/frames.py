@@ -20,8 +20,9 @@ from pagedkv.engine import LLMEngine
 from pagedkv.engine.stats import TierStats
 
 #: A sequence's fields as the page reads them: request id, sample/beam index, block table,
-#: tokens, prompt tokens, prompt tokens served by the prefix cache.
-_SEQ_FIELDS = ("r", "i", "b", "n", "p", "c")
+#: tokens, prompt tokens, prompt tokens served by the prefix cache, and with KV groups each
+#: group's table (the null block where a window passed or a prompt chunk is to come).
+_SEQ_FIELDS = ("r", "i", "b", "n", "p", "c", "g")
 #: A resident adapter's fields as the page reads them: adapter id, pages, running sequences pinning it.
 _ADAPTER_FIELDS = ("id", "b", "pins")
 #: Blocks compared as one slice when diffing.
@@ -65,6 +66,7 @@ def take_view(engine: LLMEngine, stamp: float) -> View:
             s.num_tokens,
             s.prompt_tokens,
             s.cached_tokens,
+            s.group_tables,
         )
         for s in snapshot.sequences
     }
@@ -141,8 +143,9 @@ def diff_frame(before: View, after: View) -> dict[str, Any]:
         old = before.seqs.get(key)
         if old is None:
             seqs[key] = dict(zip(_SEQ_FIELDS, seq, strict=True))
-        elif old != seq:  # only the table, the tokens and the cache hits change
-            seqs[key] = {name: seq[k] for k, name in ((2, "b"), (3, "n"), (5, "c")) if old[k] != seq[k]}
+        elif old != seq:  # only the tables, the tokens and the cache hits change
+            changes = ((2, "b"), (3, "n"), (5, "c"), (6, "g"))
+            seqs[key] = {name: seq[k] for k, name in changes if old[k] != seq[k]}
     gone = [key for key in before.seqs if key not in after.seqs]
     frame = {"kind": "diff", "blocks": blocks, "seqs": seqs, "gone": gone, "stats": after.stats}
     if before.adapters != after.adapters:  # an adapter loaded, evicted, pinned or unpinned

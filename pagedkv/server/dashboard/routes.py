@@ -91,6 +91,9 @@ def install_dashboard(
         "blockSize": int(engine.stats["block_size"]),
         "maxModelLen": inner.max_model_len,
         "maxNumSeqs": inner.settings.scheduler.max_num_seqs,
+        #: Per KV group its window (null: full attention); empty without groups.
+        "kvGroups": list(inner.kv_manager.group_windows),
+        "nullBlock": inner.kv_manager.null_block,
         #: Changes when the server restarts: the page starts its picture afresh.
         "boot": uuid.uuid4().hex[:12],
     }

@@ -1,6 +1,7 @@
 "use strict";
 /* detail.js: one request -- its block tables drawn as logical -> physical arrows (one row per
-   sample or beam), its tokens, its prefix-cache hits and the blocks its forks share. */
+   sample or beam, and with KV groups per group: a null entry drawn as ∅, without an arrow), its
+   tokens, its prefix-cache hits and the blocks its forks share. */
 
 const SVG = "http://www.w3.org/2000/svg";
 const BOX = 24, GAP = 4, ROW = 40;
@@ -51,32 +52,39 @@ const Detail = {
       list.append(Object.assign(document.createElement("dt"), { textContent: term }));
       list.append(Object.assign(document.createElement("dd"), { textContent: value }));
     }
-    element.appendChild(this.arrows(seqs, physical, uses));
+    const rows = seqs.flatMap((seq) => Model.tables(seq).map((table, group) => ({ seq, table, group })));
+    element.appendChild(this.arrows(rows, physical, uses));
   },
 
-  /* Rows of logical blocks (one per sequence) above one row of the physical blocks they map to. */
-  arrows(seqs, physical, uses) {
-    const columns = Math.max(physical.length, ...seqs.map((s) => s.b.length));
-    const width = 40 + columns * (BOX + GAP), height = (seqs.length + 1) * ROW + 30;
+  /* Rows of logical blocks (one per sequence and group) above one row of the physical blocks
+     they map to. */
+  arrows(rows, physical, uses) {
+    const columns = Math.max(physical.length, ...rows.map((r) => r.table.length));
+    const width = 56 + columns * (BOX + GAP), height = (rows.length + 1) * ROW + 30;
     const svg = svgElement("svg", { viewBox: `0 0 ${width} ${height}`, id: "block-table" });
     const marker = svgElement("marker", { id: "head", viewBox: "0 0 6 6", refX: 6, refY: 3,
       markerWidth: 6, markerHeight: 6, orient: "auto" });
     marker.appendChild(svgElement("path", { d: "M0,0 L6,3 L0,6 z", fill: "#6b7280" }));
     svg.appendChild(svgElement("defs", {})).appendChild(marker);
-    const physicalY = seqs.length * ROW + 20;
-    const physicalX = new Map(physical.map((block, k) => [block, 40 + k * (BOX + GAP)]));
-    seqs.forEach((seq, row) => {
+    const physicalY = rows.length * ROW + 20;
+    const physicalX = new Map(physical.map((block, k) => [block, 56 + k * (BOX + GAP)]));
+    const grouped = Model.hasGroups();
+    rows.forEach(({ seq, table, group }, row) => {
       const y = row * ROW + 4;
-      svg.appendChild(svgElement("text", { x: 0, y: y + 15 }, `#${seq.i}`));
-      seq.b.forEach((block, logical) => {
-        const x = 40 + logical * (BOX + GAP);
-        svg.appendChild(svgElement("rect", { x, y, width: BOX, height: 20, rx: 2, fill: colourOf(seq.r),
-          "fill-opacity": 0.35, stroke: colourOf(seq.r) }));
-        svg.appendChild(svgElement("text", { x: x + 3, y: y + 14 }, `L${logical}`));
+      const label = grouped ? `#${seq.i} ${Model.config.kvGroups[group] === null ? "full" : "w" + Model.config.kvGroups[group]}` : `#${seq.i}`;
+      svg.appendChild(svgElement("text", { x: 0, y: y + 15 }, label));
+      table.forEach((block, logical) => {
+        const x = 56 + logical * (BOX + GAP);
+        const isNull = grouped && block === Model.config.nullBlock;
+        svg.appendChild(svgElement("rect", { x, y, width: BOX, height: 20, rx: 2,
+          fill: isNull ? "#e7e7e3" : colourOf(seq.r), "fill-opacity": isNull ? 1 : 0.35,
+          stroke: isNull ? "#d8d8d4" : colourOf(seq.r), class: isNull ? "null" : "logical" }));
+        svg.appendChild(svgElement("text", { x: x + 3, y: y + 14 }, isNull ? "∅" : `L${logical}`));
+        if (isNull) return;
         const target = physicalX.get(block);
         svg.appendChild(svgElement("line", { class: "arrow", x1: x + BOX / 2, y1: y + 20,
           x2: target + BOX / 2, y2: physicalY - 2, stroke: "#6b7280", "marker-end": "url(#head)",
-          "data-sample": seq.i, "data-logical": logical, "data-physical": block }));
+          "data-sample": seq.i, "data-group": group, "data-logical": logical, "data-physical": block }));
       });
     });
     svg.appendChild(svgElement("text", { x: 0, y: physicalY + 15 }, "phys"));

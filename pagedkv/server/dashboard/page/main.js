@@ -66,6 +66,7 @@ const Page = {
       `${stats.running} running, ${stats.waiting} waiting (click one, or a cell)`;
     TierView.render(stats.tier);
     Grid.render(this.selected);
+    GroupsView.render();
     RequestList.render(requests, this.selected, (id) => this.pick(id));
     Detail.render(document.getElementById("detail"), this.selected, requests.get(this.selected));
     Contiguous.render(document.getElementById("contiguous"), document.getElementById("contiguous-text"));

@@ -1,9 +1,10 @@
 "use strict";
 /* model.js: the engine's state as the stream describes it. A block is one integer,
    refcount * 2 + cached; a sequence is {r: request id, i: sample/beam index, b: block table,
-   n: tokens, p: prompt tokens, c: prompt tokens served by the prefix cache}; a resident LoRA
-   adapter (unified paging) is {id, b: its pages, pins: running sequences using it}, by name. A full
-   frame replaces everything, a diff patches blocks, sequences and adapters (see
+   n: tokens, p: prompt tokens, c: prompt tokens served by the prefix cache, g: with KV groups,
+   each group's table, the null block where a window passed or a prompt chunk is to come}; a
+   resident LoRA adapter (unified paging) is {id, b: its pages, pins: running sequences using it},
+   by name. A full frame replaces everything, a diff patches blocks, sequences and adapters (see
    pagedkv/server/dashboard/frames.py). */
 
 const Model = {
@@ -38,13 +39,47 @@ const Model = {
   refcount(block) { return this.blocks[block] >> 1; },
   isCached(block) { return (this.blocks[block] & 1) === 1; },
 
-  /* Per physical block, the {seq, logical} entries of the tables that point at it. */
+  /* Per physical block, the {seq, logical, group} entries of the tables that point at it (the
+     null block left out: every sliding table points at it, none holds it). */
   holders() {
     const holders = new Array(this.blocks.length);
     for (const seq of this.seqs.values()) {
-      seq.b.forEach((block, logical) => { (holders[block] ||= []).push({ seq, logical }); });
+      this.tables(seq).forEach((table, group) => {
+        table.forEach((block, logical) => {
+          if (block !== this.config.nullBlock) (holders[block] ||= []).push({ seq, logical, group });
+        });
+      });
     }
     return holders;
+  },
+
+  /* A sequence's tables: one per KV group, or its one table (group 0) without groups. */
+  tables(seq) { return seq.g && seq.g.length ? seq.g : [seq.b]; },
+
+  hasGroups() { return (this.config.kvGroups || []).length > 0; },
+
+  /* "full" or "window N": what the layers of KV group `group` attend over. */
+  groupLabel(group) {
+    const window = this.config.kvGroups[group];
+    return window === null ? "full" : `window ${window}`;
+  },
+
+  /* Per KV group: blocks its tables hold, entries whose blocks went back as the window passed
+     (leading null entries) and entries whose prompt chunk is still to come (trailing ones). */
+  groupUsage() {
+    const usage = this.config.kvGroups.map(() => ({ held: new Set(), expired: 0, pending: 0 }));
+    const nullBlock = this.config.nullBlock;
+    for (const seq of this.seqs.values()) {
+      (seq.g || []).forEach((table, group) => {
+        const live = table.filter((block) => block !== nullBlock);
+        live.forEach((block) => usage[group].held.add(block));
+        const first = table.findIndex((block) => block !== nullBlock);
+        const last = table.length - 1 - [...table].reverse().findIndex((block) => block !== nullBlock);
+        usage[group].expired += first < 0 ? 0 : first;
+        usage[group].pending += first < 0 ? 0 : table.length - 1 - last;
+      });
+    }
+    return usage.map((u) => ({ held: u.held.size, expired: u.expired, pending: u.pending }));
   },
 
   /* Per physical block, the {name, adapter, page} of the resident adapter whose page it is. */

@@ -55,25 +55,35 @@ const Grid = {
     this.pages = Model.adapterPages();
     for (let block = 0; block < this.cells.length; block++) {
       const refcount = Model.refcount(block), cached = Model.isCached(block);
-      const owners = [...new Set((this.holders[block] || []).map((h) => h.seq.r))];
+      const holders = this.holders[block] || [];
+      const owners = [...new Set(holders.map((h) => h.seq.r))];
       const page = this.pages[block];
-      const state = page ? (page.adapter.pins ? "adapter" : "adapter-idle")
+      const state = block === Model.config.nullBlock ? "null"
+        : page ? (page.adapter.pins ? "adapter" : "adapter-idle")
         : refcount === 0 ? (cached ? "cached" : "free") : refcount > 1 ? "shared" : "used";
-      const key = `${state}|${refcount}|${owners.join(" ")}|${owners.includes(selected)}|${page ? page.name : ""}`;
+      // With KV groups a held block belongs to one group: full ones plain, sliding ones striped.
+      const group = Model.hasGroups() && holders.length ? holders[0].group : "";
+      const kind = group === "" ? "" : Model.config.kvGroups[group] === null ? " full" : " sliding";
+      const key = `${state}|${refcount}|${owners.join(" ")}|${owners.includes(selected)}|${page ? page.name : ""}|${group}`;
       if (key === this.keys[block]) continue;
       this.keys[block] = key;
       const cell = this.cells[block];
-      cell.className = `cell ${state}` + (owners.includes(selected) ? " selected" : "");
+      cell.className = `cell ${state}${kind}` + (owners.includes(selected) ? " selected" : "");
       cell.dataset.state = state;
       cell.dataset.refcount = refcount;
       cell.dataset.owners = owners.join(" ");
       cell.dataset.adapter = page ? page.name : "";
-      cell.style.background = owners.length ? colourOf(owners[0]) : "";
-      cell.textContent = refcount > 1 ? String(refcount) : "";
+      cell.dataset.group = group;
+      cell.style.backgroundColor = owners.length ? colourOf(owners[0]) : "";
+      cell.textContent = state === "null" ? "∅" : refcount > 1 ? String(refcount) : "";
     }
   },
 
   describe(block) {
+    if (block === Model.config.nullBlock) {
+      return `block ${block}: the null block\nwhat a sliding group's table points at where its window has ` +
+        "passed or a prompt chunk is still to come; never written, read as masked zeros";
+    }
     const refcount = Model.refcount(block), cached = Model.isCached(block), page = this.pages[block];
     if (page) {
       const { name, adapter } = page;
@@ -88,9 +98,10 @@ const Grid = {
         : `block ${block}: free`;
     }
     const lines = [`block ${block}: refcount ${refcount}${cached ? ", in the prefix cache" : ""}`];
-    for (const { seq, logical } of this.holders[block] || []) {
+    for (const { seq, logical, group } of this.holders[block] || []) {
       const [first, last] = Model.tokenRange(seq, logical);
-      lines.push(`${seq.r} #${seq.i}: logical block ${logical}, tokens ${first}–${last}`);
+      const where = Model.hasGroups() ? `${Model.groupLabel(group)} group, ` : "";
+      lines.push(`${seq.r} #${seq.i}: ${where}logical block ${logical}, tokens ${first}–${last}`);
     }
     return lines.join("\n");
   },
@@ -122,6 +133,36 @@ const RequestList = {
       item.querySelector(".meta").textContent =
         `${seqs.length > 1 ? seqs.length + " seqs · " : ""}${tokens} tok · ${blocks} blk`;
     }
+  },
+};
+
+/* With KV groups (a model with sliding-window layers): per group, what its tables hold now, the
+   blocks its window handed back and the prompt chunks still to come. Hidden without groups. */
+const GroupsView = {
+  render() {
+    const panel = document.getElementById("groups");
+    panel.hidden = !Model.hasGroups();
+    if (panel.hidden) return;
+    const list = document.getElementById("group-list");
+    const usage = Model.groupUsage();
+    if (list.children.length !== usage.length) {
+      list.replaceChildren(...usage.map((_, group) => {
+        const item = document.createElement("li");
+        item.dataset.group = group;
+        item.dataset.window = Model.config.kvGroups[group] ?? "";
+        item.innerHTML = `<i class="cell used ${Model.config.kvGroups[group] === null ? "full" : "sliding"}"></i><span></span>`;
+        return item;
+      }));
+    }
+    usage.forEach((u, group) => {
+      const item = list.children[group];
+      Object.assign(item.dataset, { held: u.held, expired: u.expired, pending: u.pending });
+      const passed = Model.config.kvGroups[group] === null ? ""
+        : ` · ${u.expired} handed back as the window passed` + (u.pending ? ` · ${u.pending} to come` : "");
+      item.querySelector("span").textContent = `group ${group} (${Model.groupLabel(group)}): ${u.held} blocks held${passed}`;
+    });
+    document.getElementById("groups-summary").textContent =
+      `${usage.length} groups, one pool · null block ${Model.config.nullBlock} (∅)`;
   },
 };
 
