@@ -254,7 +254,8 @@ def choose_linear_kernel(requested: str, device: torch.device, dtype: torch.dtyp
     if requested in ("auto", "tiled"):
         no_tiles = _tiled_unavailable(device, dtype)
         if no_tiles is None:
-            return LinearKernel(TILED, "asked for" if requested == "tiled" else f"CPU, {_name(dtype)}")
+            on = " on AMX tiles" if dtype == torch.bfloat16 and tiled_gemm.amx_rows() else ""
+            return LinearKernel(TILED, "asked for" if requested == "tiled" else f"CPU, {_name(dtype)}{on}")
         if requested == "tiled":
             raise ValueError(f"linear kernel 'tiled' cannot run here: {no_tiles}")
     unavailable = _onednn_unavailable(device, dtype)
