@@ -164,14 +164,29 @@ static void amx_tile_bf16(const uint16_t *a, int64_t kp, int64_t M, const uint16
     }
 }
 
+/* a call's sizes for K and n output columns: k padded to pairs, the pairs, k padded to whole
+ * A tiles, tiles of NR columns, and whether a tile needs amx_b_of's copy */
+typedef struct {
+    int64_t padded, pairs, kp, count;
+    int copies;
+} AmxShape;
+
+static AmxShape amx_shape(int64_t K, int64_t n) {
+    AmxShape s = {.padded = K + K % 2};
+    s.pairs = s.padded / 2;
+    s.kp = (s.padded + AMX_K - 1) / AMX_K * AMX_K;
+    s.count = (n + NR - 1) / NR;
+    s.copies = n % NR != 0 || s.pairs * 2 != s.kp;
+    return s;
+}
+
 /* tiled_linear_bf16 on AMX (M >= AMX_ROWS, amx_usable()) */
 static int amx_linear_bf16(const uint16_t *x, const uint16_t *tiles, const uint16_t *bias, uint16_t *y, int64_t M,
                            int64_t K, int64_t N) {
-    const int64_t padded = K + K % 2, pairs = padded / 2, kp = (padded + AMX_K - 1) / AMX_K * AMX_K;
-    const int64_t count = (N + NR - 1) / NR;
+    const AmxShape s = amx_shape(K, N);
+    const int64_t padded = s.padded, pairs = s.pairs, kp = s.kp, count = s.count, copies = s.copies;
     uint16_t *a = amx_rows_of(x, M, K, kp);
     if (a == NULL) return 1;
-    const int copies = N % NR != 0 || pairs * 2 != kp;
     int failed = 0;
 #pragma omp parallel
     {
@@ -196,11 +211,10 @@ static int amx_linear_bf16(const uint16_t *x, const uint16_t *tiles, const uint1
  * [M, 2 w] workspace, then the pair's epilogue, as the AVX512-BF16 loop does */
 static int amx_gate_up_bf16(const uint16_t *x, const uint16_t *tiles, uint16_t *y, int64_t M, int64_t K, int64_t I,
                             int fused) {
-    const int64_t padded = K + K % 2, pairs = padded / 2, kp = (padded + AMX_K - 1) / AMX_K * AMX_K;
-    const int64_t count = (I + NR - 1) / NR;
+    const AmxShape s = amx_shape(K, I);
+    const int64_t padded = s.padded, pairs = s.pairs, kp = s.kp, count = s.count, copies = s.copies;
     uint16_t *a = amx_rows_of(x, M, K, kp);
     if (a == NULL) return 1;
-    const int copies = I % NR != 0 || pairs * 2 != kp;
     int failed = 0;
 #pragma omp parallel
     {
