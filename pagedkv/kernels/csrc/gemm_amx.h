@@ -93,6 +93,9 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *a, i
         const uint16_t *bk = b + k * NR; /* pair k / 2, as 16 rows of 2 NR values */
         _tile_loadd(4, a + k, a_stride);
         if (blocks == 2) {
+            if (k + 2 * AMX_K < kp) /* the B rows two k steps ahead, into L1 */
+                for (int r = 0; r < 16; r++)
+                    _mm_prefetch((const char *)(bk + 2 * AMX_K * NR + r * 2 * NR + 2 * AMX_N * first), _MM_HINT_T0);
             _tile_loadd(5, a + 16 * kp + k, a_stride);
             _tile_loadd(6, bk + 2 * AMX_N * first, b_stride);
             _tile_loadd(7, bk + 2 * AMX_N * (first + 1), b_stride);
