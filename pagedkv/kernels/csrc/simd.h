@@ -49,7 +49,7 @@
 #else
 #define GEMM_AVX512_BF16 0
 #endif
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__) /* arch_prctl */
 #define GEMM_AMX 1
 #else
 #define GEMM_AMX 0
