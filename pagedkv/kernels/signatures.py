@@ -58,6 +58,7 @@ _FAMILIES: tuple[tuple[str, tuple[str, ...], Signature], ...] = (
     ("tiled_rows", (), Signature(INT, (ADDRESS,) * 3 + (I64,) * 5)),
     ("tiled_gemm_tile_width", (), Signature(I64, ())),
     ("tiled_gemm_bf16_loop", (), Signature(I64, ())),
+    ("tiled_gemm_amx_rows", (), Signature(I64, ())),
     # quant_gemm.c
     ("quant_dequantize", _TILED, Signature(INT, (ADDRESS, I64, ADDRESS, I64, I64))),
     ("quant_linear", _TILED, Signature(INT, (ADDRESS, ADDRESS, I64, ADDRESS, ADDRESS) + (I64,) * 4)),

@@ -18,6 +18,14 @@ pair widened to float32 as it is loaded (tested against the pairs written out in
 product of bfloat16 values is exact in float32, so only denormals, which vdpbf16ps flushes, can
 round differently). Without AVX512-BF16, oneDNN has no bfloat16 of its own and ``F.linear``
 runs torch's emulated one, several times slower than this loop.
+
+Where the CPU has AMX (``csrc/gemm_amx.h``), bfloat16 runs on its tile multiplies instead, from
+:func:`amx_rows` rows: the pairs as the tiles hold them are AMX's B operand in place, so the same
+weight serves both loops. Each output still sums its k pairs in order in float32 (a row's bits
+still do not depend on its batch) and equals oneDNN's, which multiplies on AMX there too, for a
+few dozen rows; AMX adds a pair's two products before the sum, so now and then a last bit differs
+from vdpbf16ps' two adds. On such a CPU the tile multiplies are many times faster than the dot
+products from a handful of rows up, and no slower for one.
 """
 
 from __future__ import annotations
@@ -49,6 +57,13 @@ def bf16_loop() -> int:
     pairs), ``BF16_WIDENING`` (AVX2: pairs widened to float32 as loaded) or ``BF16_PORTABLE``.
     The first two give the same bits (see the C source); the portable one is too slow to choose."""
     return library.load().entry("tiled_gemm_bf16_loop")()
+
+
+def amx_rows() -> int:
+    """Rows from which a bfloat16 product runs on AMX tiles here (0: never): where the library was
+    built for AMX-TILE and AMX-BF16, Linux granted the process the tile state, and
+    ``PAGEDKV_TILED_AMX=0`` is not in the environment (read once, at the first product)."""
+    return library.load().entry("tiled_gemm_amx_rows")()
 
 
 def why_unavailable(dtype: torch.dtype) -> str | None:

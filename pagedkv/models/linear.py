@@ -8,7 +8,8 @@ blocked layout ("packed"), as vLLM's CPU build runs it. pagedkv's own tiled kern
 (:mod:`pagedkv.kernels.tiled_gemm`) goes further on decode steps, which stream every weight from
 DRAM for a few rows, and keeps up at prefill sizes. So on the CPU every :class:`Linear` weight
 is packed once, after loading (:func:`pack_linears`): tiled in float32 and bfloat16 (where the
-CPU has AVX512-BF16, or AVX2 with FMA), else oneDNN's layout. ``F.linear`` stays on CUDA
+CPU has AVX512-BF16, or AVX2 with FMA; on AMX tiles where it has those, which oneDNN's bfloat16
+runs on too), else oneDNN's layout. ``F.linear`` stays on CUDA
 (cuBLAS) and wherever neither can run the dtype; ``linear_kernel`` forces one of the three.
 
 The packed tensor *replaces* the parameter (an opaque ``torch._mkldnn`` tensor, or a flat tiled
@@ -254,7 +255,8 @@ def choose_linear_kernel(requested: str, device: torch.device, dtype: torch.dtyp
     if requested in ("auto", "tiled"):
         no_tiles = _tiled_unavailable(device, dtype)
         if no_tiles is None:
-            return LinearKernel(TILED, "asked for" if requested == "tiled" else f"CPU, {_name(dtype)}")
+            on = " on AMX tiles" if dtype == torch.bfloat16 and tiled_gemm.amx_rows() else ""
+            return LinearKernel(TILED, "asked for" if requested == "tiled" else f"CPU, {_name(dtype)}{on}")
         if requested == "tiled":
             raise ValueError(f"linear kernel 'tiled' cannot run here: {no_tiles}")
     unavailable = _onednn_unavailable(device, dtype)

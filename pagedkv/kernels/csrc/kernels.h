@@ -117,6 +117,7 @@ MOE_EXPERTS(moe_experts_bf16, uint16_t);
  *       bytes, k stored in groups of `group`
  *   tiled_gemm_tile_width() -> output columns per tile
  *   tiled_gemm_bf16_loop() -> 2: AVX512-BF16's dot products, 1: AVX2 widening, 0: portable
+ *   tiled_gemm_amx_rows() -> rows from which bfloat16 runs on AMX tiles here, 0: never
  *   tiled_tile_f32(x, tile, width, y, ldy, M, K)   (C callers: quant_gemm.c)
  *       y [M, width] (row stride ldy) = x . T for one tile T of width <= tile width columns
  */
@@ -131,6 +132,7 @@ int tiled_rows(const char *tiles, const int64_t *ids, char *out, int64_t n, int6
                int64_t group);
 int64_t tiled_gemm_tile_width(void);
 int64_t tiled_gemm_bf16_loop(void);
+int64_t tiled_gemm_amx_rows(void);
 void tiled_tile_f32(const float *x, const float *tile, int64_t width, float *y, int64_t ldy, int64_t M, int64_t K);
 
 /* ---- quant_gemm.c: weights kept in GGUF's quantized blocks (quant_types.h) ---------------- *

@@ -12,7 +12,9 @@
  * Q5_0, Q5_1) make a block's (or Q4_K's sub-block's) 16 or 32 possible weights once, as the
  * generic code computes each, and every element picks its own by its quant (vpick16, vpick32):
  * the same values in fewer instructions. Q5_K's fifth bits come one per byte, not as a lane mask,
- * and its two tables per 32 values cost what they save: it converts each quant.
+ * and its two tables per 32 values cost what they save: it converts each quant. Q5_0, the bulk of
+ * a Q4_K_M file, has a second picker for the register path that skips the widening shuffles
+ * (dequantize_q5_0_lanes: the shuffle port bounded that loop), in LANE_ORDER.
  *
  * The product takes one of two paths by the row count M. Up to GEMV_ROWS rows (decode), each
  * block of a weight row is dequantized into registers and multiplied into every row's float32
@@ -148,6 +150,33 @@ static inline void dequantize_q5_0(const BlockQ5_0 *b, float *out) {
 #endif
 }
 
+#if SIMD_PICK16
+/* Q5_0 for the register path, in LANE_ORDER (see there): each 16 elements' quants are a 4-byte
+ * group of the block's 16 bytes broadcast and shifted per lane (no widening shuffle), their
+ * fifth bits the block's 32 rotated per lane to bit 4, merged by one bitwise select; the values
+ * are picked from the same tables as dequantize_q5_0's, so each is the same weight */
+static inline void dequantize_q5_0_lanes(const BlockQ5_0 *b, float *out) {
+    const float d = scale_of(b->d);
+    const vf low = d * (quant_values() - 16.0f), high = d * quant_values();
+    const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)b->qs));
+    uint32_t bits;
+    memcpy(&bits, b->qh, sizeof bits);
+    const __m512i fifths = _mm512_set1_epi32((int)bits), fifteen = _mm512_set1_epi32(15);
+    for (int half = 0; half < 2; half++) {
+        vi shift, rotate; /* lane j: element e = 4 (j % 4) + j / 4 of the half */
+        for (int j = 0; j < 16; j++) {
+            const int e = 4 * (j % 4) + j / 4;
+            shift[j] = 8 * (j / 4) + 4 * half;
+            rotate[j] = (4 - e - 16 * half) & 31;
+        }
+        const __m512i quant = _mm512_srlv_epi32(bytes, (__m512i)shift);
+        const __m512i index = _mm512_ternarylogic_epi32(quant, _mm512_rolv_epi32(fifths, (__m512i)rotate), fifteen,
+                                                        0xE4); /* low 4 bits from quant, bit 4 from fifths */
+        vstore(out + 16 * half, (vf)_mm512_permutex2var_ps((__m512)low, index, (__m512)high));
+    }
+}
+#endif
+
 static inline void dequantize_q5_1(const BlockQ5_1 *b, float *out) {
     const float d = scale_of(b->d), m = scale_of(b->m);
 #if SIMD_PICK16
@@ -225,6 +254,7 @@ static inline void dequantize_q6_k(const BlockQ6_K *b, float *out) {
  * else through tile, room for width * K floats. */
 typedef struct {
     int64_t elements, bytes;
+    int lane_order; /* the register path reads x in LANE_ORDER */
     void (*dequantize)(const void *row, float *out, int64_t blocks);
     void (*columns)(const float *x, const void *w, int64_t K, int64_t M, int64_t n0, int64_t width, float *out,
                     int64_t ld, float *tile);
@@ -245,6 +275,9 @@ typedef struct {
 #define BLOCK BlockQ5_0
 #define QK QK_SMALL
 #define DEQUANTIZE dequantize_q5_0
+#if SIMD_PICK16
+#define GEMV_DEQUANTIZE dequantize_q5_0_lanes
+#endif
 #define SUFFIX(name) name##_q5_0
 #include "quant_gemm_body.h"
 
@@ -324,6 +357,15 @@ int quant_dequantize_bf16(const void *w, int64_t type, uint16_t *out, int64_t ro
     return failed;
 }
 
+/* LANE_ORDER: a register-path dequantizer may write each 16 elements in the order e(j) =
+ * 4 (j % 4) + j / 4 (lane j holds element e(j)), the order its quants come out of the block's
+ * bytes without a widening shuffle; x is then read in the same order (a copy made once per
+ * call), so every product is still x[k] * W[n, k], only summed in other lanes. */
+static void to_lane_order(const float *x, float *out, int64_t count) {
+    for (int64_t c = 0; c < count; c += 16)
+        for (int j = 0; j < 16; j++) out[c + j] = x[c + 4 * (j % 4) + j / 4];
+}
+
 /* output columns per work item, and the tile each thread dequantizes into (NULL: registers) */
 static int64_t columns_per_item(int64_t M) { return M <= GEMV_ROWS ? GEMV_COLUMNS : tiled_gemm_tile_width(); }
 static float *tile_for(int64_t M, int64_t K) {
@@ -335,6 +377,12 @@ int quant_linear_f32(const float *x, const void *w, int64_t type, const float *b
     const QuantKind *kind = kind_of(type, K);
     if (kind == NULL) return 2;
     const int64_t step = columns_per_item(M), items = (N + step - 1) / step;
+    float *ordered = NULL;
+    if (kind->lane_order && M <= GEMV_ROWS) {
+        if ((ordered = malloc(sizeof(float) * M * K)) == NULL) return 1;
+        to_lane_order(x, ordered, M * K);
+        x = ordered;
+    }
     int failed = 0;
 #pragma omp parallel
     {
@@ -352,6 +400,7 @@ int quant_linear_f32(const float *x, const void *w, int64_t type, const float *b
         }
         free(tile);
     }
+    free(ordered);
     return failed;
 }
 
@@ -363,6 +412,13 @@ int quant_linear_bf16(const uint16_t *x, const void *w, int64_t type, const uint
     float *wide = malloc(sizeof(float) * (M * K > 0 ? M * K : 1));
     if (wide == NULL) return 1;
     for (int64_t i = 0; i < M * K; i++) wide[i] = bf16_to_f32(x[i]);
+    if (kind->lane_order && M <= GEMV_ROWS) { /* in place, a block of 16 at a time */
+        float block[16];
+        for (int64_t c = 0; c < M * K; c += 16) {
+            memcpy(block, wide + c, sizeof block);
+            to_lane_order(block, wide + c, 16);
+        }
+    }
     int failed = 0;
 #pragma omp parallel
     {

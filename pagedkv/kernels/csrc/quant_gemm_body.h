@@ -5,9 +5,17 @@
  *   BLOCK         the block struct (quant_types.h)
  *   QK            elements per block
  *   DEQUANTIZE    the type's block dequantizer: (const BLOCK *, float out[QK])
+ *   GEMV_DEQUANTIZE  optional: the register path's, writing LANE_ORDER (quant_gemm.c)
  *   SUFFIX(name)  name with the type's suffix: gemv -> gemv_q4_0
  * and gets the type's QuantKind, SUFFIX(kind).
  */
+
+#ifdef GEMV_DEQUANTIZE
+#define SUFFIX_LANE_ORDER 1
+#else
+#define GEMV_DEQUANTIZE DEQUANTIZE
+#define SUFFIX_LANE_ORDER 0
+#endif
 
 /* `blocks` consecutive blocks (one row, or a run of rows) into float32 */
 static void SUFFIX(dequantize_row)(const void *row, float *out, int64_t blocks) {
@@ -31,7 +39,7 @@ static inline __attribute__((always_inline)) void SUFFIX(gemv_rows)(const float 
         for (int64_t i = 0; i < blocks; i++) {
             float wq[QK] __attribute__((aligned(64)));
             __builtin_prefetch((const char *)(row + i) + PREFETCH_BYTES);
-            DEQUANTIZE(row + i, wq);
+            GEMV_DEQUANTIZE(row + i, wq);
             for (int64_t m = 0; m < M; m++) {
                 const float *xm = x + m * K + i * QK;
                 for (int c = 0; c < QK; c += VL) acc[m][c / VL % SPLIT] += vload(xm + c) * vload(wq + c);
@@ -80,8 +88,10 @@ static void SUFFIX(columns)(const float *x, const void *w, int64_t K, int64_t M,
     }
 }
 
-static const QuantKind SUFFIX(kind) = {QK, sizeof(BLOCK), SUFFIX(dequantize_row), SUFFIX(columns)};
+static const QuantKind SUFFIX(kind) = {QK, sizeof(BLOCK), SUFFIX_LANE_ORDER, SUFFIX(dequantize_row), SUFFIX(columns)};
 
+#undef SUFFIX_LANE_ORDER
+#undef GEMV_DEQUANTIZE
 #undef BLOCK
 #undef QK
 #undef DEQUANTIZE

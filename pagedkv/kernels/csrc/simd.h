@@ -14,8 +14,9 @@
  *   vpick32(low, high, index)  where SIMD_PICK16 is 1: lane i of the 32 entries low then high at
  *                index[i] % 32, one instruction; vwith_bit4(index, lanes) index with 16 or'ed into
  *                the lanes whose bit is set in the 16-bit lanes
- *   GEMM_AVX512, GEMM_AVX512_BF16, GEMM_AVX2 (1 or 0)  which of the tiled GEMM's inner loops the
- *                target can run (gemm_avx512.h, gemm_avx512bf16.h, gemm_avx2.h; gemm_portable.h always)
+ *   GEMM_AVX512, GEMM_AVX512_BF16, GEMM_AMX, GEMM_AVX2 (1 or 0)  which of the tiled GEMM's inner
+ *                loops the target can run (gemm_avx512.h, gemm_avx512bf16.h, gemm_amx.h, gemm_avx2.h;
+ *                gemm_portable.h always)
  *
  * The rest is written once with GCC's vector extensions, which lower to the target's registers.
  */
@@ -47,6 +48,11 @@
 #define GEMM_AVX512_BF16 1
 #else
 #define GEMM_AVX512_BF16 0
+#endif
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__) /* arch_prctl */
+#define GEMM_AMX 1
+#else
+#define GEMM_AMX 0
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #define GEMM_AVX2 1

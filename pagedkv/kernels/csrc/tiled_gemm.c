@@ -243,8 +243,15 @@ static void block_rows_bf16(const uint16_t *x, int64_t K, const uint16_t *tile, 
     }
 }
 
+#if GEMM_AMX
+#include "gemm_amx.h"
+#endif
+
 int tiled_linear_bf16(const uint16_t *x, const uint16_t *tiles, const uint16_t *bias, uint16_t *y, int64_t M,
                       int64_t K, int64_t N) {
+#if GEMM_AMX
+    if (amx_rows(M)) return amx_linear_bf16(x, tiles, bias, y, M, K, N);
+#endif
     int64_t count = (N + NR - 1) / NR, padded = K + K % 2;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < count; t++) {
@@ -262,6 +269,9 @@ int tiled_linear_bf16(const uint16_t *x, const uint16_t *tiles, const uint16_t *
 
 int tiled_gate_up_bf16(const uint16_t *x, const uint16_t *tiles, uint16_t *y, int64_t M, int64_t K, int64_t I,
                        int fused) {
+#if GEMM_AMX
+    if (amx_rows(M)) return amx_gate_up_bf16(x, tiles, y, M, K, I, fused);
+#endif
     const int64_t pairs = (I + NR - 1) / NR, padded = K + K % 2;
     int failed = 0;
 #pragma omp parallel
@@ -462,6 +472,14 @@ int tiled_rows(const char *tiles, const int64_t *ids, char *out, int64_t n, int6
 }
 
 int64_t tiled_gemm_tile_width(void) { return NR; }
+
+int64_t tiled_gemm_amx_rows(void) {
+#if GEMM_AMX
+    return amx_usable() ? AMX_ROWS : 0;
+#else
+    return 0;
+#endif
+}
 
 int64_t tiled_gemm_bf16_loop(void) {
 #if GEMM_AVX512_BF16
