@@ -137,8 +137,8 @@ def load_model(
     kernel = choose_linear_kernel(linear_kernel, torch.device(device), dtype)
     cfg = dataclasses.replace(cfg, dtype=dtype)  # model.config describes the model as loaded
     family = model_class(cfg.architecture)
-    # quantized weights stay in their blocks where the CPU kernels run them
-    keep = torch.device(device).type == "cpu" and tensor_parallel is None
+    # quantized weights stay in their blocks where the CPU kernels run them (a rank: its slice)
+    keep = torch.device(device).type == "cpu"
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -158,6 +158,9 @@ def load_model(
         if held is not None:
             source = "GGUF" if scheme is None else f"{scheme.method} int{scheme.bits}"
             model.quantization = f"{source}, {held}"
+            dense = None if tensor_parallel is None else tensor_parallel.dense_projections()
+            if dense is not None:
+                model.quantization += f"; {dense}"
     if quantization is not None:
         held = quantize_linears(model, quantization, keep)
         model.quantization = f"{quantization} on load, {held}"
@@ -216,7 +219,7 @@ def load_weights(
     unexpected: list[str] = []
     quantized: dict[str, QuantizedWeight] = {}
     for file in files:
-        with _open_weights(file, checkpoint or model.config, keep_quantized and read is None) as f:
+        with _open_weights(file, checkpoint or model.config, keep_quantized) as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue
