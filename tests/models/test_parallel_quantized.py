@@ -75,11 +75,11 @@ def _qkv_rows(rank: int) -> list[tuple[int, int]]:
     return [(rank * q // 2, q // 2), (q + rank * kv // 2, kv // 2), (q + kv + rank * kv // 2, kv // 2)]
 
 
-def _run(model: str, ranks: int) -> tuple[list[list[int]], list[list[float]], str]:
+def _run(model: str, ranks: int, **options) -> tuple[list[list[int]], list[list[float]], str]:
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(4, TEST_VOCAB_SIZE, (n,), generator=gen).tolist() for n in (11, 3)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
-    with LLM(model, tensor_parallel_size=ranks, **OPTIONS) as llm:
+    with LLM(model, tensor_parallel_size=ranks, **OPTIONS, **options) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         runner_model = llm.engine.executor.runner.model
         if ranks > 1:  # rank 0, in this process, holds blocks
@@ -100,3 +100,14 @@ def test_two_ranks_on_blocks_generate_what_one_rank_does(gguf):
     assert weights == "GGUF, kept in GGUF blocks"
     assert tp_weights.startswith("GGUF, kept in GGUF blocks; dense on the 2 ranks")
     assert "down_proj Q8_0" in tp_weights
+
+
+def test_two_ranks_quantizing_on_load_hold_blocks_and_generate_what_one_rank_does(tmp_path):
+    """Each rank quantizes its own shard: rows, and input columns split between blocks (64 and
+    128 columns, 32 and 64 a rank), so its blocks are those one rank makes of the same columns."""
+    folder = str(make_checkpoint(tmp_path, "llama"))
+    tokens, logprobs, weights = _run(folder, 1, quantization="q8_0")
+    tp_tokens, tp_logprobs, tp_weights = _run(folder, 2, quantization="q8_0")
+    assert tp_tokens == tokens
+    assert torch.allclose(torch.tensor(tp_logprobs), torch.tensor(logprobs), atol=1e-4)
+    assert weights == tp_weights == "q8_0 on load, kept in GGUF blocks"
