@@ -122,7 +122,8 @@ def load_model(
     :mod:`pagedkv.attention.backends`), its linear layers packed for ``linear_kernel`` once the
     weights are in (see :mod:`pagedkv.models.linear`; ``batch_hint``: the most rows per call).
     With ``tensor_parallel``: that rank's shard of the model, each tensor read as the slice it
-    holds (packed like any other weight: the parallel layers are linear layers on their shard).
+    holds (packed like any other weight: the parallel layers are linear layers on their shard;
+    quantized weights as the blocks of the slice, :mod:`pagedkv.models.parallel`).
     ``load_format="dummy"``: no weights are read, every tensor is drawn on the device
     (:mod:`pagedkv.models.dummy_weights`); ``path`` needs only its config.json. A quantized
     checkpoint (GPTQ, AWQ, compressed-tensors) loads through GGUF blocks
