@@ -8,6 +8,8 @@ that they change the tokens (else equality would prove nothing)."""
 
 import random
 
+import pytest
+
 from pagedkv import LLM, LoRARequest, SamplingParams
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
 from tests.lora_adapters import make_adapter, peft_greedy
@@ -16,8 +18,13 @@ MAX_NEW = 8
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
 
-def test_two_ranks_with_mixed_adapters_equal_peft_and_one_rank(tmp_path):
-    base = make_checkpoint(tmp_path, "llama")
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"num_key_value_heads": 1}],
+    ids=["gqa", "kv-head-replicated"],  # one KV head: both ranks cut the same rows of k/v's B
+)
+def test_two_ranks_with_mixed_adapters_equal_peft_and_one_rank(tmp_path, overrides):
+    base = make_checkpoint(tmp_path, "llama", **overrides)
     adapters = {
         "all": make_adapter(tmp_path / "all", base, seed=1),
         "qv-down": make_adapter(
