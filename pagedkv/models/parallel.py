@@ -301,6 +301,11 @@ class RowParallelLinear(_Reduced, Linear, ParallelLayer):
     def holding_blocks(self, layer: nn.Module) -> nn.Module:
         return QuantizedRowParallelLinear(layer, self.tp, self.reduce)
 
+    def partial_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The rank's partial product, never all-reduced: LoRA adds each row's partial adapter
+        output to it before the all-reduce (:class:`~pagedkv.models.ops.LoRAProject`)."""
+        return super().as_function()
+
     def checkpoint_slices(self, parent: str, name: str) -> dict[str, TensorSlice]:
         cols = self.in_features
         slices = {f"{name}.weight": TensorSlice(1, self.first_column, cols, cols, blocks=True)}
