@@ -278,6 +278,11 @@ class _Reduced:
         local = super().as_function()
         return (lambda x: self.tp.all_reduce(local(x))) if self.reduce else local
 
+    def partial_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The rank's partial product, never all-reduced: LoRA adds each row's partial adapter
+        output to it before the all-reduce (:class:`~pagedkv.models.ops.LoRAProject`)."""
+        return super().as_function()
+
 
 class RowParallelLinear(_Reduced, Linear, ParallelLayer):
     """The rank's input columns; one all-reduce sums the partial products. Rank 0 alone holds
@@ -300,11 +305,6 @@ class RowParallelLinear(_Reduced, Linear, ParallelLayer):
 
     def holding_blocks(self, layer: nn.Module) -> nn.Module:
         return QuantizedRowParallelLinear(layer, self.tp, self.reduce)
-
-    def partial_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The rank's partial product, never all-reduced: LoRA adds each row's partial adapter
-        output to it before the all-reduce (:class:`~pagedkv.models.ops.LoRAProject`)."""
-        return super().as_function()
 
     def checkpoint_slices(self, parent: str, name: str) -> dict[str, TensorSlice]:
         cols = self.in_features
