@@ -28,6 +28,9 @@ ARCH_NAMES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "llama",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
 }
 _FILE_TYPES = {
     Q.F32: LlamaFileType.ALL_F32,
@@ -48,6 +51,21 @@ _NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+#: one expert's projection (Qwen's and Mixtral's name) -> llama.cpp's stacked tensor of them all
+_EXPERTS = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+    "w1": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "w2": "ffn_down_exps",
 }
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
@@ -58,6 +76,23 @@ def gguf_name(hf_name: str) -> str:
         return f"{_TOP[stem]}.{param}"
     _, _, layer, leaf = stem.split(".", 3)
     return f"blk.{layer}.{_NAMES[leaf]}.{param}"
+
+
+def gguf_tensors(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Checkpoint tensors under llama.cpp's names, each layer's experts stacked into one
+    ``[experts, rows, columns]`` tensor per projection (convert_hf_to_gguf's ``*_exps``)."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, array in weights.items():
+        parts = name.split(".")
+        if "experts" in parts:  # model.layers.L.<block>.experts.E.<proj>.weight
+            layer, expert, proj = parts[2], int(parts[5]), parts[6]
+            stacks.setdefault(f"blk.{layer}.{_EXPERTS[proj]}.{parts[-1]}", {})[expert] = array
+        else:
+            out[gguf_name(name)] = array
+    for name, experts in stacks.items():
+        out[name] = np.stack([experts[e] for e in range(len(experts))])
+    return out
 
 
 def llama_permute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -99,6 +134,7 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if config.get("sliding_window") is not None:
         writer.add_sliding_window(config["sliding_window"])
+    _add_experts(writer, config)
     writer.add_file_type(_FILE_TYPES[qtype])
     (vocabulary or add_bpe_vocabulary)(writer, folder)
     for key, value in keys.items():
@@ -106,18 +142,31 @@ def write_gguf(
     weights = load_file(folder / "model.safetensors")
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, config["head_dim"]))
-    for name in sorted(weights):
-        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
-            continue
-        array = weights[name].astype(np.float32)
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-            array = llama_permute(array, heads if ".q_proj." in name else kv_heads)
-        _add_tensor(writer, gguf_name(name), array, qtype)
+    if config.get("tie_word_embeddings"):
+        weights.pop("lm_head.weight", None)
+    for name, array in sorted(gguf_tensors(weights).items()):
+        array = array.astype(np.float32).squeeze()  # the converter squeezes: a (1, n) gate is a vector
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            array = llama_permute(array, heads if ".attn_q." in name else kv_heads)
+        _add_tensor(writer, name, array, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return writer.format_shard_names(out)[0]
+
+
+def _add_experts(writer: GGUFWriter, config: dict[str, Any]) -> None:
+    """convert_hf_to_gguf's mixture-of-experts keys (none for a dense model)."""
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts is None:
+        return
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if "moe_intermediate_size" in config:  # Qwen; Mixtral's experts are intermediate_size rows
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if "shared_expert_intermediate_size" in config:
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
 def llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:

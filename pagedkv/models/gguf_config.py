@@ -19,7 +19,16 @@ from pagedkv.models.gguf_weights import ROPE_FREQS, SUPPORTED_TYPES, gguf_weight
 from pagedkv.tokenizer.gguf_file import GGUFError, field, open_gguf
 
 #: ``general.architecture`` -> the transformers architecture it is converted from.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+#: whether llama.cpp divides the chosen experts' weights by their sum when the file does not
+#: say (``{arch}.expert_weights_norm``): Mixtral always, Qwen3-MoE by default, Qwen2-MoE never
+_NORM_EXPERT_WEIGHTS = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 #: ``general.file_type`` (llama.cpp's ``llama_ftype``) -> the checkpoint dtype it stands for;
 #: quantized files dequantize exactly into float32.
@@ -63,11 +72,6 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
     head_dim = key("attention.key_length", None) or hidden // heads  # llama.cpp's default too
     if key("rope.dimension_count", head_dim) != head_dim:
         raise GGUFError(f"{first}: partial rotary embeddings ({arch}.rope.dimension_count) are not supported")
-    if key("expert_count", 0):  # Mixtral converts as llama, with its experts
-        raise GGUFError(
-            f"{first}: mixture-of-experts GGUF files ({arch}.expert_count) are not supported; "
-            "pagedkv runs Mixtral from its Hugging Face folder"
-        )
     raw: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "vocab_size": shapes["token_embd.weight"][0],
@@ -91,7 +95,41 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
     window = key("attention.sliding_window", None)
     if window is not None and arch == "llama":  # Mistral converts as llama, with its window
         raw |= {"architectures": ["MistralForCausalLM"], "sliding_window": window}
+    if key("expert_count", 0):
+        raw |= _experts(arch, key, shapes, raw["num_hidden_layers"], first)
     return raw
+
+
+def _experts(
+    arch: str, key: Any, shapes: dict[str, tuple[int, ...]], layers: int, file: Path
+) -> dict[str, Any]:
+    """The mixture-of-experts fields of the config of a file with ``{arch}.expert_count``: Mixtral
+    (converted as ``llama``, its experts ``feed_forward_length`` rows), Qwen2-MoE and Qwen3-MoE
+    (``expert_feed_forward_length`` rows; a layer without a router is dense)."""
+    if arch not in _NORM_EXPERT_WEIGHTS:
+        raise GGUFError(
+            f"{file}: mixture-of-experts GGUF files of {arch!r} ({arch}.expert_count) are not supported"
+        )
+    experts, used = key("expert_count"), key("expert_used_count")
+    if arch == "llama":  # Mixtral converts as llama, with its experts
+        size = key("expert_feed_forward_length", None) or key("feed_forward_length")
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "num_local_experts": experts,
+            "num_experts_per_tok": used,
+            "intermediate_size": size,
+        }
+    fields = {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "norm_topk_prob": bool(key("expert_weights_norm", _NORM_EXPERT_WEIGHTS[arch])),
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in shapes],
+    }
+    if arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = key("expert_shared_feed_forward_length")
+        fields["qkv_bias"] = "blk.0.attn_q.bias" in shapes
+    return fields
 
 
 def _uniform(value: Any, name: str, file: Path) -> int:

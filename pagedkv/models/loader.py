@@ -270,5 +270,6 @@ def _open_weights(file: Path, config: ModelConfig, keep_quantized: bool) -> Any:
     query/key rows unpermuted; its quantized tensors as blocks with ``keep_quantized``)."""
     if file.suffix != SUFFIX:
         return SplitFused(safe_open(str(file), framework="pt", device="cpu"), config)
-    llama = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
-    return GGUFTensors(file, (config.num_heads, config.num_kv_heads) if llama else None, keep_quantized)
+    llama = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+    heads = (config.num_heads, config.num_kv_heads) if llama else None
+    return GGUFTensors(file, heads, keep_quantized, mixtral=config.architecture == "MixtralForCausalLM")

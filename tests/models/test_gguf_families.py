@@ -1,0 +1,67 @@
+"""GGUF files of the mixture-of-experts families, written as llama.cpp's converter writes them
+(each layer's experts stacked into one ``ffn_*_exps`` tensor per projection, the router as
+``ffn_gate_inp``, Qwen2-MoE's shared expert as ``ffn_*_shexp``, Mixtral as ``llama`` with
+``expert_count``), open as models: an F32 file gives the config and the greedy tokens of the
+same checkpoint's Hugging Face folder, a Q8_0 file the tokens of transformers' GGUF loader."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+
+from pagedkv.models import ModelConfig
+from tests.checkpoints import make_checkpoint
+from tests.gguf_files import write_gguf
+
+from .test_gguf import greedy, prompts
+
+MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2}
+#: a shared expert and a dense layer (no router) between two sparse ones
+QWEN2MOE = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "mlp_only_layers": [1],
+}
+#: llama.cpp renormalises Qwen3-MoE's chosen weights, as its released configs ask
+QWEN3MOE = {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": True}
+CASES = {"mixtral": MIXTRAL, "qwen2moe": QWEN2MOE, "qwen3moe": QWEN3MOE}
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_an_f32_mixture_of_experts_gguf_runs_as_its_hugging_face_folder(tmp_path, arch):
+    folder = make_checkpoint(tmp_path, arch, **CASES[arch])
+    gguf = write_gguf(folder, tmp_path / f"{arch}.gguf")
+    hf_config, gguf_config = ModelConfig.from_pretrained(folder), ModelConfig.from_pretrained(gguf)
+    assert gguf_config.moe is not None
+    assert gguf_config == dataclasses.replace(hf_config, eos_token_id=1)
+    assert greedy(str(gguf)) == greedy(str(folder))
+
+
+#: the sizes transformers' GGUF loader assumes, which reads neither expert rows nor dense layers
+#: from the file; Qwen3-MoE's head size is written, and read, as ``attention.key_length``
+TRANSFORMERS_READABLE = {
+    "qwen2moe": {"num_experts": 8, "num_experts_per_tok": 2},
+    "qwen3moe": {"num_experts": 8, "num_experts_per_tok": 3, "norm_topk_prob": True},
+}
+
+
+@pytest.mark.parametrize("arch", list(TRANSFORMERS_READABLE))
+def test_a_q8_0_mixture_of_experts_gguf_gives_the_tokens_of_transformers_gguf_loader(tmp_path, arch):
+    folder = make_checkpoint(tmp_path, arch, **TRANSFORMERS_READABLE[arch])
+    gguf = write_gguf(folder, tmp_path / f"{arch}-q8_0.gguf", Q.Q8_0)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    expected = []
+    for ids in prompts():
+        prompt = torch.tensor([ids])
+        tokens = reference.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        expected.append(tokens[0, prompt.shape[1] :].tolist())
+    assert greedy(str(gguf)) == expected
