@@ -31,6 +31,8 @@ ARCH_NAMES = {
     "MixtralForCausalLM": "llama",
     "Qwen2MoeForCausalLM": "qwen2moe",
     "Qwen3MoeForCausalLM": "qwen3moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 _FILE_TYPES = {
     Q.F32: LlamaFileType.ALL_F32,
@@ -67,20 +69,27 @@ _EXPERTS = {
     "w3": "ffn_up_exps",
     "w2": "ffn_down_exps",
 }
+#: Gemma's sandwich norms (its ``ffn_norm`` is the norm before the MLP)
+_GEMMA_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, gemma: bool = False) -> str:
     stem, _, param = hf_name.rpartition(".")
     if stem in _TOP:
         return f"{_TOP[stem]}.{param}"
     _, _, layer, leaf = stem.split(".", 3)
-    return f"blk.{layer}.{_NAMES[leaf]}.{param}"
+    return f"blk.{layer}.{(_GEMMA_NAMES if gemma else {}).get(leaf) or _NAMES[leaf]}.{param}"
 
 
-def gguf_tensors(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def gguf_tensors(weights: dict[str, np.ndarray], gemma: bool = False) -> dict[str, np.ndarray]:
     """Checkpoint tensors under llama.cpp's names, each layer's experts stacked into one
-    ``[experts, rows, columns]`` tensor per projection (convert_hf_to_gguf's ``*_exps``)."""
+    ``[experts, rows, columns]`` tensor per projection (convert_hf_to_gguf's ``*_exps``); Gemma's
+    norms as the converter writes them, ``1 + weight``."""
     out: dict[str, np.ndarray] = {}
     stacks: dict[str, dict[int, np.ndarray]] = {}
     for name, array in weights.items():
@@ -89,7 +98,7 @@ def gguf_tensors(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             layer, expert, proj = parts[2], int(parts[5]), parts[6]
             stacks.setdefault(f"blk.{layer}.{_EXPERTS[proj]}.{parts[-1]}", {})[expert] = array
         else:
-            out[gguf_name(name)] = array
+            out[gguf_name(name, gemma)] = array + 1 if gemma and name.endswith("norm.weight") else array
     for name, experts in stacks.items():
         out[name] = np.stack([experts[e] for e in range(len(experts))])
     return out
@@ -130,10 +139,14 @@ def write_gguf(
     writer.add_key_length(config["head_dim"])
     writer.add_value_length(config["head_dim"])
     rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the full layers' (the sliding ones' is 10,000)
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if config.get("sliding_window") is not None:
         writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     _add_experts(writer, config)
     writer.add_file_type(_FILE_TYPES[qtype])
     (vocabulary or add_bpe_vocabulary)(writer, folder)
@@ -144,7 +157,7 @@ def write_gguf(
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, config["head_dim"]))
     if config.get("tie_word_embeddings"):
         weights.pop("lm_head.weight", None)
-    for name, array in sorted(gguf_tensors(weights).items()):
+    for name, array in sorted(gguf_tensors(weights, arch.startswith("gemma")).items()):
         array = array.astype(np.float32).squeeze()  # the converter squeezes: a (1, n) gate is a vector
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             array = llama_permute(array, heads if ".attn_q." in name else kv_heads)

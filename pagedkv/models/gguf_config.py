@@ -25,7 +25,12 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+#: llama.cpp's Gemma layouts: every layer slides but each ``pattern``-th, and the 27B model (known
+#: by its layer count) scales queries by ``hidden / heads`` where the others use the head size
+_GEMMA_LAYOUTS = {"gemma2": (2, 46), "gemma3": (6, 62)}
 #: whether llama.cpp divides the chosen experts' weights by their sum when the file does not
 #: say (``{arch}.expert_weights_norm``): Mixtral always, Qwen3-MoE by default, Qwen2-MoE never
 _NORM_EXPERT_WEIGHTS = {"llama": True, "qwen2moe": False, "qwen3moe": True}
@@ -95,9 +100,40 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
     window = key("attention.sliding_window", None)
     if window is not None and arch == "llama":  # Mistral converts as llama, with its window
         raw |= {"architectures": ["MistralForCausalLM"], "sliding_window": window}
+    if arch in _GEMMA_LAYOUTS:
+        raw |= _gemma(arch, key, raw)
     if key("expert_count", 0):
         raw |= _experts(arch, key, shapes, raw["num_hidden_layers"], first)
     return raw
+
+
+def _gemma(arch: str, key: Any, raw: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's fields as llama.cpp decides them: which layers slide (``sliding_window_pattern``,
+    else the family's), the query scale (not in the
+    file), the soft-caps when written (else the family's defaults), Gemma 3's sliding layers' RoPE
+    base (``rope.freq_base_swa``, else llama.cpp's 10,000)."""
+    pattern, layers_27b = _GEMMA_LAYOUTS[arch]
+    layers = raw["num_hidden_layers"]
+    fields: dict[str, Any] = {
+        "query_pre_attn_scalar": raw["hidden_size"] // raw["num_attention_heads"]
+        if layers == layers_27b
+        else raw["head_dim"],
+        "sliding_window": key("attention.sliding_window"),
+        "layer_types": _layer_types(key("attention.sliding_window_pattern", pattern), layers),
+    }
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if key(cap, None) is not None:
+            fields[cap] = key(cap)
+    if arch == "gemma3":
+        fields["rope_local_base_freq"] = key("rope.freq_base_swa", 10000.0)
+    return fields
+
+
+def _layer_types(pattern: int | list[bool], layers: int) -> list[str]:
+    """Which layers slide: llama.cpp's pattern (every layer but each ``pattern``-th) or its list
+    of one flag a layer (true: sliding)."""
+    sliding = pattern if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(layers)]
+    return ["sliding_attention" if flag else "full_attention" for flag in sliding]
 
 
 def _experts(

@@ -68,6 +68,15 @@ _EXPERT_NAMES = {
     "ffn_up_exps": ("up_proj", "w3"),
     "ffn_down_exps": ("down_proj", "w2"),
 }
+#: where Gemma's sandwich norms differ: ``ffn_norm`` is the norm before its MLP, not after attention
+_GEMMA_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+#: the architectures whose norms llama.cpp's converter writes as ``1 + weight`` (the scale Gemma's
+#: RMSNorm multiplies by), which the reader turns back into the checkpoint's ``weight``
+NORM_PLUS_ONE = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
 _MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 #: RoPE frequency divisors: read into the config (:mod:`pagedkv.models.gguf_config`), not a weight.
 ROPE_FREQS = "rope_freqs.weight"
@@ -81,24 +90,26 @@ def type_name(ggml_type: int) -> str:
         return f"type {ggml_type}"
 
 
-def checkpoint_names(gguf_name: str, experts: int, mixtral: bool = False) -> list[tuple[str, int | None]]:
+def checkpoint_names(gguf_name: str, experts: int, architecture: str) -> list[tuple[str, int | None]]:
     """transformers' names of a llama.cpp tensor, each with the index of its expert in a stacked
     tensor (None: the whole tensor): ``blk.0.attn_q.weight`` -> ``model.layers.0.self_attn.q_proj.weight``;
     ``blk.0.ffn_up_exps.weight`` of ``experts`` experts -> ``model.layers.0.mlp.experts.E.up_proj.weight``
-    for every E. Mixtral's router and experts sit under ``block_sparse_moe`` (``mixtral``). An
-    unknown name is returned as it is, so the loader reports it as a weight the model does not use."""
+    for every E. The names are those of ``architecture``'s checkpoints (Mixtral's router and
+    experts sit under ``block_sparse_moe``, Gemma has four norms a layer). An unknown name is
+    returned as it is, so the loader reports it as a weight the model does not use."""
     stem, _, param = gguf_name.rpartition(".")
     if not stem.startswith("blk."):
         mapped = _MODEL_NAMES.get(stem)
         return [(gguf_name if mapped is None else f"{mapped}.{param}", None)]
     _, layer, leaf = stem.split(".", 2)
+    mixtral = architecture == "MixtralForCausalLM"
     block = f"model.layers.{layer}.{'block_sparse_moe' if mixtral else 'mlp'}"
     if leaf in _EXPERT_NAMES:
         proj = _EXPERT_NAMES[leaf][mixtral]
         return [(f"{block}.experts.{e}.{proj}.{param}", e) for e in range(experts)]
     if mixtral and leaf == "ffn_gate_inp":
         return [(f"{block}.gate.{param}", None)]
-    mapped = _LAYER_NAMES.get(leaf)
+    mapped = (_GEMMA_NAMES if architecture in NORM_PLUS_ONE else {}).get(leaf) or _LAYER_NAMES.get(leaf)
     return [(gguf_name if mapped is None else f"model.layers.{layer}.{mapped}.{param}", None)]
 
 
@@ -147,23 +158,25 @@ class GGUFTensors:
     a stacked experts' tensor one expert at a time).
 
     ``rotary_heads`` (Llama only; None for the others): the query and key head counts whose
-    rows :func:`unpermute_rows` puts back. ``mixtral``: the experts take Mixtral's names."""
+    rows :func:`unpermute_rows` puts back. ``architecture``: the checkpoint's, whose names the
+    tensors take and whose norms may be stored plus one (:data:`NORM_PLUS_ONE`)."""
 
     def __init__(
         self,
         file: Path,
         rotary_heads: tuple[int, int] | None,
         keep_quantized: bool = False,
-        mixtral: bool = False,
+        architecture: str = "LlamaForCausalLM",
     ) -> None:
         self.file = file
         self.keep_quantized = keep_quantized
+        self.norm_plus_one = architecture in NORM_PLUS_ONE
         reader = open_gguf(file)
         self._tensors: dict[str, tuple[ReaderTensor, int | None]] = {}
         for tensor in reader.tensors:
             if tensor.name != ROPE_FREQS:
                 experts = int(tensor.shape[-1]) if len(tensor.shape) == 3 else 0
-                for name, expert in checkpoint_names(tensor.name, experts, mixtral):
+                for name, expert in checkpoint_names(tensor.name, experts, architecture):
                     self._tensors[name] = (tensor, expert)
         self._heads: dict[str, int] = {}
         if rotary_heads is not None:
@@ -193,6 +206,8 @@ class GGUFTensors:
         dense = gguf_weight(tensor, expert)
         if name.endswith("shared_expert_gate.weight"):
             dense = dense.reshape(1, -1)
+        if self.norm_plus_one and name.endswith("norm.weight"):
+            dense = dense - 1
         return dense if heads is None else unpermute_rows(dense, heads)
 
     def get_slice(self, name: str) -> _Dense:

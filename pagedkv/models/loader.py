@@ -272,4 +272,4 @@ def _open_weights(file: Path, config: ModelConfig, keep_quantized: bool) -> Any:
         return SplitFused(safe_open(str(file), framework="pt", device="cpu"), config)
     llama = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
     heads = (config.num_heads, config.num_kv_heads) if llama else None
-    return GGUFTensors(file, heads, keep_quantized, mixtral=config.architecture == "MixtralForCausalLM")
+    return GGUFTensors(file, heads, keep_quantized, config.architecture)

@@ -1,8 +1,10 @@
-"""GGUF files of the mixture-of-experts families, written as llama.cpp's converter writes them
-(each layer's experts stacked into one ``ffn_*_exps`` tensor per projection, the router as
-``ffn_gate_inp``, Qwen2-MoE's shared expert as ``ffn_*_shexp``, Mixtral as ``llama`` with
-``expert_count``), open as models: an F32 file gives the config and the greedy tokens of the
-same checkpoint's Hugging Face folder, a Q8_0 file the tokens of transformers' GGUF loader."""
+"""GGUF files of the mixture-of-experts and Gemma families, written as llama.cpp's converter
+writes them (each layer's experts stacked into one ``ffn_*_exps`` tensor per projection, the
+router as ``ffn_gate_inp``, Qwen2-MoE's shared expert as ``ffn_*_shexp``, Mixtral as ``llama``
+with ``expert_count``; Gemma's norms stored as ``1 + weight``, its sliding layers by llama.cpp's
+pattern), open as models: an F32 file gives the config and the greedy tokens of the same
+checkpoint's Hugging Face folder, a Q8_0 file the tokens of transformers' GGUF loader (which
+reads neither Gemma's soft-caps nor its query scale, so Gemma is checked against the folder)."""
 
 from __future__ import annotations
 
@@ -31,15 +33,32 @@ QWEN2MOE = {
 }
 #: llama.cpp renormalises Qwen3-MoE's chosen weights, as its released configs ask
 QWEN3MOE = {"num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "norm_topk_prob": True}
-CASES = {"mixtral": MIXTRAL, "qwen2moe": QWEN2MOE, "qwen3moe": QWEN3MOE}
+#: the query scale llama.cpp uses (the head size), windows shorter than the prompts
+GEMMA2 = {
+    "sliding_window": 5,
+    "query_pre_attn_scalar": 16,
+    "attn_logit_softcapping": 2.0,
+    "final_logit_softcapping": 3.0,
+    "tie_word_embeddings": True,
+    "num_hidden_layers": 3,
+}
+#: six layers: five sliding, the sixth full, with its own RoPE base
+GEMMA3 = {"sliding_window": 5, "query_pre_attn_scalar": 16, "num_hidden_layers": 6}
+CASES = {
+    "mixtral": MIXTRAL,
+    "qwen2moe": QWEN2MOE,
+    "qwen3moe": QWEN3MOE,
+    "gemma2": GEMMA2,
+    "gemma3": GEMMA3,
+}
 
 
 @pytest.mark.parametrize("arch", list(CASES))
-def test_an_f32_mixture_of_experts_gguf_runs_as_its_hugging_face_folder(tmp_path, arch):
+def test_an_f32_gguf_of_the_family_runs_as_its_hugging_face_folder(tmp_path, arch):
     folder = make_checkpoint(tmp_path, arch, **CASES[arch])
     gguf = write_gguf(folder, tmp_path / f"{arch}.gguf")
     hf_config, gguf_config = ModelConfig.from_pretrained(folder), ModelConfig.from_pretrained(gguf)
-    assert gguf_config.moe is not None
+    assert gguf_config.architecture == hf_config.architecture
     assert gguf_config == dataclasses.replace(hf_config, eos_token_id=1)
     assert greedy(str(gguf)) == greedy(str(folder))
 
