@@ -33,6 +33,7 @@ ARCH_NAMES = {
     "Qwen3MoeForCausalLM": "qwen3moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 _FILE_TYPES = {
     Q.F32: LlamaFileType.ALL_F32,
@@ -48,6 +49,8 @@ _NAMES = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate",
@@ -119,12 +122,13 @@ def write_gguf(
     qtype: GGMLQuantizationType = Q.F32,
     split_max_tensors: int = 0,
     vocabulary: Callable[[GGUFWriter, Path], None] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
     **keys: Any,
 ) -> Path:
     """``folder`` (a tiny checkpoint) written as GGUF ``out`` (split every ``split_max_tensors``
     tensors when given), its tokenizer written by ``vocabulary`` (default: the folder's byte-level
-    BPE); ``keys`` add or override metadata (``{"general.architecture": "gpt2"}``). Returns the
-    first file."""
+    BPE); ``extra_tensors`` are written as they are; ``keys`` add or override metadata
+    (``{"general.architecture": "gpt2"}``). Returns the first file."""
     config = json.loads((folder / "config.json").read_text())
     arch = ARCH_NAMES[config["architectures"][0]]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -157,6 +161,8 @@ def write_gguf(
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, config["head_dim"]))
     if config.get("tie_word_embeddings"):
         weights.pop("lm_head.weight", None)
+    for name, array in sorted((extra_tensors or {}).items()):
+        writer.add_tensor(name, array.astype(np.float32))
     for name, array in sorted(gguf_tensors(weights, arch.startswith("gemma")).items()):
         array = array.astype(np.float32).squeeze()  # the converter squeezes: a (1, n) gate is a vector
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):

@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 #: llama.cpp's Gemma layouts: every layer slides but each ``pattern``-th, and the 27B model (known
 #: by its layer count) scales queries by ``hidden / heads`` where the others use the head size
@@ -62,6 +63,11 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
         raise GGUFError(
             f"{first}: unsupported architecture {arch!r} (general.architecture); "
             f"pagedkv opens GGUF models of {sorted(ARCHITECTURES)}"
+        )
+    if "rope_factors_long.weight" in shapes:  # Phi-3's longrope, as llama.cpp's converter writes it
+        raise GGUFError(
+            f"{first}: RoPE scaling 'longrope' (rope_factors_long/rope_factors_short tensors) is not "
+            "supported in GGUF; pagedkv runs it from the Hugging Face folder"
         )
     if "token_embd.weight" not in shapes:
         raise GGUFError(f"{first}: no token_embd.weight tensor")
@@ -100,6 +106,8 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
     window = key("attention.sliding_window", None)
     if window is not None and arch == "llama":  # Mistral converts as llama, with its window
         raw |= {"architectures": ["MistralForCausalLM"], "sliding_window": window}
+    if window is not None and arch == "phi3":  # every layer slides, as in transformers
+        raw["sliding_window"] = window
     if arch in _GEMMA_LAYOUTS:
         raw |= _gemma(arch, key, raw)
     if key("expert_count", 0):

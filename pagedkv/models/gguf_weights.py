@@ -21,6 +21,7 @@ a tensor kept in its quantized blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
@@ -74,6 +76,12 @@ _GEMMA_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+#: Phi-3's ``ffn_up`` is its fused gate and up projection (gate rows first), as in its checkpoints
+_FAMILY_NAMES = {
+    "Gemma2ForCausalLM": _GEMMA_NAMES,
+    "Gemma3ForCausalLM": _GEMMA_NAMES,
+    "Phi3ForCausalLM": {"ffn_up": "mlp.gate_up_proj"},
+}
 #: the architectures whose norms llama.cpp's converter writes as ``1 + weight`` (the scale Gemma's
 #: RMSNorm multiplies by), which the reader turns back into the checkpoint's ``weight``
 NORM_PLUS_ONE = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
@@ -95,7 +103,8 @@ def checkpoint_names(gguf_name: str, experts: int, architecture: str) -> list[tu
     tensor (None: the whole tensor): ``blk.0.attn_q.weight`` -> ``model.layers.0.self_attn.q_proj.weight``;
     ``blk.0.ffn_up_exps.weight`` of ``experts`` experts -> ``model.layers.0.mlp.experts.E.up_proj.weight``
     for every E. The names are those of ``architecture``'s checkpoints (Mixtral's router and
-    experts sit under ``block_sparse_moe``, Gemma has four norms a layer). An unknown name is
+    experts sit under ``block_sparse_moe``, Gemma has four norms a layer, Phi-3 fuses its gate and
+    up projections in ``ffn_up``). An unknown name is
     returned as it is, so the loader reports it as a weight the model does not use."""
     stem, _, param = gguf_name.rpartition(".")
     if not stem.startswith("blk."):
@@ -109,7 +118,7 @@ def checkpoint_names(gguf_name: str, experts: int, architecture: str) -> list[tu
         return [(f"{block}.experts.{e}.{proj}.{param}", e) for e in range(experts)]
     if mixtral and leaf == "ffn_gate_inp":
         return [(f"{block}.gate.{param}", None)]
-    mapped = (_GEMMA_NAMES if architecture in NORM_PLUS_ONE else {}).get(leaf) or _LAYER_NAMES.get(leaf)
+    mapped = _FAMILY_NAMES.get(architecture, {}).get(leaf) or _LAYER_NAMES.get(leaf)
     return [(gguf_name if mapped is None else f"model.layers.{layer}.{mapped}.{param}", None)]
 
 
@@ -138,6 +147,11 @@ def unpermute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
+def _rows(tensor: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
+    """``rows`` (first, count) of ``tensor``; None: all of them."""
+    return tensor if rows is None else tensor.narrow(0, *rows)
+
+
 class _Dense:
     """A dense tensor behind the slice interface the tensor-parallel reader reads
     (``get_shape()``, indexing): each rank cuts its rows or columns from it."""
@@ -159,7 +173,10 @@ class GGUFTensors:
 
     ``rotary_heads`` (Llama only; None for the others): the query and key head counts whose
     rows :func:`unpermute_rows` puts back. ``architecture``: the checkpoint's, whose names the
-    tensors take and whose norms may be stored plus one (:data:`NORM_PLUS_ONE`)."""
+    tensors take and whose norms may be stored plus one (:data:`NORM_PLUS_ONE`). ``split``: the
+    parts ``(name, first row, rows)`` of a fused projection's checkpoint name (Phi-3's
+    ``qkv_proj``, ``gate_up_proj``; None: not fused), each then read as its rows, so the fused
+    tensor feeds the same packing as the parts a safetensors checkpoint holds."""
 
     def __init__(
         self,
@@ -167,17 +184,20 @@ class GGUFTensors:
         rotary_heads: tuple[int, int] | None,
         keep_quantized: bool = False,
         architecture: str = "LlamaForCausalLM",
+        split: Callable[[str], list[tuple[str, int, int]] | None] = lambda name: None,
     ) -> None:
         self.file = file
         self.keep_quantized = keep_quantized
         self.norm_plus_one = architecture in NORM_PLUS_ONE
         reader = open_gguf(file)
-        self._tensors: dict[str, tuple[ReaderTensor, int | None]] = {}
+        #: checkpoint name -> (tensor, its expert, its rows (first, count)); None: all of it
+        self._tensors: dict[str, tuple[ReaderTensor, int | None, tuple[int, int] | None]] = {}
         for tensor in reader.tensors:
             if tensor.name != ROPE_FREQS:
                 experts = int(tensor.shape[-1]) if len(tensor.shape) == 3 else 0
                 for name, expert in checkpoint_names(tensor.name, experts, architecture):
-                    self._tensors[name] = (tensor, expert)
+                    for part, first, rows in split(name) or [(name, 0, None)]:
+                        self._tensors[part] = (tensor, expert, None if rows is None else (first, rows))
         self._heads: dict[str, int] = {}
         if rotary_heads is not None:
             self._heads = {"q_proj": rotary_heads[0], "k_proj": rotary_heads[1]}
@@ -195,15 +215,15 @@ class GGUFTensors:
         """The tensor ``name``: dense, or with ``keep_quantized`` a quantized type the CPU
         kernels run as its blocks (a :class:`QuantizedWeight` of the mapped bytes). A vector
         under a matrix's name (llama.cpp's shared-expert gate, one row) is read as that row."""
-        tensor, expert = self._tensors[name]
+        tensor, expert, rows = self._tensors[name]
         heads = self._heads.get(name.rsplit(".", 2)[-2])
         if self.keep_quantized and int(tensor.tensor_type) in quant_gemm.BLOCKS and len(tensor.shape) > 1:
             data = np.asarray(tensor.data if expert is None else tensor.data[expert])
-            raw = torch.from_numpy(data.reshape(int(tensor.shape[1]), -1))
+            raw = _rows(torch.from_numpy(data.reshape(int(tensor.shape[1]), -1)), rows)
             raw = raw if heads is None else unpermute_rows(raw, heads)
-            shape = (int(tensor.shape[1]), int(tensor.shape[0]))  # ggml lists the row length first
+            shape = (raw.shape[0], int(tensor.shape[0]))  # ggml lists the row length first
             return QuantizedWeight(raw.numpy(), Q(tensor.tensor_type), shape)
-        dense = gguf_weight(tensor, expert)
+        dense = _rows(gguf_weight(tensor, expert), rows)
         if name.endswith("shared_expert_gate.weight"):
             dense = dense.reshape(1, -1)
         if self.norm_plus_one and name.endswith("norm.weight"):

@@ -30,7 +30,7 @@ from pagedkv.models.config import ModelConfig
 from pagedkv.models.dtypes import resolve_dtype
 from pagedkv.models.dummy_weights import fill_dummy_weights
 from pagedkv.models.families import model_class
-from pagedkv.models.fused_weights import SplitFused
+from pagedkv.models.fused_weights import SplitFused, fused_parts
 from pagedkv.models.gguf_weights import GGUFTensors
 from pagedkv.models.linear import PackedLinear, choose_linear_kernel, pack_linears
 from pagedkv.models.llama import LlamaForCausalLM
@@ -272,4 +272,6 @@ def _open_weights(file: Path, config: ModelConfig, keep_quantized: bool) -> Any:
         return SplitFused(safe_open(str(file), framework="pt", device="cpu"), config)
     llama = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
     heads = (config.num_heads, config.num_kv_heads) if llama else None
-    return GGUFTensors(file, heads, keep_quantized, config.architecture)
+    return GGUFTensors(
+        file, heads, keep_quantized, config.architecture, lambda name: fused_parts(name, config)
+    )

@@ -56,7 +56,7 @@ def test_an_unsupported_tensor_type_is_named(tmp_path):
 
 def test_an_unknown_architecture_is_named_with_the_supported_ones(tmp_path, tiny):
     file = write_gguf(tiny[1], tmp_path / "gpt2.gguf", **{"general.architecture": "gpt2"})
-    supported = "'gemma2', 'gemma3', 'llama', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'"
+    supported = "'gemma2', 'gemma3', 'llama', 'phi3', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'"
     expected = rf"{file}: unsupported architecture 'gpt2' .* \[{supported}\]"
     with pytest.raises(GGUFError, match=expected):
         LLM(str(file))
@@ -65,6 +65,13 @@ def test_an_unknown_architecture_is_named_with_the_supported_ones(tmp_path, tiny
 def test_an_unsupported_rope_scaling_names_the_file(tmp_path, tiny):
     file = write_gguf(tiny[1], tmp_path / "longrope.gguf", **{"llama.rope.scaling.type": "longrope"})
     with pytest.raises(GGUFError, match=rf"{file}: RoPE scaling 'longrope' .* not supported"):
+        ModelConfig.from_pretrained(file)
+
+
+def test_phi3_longrope_factor_tensors_are_refused_by_name(tmp_path):
+    folder = make_checkpoint(tmp_path, "phi3")
+    file = write_gguf(folder, tmp_path / "phi3.gguf", extra_tensors={"rope_factors_long.weight": np.ones(8)})
+    with pytest.raises(GGUFError, match=rf"{file}: RoPE scaling 'longrope' \(rope_factors_long"):
         ModelConfig.from_pretrained(file)
 
 

@@ -1,10 +1,11 @@
-"""GGUF files of the mixture-of-experts and Gemma families, written as llama.cpp's converter
-writes them (each layer's experts stacked into one ``ffn_*_exps`` tensor per projection, the
-router as ``ffn_gate_inp``, Qwen2-MoE's shared expert as ``ffn_*_shexp``, Mixtral as ``llama``
-with ``expert_count``; Gemma's norms stored as ``1 + weight``, its sliding layers by llama.cpp's
-pattern), open as models: an F32 file gives the config and the greedy tokens of the same
-checkpoint's Hugging Face folder, a Q8_0 file the tokens of transformers' GGUF loader (which
-reads neither Gemma's soft-caps nor its query scale, so Gemma is checked against the folder)."""
+"""GGUF files of the mixture-of-experts, Gemma and Phi-3 families, written as llama.cpp's
+converter writes them (each layer's experts stacked into one ``ffn_*_exps`` tensor per
+projection, the router as ``ffn_gate_inp``, Qwen2-MoE's shared expert as ``ffn_*_shexp``,
+Mixtral as ``llama`` with ``expert_count``; Gemma's norms stored as ``1 + weight``, its sliding
+layers by llama.cpp's pattern; Phi-3's fused ``attn_qkv`` and ``ffn_up``), open as models: an
+F32 file gives the config and the greedy tokens of the same checkpoint's Hugging Face folder, a
+Q8_0 file the tokens of transformers' GGUF loader (which reads neither Gemma's soft-caps nor its
+query scale, so Gemma is checked against the folder)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ CASES = {
     "qwen3moe": QWEN3MOE,
     "gemma2": GEMMA2,
     "gemma3": GEMMA3,
+    "phi3": {"sliding_window": 5},  # fused qkv and gate/up, every layer sliding
 }
 
 
@@ -68,13 +70,16 @@ def test_an_f32_gguf_of_the_family_runs_as_its_hugging_face_folder(tmp_path, arc
 TRANSFORMERS_READABLE = {
     "qwen2moe": {"num_experts": 8, "num_experts_per_tok": 2},
     "qwen3moe": {"num_experts": 8, "num_experts_per_tok": 3, "norm_topk_prob": True},
+    "phi3": {},  # its fused projections' rows split from the quantized blocks
 }
+#: Phi3Config's padding id (32,000) lies outside the tiny vocabulary: the file names its own
+METADATA = {"phi3": {"tokenizer.ggml.padding_token_id": 2}}
 
 
 @pytest.mark.parametrize("arch", list(TRANSFORMERS_READABLE))
-def test_a_q8_0_mixture_of_experts_gguf_gives_the_tokens_of_transformers_gguf_loader(tmp_path, arch):
+def test_a_q8_0_gguf_of_the_family_gives_the_tokens_of_transformers_gguf_loader(tmp_path, arch):
     folder = make_checkpoint(tmp_path, arch, **TRANSFORMERS_READABLE[arch])
-    gguf = write_gguf(folder, tmp_path / f"{arch}-q8_0.gguf", Q.Q8_0)
+    gguf = write_gguf(folder, tmp_path / f"{arch}-q8_0.gguf", Q.Q8_0, **METADATA.get(arch, {}))
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     ).eval()
