@@ -159,6 +159,13 @@ def write_gguf(
     weights = load_file(folder / "model.safetensors")
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, config["head_dim"]))
+    if rope.get("rope_type") == "longrope":  # Phi3MiniModel's factor tensors and attention factor
+        original = config.get("original_max_position_embeddings") or rope["original_max_position_embeddings"]
+        scale = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     if config.get("tie_word_embeddings"):
         weights.pop("lm_head.weight", None)
     for name, array in sorted((extra_tensors or {}).items()):

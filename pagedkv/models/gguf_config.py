@@ -5,7 +5,8 @@ llama.cpp writes each hyper-parameter under ``{arch}.<key>`` (``llama.block_coun
 them, so :meth:`pagedkv.models.config.ModelConfig.from_dict` settles defaults and checks once for
 both sources. What the metadata does not say, the tensors do: the vocabulary is the embedding's
 row count, the output projection is tied when ``output.weight`` is absent, biases exist when
-their tensors do, Llama 3.1's RoPE scaling is the divisors in ``rope_freqs.weight``. Every
+their tensors do, Llama 3.1's RoPE scaling is the divisors in ``rope_freqs.weight``, Phi-3's
+longrope the factors in ``rope_factors_long``/``rope_factors_short``. Every
 tensor's type is checked here, before anything is built, so an unsupported type is refused by
 name at once.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pagedkv.models.gguf_weights import ROPE_FREQS, SUPPORTED_TYPES, gguf_weight, type_name
+from pagedkv.models.gguf_weights import ROPE_FREQS, ROPE_TENSORS, SUPPORTED_TYPES, gguf_weight, type_name
 from pagedkv.tokenizer.gguf_file import GGUFError, field, open_gguf
 
 #: ``general.architecture`` -> the transformers architecture it is converted from.
@@ -47,7 +48,7 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
     first = parts[0]
     reader = open_gguf(first)
     shapes: dict[str, tuple[int, ...]] = {}
-    rope_freqs = None
+    rope_tensors: dict[str, list[float]] = {}
     for part, part_reader in zip(parts, [reader, *map(open_gguf, parts[1:])], strict=True):
         for tensor in part_reader.tensors:
             if tensor.tensor_type not in SUPPORTED_TYPES:
@@ -56,18 +57,13 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
                     f"cannot read; supported: {[type_name(t) for t in sorted(SUPPORTED_TYPES)]}"
                 )
             shapes[tensor.name] = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            if tensor.name == ROPE_FREQS:
-                rope_freqs = [float(f) for f in gguf_weight(tensor).tolist()]
+            if tensor.name in ROPE_TENSORS:
+                rope_tensors[tensor.name] = [float(f) for f in gguf_weight(tensor).tolist()]
     arch = field(reader, "general.architecture", None)
     if arch not in ARCHITECTURES:
         raise GGUFError(
             f"{first}: unsupported architecture {arch!r} (general.architecture); "
             f"pagedkv opens GGUF models of {sorted(ARCHITECTURES)}"
-        )
-    if "rope_factors_long.weight" in shapes:  # Phi-3's longrope, as llama.cpp's converter writes it
-        raise GGUFError(
-            f"{first}: RoPE scaling 'longrope' (rope_factors_long/rope_factors_short tensors) is not "
-            "supported in GGUF; pagedkv runs it from the Hugging Face folder"
         )
     if "token_embd.weight" not in shapes:
         raise GGUFError(f"{first}: no token_embd.weight tensor")
@@ -95,7 +91,7 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
         "max_position_embeddings": key("context_length"),
         "rope_theta": key("rope.freq_base", 10000.0),
-        "rope_scaling": _rope_scaling(key, rope_freqs),
+        "rope_scaling": _rope_scaling(key, rope_tensors),
         "tie_word_embeddings": "output.weight" not in shapes,
         "attention_bias": "blk.0.attn_q.bias" in shapes,
         "mlp_bias": "blk.0.ffn_gate.bias" in shapes,
@@ -108,6 +104,9 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
         raw |= {"architectures": ["MistralForCausalLM"], "sliding_window": window}
     if window is not None and arch == "phi3":  # every layer slides, as in transformers
         raw["sliding_window"] = window
+    if arch == "phi3" and raw["rope_scaling"] and "original_max_position_embeddings" in raw["rope_scaling"]:
+        # Phi-3's pretraining length is a top-level field, which wins over the scaling's
+        raw["original_max_position_embeddings"] = raw["rope_scaling"]["original_max_position_embeddings"]
     if arch in _GEMMA_LAYOUTS:
         raw |= _gemma(arch, key, raw)
     if key("expert_count", 0):
@@ -185,13 +184,25 @@ def _uniform(value: Any, name: str, file: Path) -> int:
     return value
 
 
-def _rope_scaling(key: Any, rope_freqs: list[float] | None) -> dict[str, Any] | None:
+def _rope_scaling(key: Any, rope_tensors: dict[str, list[float]]) -> dict[str, Any] | None:
     """``rope.scaling.*`` as transformers' ``rope_scaling`` (None: plain RoPE); the divisors of
-    a ``rope_freqs.weight`` tensor (llama.cpp's form of Llama 3.1's scaling) as "freq_factors".
-    yarn keeps llama.cpp's defaults, which are transformers' (beta 32 and 1, attention factor
-    ``0.1 ln(factor) + 1``); longrope's factors live in tensors pagedkv does not read."""
-    if rope_freqs is not None:
-        return {"rope_type": "freq_factors", "factors": rope_freqs}
+    a ``rope_freqs.weight`` tensor (llama.cpp's form of Llama 3.1's scaling) as "freq_factors";
+    the ``rope_factors_long``/``_short`` tensors (Phi-3's longrope) as longrope's factors, with
+    the pretraining length and the attention factor the file gives. yarn keeps llama.cpp's
+    defaults, which are transformers' (beta 32 and 1, attention factor ``0.1 ln(factor) + 1``); a
+    ``longrope`` type without its factor tensors is refused."""
+    if ROPE_FREQS in rope_tensors:
+        return {"rope_type": "freq_factors", "factors": rope_tensors[ROPE_FREQS]}
+    if "rope_factors_long.weight" in rope_tensors:
+        long = rope_tensors["rope_factors_long.weight"]
+        scaling = {
+            "rope_type": "longrope",
+            "long_factor": long,
+            "short_factor": rope_tensors.get("rope_factors_short.weight", long),
+            "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+        }
+        attention = key("rope.scaling.attn_factor", None)
+        return scaling if attention is None else scaling | {"attention_factor": attention}
     kind = key("rope.scaling.type", "none")
     if kind == "none":
         return None

@@ -86,8 +86,10 @@ _FAMILY_NAMES = {
 #: RMSNorm multiplies by), which the reader turns back into the checkpoint's ``weight``
 NORM_PLUS_ONE = frozenset({"Gemma2ForCausalLM", "Gemma3ForCausalLM"})
 _MODEL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-#: RoPE frequency divisors: read into the config (:mod:`pagedkv.models.gguf_config`), not a weight.
+#: RoPE frequency divisors: read into the config (:mod:`pagedkv.models.gguf_config`), not weights:
+#: Llama 3.1's scaling, Phi-3's longrope factors for long and for short contexts
 ROPE_FREQS = "rope_freqs.weight"
+ROPE_TENSORS = frozenset({ROPE_FREQS, "rope_factors_long.weight", "rope_factors_short.weight"})
 
 
 def type_name(ggml_type: int) -> str:
@@ -193,7 +195,7 @@ class GGUFTensors:
         #: checkpoint name -> (tensor, its expert, its rows (first, count)); None: all of it
         self._tensors: dict[str, tuple[ReaderTensor, int | None, tuple[int, int] | None]] = {}
         for tensor in reader.tensors:
-            if tensor.name != ROPE_FREQS:
+            if tensor.name not in ROPE_TENSORS:
                 experts = int(tensor.shape[-1]) if len(tensor.shape) == 3 else 0
                 for name, expert in checkpoint_names(tensor.name, experts, architecture):
                     for part, first, rows in split(name) or [(name, 0, None)]:

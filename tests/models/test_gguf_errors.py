@@ -68,13 +68,6 @@ def test_an_unsupported_rope_scaling_names_the_file(tmp_path, tiny):
         ModelConfig.from_pretrained(file)
 
 
-def test_phi3_longrope_factor_tensors_are_refused_by_name(tmp_path):
-    folder = make_checkpoint(tmp_path, "phi3")
-    file = write_gguf(folder, tmp_path / "phi3.gguf", extra_tensors={"rope_factors_long.weight": np.ones(8)})
-    with pytest.raises(GGUFError, match=rf"{file}: RoPE scaling 'longrope' \(rope_factors_long"):
-        ModelConfig.from_pretrained(file)
-
-
 def test_partial_rotary_is_refused(tmp_path, tiny):
     file = write_gguf(tiny[1], tmp_path / "partial.gguf", **{"llama.rope.dimension_count": 8})
     with pytest.raises(GGUFError, match=rf"{file}: partial rotary embeddings .*dimension_count"):

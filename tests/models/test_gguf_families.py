@@ -17,10 +17,12 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from pagedkv.models import ModelConfig
+from pagedkv.models.rope import attention_factor
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
 
 from .test_gguf import greedy, prompts
+from .test_phi3 import LONGROPE
 
 MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2}
 #: a shared expert and a dense layer (no router) between two sparse ones
@@ -62,6 +64,18 @@ def test_an_f32_gguf_of_the_family_runs_as_its_hugging_face_folder(tmp_path, arc
     hf_config, gguf_config = ModelConfig.from_pretrained(folder), ModelConfig.from_pretrained(gguf)
     assert gguf_config.architecture == hf_config.architecture
     assert gguf_config == dataclasses.replace(hf_config, eos_token_id=1)
+    assert greedy(str(gguf)) == greedy(str(folder))
+
+
+def test_phi3_longrope_reads_its_factors_from_the_files_tensors(tmp_path):
+    folder = make_checkpoint(tmp_path, "phi3", **{**LONGROPE, "max_position_embeddings": 256})
+    gguf = write_gguf(folder, tmp_path / "phi3-longrope.gguf")
+    hf_rope, gguf_rope = ModelConfig.from_pretrained(folder).rope, ModelConfig.from_pretrained(gguf).rope
+    assert gguf_rope.type == "longrope"
+    for name in ("long_factor", "short_factor", "original_max_position_embeddings"):
+        assert gguf_rope.params[name] == pytest.approx(hf_rope.params[name])
+    # the converter writes the attention factor transformers computes, rounded to float32
+    assert attention_factor(gguf_rope) == pytest.approx(attention_factor(hf_rope)) != 1.0
     assert greedy(str(gguf)) == greedy(str(folder))
 
 
