@@ -103,3 +103,9 @@ def test_a_q8_0_gguf_of_the_family_gives_the_tokens_of_transformers_gguf_loader(
         tokens = reference.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
         expected.append(tokens[0, prompt.shape[1] :].tolist())
     assert greedy(str(gguf)) == expected
+
+
+def test_two_tensor_parallel_ranks_read_their_rows_of_a_quantized_mixture_of_experts_gguf(tmp_path):
+    folder = make_checkpoint(tmp_path, "qwen2moe", **QWEN2MOE)
+    gguf = write_gguf(folder, tmp_path / "qwen2moe-q8_0.gguf", Q.Q8_0)
+    assert greedy(str(gguf), tensor_parallel_size=2) == greedy(str(gguf))
