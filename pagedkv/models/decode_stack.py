@@ -173,7 +173,7 @@ def _quantized(linear: QuantizedLinear, low: _Lowering) -> str | None:
 
 def _project(op: Project, low: _Lowering) -> str | None:
     linear = op.linear
-    if isinstance(linear, QuantizedLinear):
+    if type(linear) is QuantizedLinear:
         return _quantized(linear, low)
     if type(linear) not in (Linear, PackedLinear):
         return "tensor-parallel shards"

@@ -232,5 +232,9 @@ class GGUFTensors:
             dense = dense - 1
         return dense if heads is None else unpermute_rows(dense, heads)
 
-    def get_slice(self, name: str) -> _Dense:
-        return _Dense(self.get_tensor(name))
+    def get_slice(self, name: str) -> _Dense | QuantizedWeight:
+        """What a tensor-parallel rank cuts its slice from: the dense tensor, or a quantized one
+        kept as its blocks whole (the rank keeps the blocks of its slice,
+        :meth:`~pagedkv.models.tensor_slice.TensorSlice.blocks_of`)."""
+        tensor = self.get_tensor(name)
+        return tensor if isinstance(tensor, QuantizedWeight) else _Dense(tensor)

@@ -119,6 +119,12 @@ class Linear(nn.Linear):
 
         return project
 
+    def holding_blocks(self, layer: nn.Module) -> nn.Module:
+        """The module that takes this layer's place when its weight is kept in GGUF blocks:
+        ``layer``, a :class:`~pagedkv.models.quantized.QuantizedLinear` of the same rows,
+        columns and bias. A tensor-parallel shard that communicates wraps it in its own kind."""
+        return layer
+
     @property
     def is_packed(self) -> bool:
         return self.weight.is_mkldnn or self.weight.dim() == 1

@@ -122,7 +122,8 @@ def load_model(
     :mod:`pagedkv.attention.backends`), its linear layers packed for ``linear_kernel`` once the
     weights are in (see :mod:`pagedkv.models.linear`; ``batch_hint``: the most rows per call).
     With ``tensor_parallel``: that rank's shard of the model, each tensor read as the slice it
-    holds (packed like any other weight: the parallel layers are linear layers on their shard).
+    holds (packed like any other weight: the parallel layers are linear layers on their shard;
+    quantized weights as the blocks of the slice, :mod:`pagedkv.models.parallel`).
     ``load_format="dummy"``: no weights are read, every tensor is drawn on the device
     (:mod:`pagedkv.models.dummy_weights`); ``path`` needs only its config.json. A quantized
     checkpoint (GPTQ, AWQ, compressed-tensors) loads through GGUF blocks
@@ -137,8 +138,8 @@ def load_model(
     kernel = choose_linear_kernel(linear_kernel, torch.device(device), dtype)
     cfg = dataclasses.replace(cfg, dtype=dtype)  # model.config describes the model as loaded
     family = model_class(cfg.architecture)
-    # quantized weights stay in their blocks where the CPU kernels run them
-    keep = torch.device(device).type == "cpu" and tensor_parallel is None
+    # quantized weights stay in their blocks where the CPU kernels run them (a rank: its slice)
+    keep = torch.device(device).type == "cpu"
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -158,6 +159,9 @@ def load_model(
         if held is not None:
             source = "GGUF" if scheme is None else f"{scheme.method} int{scheme.bits}"
             model.quantization = f"{source}, {held}"
+            dense = None if tensor_parallel is None else tensor_parallel.dense_projections()
+            if dense is not None:
+                model.quantization += f"; {dense}"
     if quantization is not None:
         held = quantize_linears(model, quantization, keep)
         model.quantization = f"{quantization} on load, {held}"
@@ -216,7 +220,7 @@ def load_weights(
     unexpected: list[str] = []
     quantized: dict[str, QuantizedWeight] = {}
     for file in files:
-        with _open_weights(file, checkpoint or model.config, keep_quantized and read is None) as f:
+        with _open_weights(file, checkpoint or model.config, keep_quantized) as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                     continue

@@ -10,6 +10,13 @@ columns, as PEFT's separate q/k/v (gate/up) layers compute it. A smaller rank is
 the zeros add nothing. The scaling (``lora_alpha / r``) is a slot's, applied per row by the
 step's :class:`~pagedkv.models.ops.LoRARows`.
 
+On a tensor-parallel rank (:mod:`pagedkv.models.parallel`) the slots hold the rank's shard of
+each adapter, cut as vLLM cuts it: a column-parallel projection (q/k/v, gate/up) keeps ``A``
+whole and the rows of ``B`` of the rank's output rows (its heads, its gate/up rows), so each
+rank adds its own output columns' delta; a row-parallel one (o, down) keeps ``A``'s columns of
+the rank's input features and ``B`` whole, so each rank's delta is a partial sum added before
+the all-reduce that already sums the base product -- no communication of its own.
+
 :meth:`LoRASlots.wrap` turns a model's op list into the one with adapters: each adaptable
 projection's op becomes a :class:`~pagedkv.models.ops.LoRAProject` or
 :class:`~pagedkv.models.ops.LoRAGateUp` holding its slot tensors, and a step without adapter
@@ -25,6 +32,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from pagedkv.models.config import ModelConfig
 from pagedkv.models.lora_checkpoint import TARGETS, AdapterSpec, projection_shapes
 from pagedkv.models.ops import GateUpAct, GateUpGelu, LoRAGateUp, LoRAProject, LoRARows, Op, Project
 
@@ -41,7 +49,9 @@ _ACTIVATIONS: dict[type, str] = {GateUpAct: "silu_and_mul", GateUpGelu: "gelu_ta
 
 class ModuleSlots:
     """One packed projection's slot tensors, and where each of its checkpoint projections sits:
-    ``shard -> (block index, first output column, columns)``."""
+    ``shard -> (block index, first output column, columns)``. ``linear`` (the projection) says
+    which part of each adapter matrix the slots hold: a tensor-parallel shard's (:meth:`put`
+    cuts it), or all of it (any other layer, or None)."""
 
     def __init__(
         self,
@@ -50,9 +60,16 @@ class ModuleSlots:
         slots: int,
         rank: int,
         like: torch.Tensor,
+        linear: nn.Module | None = None,
     ) -> None:
         in_features = shapes[shards[0]][0]
         self.rank = rank
+        # read by the names the shards of pagedkv.models.parallel give (importing them is a cycle)
+        #: a column-parallel shard's ``(first row, rows)`` of each projection's ``B`` (its output rows)
+        self.b_rows: dict[str, tuple[int, int]] = dict(getattr(linear, "checkpoint_rows", {}))
+        #: a row-parallel shard's ``(first column, columns)`` of ``A`` (its input features)
+        first = getattr(linear, "first_column", None)
+        self.a_columns = None if first is None else (first, linear.in_features)
         self.places: dict[str, tuple[int, int, int]] = {}
         column = 0
         for block, name in enumerate(shards):
@@ -66,7 +83,14 @@ class ModuleSlots:
         self.b = torch.zeros((slots, rows, column), dtype=like.dtype, device=like.device)
 
     def put(self, slot: int, shard: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Adapter matrices ``a [r, in]`` and ``b [out, r]`` of checkpoint projection ``shard``."""
+        """Adapter matrices ``a [r, in]`` and ``b [out, r]`` of checkpoint projection ``shard``
+        (the whole model's: a tensor-parallel shard's part is cut here)."""
+        if self.a_columns is not None:
+            first, count = self.a_columns
+            a = a[:, first : first + count]
+        if shard in self.b_rows:
+            first, count = self.b_rows[shard]
+            b = b[first : first + count]
         block, column, width = self.places[shard]
         first, r = block * self.rank, a.shape[0]
         self.a[slot, first : first + r].copy_(a)
@@ -75,10 +99,16 @@ class ModuleSlots:
 
 class LoRASlots:
     """``max_loras`` adapter slots over every layer of ``model`` (a Llama-family or Gemma
-    model), in the dtype and on the device of its norms."""
+    model, or a tensor-parallel rank's shard of one), in the dtype and on the device of its
+    norms. ``checkpoint``: the whole model's config when ``model`` is a shard (its own config is
+    the shard's); adapters are checked against it (:attr:`config`)."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+    def __init__(
+        self, model: nn.Module, max_loras: int, max_rank: int, checkpoint: ModelConfig | None = None
+    ) -> None:
         config = model.config
+        #: the config adapters are read for: the whole model's
+        self.config = checkpoint or config
         if config.rotary_dim not in (None, config.head_dim):
             raise ValueError(
                 "LoRA adapters are not supported on partial-rotary models (their q/k rows are reordered)"
@@ -93,9 +123,10 @@ class LoRASlots:
             owners = {"qkv_proj": layer.self_attn, "o_proj": layer.self_attn}
             owners |= {"gate_up_proj": layer.mlp, "down_proj": layer.mlp}
             for name, shards in _SHARDS.items():
-                slots = ModuleSlots(shapes, shards, max_loras, max_rank, like)
+                linear = getattr(owners[name], name)
+                slots = ModuleSlots(shapes, shards, max_loras, max_rank, like, linear)
                 self.modules[index, name] = slots
-                self._by_module[id(getattr(owners[name], name))] = slots
+                self._by_module[id(linear)] = slots
         #: each slot's scaling (``lora_alpha / r``; 0 for an empty slot)
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=like.device)
 
@@ -133,8 +164,12 @@ class LoRASlots:
         adapted = 0
         for op in ops:
             if isinstance(op, Project) and id(op.linear) in self._by_module:
-                slots = self._by_module[id(op.linear)]
-                op = LoRAProject(op, slots.a, slots.b, slots.columns)
+                slots, linear = self._by_module[id(op.linear)], op.linear
+                if getattr(linear, "reduce", False):  # a row-parallel shard: add before its all-reduce
+                    partial, reduce = linear.partial_function(), linear.tp.all_reduce
+                    op = LoRAProject(op, slots.a, slots.b, slots.columns, partial, reduce)
+                else:
+                    op = LoRAProject(op, slots.a, slots.b, slots.columns)
             elif type(op) in _ACTIVATIONS and id(op.gate_up) in self._by_module:
                 slots = self._by_module[id(op.gate_up)]
                 op = LoRAGateUp(op, op.gate_up, _ACTIVATIONS[type(op)], slots.a, slots.b, slots.columns)

@@ -233,18 +233,27 @@ class GateUpGelu(Op):
 class LoRAProject(Op):
     """``base`` (a :class:`Project`), plus each row's adapter output when the step has adapter
     rows; ``a``/``b`` are the projection's slot tensors, ``columns`` the bounds of each block's
-    output columns (:class:`LoRARows`)."""
+    output columns (:class:`LoRARows`).
+
+    A row-parallel tensor-parallel shard gives ``partial`` (its product, not all-reduced) and
+    ``reduce`` (the all-reduce): its slots hold ``A``'s columns of the rank's input features,
+    so each rank's adapter output is a partial sum too, added before the one all-reduce, whose
+    sum over the ranks is the whole adapter output."""
 
     base: Project
     a: torch.Tensor
     b: torch.Tensor
     columns: torch.Tensor
+    partial: Callable[[torch.Tensor], torch.Tensor] | None = None
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
-        out, residual = self.base.run(x, residual, batch)
-        if batch.lora is not None:
-            out = batch.lora.add(x, self.a, self.b, self.columns, out)
-        return out, residual
+        if batch.lora is None:
+            return self.base.run(x, residual, batch)
+        if self.partial is None or self.reduce is None:
+            out, residual = self.base.run(x, residual, batch)
+            return batch.lora.add(x, self.a, self.b, self.columns, out), residual
+        return self.reduce(batch.lora.add(x, self.a, self.b, self.columns, self.partial(x))), residual
 
 
 @dataclass(frozen=True, eq=False)

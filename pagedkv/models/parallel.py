@@ -17,7 +17,15 @@
 Every layer is the single-device layer (:class:`Linear`, :class:`PackedLinear`,
 :class:`Embedding`) over the rank's shard, calling the parent's forward, so whatever kernel the
 parent uses the shard uses. The loader fills each shard by reading only its slice of each
-checkpoint tensor (:meth:`TensorParallel.read_tensor`).
+checkpoint tensor (:meth:`TensorParallel.tensor_reader`).
+
+Quantized weights (a GGUF file's blocks) stay quantized on the ranks: a column-parallel shard
+holds whole rows of blocks, a row-parallel one the blocks of its input columns
+(:class:`QuantizedRowParallelLinear`, the same all-reduce). A block never straddles two ranks, so
+each rank's blocks are the file's own bytes, and a row-parallel slice whose columns would cut a
+block (o_proj or down_proj of a K-quant, 256 weights a block, split finer than that) is read
+dequantized instead: that projection stays dense on every rank, and the model's description
+says which and why (:meth:`TensorParallel.dense_projections`).
 
 KV heads: each rank holds ``num_kv_heads / N`` of them, so its KV pool is 1/N of the whole and
 a block id means the same block on every rank. With fewer KV heads than ranks each KV head is
@@ -27,6 +35,7 @@ replicated on ``N / num_kv_heads`` consecutive ranks, as vLLM does.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,7 +43,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
+from gguf.quants import dequantize
 from torch import nn
 
 from pagedkv.attention import Backend
@@ -42,6 +52,11 @@ from pagedkv.models.config import ModelConfig
 from pagedkv.models.families import model_class
 from pagedkv.models.linear import Linear, PackedLinear
 from pagedkv.models.llama import Embedding, LlamaForCausalLM
+from pagedkv.models.quantization.blocks import QuantizedWeight
+from pagedkv.models.quantized import QuantizedLinear
+from pagedkv.models.tensor_slice import TensorSlice
+
+logger = logging.getLogger(__name__)
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:
@@ -92,31 +107,6 @@ def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
     )
 
 
-@dataclass(frozen=True)
-class TensorSlice:
-    """The part of a checkpoint tensor one rank holds: ``count`` entries from ``start`` along
-    ``dim``, zero-padded to ``size`` entries; ``zero``: the rank holds zeros (a row-parallel
-    bias is added once, by rank 0)."""
-
-    dim: int
-    start: int
-    count: int
-    size: int
-    zero: bool = False
-
-    def read(self, lazy: Any) -> torch.Tensor:
-        """The slice of a safetensors ``get_slice`` handle (reads only these bytes)."""
-        index: list[slice] = [slice(None)] * len(lazy.get_shape())
-        index[self.dim] = slice(self.start, self.start + self.count)
-        tensor = lazy[tuple(index)]
-        if self.zero:
-            tensor = torch.zeros_like(tensor)
-        if self.size > self.count:
-            pad = [0, 0] * (tensor.dim() - 1 - self.dim) + [0, self.size - self.count]
-            tensor = F.pad(tensor, pad)
-        return tensor
-
-
 @dataclass
 class CollectiveStats:
     """Time this rank spent inside collectives (waiting for the slowest rank included)."""
@@ -134,6 +124,8 @@ class TensorParallel:
     #: the process group of the ranks (None only in tests of the slicing)
     group: Any = None
     stats: CollectiveStats = field(default_factory=CollectiveStats)
+    #: projection and ggml type -> why this rank holds it dense (its slice would cut blocks)
+    dense: dict[str, str] = field(default_factory=dict)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
@@ -210,14 +202,41 @@ class TensorParallel:
 
     def tensor_reader(self, model: LlamaForCausalLM):
         """``read(name, handle)`` for the loader: this rank's slice of checkpoint tensor
-        ``name`` from an open safetensors file, reading only that slice."""
+        ``name`` from an open safetensors file, reading only that slice. A GGUF handle keeping
+        blocks gives a quantized weight whole: a projection's slice keeps its blocks where no
+        block is cut, anything else is dequantized and cut."""
         slices = self.checkpoint_slices(model)
 
-        def read(name: str, handle: Any) -> torch.Tensor:
+        def read(name: str, handle: Any) -> torch.Tensor | QuantizedWeight:
             piece = slices.get(name)
-            return handle.get_tensor(name) if piece is None else piece.read(handle.get_slice(name))
+            if piece is None:
+                return handle.get_tensor(name)
+            lazy = handle.get_slice(name)
+            if not isinstance(lazy, QuantizedWeight):
+                return piece.read(lazy)
+            kept = piece.blocks_of(lazy)
+            if kept is not None:
+                return kept
+            if piece.blocks:
+                self._held_dense(name, lazy, piece)
+            return piece.cut(torch.from_numpy(dequantize(lazy.raw, lazy.qtype)))
 
         return read
+
+    def _held_dense(self, name: str, weight: QuantizedWeight, piece: TensorSlice) -> None:
+        projection = name.rsplit(".", 2)[-2]
+        key = f"{projection} {weight.qtype.name}"
+        if key not in self.dense:
+            block = GGML_QUANT_SIZES[weight.qtype][0]
+            self.dense[key] = f"blocks of {block} input columns, {piece.count} per rank"
+            logger.info("tensor parallel: %s held dense (%s)", key, self.dense[key])
+
+    def dense_projections(self) -> str | None:
+        """What the description adds: the quantized projections this rank holds dense, and why."""
+        if not self.dense:
+            return None
+        held = "; ".join(f"{key}: {why}" for key, why in self.dense.items())
+        return f"dense on the {self.size} ranks, a block would straddle two: {held}"
 
 
 class ParallelLayer:
@@ -238,13 +257,29 @@ class ColumnParallelLinear(PackedLinear, ParallelLayer):
     def checkpoint_slices(self, parent: str, name: str) -> dict[str, TensorSlice]:
         params = ["weight"] + (["bias"] if self.bias is not None else [])
         return {
-            f"{parent}.{shard}.{param}": TensorSlice(0, start, rows, rows)
+            f"{parent}.{shard}.{param}": TensorSlice(0, start, rows, rows, blocks=param == "weight")
             for shard, (start, rows) in self.checkpoint_rows.items()
             for param in params
         }
 
 
-class RowParallelLinear(Linear, ParallelLayer):
+class _Reduced:
+    """A row-parallel layer's forward and function: the parent's partial product, all-reduced
+    with ``reduce`` (else left a partial sum for its owner)."""
+
+    tp: TensorParallel
+    reduce: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return self.tp.all_reduce(out) if self.reduce else out
+
+    def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        local = super().as_function()
+        return (lambda x: self.tp.all_reduce(local(x))) if self.reduce else local
+
+
+class RowParallelLinear(_Reduced, Linear, ParallelLayer):
     """The rank's input columns; one all-reduce sums the partial products. Rank 0 alone holds
     the bias, so it is added once. Without ``reduce`` the output stays a partial sum, which the
     owner adds up once (an MoE block: every expert's, weighted, then one all-reduce)."""
@@ -263,21 +298,33 @@ class RowParallelLinear(Linear, ParallelLayer):
         self.first_column = first_column
         self.reduce = reduce
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
-        return self.tp.all_reduce(out) if self.reduce else out
+    def holding_blocks(self, layer: nn.Module) -> nn.Module:
+        return QuantizedRowParallelLinear(layer, self.tp, self.reduce)
 
-    def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        local = super().as_function()
-        return (lambda x: self.tp.all_reduce(local(x))) if self.reduce else local
+    def partial_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The rank's partial product, never all-reduced: LoRA adds each row's partial adapter
+        output to it before the all-reduce (:class:`~pagedkv.models.ops.LoRAProject`)."""
+        return super().as_function()
 
     def checkpoint_slices(self, parent: str, name: str) -> dict[str, TensorSlice]:
         cols = self.in_features
-        slices = {f"{name}.weight": TensorSlice(1, self.first_column, cols, cols)}
+        slices = {f"{name}.weight": TensorSlice(1, self.first_column, cols, cols, blocks=True)}
         if self.bias is not None:
             rows = self.out_features
             slices[f"{name}.bias"] = TensorSlice(0, 0, rows, rows, zero=self.tp.rank != 0)
         return slices
+
+
+class QuantizedRowParallelLinear(_Reduced, QuantizedLinear):
+    """A row-parallel layer over the GGUF blocks of the rank's input columns (``layer``'s
+    parts, not copied): the product of its columns, all-reduced as :class:`RowParallelLinear`'s.
+    The C decode stack does not lower it (it has no all-reduce)."""
+
+    def __init__(self, layer: QuantizedLinear, tp: TensorParallel, reduce: bool) -> None:
+        parts = [(blocks, qtype) for _, _, qtype, blocks in layer.columns()]
+        super().__init__(parts, layer.in_features, None if layer.bias is None else layer.bias.data)
+        self.tp = tp
+        self.reduce = reduce
 
 
 def _vocab_slice(vocab_size: int, tp: TensorParallel) -> TensorSlice:

@@ -232,9 +232,9 @@ def test_each_rank_holds_its_rows_of_every_expert(references):
     model = TensorParallel(1, 2).build(cfg, resolve_backend("torch", torch.device("cpu")))
     slices = TensorParallel(1, 2).checkpoint_slices(model)
     layer = "model.layers.0.mlp"
-    assert slices[f"{layer}.experts.3.up_proj.weight"] == TensorSlice(0, 16, 16, 16)
-    assert slices[f"{layer}.experts.3.down_proj.weight"] == TensorSlice(1, 16, 16, 16)
-    assert slices[f"{layer}.shared_expert.gate_proj.weight"] == TensorSlice(0, 32, 32, 32)
+    assert slices[f"{layer}.experts.3.up_proj.weight"] == TensorSlice(0, 16, 16, 16, blocks=True)
+    assert slices[f"{layer}.experts.3.down_proj.weight"] == TensorSlice(1, 16, 16, 16, blocks=True)
+    assert slices[f"{layer}.shared_expert.gate_proj.weight"] == TensorSlice(0, 32, 32, 32, blocks=True)
     assert f"{layer}.gate.weight" not in slices and f"{layer}.shared_expert_gate.weight" not in slices
     block = model.model.layers[0].sparse_block
     assert block.all_reduce is not None and not block.experts[3].down_proj.reduce

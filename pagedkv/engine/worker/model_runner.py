@@ -106,7 +106,7 @@ class ModelRunner:
             if load.pages and self.adapter_pages is not None:
                 self.adapter_pages.fill_slot(slots, load)
             else:
-                slots.load(load.slot, read_adapter(load.path, self.model.config, slots.max_rank))
+                slots.load(load.slot, read_adapter(load.path, slots.config, slots.max_rank))
 
     def _lora_rows(self, plan: StepPlan, output_rows: torch.Tensor | None) -> LoRARows | None:
         row_slots = [piece.lora_slot for piece in plan.slices for _ in piece.token_ids]

@@ -8,10 +8,12 @@ quantized, in a type the CPU kernels have (:data:`pagedkv.kernels.quant_gemm.BLO
 q/k/v or gate/up projection keeps its parts' types side by side); the op list's ``Project`` then
 runs it, and the C decode stack lowers it; the token embedding becomes a
 :class:`~pagedkv.models.quantized.QuantizedEmbedding` (a LM head tied to it multiplies by the same
-blocks). Anything else -- a packed projection with a dense part; a type without a kernel; a model that is
-not kept quantized (off the CPU, or a tensor-parallel shard) -- is dequantized into its dense
-parameter with the ``gguf`` package's reference (``d * q`` or ``d * q + m`` in float32, cast to
-the model's dtype).
+blocks). A tensor-parallel shard's projection holds the blocks of its rows or of its whole
+blocks of input columns (:mod:`pagedkv.models.parallel`), in its all-reduce where it has one
+(:meth:`~pagedkv.models.linear.Linear.holding_blocks`). Anything else -- a packed projection
+with a dense part; a type without a kernel; a model that is not kept quantized (off the CPU) --
+is dequantized into its dense parameter with the ``gguf`` package's reference (``d * q`` or
+``d * q + m`` in float32, cast to the model's dtype).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def install_quantized(
             blocks = [pending.get(part) for part in parts]
             if not all(b is not None and int(b.qtype) in quant_gemm.BLOCKS for b in blocks):
                 continue
-            _replace(model, name, quantized_linear(module, blocks))
+            _replace(model, name, module.holding_blocks(quantized_linear(module, blocks)))
             for part in parts:
                 del pending[part]
             kept += 1
@@ -82,7 +84,8 @@ def quantize_module(model: nn.Module, name: str, weight: QuantizedWeight, keep: 
         dequantize_into(module.weight.data, weight)
         return
     bias = None if module.bias is None else module.bias.data.clone()
-    _replace(model, name, QuantizedLinear.from_gguf(weight.raw, int(weight.qtype), weight.shape, bias))
+    layer = QuantizedLinear.from_gguf(weight.raw, int(weight.qtype), weight.shape, bias)
+    _replace(model, name, module.holding_blocks(layer))
 
 
 def dequantize_into(target: torch.Tensor, weight: QuantizedWeight) -> None:

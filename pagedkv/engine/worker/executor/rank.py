@@ -30,6 +30,7 @@ from pagedkv.memory.pool_sizing import PoolSizing
 from pagedkv.models import ModelConfig, load_model
 from pagedkv.models.dtypes import resolve_dtype
 from pagedkv.models.families import model_class
+from pagedkv.models.lora import LoRASlots
 from pagedkv.models.parallel import TensorParallel, shard_config
 
 
@@ -117,6 +118,10 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
         load_format=spec.config.model.load_format,
         quantization=spec.config.model.quantization,
     )
+    lora = spec.config.lora
+    if lora is not None:  # adapters are read whole and cut to this rank's shard
+        whole = ModelConfig.from_pretrained(spec.model_path)
+        model.lora = LoRASlots(model, lora.max_loras, lora.max_lora_rank, checkpoint=whole)
     dtype = model.config.dtype
     kv_cache = KVCache(
         model.config.kv_spec(),
