@@ -116,9 +116,9 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
 
 def _gemma(arch: str, key: Any, raw: dict[str, Any]) -> dict[str, Any]:
     """Gemma's fields as llama.cpp decides them: which layers slide (``sliding_window_pattern``,
-    else the family's), the query scale (not in the
-    file), the soft-caps when written (else the family's defaults), Gemma 3's sliding layers' RoPE
-    base (``rope.freq_base_swa``, else llama.cpp's 10,000)."""
+    else the family's), the query scale (not in the file), the soft-caps when written (else the
+    family's defaults), Gemma 3's sliding layers' RoPE base (``rope.freq_base_swa``, else
+    llama.cpp's 10,000)."""
     pattern, layers_27b = _GEMMA_LAYOUTS[arch]
     layers = raw["num_hidden_layers"]
     fields: dict[str, Any] = {

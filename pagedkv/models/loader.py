@@ -270,8 +270,9 @@ def _rotary_rows(tensor: torch.Tensor | QuantizedWeight, config: ModelConfig) ->
 
 def _open_weights(file: Path, config: ModelConfig, keep_quantized: bool) -> Any:
     """A handle on one weight file: safetensors' own, its fused projections split into their
-    parts, or a GGUF file's (:class:`~pagedkv.models.gguf_weights.GGUFTensors`, its Llama
-    query/key rows unpermuted; its quantized tensors as blocks with ``keep_quantized``)."""
+    parts, or a GGUF file's (:class:`~pagedkv.models.gguf_weights.GGUFTensors`, its Llama and
+    Mixtral query/key rows unpermuted, its stacked experts and Phi-3's fused projections shown
+    as their parts; its quantized tensors as blocks with ``keep_quantized``)."""
     if file.suffix != SUFFIX:
         return SplitFused(safe_open(str(file), framework="pt", device="cpu"), config)
     llama = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
