@@ -28,6 +28,12 @@ ARCH_NAMES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "llama",
+    "Qwen2MoeForCausalLM": "qwen2moe",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 _FILE_TYPES = {
     Q.F32: LlamaFileType.ALL_F32,
@@ -43,21 +49,62 @@ _NAMES = {
     "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_up_proj": "ffn_up",
     "self_attn.q_norm": "attn_q_norm",
     "self_attn.k_norm": "attn_k_norm",
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+#: one expert's projection (Qwen's and Mixtral's name) -> llama.cpp's stacked tensor of them all
+_EXPERTS = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+    "w1": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "w2": "ffn_down_exps",
+}
+#: Gemma's sandwich norms (its ``ffn_norm`` is the norm before the MLP)
+_GEMMA_NAMES = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
 }
 _TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, gemma: bool = False) -> str:
     stem, _, param = hf_name.rpartition(".")
     if stem in _TOP:
         return f"{_TOP[stem]}.{param}"
     _, _, layer, leaf = stem.split(".", 3)
-    return f"blk.{layer}.{_NAMES[leaf]}.{param}"
+    return f"blk.{layer}.{(_GEMMA_NAMES if gemma else {}).get(leaf) or _NAMES[leaf]}.{param}"
+
+
+def gguf_tensors(weights: dict[str, np.ndarray], gemma: bool = False) -> dict[str, np.ndarray]:
+    """Checkpoint tensors under llama.cpp's names, each layer's experts stacked into one
+    ``[experts, rows, columns]`` tensor per projection (convert_hf_to_gguf's ``*_exps``); Gemma's
+    norms as the converter writes them, ``1 + weight``."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, array in weights.items():
+        parts = name.split(".")
+        if "experts" in parts:  # model.layers.L.<block>.experts.E.<proj>.weight
+            layer, expert, proj = parts[2], int(parts[5]), parts[6]
+            stacks.setdefault(f"blk.{layer}.{_EXPERTS[proj]}.{parts[-1]}", {})[expert] = array
+        else:
+            out[gguf_name(name, gemma)] = array + 1 if gemma and name.endswith("norm.weight") else array
+    for name, experts in stacks.items():
+        out[name] = np.stack([experts[e] for e in range(len(experts))])
+    return out
 
 
 def llama_permute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -75,12 +122,13 @@ def write_gguf(
     qtype: GGMLQuantizationType = Q.F32,
     split_max_tensors: int = 0,
     vocabulary: Callable[[GGUFWriter, Path], None] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
     **keys: Any,
 ) -> Path:
     """``folder`` (a tiny checkpoint) written as GGUF ``out`` (split every ``split_max_tensors``
     tensors when given), its tokenizer written by ``vocabulary`` (default: the folder's byte-level
-    BPE); ``keys`` add or override metadata (``{"general.architecture": "gpt2"}``). Returns the
-    first file."""
+    BPE); ``extra_tensors`` are written as they are; ``keys`` add or override metadata
+    (``{"general.architecture": "gpt2"}``). Returns the first file."""
     config = json.loads((folder / "config.json").read_text())
     arch = ARCH_NAMES[config["architectures"][0]]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -95,10 +143,15 @@ def write_gguf(
     writer.add_key_length(config["head_dim"])
     writer.add_value_length(config["head_dim"])
     rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the full layers' (the sliding ones' is 10,000)
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if config.get("sliding_window") is not None:
         writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    _add_experts(writer, config)
     writer.add_file_type(_FILE_TYPES[qtype])
     (vocabulary or add_bpe_vocabulary)(writer, folder)
     for key, value in keys.items():
@@ -106,18 +159,40 @@ def write_gguf(
     weights = load_file(folder / "model.safetensors")
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, config["head_dim"]))
-    for name in sorted(weights):
-        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
-            continue
-        array = weights[name].astype(np.float32)
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-            array = llama_permute(array, heads if ".q_proj." in name else kv_heads)
-        _add_tensor(writer, gguf_name(name), array, qtype)
+    if rope.get("rope_type") == "longrope":  # Phi3MiniModel's factor tensors and attention factor
+        original = config.get("original_max_position_embeddings") or rope["original_max_position_embeddings"]
+        scale = config["max_position_embeddings"] / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    if config.get("tie_word_embeddings"):
+        weights.pop("lm_head.weight", None)
+    for name, array in sorted((extra_tensors or {}).items()):
+        writer.add_tensor(name, array.astype(np.float32))
+    for name, array in sorted(gguf_tensors(weights, arch.startswith("gemma")).items()):
+        array = array.astype(np.float32).squeeze()  # the converter squeezes: a (1, n) gate is a vector
+        if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
+            array = llama_permute(array, heads if ".attn_q." in name else kv_heads)
+        _add_tensor(writer, name, array, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return writer.format_shard_names(out)[0]
+
+
+def _add_experts(writer: GGUFWriter, config: dict[str, Any]) -> None:
+    """convert_hf_to_gguf's mixture-of-experts keys (none for a dense model)."""
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts is None:
+        return
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if "moe_intermediate_size" in config:  # Qwen; Mixtral's experts are intermediate_size rows
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if "shared_expert_intermediate_size" in config:
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
 def llama3_rope_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:

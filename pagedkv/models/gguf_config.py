@@ -5,7 +5,8 @@ llama.cpp writes each hyper-parameter under ``{arch}.<key>`` (``llama.block_coun
 them, so :meth:`pagedkv.models.config.ModelConfig.from_dict` settles defaults and checks once for
 both sources. What the metadata does not say, the tensors do: the vocabulary is the embedding's
 row count, the output projection is tied when ``output.weight`` is absent, biases exist when
-their tensors do, Llama 3.1's RoPE scaling is the divisors in ``rope_freqs.weight``. Every
+their tensors do, Llama 3.1's RoPE scaling is the divisors in ``rope_freqs.weight``, Phi-3's
+longrope the factors in ``rope_factors_long``/``rope_factors_short``. Every
 tensor's type is checked here, before anything is built, so an unsupported type is refused by
 name at once.
 """
@@ -15,11 +16,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pagedkv.models.gguf_weights import ROPE_FREQS, SUPPORTED_TYPES, gguf_weight, type_name
+from pagedkv.models.gguf_weights import ROPE_FREQS, ROPE_TENSORS, SUPPORTED_TYPES, gguf_weight, type_name
 from pagedkv.tokenizer.gguf_file import GGUFError, field, open_gguf
 
 #: ``general.architecture`` -> the transformers architecture it is converted from.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+#: llama.cpp's Gemma layouts: every layer slides but each ``pattern``-th, and the 27B model (known
+#: by its layer count) scales queries by ``hidden / heads`` where the others use the head size
+_GEMMA_LAYOUTS = {"gemma2": (2, 46), "gemma3": (6, 62)}
+#: whether llama.cpp divides the chosen experts' weights by their sum when the file does not
+#: say (``{arch}.expert_weights_norm``): Mixtral always, Qwen3-MoE by default, Qwen2-MoE never
+_NORM_EXPERT_WEIGHTS = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 #: ``general.file_type`` (llama.cpp's ``llama_ftype``) -> the checkpoint dtype it stands for;
 #: quantized files dequantize exactly into float32.
@@ -32,7 +48,7 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
     first = parts[0]
     reader = open_gguf(first)
     shapes: dict[str, tuple[int, ...]] = {}
-    rope_freqs = None
+    rope_tensors: dict[str, list[float]] = {}
     for part, part_reader in zip(parts, [reader, *map(open_gguf, parts[1:])], strict=True):
         for tensor in part_reader.tensors:
             if tensor.tensor_type not in SUPPORTED_TYPES:
@@ -41,8 +57,8 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
                     f"cannot read; supported: {[type_name(t) for t in sorted(SUPPORTED_TYPES)]}"
                 )
             shapes[tensor.name] = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-            if tensor.name == ROPE_FREQS:
-                rope_freqs = [float(f) for f in gguf_weight(tensor).tolist()]
+            if tensor.name in ROPE_TENSORS:
+                rope_tensors[tensor.name] = [float(f) for f in gguf_weight(tensor).tolist()]
     arch = field(reader, "general.architecture", None)
     if arch not in ARCHITECTURES:
         raise GGUFError(
@@ -63,11 +79,6 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
     head_dim = key("attention.key_length", None) or hidden // heads  # llama.cpp's default too
     if key("rope.dimension_count", head_dim) != head_dim:
         raise GGUFError(f"{first}: partial rotary embeddings ({arch}.rope.dimension_count) are not supported")
-    if key("expert_count", 0):  # Mixtral converts as llama, with its experts
-        raise GGUFError(
-            f"{first}: mixture-of-experts GGUF files ({arch}.expert_count) are not supported; "
-            "pagedkv runs Mixtral from its Hugging Face folder"
-        )
     raw: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "vocab_size": shapes["token_embd.weight"][0],
@@ -80,7 +91,7 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
         "max_position_embeddings": key("context_length"),
         "rope_theta": key("rope.freq_base", 10000.0),
-        "rope_scaling": _rope_scaling(key, rope_freqs),
+        "rope_scaling": _rope_scaling(key, rope_tensors),
         "tie_word_embeddings": "output.weight" not in shapes,
         "attention_bias": "blk.0.attn_q.bias" in shapes,
         "mlp_bias": "blk.0.ffn_gate.bias" in shapes,
@@ -91,7 +102,77 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
     window = key("attention.sliding_window", None)
     if window is not None and arch == "llama":  # Mistral converts as llama, with its window
         raw |= {"architectures": ["MistralForCausalLM"], "sliding_window": window}
+    if window is not None and arch == "phi3":  # every layer slides, as in transformers
+        raw["sliding_window"] = window
+    if arch == "phi3" and raw["rope_scaling"] and "original_max_position_embeddings" in raw["rope_scaling"]:
+        # Phi-3's pretraining length is a top-level field, which wins over the scaling's
+        raw["original_max_position_embeddings"] = raw["rope_scaling"]["original_max_position_embeddings"]
+    if arch in _GEMMA_LAYOUTS:
+        raw |= _gemma(arch, key, raw)
+    if key("expert_count", 0):
+        raw |= _experts(arch, key, shapes, raw["num_hidden_layers"], first)
     return raw
+
+
+def _gemma(arch: str, key: Any, raw: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's fields as llama.cpp decides them: which layers slide (``sliding_window_pattern``,
+    else the family's), the query scale (not in the file), the soft-caps when written (else the
+    family's defaults), Gemma 3's sliding layers' RoPE base (``rope.freq_base_swa``, else
+    llama.cpp's 10,000)."""
+    pattern, layers_27b = _GEMMA_LAYOUTS[arch]
+    layers = raw["num_hidden_layers"]
+    fields: dict[str, Any] = {
+        "query_pre_attn_scalar": raw["hidden_size"] // raw["num_attention_heads"]
+        if layers == layers_27b
+        else raw["head_dim"],
+        "sliding_window": key("attention.sliding_window"),
+        "layer_types": _layer_types(key("attention.sliding_window_pattern", pattern), layers),
+    }
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if key(cap, None) is not None:
+            fields[cap] = key(cap)
+    if arch == "gemma3":
+        fields["rope_local_base_freq"] = key("rope.freq_base_swa", 10000.0)
+    return fields
+
+
+def _layer_types(pattern: int | list[bool], layers: int) -> list[str]:
+    """Which layers slide: llama.cpp's pattern (every layer but each ``pattern``-th) or its list
+    of one flag a layer (true: sliding)."""
+    sliding = pattern if isinstance(pattern, list) else [(i + 1) % pattern != 0 for i in range(layers)]
+    return ["sliding_attention" if flag else "full_attention" for flag in sliding]
+
+
+def _experts(
+    arch: str, key: Any, shapes: dict[str, tuple[int, ...]], layers: int, file: Path
+) -> dict[str, Any]:
+    """The mixture-of-experts fields of the config of a file with ``{arch}.expert_count``: Mixtral
+    (converted as ``llama``, its experts ``feed_forward_length`` rows), Qwen2-MoE and Qwen3-MoE
+    (``expert_feed_forward_length`` rows; a layer without a router is dense)."""
+    if arch not in _NORM_EXPERT_WEIGHTS:
+        raise GGUFError(
+            f"{file}: mixture-of-experts GGUF files of {arch!r} ({arch}.expert_count) are not supported"
+        )
+    experts, used = key("expert_count"), key("expert_used_count")
+    if arch == "llama":  # Mixtral converts as llama, with its experts
+        size = key("expert_feed_forward_length", None) or key("feed_forward_length")
+        return {
+            "architectures": ["MixtralForCausalLM"],
+            "num_local_experts": experts,
+            "num_experts_per_tok": used,
+            "intermediate_size": size,
+        }
+    fields = {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": key("expert_feed_forward_length"),
+        "norm_topk_prob": bool(key("expert_weights_norm", _NORM_EXPERT_WEIGHTS[arch])),
+        "mlp_only_layers": [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in shapes],
+    }
+    if arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = key("expert_shared_feed_forward_length")
+        fields["qkv_bias"] = "blk.0.attn_q.bias" in shapes
+    return fields
 
 
 def _uniform(value: Any, name: str, file: Path) -> int:
@@ -103,13 +184,25 @@ def _uniform(value: Any, name: str, file: Path) -> int:
     return value
 
 
-def _rope_scaling(key: Any, rope_freqs: list[float] | None) -> dict[str, Any] | None:
+def _rope_scaling(key: Any, rope_tensors: dict[str, list[float]]) -> dict[str, Any] | None:
     """``rope.scaling.*`` as transformers' ``rope_scaling`` (None: plain RoPE); the divisors of
-    a ``rope_freqs.weight`` tensor (llama.cpp's form of Llama 3.1's scaling) as "freq_factors".
-    yarn keeps llama.cpp's defaults, which are transformers' (beta 32 and 1, attention factor
-    ``0.1 ln(factor) + 1``); longrope's factors live in tensors pagedkv does not read."""
-    if rope_freqs is not None:
-        return {"rope_type": "freq_factors", "factors": rope_freqs}
+    a ``rope_freqs.weight`` tensor (llama.cpp's form of Llama 3.1's scaling) as "freq_factors";
+    the ``rope_factors_long``/``_short`` tensors (Phi-3's longrope) as longrope's factors, with
+    the pretraining length and the attention factor the file gives. yarn keeps llama.cpp's
+    defaults, which are transformers' (beta 32 and 1, attention factor ``0.1 ln(factor) + 1``); a
+    ``longrope`` type without its factor tensors is refused."""
+    if ROPE_FREQS in rope_tensors:
+        return {"rope_type": "freq_factors", "factors": rope_tensors[ROPE_FREQS]}
+    if "rope_factors_long.weight" in rope_tensors:
+        long = rope_tensors["rope_factors_long.weight"]
+        scaling = {
+            "rope_type": "longrope",
+            "long_factor": long,
+            "short_factor": rope_tensors.get("rope_factors_short.weight", long),
+            "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+        }
+        attention = key("rope.scaling.attn_factor", None)
+        return scaling if attention is None else scaling | {"attention_factor": attention}
     kind = key("rope.scaling.type", "none")
     if kind == "none":
         return None

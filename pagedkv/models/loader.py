@@ -30,7 +30,7 @@ from pagedkv.models.config import ModelConfig
 from pagedkv.models.dtypes import resolve_dtype
 from pagedkv.models.dummy_weights import fill_dummy_weights
 from pagedkv.models.families import model_class
-from pagedkv.models.fused_weights import SplitFused
+from pagedkv.models.fused_weights import SplitFused, fused_parts
 from pagedkv.models.gguf_weights import GGUFTensors
 from pagedkv.models.linear import PackedLinear, choose_linear_kernel, pack_linears
 from pagedkv.models.llama import LlamaForCausalLM
@@ -270,9 +270,13 @@ def _rotary_rows(tensor: torch.Tensor | QuantizedWeight, config: ModelConfig) ->
 
 def _open_weights(file: Path, config: ModelConfig, keep_quantized: bool) -> Any:
     """A handle on one weight file: safetensors' own, its fused projections split into their
-    parts, or a GGUF file's (:class:`~pagedkv.models.gguf_weights.GGUFTensors`, its Llama
-    query/key rows unpermuted; its quantized tensors as blocks with ``keep_quantized``)."""
+    parts, or a GGUF file's (:class:`~pagedkv.models.gguf_weights.GGUFTensors`, its Llama and
+    Mixtral query/key rows unpermuted, its stacked experts and Phi-3's fused projections shown
+    as their parts; its quantized tensors as blocks with ``keep_quantized``)."""
     if file.suffix != SUFFIX:
         return SplitFused(safe_open(str(file), framework="pt", device="cpu"), config)
-    llama = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
-    return GGUFTensors(file, (config.num_heads, config.num_kv_heads) if llama else None, keep_quantized)
+    llama = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+    heads = (config.num_heads, config.num_kv_heads) if llama else None
+    return GGUFTensors(
+        file, heads, keep_quantized, config.architecture, lambda name: fused_parts(name, config)
+    )
