@@ -75,7 +75,7 @@ def test_counted_figures_do_not_depend_on_the_clock_or_the_threads():
     """The claims' figures come from a schedule decided on token and block counts alone: the
     demo's workload (a quarter of its requests and budget, so the test stays short) run on one thread with
     repeats and on two without counts the same (its times differ)."""
-    config = dataclasses.replace(demo_config(seed=0), num_requests=16, kv_tokens=2 * 2048)
+    config = dataclasses.replace(demo_config(seed=0), num_requests=16, kv_tokens=2 * 2048, repeats=2)
     engine = dataclasses.replace(config.engine, threads=2)
     once, again = run_capacity(config), run_capacity(dataclasses.replace(config, engine=engine, repeats=1))
     timed = {row.figure for row in TIMED}
