@@ -14,7 +14,8 @@
  * the same values in fewer instructions. Q5_K's fifth bits come one per byte, not as a lane mask,
  * and its two tables per 32 values cost what they save: it converts each quant. Q5_0, the bulk of
  * a Q4_K_M file, has a second picker for the register path that skips the widening shuffles
- * (dequantize_q5_0_lanes: the shuffle port bounded that loop), in LANE_ORDER. Q6_K on AVX-512BW
+ * (dequantize_q5_0_lanes: the shuffle port bounded that loop), in LANE_ORDER; Q4_K's register
+ * path (dequantize_q4_k_lanes) skips them the same way. Q6_K on AVX-512BW
  * makes its 6-bit quants 64 at a time as bytes and scales each 16 by a broadcast operand.
  *
  * The product takes one of two paths by the row count M. Up to GEMV_ROWS rows (decode), each
@@ -198,11 +199,10 @@ static inline void dequantize_q8_0(const BlockQ8_0 *b, float *out) {
  * j >= 4 the nibbles of byte j + 4 below the top two bits of bytes j - 4 and j. Sub-block s's
  * quants are nibble s % 2 of qs[32 (s / 2) + i], plus for Q5_K (qh not NULL) bit s of qh[i]
  * as the fifth. The sub-blocks' scales and minimums are unpacked first, all eight at once, into
- * arrays the loop over sub-blocks broadcasts from. */
-static inline void dequantize_k_quants(const uint8_t *packed, uint16_t d_bits, uint16_t dmin_bits,
-                                       const uint8_t *qh, const uint8_t *qs, float *out) {
+ * arrays the loop over sub-blocks broadcasts from (k_scales). */
+static inline void k_scales(const uint8_t *packed, uint16_t d_bits, uint16_t dmin_bits, float scales[8],
+                            float mins[8]) {
     const float d = scale_of(d_bits), dmin = scale_of(dmin_bits);
-    float scales[8], mins[8];
     for (int s = 0; s < 8; s++) {
         const int j = s % 4, high_pair = s / 4;
         const int sc = high_pair ? (packed[j + 8] & 15) | (packed[j] >> 6) << 4 : packed[j] & 63;
@@ -210,6 +210,12 @@ static inline void dequantize_k_quants(const uint8_t *packed, uint16_t d_bits, u
         scales[s] = d * (float)sc;
         mins[s] = dmin * (float)mn;
     }
+}
+
+static inline void dequantize_k_quants(const uint8_t *packed, uint16_t d_bits, uint16_t dmin_bits,
+                                       const uint8_t *qh, const uint8_t *qs, float *out) {
+    float scales[8], mins[8];
+    k_scales(packed, d_bits, dmin_bits, scales, mins);
     for (int s = 0; s < 8; s++) {
         const float scale = scales[s], min = mins[s];
 #if SIMD_PICK16
@@ -231,6 +237,26 @@ static inline void dequantize_k_quants(const uint8_t *packed, uint16_t d_bits, u
 static inline void dequantize_q4_k(const BlockQ4_K *b, float *out) {
     dequantize_k_quants(b->scales, b->d, b->dmin, NULL, b->qs, out);
 }
+
+#if SIMD_PICK16
+/* Q4_K for the register path, in LANE_ORDER (as dequantize_q5_0_lanes): each 16 quants are a
+ * 16-byte group of qs broadcast and shifted per lane to its nibble, which vpick16 reads modulo 16
+ * (no widening shuffle, no mask), picked from the same per-sub-block table as dequantize_k_quants' */
+static inline void dequantize_q4_k_lanes(const BlockQ4_K *b, float *out) {
+    float scales[8], mins[8];
+    k_scales(b->scales, b->d, b->dmin, scales, mins);
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {
+        vi shift; /* lane j: byte j / 4 of its 32 bits (element 4 (j % 4) + j / 4 of the 16), nibble s % 2 */
+        for (int j = 0; j < 16; j++) shift[j] = 8 * (j / 4) + 4 * (s % 2);
+        const vf table = scales[s] * quant_values() - mins[s];
+        for (int c = 0; c < 32; c += 16) {
+            const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b->qs + 32 * (s / 2) + c)));
+            vstore(out + 32 * s + c, vpick16(table, (vi)_mm512_srlv_epi32(bytes, (__m512i)shift)));
+        }
+    }
+}
+#endif
 
 static inline void dequantize_q5_k(const BlockQ5_K *b, float *out) {
     dequantize_k_quants(b->scales, b->d, b->dmin, b->qh, b->qs, out);
@@ -328,6 +354,9 @@ typedef struct {
 #define BLOCK BlockQ4_K
 #define QK QK_K
 #define DEQUANTIZE dequantize_q4_k
+#if SIMD_PICK16
+#define GEMV_DEQUANTIZE dequantize_q4_k_lanes
+#endif
 #define SUFFIX(name) name##_q4_k
 #include "quant_gemm_body.h"
 
