@@ -14,7 +14,9 @@
  * the same values in fewer instructions. Q5_K's fifth bits come one per byte, not as a lane mask,
  * and its two tables per 32 values cost what they save: it converts each quant. Q5_0, the bulk of
  * a Q4_K_M file, has a second picker for the register path that skips the widening shuffles
- * (dequantize_q5_0_lanes: the shuffle port bounded that loop), in LANE_ORDER.
+ * (dequantize_q5_0_lanes: the shuffle port bounded that loop), in LANE_ORDER; Q4_K's register
+ * path (dequantize_q4_k_lanes) skips them the same way. Q6_K on AVX-512BW
+ * makes its 6-bit quants 64 at a time as bytes and scales each 16 by a broadcast operand.
  *
  * The product takes one of two paths by the row count M. Up to GEMV_ROWS rows (decode), each
  * block of a weight row is dequantized into registers and multiplied into every row's float32
@@ -197,11 +199,10 @@ static inline void dequantize_q8_0(const BlockQ8_0 *b, float *out) {
  * j >= 4 the nibbles of byte j + 4 below the top two bits of bytes j - 4 and j. Sub-block s's
  * quants are nibble s % 2 of qs[32 (s / 2) + i], plus for Q5_K (qh not NULL) bit s of qh[i]
  * as the fifth. The sub-blocks' scales and minimums are unpacked first, all eight at once, into
- * arrays the loop over sub-blocks broadcasts from. */
-static inline void dequantize_k_quants(const uint8_t *packed, uint16_t d_bits, uint16_t dmin_bits,
-                                       const uint8_t *qh, const uint8_t *qs, float *out) {
+ * arrays the loop over sub-blocks broadcasts from (k_scales). */
+static inline void k_scales(const uint8_t *packed, uint16_t d_bits, uint16_t dmin_bits, float scales[8],
+                            float mins[8]) {
     const float d = scale_of(d_bits), dmin = scale_of(dmin_bits);
-    float scales[8], mins[8];
     for (int s = 0; s < 8; s++) {
         const int j = s % 4, high_pair = s / 4;
         const int sc = high_pair ? (packed[j + 8] & 15) | (packed[j] >> 6) << 4 : packed[j] & 63;
@@ -209,6 +210,12 @@ static inline void dequantize_k_quants(const uint8_t *packed, uint16_t d_bits, u
         scales[s] = d * (float)sc;
         mins[s] = dmin * (float)mn;
     }
+}
+
+static inline void dequantize_k_quants(const uint8_t *packed, uint16_t d_bits, uint16_t dmin_bits,
+                                       const uint8_t *qh, const uint8_t *qs, float *out) {
+    float scales[8], mins[8];
+    k_scales(packed, d_bits, dmin_bits, scales, mins);
     for (int s = 0; s < 8; s++) {
         const float scale = scales[s], min = mins[s];
 #if SIMD_PICK16
@@ -231,10 +238,60 @@ static inline void dequantize_q4_k(const BlockQ4_K *b, float *out) {
     dequantize_k_quants(b->scales, b->d, b->dmin, NULL, b->qs, out);
 }
 
+#if SIMD_PICK16
+/* Q4_K for the register path, in LANE_ORDER (as dequantize_q5_0_lanes): each 16 quants are a
+ * 16-byte group of qs broadcast and shifted per lane to its nibble, which vpick16 reads modulo 16
+ * (no widening shuffle, no mask), picked from the same per-sub-block table as dequantize_k_quants' */
+static inline void dequantize_q4_k_lanes(const BlockQ4_K *b, float *out) {
+    float scales[8], mins[8];
+    k_scales(b->scales, b->d, b->dmin, scales, mins);
+#pragma GCC unroll 8
+    for (int s = 0; s < 8; s++) {
+        vi shift; /* lane j: byte j / 4 of its 32 bits (element 4 (j % 4) + j / 4 of the 16), nibble s % 2 */
+        for (int j = 0; j < 16; j++) shift[j] = 8 * (j / 4) + 4 * (s % 2);
+        const vf table = scales[s] * quant_values() - mins[s];
+        for (int c = 0; c < 32; c += 16) {
+            const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b->qs + 32 * (s / 2) + c)));
+            vstore(out + 32 * s + c, vpick16(table, (vi)_mm512_srlv_epi32(bytes, (__m512i)shift)));
+        }
+    }
+}
+#endif
+
 static inline void dequantize_q5_k(const BlockQ5_K *b, float *out) {
     dequantize_k_quants(b->scales, b->d, b->dmin, b->qh, b->qs, out);
 }
 
+#if SIMD_PICK16 && defined(__AVX512BW__)
+/* Q6_K on AVX-512BW: each half's 128 quants are made 64 at a time as bytes (its 64 ql bytes give
+ * elements 0..63 by their low nibbles and 64..127 by their high ones; its 32 qh bytes, held twice
+ * in one vector, give each 32 elements' bit pair by a per-half shift of 16-bit lanes and a mask
+ * of bits 4..5, which keeps no bit shifted across a byte), less 32 as signed bytes; each 16 of
+ * them are then widened and converted as the generic loop converts each quant, and scaled by the
+ * same exact product of d and the sub-block's scale. */
+static inline void dequantize_q6_k(const BlockQ6_K *b, float *out) {
+    const float d = scale_of(b->d);
+    int8_t quants[QK_K] __attribute__((aligned(64)));
+    const __m512i nibble = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(0x30), bias = _mm512_set1_epi8(32);
+    /* 16-bit lane shifts bringing bit pair 0 / 1 (left 4 / 2) and 2 / 3 (right 0 / 2) to bits 4..5 */
+    const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    for (int half = 0; half < 2; half++) {
+        const __m512i ql = _mm512_loadu_si512(b->ql + 64 * half);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(b->qh + 32 * half)));
+        const __m512i first = _mm512_ternarylogic_epi32(ql, nibble, _mm512_and_si512(_mm512_sllv_epi16(qh, up), pair),
+                                                        0xEA); /* (ql & 15) | bits */
+        const __m512i second = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), nibble,
+                                                         _mm512_and_si512(_mm512_srlv_epi16(qh, down), pair), 0xEA);
+        _mm512_store_si512(quants + 128 * half, _mm512_sub_epi8(first, bias));
+        _mm512_store_si512(quants + 128 * half + 64, _mm512_sub_epi8(second, bias));
+    }
+    float scales[QK_K / 16]; /* d times each sub-block's scale, exact: a broadcast operand of the multiply */
+    vstore(scales, d * to_float(vload_i8_i32(b->scales)));
+#pragma GCC unroll 16
+    for (int e = 0; e < QK_K; e += VL) vstore(out + e, scales[e / 16] * to_float(vload_i8_i32(quants + e)));
+}
+#else
 static inline void dequantize_q6_k(const BlockQ6_K *b, float *out) {
     const float d = scale_of(b->d);
 #pragma GCC unroll 16 /* every offset and shift a constant: rolled, the index arithmetic cost more than the values */
@@ -245,6 +302,7 @@ static inline void dequantize_q6_k(const BlockQ6_K *b, float *out) {
         vstore(out + e, d * (float)b->scales[e / 16] * to_float((low | high) - 32));
     }
 }
+#endif
 
 /* ---- the per-type products (quant_gemm_body.h) ---- */
 
@@ -296,6 +354,9 @@ typedef struct {
 #define BLOCK BlockQ4_K
 #define QK QK_K
 #define DEQUANTIZE dequantize_q4_k
+#if SIMD_PICK16
+#define GEMV_DEQUANTIZE dequantize_q4_k_lanes
+#endif
 #define SUFFIX(name) name##_q4_k
 #include "quant_gemm_body.h"
 
