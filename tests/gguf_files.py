@@ -89,16 +89,22 @@ def gguf_name(hf_name: str, gemma: bool = False) -> str:
     return f"blk.{layer}.{(_GEMMA_NAMES if gemma else {}).get(leaf) or _NAMES[leaf]}.{param}"
 
 
-def gguf_tensors(weights: dict[str, np.ndarray], gemma: bool = False) -> dict[str, np.ndarray]:
+def gguf_tensors(
+    weights: dict[str, np.ndarray], gemma: bool = False, stack_experts: bool = True
+) -> dict[str, np.ndarray]:
     """Checkpoint tensors under llama.cpp's names, each layer's experts stacked into one
-    ``[experts, rows, columns]`` tensor per projection (convert_hf_to_gguf's ``*_exps``); Gemma's
-    norms as the converter writes them, ``1 + weight``."""
+    ``[experts, rows, columns]`` tensor per projection (convert_hf_to_gguf's ``*_exps``; without
+    ``stack_experts``, one tensor per expert as older Mixtral files hold them, ``ffn_up.E``);
+    Gemma's norms as the converter writes them, ``1 + weight``."""
     out: dict[str, np.ndarray] = {}
     stacks: dict[str, dict[int, np.ndarray]] = {}
     for name, array in weights.items():
         parts = name.split(".")
         if "experts" in parts:  # model.layers.L.<block>.experts.E.<proj>.weight
             layer, expert, proj = parts[2], int(parts[5]), parts[6]
+            if not stack_experts:
+                out[f"blk.{layer}.{_EXPERTS[proj].removesuffix('_exps')}.{expert}.{parts[-1]}"] = array
+                continue
             stacks.setdefault(f"blk.{layer}.{_EXPERTS[proj]}.{parts[-1]}", {})[expert] = array
         else:
             out[gguf_name(name, gemma)] = array + 1 if gemma and name.endswith("norm.weight") else array
@@ -123,11 +129,13 @@ def write_gguf(
     split_max_tensors: int = 0,
     vocabulary: Callable[[GGUFWriter, Path], None] | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
+    stack_experts: bool = True,
     **keys: Any,
 ) -> Path:
     """``folder`` (a tiny checkpoint) written as GGUF ``out`` (split every ``split_max_tensors``
     tensors when given), its tokenizer written by ``vocabulary`` (default: the folder's byte-level
-    BPE); ``extra_tensors`` are written as they are; ``keys`` add or override metadata
+    BPE); ``extra_tensors`` are written as they are; experts stacked unless ``stack_experts`` is
+    false (:func:`gguf_tensors`); ``keys`` add or override metadata
     (``{"general.architecture": "gpt2"}``). Returns the first file."""
     config = json.loads((folder / "config.json").read_text())
     arch = ARCH_NAMES[config["architectures"][0]]
@@ -170,7 +178,7 @@ def write_gguf(
         weights.pop("lm_head.weight", None)
     for name, array in sorted((extra_tensors or {}).items()):
         writer.add_tensor(name, array.astype(np.float32))
-    for name, array in sorted(gguf_tensors(weights, arch.startswith("gemma")).items()):
+    for name, array in sorted(gguf_tensors(weights, arch.startswith("gemma"), stack_experts).items()):
         array = array.astype(np.float32).squeeze()  # the converter squeezes: a (1, n) gate is a vector
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             array = llama_permute(array, heads if ".attn_q." in name else kv_heads)

@@ -7,7 +7,8 @@ packing (``q_proj``/``k_proj``/``v_proj`` into ``qkv_proj``) and the same missin
 checks as safetensors. Three steps turn a GGUF tensor into a checkpoint tensor:
 
 1. its name, llama.cpp's (``blk.3.attn_q.weight``), becomes transformers' (:func:`checkpoint_names`;
-   a stacked experts' tensor, ``blk.3.ffn_up_exps.weight``, becomes one name per expert);
+   a stacked experts' tensor, ``blk.3.ffn_up_exps.weight``, becomes one name per expert, and
+   an expert's own tensor of older Mixtral files, ``blk.3.ffn_up.5.weight``, that expert's name);
 2. its data becomes a dense tensor in the (rows, columns) layout of the checkpoint
    (:func:`gguf_weight`: F32/F16/BF16 as stored, quantized types dequantized by ``gguf.quants``,
    the reference implementation) -- the one place a type is decoded;
@@ -21,6 +22,7 @@ a tensor kept in its quantized blocks.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,8 @@ _EXPERT_NAMES = {
     "ffn_up_exps": ("up_proj", "w3"),
     "ffn_down_exps": ("down_proj", "w2"),
 }
+#: one expert's projection as llama.cpp wrote Mixtral before it stacked experts: ``ffn_up.5``
+_EXPERT_OF_ITS_OWN = re.compile(r"(ffn_gate|ffn_up|ffn_down)\.(\d+)")
 #: where Gemma's sandwich norms differ: ``ffn_norm`` is the norm before its MLP, not after attention
 _GEMMA_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
@@ -104,7 +108,8 @@ def checkpoint_names(gguf_name: str, experts: int, architecture: str) -> list[tu
     """transformers' names of a llama.cpp tensor, each with the index of its expert in a stacked
     tensor (None: the whole tensor): ``blk.0.attn_q.weight`` -> ``model.layers.0.self_attn.q_proj.weight``;
     ``blk.0.ffn_up_exps.weight`` of ``experts`` experts -> ``model.layers.0.mlp.experts.E.up_proj.weight``
-    for every E. The names are those of ``architecture``'s checkpoints (Mixtral's router and
+    for every E (``blk.0.ffn_up.E.weight``, an expert's own tensor in older files: that expert's
+    name alone). The names are those of ``architecture``'s checkpoints (Mixtral's router and
     experts sit under ``block_sparse_moe``, Gemma has four norms a layer, Phi-3 fuses its gate and
     up projections in ``ffn_up``). An unknown name is
     returned as it is, so the loader reports it as a weight the model does not use."""
@@ -118,6 +123,10 @@ def checkpoint_names(gguf_name: str, experts: int, architecture: str) -> list[tu
     if leaf in _EXPERT_NAMES:
         proj = _EXPERT_NAMES[leaf][mixtral]
         return [(f"{block}.experts.{e}.{proj}.{param}", e) for e in range(experts)]
+    own = _EXPERT_OF_ITS_OWN.fullmatch(leaf)
+    if own is not None:
+        proj = _EXPERT_NAMES[f"{own[1]}_exps"][mixtral]
+        return [(f"{block}.experts.{own[2]}.{proj}.{param}", None)]
     if mixtral and leaf == "ffn_gate_inp":
         return [(f"{block}.gate.{param}", None)]
     mapped = _FAMILY_NAMES.get(architecture, {}).get(leaf) or _LAYER_NAMES.get(leaf)

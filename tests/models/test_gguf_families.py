@@ -109,3 +109,11 @@ def test_two_tensor_parallel_ranks_read_their_rows_of_a_quantized_mixture_of_exp
     folder = make_checkpoint(tmp_path, "qwen2moe", **QWEN2MOE)
     gguf = write_gguf(folder, tmp_path / "qwen2moe-q8_0.gguf", Q.Q8_0)
     assert greedy(str(gguf), tensor_parallel_size=2) == greedy(str(gguf))
+
+
+def test_an_older_mixtral_file_with_a_tensor_per_expert_runs_as_its_folder(tmp_path):
+    """llama.cpp wrote each expert's projection as its own tensor (``blk.N.ffn_up.E.weight``)
+    before it stacked them: such a file is the same model."""
+    folder = make_checkpoint(tmp_path, "mixtral", **MIXTRAL)
+    older = write_gguf(folder, tmp_path / "mixtral-per-expert.gguf", stack_experts=False)
+    assert greedy(str(older)) == greedy(str(folder))
