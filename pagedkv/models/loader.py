@@ -131,7 +131,7 @@ def load_model(
     decoder layers' projections of a 16/32-bit one the way llama.cpp does."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {list(LOAD_FORMATS)}")
-    scheme = checkpoint_scheme(path, quantization, tensor_parallel is not None)
+    scheme = checkpoint_scheme(path, quantization)
     backend = resolve_backend(attention_backend, torch.device(device))
     cfg = ModelConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, default=cfg.dtype, device=device)
@@ -207,7 +207,8 @@ def load_weights(
 ) -> str | None:
     """Copy every tensor of ``files`` into the parameter (or packed row slice) it names;
     ``read(name, file)`` reads a tensor (default: whole; a tensor-parallel rank: its slice).
-    With a quantization ``scheme``, a quantized layer's tensors fill its ``weight`` together.
+    With a quantization ``scheme``, a quantized layer's tensors fill its ``weight`` together
+    (read whole, repacked as GGUF blocks, then cut by ``read`` as a GGUF file's would be).
     ``checkpoint``: the whole model's config, when ``model`` holds a tensor-parallel rank's shard
     (a GGUF file's rows are put back by the whole model's head counts); default ``model.config``.
     Quantized weights (a quantized checkpoint's layers, a GGUF file's quantized tensors) go
@@ -230,6 +231,8 @@ def load_weights(
                     if done is None:  # more of the layer's parts to come
                         continue
                     name, tensor = done
+                    if read is not None:  # a rank keeps its slice of the layer's blocks
+                        tensor = read(name, _Repacked(tensor))
                 target = targets.get(name)
                 if target is None:
                     unexpected.append(name)
@@ -257,6 +260,20 @@ def load_weights(
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weights: {missing[:8]}")
     return install_quantized(model, quantized, targets, keep_quantized)
+
+
+class _Repacked:
+    """A quantized checkpoint's layer, repacked as GGUF blocks whole, behind the handle a rank's
+    ``read`` takes: it cuts its slice as from a GGUF file's quantized tensor."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        self.weight = weight
+
+    def get_tensor(self, name: str) -> QuantizedWeight:
+        return self.weight
+
+    def get_slice(self, name: str) -> QuantizedWeight:
+        return self.weight
 
 
 def _rotary_rows(tensor: torch.Tensor | QuantizedWeight, config: ModelConfig) -> torch.Tensor:
