@@ -2,13 +2,16 @@
 
 * ``qkv_proj`` and ``gate_up_proj`` are column-parallel: each rank holds *its* query heads, its
   key/value heads and its gate/up rows (the packed weight is cut per projection, not as one
-  block), so attention and the SiLU gate run on local data with no communication.
+  block), so attention and the SiLU gate run on local data with no communication (the gate/up
+  product fused with the SiLU, as on one device: :class:`ColumnParallelGateUp`).
 * ``o_proj`` and ``down_proj`` are row-parallel: each rank multiplies its input columns and one
   all-reduce sums the partial products (two all-reduces per layer).
 * A mixture of experts (:mod:`pagedkv.models.moe`) cuts every expert, and the shared one, as
   the MLP: each rank holds its gate/up rows and down columns of each; the routers are
   replicated, so every rank routes every row alike. The experts' down projections do not
-  all-reduce: the block adds its weighted partial outputs and all-reduces once per layer.
+  all-reduce: the block adds its weighted partial outputs (in the experts' C call on the CPU,
+  as on one device: the weighted sum of partial products is the rank's partial sum) and
+  all-reduces once per layer.
 * The embedding and the LM head are vocabulary-parallel (:mod:`pagedkv.models.vocab_parallel`):
   each rank holds ``ceil(vocab / N)`` rows (the last rank's tail padded with zeros); the
   embedding masks ids it does not hold and all-reduces, the LM head computes its vocabulary
@@ -53,7 +56,7 @@ from torch import nn
 from pagedkv.attention import Backend
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.families import model_class
-from pagedkv.models.linear import Linear, PackedLinear
+from pagedkv.models.linear import GateUpLinear, Linear, PackedLinear
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quantization.blocks import QuantizedWeight
 from pagedkv.models.quantized import QuantizedLinear
@@ -182,9 +185,7 @@ class TensorParallel:
         gate, up = mlp.gate_up_proj.shards
         first = self.rank * rows
         bias = mlp.gate_up_proj.bias is not None
-        mlp.gate_up_proj = ColumnParallelLinear(
-            cfg.hidden_size, {gate: (first, rows), up: (first, rows)}, bias=bias
-        )
+        mlp.gate_up_proj = ColumnParallelGateUp(cfg.hidden_size, first, rows, bias, (gate, up))
         down_name = getattr(mlp, "down_name", "down_proj")
         down = RowParallelLinear(rows, cfg.hidden_size, bias, self, first, reduce)
         setattr(mlp, down_name, down)
@@ -259,6 +260,19 @@ class ColumnParallelLinear(PackedLinear, ParallelLayer):
             for shard, (start, rows) in self.checkpoint_rows.items()
             for param in params
         }
+
+
+class ColumnParallelGateUp(GateUpLinear, ParallelLayer):
+    """An MLP's (or an expert's) gate and up rows ``first .. first + rows`` of each, packed as
+    the single-device :class:`GateUpLinear` packs them: tiled, in the paired layout with the
+    SiLU fused, which the experts' C call also takes (:mod:`pagedkv.models.moe_native`).
+    ``names``: the checkpoint's names of the gate and the up projection."""
+
+    def __init__(self, in_features: int, first: int, rows: int, bias: bool, names: tuple[str, str]) -> None:
+        super().__init__(in_features, rows, bias, names)
+        self.checkpoint_rows = dict.fromkeys(names, (first, rows))
+
+    checkpoint_slices = ColumnParallelLinear.checkpoint_slices
 
 
 class _Reduced:
