@@ -185,6 +185,24 @@ def test_each_rank_holds_its_slice_of_a_quantized_checkpoints_blocks(tmp_path, k
         assert shard.quantization == f"{HF_VARIANTS[key].method} int4, kept in GGUF blocks"
 
 
+def test_a_quantized_checkpoints_split_that_would_cut_a_block_is_held_dense(tmp_path):
+    """Groups of 32 over 96 intermediate rows: down_proj's 48 input columns a rank would cut a
+    block, so every rank holds its columns dense, the values one rank's blocks hold."""
+    v = Variant("gptq", symmetric=False, group_size=32)
+    folder, _ = quantized_checkpoint(tmp_path, v, intermediate_size=96)
+    whole = load_model(folder, "float32").model.layers[1].mlp.down_proj.dense_weight()
+    for rank in range(2):
+        shard = load_model(folder, "float32", tensor_parallel=TensorParallel(rank, 2))
+        down = shard.model.layers[1].mlp.down_proj
+        assert type(down) is RowParallelLinear
+        assert torch.equal(down.dense_weight(), whole[:, 48 * rank : 48 * (rank + 1)])
+        assert isinstance(shard.model.layers[1].self_attn.o_proj, QuantizedRowParallelLinear)
+        assert shard.quantization == (
+            "gptq int4, kept in GGUF blocks; dense on the 2 ranks, a block would straddle two: "
+            "down_proj Q4_1: blocks of 32 input columns, 48 per rank"
+        )
+
+
 @pytest.mark.parametrize("key", HF_VARIANTS)
 def test_two_ranks_on_a_quantized_checkpoint_generate_what_one_rank_does(tmp_path, key):
     v = HF_VARIANTS[key]
