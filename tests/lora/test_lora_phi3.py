@@ -139,3 +139,15 @@ def test_fused_targets_on_a_split_checkpoint_are_refused_by_name(cases, tmp_path
             llm.generate(
                 prompts[:1], GREEDY, lora_request=LoRARequest("fused", 1, str(fused)), use_tqdm=False
             )
+
+
+def test_a_fused_target_is_one_block_over_all_its_modules_columns(cases):
+    """One ``A`` of rank r per fused module (one shrink, as PEFT's), its ``B`` over every row."""
+    from pagedkv.models import load_model
+    from pagedkv.models.lora import LoRASlots
+
+    _, built = cases
+    slots = LoRASlots(load_model(built["phi3"][0], attention_backend="torch"), max_loras=2, max_rank=8)
+    qkv, gate_up = slots.modules[0, "qkv_proj"], slots.modules[0, "gate_up_proj"]
+    assert qkv.columns.tolist() == [0, 64 + 32 + 32] and qkv.a.shape == (2, 8, 64)
+    assert gate_up.columns.tolist() == [0, 2 * 128] and gate_up.a.shape == (2, 8, 64)
