@@ -276,12 +276,16 @@ class _Repacked:
         return self.weight
 
 
-def _rotary_rows(tensor: torch.Tensor | QuantizedWeight, config: ModelConfig) -> torch.Tensor:
-    """Query/key rows (whole heads) in :func:`rotary_row_order`."""
-    if isinstance(tensor, QuantizedWeight):
-        raise ValueError("a quantized checkpoint of a partial-rotary model is not supported")
+def _rotary_rows(
+    tensor: torch.Tensor | QuantizedWeight, config: ModelConfig
+) -> torch.Tensor | QuantizedWeight:
+    """Query/key rows (whole heads) in :func:`rotary_row_order`; a quantized weight's rows are
+    its rows of blocks (a block never spans two rows), moved as they are."""
     order = rotary_row_order(config.head_dim, config.rotary_dim or config.head_dim)
     heads = tensor.shape[0] // config.head_dim
+    if isinstance(tensor, QuantizedWeight):
+        raw = tensor.raw.reshape(heads, config.head_dim, -1)[:, order.numpy()]
+        return QuantizedWeight(raw.reshape(tensor.raw.shape), tensor.qtype, tensor.shape)
     return tensor.unflatten(0, (heads, config.head_dim))[:, order].flatten(0, 1)
 
 
