@@ -222,11 +222,6 @@ class EngineSettings:
                 "the disk KV tier runs on one rank; with --tensor-parallel-size > 1 use the host tier "
                 "(--kv-offloading-size without --kv-offload-dir)"
             )
-        if self.lora is not None and self.lora.unified_paging and self.parallel.tensor_parallel_size > 1:
-            raise ValueError(
-                "LoRA adapters are paged in the KV pool on one rank only; with --tensor-parallel-size > 1 "
-                'use lora_paging="slots" (--lora-paging slots)'
-            )
 
     @property
     def prefix_caching(self) -> bool:

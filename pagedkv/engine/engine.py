@@ -199,8 +199,8 @@ class LLMEngine:
         added = self.loras.add(lora_request)
         paged = self.scheduler.paged_adapters
         if added and paged is not None:
-            kv = self.settings.cache.block_size, self.model_config.num_kv_heads, self.model_config.head_dim
-            paged.register(lora_request.lora_int_id, self.loras.paged_file(lora_request.lora_int_id, *kv))
+            sizes = self.settings.cache.block_size, self.settings.parallel.tensor_parallel_size
+            paged.register(lora_request.lora_int_id, self.loras.paged_file(lora_request.lora_int_id, *sizes))
         return added
 
     def remove_lora(self, lora_int_id: int) -> bool:

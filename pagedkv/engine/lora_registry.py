@@ -16,6 +16,7 @@ from pagedkv.engine.lora_request import LoRARequest
 from pagedkv.engine.validation import InvalidRequestError
 from pagedkv.memory.adapter_layout import AdapterLayout, slab_elements
 from pagedkv.models.lora_checkpoint import AdapterSpec, LoRAAdapterError, projection_shapes, read_adapter
+from pagedkv.models.shard_config import shard_config
 
 
 class LoRARegistry:
@@ -57,20 +58,29 @@ class LoRARegistry:
         self._adapters[lora.lora_int_id] = (lora, spec)
         return True
 
-    def paged_file(self, lora_int_id: int, block_size: int, num_kv_heads: int, head_dim: int) -> AdapterFile:
+    def paged_file(self, lora_int_id: int, block_size: int, tensor_parallel_size: int = 1) -> AdapterFile:
         """What unified paging needs of a known adapter: its folder, the pages its weights take
-        in a KV cache of these block sizes (:class:`~pagedkv.memory.adapter_layout.AdapterLayout`,
+        in a KV cache of ``block_size`` (:class:`~pagedkv.memory.adapter_layout.AdapterLayout`,
         from the checked header's shapes), and the CRC-32 of its weights file, which the worker
-        checks each time it reads the file into the pages (an evicted adapter is read again)."""
+        checks each time it reads the file into the pages (an evicted adapter is read again).
+
+        Under tensor parallelism a block id is, on each rank, a slab of that rank's KV heads, and
+        the rank's pages hold its shard of the adapter (``A`` whole and its rows of ``B`` on
+        q/k/v and gate/up, its columns of ``A`` on o and down): the count is one rank's shard in
+        one rank's slab, both taken from the config as the model is cut
+        (:func:`~pagedkv.models.shard_config.shard_config`: every rank's share is the same size,
+        so one rank's count is every rank's), never from a rank's tensors."""
         lora, spec = self._adapters[lora_int_id]
-        shapes = projection_shapes(self.model_config)
+        shard = shard_config(self.model_config, tensor_parallel_size)
+        shapes = projection_shapes(shard)  # (in, out) of one rank's projections: its A and B
         layers: list[dict[str, tuple[tuple[int, int], tuple[int, int]]]] = [
             {} for _ in range(self.model_config.num_layers)
         ]
-        for layer, shard in spec.tensors:
-            in_features, out_features = shapes[shard]
-            layers[layer][shard] = ((spec.rank, in_features), (out_features, spec.rank))
-        pages = AdapterLayout.of(layers).pages(slab_elements(block_size, num_kv_heads, head_dim))
+        for layer, target in spec.tensors:
+            in_features, out_features = shapes[target]
+            layers[layer][target] = ((spec.rank, in_features), (out_features, spec.rank))
+        slab = slab_elements(block_size, shard.num_kv_heads, shard.head_dim)
+        pages = AdapterLayout.of(layers).pages(slab)
         return AdapterFile(lora.lora_name, str(lora.lora_path), pages, weights_checksum(spec.weights_file))
 
     def remove(self, lora_int_id: int) -> bool:

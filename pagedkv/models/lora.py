@@ -129,15 +129,25 @@ class ModuleSlots:
         self.a = torch.zeros((slots, rows, in_features), dtype=like.dtype, device=like.device)
         self.b = torch.zeros((slots, rows, column), dtype=like.dtype, device=like.device)
 
-    def put(self, slot: int, shard: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Adapter matrices ``a [r, in]`` and ``b [out, r]`` of target ``shard`` (the whole
-        model's, as the file holds them: a tensor-parallel shard's part is cut here, and ``B``'s
-        rows put in the order of the model's rows)."""
+    def cut(self, shard: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The part of target ``shard``'s whole ``a [r, in]`` and ``b [out, r]`` (as the file
+        holds them) that these slots hold: a tensor-parallel shard's columns of ``A`` and rows of
+        ``B``, ``B``'s rows in the order of the model's rows. The one place an adapter is cut to
+        a rank: the slots and the rank's adapter pages hold exactly this (possibly views)."""
         if self.a_columns is not None:
             first, count = self.a_columns
             a = a[:, first : first + count]
         if shard in self.b_index:
             b = b.index_select(0, self.b_index[shard].to(b.device))
+        return a, b
+
+    def put(self, slot: int, shard: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Adapter matrices ``a [r, in]`` and ``b [out, r]`` of target ``shard`` (the whole
+        model's, as the file holds them), cut by :meth:`cut`, into ``slot``."""
+        self.place(slot, shard, *self.cut(shard, a, b))
+
+    def place(self, slot: int, shard: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Target ``shard``'s ``a`` and ``b`` as :meth:`cut` gives them, into ``slot``."""
         block, column, width = self.places[shard]
         first, r = block * self.rank, a.shape[0]
         self.a[slot, first : first + r].copy_(a)
@@ -185,6 +195,13 @@ class LoRASlots:
         for (layer, shard), (a, b) in read.items():
             self.modules[layer, TARGETS[shard]].put(slot, shard, a, b)
         self.scaling[slot] = spec.scaling
+
+    def cut(
+        self, layer: int, shard: str, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s target ``shard``, whole as the file holds it, cut to what this model
+        (a rank's shard, or all of it) holds (:meth:`ModuleSlots.cut`)."""
+        return self.modules[layer, TARGETS[shard]].cut(shard, a, b)
 
     def clear(self, slot: int) -> None:
         for slots in self.modules.values():

@@ -40,7 +40,6 @@ replicated on ``N / num_kv_heads`` consecutive ranks, as vLLM does.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -60,58 +59,11 @@ from pagedkv.models.linear import GateUpLinear, Linear, PackedLinear
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quantization.blocks import QuantizedWeight
 from pagedkv.models.quantized import QuantizedLinear
+from pagedkv.models.shard_config import shard_config
 from pagedkv.models.tensor_slice import ParallelLayer, TensorSlice
 from pagedkv.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 logger = logging.getLogger(__name__)
-
-
-def check_divisible(cfg: ModelConfig, size: int) -> None:
-    """Raise ValueError naming the numbers when ``cfg`` cannot be split over ``size`` ranks."""
-    if size < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, got {size}")
-    problems = []
-    if cfg.num_heads % size:
-        problems.append(f"{cfg.num_heads} attention heads")
-    if cfg.num_kv_heads >= size and cfg.num_kv_heads % size:
-        problems.append(f"{cfg.num_kv_heads} key/value heads")
-    if cfg.num_kv_heads < size and size % cfg.num_kv_heads:
-        problems.append(f"{cfg.num_kv_heads} key/value heads (fewer than the ranks, and not a divisor)")
-    if cfg.intermediate_size % size:
-        problems.append(f"intermediate size {cfg.intermediate_size}")
-    moe = cfg.moe
-    if moe is not None and moe.expert_size % size:
-        problems.append(f"expert intermediate size {moe.expert_size}")
-    if moe is not None and (moe.shared_expert_size or 0) % size:
-        problems.append(f"shared expert intermediate size {moe.shared_expert_size}")
-    if problems:
-        raise ValueError(
-            f"tensor_parallel_size {size} cannot split this {cfg.architecture}: "
-            f"{', '.join(problems)} not divisible by {size}"
-        )
-
-
-def kv_heads_per_rank(cfg: ModelConfig, size: int) -> int:
-    """KV heads each rank holds: ``num_kv_heads / size``, at least one (replicated)."""
-    return max(1, cfg.num_kv_heads // size)
-
-
-def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """The config of one rank's model: its heads, its intermediate rows (each expert's too), its
-    vocabulary rows."""
-    check_divisible(cfg, size)
-    moe = cfg.moe
-    if moe is not None:
-        shared = None if moe.shared_expert_size is None else moe.shared_expert_size // size
-        moe = dataclasses.replace(moe, expert_size=moe.expert_size // size, shared_expert_size=shared)
-    return dataclasses.replace(
-        cfg,
-        num_heads=cfg.num_heads // size,
-        num_kv_heads=kv_heads_per_rank(cfg, size),
-        intermediate_size=cfg.intermediate_size // size,
-        vocab_size=-(-cfg.vocab_size // size),
-        moe=moe,
-    )
 
 
 @dataclass

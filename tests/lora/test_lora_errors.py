@@ -106,7 +106,6 @@ def test_lora_requests_need_enable_lora(tmp_path):
     [
         ({"max_loras": 0}, "max_loras must be a positive integer"),
         ({"max_lora_rank": 128}, "max_lora_rank must be at most 64"),
-        ({"tensor_parallel_size": 2}, 'use lora_paging="slots"'),
     ],
 )
 def test_bad_lora_options_are_refused_by_name(options, message):

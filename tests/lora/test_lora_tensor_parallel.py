@@ -1,29 +1,43 @@
 """LoRA under tensor parallelism: two ranks, each holding its shard of every adapter (``A``
 whole and its rows of ``B`` on q/k/v and gate/up; its columns of ``A`` and ``B`` whole on o and
 down), give PEFT's float32 greedy tokens -- and one rank's -- with two adapters and the base
-model mixed in one ``generate`` call.
+model mixed in one ``generate`` call; with unified paging each rank writes its shard into its
+own KV slabs of the same block ids, and a pool too small for every adapter evicts and reloads
+them on every rank alike.
 
-The adapters are made by PEFT itself with seeded non-zero ``A`` and ``B``; the test first checks
+The adapters are made by PEFT itself with seeded non-zero ``A`` and ``B``; the tests first check
 that they change the tokens (else equality would prove nothing)."""
 
 import random
 
 import pytest
+import torch
+from safetensors import safe_open
 
 from pagedkv import LLM, LoRARequest, SamplingParams
+from pagedkv.attention import resolve_backend
+from pagedkv.config.lora import LoRAConfig
+from pagedkv.engine.lora_registry import LoRARegistry
+from pagedkv.memory.adapter_layout import AdapterLayout, slab_elements
+from pagedkv.models import ModelConfig
+from pagedkv.models.lora import LoRASlots
+from pagedkv.models.lora_checkpoint import read_adapter
+from pagedkv.models.parallel import TensorParallel
+from pagedkv.models.shard_config import shard_config
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
+from tests.lora.test_lora_paging import MAX_NEW as RUN_MAX_NEW
+from tests.lora.test_lora_paging import _run
 from tests.lora_adapters import make_adapter, peft_greedy
+from tests.server.helpers import assert_pool_whole
 
 MAX_NEW = 8
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+OPTIONS = {"dtype": "float32", "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [{}, {"num_key_value_heads": 1}],
-    ids=["gqa", "kv-head-replicated"],  # one KV head: both ranks cut the same rows of k/v's B
-)
-def test_two_ranks_with_mixed_adapters_equal_peft_and_one_rank(tmp_path, overrides):
+def _case(tmp_path, **overrides):
+    """A checkpoint, two adapters (one of every target, one of q/v/down at rank 8), three
+    prompts and PEFT's tokens of each adapter and of the base model."""
     base = make_checkpoint(tmp_path, "llama", **overrides)
     adapters = {
         "all": make_adapter(tmp_path / "all", base, seed=1),
@@ -38,17 +52,25 @@ def test_two_ranks_with_mixed_adapters_equal_peft_and_one_rank(tmp_path, overrid
     for name in adapters:
         assert expected[name] != expected[None], f"adapter {name} does not change the tokens"
     requests = {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())}
+    return base, requests, prompts, expected
+
+
+@pytest.mark.parametrize(
+    ("overrides", "paging"),
+    [({}, "unified"), ({"num_key_value_heads": 1}, "unified"), ({}, "slots")],
+    # one KV head: both ranks hold a copy of it and cut the same rows of k/v's B; a block id is
+    # then one head's slab on each rank
+    ids=["gqa-unified", "kv-head-replicated-unified", "gqa-slots"],
+)
+def test_two_ranks_with_mixed_adapters_equal_peft_and_one_rank(tmp_path, overrides, paging):
+    base, requests, prompts, expected = _case(tmp_path, **overrides)
     order = ["all", None, "qv-down", "all"]
-    options = {
-        "dtype": "float32",
-        "enable_lora": True,
-        "max_loras": 2,
-        "max_lora_rank": 8,
-        "lora_paging": "slots",
+    options = OPTIONS | {
+        "lora_paging": paging,
         "num_kv_blocks": 128,
         "max_num_batched_tokens": 24,  # prompts in chunks, beside other adapters' decodes
     }
-    got = {}
+    got, pages = {}, {}
     for size in (1, 2):
         with LLM(str(base), tensor_parallel_size=size, **options) as llm:
             outs = llm.generate(
@@ -57,6 +79,73 @@ def test_two_ranks_with_mixed_adapters_equal_peft_and_one_rank(tmp_path, overrid
                 lora_request=[None if n is None else requests[n] for n in order for _ in prompts],
                 use_tqdm=False,
             )
+            paged = llm.engine.scheduler.paged_adapters
+            assert (paged is not None) == (paging == "unified")
+            if paged is not None:
+                pages[size] = {r.lora_int_id: len(r.block_ids) for r in llm.engine.kv_snapshot().adapters}
+            assert_pool_whole(llm.engine)
         got[size] = [o.outputs[0].token_ids for o in outs]
     assert got[2] == [t for n in order for t in expected[n]]
     assert got[2] == got[1]
+    if paging == "unified":  # a rank's slab is half the KV heads' (or one copied head's)
+        assert pages[2] != pages[1] and set(pages[2]) == {1, 2}
+
+
+def test_a_small_pool_evicts_and_reloads_the_ranks_shards_alike(tmp_path):
+    """Three adapters of 6 pages each on two ranks (their shards in half-size slabs) in a pool of
+    16 blocks: they cannot all be resident beside their KV blocks, take turns, are evicted for
+    each other and for KV blocks and read again on both ranks, and give PEFT's tokens each time."""
+    base = make_checkpoint(tmp_path, "llama")
+    prompts = [[5, 9, 14], [7, 3, 22, 30, 11, 8]]
+    folders = [make_adapter(tmp_path / f"a{i}", base, seed=10 + i) for i in range(3)]
+    loras = [LoRARequest(f"a{i}", i + 1, str(f)) for i, f in enumerate(folders)]
+    expected = {lora.lora_int_id: peft_greedy(base, lora.lora_path, prompts, RUN_MAX_NEW) for lora in loras}
+    expected[None] = peft_greedy(base, None, prompts, RUN_MAX_NEW)  # what _run generates
+    options = OPTIONS | {"max_loras": 3, "max_lora_rank": 4, "num_kv_blocks": 16}
+    with LLM(str(base), tensor_parallel_size=2, **options) as llm:
+        engine = llm.engine
+        paged = engine.scheduler.paged_adapters
+        order = [*loras, None, *loras, loras[0]]
+        requests = [(f"{n}-{k}", p, lora) for n, lora in enumerate(order) for k, p in enumerate(prompts)]
+        tokens = _run(engine, requests)  # checks every block's holders at every step
+        assert {len(r.block_ids) for r in paged.snapshot()} == {6}
+        assert paged.pages.num_evictions > 0 and paged.pages.num_loads > len(loras)
+        assert_pool_whole(engine)
+    for n, lora in enumerate(order):
+        for k in range(len(prompts)):
+            assert tokens[f"{n}-{k}"] == expected[None if lora is None else lora.lora_int_id][k]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "size"),
+    [({}, 2), ({"num_key_value_heads": 1}, 2), ({}, 4), ({"intermediate_size": 256}, 4)],
+    ids=["gqa-2", "kv-head-replicated-2", "kv-heads-replicated-4", "wide-mlp-4"],
+)
+def test_the_control_planes_page_count_is_each_ranks_cut_in_its_slab(tmp_path, overrides, size):
+    """The engine counts an adapter's pages from the config alone; each rank's model, built as
+    the ranks build it, cuts the file's tensors (the cut its pages and slots hold) to exactly
+    that many pages of its own KV slab -- on every rank, replicated KV heads included."""
+    base = make_checkpoint(tmp_path, "llama", **overrides)
+    folder = make_adapter(tmp_path / "a", base, seed=3, rank=8)
+    whole = ModelConfig.from_pretrained(base)
+    registry = LoRARegistry(LoRAConfig(max_loras=1, max_lora_rank=8), whole)
+    registry.add(LoRARequest("a", 1, str(folder)))
+    counted = registry.paged_file(1, 16, size).pages
+    spec = read_adapter(folder, whole, 8)
+    with safe_open(spec.weights_file, framework="pt") as file:
+        tensors = {key: (file.get_tensor(a), file.get_tensor(b)) for key, (a, b) in spec.tensors.items()}
+    backend = resolve_backend("torch", torch.device("cpu"))
+    shard = shard_config(whole, size)
+    slab = slab_elements(16, shard.num_kv_heads, shard.head_dim)
+    for rank in range(size):
+        model = TensorParallel(rank, size).build(whole, backend)
+        slots = LoRASlots(model, 1, 8, checkpoint=whole)
+        layers = [{} for _ in range(whole.num_layers)]
+        for (layer, target), (a, b) in tensors.items():
+            a_cut, b_cut = slots.cut(layer, target, a, b)
+            layers[layer][target] = (tuple(a_cut.shape), tuple(b_cut.shape))
+        assert AdapterLayout.of(layers).pages(slab) == counted, f"rank {rank} of {size}"
+    unsharded = [{} for _ in range(whole.num_layers)]
+    for (layer, target), (a, b) in tensors.items():
+        unsharded[layer][target] = (tuple(a.shape), tuple(b.shape))
+    assert counted < AdapterLayout.of(unsharded).pages(slab)  # the whole adapter would need more

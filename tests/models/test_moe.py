@@ -27,14 +27,9 @@ from pagedkv.models.moe import MoeForCausalLM, RouteExperts, Router, route
 from pagedkv.models.moe_config import MoeConfig
 from pagedkv.models.moe_native import native_experts
 from pagedkv.models.ops import ForwardBatch, Project
-from pagedkv.models.parallel import (
-    ColumnParallelGateUp,
-    TensorParallel,
-    TensorSlice,
-    check_divisible,
-    shard_config,
-)
+from pagedkv.models.parallel import ColumnParallelGateUp, TensorParallel, TensorSlice
 from pagedkv.models.quantized import QuantizedLinear
+from pagedkv.models.shard_config import check_divisible, shard_config
 from tests.checkpoints import make_checkpoint, to_v4_config
 from tests.engine.spec.test_engine_spec import NGRAM
 

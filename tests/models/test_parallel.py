@@ -15,7 +15,8 @@ from pagedkv import LLM
 from pagedkv.distributed import Rendezvous
 from pagedkv.engine.config import EngineConfig
 from pagedkv.models import ModelConfig
-from pagedkv.models.parallel import TensorParallel, TensorSlice, check_divisible, shard_config
+from pagedkv.models.parallel import TensorParallel, TensorSlice
+from pagedkv.models.shard_config import check_divisible, shard_config
 from tests.checkpoints import make_checkpoint
 
 

@@ -1,6 +1,13 @@
 """The worker's half of unified LoRA paging: adapters' weights written into their pages of the
 KV cache, and the model's compute slots filled from those pages.
 
+The pages hold what the model's slots hold: on a tensor-parallel rank its shard of each target
+(:meth:`~pagedkv.models.lora.LoRASlots.cut`, the cut the slots make), so a block id, a smaller
+slab on each rank (its KV heads), holds the rank's part in each rank's cache; the control plane
+counts the pages of one rank's shard in one rank's slab
+(:meth:`~pagedkv.engine.lora_registry.LoRARegistry.paged_file`), and :func:`write_adapter`
+checks that count against the shard it writes.
+
 The plan says which adapters were loaded into which pages (:class:`~pagedkv.memory.adapters.PageWrite`):
 the folder is read once, its weights file checked against the CRC-32 taken when the adapter was
 added (an evicted adapter is read again later, and must be the same adapter), and its ``A`` and
@@ -15,7 +22,6 @@ from __future__ import annotations
 
 import zlib
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -38,16 +44,17 @@ class PagedAdapterWeights:
     scaling, as of the last write (pages reused by KV since are never read: the control plane
     loads an evicted adapter anew, which writes it anew)."""
 
-    def __init__(self, kv_cache: KVCache, model_config: Any, max_rank: int) -> None:
+    def __init__(self, kv_cache: KVCache, slots: LoRASlots) -> None:
         check_unified_paging(kv_cache)
         self.kv_cache = kv_cache
-        self.model_config = model_config
-        self.max_rank = max_rank
+        #: the model's slots: what adapters are checked against (the whole model's config) and
+        #: how each target is cut to what this model holds (:meth:`LoRASlots.cut`)
+        self.slots = slots
         self._written: dict[int, tuple[tuple[int, ...], AdapterLayout, float]] = {}
 
     def write(self, page_write: PageWrite) -> None:
         """Read the adapter's folder (checked) and write its weights into its pages."""
-        spec = read_adapter(page_write.path, self.model_config, self.max_rank)
+        spec = read_adapter(page_write.path, self.slots.config, self.slots.max_rank)
         data = Path(spec.weights_file).read_bytes()
         if zlib.crc32(data) != page_write.checksum:
             raise LoRAAdapterError(
@@ -59,7 +66,7 @@ class PagedAdapterWeights:
             {} for _ in range(self.kv_cache.num_layers)
         ]
         for (layer, shard), (a, b) in spec.tensors.items():
-            layers[layer][shard] = (tensors[a], tensors[b])
+            layers[layer][shard] = self.slots.cut(layer, shard, tensors[a], tensors[b])
         layout = write_adapter(self.kv_cache, page_write.block_ids, layers)
         self._written[page_write.lora_int_id] = (tuple(page_write.block_ids), layout, spec.scaling)
 
@@ -77,5 +84,5 @@ class PagedAdapterWeights:
         slots.clear(load.slot)
         for layer, targets in enumerate(layers):
             for shard, (a, b) in targets.items():
-                slots.modules[layer, TARGETS[shard]].put(load.slot, shard, a, b)
+                slots.modules[layer, TARGETS[shard]].place(load.slot, shard, a, b)
         slots.scaling[load.slot] = scaling

@@ -80,7 +80,7 @@ class InProcessExecutor(Executor):
         if self.tier is not None:
             self.runner.tier = RankTier(self.tier, kv_cache)
         if config.lora is not None and config.lora.unified_paging:  # a quantized cache is refused
-            self.runner.adapter_pages = PagedAdapterWeights(kv_cache, model.config, config.lora.max_lora_rank)
+            self.runner.adapter_pages = PagedAdapterWeights(kv_cache, model.lora)
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         if self.runner is None:

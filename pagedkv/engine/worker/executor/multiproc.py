@@ -47,7 +47,7 @@ from pagedkv.engine.worker.executor.rank import RankSpec, build_runner, size_ran
 from pagedkv.engine.worker.executor.tier_io import plan_tier
 from pagedkv.memory.pool_sizing import AUTO, PoolSizing
 from pagedkv.models import ModelConfig
-from pagedkv.models.parallel import check_divisible
+from pagedkv.models.shard_config import check_divisible
 
 #: How long shutdown waits for the workers to take the stop message.
 GOODBYE_TIMEOUT = timedelta(seconds=5)

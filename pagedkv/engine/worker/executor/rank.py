@@ -24,6 +24,7 @@ from pagedkv.engine.worker.executor.base import TierSpec
 from pagedkv.engine.worker.executor.hybrid import pool_spec
 from pagedkv.engine.worker.executor.kv_budget import available_memory, size_pool
 from pagedkv.engine.worker.executor.tier_io import RankTier
+from pagedkv.engine.worker.lora_pages import PagedAdapterWeights
 from pagedkv.engine.worker.model_runner import ModelRunner
 from pagedkv.memory.kv_groups import KVGroups
 from pagedkv.memory.pool_sizing import PoolSizing
@@ -31,7 +32,8 @@ from pagedkv.models import ModelConfig, load_model
 from pagedkv.models.dtypes import resolve_dtype
 from pagedkv.models.families import model_class
 from pagedkv.models.lora import LoRASlots
-from pagedkv.models.parallel import TensorParallel, shard_config
+from pagedkv.models.parallel import TensorParallel
+from pagedkv.models.shard_config import shard_config
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,8 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
     runner = ModelRunner(model, kv_cache)
     if spec.tier is not None:
         runner.tier = RankTier(spec.tier, kv_cache, rank, spec.rendezvous.world_size)
+    if lora is not None and lora.unified_paging:  # the rank's shard of each adapter, in its KV slabs
+        runner.adapter_pages = PagedAdapterWeights(kv_cache, model.lora)
     return runner, tp
 
 
