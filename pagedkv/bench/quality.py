@@ -155,6 +155,9 @@ class LogitsTap:
             self.token_ids.extend(tokens[:room])
         return logits
 
+    def adapter_failures(self) -> dict[int, str]:
+        return self.inner.adapter_failures()
+
     def check_health(self) -> None:
         self.inner.check_health()
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.core.adapter_admission import adapters_in_use
+from pagedkv.engine.core.adapter_failures import AdapterFailures
 from pagedkv.engine.core.commit import StepDecisions, finish, update_from_output
 from pagedkv.engine.core.kv_tier import make_kv_manager
 from pagedkv.engine.core.plan import ShippedTables, StepPlan
@@ -196,11 +197,10 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Check a LoRA adapter against the model and make it known (vLLM's); False if it was
         known already. Raises :class:`InvalidRequestError` naming what is wrong with it."""
-        added = self.loras.add(lora_request)
-        paged = self.scheduler.paged_adapters
-        if added and paged is not None:
+        added, lora_id = self.loras.add(lora_request), lora_request.lora_int_id
+        if added and self.scheduler.paged_adapters is not None:  # a rank's shard in a rank's KV slab
             sizes = self.settings.cache.block_size, self.settings.parallel.tensor_parallel_size
-            paged.register(lora_request.lora_int_id, self.loras.paged_file(lora_request.lora_int_id, *sizes))
+            self.scheduler.paged_adapters.register(lora_id, self.loras.paged_file(lora_id, *sizes))
         return added
 
     def remove_lora(self, lora_int_id: int) -> bool:
@@ -308,27 +308,31 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests waiting (a bug)")
             return []
         plan = scheduled.plan(self.kv_manager, self.shipped_tables)
-        plan, logits, reverted = self.kv_tier.settle(scheduled, plan, self._execute(plan))
+        logits, failed = self._execute(plan)
+        plan, logits, reverted = self.kv_tier.settle(scheduled, *failed.drop(scheduled, plan, logits))
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
-        decisions = StepDecisions.after(scheduled, reverted)
+        decisions = StepDecisions.after(scheduled, reverted | failed.reverted)
         logits = take_prompt_logprobs(scheduled.scheduled, plan.slices, logits, decisions)
         sampled = sample_step(scheduled, logits, self.sampler, self.tokenizer, decisions, self.verifier)
         processed = self.output_processor.process(sampled, decisions, computed_at)
+        failed.fail(decisions, processed)
         update_from_output(self.scheduler, decisions)
+        failed.forget(plan)
         outputs = self.output_processor.outputs(processed, finished_only)
         self._publish(scheduled, sampled, processed, outputs, started)
         return outputs
 
-    def _execute(self, plan: StepPlan) -> torch.Tensor:
-        """The executor's step; if it fails, the adapters it was to load are not resident."""
+    def _execute(self, plan: StepPlan) -> tuple[torch.Tensor, AdapterFailures]:
+        """The executor's step and the adapters it skipped; if it fails, its loads are undone."""
         try:
-            return self.executor.execute(plan)
+            logits = self.executor.execute(plan)
         except Exception:
             if plan.lora_loads and self.scheduler.adapters is not None:
                 self.scheduler.adapters.undo(plan.lora_loads)
             if plan.lora_page_writes and self.scheduler.paged_adapters is not None:
                 self.scheduler.paged_adapters.retry(plan.lora_page_writes)
             raise
+        return logits, AdapterFailures(self.scheduler, self.executor.adapter_failures())
 
     def _publish(
         self,

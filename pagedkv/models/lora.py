@@ -183,14 +183,24 @@ class LoRASlots:
         #: each slot's scaling (``lora_alpha / r``; 0 for an empty slot)
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=like.device)
 
-    def load(self, slot: int, spec: AdapterSpec) -> None:
-        """Adapter ``spec`` into ``slot``, replacing what the slot held (untargeted projections
-        zeroed). Every tensor is read before the slot changes: a file that fails to read leaves
-        the slot as it was."""
+    def read(self, spec: AdapterSpec) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        """Every ``(A, B)`` of adapter ``spec``, whole, by ``(layer, target)``: read before any
+        slot changes, so a file that fails to read changes nothing."""
         with safe_open(spec.weights_file, framework="pt") as tensors:
-            read = {
+            return {
                 key: (tensors.get_tensor(a), tensors.get_tensor(b)) for key, (a, b) in spec.tensors.items()
             }
+
+    def load(
+        self,
+        slot: int,
+        spec: AdapterSpec,
+        read: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
+        """Adapter ``spec`` into ``slot``, replacing what the slot held (untargeted projections
+        zeroed), from its tensors as :meth:`read` gives them (read now if not given): a file
+        that fails to read leaves the slot as it was."""
+        read = self.read(spec) if read is None else read
         self.clear(slot)
         for (layer, shard), (a, b) in read.items():
             self.modules[layer, TARGETS[shard]].put(slot, shard, a, b)

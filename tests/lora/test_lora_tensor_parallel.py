@@ -9,6 +9,7 @@ The adapters are made by PEFT itself with seeded non-zero ``A`` and ``B``; the t
 that they change the tokens (else equality would prove nothing)."""
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +150,63 @@ def test_the_control_planes_page_count_is_each_ranks_cut_in_its_slab(tmp_path, o
     for (layer, target), (a, b) in tensors.items():
         unsharded[layer][target] = (tuple(a.shape), tuple(b.shape))
     assert counted < AdapterLayout.of(unsharded).pages(slab)  # the whole adapter would need more
+
+
+def _changed(folder):
+    """Rewrite ``folder``'s weights with the same names and shapes, other values (the header
+    still passes the check; the CRC-32 taken when the adapter was added does not); returns
+    the original bytes."""
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "adapter_model.safetensors"
+    original = weights.read_bytes()
+    save_file({name: 2 * t for name, t in load_file(weights).items()}, weights)
+    return original
+
+
+@pytest.mark.parametrize(
+    ("size", "paging"),
+    [(1, "unified"), (2, "unified"), (2, "slots")],
+    ids=["1-unified", "2-unified", "2-slots"],
+)
+def test_an_adapter_whose_files_changed_fails_its_requests_and_the_ranks_serve_on(tmp_path, size, paging):
+    """An adapter changed (unified paging: its file's CRC-32 differs) or moved (slots: its
+    folder is gone) after it was added: every rank skips it alike, its requests end with
+    ``"error"`` naming why, the other rows of the same steps are PEFT's, no rank stops, every
+    block comes back; once the files are back it loads and gives PEFT's tokens (nothing of the
+    failed steps was cached or kept)."""
+    base, requests, prompts, expected = _case(tmp_path)
+    bad = requests["qv-down"]
+    options = OPTIONS | {"lora_paging": paging, "num_kv_blocks": 64}
+    with LLM(str(base), tensor_parallel_size=size, **options) as llm:
+        for lora in requests.values():
+            llm.engine.add_lora(lora)
+        folder = Path(bad.lora_path)
+        if paging == "unified":
+            original, reason = _changed(folder), "the file changed since the adapter was added"
+        else:
+            folder.rename(folder.with_name("moved"))
+            reason = "does not exist"
+        order = ["all", "qv-down", None]
+        outs = llm.generate(
+            [p for _ in order for p in prompts],
+            GREEDY,
+            lora_request=[None if n is None else requests[n] for n in order for _ in prompts],
+            use_tqdm=False,
+        )
+        by_name = {n: outs[i * len(prompts) : (i + 1) * len(prompts)] for i, n in enumerate(order)}
+        for name in ("all", None):
+            assert [o.outputs[0].token_ids for o in by_name[name]] == expected[name]
+            assert all(o.error is None for o in by_name[name])
+        for out in by_name["qv-down"]:
+            assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
+            assert "LoRA adapter 'qv-down' could not be loaded" in out.error and reason in out.error
+        llm.engine.executor.check_health()  # every rank still serves
+        assert_pool_whole(llm.engine)
+        if paging == "unified":
+            (folder / "adapter_model.safetensors").write_bytes(original)
+        else:
+            folder.with_name("moved").rename(folder)
+        again = llm.generate(prompts, GREEDY, lora_request=bad, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == expected["qv-down"]
+        assert_pool_whole(llm.engine)

@@ -162,7 +162,7 @@ class KVTierLink:
         failures = self.settle_moves(plan.kv_transfers)
         if not failures:
             return plan, logits, {}
-        return self._drop(scheduled, plan, logits, failures)
+        return drop_from_step(scheduled, plan, logits, failures)
 
     def settle_moves(self, transfers: KVTransfers | None = None) -> dict[Any, int]:
         """Acknowledge what the executor finished since the last call (``transfers``: the moves
@@ -254,25 +254,29 @@ class KVTierLink:
         if events and listener is not None:
             listener.tier_changed(events)
 
-    def _drop(
-        self, scheduled: SchedulerOutput, plan: StepPlan, logits: Any, failures: dict[Any, int]
-    ) -> tuple[StepPlan, Any, dict[Sequence, int]]:
-        kept, slices, rows = [], [], []
-        reverted: dict[Sequence, int] = {}
-        row = 0
-        for item, piece in zip(scheduled.scheduled, plan.slices, strict=True):
-            count = len(piece.logits_rows())
-            valid = failures.get(item.seq.seq_id)
-            if valid is None:
-                kept.append(item)
-                slices.append(piece)
-                rows.extend(range(row, row + count))
-            else:
-                reverted[item.seq] = min(valid, item.start)
-            row += count
-        scheduled.scheduled = kept
-        return dataclasses.replace(plan, slices=slices), logits[rows], reverted
-
 
 def _smooth(old: float, new: float) -> float:
     return (1 - RATE_SMOOTHING) * old + RATE_SMOOTHING * new
+
+
+def drop_from_step(
+    scheduled: SchedulerOutput, plan: StepPlan, logits: Any, failures: dict[Any, int]
+) -> tuple[StepPlan, Any, dict[Sequence, int]]:
+    """The step without the sequences in ``failures`` (by sequence id: the computed tokens still
+    valid of each): their items, slices and logits rows dropped. Returns the plan and logits
+    left, and the computed tokens each dropped sequence keeps (at most its slice's start)."""
+    kept, slices, rows = [], [], []
+    reverted: dict[Sequence, int] = {}
+    row = 0
+    for item, piece in zip(scheduled.scheduled, plan.slices, strict=True):
+        count = len(piece.logits_rows())
+        valid = failures.get(item.seq.seq_id)
+        if valid is None:
+            kept.append(item)
+            slices.append(piece)
+            rows.extend(range(row, row + count))
+        else:
+            reverted[item.seq] = min(valid, item.start)
+        row += count
+    scheduled.scheduled = kept
+    return dataclasses.replace(plan, slices=slices), logits[rows], reverted

@@ -21,6 +21,7 @@ gathered before the slot changes.
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,6 +40,15 @@ from pagedkv.models.lora import LoRASlots
 from pagedkv.models.lora_checkpoint import TARGETS, LoRAAdapterError, read_adapter
 
 
+@dataclass(frozen=True)
+class AdapterShard:
+    """An adapter read for this model: per layer, each target's ``(A, B)`` cut to what the model
+    (a rank's shard, or all of it) holds, and its scaling."""
+
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    scaling: float
+
+
 class PagedAdapterWeights:
     """Where each written adapter's weights sit in ``kv_cache``: its pages, their layout and its
     scaling, as of the last write (pages reused by KV since are never read: the control plane
@@ -52,8 +62,10 @@ class PagedAdapterWeights:
         self.slots = slots
         self._written: dict[int, tuple[tuple[int, ...], AdapterLayout, float]] = {}
 
-    def write(self, page_write: PageWrite) -> None:
-        """Read the adapter's folder (checked) and write its weights into its pages."""
+    def read(self, page_write: PageWrite) -> AdapterShard:
+        """Read the adapter's folder (checked against the model and the CRC-32 taken when it was
+        added) and cut each target to what this model holds; nothing is written yet, so a file
+        that fails here changes nothing."""
         spec = read_adapter(page_write.path, self.slots.config, self.slots.max_rank)
         data = Path(spec.weights_file).read_bytes()
         if zlib.crc32(data) != page_write.checksum:
@@ -67,8 +79,12 @@ class PagedAdapterWeights:
         ]
         for (layer, shard), (a, b) in spec.tensors.items():
             layers[layer][shard] = self.slots.cut(layer, shard, tensors[a], tensors[b])
-        layout = write_adapter(self.kv_cache, page_write.block_ids, layers)
-        self._written[page_write.lora_int_id] = (tuple(page_write.block_ids), layout, spec.scaling)
+        return AdapterShard(layers, spec.scaling)
+
+    def write(self, page_write: PageWrite, shard: AdapterShard) -> None:
+        """The adapter's weights, as :meth:`read` gave them, into its pages."""
+        layout = write_adapter(self.kv_cache, page_write.block_ids, shard.layers)
+        self._written[page_write.lora_int_id] = (tuple(page_write.block_ids), layout, shard.scaling)
 
     def fill_slot(self, slots: LoRASlots, load: SlotLoad) -> None:
         """Slot ``load.slot`` from the adapter's pages, which a write put there."""

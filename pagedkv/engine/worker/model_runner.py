@@ -23,13 +23,13 @@ import torch
 
 from pagedkv.attention import KVCache, copy_blocks
 from pagedkv.engine.core.plan import StepPlan
+from pagedkv.engine.worker.adapter_loads import Agree, alone, load_adapters
 from pagedkv.engine.worker.cuda_graphs import DecodeGraphs, DecodeGraphSpec
 from pagedkv.engine.worker.host_memory import reuse_freed_memory
 from pagedkv.engine.worker.lora_pages import PagedAdapterWeights
 from pagedkv.engine.worker.runner_tables import RunnerTables
 from pagedkv.engine.worker.step_buffers import StepBuffers, StepInputs
 from pagedkv.engine.worker.step_inputs import StepArrays, step_arrays
-from pagedkv.models.lora_checkpoint import read_adapter
 from pagedkv.models.ops import LoRARows
 
 
@@ -50,6 +50,11 @@ class ModelRunner:
         self.tier = None
         #: Adapters' weights in pages of the KV cache (unified LoRA paging); None: off.
         self.adapter_pages: PagedAdapterWeights | None = None
+        #: How the ranks agree which adapter reads failed (a tensor-parallel rank's all-reduce).
+        self.agree: Agree = alone
+        #: The LoRA adapters the last step could not load, by id, with why: skipped on every
+        #: rank, their rows' outputs to be dropped (:mod:`~pagedkv.engine.worker.adapter_loads`).
+        self.adapter_failures: dict[int, str] = {}
         if self.device.type == "cpu":
             reuse_freed_memory()
         self.buffers = StepBuffers(self.device)
@@ -79,7 +84,10 @@ class ModelRunner:
             self.tier.move(self.kv_cache, plan)
         elif plan.block_copies:
             copy_blocks(self.kv_cache, plan.block_copies)
-        self._load_adapters(plan)
+        # read, agreed on by every rank, written: a failed adapter is skipped, not raised
+        self.adapter_failures = load_adapters(
+            plan, getattr(self.model, "lora", None), self.adapter_pages, self.agree
+        )
         if not plan.slices:
             return torch.empty(0, dtype=torch.float32)
         arrays = self.arrays(plan)
@@ -93,20 +101,6 @@ class ModelRunner:
         lora = self._lora_rows(plan, rows) if adapters else None
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.metadata, rows, lora)
         return self.model.compute_logits(hidden)
-
-    def _load_adapters(self, plan: StepPlan) -> None:
-        """The plan's LoRA adapters into their pages (the folder read now, and checked), then
-        into their slots: from their pages, or from the folder without unified paging."""
-        for page_write in plan.lora_page_writes:
-            if self.adapter_pages is None:
-                raise RuntimeError("a plan writes LoRA adapter pages, but this runner does not page adapters")
-            self.adapter_pages.write(page_write)
-        slots = self.model.lora
-        for load in plan.lora_loads:
-            if load.pages and self.adapter_pages is not None:
-                self.adapter_pages.fill_slot(slots, load)
-            else:
-                slots.load(load.slot, read_adapter(load.path, slots.config, slots.max_rank))
 
     def _lora_rows(self, plan: StepPlan, output_rows: torch.Tensor | None) -> LoRARows | None:
         row_slots = [piece.lora_slot for piece in plan.slices for _ in piece.token_ids]

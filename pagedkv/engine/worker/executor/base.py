@@ -119,6 +119,13 @@ class Executor(ABC):
         runner = getattr(self, "runner", None)
         return None if runner is None else runner.tier
 
+    def adapter_failures(self) -> dict[int, str]:
+        """The LoRA adapters the last step could not load, by id, with why: every rank skipped
+        them alike and their rows' outputs are not to be used (rank 0's runner holds the agreed
+        set)."""
+        runner = getattr(self, "runner", None)
+        return {} if runner is None else runner.adapter_failures
+
     @abstractmethod
     def check_health(self) -> None:
         """Raise :class:`ExecutorError` if steps can no longer run. Cheap and thread-safe: the

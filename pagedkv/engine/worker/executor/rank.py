@@ -14,12 +14,14 @@ import signal
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pagedkv.attention import KVCache, resolve_backend
 from pagedkv.distributed import Rendezvous, groups, heartbeat
 from pagedkv.engine.config import EngineSettings
+from pagedkv.engine.worker.adapter_loads import Agree
 from pagedkv.engine.worker.executor.base import TierSpec
 from pagedkv.engine.worker.executor.hybrid import pool_spec
 from pagedkv.engine.worker.executor.kv_budget import available_memory, size_pool
@@ -139,7 +141,21 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
         runner.tier = RankTier(spec.tier, kv_cache, rank, spec.rendezvous.world_size)
     if lora is not None and lora.unified_paging:  # the rank's shard of each adapter, in its KV slabs
         runner.adapter_pages = PagedAdapterWeights(kv_cache, model.lora)
+    runner.agree = failed_on_any_rank(group.compute, device)
     return runner, tp
+
+
+def failed_on_any_rank(group: Any, device: str) -> Agree:
+    """How the ranks agree which of a step's adapter reads failed: a flag each, the maximum over
+    the ranks, over the compute group (whose collectives time out, so a rank that died does not
+    keep the others waiting)."""
+
+    def agree(failed: list[bool]) -> list[bool]:
+        flags = torch.tensor(failed, dtype=torch.int32, device=device)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=group)
+        return [bool(flag) for flag in flags.tolist()]
+
+    return agree
 
 
 def agreed_blocks(spec: RankSpec, group: groups.Groups) -> int:
