@@ -23,7 +23,8 @@ the all-reduce that already sums the base product -- no communication of its own
 of the rank's packed rows). On a partial-rotary model (Phi-4-mini) the loader reorders each
 query and key head's rows (:func:`~pagedkv.models.rope.rotary_row_order`); ``B``'s q/k rows are
 put in the same order (:func:`b_rows`), so the adapter's output adds to the rows it was trained
-for.
+for. :meth:`ModuleSlots.cut` is that cut, in one place: the slots and, under unified paging, a
+rank's adapter pages hold exactly what it gives.
 
 :meth:`LoRASlots.wrap` turns a model's op list into the one with adapters: each adaptable
 projection's op becomes a :class:`~pagedkv.models.ops.LoRAProject` or
@@ -87,7 +88,7 @@ class ModuleSlots:
     """One packed projection's slot tensors, and where each of its targets sits: ``shard ->
     (block index, first output column, columns)`` (a fused target is the module's one block, over
     all its columns). ``linear`` (the projection) says which part of each adapter matrix the
-    slots hold: a tensor-parallel shard's (:meth:`put` cuts it), or all of it (any other layer,
+    slots hold: a tensor-parallel shard's (:meth:`cut` cuts it), or all of it (any other layer,
     or None); ``checkpoint`` is the whole model's config (None: a whole full-rotary model's
     layer, whose ``B`` rows the slots hold in order)."""
 
