@@ -87,6 +87,14 @@ class StepStats:
     #: running sequences (counted in ``kv_blocks_used``; the idle ones count as free).
     lora_page_loads: int = 0
     lora_page_evictions: int = 0
+    #: With a second KV tier, where this step's loads come from: adapters copied back from the
+    #: tier and adapters read from their folders (together ``lora_page_loads``); adapters whose
+    #: tier copy failed its check at this step (read from the folder instead); pages of evicted
+    #: adapters planned into the tier at this step.
+    lora_page_tier_loads: int = 0
+    lora_page_file_reads: int = 0
+    lora_page_tier_fallbacks: int = 0
+    lora_page_spills: int = 0
     lora_adapters_resident: int = 0
     lora_pages_resident: int = 0
     lora_pages_pinned: int = 0
