@@ -251,6 +251,7 @@ class TieredKVCacheManager(KVCacheManager):
         for index, (entry, block) in enumerate(zip(entries, block_ids, strict=True)):
             self._planned.loads.append(BlockLoad(entry.slot, block, entry.block_hash))
             self._loading.setdefault(entry.slot, []).append(_Inbound(False, entry.block_hash, None, index))
+            self.blocks_loaded += 1
 
     def preempt(
         self, seq_id: SeqId, token_ids: Sequence[int], num_computed: int, allow_swap: bool = True

@@ -270,21 +270,22 @@ class KVTier:
         return root
 
     def forget(self, digests: Iterable[int]) -> None:
-        """Forget these hashed blocks, as :meth:`clear` forgets all (absent ones are skipped)."""
+        """Forget these hashed blocks (absent ones are skipped); busy ones are dropped and free
+        their slots when their transfers end."""
         for digest in digests:
             entry = self._blocks.get(digest)
-            if entry is not None:
-                self._drop(entry) if entry.busy else self._release(entry, announce=True)
-
-    def clear(self) -> int:
-        """Forget every hashed block (their contents are no longer valid); busy ones are
-        dropped and free their slots when their transfers end. Swap slots stay."""
-        forgotten = list(self._blocks.values())
-        for entry in forgotten:
+            if entry is None:
+                continue
             if entry.busy:
                 self._drop(entry)
             else:
                 self._release(entry, announce=True)
+
+    def clear(self) -> int:
+        """Forget every KV block (their contents are no longer valid); busy ones are dropped
+        and free their slots when their transfers end. Swap slots and adapters' pages stay."""
+        forgotten = [digest for digest, entry in self._blocks.items() if entry.announced]
+        self.forget(forgotten)
         return len(forgotten)
 
     # -- swap slots -------------------------------------------------------------------------
