@@ -149,3 +149,19 @@ def test_removing_an_adapter_drops_its_tier_entries(case, tmp_path):
         assert engine.kv_manager.tier.num_blocks == before - pages
         _check_tier(engine)
         assert_pool_whole(engine)
+
+
+def test_a_restarted_disk_tier_gives_back_the_adapters_evicted_before(case, tmp_path):
+    """The pages of adapters evicted before a restart are files of the disk tier: the next
+    engine indexes them, and loads them (reading only the folder's config and header for their
+    layout) with PEFT's tokens."""
+    base, folders, expected = case
+    loras = _adapters(folders, tmp_path)
+    tier = dict(kv_offload="disk", kv_offload_memory="1MiB", kv_offload_dir=str(tmp_path / "kv"))
+    with LLM(str(base), **OPTIONS, **tier) as llm:
+        assert _run(llm.engine, loras, Counter()) == expected
+    with LLM(str(base), **OPTIONS, **tier) as llm:
+        steps: Counter = Counter()
+        assert _run(llm.engine, loras[:1], steps) == expected[:1]
+        assert (steps["lora_page_tier_loads"], steps["lora_page_file_reads"]) == (1, 0)
+        assert_pool_whole(llm.engine)
