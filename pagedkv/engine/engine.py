@@ -387,6 +387,8 @@ class LLMEngine:
         """Release the model and the KV cache (and any worker rank) now; idempotent. Dropping the
         engine releases them too; steps afterwards raise ``ExecutorError``."""
         self.structured_outputs.close()
+        if self.scheduler.paged_adapters is not None:
+            self.scheduler.paged_adapters.spill_resident()  # a disk tier keeps them too
         self.kv_tier.flush()  # a disk tier keeps the prefix cache for the next start
         self.executor.shutdown()
 

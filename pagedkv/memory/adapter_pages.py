@@ -259,6 +259,10 @@ class AdapterPages:
         if adapter_id in self._blocks:
             self._unwritten[adapter_id] = self._blocks[adapter_id]
 
+    def written(self) -> list[tuple[AdapterId, list[int]]]:
+        """Resident adapters whose pages hold their weights (a step wrote them), with the pages."""
+        return [(a, list(blocks)) for a, blocks in self._blocks.items() if a not in self._unwritten]
+
     def take_evicted(self) -> list[AdapterId]:
         """Adapters evicted or unloaded since the last call (their pages may now hold KV)."""
         evicted, self._evicted = self._evicted, []

@@ -151,17 +151,22 @@ def test_removing_an_adapter_drops_its_tier_entries(case, tmp_path):
         assert_pool_whole(engine)
 
 
-def test_a_restarted_disk_tier_gives_back_the_adapters_evicted_before(case, tmp_path):
-    """The pages of adapters evicted before a restart are files of the disk tier: the next
-    engine indexes them, and loads them (reading only the folder's config and header for their
-    layout) with PEFT's tokens."""
+def test_a_restarted_disk_tier_gives_back_the_adapters_of_the_last_run(case, tmp_path):
+    """The pages of adapters evicted before a restart, and of those resident when the engine
+    stopped, are files of the disk tier: the next engine indexes them, and loads them (reading
+    only the folder's config and header for their layout) with PEFT's tokens."""
     base, folders, expected = case
     loras = _adapters(folders, tmp_path)
     tier = dict(kv_offload="disk", kv_offload_memory="1MiB", kv_offload_dir=str(tmp_path / "kv"))
     with LLM(str(base), **OPTIONS, **tier) as llm:
         assert _run(llm.engine, loras, Counter()) == expected
+        paged = llm.engine.scheduler.paged_adapters
+        evicted, resident = loras[0], loras[-1]
+        assert not paged.pages.is_resident(evicted.lora_int_id)
+        assert paged.pages.is_resident(resident.lora_int_id)
     with LLM(str(base), **OPTIONS, **tier) as llm:
         steps: Counter = Counter()
-        assert _run(llm.engine, loras[:1], steps) == expected[:1]
-        assert (steps["lora_page_tier_loads"], steps["lora_page_file_reads"]) == (1, 0)
+        for lora in (evicted, resident):
+            assert _run(llm.engine, [lora], steps) == [expected[loras.index(lora)]]
+        assert (steps["lora_page_tier_loads"], steps["lora_page_file_reads"]) == (2, 0)
         assert_pool_whole(llm.engine)

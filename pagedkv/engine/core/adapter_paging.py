@@ -83,6 +83,14 @@ class PagedAdapters:
         if self.tier is not None and file is not None:
             self.tier.forget(lora_int_id, file.checksum, file.pages)
 
+    def spill_resident(self) -> int:
+        """With a disk tier, plan a copy of every resident adapter's pages into it (at shutdown,
+        beside the pool's cached blocks: the next engine on the folder finds them); returns the
+        pages planned. A host tier ends with the process: nothing."""
+        if self.tier is None or self.tier.manager.tier.medium != "DISK":
+            return 0
+        return sum(self.tier.spill(a, self._files[a].checksum, b) for a, b in self.pages.written())
+
     def _spill(self, lora_int_id: int, block_ids: list[int]) -> None:
         self.tier.spill(lora_int_id, self._files[lora_int_id].checksum, block_ids)  # type: ignore[union-attr]
 
