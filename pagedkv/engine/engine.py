@@ -32,12 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.core.adapter_admission import adapters_in_use
-from pagedkv.engine.core.adapter_failures import AdapterFailures
+from pagedkv.engine.core.adapter_failures import execute
 from pagedkv.engine.core.commit import StepDecisions, finish, update_from_output
 from pagedkv.engine.core.kv_tier import make_kv_manager
-from pagedkv.engine.core.plan import ShippedTables, StepPlan
+from pagedkv.engine.core.plan import ShippedTables
 from pagedkv.engine.core.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.core.sequence import BeamState, Request, Sequence
+from pagedkv.engine.kv_snapshot import KVSnapshot
 from pagedkv.engine.lora_registry import LoRARegistry
 from pagedkv.engine.lora_request import LoRARequest
 from pagedkv.engine.output_processor import OutputProcessor, ProcessedStep, SampledStep
@@ -47,7 +48,7 @@ from pagedkv.engine.sample.sample_stage import sample_step
 from pagedkv.engine.sample.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.spec.factory import make_verifier
-from pagedkv.engine.stats import EngineStats, KVSnapshot, StatsCollector, StepStats
+from pagedkv.engine.stats import EngineStats, StatsCollector, StepStats
 from pagedkv.engine.structured.manager import StructuredOutputManager
 from pagedkv.engine.validation import InvalidRequestError, RequestValidator, check_cache_salt
 from pagedkv.engine.worker.executor import Executor
@@ -60,8 +61,6 @@ from pagedkv.tokenizer import engine_tokenizer
 from pagedkv.tokenizer.gguf_file import release_readers
 
 if TYPE_CHECKING:
-    import torch
-
     from pagedkv.engine.structured.xgrammar_backend import CompiledGrammar
 
 __all__ = ["EngineConfig", "InvalidRequestError", "LLMEngine"]
@@ -308,7 +307,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests waiting (a bug)")
             return []
         plan = scheduled.plan(self.kv_manager, self.shipped_tables)
-        logits, failed = self._execute(plan)
+        logits, failed = execute(self.executor, self.scheduler, plan)
         plan, logits, reverted = self.kv_tier.settle(scheduled, *failed.drop(scheduled, plan, logits))
         computed_at = time.monotonic()  # when this step's tokens exist: their requests' clocks
         decisions = StepDecisions.after(scheduled, reverted | failed.reverted)
@@ -321,18 +320,6 @@ class LLMEngine:
         outputs = self.output_processor.outputs(processed, finished_only)
         self._publish(scheduled, sampled, processed, outputs, started)
         return outputs
-
-    def _execute(self, plan: StepPlan) -> tuple[torch.Tensor, AdapterFailures]:
-        """The executor's step and the adapters it skipped; if it fails, its loads are undone."""
-        try:
-            logits = self.executor.execute(plan)
-        except Exception:
-            if plan.lora_loads and self.scheduler.adapters is not None:
-                self.scheduler.adapters.undo(plan.lora_loads)
-            if plan.lora_page_writes and self.scheduler.paged_adapters is not None:
-                self.scheduler.paged_adapters.retry(plan.lora_page_writes)
-            raise
-        return logits, AdapterFailures(self.scheduler, self.executor.adapter_failures())
 
     def _publish(
         self,
@@ -390,6 +377,8 @@ class LLMEngine:
         """Release the model and the KV cache (and any worker rank) now; idempotent. Dropping the
         engine releases them too; steps afterwards raise ``ExecutorError``."""
         self.structured_outputs.close()
+        if self.scheduler.paged_adapters is not None:
+            self.scheduler.paged_adapters.spill_resident()  # a disk tier keeps them too
         self.kv_tier.flush()  # a disk tier keeps the prefix cache for the next start
         self.executor.shutdown()
 

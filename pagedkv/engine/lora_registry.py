@@ -15,7 +15,7 @@ from pagedkv.engine.core.adapter_paging import AdapterFile
 from pagedkv.engine.lora_request import LoRARequest
 from pagedkv.engine.validation import InvalidRequestError
 from pagedkv.memory.adapter_layout import AdapterLayout, slab_elements
-from pagedkv.models.lora_checkpoint import AdapterSpec, LoRAAdapterError, projection_shapes, read_adapter
+from pagedkv.models.lora_checkpoint import AdapterSpec, LoRAAdapterError, layer_shapes, read_adapter
 from pagedkv.models.shard_config import shard_config
 
 
@@ -72,15 +72,8 @@ class LoRARegistry:
         so one rank's count is every rank's), never from a rank's tensors."""
         lora, spec = self._adapters[lora_int_id]
         shard = shard_config(self.model_config, tensor_parallel_size)
-        shapes = projection_shapes(shard)  # (in, out) of one rank's projections: its A and B
-        layers: list[dict[str, tuple[tuple[int, int], tuple[int, int]]]] = [
-            {} for _ in range(self.model_config.num_layers)
-        ]
-        for layer, target in spec.tensors:
-            in_features, out_features = shapes[target]
-            layers[layer][target] = ((spec.rank, in_features), (out_features, spec.rank))
-        slab = slab_elements(block_size, shard.num_kv_heads, shard.head_dim)
-        pages = AdapterLayout.of(layers).pages(slab)
+        layers = layer_shapes(spec, shard)  # one rank's A and B of each target
+        pages = AdapterLayout.of(layers).pages(slab_elements(block_size, shard.num_kv_heads, shard.head_dim))
         return AdapterFile(lora.lora_name, str(lora.lora_path), pages, weights_checksum(spec.weights_file))
 
     def remove(self, lora_int_id: int) -> bool:

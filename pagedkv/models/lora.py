@@ -167,6 +167,8 @@ class LoRASlots:
         config = model.config
         #: the config adapters are read for: the whole model's
         self.config = checkpoint or config
+        #: the config of what the model holds (a rank's shard's): the shapes :meth:`cut` gives
+        self.local_config = config
         like = model.model.norm.weight
         shapes = projection_shapes(config)
         self.max_loras, self.max_rank = max_loras, max_rank

@@ -10,7 +10,9 @@ nothing they computed is sampled or offered to the prefix cache -- and fails the
 and those of every running sequence of the adapter, with the reason (``finish_reason="error"``).
 Once the commit has ended them, nothing pins the adapter: its slot placement is undone and its
 pages go back, so a later request of it loads it anew (and fails the same way while its file is
-wrong). The other requests of the step are served as if nothing happened.
+wrong). The other requests of the step are served as if nothing happened. :func:`execute` runs
+the executor's step and hands these failures on (a step that raises instead undoes its adapter
+loads: the adapters are not resident).
 """
 
 from __future__ import annotations
@@ -70,3 +72,18 @@ class AdapterFailures:
         if scheduler.paged_adapters is not None:
             for lora_int_id in self.failures:
                 scheduler.paged_adapters.pages.unload(lora_int_id)
+
+
+def execute(executor: Any, scheduler: Scheduler, plan: StepPlan) -> tuple[Any, AdapterFailures]:
+    """``executor``'s step of ``plan``: its logits and the adapters it skipped. If the step
+    fails, the adapters it was to load are not resident: their slot placements are undone and
+    their pages written again by the next plan."""
+    try:
+        logits = executor.execute(plan)
+    except Exception:
+        if plan.lora_loads and scheduler.adapters is not None:
+            scheduler.adapters.undo(plan.lora_loads)
+        if plan.lora_page_writes and scheduler.paged_adapters is not None:
+            scheduler.paged_adapters.retry(plan.lora_page_writes)
+        raise
+    return logits, AdapterFailures(scheduler, executor.adapter_failures())

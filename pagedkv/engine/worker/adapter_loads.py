@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedkv.engine.core.plan import StepPlan
-from pagedkv.engine.worker.lora_pages import PagedAdapterWeights
+from pagedkv.engine.worker.lora_pages import PagedAdapterWeights, TierLoads
 from pagedkv.models.lora import LoRASlots
 from pagedkv.models.lora_checkpoint import LoRAAdapterError, read_adapter
 
@@ -39,10 +39,15 @@ def alone(failed: list[bool]) -> list[bool]:
 
 
 def load_adapters(
-    plan: StepPlan, slots: LoRASlots | None, pages: PagedAdapterWeights | None, agree: Agree = alone
+    plan: StepPlan,
+    slots: LoRASlots | None,
+    pages: PagedAdapterWeights | None,
+    agree: Agree = alone,
+    tier: TierLoads | None = None,
 ) -> dict[int, str]:
-    """The plan's adapters into their pages (unified paging) and slots; returns the adapters
-    that failed on any rank and were skipped, by id, with why."""
+    """The plan's adapters into their pages (unified paging: from their folders, or kept as the
+    step's ``tier`` loads brought them back) and slots; returns the adapters that failed on any
+    rank and were skipped, by id, with why."""
     if plan.lora_page_writes and pages is None:
         raise RuntimeError("a plan writes LoRA adapter pages, but this runner does not page adapters")
     if not (plan.lora_page_writes or plan.lora_loads):
@@ -50,7 +55,7 @@ def load_adapters(
     assert slots is not None  # a plan loads adapters only into a model with LoRA slots
     from_folder = [load for load in plan.lora_loads if not (load.pages and pages is not None)]
     why: dict[int, str] = {}
-    shards = [_attempt(why, write.lora_int_id, pages.read, write) for write in plan.lora_page_writes]
+    shards = [_attempt(why, write.lora_int_id, pages.read, write, tier) for write in plan.lora_page_writes]
     folders = {
         id(load): _attempt(why, load.lora_int_id, _read_folder, slots, load.path) for load in from_folder
     }

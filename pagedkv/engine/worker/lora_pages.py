@@ -16,13 +16,22 @@ that names pages (:attr:`~pagedkv.memory.adapters.SlotLoad.pages`) then gathers 
 from them -- bit-exact, in the cache's dtype, which is the model's -- and puts it into the slot,
 so the pages are the adapter's one resident copy the slots are filled from. Every layer is
 gathered before the slot changes.
+
+A write marked ``from_tier`` reads nothing: the step's tier loads, which ran before it, copied
+the adapter's pages back from the second KV tier where its eviction spilled them. They are used
+only if every page's load passed the tier's own check (a disk file's CRC-32) and the pages'
+bytes have the CRC-32 they had when this process wrote them from the folder (a host tier's RAM
+has no check of its own); otherwise the reason is logged, the tier told the copy is bad (it
+forgets it), and the folder is read as without a tier -- in the same step.
 """
 
 from __future__ import annotations
 
+import logging
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -31,13 +40,26 @@ from pagedkv.attention.adapter_slabs import (
     check_unified_paging,
     chunk_index,
     gather_adapter_layer,
+    pages_checksum,
     write_adapter,
 )
 from pagedkv.attention.kv_cache import KVCache
+from pagedkv.log_limits import ThrottledLog
 from pagedkv.memory.adapter_layout import AdapterLayout
 from pagedkv.memory.adapters import PageWrite, SlotLoad
 from pagedkv.models.lora import LoRASlots
-from pagedkv.models.lora_checkpoint import TARGETS, LoRAAdapterError, read_adapter
+from pagedkv.models.lora_checkpoint import TARGETS, LoRAAdapterError, layer_shapes, read_adapter
+
+logger = logging.getLogger("pagedkv.engine.worker.lora_pages")
+
+
+class TierLoads(Protocol):
+    """What of a rank's second tier (``executor/tier_io.RankTier``) a write reads: whether the
+    step's loads into some blocks passed the tier's check, and a way to report them bad."""
+
+    def loaded(self, block_ids: tuple[int, ...]) -> bool: ...
+
+    def reject(self, block_ids: tuple[int, ...]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -61,11 +83,52 @@ class PagedAdapterWeights:
         #: how each target is cut to what this model holds (:meth:`LoRASlots.cut`)
         self.slots = slots
         self._written: dict[int, tuple[tuple[int, ...], AdapterLayout, float]] = {}
+        #: (adapter id, weights file CRC-32) -> its pages' CRC-32 as written from it, its layout
+        #: and scaling: what a copy of those pages brought back from the tier is checked against
+        self._page_crc: dict[tuple[int, int], tuple[int, AdapterLayout, float]] = {}
+        self._log = ThrottledLog(logger, "LoRA tier")
 
-    def read(self, page_write: PageWrite) -> AdapterShard:
-        """Read the adapter's folder (checked against the model and the CRC-32 taken when it was
-        added) and cut each target to what this model holds; nothing is written yet, so a file
-        that fails here changes nothing."""
+    def read(self, page_write: PageWrite, tier: TierLoads | None = None) -> AdapterShard | None:
+        """What :meth:`write` puts into the adapter's pages: None when ``tier``'s loads copied
+        them back (the plan says so) and they pass their checks; else the folder read (checked
+        against the model and the CRC-32 taken when the adapter was added) and each target cut
+        to what this model holds. Nothing is written yet, so a file that fails here changes
+        nothing."""
+        if page_write.from_tier:
+            fault = self._tier_fault(page_write, tier)
+            if fault is None:
+                return None
+            if tier is not None:
+                tier.reject(page_write.block_ids)
+            self._log.warning(
+                "fallback",
+                "adapters read from their folders instead",
+                "LoRA adapter %d: not using its copy from the KV tier (%s); reading %s",
+                page_write.lora_int_id,
+                fault,
+                page_write.path,
+            )
+        return self._read_folder(page_write)
+
+    def _tier_fault(self, page_write: PageWrite, tier: TierLoads | None) -> str | None:
+        """Why the pages the tier loaded cannot be used (None: they can), and the adapter's
+        layout and scaling recorded for them."""
+        if tier is None or not tier.loaded(page_write.block_ids):
+            return "a page failed the tier's check or was not loaded"
+        known = self._page_crc.get((page_write.lora_int_id, page_write.checksum))
+        if known is not None:
+            crc, layout, scaling = known
+            if pages_checksum(self.kv_cache, page_write.block_ids) != crc:
+                return "its pages' CRC-32 differs from the one they were written with"
+        else:  # written by an earlier process (a disk tier): the file's check is the tier's
+            spec = read_adapter(page_write.path, self.slots.config, self.slots.max_rank)
+            layout = AdapterLayout.of(layer_shapes(spec, self.slots.local_config))  # the cut's shapes
+            scaling = spec.scaling
+        self._written[page_write.lora_int_id] = (tuple(page_write.block_ids), layout, scaling)
+        return None
+
+    def _read_folder(self, page_write: PageWrite) -> AdapterShard:
+        """The adapter's folder, checked, each target cut to what this model holds."""
         spec = read_adapter(page_write.path, self.slots.config, self.slots.max_rank)
         data = Path(spec.weights_file).read_bytes()
         if zlib.crc32(data) != page_write.checksum:
@@ -81,10 +144,15 @@ class PagedAdapterWeights:
             layers[layer][shard] = self.slots.cut(layer, shard, tensors[a], tensors[b])
         return AdapterShard(layers, spec.scaling)
 
-    def write(self, page_write: PageWrite, shard: AdapterShard) -> None:
-        """The adapter's weights, as :meth:`read` gave them, into its pages."""
+    def write(self, page_write: PageWrite, shard: AdapterShard | None) -> None:
+        """The adapter's weights, as :meth:`read` gave them, into its pages (None: kept as the
+        tier's loads copied them)."""
+        if shard is None:
+            return
         layout = write_adapter(self.kv_cache, page_write.block_ids, shard.layers)
         self._written[page_write.lora_int_id] = (tuple(page_write.block_ids), layout, shard.scaling)
+        crc = pages_checksum(self.kv_cache, page_write.block_ids)
+        self._page_crc[page_write.lora_int_id, page_write.checksum] = (crc, layout, shard.scaling)
 
     def fill_slot(self, slots: LoRASlots, load: SlotLoad) -> None:
         """Slot ``load.slot`` from the adapter's pages, which a write put there."""

@@ -85,9 +85,8 @@ class ModelRunner:
         elif plan.block_copies:
             copy_blocks(self.kv_cache, plan.block_copies)
         # read, agreed on by every rank, written: a failed adapter is skipped, not raised
-        self.adapter_failures = load_adapters(
-            plan, getattr(self.model, "lora", None), self.adapter_pages, self.agree
-        )
+        lora = getattr(self.model, "lora", None)
+        self.adapter_failures = load_adapters(plan, lora, self.adapter_pages, self.agree, self.tier)
         if not plan.slices:
             return torch.empty(0, dtype=torch.float32)
         arrays = self.arrays(plan)
