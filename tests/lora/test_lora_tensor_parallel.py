@@ -210,3 +210,30 @@ def test_an_adapter_whose_files_changed_fails_its_requests_and_the_ranks_serve_o
         again = llm.generate(prompts, GREEDY, lora_request=bad, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in again] == expected["qv-down"]
         assert_pool_whole(llm.engine)
+
+
+def test_with_a_host_tier_each_ranks_shard_comes_back_from_its_tier(tmp_path):
+    """Two ranks, a host tier: an evicted adapter's pages (each rank's shard) are spilled to each
+    rank's share of the tier and copied back from it, checked on each rank, with the folders
+    gone -- PEFT's tokens."""
+    base = make_checkpoint(tmp_path, "llama")
+    prompts = [[5, 9, 14]]
+    folders = [make_adapter(tmp_path / f"a{i}", base, seed=30 + i) for i in range(3)]
+    loras = [LoRARequest(f"a{i}", i + 1, str(f)) for i, f in enumerate(folders)]
+    expected = {lora.lora_int_id: peft_greedy(base, lora.lora_path, prompts, RUN_MAX_NEW) for lora in loras}
+    options = OPTIONS | {"max_loras": 3, "max_lora_rank": 4, "num_kv_blocks": 16}
+    tier = {"kv_offload": "host", "kv_offload_memory": "1MiB"}
+    with LLM(str(base), tensor_parallel_size=2, **options, **tier) as llm:
+        engine = llm.engine
+        first = _run(engine, [(f"x{n}", prompts[0], lora) for n, lora in enumerate(loras)])
+        for folder in folders:  # from here on no rank can read a folder
+            folder.rename(folder.with_name(f"gone-{folder.name}"))
+        again, sources = {}, []
+        for n, lora in enumerate(loras):  # each evicts another for the next
+            again |= _run(engine, [(f"y{n}", prompts[0], lora)])
+            resident = {a.lora_int_id: a.loaded_from for a in engine.kv_snapshot().adapters}
+            sources.append(resident[lora.lora_int_id])  # idle now, still resident
+        assert sources == ["tier"] * len(loras)
+        assert_pool_whole(engine)
+    for n, lora in enumerate(loras):
+        assert first[f"x{n}"] == again[f"y{n}"] == expected[lora.lora_int_id][0]
