@@ -322,12 +322,12 @@ def test_an_output_buffer_is_kept_for_small_batches_only():
 
 def test_buffers_that_share_write_into_one_tensor_and_sharing_joins_whole_groups():
     a, b, c, d = (OutputBuffer() for _ in range(4))
-    own = c.get(2, 7, torch.float32).data_ptr()
+    own = c.get(2, 7, torch.float32)  # held here, so its memory is not handed out again
     b.share(a)
     c.share(d)  # c's own tensor is dropped
     c.share(b)  # c and d join a and b
     ptrs = {buffer.get(2, 7, torch.float32).data_ptr() for buffer in (a, b, c, d)}
-    assert len(ptrs) == 1 and own not in ptrs
+    assert len(ptrs) == 1 and own.data_ptr() not in ptrs
     assert a.get(2, 9, torch.float32).data_ptr() == d.get(2, 9, torch.float32).data_ptr()  # every width
     assert a.get(2, 9, torch.float32).data_ptr() not in ptrs  # a width of its own
 
