@@ -9,13 +9,21 @@ that names pages (:attr:`~pagedkv.memory.adapters.SlotLoad.pages`) then gathers 
 from them -- bit-exact, in the cache's dtype, which is the model's -- and puts it into the slot,
 so the pages are the adapter's one resident copy the slots are filled from. Every layer is
 gathered before the slot changes.
+
+A write marked ``from_tier`` reads nothing: the step's tier loads, which ran before it, copied
+the adapter's pages back from the second KV tier where its eviction spilled them. They are used
+only if every page's load passed the tier's own check (a disk file's CRC-32) and the pages'
+bytes have the CRC-32 they had when this process wrote them from the folder (a host tier's RAM
+has no check of its own); otherwise the reason is logged, the tier told the copy is bad (it
+forgets it), and the folder is read as without a tier -- in the same step.
 """
 
 from __future__ import annotations
 
+import logging
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -24,13 +32,26 @@ from pagedkv.attention.adapter_slabs import (
     check_unified_paging,
     chunk_index,
     gather_adapter_layer,
+    pages_checksum,
     write_adapter,
 )
 from pagedkv.attention.kv_cache import KVCache
+from pagedkv.log_limits import ThrottledLog
 from pagedkv.memory.adapter_layout import AdapterLayout
 from pagedkv.memory.adapters import PageWrite, SlotLoad
 from pagedkv.models.lora import LoRASlots
-from pagedkv.models.lora_checkpoint import TARGETS, LoRAAdapterError, read_adapter
+from pagedkv.models.lora_checkpoint import TARGETS, LoRAAdapterError, layer_shapes, read_adapter
+
+logger = logging.getLogger("pagedkv.engine.worker.lora_pages")
+
+
+class TierLoads(Protocol):
+    """What of a rank's second tier (``executor/tier_io.RankTier``) a write reads: whether the
+    step's loads into some blocks passed the tier's check, and a way to report them bad."""
+
+    def loaded(self, block_ids: tuple[int, ...]) -> bool: ...
+
+    def reject(self, block_ids: tuple[int, ...]) -> None: ...
 
 
 class PagedAdapterWeights:
@@ -44,8 +65,47 @@ class PagedAdapterWeights:
         self.model_config = model_config
         self.max_rank = max_rank
         self._written: dict[int, tuple[tuple[int, ...], AdapterLayout, float]] = {}
+        #: (adapter id, weights file CRC-32) -> its pages' CRC-32 as written from it, its layout
+        #: and scaling: what a copy of those pages brought back from the tier is checked against
+        self._page_crc: dict[tuple[int, int], tuple[int, AdapterLayout, float]] = {}
+        self._log = ThrottledLog(logger, "LoRA tier")
 
-    def write(self, page_write: PageWrite) -> None:
+    def write(self, page_write: PageWrite, tier: TierLoads | None = None) -> None:
+        """The adapter's weights into its pages: kept as ``tier``'s loads copied them when the
+        plan says so and they pass their checks, else read from the folder (checked)."""
+        if page_write.from_tier:
+            fault = self._tier_fault(page_write, tier)
+            if fault is None:
+                return
+            if tier is not None:
+                tier.reject(page_write.block_ids)
+            self._log.warning(
+                "fallback",
+                "adapters read from their folders instead",
+                "LoRA adapter %d: not using its copy from the KV tier (%s); reading %s",
+                page_write.lora_int_id,
+                fault,
+                page_write.path,
+            )
+        self._write_from_folder(page_write)
+
+    def _tier_fault(self, page_write: PageWrite, tier: TierLoads | None) -> str | None:
+        """Why the pages the tier loaded cannot be used (None: they can), and the adapter's
+        layout and scaling recorded for them."""
+        if tier is None or not tier.loaded(page_write.block_ids):
+            return "a page failed the tier's check or was not loaded"
+        known = self._page_crc.get((page_write.lora_int_id, page_write.checksum))
+        if known is not None:
+            crc, layout, scaling = known
+            if pages_checksum(self.kv_cache, page_write.block_ids) != crc:
+                return "its pages' CRC-32 differs from the one they were written with"
+        else:  # written by an earlier process (a disk tier): the file's check is the tier's
+            spec = read_adapter(page_write.path, self.model_config, self.max_rank)
+            layout, scaling = AdapterLayout.of(layer_shapes(spec, self.model_config)), spec.scaling
+        self._written[page_write.lora_int_id] = (tuple(page_write.block_ids), layout, scaling)
+        return None
+
+    def _write_from_folder(self, page_write: PageWrite) -> None:
         """Read the adapter's folder (checked) and write its weights into its pages."""
         spec = read_adapter(page_write.path, self.model_config, self.max_rank)
         data = Path(spec.weights_file).read_bytes()
@@ -62,6 +122,8 @@ class PagedAdapterWeights:
             layers[layer][shard] = (tensors[a], tensors[b])
         layout = write_adapter(self.kv_cache, page_write.block_ids, layers)
         self._written[page_write.lora_int_id] = (tuple(page_write.block_ids), layout, spec.scaling)
+        crc = pages_checksum(self.kv_cache, page_write.block_ids)
+        self._page_crc[page_write.lora_int_id, page_write.checksum] = (crc, layout, spec.scaling)
 
     def fill_slot(self, slots: LoRASlots, load: SlotLoad) -> None:
         """Slot ``load.slot`` from the adapter's pages, which a write put there."""
