@@ -14,10 +14,10 @@ holds its blocks' bytes instead, 4.5 to 8.5 bits a weight, so each source says w
 - ``quantization`` (on-the-fly): every projection of the decoder layers becomes that type, or
   its fallback where a K-quant's 256-weight blocks do not divide the rows.
 
-Under tensor parallelism the quantized projections are cut evenly, so a rank saves its share of
-what the whole model saves. A packed projection with one part of a type without a kernel is
-dequantized whole by the loader; that rare layer is counted as kept, a small overestimate of
-the saving.
+Under tensor parallelism the last two are counted on the rank's shard; a GGUF file's tensors
+are cut evenly, so a rank saves its share of what the whole file saves. A packed projection with
+one part of a type without a kernel is dequantized whole by the loader; that rare layer is
+counted as kept, a small overestimate of the saving.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ def loaded_weight_bytes(
     if quantization is not None:
         return dense - on_the_fly_saving(model, quantization, dtype)
     saving = gguf_saving(path, dtype)
-    if saving is None:
-        saving = checkpoint_saving(path, model, dtype)
-    return dense - saving // max(1, ranks)
+    if saving is not None:
+        return dense - saving // max(1, ranks)
+    return dense - checkpoint_saving(path, model, dtype)
 
 
 def _saved(elements: int, dtype: torch.dtype, qtype: GGMLQuantizationType) -> int:
@@ -88,9 +88,9 @@ def gguf_saving(path: str | Path, dtype: torch.dtype) -> int | None:
 
 def checkpoint_saving(path: str | Path, model: torch.nn.Module, dtype: torch.dtype) -> int:
     """What the GPTQ, AWQ or compressed-tensors checkpoint at ``path`` saves by its quantized
-    layers kept in blocks (each layer's size read from ``model``, on the meta device); 0 for a
-    16/32-bit checkpoint."""
-    scheme = checkpoint_scheme(path, None, False)
+    layers kept in blocks (each layer's size read from ``model``, on the meta device: a rank's
+    shard, its slice of each layer); 0 for a 16/32-bit checkpoint."""
+    scheme = checkpoint_scheme(path, None)
     if scheme is None:
         return 0
     qtype = Q.Q8_0 if scheme.bits == 8 else Q.Q4_0 if scheme.symmetric else Q.Q4_1

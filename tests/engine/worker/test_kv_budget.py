@@ -21,6 +21,7 @@ from pagedkv.models.weight_bytes import loaded_weight_bytes
 from pagedkv.server.replicas import ReplicaSet, split_auto_pool
 from tests.checkpoints import make_checkpoint
 from tests.gguf_files import write_gguf
+from tests.quant_checkpoints import Variant, quantized_checkpoint
 
 Q = GGMLQuantizationType
 
@@ -164,13 +165,22 @@ def test_auto_sizing_counts_quantized_weights_by_their_blocks(tmp_path, ranks):
     assert dense.available == _sizing(folder, ranks, **options).available
 
 
-@pytest.mark.parametrize("source", ["gguf", "on the fly"])
+@pytest.mark.parametrize("source", ["gguf", "on the fly", "gptq", "awq", "compressed-tensors w8"])
 def test_the_counted_weights_are_the_loaded_ones(tmp_path, source):
     """What the sizing counts before loading is what the loaded model holds: its parameters and
-    its quantized blocks, byte for byte."""
-    folder = make_checkpoint(tmp_path, "llama")
-    path = write_gguf(folder, tmp_path / "q.gguf", Q.Q8_0) if source == "gguf" else folder
-    quantization = None if source == "gguf" else "q4_k"
+    its quantized blocks, byte for byte (Q8_0 GGUF; Q4_K on the fly; GPTQ symmetric as Q4_0, AWQ
+    with zero points as Q4_1, compressed-tensors 8-bit as Q8_0)."""
+    quantization = "q4_k" if source == "on the fly" else None
+    if source in ("gguf", "on the fly"):
+        folder = make_checkpoint(tmp_path, "llama")
+        path = write_gguf(folder, tmp_path / "q.gguf", Q.Q8_0) if source == "gguf" else folder
+    else:
+        variant = {
+            "gptq": Variant("gptq"),
+            "awq": Variant("awq", symmetric=False),
+            "compressed-tensors w8": Variant("compressed-tensors", bits=8),
+        }[source]
+        path, _ = quantized_checkpoint(tmp_path, variant)
     model = load_model(path, dtype=torch.float32, quantization=quantization)
     blocks = [b for b in model.buffers() if b.dtype == torch.uint8]  # quantized weights' blocks
     tensors = {t.data_ptr(): t.nbytes for t in [*model.parameters(), *blocks]}  # a tied one once
