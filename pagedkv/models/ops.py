@@ -27,6 +27,7 @@ from torch import nn
 from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache, attend
 from pagedkv.kernels import lora_bgmv
 from pagedkv.models.layer_ops import QKVLayout, TorchOps
+from pagedkv.models.linear import OutputBuffer
 
 #: the residual stream between two ops: ``(x, residual)``
 Stream = tuple[torch.Tensor, torch.Tensor | None]
@@ -95,6 +96,12 @@ class Op:
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         raise NotImplementedError
 
+    def kept_outputs(self) -> tuple[OutputBuffer, ...]:
+        """The outputs this op keeps between calls (:class:`~pagedkv.models.linear.OutputBuffer`),
+        in a fixed order: the same op of another layer shares them
+        (:meth:`DecoderOps.share_outputs`)."""
+        return ()
+
 
 @dataclass(frozen=True, eq=False)
 class AddNorm(Op):
@@ -116,13 +123,17 @@ class Project(Op):
     (a tensor-parallel shard's all-reduces there)."""
 
     linear: nn.Module
+    output: OutputBuffer = field(default_factory=OutputBuffer, repr=False)
     project: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "project", self.linear.as_function())
+        object.__setattr__(self, "project", self.linear.as_function(self.output))
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         return self.project(x), residual
+
+    def kept_outputs(self) -> tuple[OutputBuffer, ...]:
+        return (self.output,)
 
 
 @dataclass(frozen=True, eq=False)
@@ -176,13 +187,14 @@ class GateUpAct(Op):
     its product, then the step's ``silu_and_mul``."""
 
     gate_up: nn.Module
+    output: OutputBuffer = field(default_factory=OutputBuffer, repr=False)
     act: Callable[[torch.Tensor, TorchOps], torch.Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if hasattr(self.gate_up, "act_function"):
-            act = self.gate_up.act_function()
+            act = self.gate_up.act_function(self.output)
         else:
-            project = self.gate_up.as_function()
+            project = self.gate_up.as_function(self.output)
 
             def act(x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
                 return ops.silu_and_mul(project(x))
@@ -191,6 +203,9 @@ class GateUpAct(Op):
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         return self.act(x, batch.ops), residual
+
+    def kept_outputs(self) -> tuple[OutputBuffer, ...]:
+        return (self.output,)
 
 
 @dataclass(frozen=True, eq=False)
@@ -220,13 +235,17 @@ class GateUpGelu(Op):
     ``gelu_pytorch_tanh``): the packed product, then the step's ``gelu_tanh_and_mul``."""
 
     gate_up: nn.Module
+    output: OutputBuffer = field(default_factory=OutputBuffer, repr=False)
     project: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "project", self.gate_up.as_function())
+        object.__setattr__(self, "project", self.gate_up.as_function(self.output))
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         return batch.ops.gelu_tanh_and_mul(self.project(x)), residual
+
+    def kept_outputs(self) -> tuple[OutputBuffer, ...]:
+        return (self.output,)
 
 
 @dataclass(frozen=True, eq=False)
@@ -289,9 +308,29 @@ class DecoderOps:
 
     def sequence(self) -> tuple[Op, ...]:
         """Every op in order, with :class:`KeepRows` after the last layer's last attention
-        (the layers' end when it has none)."""
+        (the layers' end when it has none); the layers' kept outputs shared
+        (:meth:`share_outputs`)."""
+        self.share_outputs()
         *body, last = self.layers
         attends = [i for i, op in enumerate(last) if isinstance(op, Attend)]
         cut = attends[-1] + 1 if attends else len(last)
         flat = [op for layer in body for op in layer]
         return (*flat, *last[:cut], KeepRows(), *last[cut:], *self.final)
+
+    def share_outputs(self) -> None:
+        """Op ``j`` of every layer keeps its outputs in op ``j`` of the first layer of its kind
+        (same op type, as many kept outputs): one layer's outputs for the whole model.
+
+        Safe because a kept output never outlives its layer's next op of the same position:
+        each op's output is read by the ops after it in the same layer (the last one's by the
+        next layer's first norm), and the residual is never a kept output -- the norms add into
+        the residual, which is the embedding's tensor (:class:`AddNorm`), or a fresh norm's
+        output (:class:`OffsetNorm`)."""
+        first: dict[tuple[int, type, int], Op] = {}
+        for layer in self.layers:
+            for j, op in enumerate(layer):
+                kept = op.kept_outputs()
+                owner = first.setdefault((j, type(op), len(kept)), op)
+                for mine, theirs in zip(kept, owner.kept_outputs(), strict=True):
+                    if mine is not theirs:
+                        mine.share(theirs)
