@@ -14,7 +14,7 @@ from pagedkv.config.lora import LoRAConfig
 from pagedkv.engine.core.adapter_paging import AdapterFile
 from pagedkv.engine.lora_request import LoRARequest
 from pagedkv.engine.validation import InvalidRequestError
-from pagedkv.memory.adapter_layout import AdapterLayout, slab_elements
+from pagedkv.memory.adapter_layout import AdapterLayout, chunk_elements
 from pagedkv.models.lora_checkpoint import AdapterSpec, LoRAAdapterError, projection_shapes, read_adapter
 
 
@@ -70,7 +70,7 @@ class LoRARegistry:
         for layer, shard in spec.tensors:
             in_features, out_features = shapes[shard]
             layers[layer][shard] = ((spec.rank, in_features), (out_features, spec.rank))
-        pages = AdapterLayout.of(layers).pages(slab_elements(block_size, num_kv_heads, head_dim))
+        pages = AdapterLayout.of(layers, chunk_elements(block_size, num_kv_heads, head_dim)).pages
         return AdapterFile(lora.lora_name, str(lora.lora_path), pages, weights_checksum(spec.weights_file))
 
     def remove(self, lora_int_id: int) -> bool:
