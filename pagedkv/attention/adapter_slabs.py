@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from pagedkv.attention.kv_cache import KVCache
-from pagedkv.memory.adapter_layout import AdapterLayout, Rows, chunk_elements
+from pagedkv.memory.adapter_layout import AdapterLayout, TargetSlot, chunk_elements
 
 #: Per layer, each target module's ``(A, B)``: ``A`` ``[rank, in_features]``, ``B`` ``[out_features, rank]``.
 LayerWeights = Mapping[str, tuple[torch.Tensor, torch.Tensor]]
@@ -49,7 +49,8 @@ def cache_chunk_elements(kv_cache: KVCache) -> int:
 
 
 def chunk_index(kv_cache: KVCache, block_ids: Sequence[int]) -> torch.Tensor:
-    """The rows of :func:`_layer_chunks` that make up ``block_ids``' slabs, in page order."""
+    """The rows of :func:`_layer_chunks` that make up ``block_ids``' chunks, in page order (each
+    page's keys, then its values)."""
     blocks = torch.as_tensor(list(block_ids), dtype=torch.long)
     if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= kv_cache.num_blocks):
         raise ValueError(
@@ -75,10 +76,12 @@ def _check_pages(kv_cache: KVCache, block_ids: Sequence[int], layout: AdapterLay
         raise ValueError(f"the adapter needs {layout.pages} page(s) of this KV cache, got {len(block_ids)}")
 
 
-def _elements(rows: Rows, device: torch.device) -> torch.Tensor:
-    """The positions of every element of ``rows``, ``[count, width]``."""
-    first = torch.tensor(rows.positions(), dtype=torch.long, device=device)
-    return first.unsqueeze(1) + torch.arange(rows.width, device=device)
+def _elements(slot: TargetSlot, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of every element of ``slot``'s ``A`` rows ``[rank, in]`` and ``B`` rows
+    ``[rank, out]``."""
+    a = torch.tensor(slot.a_rows, dtype=torch.long, device=device).unsqueeze(1)
+    b = torch.tensor(slot.b_rows, dtype=torch.long, device=device).unsqueeze(1)
+    return a + torch.arange(slot.a_shape[1], device=device), b + torch.arange(slot.b_shape[0], device=device)
 
 
 def write_adapter(
@@ -97,8 +100,9 @@ def write_adapter(
         flat = torch.zeros(index.numel() * layout.chunk, dtype=kv_cache.dtype, device=kv_cache.device)
         for slot in slots:
             a, b = weights[slot.target]
-            flat[_elements(slot.a_rows, flat.device)] = a.to(flat)
-            flat[_elements(slot.b_rows, flat.device)] = b.t().to(flat)
+            a_at, b_at = _elements(slot, flat.device)
+            flat[a_at] = a.to(flat)
+            flat[b_at] = b.t().to(flat)
         chunks = _layer_chunks(kv_cache, layer)
         chunks.index_copy_(0, index, flat.view(index.numel(), -1))
     return layout
@@ -108,7 +112,7 @@ def gather_adapter_layer(
     kv_cache: KVCache, block_ids: Sequence[int] | torch.Tensor, layout: AdapterLayout, layer: int
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Layer ``layer``'s ``{target: (A, B)}`` (``B`` as ``[out, rank]``, a transposed view): one
-    gather of the adapter's chunks, then each matrix's rows out of it. ``block_ids`` may be a
+    gather of the adapter's chunks, then each matrix's rows picked out of it. ``block_ids`` may be a
     :func:`chunk_index` computed once per load (what a runner keeps)."""
     if isinstance(block_ids, torch.Tensor):
         index = block_ids
@@ -116,13 +120,11 @@ def gather_adapter_layer(
         _check_pages(kv_cache, block_ids, layout)
         index = chunk_index(kv_cache, block_ids)
     flat = _layer_chunks(kv_cache, layer).index_select(0, index).view(-1)
-    return {
-        slot.target: (
-            flat[_elements(slot.a_rows, flat.device)],
-            flat[_elements(slot.b_rows, flat.device)].t(),
-        )
-        for slot in layout.layers[layer]
-    }
+    read = {}
+    for slot in layout.layers[layer]:
+        a_at, b_at = _elements(slot, flat.device)
+        read[slot.target] = (flat[a_at], flat[b_at].t())
+    return read
 
 
 def adapter_views(
@@ -147,8 +149,9 @@ def row_offsets(
     pages = torch.as_tensor(list(block_ids), dtype=torch.long)
     blocks = kv_cache.num_blocks
 
-    def offsets(rows: Rows, layer: int) -> torch.Tensor:  # data[layer, chunk % 2, pages[chunk // 2]]
-        position = torch.tensor(rows.positions(), dtype=torch.long)
+    def offsets(rows: tuple[int, ...], layer: int) -> torch.Tensor:
+        """Position p is data[layer, chunk % 2, pages[chunk // 2]] at p % chunk (chunk = p // chunk)."""
+        position = torch.tensor(rows, dtype=torch.long)
         chunk, within = position // layout.chunk, position % layout.chunk
         return ((layer * 2 + chunk % 2) * blocks + pages[chunk // 2]) * layout.chunk + within
 

@@ -5,23 +5,28 @@ head_dim`` elements each (:func:`chunk_elements`): the block's keys and its valu
 contiguous. An adapter's layer-``l`` weights fill the layer-``l`` chunks of its pages in page
 order -- keys of the first page, values of the first page, keys of the second, ... -- numbered
 here as one run of *positions* (chunk ``k`` holds positions ``k * chunk`` to ``(k + 1) * chunk``).
-For each target module (``q_proj``, ``down_proj``, ...) come its ``A``'s rank rows (``in``
-elements each) then its ``B``'s, transposed (``out`` elements each): the rows the forward pass
-multiplies by, one rank row of either matrix a contiguous run of elements.
+What is laid out are the rows the forward pass multiplies by: for each target module
+(``q_proj``, ``down_proj``, ...) its ``A``'s rank rows (``in`` elements each) and its ``B``'s
+transposed (``out`` elements each).
 
-A row never straddles two chunks when it fits in one: it starts at the next chunk instead (the
-gap is zero), so every row is contiguous in the cache and the forward pass reads it where it is
-(:mod:`pagedkv.models.lora_paged`). A row wider than a chunk (big projections over a small KV
-shape) runs on across chunks, which the forward pass cannot read in place: such a model computes
-from slots filled from the pages (:attr:`AdapterLayout.rows_fit`). The layout is the same on the
-control plane (which needs only :attr:`AdapterLayout.pages`) and on the worker (which moves the
-bytes and points the forward pass at them, :mod:`pagedkv.attention.adapter_slabs`).
+No row straddles two chunks, so every row is contiguous in the cache and the forward pass reads
+it where it is (:mod:`pagedkv.models.lora_paged`). The rows are packed first fit decreasing: the
+widest matrices first, each row into the first chunk with room left, so narrow rows fill the
+ends wide ones leave (a layer takes about its weights' own elements, not a chunk per row). A row
+wider than a chunk (big projections over a small KV shape) cannot be read in place: such rows run
+end to end after the packed chunks, and the model computes from slots filled from the pages
+(:attr:`AdapterLayout.rows_fit`). The layout is a function of the shapes and the chunk alone --
+the same on the control plane (which needs only :attr:`AdapterLayout.pages`) and on the worker
+(which moves the bytes and points the forward pass at them,
+:mod:`pagedkv.attention.adapter_slabs`) -- and one layer's packing is shared by every layer and
+adapter of the same shapes.
 
 Pure Python: shapes are tuples of ints.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,60 +38,51 @@ def chunk_elements(block_size: int, num_kv_heads: int, head_dim: int) -> int:
     return block_size * num_kv_heads * head_dim
 
 
-@dataclass(frozen=True)
-class Rows:
-    """``count`` rows of ``width`` elements placed from position ``first`` in chunks of
-    ``chunk``: one after the other, each moved to the next chunk's start when it would straddle
-    a boundary it fits within."""
-
-    first: int
-    width: int
-    count: int
-    chunk: int
-
-    def position(self, row: int) -> int:
-        """Where row ``row`` starts."""
-        if self.width > self.chunk:
-            return self.first + row * self.width
-        in_first = (self.chunk - self.first % self.chunk) // self.width  # rows left in the first chunk
-        if row < in_first:
-            return self.first + row * self.width
-        per_chunk = self.chunk // self.width
-        later, within = divmod(row - in_first, per_chunk)
-        return (self.first // self.chunk + 1 + later) * self.chunk + within * self.width
-
-    def positions(self) -> list[int]:
-        return [self.position(row) for row in range(self.count)]
-
-    @property
-    def end(self) -> int:
-        """The position just past the last row."""
-        return self.position(self.count - 1) + self.width
-
-
-def place(cursor: int, width: int, count: int, chunk: int) -> Rows:
-    """``count`` rows of ``width`` from ``cursor`` on, the first moved to the next chunk when it
-    would straddle one it fits within."""
-    if width <= chunk and cursor % chunk + width > chunk:
-        cursor += chunk - cursor % chunk
-    return Rows(cursor, width, count, chunk)
+@functools.lru_cache(maxsize=256)
+def pack_rows(matrices: tuple[tuple[int, int], ...], chunk: int) -> tuple[tuple[int, ...], ...]:
+    """The positions of the rows of each ``(width, count)`` matrix, first fit decreasing in
+    chunks of ``chunk``: rows that fit a chunk never straddle one; wider rows follow, end to end."""
+    fill: list[int] = []  # the elements used of each chunk so far
+    placed: dict[int, tuple[int, ...]] = {}
+    fitting = sorted(
+        (i for i, (width, _) in enumerate(matrices) if width <= chunk), key=lambda i: -matrices[i][0]
+    )
+    for i in fitting:
+        width, left = matrices[i]
+        rows: list[int] = []
+        for k in range(len(fill) + left):  # at most one new chunk per row
+            if k == len(fill):
+                fill.append(0)
+            take = min((chunk - fill[k]) // width, left - len(rows))
+            rows += [k * chunk + fill[k] + j * width for j in range(take)]
+            fill[k] += take * width
+            if len(rows) == left:
+                break
+        placed[i] = tuple(rows)
+    cursor = len(fill) * chunk
+    for i, (width, count) in enumerate(matrices):
+        if i not in placed:
+            placed[i] = tuple(cursor + j * width for j in range(count))
+            cursor += count * width
+    return tuple(placed[i] for i in range(len(matrices)))
 
 
 @dataclass(frozen=True)
 class TargetSlot:
     """One target module's rows in a layer: ``A`` (``a_shape`` ``[rank, in]``, its rows as they
-    are) and ``B`` (``b_shape`` ``[out, rank]``, its rows those of ``B`` transposed)."""
+    are) and ``B`` (``b_shape`` ``[out, rank]``, its rows those of ``B`` transposed), each rank
+    row's position."""
 
     target: str
     a_shape: Shape
     b_shape: Shape
-    a_rows: Rows
-    b_rows: Rows
+    a_rows: tuple[int, ...]
+    b_rows: tuple[int, ...]
 
     @property
     def end(self) -> int:
-        """The position just past ``B``'s last row."""
-        return self.b_rows.end
+        """The position just past its last row."""
+        return max(self.a_rows[-1] + self.a_shape[1], self.b_rows[-1] + self.b_shape[0])
 
 
 @dataclass(frozen=True)
@@ -105,7 +101,7 @@ class AdapterLayout:
             raise ValueError(f"a KV chunk holds a positive number of elements, got {chunk!r}")
         layers = []
         for index, targets in enumerate(shapes):
-            slots, cursor = [], 0
+            checked = []
             for target, (a_shape, b_shape) in targets.items():
                 a, b = _checked(index, target, "A", a_shape), _checked(index, target, "B", b_shape)
                 if a[0] != b[1]:
@@ -113,10 +109,9 @@ class AdapterLayout:
                         f"LoRA layer {index} target {target!r}: A {a} has rank {a[0]} "
                         f"but B {b} has rank {b[1]}"
                     )
-                a_rows = place(cursor, a[1], a[0], chunk)
-                b_rows = place(a_rows.end, b[0], b[1], chunk)
-                slots.append(TargetSlot(target, a, b, a_rows, b_rows))
-                cursor = b_rows.end
+                checked.append((target, a, b))
+            rows = pack_rows(tuple(m for _, a, b in checked for m in ((a[1], a[0]), (b[0], b[1]))), chunk)
+            slots = (TargetSlot(t, a, b, *rows[2 * i : 2 * i + 2]) for i, (t, a, b) in enumerate(checked))
             layers.append(tuple(slots))
         return cls(tuple(layers), chunk)
 
@@ -125,9 +120,8 @@ class AdapterLayout:
         return len(self.layers)
 
     def layer_elements(self, layer: int) -> int:
-        """Positions the layer's rows take, gaps at chunk ends included (0 without targets)."""
-        slots = self.layers[layer]
-        return slots[-1].end if slots else 0
+        """Positions the layer's rows span, gaps included (0 without targets)."""
+        return max((slot.end for slot in self.layers[layer]), default=0)
 
     @property
     def pages(self) -> int:

@@ -47,13 +47,14 @@ _SHARDS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
+#: each checkpoint projection's ``(in_features, out_features)``; a packed module's projections
+Shapes = dict[str, tuple[int, int]]
+Shards = tuple[str, ...]
 #: the activation method of the step's ops each gate/up op applies
 _ACTIVATIONS: dict[type, str] = {GateUpAct: "silu_and_mul", GateUpGelu: "gelu_tanh_and_mul"}
 
 
-def module_places(
-    shapes: dict[str, tuple[int, int]], shards: tuple[str, ...]
-) -> tuple[dict[str, tuple[int, int, int]], torch.Tensor]:
+def module_places(shapes: Shapes, shards: Shards) -> tuple[dict[str, tuple[int, int, int]], torch.Tensor]:
     """Where each checkpoint projection of a packed module sits: ``shard -> (block index, first
     output column, columns)``, and the bounds of each block's output columns (block ``p`` writes
     ``columns[p]:columns[p + 1]``, int64 ``[shards + 1]``)."""
@@ -74,8 +75,8 @@ class ModuleSlots:
 
     def __init__(
         self,
-        shapes: dict[str, tuple[int, int]],
-        shards: tuple[str, ...],
+        shapes: Shapes,
+        shards: Shards,
         slots: int,
         rank: int,
         like: torch.Tensor,
@@ -145,13 +146,7 @@ class LoRAModules:
         #: each slot's scaling (``lora_alpha / r``; 0 for an empty slot)
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=like.device)
 
-    def module(
-        self,
-        shapes: dict[str, tuple[int, int]],
-        shards: tuple[str, ...],
-        linear: nn.Module,
-        like: torch.Tensor,
-    ) -> Any:
+    def module(self, shapes: Shapes, shards: Shards, linear: nn.Module, like: torch.Tensor) -> Any:
         """The entry of one packed projection (its ``weights``: a :data:`LoRAWeights`);
         ``like``: a tensor of the model's dtype and device."""
         raise NotImplementedError
@@ -202,13 +197,7 @@ class LoRASlots(LoRAModules):
 
     modules: dict[tuple[int, str], ModuleSlots]
 
-    def module(
-        self,
-        shapes: dict[str, tuple[int, int]],
-        shards: tuple[str, ...],
-        linear: nn.Module,
-        like: torch.Tensor,
-    ) -> ModuleSlots:
+    def module(self, shapes: Shapes, shards: Shards, linear: nn.Module, like: torch.Tensor) -> ModuleSlots:
         return ModuleSlots(shapes, shards, self.max_loras, self.max_rank, like, linear)
 
     def load(self, slot: int, spec: AdapterSpec) -> None:

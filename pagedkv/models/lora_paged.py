@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pagedkv.models.config import ModelConfig
-from pagedkv.models.lora import LoRAModules, module_places
+from pagedkv.models.lora import LoRAModules, Shapes, Shards, module_places
 from pagedkv.models.lora_checkpoint import TARGETS, projection_shapes
 from pagedkv.models.lora_weights import PagedWeights
 
@@ -49,14 +49,7 @@ class ModuleRows:
     """One packed projection's table of its adapters' rows in the KV cache ``base``, and where
     each checkpoint projection sits in it (:func:`~pagedkv.models.lora.module_places`)."""
 
-    def __init__(
-        self,
-        shapes: dict[str, tuple[int, int]],
-        shards: tuple[str, ...],
-        slots: int,
-        rank: int,
-        base: torch.Tensor,
-    ) -> None:
+    def __init__(self, shapes: Shapes, shards: Shards, slots: int, rank: int, base: torch.Tensor) -> None:
         self.rank = rank
         self.places, columns = module_places(shapes, shards)
         offsets = torch.full((slots, 2, len(shards) * rank), -1, dtype=torch.long, device=base.device)
@@ -82,13 +75,7 @@ class PagedLoRA(LoRAModules):
         self.pointed: set[int] = set()
         super().__init__(model, max_loras, max_rank)
 
-    def module(
-        self,
-        shapes: dict[str, tuple[int, int]],
-        shards: tuple[str, ...],
-        linear: nn.Module,
-        like: torch.Tensor,
-    ) -> ModuleRows:
+    def module(self, shapes: Shapes, shards: Shards, linear: nn.Module, like: torch.Tensor) -> ModuleRows:
         return ModuleRows(shapes, shards, self.max_loras, self.max_rank, self.base)
 
     def point(

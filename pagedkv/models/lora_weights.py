@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from pagedkv.kernels import lora_bgmv
 
@@ -48,14 +49,7 @@ class SlotWeights:
     def slots(self) -> int:
         return self.a.shape[0]
 
-    def add(
-        self,
-        x: torch.Tensor,
-        slot: torch.Tensor,
-        scaling: torch.Tensor,
-        adapters: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
+    def add(self, x: Tensor, slot: Tensor, scaling: Tensor, adapters: Tensor | None, out: Tensor) -> Tensor:
         """``out [T, out]`` plus each row's adapter output for ``x [T, in]`` (in place where it
         can); ``slot [T]`` each row's slot (-1: none), ``scaling [slots]``."""
         a, b = self.a, self.b
@@ -96,14 +90,7 @@ class PagedWeights:
     def rank(self) -> int:
         return self.offsets.shape[2] // self.shards
 
-    def add(
-        self,
-        x: torch.Tensor,
-        slot: torch.Tensor,
-        scaling: torch.Tensor,
-        adapters: torch.Tensor | None,
-        out: torch.Tensor,
-    ) -> torch.Tensor:
+    def add(self, x: Tensor, slot: Tensor, scaling: Tensor, adapters: Tensor | None, out: Tensor) -> Tensor:
         """As :meth:`SlotWeights.add`; ``adapters``: the step's distinct slots (int64), which
         the torch form gathers (every other slot's offsets may point at reused pages)."""
         if lora_bgmv.takes(x, self.base) and out.is_contiguous():

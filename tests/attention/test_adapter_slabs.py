@@ -14,7 +14,7 @@ from pagedkv.attention.adapter_slabs import (
     write_adapter,
 )
 from pagedkv.attention.kv_cache import KVCache
-from pagedkv.memory.adapter_layout import AdapterLayout, Rows, chunk_elements
+from pagedkv.memory.adapter_layout import AdapterLayout, chunk_elements
 from pagedkv.memory.kv_bytes import KVSpec
 
 # A small model's shapes: hidden 48, 2 KV heads of 8 (kv dim 16), intermediate 96.
@@ -42,20 +42,29 @@ def layout_of(weights: list[dict], cache: KVCache) -> AdapterLayout:
     return AdapterLayout.of(shapes, cache_chunk_elements(cache))
 
 
-def all_rows(layout: AdapterLayout, layer: int) -> list[Rows]:
-    return [rows for slot in layout.layers[layer] for rows in (slot.a_rows, slot.b_rows)]
+def row_spans(layout: AdapterLayout, layer: int) -> list[tuple[int, int]]:
+    """Every row's ``(start, end)`` positions in the layer, in order."""
+    spans = []
+    for slot in layout.layers[layer]:
+        spans += [(p, p + slot.a_shape[1]) for p in slot.a_rows] + [
+            (p, p + slot.b_shape[0]) for p in slot.b_rows
+        ]
+    return sorted(spans)
 
 
-def test_rows_start_a_new_chunk_rather_than_straddle_one():
-    """Chunks of 10: A [2, 4] at 0 and 4; B [6, 2] transposed is two rows of 6, the first moved
-    from 8 to the next chunk (10), the second from 16 to 20; 26 positions are 3 chunks, 2 pages."""
+def test_rows_are_packed_widest_first_and_never_straddle_a_chunk():
+    """Chunks of 10: B [6, 2] transposed is two rows of 6, first (the widest): at 0, and at 10
+    (6 + 6 would straddle); A [2, 4]'s rows fill the ends they leave, at 6 and 16. 20 positions
+    are 2 chunks, one page."""
     layout = AdapterLayout.of([{"o_proj": ((2, 4), (6, 2))}], 10)
     (slot,) = layout.layers[0]
-    assert slot.a_rows.positions() == [0, 4] and slot.b_rows.positions() == [10, 20]
-    assert layout.layer_elements(0) == 26 and layout.pages == 2 and layout.rows_fit
-    # Rows of 12 cannot fit chunks of 10: they run on end to end, and the forward cannot read them.
+    assert slot.b_rows == (0, 10) and slot.a_rows == (6, 16)
+    assert layout.layer_elements(0) == 20 and layout.pages == 1 and layout.rows_fit
+    # Rows of 12 cannot fit chunks of 10: they follow the packed chunks end to end, and the
+    # forward pass cannot read them in place.
     wide = AdapterLayout.of([{"down_proj": ((3, 12), (4, 3))}], 10)
-    assert wide.layers[0][0].a_rows.positions() == [0, 12, 24] and not wide.rows_fit
+    assert wide.layers[0][0].b_rows == (0, 4, 10) and wide.layers[0][0].a_rows == (20, 32, 44)
+    assert not wide.rows_fit
 
 
 @pytest.mark.parametrize("block_size", [4, 8, 16])
@@ -66,7 +75,7 @@ def test_no_row_that_fits_straddles_a_chunk_and_none_overlap(block_size, rank):
         make_weights(rank, torch.float32, seed=0), make_cache(torch.float32, 1, block_size=block_size)
     )
     for layer in range(layout.num_layers):
-        spans = sorted((p, p + rows.width) for rows in all_rows(layout, layer) for p in rows.positions())
+        spans = row_spans(layout, layer)
         assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
         assert all(s // chunk == (e - 1) // chunk for s, e in spans if e - s <= chunk)
         assert spans[-1][1] == layout.layer_elements(layer)

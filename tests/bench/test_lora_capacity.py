@@ -27,27 +27,28 @@ def layout(rank: int) -> AdapterLayout:
 
 
 def test_one_gib_with_rank_16_adapters_against_8_slots_of_rank_64():
-    # A chunk (one block's keys or values in one layer) is 16 * 3 * 64 = 3072 elements: rows of
-    # 576 go 5 to a chunk (a gap of 192), of 192 16 and of 1536 2. One layer of a rank-16 adapter
-    # holds 2*(16*576 + 576*16) + 2*(16*576 + 192*16) + 3*(16*576 + 1536*16) = 162816 elements,
-    # which with the gaps take 169536 positions: 56 chunks, two to a block, so 28 pages.
+    # One layer of a rank-16 adapter: q, o 2*(16*576 + 576*16); k, v 2*(16*576 + 192*16);
+    # gate, up, down 3*(16*576 + 1536*16) = 36864 + 24576 + 101376 = 162816 elements. A chunk
+    # (one block's keys or values in a layer) is 16 * 3 * 64 = 3072 elements: rows of 1536 go
+    # two to a chunk, of 576 five (192 left, which rows of 192 fill), so no chunk has a gap:
+    # ceil(162816 / 3072) = 53 chunks, two to a block, 27 pages.
+    assert layout(16).layer_elements(0) == 162816
     assert chunk_elements(BLOCK, 3, 64) == 3072
-    assert layout(16).layer_elements(0) == 169536
     pages = layout(16).pages
-    assert pages == 28
+    assert pages == 27
     block_bytes = LAYERS * 2 * 3072 * 2  # 368640
-    slot_bytes = LAYERS * 4 * 162816 * 2  # a slot of rank 64: four times rank 16's elements, dense
+    slot_bytes = LAYERS * layout(64).layer_elements(0) * 2  # rank 64: 4 * 162816 elements a layer
     assert slot_bytes == 39_075_840
     budget = LoraBudget(1 << 30, block_bytes, BLOCK, pages, slot_bytes, max_loras=8)
     # 1073741824 // 368640 = 2912 blocks; beside 8 slots (312606720 bytes): 761135104 // 368640 = 2064.
     assert (budget.pool_blocks, budget.slot_blocks) == (2912, 2064)
     # Requests of 2048 tokens (128 blocks) while 2 adapters are in use:
-    # unified (2912 - 2 * 28) // 128 = 22, slots 2064 // 128 = 16.
+    # unified (2912 - 2 * 27) // 128 = 22, slots 2064 // 128 = 16.
     assert budget.concurrent_requests(2048, 2) == Comparison(unified=22, slots=16)
-    # Adapters beside 4 such requests (512 blocks): unified (2912 - 512) // 28 = 85, slots 8.
-    assert budget.resident_adapters(2048, 4) == Comparison(unified=85, slots=8)
+    # Adapters beside 4 such requests (512 blocks): unified (2912 - 512) // 27 = 88, slots 8.
+    assert budget.resident_adapters(2048, 4) == Comparison(unified=88, slots=8)
     # 17 requests overflow the slots' KV share (2176 > 2064 blocks) but not the unified pool.
-    assert budget.resident_adapters(2048, 17) == Comparison(unified=(2912 - 2176) // 28, slots=0)
+    assert budget.resident_adapters(2048, 17) == Comparison(unified=(2912 - 2176) // 27, slots=0)
 
 
 def test_slots_that_overflow_the_budget_are_refused():
