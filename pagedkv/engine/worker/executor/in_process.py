@@ -80,6 +80,8 @@ class InProcessExecutor(Executor):
             kv_dtype,
             self.kv_groups,
         )
+        if in_pages:  # the adapters' one copy is in the pages (no slot tensors); before any forward pass
+            model.lora = PagedLoRA(model, lora.max_loras, lora.max_lora_rank, kv_cache.data)
         self.num_kv_blocks = blocks
         self.kv_memory = KVMemory(kv_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes)
         self.runner: ModelRunner | None = ModelRunner(model, kv_cache, graphs)
@@ -87,8 +89,6 @@ class InProcessExecutor(Executor):
         if self.tier is not None:
             self.runner.tier = RankTier(self.tier, kv_cache)
         if lora is not None and lora.unified_paging:  # a quantized cache is refused
-            if in_pages:  # the adapters' one copy is in the pages: no slot tensors
-                model.lora = PagedLoRA(model, lora.max_loras, lora.max_lora_rank, kv_cache.data)
             pages = PagedAdapterWeights(kv_cache, model.config, lora.max_lora_rank, model.lora)
             self.runner.adapter_pages = pages
 
