@@ -153,6 +153,9 @@ def write_gguf(
     rope = config.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)  # Gemma 3: the full layers' (the sliding ones' is 10,000)
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    rotary = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if rotary != 1.0:  # Phi3MiniModel's rope_dims (Phi-4-mini: 96 of 128)
+        writer.add_rope_dimension_count(int(rotary * config["hidden_size"]) // heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     if config.get("sliding_window") is not None:
         writer.add_sliding_window(config["sliding_window"])

@@ -177,10 +177,13 @@ def quantization_config(v: Variant) -> dict[str, Any]:
     }
 
 
-def quantized_checkpoint(tmp_path: Path, v: Variant, seed: int = 0) -> tuple[Path, dict[str, torch.Tensor]]:
+def quantized_checkpoint(
+    tmp_path: Path, v: Variant, seed: int = 0, **shape: int
+) -> tuple[Path, dict[str, torch.Tensor]]:
     """A tiny Llama quantized as ``v`` in ``tmp_path``, and ``{"<layer>.weight": dense weight}``
-    of every quantized layer (the integers' own values, float32)."""
-    folder = make_checkpoint(tmp_path, "llama", seed=seed, **SHAPE)
+    of every quantized layer (the integers' own values, float32); ``shape`` overrides
+    :data:`SHAPE`'s sizes."""
+    folder = make_checkpoint(tmp_path, "llama", seed=seed, **{**SHAPE, **shape})
     tensors = load_file(folder / "model.safetensors")
     dense = {}
     for name in [n for n in tensors if n.endswith(tuple(f"{p}.weight" for p in PROJECTIONS))]:

@@ -16,6 +16,7 @@ The weights are stored in the cache's element type, which is the model's: a quan
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -106,6 +107,14 @@ def write_adapter(
         chunks = _layer_chunks(kv_cache, layer)
         chunks.index_copy_(0, index, flat.view(index.numel(), -1))
     return layout
+
+
+def pages_checksum(kv_cache: KVCache, block_ids: Sequence[int]) -> int:
+    """The CRC-32 of ``block_ids``' bytes in every layer, in page order: what a second tier
+    copies of them, so a copy brought back is checked against the pages it was made of."""
+    index = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv_cache.device)
+    pages = kv_cache.data.index_select(2, index).contiguous().view(torch.uint8)
+    return zlib.crc32(pages.cpu().numpy().reshape(-1))
 
 
 def gather_adapter_layer(

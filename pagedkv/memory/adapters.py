@@ -52,6 +52,9 @@ class PageWrite:
     path: str
     checksum: int
     block_ids: tuple[int, ...]
+    #: The step's tier loads copy the adapter's pages back from the second KV tier, where its
+    #: last eviction spilled them; the folder is read only if they fail their check.
+    from_tier: bool = False
 
 
 class AdapterResidency:

@@ -6,18 +6,24 @@ them, so :meth:`pagedkv.models.config.ModelConfig.from_dict` settles defaults an
 both sources. What the metadata does not say, the tensors do: the vocabulary is the embedding's
 row count, the output projection is tied when ``output.weight`` is absent, biases exist when
 their tensors do, Llama 3.1's RoPE scaling is the divisors in ``rope_freqs.weight``, Phi-3's
-longrope the factors in ``rope_factors_long``/``rope_factors_short``. Every
-tensor's type is checked here, before anything is built, so an unsupported type is refused by
-name at once.
+longrope the factors in ``rope_factors_long``/``rope_factors_short``; a ``rope.dimension_count``
+below the head size is a partial rotary (Phi-4-mini). Every tensor's type is checked here,
+before anything is built, so an unsupported type is refused by name at once.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from pagedkv.models.gguf_weights import ROPE_FREQS, ROPE_TENSORS, SUPPORTED_TYPES, gguf_weight, type_name
 from pagedkv.tokenizer.gguf_file import GGUFError, field, open_gguf
+
+#: architectures whose files may rotate part of each head (Phi-4-mini converts as phi3): their
+#: rotation pairs dimension i with i + rotary_dim / 2 as transformers' does, rows unpermuted
+#: (llama's files permute whole heads for llama.cpp's interleaved rotation: no partial form)
+_PARTIAL_ROTARY = frozenset({"phi3"})
 
 #: ``general.architecture`` -> the transformers architecture it is converted from.
 ARCHITECTURES = {
@@ -77,8 +83,17 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
     heads = _uniform(key("attention.head_count"), f"{arch}.attention.head_count", first)
     hidden = key("embedding_length")
     head_dim = key("attention.key_length", None) or hidden // heads  # llama.cpp's default too
-    if key("rope.dimension_count", head_dim) != head_dim:
-        raise GGUFError(f"{first}: partial rotary embeddings ({arch}.rope.dimension_count) are not supported")
+    rotary_dim = key("rope.dimension_count", head_dim)
+    if rotary_dim != head_dim and arch not in _PARTIAL_ROTARY:
+        raise GGUFError(
+            f"{first}: partial rotary embeddings ({arch}.rope.dimension_count {rotary_dim} of {head_dim}) "
+            f"are supported in {sorted(_PARTIAL_ROTARY)} files only"
+        )
+    if not (0 < rotary_dim <= head_dim and rotary_dim % 2 == 0):
+        raise GGUFError(
+            f"{first}: {arch}.rope.dimension_count is {rotary_dim}; it must be even and at most the head "
+            f"size {head_dim}"
+        )
     raw: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "vocab_size": shapes["token_embd.weight"][0],
@@ -99,6 +114,8 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id", None),
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id", None),
     }
+    if rotary_dim < head_dim:  # Phi-4-mini: the first rotary_dim dimensions of a head rotate
+        raw["partial_rotary_factor"] = _rotary_factor(rotary_dim, head_dim)
     window = key("attention.sliding_window", None)
     if window is not None and arch == "llama":  # Mistral converts as llama, with its window
         raw |= {"architectures": ["MistralForCausalLM"], "sliding_window": window}
@@ -112,6 +129,13 @@ def gguf_config(parts: list[Path]) -> dict[str, Any]:
     if key("expert_count", 0):
         raw |= _experts(arch, key, shapes, raw["num_hidden_layers"], first)
     return raw
+
+
+def _rotary_factor(rotary_dim: int, head_dim: int) -> float:
+    """The ``partial_rotary_factor`` from which transformers' ``int(head_dim * factor)`` gives
+    back ``rotary_dim`` (``rotary_dim / head_dim`` can round below it: 30 of 44)."""
+    factor = rotary_dim / head_dim
+    return factor if int(head_dim * factor) == rotary_dim else math.nextafter(factor, 1.0)
 
 
 def _gemma(arch: str, key: Any, raw: dict[str, Any]) -> dict[str, Any]:

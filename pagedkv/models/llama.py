@@ -79,6 +79,12 @@ class Embedding(nn.Module):
             return tiled_rows(self.weight, input_ids, self.hidden_size)
         return F.embedding(input_ids, self.weight)
 
+    def holding_blocks(self, layer: nn.Module) -> nn.Module:
+        """The module that takes this embedding's place when its matrix is kept in GGUF blocks:
+        ``layer``, a :class:`~pagedkv.models.quantized.QuantizedEmbedding` of the same rows. A
+        tensor-parallel shard wraps it in its own kind."""
+        return layer
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:

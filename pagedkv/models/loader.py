@@ -131,7 +131,7 @@ def load_model(
     decoder layers' projections of a 16/32-bit one the way llama.cpp does."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {list(LOAD_FORMATS)}")
-    scheme = checkpoint_scheme(path, quantization, tensor_parallel is not None)
+    scheme = checkpoint_scheme(path, quantization)
     backend = resolve_backend(attention_backend, torch.device(device))
     cfg = ModelConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, default=cfg.dtype, device=device)
@@ -207,7 +207,8 @@ def load_weights(
 ) -> str | None:
     """Copy every tensor of ``files`` into the parameter (or packed row slice) it names;
     ``read(name, file)`` reads a tensor (default: whole; a tensor-parallel rank: its slice).
-    With a quantization ``scheme``, a quantized layer's tensors fill its ``weight`` together.
+    With a quantization ``scheme``, a quantized layer's tensors fill its ``weight`` together
+    (read whole, repacked as GGUF blocks, then cut by ``read`` as a GGUF file's would be).
     ``checkpoint``: the whole model's config, when ``model`` holds a tensor-parallel rank's shard
     (a GGUF file's rows are put back by the whole model's head counts); default ``model.config``.
     Quantized weights (a quantized checkpoint's layers, a GGUF file's quantized tensors) go
@@ -230,6 +231,8 @@ def load_weights(
                     if done is None:  # more of the layer's parts to come
                         continue
                     name, tensor = done
+                    if read is not None:  # a rank keeps its slice of the layer's blocks
+                        tensor = read(name, _Repacked(tensor))
                 target = targets.get(name)
                 if target is None:
                     unexpected.append(name)
@@ -259,12 +262,30 @@ def load_weights(
     return install_quantized(model, quantized, targets, keep_quantized)
 
 
-def _rotary_rows(tensor: torch.Tensor | QuantizedWeight, config: ModelConfig) -> torch.Tensor:
-    """Query/key rows (whole heads) in :func:`rotary_row_order`."""
-    if isinstance(tensor, QuantizedWeight):
-        raise ValueError("a quantized checkpoint of a partial-rotary model is not supported")
+class _Repacked:
+    """A quantized checkpoint's layer, repacked as GGUF blocks whole, behind the handle a rank's
+    ``read`` takes: it cuts its slice as from a GGUF file's quantized tensor."""
+
+    def __init__(self, weight: QuantizedWeight) -> None:
+        self.weight = weight
+
+    def get_tensor(self, name: str) -> QuantizedWeight:
+        return self.weight
+
+    def get_slice(self, name: str) -> QuantizedWeight:
+        return self.weight
+
+
+def _rotary_rows(
+    tensor: torch.Tensor | QuantizedWeight, config: ModelConfig
+) -> torch.Tensor | QuantizedWeight:
+    """Query/key rows (whole heads) in :func:`rotary_row_order`; a quantized weight's rows are
+    its rows of blocks (a block never spans two rows), moved as they are."""
     order = rotary_row_order(config.head_dim, config.rotary_dim or config.head_dim)
     heads = tensor.shape[0] // config.head_dim
+    if isinstance(tensor, QuantizedWeight):
+        raw = tensor.raw.reshape(heads, config.head_dim, -1)[:, order.numpy()]
+        return QuantizedWeight(raw.reshape(tensor.raw.shape), tensor.qtype, tensor.shape)
     return tensor.unflatten(0, (heads, config.head_dim))[:, order].flatten(0, 1)
 
 

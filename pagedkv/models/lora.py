@@ -6,16 +6,24 @@ transposed, so a slot's rows are contiguous). The packed projections hold one bl
 ``max_rank`` rows per checkpoint projection -- q, k, v in ``qkv_proj``, gate and up in
 ``gate_up_proj`` -- and each ``B`` block writes only its projection's output columns, so the
 packed product of the delta is block-diagonal: each shard's ``B_s A_s x`` lands in its own
-columns, as PEFT's separate q/k/v (gate/up) layers compute it. A smaller rank is zero-padded:
-the zeros add nothing. The scaling (``lora_alpha / r``) is a slot's, applied per row by the
-step's :class:`~pagedkv.models.ops.LoRARows`.
+columns, as PEFT's separate q/k/v (gate/up) layers compute it. Where checkpoints fuse the
+projections (Phi-3: ``qkv_proj``, ``gate_up_proj``), PEFT's adapters target the fused module --
+one ``A`` over the hidden size, one ``B`` over every output row -- and the packed projection
+holds one block over all its columns (vLLM's packing of such models), so a fused adapter costs
+one shrink, not three. A smaller rank is zero-padded: the zeros add nothing. The scaling
+(``lora_alpha / r``) is a slot's, applied per row by the step's :class:`~pagedkv.models.ops.LoRARows`.
 
 On a tensor-parallel rank (:mod:`pagedkv.models.parallel`) the slots hold the rank's shard of
 each adapter, cut as vLLM cuts it: a column-parallel projection (q/k/v, gate/up) keeps ``A``
 whole and the rows of ``B`` of the rank's output rows (its heads, its gate/up rows), so each
 rank adds its own output columns' delta; a row-parallel one (o, down) keeps ``A``'s columns of
 the rank's input features and ``B`` whole, so each rank's delta is a partial sum added before
-the all-reduce that already sums the base product -- no communication of its own.
+the all-reduce that already sums the base product -- no communication of its own. A fused
+``B`` is cut into the rank's rows of each of its parts (its q rows, k rows, v rows: the order
+of the rank's packed rows). On a partial-rotary model (Phi-4-mini) the loader reorders each
+query and key head's rows (:func:`~pagedkv.models.rope.rotary_row_order`); ``B``'s q/k rows are
+put in the same order (:func:`b_rows`), so the adapter's output adds to the rows it was trained
+for.
 
 :meth:`LoRAModules.wrap` turns a model's op list into the one with adapters: each adaptable
 projection's op becomes a :class:`~pagedkv.models.ops.LoRAProject` or
@@ -36,28 +44,57 @@ from safetensors import safe_open
 from torch import nn
 
 from pagedkv.models.config import ModelConfig
-from pagedkv.models.lora_checkpoint import TARGETS, AdapterSpec, projection_shapes
+from pagedkv.models.lora_checkpoint import FUSED, TARGETS, AdapterSpec, model_targets, projection_shapes
 from pagedkv.models.lora_weights import LoRAWeights, SlotWeights
 from pagedkv.models.ops import GateUpAct, GateUpGelu, LoRAGateUp, LoRAProject, LoRARows, Op, Project
+from pagedkv.models.rope import rotary_row_order
 
-#: each packed module's checkpoint projections, in their row order inside it
-_SHARDS: dict[str, tuple[str, ...]] = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "o_proj": ("o_proj",),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "down_proj": ("down_proj",),
-}
-#: each checkpoint projection's ``(in_features, out_features)``; a packed module's projections
+#: the packed modules adapters adapt
+_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+#: each target's ``(in_features, out_features)``; a packed module's targets
 Shapes = dict[str, tuple[int, int]]
 Shards = tuple[str, ...]
 #: the activation method of the step's ops each gate/up op applies
 _ACTIVATIONS: dict[type, str] = {GateUpAct: "silu_and_mul", GateUpGelu: "gelu_tanh_and_mul"}
 
 
+def module_shards(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Each packed module's targets on a model of ``config``, in their row order inside it:
+    q, k, v in ``qkv_proj`` (or ``qkv_proj`` itself, where checkpoints fuse it), ..."""
+    targets = model_targets(config)
+    return {module: tuple(t for t in targets if TARGETS[t] == module) for module in _MODULES}
+
+
+def b_rows(
+    shard: str, checkpoint: ModelConfig, checkpoint_rows: dict[str, tuple[int, int]]
+) -> torch.Tensor | None:
+    """The rows of target ``shard``'s whole ``B`` that a slot holds, in the order of the model's
+    own rows, or None for all of them in order. A fused target's parts follow one another (q, k,
+    v), each cut to a column-parallel shard's ``(first row, rows)`` of that part
+    (``checkpoint_rows``: its heads, its gate/up rows); on a partial-rotary model the query and key
+    rows of each head are in :func:`~pagedkv.models.rope.rotary_row_order`, as the loader puts
+    the base weights' rows (so the adapter's output rows land on the rows they add to)."""
+    shapes = projection_shapes(checkpoint)
+    parts, offset = [], 0
+    for part in FUSED.get(shard, (shard,)):
+        index = torch.arange(shapes[part][1])
+        if checkpoint.rotary_dim is not None and part in ("q_proj", "k_proj"):
+            order = rotary_row_order(checkpoint.head_dim, checkpoint.rotary_dim)
+            index = index.view(-1, checkpoint.head_dim)[:, order].flatten()
+        if part in checkpoint_rows:
+            first, count = checkpoint_rows[part]
+            index = index[first : first + count]
+        parts.append(index + offset)
+        offset += shapes[part][1]
+    index = torch.cat(parts)
+    return None if torch.equal(index, torch.arange(offset)) else index
+
+
 def module_places(shapes: Shapes, shards: Shards) -> tuple[dict[str, tuple[int, int, int]], torch.Tensor]:
-    """Where each checkpoint projection of a packed module sits: ``shard -> (block index, first
-    output column, columns)``, and the bounds of each block's output columns (block ``p`` writes
-    ``columns[p]:columns[p + 1]``, int64 ``[shards + 1]``)."""
+    """Where each target of a packed module sits: ``shard -> (block index, first output column,
+    columns)`` (a fused target is the module's one block, over all its columns), and the bounds
+    of each block's output columns (block ``p`` writes ``columns[p]:columns[p + 1]``, int64
+    ``[shards + 1]``)."""
     places: dict[str, tuple[int, int, int]] = {}
     column = 0
     for block, name in enumerate(shards):
@@ -68,10 +105,11 @@ def module_places(shapes: Shapes, shards: Shards) -> tuple[dict[str, tuple[int, 
 
 
 class ModuleSlots:
-    """One packed projection's slot tensors, and where each of its checkpoint projections sits
-    (:func:`module_places`). ``linear`` (the projection) says which part of each adapter matrix
-    the slots hold: a tensor-parallel shard's (:meth:`put` cuts it), or all of it (any other
-    layer, or None)."""
+    """One packed projection's slot tensors, and where each of its targets sits
+    (:func:`module_places`). ``linear`` (the projection) says which part of each adapter matrix the
+    slots hold: a tensor-parallel shard's (:meth:`put` cuts it), or all of it (any other layer,
+    or None); ``checkpoint`` is the whole model's config (None: a whole full-rotary model's
+    layer, whose ``B`` rows the slots hold in order)."""
 
     def __init__(
         self,
@@ -81,12 +119,21 @@ class ModuleSlots:
         rank: int,
         like: torch.Tensor,
         linear: nn.Module | None = None,
+        checkpoint: ModelConfig | None = None,
     ) -> None:
         in_features = shapes[shards[0]][0]
         self.rank = rank
         # read by the names the shards of pagedkv.models.parallel give (importing them is a cycle)
-        #: a column-parallel shard's ``(first row, rows)`` of each projection's ``B`` (its output rows)
-        self.b_rows: dict[str, tuple[int, int]] = dict(getattr(linear, "checkpoint_rows", {}))
+        checkpoint_rows = getattr(linear, "checkpoint_rows", {})
+        if checkpoint_rows and checkpoint is None:
+            raise ValueError("a tensor-parallel shard's LoRA slots need the whole model's config")
+        #: the rows of each target's whole ``B`` the slots hold, in their order, where that is not
+        #: all of them in order (:func:`b_rows`)
+        self.b_index: dict[str, torch.Tensor] = {}
+        for shard in shards if checkpoint is not None else ():
+            index = b_rows(shard, checkpoint, checkpoint_rows)
+            if index is not None:
+                self.b_index[shard] = index
         #: a row-parallel shard's ``(first column, columns)`` of ``A`` (its input features)
         first = getattr(linear, "first_column", None)
         self.a_columns = None if first is None else (first, linear.in_features)
@@ -97,14 +144,14 @@ class ModuleSlots:
         self.weights = SlotWeights(self.a, self.b, self.columns)
 
     def put(self, slot: int, shard: str, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Adapter matrices ``a [r, in]`` and ``b [out, r]`` of checkpoint projection ``shard``
-        (the whole model's: a tensor-parallel shard's part is cut here)."""
+        """Adapter matrices ``a [r, in]`` and ``b [out, r]`` of target ``shard`` (the whole
+        model's, as the file holds them: a tensor-parallel shard's part is cut here, and ``B``'s
+        rows put in the order of the model's rows)."""
         if self.a_columns is not None:
             first, count = self.a_columns
             a = a[:, first : first + count]
-        if shard in self.b_rows:
-            first, count = self.b_rows[shard]
-            b = b[first : first + count]
+        if shard in self.b_index:
+            b = b.index_select(0, self.b_index[shard].to(b.device))
         block, column, width = self.places[shard]
         first, r = block * self.rank, a.shape[0]
         self.a[slot, first : first + r].copy_(a)
@@ -125,10 +172,6 @@ class LoRAModules:
         config = model.config
         #: the config adapters are read for: the whole model's
         self.config = checkpoint or config
-        if config.rotary_dim not in (None, config.head_dim):
-            raise ValueError(
-                "LoRA adapters are not supported on partial-rotary models (their q/k rows are reordered)"
-            )
         like = model.model.norm.weight
         shapes = projection_shapes(config)
         self.max_loras, self.max_rank = max_loras, max_rank
@@ -138,7 +181,7 @@ class LoRAModules:
         for index, layer in enumerate(model.model.layers):
             owners = {"qkv_proj": layer.self_attn, "o_proj": layer.self_attn}
             owners |= {"gate_up_proj": layer.mlp, "down_proj": layer.mlp}
-            for name, shards in _SHARDS.items():
+            for name, shards in module_shards(config).items():
                 linear = getattr(owners[name], name)
                 entry = self.module(shapes, shards, linear, like)
                 self.modules[index, name] = entry
@@ -198,7 +241,7 @@ class LoRASlots(LoRAModules):
     modules: dict[tuple[int, str], ModuleSlots]
 
     def module(self, shapes: Shapes, shards: Shards, linear: nn.Module, like: torch.Tensor) -> ModuleSlots:
-        return ModuleSlots(shapes, shards, self.max_loras, self.max_rank, like, linear)
+        return ModuleSlots(shapes, shards, self.max_loras, self.max_rank, like, linear, self.config)
 
     def load(self, slot: int, spec: AdapterSpec) -> None:
         """Adapter ``spec`` into ``slot``, replacing what the slot held (untargeted projections

@@ -4,7 +4,8 @@ A folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` (what
 ``PeftModel.save_pretrained`` writes). The check reads the config and the safetensors header
 (a JSON table of names, shapes and byte ranges) only, so a request naming a bad adapter is
 refused when it is added, before it takes any engine state, and names what is wrong: a missing
-or truncated file, a rank over ``max_lora_rank``, a target module pagedkv does not run, a tensor
+or truncated file, a rank over ``max_lora_rank``, a target module pagedkv does not run (or that
+is not this model's: Phi-3's checkpoints, and so its adapters, fuse q/k/v and gate/up), a tensor
 whose shape is not the base model's (an adapter of another model), or a PEFT feature it does not
 implement (``modules_to_save``, trained biases, DoRA, per-module rank or alpha patterns). What
 passes is an :class:`AdapterSpec`, from which :mod:`pagedkv.models.lora` loads the tensors into a
@@ -22,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 #: The projections an adapter may target, and the packed module each is a part of (its shard
-#: name inside that module: vLLM packs q/k/v and gate/up the same way).
+#: name inside that module: vLLM packs q/k/v and gate/up the same way). A checkpoint that fuses
+#: them (Phi-3's) names the packed modules themselves: such a target is all of its module.
 TARGETS: dict[str, str] = {
     "q_proj": "qkv_proj",
     "k_proj": "qkv_proj",
@@ -31,7 +33,17 @@ TARGETS: dict[str, str] = {
     "gate_proj": "gate_up_proj",
     "up_proj": "gate_up_proj",
     "down_proj": "down_proj",
+    "qkv_proj": "qkv_proj",
+    "gate_up_proj": "gate_up_proj",
 }
+#: each fused target's parts, in their row order inside it (its ``B``'s rows: q, k, v; gate, up)
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+#: architectures whose checkpoints fuse q/k/v and gate/up, so that PEFT adapters of them target
+#: ``qkv_proj`` and ``gate_up_proj`` (transformers' modules of these models)
+FUSED_ARCHITECTURES = frozenset({"Phi3ForCausalLM"})
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -61,12 +73,20 @@ class AdapterSpec:
         return self.folder / WEIGHTS_FILE
 
 
+def model_targets(config: Any) -> tuple[str, ...]:
+    """The target modules adapters of a model of ``config`` name: its checkpoint's projections,
+    fused (``qkv_proj``, ``gate_up_proj``) where its checkpoints fuse them, else split."""
+    split = {part for parts in FUSED.values() for part in parts}
+    left_out = split if config.architecture in FUSED_ARCHITECTURES else set(FUSED)
+    return tuple(name for name in TARGETS if name not in left_out)
+
+
 def projection_shapes(config: Any) -> dict[str, tuple[int, int]]:
     """``(in_features, out_features)`` of each adaptable projection of a model of ``config``
-    (a :class:`~pagedkv.models.config.ModelConfig`)."""
+    (a :class:`~pagedkv.models.config.ModelConfig`), the fused ones' outputs all their parts'."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, inter = config.hidden_size, config.intermediate_size
-    return {
+    shapes = {
         "q_proj": (hidden, q),
         "k_proj": (hidden, kv),
         "v_proj": (hidden, kv),
@@ -75,6 +95,21 @@ def projection_shapes(config: Any) -> dict[str, tuple[int, int]]:
         "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
     }
+    for name, parts in FUSED.items():
+        shapes[name] = (hidden, sum(shapes[part][1] for part in parts))
+    return shapes
+
+
+def layer_shapes(spec: AdapterSpec, config: Any) -> list[dict[str, tuple[tuple[int, int], tuple[int, int]]]]:
+    """Per layer of a model of ``config``, each projection ``spec`` adapts and its ``A`` and ``B``
+    shapes (``[r, in]``, ``[out, r]``), in the order of :attr:`AdapterSpec.tensors` -- the order
+    unified paging lays them out in an adapter's pages."""
+    shapes = projection_shapes(config)
+    layers: list[dict[str, tuple[tuple[int, int], tuple[int, int]]]] = [{} for _ in range(config.num_layers)]
+    for layer, shard in spec.tensors:
+        in_features, out_features = shapes[shard]
+        layers[layer][shard] = ((spec.rank, in_features), (out_features, spec.rank))
+    return layers
 
 
 def read_adapter(folder: str | Path, config: Any, max_rank: int) -> AdapterSpec:
@@ -83,7 +118,8 @@ def read_adapter(folder: str | Path, config: Any, max_rank: int) -> AdapterSpec:
     folder = Path(folder)
     if not folder.is_dir():
         raise LoRAAdapterError(f"LoRA adapter folder {str(folder)!r} does not exist")
-    settings = _read_config(folder)
+    targets = model_targets(config)
+    settings = _read_config(folder, targets, config.architecture)
     rank, scaling = _rank_and_scaling(folder, settings, max_rank)
     header = _read_header(folder / WEIGHTS_FILE)
     shapes = projection_shapes(config)
@@ -95,10 +131,8 @@ def read_adapter(folder: str | Path, config: Any, max_rank: int) -> AdapterSpec:
                 f"{folder}: tensor {name!r} is not a LoRA A/B matrix of a decoder projection"
             )
         layer, module, side = int(match[1]), match[2], match[3]
-        if module not in shapes:
-            raise LoRAAdapterError(
-                f"{folder}: target module {module!r} is not supported (supported: {sorted(TARGETS)})"
-            )
+        if module not in targets:
+            raise _unsupported(folder, f"target module {module!r} is", targets, config.architecture)
         if layer >= config.num_layers:
             raise LoRAAdapterError(
                 f"{folder}: tensor {name!r} is for layer {layer}; the model has {config.num_layers}"
@@ -123,7 +157,15 @@ def read_adapter(folder: str | Path, config: Any, max_rank: int) -> AdapterSpec:
     return AdapterSpec(folder, rank, scaling, tensors)
 
 
-def _read_config(folder: Path) -> dict[str, Any]:
+def _unsupported(folder: Path, what: str, targets: tuple[str, ...], architecture: str) -> LoRAAdapterError:
+    """The refusal of target modules ``what``, naming what this model's adapters may target."""
+    fused = ", whose checkpoints fuse q/k/v and gate/up" if architecture in FUSED_ARCHITECTURES else ""
+    return LoRAAdapterError(
+        f"{folder}: {what} not supported on {architecture}{fused} (supported: {sorted(targets)})"
+    )
+
+
+def _read_config(folder: Path, targets: tuple[str, ...], architecture: str) -> dict[str, Any]:
     file = folder / CONFIG_FILE
     try:
         settings = json.loads(file.read_text())
@@ -145,13 +187,11 @@ def _read_config(folder: Path) -> dict[str, Any]:
     refused = [name for name, bad in refusals.items() if bad]
     if refused:
         raise LoRAAdapterError(f"{folder}: {', '.join(refused)} is not supported in LoRA adapters")
-    targets = settings.get("target_modules")
-    if isinstance(targets, list):
-        unknown = sorted(set(targets) - set(TARGETS))
+    named = settings.get("target_modules")
+    if isinstance(named, list):
+        unknown = sorted(set(named) - set(targets))
         if unknown:
-            raise LoRAAdapterError(
-                f"{folder}: target module(s) {unknown} are not supported (supported: {sorted(TARGETS)})"
-            )
+            raise _unsupported(folder, f"target module(s) {unknown} are", targets, architecture)
     return settings
 
 

@@ -14,7 +14,9 @@ The worker points a slot at an adapter each time the plan loads it into the slot
 into pages (:mod:`pagedkv.engine.worker.lora_pages`): an adapter evicted and written again
 elsewhere is pointed at its new pages before any row runs with it, never read at its old ones.
 A slot not pointed since its adapter's pages may have gone is refused when a step names it
-(:meth:`PagedLoRA.check`).
+(:meth:`PagedLoRA.check`). On a partial-rotary model the pages hold each ``B`` with its query and
+key rows in the model's order (:meth:`PagedLoRA.in_model_order`, as the slots put them), since
+the forward pass reads the rows as they are.
 
 The rows must fit a chunk to be read in place: :func:`rows_fit` says whether a model's widest
 projection row fits one (otherwise the engine computes from slots filled from the pages).
@@ -28,15 +30,16 @@ import torch
 from torch import nn
 
 from pagedkv.models.config import ModelConfig
-from pagedkv.models.lora import LoRAModules, Shapes, Shards, module_places
-from pagedkv.models.lora_checkpoint import TARGETS, projection_shapes
+from pagedkv.models.lora import LoRAModules, Shapes, Shards, b_rows, module_places
+from pagedkv.models.lora_checkpoint import TARGETS, model_targets, projection_shapes
 from pagedkv.models.lora_weights import PagedWeights
 
 
 def rows_fit(config: ModelConfig, chunk: int) -> str | None:
     """None when every adapter row of ``config``'s projections fits in a KV chunk of ``chunk``
     elements (``block_size * num_kv_heads * head_dim``); else why not, naming the sizes."""
-    widest, name = max((max(dims), target) for target, dims in projection_shapes(config).items())
+    shapes = projection_shapes(config)
+    widest, name = max((max(shapes[target]), target) for target in model_targets(config))
     if widest <= chunk:
         return None
     return (
@@ -74,6 +77,23 @@ class PagedLoRA(LoRAModules):
         #: the slots pointed at an adapter's current pages
         self.pointed: set[int] = set()
         super().__init__(model, max_loras, max_rank)
+        #: each target's ``B`` rows in the model's row order, where that is not the file's
+        self.b_index = {
+            t: index for t in model_targets(self.config) if (index := b_rows(t, self.config, {})) is not None
+        }
+
+    def in_model_order(
+        self, layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
+    ) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Per layer ``{target: (A, B)}`` as the file holds them, with each ``B``'s rows in the
+        order of the model's rows (what the pages hold)."""
+        return [
+            {
+                t: (a, b.index_select(0, self.b_index[t]) if t in self.b_index else b)
+                for t, (a, b) in layer.items()
+            }
+            for layer in layers
+        ]
 
     def module(self, shapes: Shapes, shards: Shards, linear: nn.Module, like: torch.Tensor) -> ModuleRows:
         return ModuleRows(shapes, shards, self.max_loras, self.max_rank, self.base)
@@ -88,8 +108,8 @@ class PagedLoRA(LoRAModules):
         offsets into the cache (untargeted projections zero rows)."""
         self.clear(slot)
         for layer, targets in enumerate(layers):
-            for shard, (a_rows, b_rows) in targets.items():
-                self.modules[layer, TARGETS[shard]].point(slot, shard, a_rows, b_rows)
+            for shard, (a_at, b_at) in targets.items():
+                self.modules[layer, TARGETS[shard]].point(slot, shard, a_at, b_at)
         self.scaling[slot] = scaling
         self.pointed.add(slot)
 

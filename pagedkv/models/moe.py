@@ -29,7 +29,9 @@ fills Llama. On the CPU, with the weights tiled, the routed experts are one call
 Tensor parallelism cuts every expert (the shared one too) as it cuts Llama's MLP, each rank
 holding its share of the intermediate rows, as vLLM's fused MoE does; the router is replicated,
 so every rank routes every row alike. A rank's weighted expert outputs are partial sums, and one
-all-reduce per layer adds them (not one per expert).
+all-reduce per layer adds them (not one per expert); on the CPU the rank's experts run in the
+same C call as on one device, its output the rank's partial sum. The C decode stack, which has no
+all-reduce, leaves a rank's steps to the step program.
 """
 
 from __future__ import annotations
@@ -145,15 +147,14 @@ class RouteExperts(Op):
         object.__setattr__(self, "all_reduce", block.all_reduce)
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
-        out = None if self.all_reduce is not None else native_experts(x, self.block, self.moe)
-        if out is not None:  # the routed and the shared experts, in C
-            return out, residual
-        experts, weights = route(self.router.run(x, None, batch)[0], self.moe)
-        out = self.grouped(x, experts, weights, batch)
-        if self.shared is not None:
-            gate, mlp = self.shared
-            scale = torch.sigmoid(gate.run(x, None, batch)[0])
-            out = out + scale * _run_mlp(mlp, x, batch)
+        out = native_experts(x, self.block, self.moe)  # the routed and the shared experts, in C
+        if out is None:
+            experts, weights = route(self.router.run(x, None, batch)[0], self.moe)
+            out = self.grouped(x, experts, weights, batch)
+            if self.shared is not None:
+                gate, mlp = self.shared
+                scale = torch.sigmoid(gate.run(x, None, batch)[0])
+                out = out + scale * _run_mlp(mlp, x, batch)
         if self.all_reduce is not None:  # a rank's experts hold its share of their rows
             out = self.all_reduce(out)
         return out, residual

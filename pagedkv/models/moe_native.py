@@ -5,7 +5,10 @@ The kernel computes what :meth:`~pagedkv.models.moe.RouteExperts.run` computes, 
 the router's logits, the float32 softmax and top-k, the (row, expert) pairs grouped by expert,
 each expert once over its rows on the tiled kernels, the weighted products added into their
 rows expert by expert, then the shared expert scaled by ``sigmoid`` of its gate -- in one call
-instead of a dozen torch calls per expert. It takes weights in the tiled layout of the
+instead of a dozen torch calls per expert. On a tensor-parallel rank each expert holds the
+rank's share of its intermediate rows, so the kernel's output is the rank's partial sum (each
+weighted expert output is linear in its down projection's partial product), which the block
+all-reduces once, as the torch path does. It takes weights in the tiled layout of the
 activations' dtype (float32, bfloat16). Both paths call it on the same data, so the stack's
 hidden states are the program's bit for bit; its ``exp`` is libm's, so the routing weights may
 differ from torch's in their last float32 bit.
@@ -55,14 +58,16 @@ def weight_table(
     """The kernel's ``weights`` for ``block`` (a :class:`~pagedkv.models.moe.SparseMoeBlock`):
     the router's tiled weight, then each expert's gate/up and down (then, with a shared expert,
     its one-logit gate, gate/up and down), as read by ``tiled`` (the
-    weight in the tiled layout of ``dtype``, or None); None when one is not (a quantized or
-    tensor-parallel projection, another kernel)."""
+    weight in the tiled layout of ``dtype``, or None); None when one is not (a quantized
+    projection, another kernel). A tensor-parallel rank's experts are its shares of their rows
+    (:class:`~pagedkv.models.parallel.ColumnParallelGateUp`, down projections that leave their
+    partial products unreduced), read alike."""
     tiled = tiled or (lambda linear: _tiled(linear, dtype))
     linears: list[nn.Module] = [block.gate]
     shared = getattr(block, "shared_expert", None)
     for i, expert in enumerate([*block.experts, *([] if shared is None else [shared])]):
         gate_up, down = expert.gate_up_proj, getattr(expert, expert.down_name)
-        if type(gate_up) is not GateUpLinear or not gate_up.paired or not isinstance(down, Linear):
+        if not isinstance(gate_up, GateUpLinear) or not gate_up.paired or not isinstance(down, Linear):
             return None
         if i == len(block.experts):  # the shared expert: its gate first
             linears.append(block.shared_expert_gate)

@@ -2,30 +2,36 @@
 
 * ``qkv_proj`` and ``gate_up_proj`` are column-parallel: each rank holds *its* query heads, its
   key/value heads and its gate/up rows (the packed weight is cut per projection, not as one
-  block), so attention and the SiLU gate run on local data with no communication.
+  block), so attention and the SiLU gate run on local data with no communication (the gate/up
+  product fused with the SiLU, as on one device: :class:`ColumnParallelGateUp`).
 * ``o_proj`` and ``down_proj`` are row-parallel: each rank multiplies its input columns and one
   all-reduce sums the partial products (two all-reduces per layer).
 * A mixture of experts (:mod:`pagedkv.models.moe`) cuts every expert, and the shared one, as
   the MLP: each rank holds its gate/up rows and down columns of each; the routers are
   replicated, so every rank routes every row alike. The experts' down projections do not
-  all-reduce: the block adds its weighted partial outputs and all-reduces once per layer.
-* The embedding and the LM head are vocabulary-parallel: each rank holds ``ceil(vocab / N)``
-  rows (the last rank's tail padded with zeros); the embedding masks ids it does not hold and
-  all-reduces, the LM head computes its vocabulary slice of the sampled rows only and gathers
-  them on rank 0.
+  all-reduce: the block adds its weighted partial outputs (in the experts' C call on the CPU,
+  as on one device: the weighted sum of partial products is the rank's partial sum) and
+  all-reduces once per layer.
+* The embedding and the LM head are vocabulary-parallel (:mod:`pagedkv.models.vocab_parallel`):
+  each rank holds ``ceil(vocab / N)`` rows (the last rank's tail padded with zeros); the
+  embedding masks ids it does not hold and all-reduces, the LM head computes its vocabulary
+  slice of the sampled rows only and gathers them on rank 0.
 
 Every layer is the single-device layer (:class:`Linear`, :class:`PackedLinear`,
-:class:`Embedding`) over the rank's shard, calling the parent's forward, so whatever kernel the
-parent uses the shard uses. The loader fills each shard by reading only its slice of each
-checkpoint tensor (:meth:`TensorParallel.tensor_reader`).
+:class:`~pagedkv.models.llama.Embedding`) over the rank's shard, calling the parent's forward,
+so whatever kernel the parent uses the shard uses. The loader fills each shard by reading only
+its slice of each checkpoint tensor (:meth:`TensorParallel.tensor_reader`).
 
-Quantized weights (a GGUF file's blocks) stay quantized on the ranks: a column-parallel shard
-holds whole rows of blocks, a row-parallel one the blocks of its input columns
-(:class:`QuantizedRowParallelLinear`, the same all-reduce). A block never straddles two ranks, so
-each rank's blocks are the file's own bytes, and a row-parallel slice whose columns would cut a
-block (o_proj or down_proj of a K-quant, 256 weights a block, split finer than that) is read
-dequantized instead: that projection stays dense on every rank, and the model's description
-says which and why (:meth:`TensorParallel.dense_projections`).
+Quantized weights (a GGUF file's blocks; a GPTQ, AWQ or compressed-tensors layer, repacked as
+blocks whole before the rank keeps its slice) stay quantized on the ranks: a column-parallel
+shard holds whole rows of blocks, a row-parallel one the blocks of its input columns
+(:class:`QuantizedRowParallelLinear`, the same all-reduce), the embedding and the LM head their
+vocabulary rows. A block never straddles two ranks, so each rank's blocks are the file's own
+bytes (a checkpoint's group of 128 columns is four blocks of 32 with its scale, so a rank may
+hold part of a group), and a row-parallel slice whose columns would cut a block (o_proj or
+down_proj of a K-quant, 256 weights a block, split finer than that) is read dequantized
+instead: that projection stays dense on every rank, and the model's description says which and
+why (:meth:`TensorParallel.dense_projections`).
 
 KV heads: each rank holds ``num_kv_heads / N`` of them, so its KV pool is 1/N of the whole and
 a block id means the same block on every rank. With fewer KV heads than ranks each KV head is
@@ -50,11 +56,12 @@ from torch import nn
 from pagedkv.attention import Backend
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.families import model_class
-from pagedkv.models.linear import Linear, PackedLinear
-from pagedkv.models.llama import Embedding, LlamaForCausalLM
+from pagedkv.models.linear import GateUpLinear, Linear, PackedLinear
+from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quantization.blocks import QuantizedWeight
 from pagedkv.models.quantized import QuantizedLinear
-from pagedkv.models.tensor_slice import TensorSlice
+from pagedkv.models.tensor_slice import ParallelLayer, TensorSlice
+from pagedkv.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -178,9 +185,7 @@ class TensorParallel:
         gate, up = mlp.gate_up_proj.shards
         first = self.rank * rows
         bias = mlp.gate_up_proj.bias is not None
-        mlp.gate_up_proj = ColumnParallelLinear(
-            cfg.hidden_size, {gate: (first, rows), up: (first, rows)}, bias=bias
-        )
+        mlp.gate_up_proj = ColumnParallelGateUp(cfg.hidden_size, first, rows, bias, (gate, up))
         down_name = getattr(mlp, "down_name", "down_proj")
         down = RowParallelLinear(rows, cfg.hidden_size, bias, self, first, reduce)
         setattr(mlp, down_name, down)
@@ -203,8 +208,9 @@ class TensorParallel:
     def tensor_reader(self, model: LlamaForCausalLM):
         """``read(name, handle)`` for the loader: this rank's slice of checkpoint tensor
         ``name`` from an open safetensors file, reading only that slice. A GGUF handle keeping
-        blocks gives a quantized weight whole: a projection's slice keeps its blocks where no
-        block is cut, anything else is dequantized and cut."""
+        blocks, or a quantized checkpoint's layer once the loader has repacked it, gives a
+        quantized weight whole: a matrix's slice keeps its blocks where no block is cut,
+        anything else is dequantized and cut."""
         slices = self.checkpoint_slices(model)
 
         def read(name: str, handle: Any) -> torch.Tensor | QuantizedWeight:
@@ -239,13 +245,6 @@ class TensorParallel:
         return f"dense on the {self.size} ranks, a block would straddle two: {held}"
 
 
-class ParallelLayer:
-    """A layer holding a slice of checkpoint tensors; says which slice of which."""
-
-    def checkpoint_slices(self, parent: str, name: str) -> dict[str, TensorSlice]:
-        raise NotImplementedError
-
-
 class ColumnParallelLinear(PackedLinear, ParallelLayer):
     """Packed projections, each cut to the rank's rows: ``shards`` maps each checkpoint
     projection to ``(first row in the checkpoint, rows)``. Its output stays sharded."""
@@ -261,6 +260,19 @@ class ColumnParallelLinear(PackedLinear, ParallelLayer):
             for shard, (start, rows) in self.checkpoint_rows.items()
             for param in params
         }
+
+
+class ColumnParallelGateUp(GateUpLinear, ParallelLayer):
+    """An MLP's (or an expert's) gate and up rows ``first .. first + rows`` of each, packed as
+    the single-device :class:`GateUpLinear` packs them: tiled, in the paired layout with the
+    SiLU fused, which the experts' C call also takes (:mod:`pagedkv.models.moe_native`).
+    ``names``: the checkpoint's names of the gate and the up projection."""
+
+    def __init__(self, in_features: int, first: int, rows: int, bias: bool, names: tuple[str, str]) -> None:
+        super().__init__(in_features, rows, bias, names)
+        self.checkpoint_rows = dict.fromkeys(names, (first, rows))
+
+    checkpoint_slices = ColumnParallelLinear.checkpoint_slices
 
 
 class _Reduced:
@@ -325,45 +337,3 @@ class QuantizedRowParallelLinear(_Reduced, QuantizedLinear):
         super().__init__(parts, layer.in_features, None if layer.bias is None else layer.bias.data)
         self.tp = tp
         self.reduce = reduce
-
-
-def _vocab_slice(vocab_size: int, tp: TensorParallel) -> TensorSlice:
-    rows = -(-vocab_size // tp.size)
-    start = min(tp.rank * rows, vocab_size)
-    return TensorSlice(0, start, min(rows, vocab_size - start), rows)
-
-
-class VocabParallelEmbedding(Embedding, ParallelLayer):
-    """The rank's vocabulary rows; ids it does not hold give zeros, and an all-reduce adds the
-    one rank's row that is not zero (exact: the other terms are zeros)."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
-        self.rows = _vocab_slice(vocab_size, tp)
-        super().__init__(self.rows.size, hidden_size)
-        self.tp = tp
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        local = input_ids - self.rows.start
-        outside = (local < 0) | (local >= self.rows.count)
-        out = super().forward(local.masked_fill(outside, 0))
-        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
-
-    def checkpoint_slices(self, parent: str, name: str) -> dict[str, TensorSlice]:
-        return {f"{name}.weight": self.rows}
-
-
-class ParallelLMHead(Linear, ParallelLayer):
-    """The rank's vocabulary rows of the LM head; the logits of the rows it is given (the
-    sampled ones) are gathered on rank 0, padding cut off."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
-        self.rows = _vocab_slice(vocab_size, tp)
-        super().__init__(hidden_size, self.rows.size, bias=False)
-        self.tp = tp
-        self.vocab_size = vocab_size
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.gather_columns(super().forward(x), self.vocab_size)
-
-    def checkpoint_slices(self, parent: str, name: str) -> dict[str, TensorSlice]:
-        return {f"{name}.weight": self.rows}

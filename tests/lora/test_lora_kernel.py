@@ -121,10 +121,14 @@ def _fill(lora: LoRASlots) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_adapter_decode_steps_run_in_the_stack_bit_for_bit(tmp_path, dtype):
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [("llama", {}), ("phi3", {"partial_rotary_factor": 0.75})],  # Phi-3: one block over fused qkv
+)
+def test_adapter_decode_steps_run_in_the_stack_bit_for_bit(tmp_path, dtype, arch, overrides):
     """Decode steps of rows of two adapters and the base model run in the C stack, whose
     hidden states are the program's; the base row's are the base model's."""
-    path = make_checkpoint(tmp_path, "llama")
+    path = make_checkpoint(tmp_path, arch, **overrides)
     stacked, plain, base = (load_model(path, dtype=dtype, linear_kernel="tiled") for _ in range(3))
     for model in (stacked, plain):
         model.lora = LoRASlots(model, 3, 8)

@@ -18,7 +18,7 @@ from pagedkv.memory.adapter_layout import AdapterLayout, chunk_elements
 from pagedkv.memory.kv_bytes import KVSpec
 from pagedkv.models import load_model
 from pagedkv.models.lora import LoRASlots, ModuleSlots
-from pagedkv.models.lora_checkpoint import TARGETS, projection_shapes
+from pagedkv.models.lora_checkpoint import TARGETS, model_targets, projection_shapes
 from pagedkv.models.lora_paged import ModuleRows, PagedLoRA
 from pagedkv.models.ops import LoRARows
 from pagedkv.models.step_program import StepProgram
@@ -130,7 +130,8 @@ def test_the_torch_form_gathers_only_the_step_s_adapters(name):
 def _adapters(model, count: int, rank: int) -> list[list[dict[str, tuple[torch.Tensor, torch.Tensor]]]]:
     """``count`` seeded adapters of every target of every layer of ``model``."""
     gen = torch.Generator().manual_seed(0)
-    shapes, dtype = projection_shapes(model.config), model.model.norm.weight.dtype
+    dtype = model.model.norm.weight.dtype
+    shapes = {t: projection_shapes(model.config)[t] for t in model_targets(model.config)}
     return [
         [
             {

@@ -57,6 +57,9 @@ def _without_stack(model) -> None:
         ("mixtral", MIXTRAL),  # the routed experts: float32 weights
         ("qwen3moe", QWEN3MOE),  # renormalised top-3, weights in the model's dtype
         ("qwen2moe", QWEN2MOE),  # the gated shared expert, a dense layer
+        # Phi-4-mini's partial rotary: the whole-head rotation of the loader's reordered rows, by
+        # tables of cos 1 and sin 0 on the dimensions that pass
+        ("phi3", {"partial_rotary_factor": 0.75}),
     ],
 )
 def test_the_stack_gives_the_programs_hidden_states_bit_for_bit(tmp_path, dtype, arch, overrides):

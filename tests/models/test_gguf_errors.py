@@ -68,9 +68,21 @@ def test_an_unsupported_rope_scaling_names_the_file(tmp_path, tiny):
         ModelConfig.from_pretrained(file)
 
 
-def test_partial_rotary_is_refused(tmp_path, tiny):
+def test_partial_rotary_outside_phi3_is_refused(tmp_path, tiny):
+    """A llama file's query/key rows are permuted for llama.cpp's interleaved rotation of the
+    whole head: a partial rotation has no such form (Phi-4-mini converts as phi3)."""
     file = write_gguf(tiny[1], tmp_path / "partial.gguf", **{"llama.rope.dimension_count": 8})
-    with pytest.raises(GGUFError, match=rf"{file}: partial rotary embeddings .*dimension_count"):
+    with pytest.raises(
+        GGUFError, match=rf"{file}: partial rotary embeddings \(llama.rope.dimension_count 8 of 16\) .*'phi3'"
+    ):
+        ModelConfig.from_pretrained(file)
+
+
+@pytest.mark.parametrize("count", [9, 18])
+def test_a_rotary_dimension_count_that_is_odd_or_over_the_head_is_named(tmp_path, count):
+    folder = make_checkpoint(tmp_path, "phi3")
+    file = write_gguf(folder, tmp_path / "phi3.gguf", **{"phi3.rope.dimension_count": count})
+    with pytest.raises(GGUFError, match=rf"{file}: phi3.rope.dimension_count is {count}; it must be even"):
         ModelConfig.from_pretrained(file)
 
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file, save_file
 
 from pagedkv.models import ModelConfig
 from pagedkv.models.rope import attention_factor
@@ -77,6 +79,39 @@ def test_phi3_longrope_reads_its_factors_from_the_files_tensors(tmp_path):
     # the converter writes the attention factor transformers computes, rounded to float32
     assert attention_factor(gguf_rope) == pytest.approx(attention_factor(hf_rope)) != 1.0
     assert greedy(str(gguf)) == greedy(str(folder))
+
+
+#: Phi-4-mini's shape: 12 of each head's 16 dimensions rotate (``phi3.rope.dimension_count``)
+PHI4_MINI = {"partial_rotary_factor": 0.75}
+
+
+def test_a_partial_rotary_phi3_file_runs_as_its_hugging_face_folder(tmp_path):
+    folder = make_checkpoint(tmp_path, "phi3", **PHI4_MINI)
+    gguf = write_gguf(folder, tmp_path / "phi4-mini.gguf")
+    hf_config, gguf_config = ModelConfig.from_pretrained(folder), ModelConfig.from_pretrained(gguf)
+    assert gguf_config.rotary_dim == hf_config.rotary_dim == 12
+    assert gguf_config == dataclasses.replace(hf_config, eos_token_id=1)
+    assert greedy(str(gguf)) == greedy(str(folder))
+
+
+def test_a_quantized_partial_rotary_file_moves_its_rows_of_blocks(tmp_path):
+    """Query/key rows are reordered for the partial rotation as rows of Q8_0 blocks: the file
+    gives transformers' tokens on a folder holding its dequantized weights (transformers' GGUF
+    loader reads no ``rope.dimension_count``, so it cannot be the reference here)."""
+    folder = make_checkpoint(tmp_path, "phi3", **PHI4_MINI)
+    gguf = write_gguf(folder, tmp_path / "phi4-mini-q8_0.gguf", Q.Q8_0)
+    weights = load_file(folder / "model.safetensors")
+    for name, tensor in weights.items():
+        if tensor.ndim == 2:  # what the file holds: Q8_0 blocks of every matrix, vectors in F32
+            weights[name] = torch.from_numpy(dequantize(quantize(tensor.numpy(), Q.Q8_0), Q.Q8_0).copy())
+    save_file(weights, folder / "model.safetensors")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    expected = []
+    for ids in prompts():
+        prompt = torch.tensor([ids])
+        tokens = reference.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        expected.append(tokens[0, prompt.shape[1] :].tolist())
+    assert greedy(str(gguf)) == expected
 
 
 #: the sizes transformers' GGUF loader assumes, which reads neither expert rows nor dense layers

@@ -211,12 +211,10 @@ def test_act_order_that_permutes_columns_is_refused(tmp_path):
     assert "model.layers.1.mlp.down_proj" in str(caught.value)
 
 
-def test_a_quantized_checkpoint_refuses_on_the_fly_quantization_and_tensor_parallelism(tmp_path):
+def test_a_quantized_checkpoint_refuses_on_the_fly_quantization(tmp_path):
     folder, _ = quantized_checkpoint(tmp_path, VARIANTS["awq"])
     with pytest.raises(ValueError, match="already quantized \\(awq\\)"):
         load_model(folder, quantization="q8_0")
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        load_model(folder, tensor_parallel=object())  # type: ignore[arg-type]
 
 
 def test_a_layer_missing_a_part_is_named(tmp_path):

@@ -25,8 +25,15 @@ from pagedkv.models.decode_stack import describe
 from pagedkv.models.layer_ops import TORCH_OPS
 from pagedkv.models.moe import MoeForCausalLM, RouteExperts, Router, route
 from pagedkv.models.moe_config import MoeConfig
+from pagedkv.models.moe_native import native_experts
 from pagedkv.models.ops import ForwardBatch, Project
-from pagedkv.models.parallel import TensorParallel, TensorSlice, check_divisible, shard_config
+from pagedkv.models.parallel import (
+    ColumnParallelGateUp,
+    TensorParallel,
+    TensorSlice,
+    check_divisible,
+    shard_config,
+)
 from pagedkv.models.quantized import QuantizedLinear
 from tests.checkpoints import make_checkpoint, to_v4_config
 from tests.engine.spec.test_engine_spec import NGRAM
@@ -239,6 +246,26 @@ def test_each_rank_holds_its_rows_of_every_expert(references):
     block = model.model.layers[0].sparse_block
     assert block.all_reduce is not None and not block.experts[3].down_proj.reduce
     assert model.model.layers[1].mlp.down_proj.reduce  # the dense layer reduces as Llama's
+
+
+def test_a_ranks_experts_run_in_the_c_call_and_its_partial_sums_add_up_to_one_devices(references):
+    """Each rank's experts (its gate/up rows, paired and tiled, and its down columns) go through
+    the same C call as one device's; its output is the rank's partial sum, and the two ranks'
+    add up to one device's output, shared expert included."""
+    path = references["qwen2moe-shared-dense-layer"][0]
+    whole = load_model(path, "float32")
+    x = torch.randn(9, whole.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    want = native_experts(x, whole.model.layers[0].sparse_block, whole.config.moe)
+    partials = []
+    for rank in range(2):
+        shard = load_model(path, "float32", tensor_parallel=TensorParallel(rank, 2))
+        layer = shard.model.layers[0]
+        assert isinstance(layer.sparse_block.experts[0].gate_up_proj, ColumnParallelGateUp)
+        layer.sparse_block.all_reduce = lambda out: out  # the rank's partial sum, as the ranks' add it up
+        op = next(op for op in layer.ops() if isinstance(op, RouteExperts))
+        assert native_experts(x, op.block, op.moe) is not None
+        partials.append(op.run(x, None, _batch(x))[0])
+    assert want is not None and torch.allclose(partials[0] + partials[1], want, atol=1e-5)
 
 
 def test_a_missing_expert_weight_is_named(tmp_path):

@@ -96,12 +96,13 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _load_adapters(self, plan: StepPlan) -> None:
-        """The plan's LoRA adapters into their pages (the folder read now, and checked), then
-        their slots: pointed at their pages, or read from the folder without unified paging."""
+        """The plan's LoRA adapters into their pages (the folder read now, and checked, unless
+        the tier's loads brought them back), then their slots: pointed at their pages, or read
+        from the folder without unified paging."""
         for page_write in plan.lora_page_writes:
             if self.adapter_pages is None:
                 raise RuntimeError("a plan writes LoRA adapter pages, but this runner does not page adapters")
-            self.adapter_pages.write(page_write)
+            self.adapter_pages.write(page_write, self.tier)
         slots = self.model.lora
         for load in plan.lora_loads:
             if load.pages and self.adapter_pages is not None:

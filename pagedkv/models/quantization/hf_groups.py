@@ -4,7 +4,9 @@
 The loader reads tensors one at a time, file by file, and a layer's parts may sit in different
 shards. :class:`QuantizedLayers` knows from the checkpoint's tensor names which parts each layer
 has, holds the parts read so far, and returns the layer's weight as GGUF blocks when its last
-part arrives, so at most one layer's packed tensors wait at a time for an unsharded file.
+part arrives, so at most one layer's packed tensors wait at a time for an unsharded file. A
+tensor-parallel rank reads each layer whole as well and keeps the blocks of its slice
+(:meth:`~pagedkv.models.parallel.TensorParallel.tensor_reader`).
 """
 
 from __future__ import annotations
@@ -21,13 +23,10 @@ from pagedkv.models.quantization.hf_unpack import unpack
 from pagedkv.tokenizer.gguf_file import gguf_parts
 
 
-def checkpoint_scheme(
-    folder: str | Path, quantization: str | None, tensor_parallel: bool
-) -> QuantScheme | None:
-    """The quantization of the checkpoint in ``folder`` (None: a 16/32-bit one), refusing what
-    does not combine with it: on-the-fly ``quantization`` of an already quantized checkpoint,
-    and tensor parallelism (a rank would need its slice of the packed tensors). A GGUF model has
-    none: its quantization is each tensor's own type."""
+def checkpoint_scheme(folder: str | Path, quantization: str | None) -> QuantScheme | None:
+    """The quantization of the checkpoint in ``folder`` (None: a 16/32-bit one), refusing
+    on-the-fly ``quantization`` of an already quantized checkpoint. A GGUF model has none: its
+    quantization is each tensor's own type."""
     if gguf_parts(folder) is not None:
         return None
     with open(Path(folder) / "config.json", encoding="utf-8") as f:
@@ -36,10 +35,6 @@ def checkpoint_scheme(
         raise ValueError(
             f"quantization={quantization!r} quantizes a 16/32-bit checkpoint; this one is already "
             f"quantized ({scheme.method}): leave quantization unset"
-        )
-    if scheme is not None and tensor_parallel:
-        raise ValueError(
-            f"a {scheme.method} checkpoint loads on one rank; tensor parallelism is not supported"
         )
     return scheme
 

@@ -10,7 +10,8 @@ runs it, and the C decode stack lowers it; the token embedding becomes a
 :class:`~pagedkv.models.quantized.QuantizedEmbedding` (a LM head tied to it multiplies by the same
 blocks). A tensor-parallel shard's projection holds the blocks of its rows or of its whole
 blocks of input columns (:mod:`pagedkv.models.parallel`), in its all-reduce where it has one
-(:meth:`~pagedkv.models.linear.Linear.holding_blocks`). Anything else -- a packed projection
+(:meth:`~pagedkv.models.linear.Linear.holding_blocks`); its embedding and LM head their
+vocabulary rows (:mod:`pagedkv.models.vocab_parallel`). Anything else -- a packed projection
 with a dense part; a type without a kernel; a model that is not kept quantized (off the CPU) --
 is dequantized into its dense parameter with the ``gguf`` package's reference (``d * q`` or
 ``d * q + m`` in float32, cast to the model's dtype).
@@ -66,13 +67,14 @@ def install_quantized(
 
 
 def _keep_embedding(model: nn.Module, weight: QuantizedWeight) -> None:
-    """The embedding as its blocks, and a LM head tied to it multiplying by the same blocks."""
-    dense = model.model.embed_tokens.weight
+    """The embedding as its blocks, and a LM head tied to it multiplying by the same blocks
+    (a tensor-parallel rank's: its vocabulary rows, in the layers' own kinds)."""
+    dense = model.model.embed_tokens
     blocks = QuantizedLinear.from_gguf(weight.raw, int(weight.qtype), weight.shape).columns()
-    embedding = QuantizedEmbedding(next(blocks)[3], int(weight.qtype), weight.shape[1], dense.dtype)
-    model.model.embed_tokens = embedding
+    embedding = QuantizedEmbedding(next(blocks)[3], int(weight.qtype), weight.shape[1], dense.weight.dtype)
+    model.model.embed_tokens = dense.holding_blocks(embedding)
     if model.config.tie_word_embeddings:
-        model.lm_head = embedding.tied_head()
+        model.lm_head = model.lm_head.holding_blocks(embedding.tied_head())
 
 
 def quantize_module(model: nn.Module, name: str, weight: QuantizedWeight, keep: bool) -> None:
