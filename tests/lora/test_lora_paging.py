@@ -281,15 +281,17 @@ def test_rows_wider_than_a_kv_chunk_are_computed_from_slots_filled_from_the_page
     assert "rows of 640 elements do not fit a KV chunk of 512 elements" in caplog.text
 
 
-def test_in_bfloat16_pages_and_slots_give_the_same_tokens(case):
-    """The paged and the slot kernels sum in one order: three adapters and the base model mixed
-    in bfloat16 give the same tokens read in place as from slot tensors."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_pages_and_slots_give_the_same_tokens(case, dtype):
+    """Three adapters and the base model mixed: in bfloat16 the paged and the slot kernels sum
+    in one order (the same bits); float16 runs the torch form, which gathers the step's adapters'
+    rows out of the pages (the engine's path off the C kernel, as on CUDA)."""
     base, loras, _ = case
     prompts = [PROMPTS[k % 2] for k in range(8)]
     requests = [loras[k % 3] if k % 4 else None for k in range(8)]
     tokens = {}
     for paging in ("unified", "slots"):
-        options = dict(dtype="bfloat16", enable_lora=True, max_loras=3, max_lora_rank=4, num_kv_blocks=64)
+        options = dict(dtype=dtype, enable_lora=True, max_loras=3, max_lora_rank=4, num_kv_blocks=64)
         with LLM(str(base), lora_paging=paging, **options) as llm:
             out = llm.generate(prompts, GREEDY, lora_request=requests, use_tqdm=False)
             tokens[paging] = [o.outputs[0].token_ids for o in out]
