@@ -58,12 +58,12 @@ class ModuleRows:
         offsets = torch.full((slots, 2, len(shards) * rank), -1, dtype=torch.long, device=base.device)
         self.weights = PagedWeights(base, offsets, columns, shapes[shards[0]][0])
 
-    def point(self, slot: int, shard: str, a_rows: torch.Tensor, b_rows: torch.Tensor) -> None:
+    def point(self, slot: int, shard: str, a_at: torch.Tensor, b_at: torch.Tensor) -> None:
         """Projection ``shard``'s rank rows of slot ``slot`` at these offsets (``[r]`` each)."""
         first = self.places[shard][0] * self.rank
         offsets = self.weights.offsets[slot]
-        offsets[0, first : first + a_rows.shape[0]].copy_(a_rows)
-        offsets[1, first : first + b_rows.shape[0]].copy_(b_rows)
+        offsets[0, first : first + a_at.shape[0]].copy_(a_at)
+        offsets[1, first : first + b_at.shape[0]].copy_(b_at)
 
 
 class PagedLoRA(LoRAModules):
