@@ -14,7 +14,7 @@ from pagedkv.config.lora import LoRAConfig
 from pagedkv.engine.core.adapter_paging import AdapterFile
 from pagedkv.engine.lora_request import LoRARequest
 from pagedkv.engine.validation import InvalidRequestError
-from pagedkv.memory.adapter_layout import AdapterLayout, slab_elements
+from pagedkv.memory.adapter_layout import AdapterLayout, chunk_elements
 from pagedkv.models.lora_checkpoint import AdapterSpec, LoRAAdapterError, layer_shapes, read_adapter
 
 
@@ -64,7 +64,7 @@ class LoRARegistry:
         checks each time it reads the file into the pages (an evicted adapter is read again)."""
         lora, spec = self._adapters[lora_int_id]
         layers = layer_shapes(spec, self.model_config)
-        pages = AdapterLayout.of(layers).pages(slab_elements(block_size, num_kv_heads, head_dim))
+        pages = AdapterLayout.of(layers, chunk_elements(block_size, num_kv_heads, head_dim)).pages
         return AdapterFile(lora.lora_name, str(lora.lora_path), pages, weights_checksum(spec.weights_file))
 
     def remove(self, lora_int_id: int) -> bool:
