@@ -14,7 +14,7 @@ from pagedkv.config.lora import LoRAConfig
 from pagedkv.engine.core.adapter_paging import AdapterFile
 from pagedkv.engine.lora_request import LoRARequest
 from pagedkv.engine.validation import InvalidRequestError
-from pagedkv.memory.adapter_layout import AdapterLayout, slab_elements
+from pagedkv.memory.adapter_layout import AdapterLayout, chunk_elements
 from pagedkv.models.lora_checkpoint import AdapterSpec, LoRAAdapterError, layer_shapes, read_adapter
 from pagedkv.models.shard_config import shard_config
 
@@ -64,16 +64,17 @@ class LoRARegistry:
         from the checked header's shapes), and the CRC-32 of its weights file, which the worker
         checks each time it reads the file into the pages (an evicted adapter is read again).
 
-        Under tensor parallelism a block id is, on each rank, a slab of that rank's KV heads, and
-        the rank's pages hold its shard of the adapter (``A`` whole and its rows of ``B`` on
+        Under tensor parallelism a block id is, on each rank, two chunks of that rank's KV heads,
+        and the rank's pages hold its shard of the adapter (``A`` whole and its rows of ``B`` on
         q/k/v and gate/up, its columns of ``A`` on o and down): the count is one rank's shard in
-        one rank's slab, both taken from the config as the model is cut
+        one rank's chunks, both taken from the config as the model is cut
         (:func:`~pagedkv.models.shard_config.shard_config`: every rank's share is the same size,
         so one rank's count is every rank's), never from a rank's tensors."""
         lora, spec = self._adapters[lora_int_id]
         shard = shard_config(self.model_config, tensor_parallel_size)
         layers = layer_shapes(spec, shard)  # one rank's A and B of each target
-        pages = AdapterLayout.of(layers).pages(slab_elements(block_size, shard.num_kv_heads, shard.head_dim))
+        chunk = chunk_elements(block_size, shard.num_kv_heads, shard.head_dim)
+        pages = AdapterLayout.of(layers, chunk).pages
         return AdapterFile(lora.lora_name, str(lora.lora_path), pages, weights_checksum(spec.weights_file))
 
     def remove(self, lora_int_id: int) -> bool:

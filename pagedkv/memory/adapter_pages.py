@@ -2,8 +2,8 @@
 
 An adapter takes ``pages`` block ids from the same :class:`~pagedkv.memory.block_pool.BlockPool`
 as the KV cache, so memory goes to whichever the batch needs: KV blocks for long contexts, adapter
-pages for many fine-tunes. A block id is, in every layer, a slab of the KV cache's tensor; the
-adapter's layer-``l`` weights fill layer ``l``'s slabs of its pages
+pages for many fine-tunes. A block id is, in every layer, two chunks of the KV cache's tensor
+(its keys and its values); the adapter's layer-``l`` weights fill layer ``l``'s chunks of its pages
 (:mod:`pagedkv.memory.adapter_layout` says where, :mod:`pagedkv.attention.adapter_slabs` moves the
 bytes).
 

@@ -19,10 +19,11 @@ from pagedkv import LLM, LoRARequest, SamplingParams
 from pagedkv.attention import resolve_backend
 from pagedkv.config.lora import LoRAConfig
 from pagedkv.engine.lora_registry import LoRARegistry
-from pagedkv.memory.adapter_layout import AdapterLayout, slab_elements
+from pagedkv.memory.adapter_layout import AdapterLayout, chunk_elements
 from pagedkv.models import ModelConfig
 from pagedkv.models.lora import LoRASlots
 from pagedkv.models.lora_checkpoint import read_adapter
+from pagedkv.models.lora_paged import PagedLoRA
 from pagedkv.models.parallel import TensorParallel
 from pagedkv.models.shard_config import shard_config
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
@@ -82,6 +83,8 @@ def test_two_ranks_with_mixed_adapters_equal_peft_and_one_rank(tmp_path, overrid
             )
             paged = llm.engine.scheduler.paged_adapters
             assert (paged is not None) == (paging == "unified")
+            # rank 0 (in this process) reads its shard where it is, in its pages
+            assert isinstance(llm.engine.executor.runner.model.lora, PagedLoRA) == (paged is not None)
             if paged is not None:
                 pages[size] = {r.lora_int_id: len(r.block_ids) for r in llm.engine.kv_snapshot().adapters}
             assert_pool_whole(llm.engine)
@@ -122,10 +125,10 @@ def test_a_small_pool_evicts_and_reloads_the_ranks_shards_alike(tmp_path):
     [({}, 2), ({"num_key_value_heads": 1}, 2), ({}, 4), ({"intermediate_size": 256}, 4)],
     ids=["gqa-2", "kv-head-replicated-2", "kv-heads-replicated-4", "wide-mlp-4"],
 )
-def test_the_control_planes_page_count_is_each_ranks_cut_in_its_slab(tmp_path, overrides, size):
+def test_the_control_planes_page_count_is_each_ranks_cut_in_its_chunks(tmp_path, overrides, size):
     """The engine counts an adapter's pages from the config alone; each rank's model, built as
     the ranks build it, cuts the file's tensors (the cut its pages and slots hold) to exactly
-    that many pages of its own KV slab -- on every rank, replicated KV heads included."""
+    that many pages of its own KV chunks -- on every rank, replicated KV heads included."""
     base = make_checkpoint(tmp_path, "llama", **overrides)
     folder = make_adapter(tmp_path / "a", base, seed=3, rank=8)
     whole = ModelConfig.from_pretrained(base)
@@ -137,7 +140,7 @@ def test_the_control_planes_page_count_is_each_ranks_cut_in_its_slab(tmp_path, o
         tensors = {key: (file.get_tensor(a), file.get_tensor(b)) for key, (a, b) in spec.tensors.items()}
     backend = resolve_backend("torch", torch.device("cpu"))
     shard = shard_config(whole, size)
-    slab = slab_elements(16, shard.num_kv_heads, shard.head_dim)
+    chunk = chunk_elements(16, shard.num_kv_heads, shard.head_dim)
     for rank in range(size):
         model = TensorParallel(rank, size).build(whole, backend)
         slots = LoRASlots(model, 1, 8, checkpoint=whole)
@@ -145,11 +148,11 @@ def test_the_control_planes_page_count_is_each_ranks_cut_in_its_slab(tmp_path, o
         for (layer, target), (a, b) in tensors.items():
             a_cut, b_cut = slots.cut(layer, target, a, b)
             layers[layer][target] = (tuple(a_cut.shape), tuple(b_cut.shape))
-        assert AdapterLayout.of(layers).pages(slab) == counted, f"rank {rank} of {size}"
+        assert AdapterLayout.of(layers, chunk).pages == counted, f"rank {rank} of {size}"
     unsharded = [{} for _ in range(whole.num_layers)]
     for (layer, target), (a, b) in tensors.items():
         unsharded[layer][target] = (tuple(a.shape), tuple(b.shape))
-    assert counted < AdapterLayout.of(unsharded).pages(slab)  # the whole adapter would need more
+    assert counted < AdapterLayout.of(unsharded, chunk).pages  # the whole adapter would need more
 
 
 def _changed(folder):

@@ -91,7 +91,7 @@ def place_adapter(adapters: AdapterResidency, seq: Sequence, running: Iterable[S
 
 
 def record_adapters(out: SchedulerOutput, adapters: AdapterResidency, paged: PagedAdapters | None) -> None:
-    """The step's adapter placements into ``out``: slot loads (filled from the adapters' pages
+    """The step's adapter placements into ``out``: slot loads (pointed at the adapters' pages
     under unified paging), every resident adapter's slot, and the pages to write and evicted."""
     out.lora_loads = adapters.take_loads()
     out.lora_slots = adapters.slots()

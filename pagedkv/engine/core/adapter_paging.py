@@ -189,6 +189,6 @@ class PagedAdapters:
         )
 
     def with_pages(self, loads: list[SlotLoad]) -> list[SlotLoad]:
-        """``loads`` filled from their adapters' pages (each is pinned by the sequence admitted
+        """``loads`` pointed at their adapters' pages (each is pinned by the sequence admitted
         with it, so resident)."""
         return [replace(load, pages=tuple(self.pages.block_ids(load.lora_int_id))) for load in loads]

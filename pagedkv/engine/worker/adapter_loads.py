@@ -22,7 +22,7 @@ from typing import Any
 
 from pagedkv.engine.core.plan import StepPlan
 from pagedkv.engine.worker.lora_pages import PagedAdapterWeights, TierLoads
-from pagedkv.models.lora import LoRASlots
+from pagedkv.models.lora import LoRAModules, LoRASlots
 from pagedkv.models.lora_checkpoint import LoRAAdapterError, read_adapter
 
 #: Which of the plan's adapter reads failed on any rank, given this rank's (one flag per read,
@@ -40,7 +40,7 @@ def alone(failed: list[bool]) -> list[bool]:
 
 def load_adapters(
     plan: StepPlan,
-    slots: LoRASlots | None,
+    slots: LoRAModules | None,
     pages: PagedAdapterWeights | None,
     agree: Agree = alone,
     tier: TierLoads | None = None,
@@ -75,7 +75,9 @@ def load_adapters(
         if id(load) in folders:
             slots.load(load.slot, *folders[id(load)])
         else:
-            pages.fill_slot(slots, load)
+            pages.place(load)
+    for lora_id in failed if pages is not None else ():
+        pages.skip(lora_id)
     return failed
 
 

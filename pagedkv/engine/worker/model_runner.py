@@ -13,8 +13,9 @@ shape.
 A decode step replays a CUDA graph when the runner has them (:mod:`pagedkv.engine.worker.cuda_graphs`);
 every other step runs the model eagerly, as does every step with LoRA adapter rows: the plan's
 adapters are written into their pages of the KV cache (unified paging,
-:mod:`pagedkv.engine.worker.lora_pages`) after the block moves and copies, then read into their
-slots, and each row's slot goes to the model as its :class:`~pagedkv.models.ops.LoRARows`.
+:mod:`pagedkv.engine.worker.lora_pages`) after the block moves and copies, their slots pointed
+at those pages (or, without unified paging, read from their folders), and each row's slot goes
+to the model as its :class:`~pagedkv.models.ops.LoRARows`.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class ModelRunner:
         #: How the ranks agree which adapter reads failed (a tensor-parallel rank's all-reduce).
         self.agree: Agree = alone
         #: The LoRA adapters the last step could not load, by id, with why: skipped on every
-        #: rank, their rows' outputs to be dropped (:mod:`~pagedkv.engine.worker.adapter_loads`).
+        #: rank, their rows run as base rows and dropped (:mod:`~pagedkv.engine.worker.adapter_loads`).
         self.adapter_failures: dict[int, str] = {}
         if self.device.type == "cpu":
             reuse_freed_memory()
@@ -102,5 +103,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _lora_rows(self, plan: StepPlan, output_rows: torch.Tensor | None) -> LoRARows | None:
-        row_slots = [piece.lora_slot for piece in plan.slices for _ in piece.token_ids]
+        """Each row's slot; the rows of an adapter skipped this step run as base rows (the
+        engine drops them: their slot holds no adapter now)."""
+        failed = self.adapter_failures
+        skipped = {load.slot for load in plan.lora_loads if load.lora_int_id in failed} if failed else set()
+        slots = [-1 if piece.lora_slot in skipped else piece.lora_slot for piece in plan.slices]
+        row_slots = [slot for slot, piece in zip(slots, plan.slices, strict=True) for _ in piece.token_ids]
         return self.model.lora.rows(row_slots, output_rows)

@@ -1,0 +1,123 @@
+"""Where one adaptable projection's LoRA weights are, and the adapters' outputs computed from
+there (Punica's BGMV: each row times its own adapter only).
+
+Two forms, one per residency design:
+
+* :class:`SlotWeights` -- slot tensors ``a [slots, shards * rank, in]`` and ``b [slots, shards *
+  rank, out]`` (``B`` transposed), each slot holding one adapter zero-padded to the slots' rank
+  (:mod:`pagedkv.models.lora`: ``lora_paging="slots"`` and tensor parallelism);
+* :class:`PagedWeights` -- the adapters' rows where their one copy lives, in pages of the KV
+  cache, found through a table of element offsets ``[slots, 2, shards * rank]`` (A's rows, then
+  B's; -1 for a smaller rank's padding) that the worker rewrites each time an adapter is written
+  into its pages (:mod:`pagedkv.models.lora_paged`, unified paging).
+
+On the CPU both are one call of the C kernel (:mod:`pagedkv.kernels.lora_bgmv`), the same sums in
+the same order. Elsewhere (CUDA, float16, no kernels library) the slots are two dense products
+over every slot, each row's products of other slots zeroed by its scale; the pages are first
+gathered, only the step's adapters' rows, into transient tensors, then the same products. No
+path synchronises with the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from pagedkv.kernels import lora_bgmv
+
+
+def _scale(
+    slot: torch.Tensor, scaling: torch.Tensor, adapters: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[T, len(adapters), 1]``: each row's scaling at its own adapter's index, zero elsewhere."""
+    scale = (slot.unsqueeze(1) == adapters).to(dtype).mul_(scaling.index_select(0, adapters).to(dtype))
+    return scale.unsqueeze(2)
+
+
+@dataclass(frozen=True, eq=False)
+class SlotWeights:
+    """A projection's slot tensors; block ``p`` of ``rank`` rows writes the output columns
+    ``columns[p]:columns[p + 1]``."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    columns: torch.Tensor
+
+    @property
+    def slots(self) -> int:
+        return self.a.shape[0]
+
+    def add(self, x: Tensor, slot: Tensor, scaling: Tensor, adapters: Tensor | None, out: Tensor) -> Tensor:
+        """``out [T, out]`` plus each row's adapter output for ``x [T, in]`` (in place where it
+        can); ``slot [T]`` each row's slot (-1: none), ``scaling [slots]``."""
+        a, b = self.a, self.b
+        if lora_bgmv.takes(x, a) and out.is_contiguous():
+            return lora_bgmv.lora_bgmv(x, a, b, slot, scaling, self.columns, out)
+        slots, rank = a.shape[0], a.shape[1]
+        every = torch.arange(slots, device=slot.device)
+        low = torch.mm(x, a.reshape(slots * rank, -1).t()).view(-1, slots, rank)
+        low.mul_(_scale(slot, scaling, every, x.dtype))
+        return out.add_(torch.mm(low.view(-1, slots * rank), b.reshape(slots * rank, -1)))
+
+
+@dataclass(frozen=True, eq=False)
+class PagedWeights:
+    """A projection's adapters in pages of the KV cache tensor ``base``: ``offsets [slots, 2,
+    shards * rank]`` (int64, -1: a zero row), ``n_in`` its input features, block ``p`` of
+    ``rank`` rows writing the output columns ``columns[p]:columns[p + 1]``, its ``B`` rows that
+    many elements long."""
+
+    base: torch.Tensor
+    offsets: torch.Tensor
+    columns: torch.Tensor
+    n_in: int
+    bounds: tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bounds", tuple(int(c) for c in self.columns))
+
+    @property
+    def slots(self) -> int:
+        return self.offsets.shape[0]
+
+    @property
+    def shards(self) -> int:
+        return len(self.bounds) - 1
+
+    @property
+    def rank(self) -> int:
+        return self.offsets.shape[2] // self.shards
+
+    def add(self, x: Tensor, slot: Tensor, scaling: Tensor, adapters: Tensor | None, out: Tensor) -> Tensor:
+        """As :meth:`SlotWeights.add`; ``adapters``: the step's distinct slots (int64), which
+        the torch form gathers (every other slot's offsets may point at reused pages)."""
+        if lora_bgmv.takes(x, self.base) and out.is_contiguous():
+            return lora_bgmv.lora_bgmv_paged(x, self.base, self.offsets, slot, scaling, self.columns, out)
+        if adapters is None:
+            raise ValueError("paged LoRA weights off the C kernel need the step's adapters")
+        flat, rank = self.base.view(-1), self.rank
+        table = self.offsets.index_select(0, adapters)
+        n = adapters.shape[0]
+        a = _gathered(flat, table[:, 0], self.n_in)  # [n, shards * rank, in]
+        low = torch.mm(x, a.view(n * a.shape[1], -1).t()).view(-1, n, a.shape[1])
+        low.mul_(_scale(slot, scaling, adapters, x.dtype))
+        for p in range(self.shards):
+            first, end = self.bounds[p], self.bounds[p + 1]
+            b = _gathered(flat, table[:, 1, p * rank : (p + 1) * rank], end - first)  # [n, rank, width]
+            delta = torch.mm(low[:, :, p * rank : (p + 1) * rank].reshape(-1, n * rank), b.view(n * rank, -1))
+            out[:, first:end].add_(delta)
+        return out
+
+
+def _gathered(flat: torch.Tensor, offsets: torch.Tensor, width: int) -> torch.Tensor:
+    """The rows of ``width`` elements at ``offsets`` of ``flat`` (one index_select), a negative
+    offset's row zero: ``[*offsets.shape, width]``."""
+    at = offsets.clamp(min=0).unsqueeze(-1) + torch.arange(width, device=flat.device)
+    rows = flat.index_select(0, at.view(-1)).view(*offsets.shape, width)
+    return rows.masked_fill_((offsets < 0).unsqueeze(-1), 0)
+
+
+#: a projection's adapter weights, in either form
+LoRAWeights = SlotWeights | PagedWeights
