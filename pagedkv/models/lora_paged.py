@@ -53,13 +53,19 @@ def rows_fit(config: ModelConfig, chunk: int) -> str | None:
 class ModuleRows:
     """One packed projection's table of its adapters' rows in the KV cache ``base``, where each
     checkpoint projection sits in it (:func:`~pagedkv.models.lora.module_places`), and the
-    :class:`~pagedkv.models.lora.ShardCut` the pages hold each adapter in."""
+    :class:`~pagedkv.models.lora.ShardCut` the pages hold each adapter in (None: all of it)."""
 
     def __init__(
-        self, shapes: Shapes, shards: Shards, slots: int, rank: int, base: torch.Tensor, cut: ShardCut
+        self,
+        shapes: Shapes,
+        shards: Shards,
+        slots: int,
+        rank: int,
+        base: torch.Tensor,
+        cut: ShardCut | None = None,
     ) -> None:
         self.rank = rank
-        self.cut = cut
+        self.cut = ShardCut(shards) if cut is None else cut  # None: all of each matrix, in order
         self.places, columns = module_places(shapes, shards)
         offsets = torch.full((slots, 2, len(shards) * rank), -1, dtype=torch.long, device=base.device)
         self.weights = PagedWeights(base, offsets, columns, shapes[shards[0]][0])
