@@ -53,19 +53,12 @@ def rows_fit(config: ModelConfig, chunk: int) -> str | None:
 class ModuleRows:
     """One packed projection's table of its adapters' rows in the KV cache ``base``, where each
     checkpoint projection sits in it (:func:`~pagedkv.models.lora.module_places`), and the
-    :class:`~pagedkv.models.lora.ShardCut` the pages hold each adapter in (None: all of it)."""
+    :class:`~pagedkv.models.lora.ShardCut` the pages hold each adapter in."""
 
-    def __init__(
-        self,
-        shapes: Shapes,
-        shards: Shards,
-        slots: int,
-        rank: int,
-        base: torch.Tensor,
-        cut: ShardCut | None = None,
-    ) -> None:
+    def __init__(self, shapes: Shapes, shards: Shards, slots: int, rank: int, base: torch.Tensor) -> None:
         self.rank = rank
-        self.cut = ShardCut(shards) if cut is None else cut  # None: all of each matrix, in order
+        #: all of each matrix, in order, unless :meth:`PagedLoRA.module` gives a projection's own
+        self.cut = ShardCut(shards)
         self.places, columns = module_places(shapes, shards)
         offsets = torch.full((slots, 2, len(shards) * rank), -1, dtype=torch.long, device=base.device)
         self.weights = PagedWeights(base, offsets, columns, shapes[shards[0]][0])
@@ -98,8 +91,9 @@ class PagedLoRA(LoRAModules):
         super().__init__(model, max_loras, max_rank, checkpoint)
 
     def module(self, shapes: Shapes, shards: Shards, linear: nn.Module, like: torch.Tensor) -> ModuleRows:
-        cut = ShardCut(shards, linear, self.config)
-        return ModuleRows(shapes, shards, self.max_loras, self.max_rank, self.base, cut)
+        rows = ModuleRows(shapes, shards, self.max_loras, self.max_rank, self.base)
+        rows.cut = ShardCut(shards, linear, self.config)
+        return rows
 
     def point(
         self,
