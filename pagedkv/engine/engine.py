@@ -197,7 +197,7 @@ class LLMEngine:
         """Check a LoRA adapter against the model and make it known (vLLM's); False if it was
         known already. Raises :class:`InvalidRequestError` naming what is wrong with it."""
         added, lora_id = self.loras.add(lora_request), lora_request.lora_int_id
-        if added and self.scheduler.paged_adapters is not None:  # a rank's shard in a rank's KV slab
+        if added and self.scheduler.paged_adapters is not None:  # a rank's shard in a rank's KV chunks
             sizes = self.settings.cache.block_size, self.settings.parallel.tensor_parallel_size
             self.scheduler.paged_adapters.register(lora_id, self.loras.paged_file(lora_id, *sizes))
         return added

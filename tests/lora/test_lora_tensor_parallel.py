@@ -2,7 +2,7 @@
 whole and its rows of ``B`` on q/k/v and gate/up; its columns of ``A`` and ``B`` whole on o and
 down), give PEFT's float32 greedy tokens -- and one rank's -- with two adapters and the base
 model mixed in one ``generate`` call; with unified paging each rank writes its shard into its
-own KV slabs of the same block ids, and a pool too small for every adapter evicts and reloads
+own KV chunks of the same block ids, and a pool too small for every adapter evicts and reloads
 them on every rank alike.
 
 The adapters are made by PEFT itself with seeded non-zero ``A`` and ``B``; the tests first check
@@ -58,18 +58,20 @@ def _case(tmp_path, **overrides):
 
 
 @pytest.mark.parametrize(
-    ("overrides", "paging"),
-    [({}, "unified"), ({"num_key_value_heads": 1}, "unified"), ({}, "slots")],
+    ("overrides", "paging", "block_size"),
+    [({}, "unified", 16), ({"num_key_value_heads": 1}, "unified", 16), ({}, "unified", 2), ({}, "slots", 16)],
     # one KV head: both ranks hold a copy of it and cut the same rows of k/v's B; a block id is
-    # then one head's slab on each rank
-    ids=["gqa-unified", "kv-head-replicated-unified", "gqa-slots"],
+    # then one head's chunks on each rank. Blocks of 2 tokens: chunks narrower than the rows,
+    # which are computed from slots filled from the pages
+    ids=["gqa-unified", "kv-head-replicated-unified", "rows-wider-than-chunks", "gqa-slots"],
 )
-def test_two_ranks_with_mixed_adapters_equal_peft_and_one_rank(tmp_path, overrides, paging):
+def test_two_ranks_with_mixed_adapters_equal_peft_and_one_rank(tmp_path, overrides, paging, block_size):
     base, requests, prompts, expected = _case(tmp_path, **overrides)
     order = ["all", None, "qv-down", "all"]
     options = OPTIONS | {
         "lora_paging": paging,
-        "num_kv_blocks": 128,
+        "block_size": block_size,
+        "num_kv_blocks": 128 * 16 // block_size,
         "max_num_batched_tokens": 24,  # prompts in chunks, beside other adapters' decodes
     }
     got, pages = {}, {}
@@ -83,20 +85,21 @@ def test_two_ranks_with_mixed_adapters_equal_peft_and_one_rank(tmp_path, overrid
             )
             paged = llm.engine.scheduler.paged_adapters
             assert (paged is not None) == (paging == "unified")
-            # rank 0 (in this process) reads its shard where it is, in its pages
-            assert isinstance(llm.engine.executor.runner.model.lora, PagedLoRA) == (paged is not None)
+            # rank 0 (in this process) reads its shard where it is, in its pages, if rows fit
+            in_place = paged is not None and block_size == 16
+            assert isinstance(llm.engine.executor.runner.model.lora, PagedLoRA) == in_place
             if paged is not None:
                 pages[size] = {r.lora_int_id: len(r.block_ids) for r in llm.engine.kv_snapshot().adapters}
             assert_pool_whole(llm.engine)
         got[size] = [o.outputs[0].token_ids for o in outs]
     assert got[2] == [t for n in order for t in expected[n]]
     assert got[2] == got[1]
-    if paging == "unified":  # a rank's slab is half the KV heads' (or one copied head's)
+    if paging == "unified":  # a rank's chunks are half the KV heads' (or one copied head's)
         assert pages[2] != pages[1] and set(pages[2]) == {1, 2}
 
 
 def test_a_small_pool_evicts_and_reloads_the_ranks_shards_alike(tmp_path):
-    """Three adapters of 6 pages each on two ranks (their shards in half-size slabs) in a pool of
+    """Three adapters of 6 pages each on two ranks (their shards in half-size chunks) in a pool of
     16 blocks: they cannot all be resident beside their KV blocks, take turns, are evicted for
     each other and for KV blocks and read again on both ranks, and give PEFT's tokens each time."""
     base = make_checkpoint(tmp_path, "llama")

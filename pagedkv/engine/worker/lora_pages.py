@@ -14,7 +14,7 @@ pages (after an eviction, from its folder or from the tier) is pointed at them a
 offsets are always the last write's, never left at pages KV blocks may hold by now.
 
 The pages hold each adapter as the model's slots would (:meth:`~pagedkv.models.lora.LoRAModules.cut`):
-on a tensor-parallel rank its shard of each target, so a block id, a smaller slab on each rank
+on a tensor-parallel rank its shard of each target, so a block id, smaller chunks on each rank
 (its KV heads), holds each rank's part in each rank's cache. The control plane counts the pages
 of one rank's shard in one rank's chunks
 (:meth:`~pagedkv.engine.lora_registry.LoRARegistry.paged_file`), and
