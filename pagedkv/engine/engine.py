@@ -200,8 +200,11 @@ class LLMEngine:
         added = self.loras.add(lora_request)
         paged = self.scheduler.paged_adapters
         if added and paged is not None:
+            groups = self.executor.kv_groups  # each KV group's layers take pages of their own
+            num_groups = 1 if groups is None else groups.num_groups
             kv = self.settings.cache.block_size, self.model_config.num_kv_heads, self.model_config.head_dim
-            paged.register(lora_request.lora_int_id, self.loras.paged_file(lora_request.lora_int_id, *kv))
+            file = self.loras.paged_file(lora_request.lora_int_id, *kv, num_groups)
+            paged.register(lora_request.lora_int_id, file)
         return added
 
     def remove_lora(self, lora_int_id: int) -> bool:

@@ -57,14 +57,18 @@ class LoRARegistry:
         self._adapters[lora.lora_int_id] = (lora, spec)
         return True
 
-    def paged_file(self, lora_int_id: int, block_size: int, num_kv_heads: int, head_dim: int) -> AdapterFile:
+    def paged_file(
+        self, lora_int_id: int, block_size: int, num_kv_heads: int, head_dim: int, num_groups: int = 1
+    ) -> AdapterFile:
         """What unified paging needs of a known adapter: its folder, the pages its weights take
-        in a KV cache of these block sizes (:class:`~pagedkv.memory.adapter_layout.AdapterLayout`,
-        from the checked header's shapes), and the CRC-32 of its weights file, which the worker
-        checks each time it reads the file into the pages (an evicted adapter is read again)."""
+        in a KV cache of these block sizes paged by ``num_groups`` KV groups
+        (:meth:`~pagedkv.memory.adapter_layout.AdapterLayout.pages_in`, from the checked header's
+        shapes), and the CRC-32 of its weights file, which the worker checks each time it reads
+        the file into the pages (an evicted adapter is read again)."""
         lora, spec = self._adapters[lora_int_id]
         layers = layer_shapes(spec, self.model_config)
-        pages = AdapterLayout.of(layers, chunk_elements(block_size, num_kv_heads, head_dim)).pages
+        layout = AdapterLayout.of(layers, chunk_elements(block_size, num_kv_heads, head_dim))
+        pages = layout.pages_in(num_groups)
         return AdapterFile(lora.lora_name, str(lora.lora_path), pages, weights_checksum(spec.weights_file))
 
     def remove(self, lora_int_id: int) -> bool:
