@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.attention.adapter_slabs import (
     adapter_views,
     cache_chunk_elements,
     check_unified_paging,
+    layer_places,
     row_offsets,
     write_adapter,
 )
@@ -191,6 +194,35 @@ def test_under_kv_groups_each_layer_sits_in_its_group_s_pages_and_tensor(block_s
                     index = start // chunk
                     assert index // (2 * cache.num_blocks) == tensor
                     assert index % cache.num_blocks in pages
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    windows=st.lists(st.sampled_from([None, 4, 8]), min_size=1, max_size=9),
+    width=st.integers(1, 7),
+    seed=st.integers(0, 2**16),
+)
+def test_under_any_kv_groups_no_two_layers_share_a_chunk(windows, width, seed):
+    """Any grouping of layers by window: each layer's (tensor, page) pairs are its group's pages in
+    a tensor below ``group_size``, every layer of a group has the group's pages, and no pair is
+    two layers' -- the adapter's pages, once per group, hold every layer apart."""
+    groups = plan_kv_groups(windows)
+    num_groups = 1 if groups is None else groups.num_groups
+    cache = KVCache(KVSpec(len(windows), 1, 1), 64, 1, dtype=torch.float32, groups=groups)
+    # chunks of one element: a layer of one rank-1 A of ``width`` and B of 1 spans width + 1
+    layout = AdapterLayout.of([{"o_proj": ((1, width), (1, 1))}] * len(windows), 1)
+    gen = torch.Generator().manual_seed(seed)
+    block_ids = torch.randperm(64, generator=gen)[: layout.pages_in(num_groups)].tolist()
+    places = layer_places(cache, block_ids, layout)
+    assert len(places) == len(windows)
+    taken: set[tuple[int, int]] = set()
+    for layer, (tensor, pages) in enumerate(places):
+        group = 0 if groups is None else groups.layer_group[layer]
+        assert list(pages) == block_ids[group * layout.pages : (group + 1) * layout.pages]
+        assert 0 <= tensor < cache.data.shape[0]
+        mine = {(tensor, page) for page in pages}
+        assert not mine & taken, f"layer {layer} shares a chunk"
+        taken |= mine
 
 
 def test_rows_wider_than_a_chunk_have_no_offsets():
