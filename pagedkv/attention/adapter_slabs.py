@@ -6,6 +6,9 @@ an adapter's pages are block ids, and in layer ``l`` block ``b`` is two contiguo
 ``KVCache.data`` -- ``data[l, 0, b]`` (keys) and ``data[l, 1, b]`` (values). Layer ``l``'s rows,
 laid out by :class:`~pagedkv.memory.adapter_layout.AdapterLayout`, fill the chunks ``key(b0),
 value(b0), key(b1), value(b1), ...`` in that order; every other element of those chunks is zeroed.
+Under hybrid paging (``KVCache.groups``) the tensor holding layer ``l`` is ``layer_slot[l]``, and
+a block id belongs to one KV group, so layer ``l``'s rows go into tensor ``layer_slot[l]`` of its
+group's pages (:func:`layer_places`): the adapter holds as many pages per group as a layer needs.
 The forward pass reads the rows where they are, through their element offsets in the cache
 (:func:`row_offsets`); reading a layer back whole (:func:`gather_adapter_layer`) is one gather
 of its chunks, bit-exact to what was written.
@@ -60,11 +63,28 @@ def chunk_index(kv_cache: KVCache, block_ids: Sequence[int]) -> torch.Tensor:
     return torch.stack([blocks, blocks + kv_cache.num_blocks], dim=1).reshape(-1).to(kv_cache.device)
 
 
-def _layer_chunks(kv_cache: KVCache, layer: int) -> torch.Tensor:
-    """Layer ``layer``'s cache as ``[2 * num_blocks, block_size * kv_heads * head_dim]``: keys'
-    chunks, then values' (a view)."""
-    data = kv_cache.data[layer]
+def _layer_chunks(kv_cache: KVCache, tensor: int) -> torch.Tensor:
+    """Tensor ``tensor`` of the cache as ``[2 * num_blocks, block_size * kv_heads * head_dim]``:
+    keys' chunks, then values' (a view)."""
+    data = kv_cache.data[tensor]
     return data.view(2 * kv_cache.num_blocks, -1)
+
+
+def layer_places(
+    kv_cache: KVCache, block_ids: Sequence[int], layout: AdapterLayout
+) -> list[tuple[int, Sequence[int]]]:
+    """Per model layer, the tensor of ``kv_cache.data`` that holds it and the adapter's pages that
+    hold its rows: tensor ``l`` and every page without KV groups; with them tensor
+    ``layer_slot[l]`` and the run of ``block_ids`` of the layer's group
+    (:meth:`~pagedkv.memory.adapter_layout.AdapterLayout.group_pages`), the one group whose
+    block ids address that layer."""
+    groups = kv_cache.groups
+    if groups is None:
+        return [(layer, block_ids) for layer in range(kv_cache.num_layers)]
+    return [
+        (slot, layout.group_pages(block_ids, group))
+        for slot, group in zip(groups.layer_slot, groups.layer_group, strict=True)
+    ]
 
 
 def _check_pages(kv_cache: KVCache, block_ids: Sequence[int], layout: AdapterLayout) -> None:
@@ -73,8 +93,9 @@ def _check_pages(kv_cache: KVCache, block_ids: Sequence[int], layout: AdapterLay
         raise ValueError(f"the adapter has {layout.num_layers} layers, the KV cache {kv_cache.num_layers}")
     if layout.chunk != cache_chunk_elements(kv_cache):
         raise ValueError(f"the layout's chunks of {layout.chunk} elements are not this KV cache's")
-    if len(block_ids) != layout.pages:
-        raise ValueError(f"the adapter needs {layout.pages} page(s) of this KV cache, got {len(block_ids)}")
+    needed = layout.pages_in(kv_cache.num_groups)
+    if len(block_ids) != needed:
+        raise ValueError(f"the adapter needs {needed} page(s) of this KV cache, got {len(block_ids)}")
 
 
 def _elements(slot: TargetSlot, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,21 +117,22 @@ def write_adapter(
     ]
     layout = AdapterLayout.of(shapes, cache_chunk_elements(kv_cache))
     _check_pages(kv_cache, block_ids, layout)
-    index = chunk_index(kv_cache, block_ids)
-    for layer, (slots, weights) in enumerate(zip(layout.layers, per_layer_weights, strict=True)):
+    places = layer_places(kv_cache, block_ids, layout)
+    for (tensor, pages), slots, weights in zip(places, layout.layers, per_layer_weights, strict=True):
+        index = chunk_index(kv_cache, pages)
         flat = torch.zeros(index.numel() * layout.chunk, dtype=kv_cache.dtype, device=kv_cache.device)
         for slot in slots:
             a, b = weights[slot.target]
             a_at, b_at = _elements(slot, flat.device)
             flat[a_at] = a.to(flat)
             flat[b_at] = b.t().to(flat)
-        chunks = _layer_chunks(kv_cache, layer)
+        chunks = _layer_chunks(kv_cache, tensor)
         chunks.index_copy_(0, index, flat.view(index.numel(), -1))
     return layout
 
 
 def pages_checksum(kv_cache: KVCache, block_ids: Sequence[int]) -> int:
-    """The CRC-32 of ``block_ids``' bytes in every layer, in page order: what a second tier
+    """The CRC-32 of ``block_ids``' bytes in every tensor of the cache, in page order: what a second tier
     copies of them, so a copy brought back is checked against the pages it was made of."""
     index = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv_cache.device)
     pages = kv_cache.data.index_select(2, index).contiguous().view(torch.uint8)
@@ -118,17 +140,20 @@ def pages_checksum(kv_cache: KVCache, block_ids: Sequence[int]) -> int:
 
 
 def gather_adapter_layer(
-    kv_cache: KVCache, block_ids: Sequence[int] | torch.Tensor, layout: AdapterLayout, layer: int
+    kv_cache: KVCache, block_ids: Sequence[int], layout: AdapterLayout, layer: int
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Layer ``layer``'s ``{target: (A, B)}`` (``B`` as ``[out, rank]``, a transposed view): one
-    gather of the adapter's chunks, then each matrix's rows picked out of it. ``block_ids`` may be a
-    :func:`chunk_index` computed once per load (what a runner keeps)."""
-    if isinstance(block_ids, torch.Tensor):
-        index = block_ids
-    else:
-        _check_pages(kv_cache, block_ids, layout)
-        index = chunk_index(kv_cache, block_ids)
-    flat = _layer_chunks(kv_cache, layer).index_select(0, index).view(-1)
+    gather of the layer's chunks of the adapter's pages, then each matrix's rows picked out of it."""
+    _check_pages(kv_cache, block_ids, layout)
+    tensor, pages = layer_places(kv_cache, block_ids, layout)[layer]
+    return _gather(kv_cache, tensor, chunk_index(kv_cache, pages), layout, layer)
+
+
+def _gather(
+    kv_cache: KVCache, tensor: int, index: torch.Tensor, layout: AdapterLayout, layer: int
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Layer ``layer``'s ``{target: (A, B)}`` from the chunks ``index`` of tensor ``tensor``."""
+    flat = _layer_chunks(kv_cache, tensor).index_select(0, index).view(-1)
     read = {}
     for slot in layout.layers[layer]:
         a_at, b_at = _elements(slot, flat.device)
@@ -141,8 +166,11 @@ def adapter_views(
 ) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """Every layer's ``{target: (A, B)}`` read back from the adapter's pages."""
     _check_pages(kv_cache, block_ids, layout)
-    index = chunk_index(kv_cache, block_ids)
-    return [gather_adapter_layer(kv_cache, index, layout, layer) for layer in range(layout.num_layers)]
+    places = layer_places(kv_cache, block_ids, layout)
+    return [
+        _gather(kv_cache, tensor, chunk_index(kv_cache, pages), layout, layer)
+        for layer, (tensor, pages) in enumerate(places)
+    ]
 
 
 def row_offsets(
@@ -155,16 +183,19 @@ def row_offsets(
     _check_pages(kv_cache, block_ids, layout)
     if not layout.rows_fit:
         raise ValueError(f"the adapter has rows wider than a KV chunk of {layout.chunk} elements")
-    pages = torch.as_tensor(list(block_ids), dtype=torch.long)
     blocks = kv_cache.num_blocks
 
-    def offsets(rows: tuple[int, ...], layer: int) -> torch.Tensor:
-        """Position p is data[layer, chunk % 2, pages[chunk // 2]] at p % chunk (chunk = p // chunk)."""
+    def offsets(rows: tuple[int, ...], tensor: int, pages: torch.Tensor) -> torch.Tensor:
+        """Position p is data[tensor, chunk % 2, pages[chunk // 2]] at p % chunk (chunk = p // chunk)."""
         position = torch.tensor(rows, dtype=torch.long)
         chunk, within = position // layout.chunk, position % layout.chunk
-        return ((layer * 2 + chunk % 2) * blocks + pages[chunk // 2]) * layout.chunk + within
+        return ((tensor * 2 + chunk % 2) * blocks + pages[chunk // 2]) * layout.chunk + within
 
+    places = [
+        (tensor, torch.as_tensor(list(pages), dtype=torch.long))
+        for tensor, pages in layer_places(kv_cache, block_ids, layout)
+    ]
     return [
-        {slot.target: (offsets(slot.a_rows, layer), offsets(slot.b_rows, layer)) for slot in slots}
-        for layer, slots in enumerate(layout.layers)
+        {slot.target: (offsets(slot.a_rows, *place), offsets(slot.b_rows, *place)) for slot in slots}
+        for place, slots in zip(places, layout.layers, strict=True)
     ]

@@ -198,7 +198,9 @@ class LLMEngine:
         known already. Raises :class:`InvalidRequestError` naming what is wrong with it."""
         added, lora_id = self.loras.add(lora_request), lora_request.lora_int_id
         if added and self.scheduler.paged_adapters is not None:  # a rank's shard in a rank's KV chunks
-            sizes = self.settings.cache.block_size, self.settings.parallel.tensor_parallel_size
+            groups = self.executor.kv_groups  # each KV group's layers take pages of their own
+            num_groups = 1 if groups is None else groups.num_groups
+            sizes = self.settings.cache.block_size, self.settings.parallel.tensor_parallel_size, num_groups
             self.scheduler.paged_adapters.register(lora_id, self.loras.paged_file(lora_id, *sizes))
         return added
 

@@ -58,11 +58,14 @@ class LoRARegistry:
         self._adapters[lora.lora_int_id] = (lora, spec)
         return True
 
-    def paged_file(self, lora_int_id: int, block_size: int, tensor_parallel_size: int = 1) -> AdapterFile:
+    def paged_file(
+        self, lora_int_id: int, block_size: int, tensor_parallel_size: int = 1, num_groups: int = 1
+    ) -> AdapterFile:
         """What unified paging needs of a known adapter: its folder, the pages its weights take
-        in a KV cache of ``block_size`` (:class:`~pagedkv.memory.adapter_layout.AdapterLayout`,
-        from the checked header's shapes), and the CRC-32 of its weights file, which the worker
-        checks each time it reads the file into the pages (an evicted adapter is read again).
+        in a KV cache of ``block_size`` paged by ``num_groups`` KV groups
+        (:meth:`~pagedkv.memory.adapter_layout.AdapterLayout.pages_in`, from the checked header's
+        shapes), and the CRC-32 of its weights file, which the worker checks each time it reads
+        the file into the pages (an evicted adapter is read again).
 
         Under tensor parallelism a block id is, on each rank, two chunks of that rank's KV heads,
         and the rank's pages hold its shard of the adapter (``A`` whole and its rows of ``B`` on
@@ -74,7 +77,7 @@ class LoRARegistry:
         shard = shard_config(self.model_config, tensor_parallel_size)
         layers = layer_shapes(spec, shard)  # one rank's A and B of each target
         chunk = chunk_elements(block_size, shard.num_kv_heads, shard.head_dim)
-        pages = AdapterLayout.of(layers, chunk).pages
+        pages = AdapterLayout.of(layers, chunk).pages_in(num_groups)
         return AdapterFile(lora.lora_name, str(lora.lora_path), pages, weights_checksum(spec.weights_file))
 
     def remove(self, lora_int_id: int) -> bool:

@@ -16,10 +16,14 @@ ends wide ones leave (a layer takes about its weights' own elements, not a chunk
 wider than a chunk (big projections over a small KV shape) cannot be read in place: such rows run
 end to end after the packed chunks, and the model computes from slots filled from the pages
 (:attr:`AdapterLayout.rows_fit`). The layout is a function of the shapes and the chunk alone --
-the same on the control plane (which needs only :attr:`AdapterLayout.pages`) and on the worker
+the same on the control plane (which needs only :meth:`AdapterLayout.pages_in`) and on the worker
 (which moves the bytes and points the forward pass at them,
 :mod:`pagedkv.attention.adapter_slabs`) -- and one layer's packing is shared by every layer and
 adapter of the same shapes.
+
+Under hybrid paging (:mod:`pagedkv.memory.kv_groups`) a block id holds one KV group's layers
+only, so an adapter takes :attr:`AdapterLayout.pages` block ids per group, and each layer's rows
+go into its group's run of them (:meth:`AdapterLayout.pages_in`, :meth:`AdapterLayout.group_pages`).
 
 Pure Python: shapes are tuples of ints.
 """
@@ -129,6 +133,21 @@ class AdapterLayout:
         largest = max((self.layer_elements(i) for i in range(self.num_layers)), default=0)
         chunks = -(-largest // self.chunk)
         return max(1, -(-chunks // 2))
+
+    def pages_in(self, num_groups: int) -> int:
+        """Block ids the adapter needs in a pool paged by ``num_groups`` KV groups (1: no
+        groups): :attr:`pages` per group. A group's block id holds only that group's layers (one
+        layer in each of its ``group_size`` tensors), so every group's layers need pages of
+        their own; group ``g``'s are run ``g`` of the adapter's block ids
+        (:meth:`group_pages`)."""
+        if not isinstance(num_groups, int) or num_groups < 1:
+            raise ValueError(f"a KV cache has a positive number of KV groups, got {num_groups!r}")
+        return self.pages * num_groups
+
+    def group_pages(self, block_ids: Sequence[int], group: int) -> Sequence[int]:
+        """The pages of ``block_ids`` (all the adapter's, :meth:`pages_in`) that hold the layers of
+        KV group ``group``, in the order their weights fill them."""
+        return block_ids[group * self.pages : (group + 1) * self.pages]
 
     @property
     def rows_fit(self) -> bool:

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.attention.adapter_slabs import (
     adapter_views,
     cache_chunk_elements,
     check_unified_paging,
+    layer_places,
     row_offsets,
     write_adapter,
 )
 from pagedkv.attention.kv_cache import KVCache
 from pagedkv.memory.adapter_layout import AdapterLayout, chunk_elements
 from pagedkv.memory.kv_bytes import KVSpec
+from pagedkv.memory.kv_groups import plan_kv_groups
 
 # A small model's shapes: hidden 48, 2 KV heads of 8 (kv dim 16), intermediate 96.
 HIDDEN, KV_DIM, INTER = 48, 16, 96
@@ -145,6 +149,80 @@ def test_each_row_s_offset_finds_it_in_the_cache(dtype):
             for j in range(a.shape[0]):
                 assert torch.equal(flat[int(a_rows[j]) : int(a_rows[j]) + a.shape[1]], a[j])
                 assert torch.equal(flat[int(b_rows[j]) : int(b_rows[j]) + b.shape[0]], b[:, j])
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_under_kv_groups_each_layer_sits_in_its_group_s_pages_and_tensor(block_size):
+    """Hybrid paging: 5 layers (2 full, 3 sliding) are 3 groups of at most 2 layers in 2 tensors,
+    the last group one layer deep. The adapter takes its pages once per group; each layer's rows
+    are in tensor ``layer_slot[l]`` of its group's pages, so no two layers share a chunk (every
+    layer reads back whole, after all were written), and nothing outside the pages changes."""
+    groups = plan_kv_groups([None, 8, None, 8, 8])
+    assert groups is not None and (groups.num_groups, groups.group_size) == (3, 2)
+    cache = KVCache(KVSpec(5, 2, 8), 100, block_size, dtype=torch.float32, groups=groups)
+    cache.data.normal_(generator=torch.Generator().manual_seed(1))  # stale KV everywhere
+    before = cache.data.clone()
+    weights = make_weights(4, torch.float32, seed=5, layers=5)
+    layout = layout_of(weights, cache)
+    assert layout.pages_in(3) == 3 * layout.pages
+    block_ids = torch.randperm(100, generator=torch.Generator().manual_seed(6))[: layout.pages_in(3)].tolist()
+    with pytest.raises(ValueError, match=f"needs {3 * layout.pages} page"):
+        write_adapter(cache, block_ids[: layout.pages], weights)
+    assert write_adapter(cache, block_ids, weights) == layout
+
+    for layer, read in enumerate(adapter_views(cache, block_ids, layout)):
+        for target, (a, b) in weights[layer].items():
+            assert torch.equal(read[target][0], a) and torch.equal(read[target][1], b), (layer, target)
+    untouched = torch.ones(cache.num_blocks, dtype=torch.bool)
+    untouched[block_ids] = False
+    assert torch.equal(cache.data[:, :, untouched], before[:, :, untouched])
+    # the one-layer group leaves its pages' second tensor as it was
+    last = layout.group_pages(block_ids, 2)
+    assert torch.equal(cache.data[1, :, last], before[1, :, last])
+    if layout.rows_fit:
+        flat = cache.data.view(-1)
+        for layer, targets in enumerate(row_offsets(cache, block_ids, layout)):
+            tensor, pages = groups.layer_slot[layer], layout.group_pages(block_ids, groups.layer_group[layer])
+            chunk = layout.chunk
+            for target, (a_rows, b_rows) in targets.items():
+                a, b = weights[layer][target]
+                for j in range(a.shape[0]):
+                    start = int(a_rows[j])
+                    assert torch.equal(flat[start : start + a.shape[1]], a[j])
+                    assert torch.equal(flat[int(b_rows[j]) : int(b_rows[j]) + b.shape[0]], b[:, j])
+                    # data[tensor, key/value, page]: the layer's tensor, one of its group's pages
+                    index = start // chunk
+                    assert index // (2 * cache.num_blocks) == tensor
+                    assert index % cache.num_blocks in pages
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    windows=st.lists(st.sampled_from([None, 4, 8]), min_size=1, max_size=9),
+    width=st.integers(1, 7),
+    seed=st.integers(0, 2**16),
+)
+def test_under_any_kv_groups_no_two_layers_share_a_chunk(windows, width, seed):
+    """Any grouping of layers by window: each layer's (tensor, page) pairs are its group's pages in
+    a tensor below ``group_size``, every layer of a group has the group's pages, and no pair is
+    two layers' -- the adapter's pages, once per group, hold every layer apart."""
+    groups = plan_kv_groups(windows)
+    num_groups = 1 if groups is None else groups.num_groups
+    cache = KVCache(KVSpec(len(windows), 1, 1), 64, 1, dtype=torch.float32, groups=groups)
+    # chunks of one element: a layer of one rank-1 A of ``width`` and B of 1 spans width + 1
+    layout = AdapterLayout.of([{"o_proj": ((1, width), (1, 1))}] * len(windows), 1)
+    gen = torch.Generator().manual_seed(seed)
+    block_ids = torch.randperm(64, generator=gen)[: layout.pages_in(num_groups)].tolist()
+    places = layer_places(cache, block_ids, layout)
+    assert len(places) == len(windows)
+    taken: set[tuple[int, int]] = set()
+    for layer, (tensor, pages) in enumerate(places):
+        group = 0 if groups is None else groups.layer_group[layer]
+        assert list(pages) == block_ids[group * layout.pages : (group + 1) * layout.pages]
+        assert 0 <= tensor < cache.data.shape[0]
+        mine = {(tensor, page) for page in pages}
+        assert not mine & taken, f"layer {layer} shares a chunk"
+        taken |= mine
 
 
 def test_rows_wider_than_a_chunk_have_no_offsets():

@@ -33,8 +33,8 @@ from pagedkv.memory.tier.adapter_entries import AdapterTierCopies
 
 @dataclass(frozen=True)
 class AdapterFile:
-    """A known adapter's name and folder, the pages its weights take, and its weights file's
-    CRC-32."""
+    """A known adapter's name and folder, the pages its weights take (once per KV group under
+    hybrid paging), and its weights file's CRC-32."""
 
     name: str
     path: str

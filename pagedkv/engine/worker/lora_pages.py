@@ -43,10 +43,9 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from pagedkv.attention.adapter_slabs import (
+    adapter_views,
     cache_chunk_elements,
     check_unified_paging,
-    chunk_index,
-    gather_adapter_layer,
     pages_checksum,
     row_offsets,
     write_adapter,
@@ -215,8 +214,7 @@ class PagedAdapterWeights:
         self, slots: LoRASlots, slot: int, block_ids: tuple[int, ...], layout: AdapterLayout, scaling: float
     ) -> None:
         """Slot ``slot``'s tensors from the adapter's pages, every layer gathered first."""
-        index = chunk_index(self.kv_cache, block_ids)
-        layers = [gather_adapter_layer(self.kv_cache, index, layout, i) for i in range(layout.num_layers)]
+        layers = adapter_views(self.kv_cache, block_ids, layout)
         slots.clear(slot)
         for layer, targets in enumerate(layers):
             for shard, (a, b) in targets.items():

@@ -23,9 +23,9 @@ def hybrid_kv_groups(
 ) -> tuple[KVGroups | None, str]:
     """The KV groups the engine pages by (None: one table per sequence) and why, in words.
 
-    Off with a second KV tier (it moves one block of every layer per id), with decode CUDA
-    graphs (they capture one table per sequence) and with unified LoRA paging (an adapter's page
-    holds all its layers)."""
+    Off with a second KV tier (it moves one block of every layer per id) and with decode CUDA
+    graphs (they capture one table per sequence). Unified LoRA paging keeps it on: an adapter
+    takes its pages once per group (:meth:`~pagedkv.memory.adapter_layout.AdapterLayout.pages_in`)."""
     windows = [model_config.layer_sliding_window(layer) for layer in range(model_config.num_layers)]
     groups = plan_kv_groups(windows)
     if groups is None:
@@ -33,8 +33,6 @@ def hybrid_kv_groups(
     reason = None
     if config.cache.disable_hybrid_kv_cache_manager:
         reason = "disable_hybrid_kv_cache_manager"
-    elif config.lora is not None and config.lora.unified_paging:
-        reason = "unified LoRA paging writes an adapter into every layer of its pages"
     elif has_tier:
         reason = "a second KV tier moves whole blocks of every layer"
     elif graphs:
