@@ -123,8 +123,10 @@ class ModuleSlots:
             width = shapes[name][1]
             self.places[name] = (block, column, width)
             column += width
-        #: the bounds of each block's output columns (block p writes ``columns[p]:columns[p + 1]``)
-        self.columns = torch.tensor([place[1] for place in self.places.values()] + [column])
+        #: the bounds of each block's output columns (block p writes ``columns[p]:columns[p + 1]``),
+        #: on the slots' device, where the kernels read them
+        bounds = [place[1] for place in self.places.values()] + [column]
+        self.columns = torch.tensor(bounds, device=like.device)
         rows = len(shards) * rank
         self.a = torch.zeros((slots, rows, in_features), dtype=like.dtype, device=like.device)
         self.b = torch.zeros((slots, rows, column), dtype=like.dtype, device=like.device)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache, attend
-from pagedkv.kernels import lora_bgmv
+from pagedkv.kernels import lora_bgmv, triton_kernels
 from pagedkv.models.layer_ops import QKVLayout, TorchOps
 
 #: the residual stream between two ops: ``(x, residual)``
@@ -65,9 +65,10 @@ class LoRARows:
     :meth:`add` is Punica's BGMV: each row times its own slot's ``A``, scaled, times its
     ``B``, added to the row's output; a base row gets exactly nothing. On the CPU it is one call
     of the C kernel (:mod:`pagedkv.kernels.lora_bgmv`), whose work is the rows' own adapters'
-    products -- the C decode stack calls the same kernel on the same data. Elsewhere it is two
-    dense products over every slot, each row's products of other slots zeroed by its scale (no
-    host synchronisation, whatever the mix)."""
+    products -- the C decode stack calls the same kernel on the same data; on CUDA the Triton
+    shrink/expand pair of the same contract (:mod:`pagedkv.kernels.triton_lora`). Elsewhere
+    (no triton, another device or dtype) it is two dense products over every slot, each row's
+    products of other slots zeroed by its scale (no host synchronisation, whatever the mix)."""
 
     slot: torch.Tensor
     scaling: torch.Tensor
@@ -80,8 +81,10 @@ class LoRARows:
         can), from a projection's slot tensors ``a [slots, shards * r, in]`` and ``b [slots,
         shards * r, out]``, block ``p`` writing the columns ``columns[p]:columns[p + 1]``."""
         slot = self.slot if x.shape[0] == self.slot.shape[0] or self.kept is None else self.kept
-        if lora_bgmv.takes(x, a) and out.is_contiguous():
-            return lora_bgmv.lora_bgmv(x, a, b, slot, self.scaling, columns, out)
+        if out.is_contiguous():
+            kernel = lora_bgmv if x.device.type == "cpu" else triton_kernels("triton_lora")
+            if kernel is not None and kernel.takes(x, a):
+                return kernel.lora_bgmv(x, a, b, slot, self.scaling, columns, out)
         slots, rank = a.shape[0], a.shape[1]
         every = torch.arange(slots, device=slot.device)
         scale = (slot.unsqueeze(1) == every).to(x.dtype).mul_(self.scaling.to(x.dtype)).unsqueeze(2)

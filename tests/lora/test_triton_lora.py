@@ -1,0 +1,82 @@
+"""The Triton BGMV pair (``pagedkv.kernels.triton_lora``) on the C kernel's contract: each row
+gets its own adapter's product (a float64 reference over the model's own slot layout), a base
+row nothing, a row's result whatever rows are beside it. On the CPU the kernels run in Triton's
+interpreter; with ``PAGEDKV_TEST_DEVICE=cuda`` (``benchmarks/gpu_check.sh``) compiled, and
+:meth:`LoRARows.add` routes to them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedkv.kernels import triton_lora
+from pagedkv.models.ops import LoRARows
+from tests.devices import TEST_DEVICE
+from tests.lora.test_lora_kernel import ROW_SLOTS, SCALING, _module, _reference
+
+DEVICE = torch.device(TEST_DEVICE)
+#: the rounding each dtype's output is compared to the reference with (one rounding to it)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+@pytest.mark.parametrize(
+    ("name", "rank", "dtype"),
+    [
+        ("qkv_proj", 16, torch.float32),  # three blocks, each over its own columns
+        ("gate_up_proj", 12, torch.bfloat16),  # two blocks, a rank that is not a power of two
+        ("o_proj", 8, torch.float16),
+        ("down_proj", 64, torch.float32),  # the largest rank, in four tiles of rank rows
+    ],
+)
+def test_each_row_gets_its_own_adapter_and_a_base_row_nothing(name, rank, dtype):
+    slots = _module(name, rank, dtype)
+    a, b, columns = slots.a.to(DEVICE), slots.b.to(DEVICE), slots.columns.to(DEVICE)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(len(ROW_SLOTS), a.shape[2], generator=gen).to(dtype)
+    y = torch.randn(len(ROW_SLOTS), b.shape[2], generator=gen).to(dtype)
+    row_slot = torch.tensor(ROW_SLOTS, dtype=torch.int32, device=DEVICE)
+    scaling = SCALING.to(DEVICE)
+    got = triton_lora.lora_bgmv(x.to(DEVICE), a, b, row_slot, scaling, columns, y.to(DEVICE, copy=True)).cpu()
+    want = _reference(x, y, slots)
+    assert not torch.allclose(want, y.double(), atol=0.1)  # the adapters change the rows
+    torch.testing.assert_close(got.double(), want, rtol=TOLERANCE[dtype], atol=1e-5)
+    base = [row for row, slot in enumerate(ROW_SLOTS) if slot < 0]
+    assert torch.equal(got[base], y[base])
+    for row in (2, 6):  # a row's sums do not depend on the rows beside it
+        alone = triton_lora.lora_bgmv(
+            x[row : row + 1].to(DEVICE),
+            a,
+            b,
+            row_slot[row : row + 1],
+            scaling,
+            columns,
+            y[row : row + 1].to(DEVICE, copy=True),
+        )
+        assert torch.equal(alone.cpu()[0], got[row])
+
+
+def test_the_lora_op_runs_the_kernel_on_cuda():
+    """:meth:`LoRARows.add` on DEVICE: the Triton pair's rows bit for bit on CUDA; on the CPU
+    (float32, the C kernel) the same rows to rounding."""
+    slots = _module("qkv_proj", 8, torch.float32)
+    a, b, columns = slots.a.to(DEVICE), slots.b.to(DEVICE), slots.columns.to(DEVICE)
+    x = torch.randn(len(ROW_SLOTS), a.shape[2], device=DEVICE)
+    y = torch.randn(len(ROW_SLOTS), b.shape[2], device=DEVICE)
+    row_slot = torch.tensor(ROW_SLOTS, dtype=torch.int32, device=DEVICE)
+    got = LoRARows(row_slot, SCALING.to(DEVICE)).add(x, a, b, columns, y.clone())
+    kernel = triton_lora.lora_bgmv(x, a, b, row_slot, SCALING.to(DEVICE), columns, y.clone())
+    if DEVICE.type == "cuda":
+        assert torch.equal(got, kernel)
+    torch.testing.assert_close(got, kernel, rtol=1e-5, atol=1e-5)
+
+
+def test_mismatched_shapes_are_refused_by_name():
+    slots = _module("o_proj", 8, torch.float32)
+    x, y = torch.zeros(2, 64), torch.zeros(2, 63)
+    with pytest.raises(ValueError, match="LoRA shapes do not match"):
+        triton_lora.lora_bgmv(
+            x, slots.a, slots.b, torch.zeros(2, dtype=torch.int32), SCALING, slots.columns, y
+        )
+    with pytest.raises(ValueError, match="row_slot must be int32"):
+        rows = torch.zeros(2, dtype=torch.int64)
+        triton_lora.lora_bgmv(x, slots.a, slots.b, rows, SCALING, slots.columns, torch.zeros(2, 64))
