@@ -39,6 +39,31 @@ def takes(x: torch.Tensor, a: torch.Tensor) -> bool:
     )
 
 
+def check_arguments(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    row_slot: torch.Tensor,
+    scaling: torch.Tensor,
+    columns: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """ValueError naming what does not fit :func:`lora_bgmv`'s contract (shared by the Triton
+    pair, :mod:`pagedkv.kernels.triton_lora`)."""
+    slots, rows_per_slot, n_in = a.shape
+    shards = columns.shape[0] - 1
+    rows, n_out = out.shape
+    if x.shape != (rows, n_in) or b.shape != (slots, rows_per_slot, n_out) or rows_per_slot % shards:
+        raise ValueError(
+            f"LoRA shapes do not match: x {tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}, "
+            f"out {tuple(out.shape)}, {shards} shards"
+        )
+    if row_slot.shape != (rows,) or row_slot.dtype != torch.int32 or scaling.dtype != torch.float32:
+        raise ValueError("row_slot must be int32 [rows] and scaling float32 [slots]")
+    if not out.is_contiguous():
+        raise ValueError("lora_bgmv adds into a contiguous output")
+
+
 def lora_bgmv(
     x: torch.Tensor,
     a: torch.Tensor,
@@ -53,18 +78,10 @@ def lora_bgmv(
     ``x [T, in]``; ``a [slots, shards * rank, in]``, ``b [slots, shards * rank, out]``; block
     ``p`` of ``rank`` rows writes the columns ``columns[p]:columns[p + 1]`` (int64, ``[shards
     + 1]``); ``scaling [slots]`` float32."""
+    check_arguments(x, a, b, row_slot, scaling, columns, out)
     slots, rows_per_slot, n_in = a.shape
     shards = columns.shape[0] - 1
     rows, n_out = out.shape
-    if x.shape != (rows, n_in) or b.shape != (slots, rows_per_slot, n_out) or rows_per_slot % shards:
-        raise ValueError(
-            f"LoRA shapes do not match: x {tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}, "
-            f"out {tuple(out.shape)}, {shards} shards"
-        )
-    if row_slot.shape != (rows,) or row_slot.dtype != torch.int32 or scaling.dtype != torch.float32:
-        raise ValueError("row_slot must be int32 [rows] and scaling float32 [slots]")
-    if not out.is_contiguous():
-        raise ValueError("lora_bgmv adds into a contiguous output")
     x, a, b = x.contiguous(), a.contiguous(), b.contiguous()
     row_slot, scaling, columns = row_slot.contiguous(), scaling.contiguous(), columns.contiguous()
     status = _entry(x.dtype)(
