@@ -126,7 +126,8 @@ class QuantizedLinear(nn.Module):
 
     def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantized ``[out, in]`` weight in ``dtype`` on the blocks' device (a new tensor):
-        the C dequantizer where it runs, else gguf-py's (the reference the C equals)."""
+        the C dequantizer where it runs, on CUDA the Triton one, else gguf-py's (the reference both
+        equal)."""
         return torch.cat(
             [_dequantize(blocks, qtype, self.in_features, dtype) for _, _, qtype, blocks in self.columns()]
         )

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.kernels import triton_lora
 from pagedkv.models.ops import LoRARows
@@ -80,3 +82,39 @@ def test_mismatched_shapes_are_refused_by_name():
     with pytest.raises(ValueError, match="row_slot must be int32"):
         rows = torch.zeros(2, dtype=torch.int64)
         triton_lora.lora_bgmv(x, slots.a, slots.b, rows, SCALING, slots.columns, torch.zeros(2, 64))
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    widths=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    rank=st.integers(1, 20),
+    n_in=st.integers(1, 40),
+    slots=st.integers(1, 3),
+    data=st.data(),
+)
+def test_any_packing_of_blocks_gives_each_row_its_own_product(widths, rank, n_in, slots, data):
+    """Any widths of packed blocks (column bounds off every tile boundary), rank and input
+    width: each row's output is its own adapter's float64 product to float32 rounding, base
+    rows untouched."""
+    row_slots = data.draw(st.lists(st.integers(-1, slots - 1), min_size=1, max_size=5))
+    gen = torch.Generator().manual_seed(len(widths) * 1000 + rank * 40 + n_in)
+    shards, n_out = len(widths), sum(widths)
+    columns = torch.tensor([0, *torch.tensor(widths).cumsum(0).tolist()])
+    a = torch.randn(slots, shards * rank, n_in, generator=gen)
+    b = torch.zeros(slots, shards * rank, n_out)
+    for p in range(shards):  # block p's B is zero outside its own columns
+        cut = b[:, p * rank : (p + 1) * rank, columns[p] : columns[p + 1]]
+        cut.copy_(torch.randn(cut.shape, generator=gen))
+    x = torch.randn(len(row_slots), n_in, generator=gen)
+    y = torch.randn(len(row_slots), n_out, generator=gen)
+    scaling = torch.rand(slots, generator=gen) + 0.5
+    row_slot = torch.tensor(row_slots, dtype=torch.int32)
+    args = [t.to(DEVICE) for t in (x, a, b, row_slot, scaling, columns)]
+    got = triton_lora.lora_bgmv(*args, y.to(DEVICE, copy=True)).cpu().double()
+    want = y.double()
+    for row, slot in enumerate(row_slots):
+        if slot >= 0:
+            want[row] += scaling[slot].double() * (
+                (x[row].double() @ a[slot].double().t()) @ b[slot].double()
+            )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
