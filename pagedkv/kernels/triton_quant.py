@@ -10,9 +10,10 @@ is never held dense.
 - Up to :data:`GEMV_ROWS` rows (decode) each product is a float32 multiply of the exact
   dequantized weight and the widened activation, summed per row: any activation dtype gets the
   float32 product, rounded once into ``out``.
-- More rows (prefill, batches) go through ``tl.dot`` on tensor cores: float32 activations
-  multiply the float32 weight exactly (``ieee``, no TF32); float16 and bfloat16 ones the weight
-  rounded to their dtype, as ``F.linear`` on the dequantized weight in that dtype multiplies.
+- More rows (prefill, batches) go through ``tl.dot``: float32 activations multiply the float32
+  weight in float32 (``ieee``: no TF32 rounding of the operands); float16 and bfloat16 ones
+  multiply the weight rounded to their dtype on tensor cores, as ``F.linear`` on the dequantized
+  weight in that dtype does, into float32 sums.
 
 :func:`dequantize` writes the dense weight in any float dtype, each value bit for bit
 ``gguf.quants.dequantize``'s rounded once (round to nearest even).
