@@ -14,11 +14,12 @@ Two workloads:
   the adapters resident after the first pass, and the adapter files read in the second (an
   adapter still resident is not read again).
 
-Both engines keep ``max_loras`` compute slots (which adapters share one step); the unified engine
-pages what stays resident. Throughput: ``batch`` requests spread over ``adapters`` adapters of
-``rank`` (warm: resident), then the same batch on the base model, timed in alternating rounds
-(the figures are the best round of each, and their ratio); cold load: a step that reads a new
-adapter against the same step with a resident one. The built-in model unless ``--model``.
+Both engines run at most ``max_loras`` adapters in one step; the slots engine computes from
+its slot tensors, the unified engine reads each adapter in its pages (no slot tensors).
+Throughput: ``batch`` requests spread over ``adapters`` adapters of ``rank`` (warm: resident),
+then the same batch on the base model, timed in alternating rounds (the figures are the best
+round of each, and their ratio); cold load: a step that reads a new adapter against the same
+step with a resident one. The built-in model unless ``--model``.
 """
 
 from __future__ import annotations

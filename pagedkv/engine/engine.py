@@ -37,6 +37,7 @@ from pagedkv.engine.core.kv_tier import make_kv_manager
 from pagedkv.engine.core.plan import ShippedTables, StepPlan
 from pagedkv.engine.core.scheduler import Scheduler, SchedulerOutput
 from pagedkv.engine.core.sequence import BeamState, Request, Sequence
+from pagedkv.engine.kv_snapshot import KVSnapshot
 from pagedkv.engine.lora_registry import LoRARegistry
 from pagedkv.engine.lora_request import LoRARequest
 from pagedkv.engine.output_processor import OutputProcessor, ProcessedStep, SampledStep
@@ -46,7 +47,7 @@ from pagedkv.engine.sample.sample_stage import sample_step
 from pagedkv.engine.sample.sampler import Sampler, make_generator
 from pagedkv.engine.sampling_params import BeamSearchParams, SamplingParams
 from pagedkv.engine.spec.factory import make_verifier
-from pagedkv.engine.stats import EngineStats, KVSnapshot, StatsCollector, StepStats
+from pagedkv.engine.stats import EngineStats, StatsCollector, StepStats
 from pagedkv.engine.structured.manager import StructuredOutputManager
 from pagedkv.engine.validation import InvalidRequestError, RequestValidator, check_cache_salt
 from pagedkv.engine.worker.executor import Executor
@@ -386,6 +387,8 @@ class LLMEngine:
         """Release the model and the KV cache (and any worker rank) now; idempotent. Dropping the
         engine releases them too; steps afterwards raise ``ExecutorError``."""
         self.structured_outputs.close()
+        if self.scheduler.paged_adapters is not None:
+            self.scheduler.paged_adapters.spill_resident()  # a disk tier keeps them too
         self.kv_tier.flush()  # a disk tier keeps the prefix cache for the next start
         self.executor.shutdown()
 

@@ -14,8 +14,8 @@ from pagedkv.config.lora import LoRAConfig
 from pagedkv.engine.core.adapter_paging import AdapterFile
 from pagedkv.engine.lora_request import LoRARequest
 from pagedkv.engine.validation import InvalidRequestError
-from pagedkv.memory.adapter_layout import AdapterLayout, slab_elements
-from pagedkv.models.lora_checkpoint import AdapterSpec, LoRAAdapterError, projection_shapes, read_adapter
+from pagedkv.memory.adapter_layout import AdapterLayout, chunk_elements
+from pagedkv.models.lora_checkpoint import AdapterSpec, LoRAAdapterError, layer_shapes, read_adapter
 
 
 class LoRARegistry:
@@ -63,14 +63,8 @@ class LoRARegistry:
         from the checked header's shapes), and the CRC-32 of its weights file, which the worker
         checks each time it reads the file into the pages (an evicted adapter is read again)."""
         lora, spec = self._adapters[lora_int_id]
-        shapes = projection_shapes(self.model_config)
-        layers: list[dict[str, tuple[tuple[int, int], tuple[int, int]]]] = [
-            {} for _ in range(self.model_config.num_layers)
-        ]
-        for layer, shard in spec.tensors:
-            in_features, out_features = shapes[shard]
-            layers[layer][shard] = ((spec.rank, in_features), (out_features, spec.rank))
-        pages = AdapterLayout.of(layers).pages(slab_elements(block_size, num_kv_heads, head_dim))
+        layers = layer_shapes(spec, self.model_config)
+        pages = AdapterLayout.of(layers, chunk_elements(block_size, num_kv_heads, head_dim)).pages
         return AdapterFile(lora.lora_name, str(lora.lora_path), pages, weights_checksum(spec.weights_file))
 
     def remove(self, lora_int_id: int) -> bool:

@@ -72,6 +72,7 @@ _FAMILIES: tuple[tuple[str, tuple[str, ...], Signature], ...] = (
     ("paged_attention_prefill_lanes", (), Signature(I64, ())),
     # lora_bgmv.c
     ("lora_bgmv", _TILED, Signature(INT, (ADDRESS,) * 7 + (I64,) * 6)),
+    ("lora_bgmv_paged", _TILED, Signature(INT, (ADDRESS,) * 7 + (I64,) * 6)),
     # decode_stack.c
     (
         "decode_stack",
@@ -111,6 +112,7 @@ class DecodeCode(enum.IntEnum):
     GELU_TANH_AND_MUL = 12
     MOE_EXPERTS = 13
     LORA = 14
+    LORA_PAGED = 15
 
 
 class DecodeBuffer(enum.IntEnum):

@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.lora_bgmv import check_arguments
 from pagedkv.kernels.triton_launch import launch, to_storage
 
 #: the dtypes the kernels take (activations and slot tensors of one dtype)
@@ -127,10 +126,18 @@ def lora_bgmv(
     ``p`` of ``rank`` rows writes the columns ``columns[p]:columns[p + 1]`` (int64, ``[shards
     + 1]``, moved to the rows' device when it is elsewhere); ``scaling [slots]`` float32. A slot
     outside ``[-1, slots)`` is not checked (that would wait for the device)."""
-    check_arguments(x, a, b, row_slot, scaling, columns, out)
-    rows_per_slot, n_in = a.shape[1:]
+    slots, rows_per_slot, n_in = a.shape
     shards = columns.shape[0] - 1
     rows, n_out = out.shape
+    if x.shape != (rows, n_in) or b.shape != (slots, rows_per_slot, n_out) or rows_per_slot % shards:
+        raise ValueError(
+            f"LoRA shapes do not match: x {tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}, "
+            f"out {tuple(out.shape)}, {shards} shards"
+        )
+    if row_slot.shape != (rows,) or row_slot.dtype != torch.int32 or scaling.dtype != torch.float32:
+        raise ValueError("row_slot must be int32 [rows] and scaling float32 [slots]")
+    if not out.is_contiguous():
+        raise ValueError("lora_bgmv adds into a contiguous output")
     if rows == 0:
         return out
     device, rank = x.device, rows_per_slot // shards

@@ -2,8 +2,8 @@
 
 An adapter takes ``pages`` block ids from the same :class:`~pagedkv.memory.block_pool.BlockPool`
 as the KV cache, so memory goes to whichever the batch needs: KV blocks for long contexts, adapter
-pages for many fine-tunes. A block id is, in every layer, a slab of the KV cache's tensor; the
-adapter's layer-``l`` weights fill layer ``l``'s slabs of its pages
+pages for many fine-tunes. A block id is, in every layer, two chunks of the KV cache's tensor
+(its keys and its values); the adapter's layer-``l`` weights fill layer ``l``'s chunks of its pages
 (:mod:`pagedkv.memory.adapter_layout` says where, :mod:`pagedkv.attention.adapter_slabs` moves the
 bytes).
 
@@ -22,6 +22,10 @@ adapters are exactly :attr:`AdapterPages.reclaimable_blocks`.
 The worker learns what to write from :meth:`AdapterPages.take_writes` (loads since the last call,
 still resident) and must write them after the step's tier moves and block copies and before its
 forward pass: a load may take cached-free blocks whose old contents a spill still reads.
+
+With a second KV tier, :attr:`AdapterPages.on_evict` sees each idle adapter an allocation evicts
+while its pages still hold its weights (written by an earlier step), so the tier copies them
+out before the step reuses the blocks (:mod:`pagedkv.memory.tier.adapter_entries`).
 """
 
 from __future__ import annotations
@@ -97,6 +101,9 @@ class AdapterPages:
         self._evicted: list[AdapterId] = []
         self.num_loads = 0
         self.num_evictions = 0
+        #: Called with an idle adapter's id and pages when an allocation evicts it and its pages
+        #: hold its weights (a step wrote them); None: nothing keeps them.
+        self.on_evict: Callable[[AdapterId, list[int]], None] | None = None
         pool.reclaimer = self
 
     # -- the pool's reclaimer ---------------------------------------------------------------
@@ -112,6 +119,8 @@ class AdapterPages:
         while freed < n and self._idle:
             adapter_id = next(iter(self._idle))
             freed += len(self._blocks[adapter_id])
+            if self.on_evict is not None and adapter_id not in self._unwritten:
+                self.on_evict(adapter_id, list(self._blocks[adapter_id]))
             self._evict(adapter_id)
         return freed
 
@@ -249,6 +258,10 @@ class AdapterPages:
         names it again (nothing may read its pages before then)."""
         if adapter_id in self._blocks:
             self._unwritten[adapter_id] = self._blocks[adapter_id]
+
+    def written(self) -> list[tuple[AdapterId, list[int]]]:
+        """Resident adapters whose pages hold their weights (a step wrote them), with the pages."""
+        return [(a, list(blocks)) for a, blocks in self._blocks.items() if a not in self._unwritten]
 
     def take_evicted(self) -> list[AdapterId]:
         """Adapters evicted or unloaded since the last call (their pages may now hold KV)."""

@@ -13,10 +13,11 @@ plus the free ones are exactly ``range(num_slots)``; an adapter named in ``in_us
 evicted. Being in use is not counted here but passed in by the caller (the adapters of the
 running sequences), so no release can be missed and no count can leak.
 
-The slots are the compute format, each sized for the largest rank. With unified paging the
-adapter's weights also live in pages of the KV block pool
-(:mod:`pagedkv.memory.adapter_pages`), which decide what stays resident beyond the slots; a
-slot is then filled from the pages (:attr:`SlotLoad.pages`), not from the folder.
+Without unified paging the slots are the model's slot tensors, each sized for the largest rank.
+With it an adapter's weights live once, in pages of the KV block pool
+(:mod:`pagedkv.memory.adapter_pages`), which decide what stays resident; a slot is then only
+which of the step's adapters a row runs with, pointed at the adapter's pages
+(:attr:`SlotLoad.pages`) -- ``num_slots`` stays vLLM's limit of distinct adapters in one step.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class SlotLoad:
     lora_name: str
     path: str
     #: The adapter's pages in the KV block pool, whose weights the worker wrote there: the slot
-    #: is filled from them. Empty: the slot is read from the folder (no unified paging).
+    #: is pointed at them. Empty: the slot is read from the folder (no unified paging).
     pages: tuple[int, ...] = ()
 
 
@@ -51,6 +52,9 @@ class PageWrite:
     path: str
     checksum: int
     block_ids: tuple[int, ...]
+    #: The step's tier loads copy the adapter's pages back from the second KV tier, where its
+    #: last eviction spilled them; the folder is read only if they fail their check.
+    from_tier: bool = False
 
 
 class AdapterResidency:

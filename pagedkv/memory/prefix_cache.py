@@ -48,18 +48,26 @@ def root_hash(root: int) -> int | None:
     return None if root == ROOT else root
 
 
+def root_of_hash(parent_hash: int | None) -> int:
+    """The root a first block hashed under ``parent_hash`` hangs from (:func:`root_hash`'s
+    inverse)."""
+    return ROOT if parent_hash is None else parent_hash
+
+
 BlockKey = tuple[int, tuple[int, ...]]
 
 
 @dataclass(frozen=True)
 class RemovedBlock:
     """A cached block as the cache holds it (or held it, once forgotten): its key and (with
-    ``hash_blocks``) its hash and its parent's (None for a first block)."""
+    ``hash_blocks``) its hash, its parent's (None for a first block) and the root its chain
+    starts from (which names the chain's tenant or LoRA adapter; None without hashing)."""
 
     block_id: int
     key: BlockKey
     block_hash: int | None
     parent_hash: int | None
+    root: int | None = None
 
 
 class PrefixCache:
@@ -71,6 +79,8 @@ class PrefixCache:
         self._children: dict[int, set[int]] = {}
         #: block id -> chained content hash of every cached block (None: not hashing)
         self._hash_of: dict[int, int] | None = {} if hash_blocks else None
+        #: block id -> the root of its chain, kept beside its hash (what a second tier names)
+        self._root_of: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -107,6 +117,7 @@ class PrefixCache:
         if self._hash_of is not None:  # a parent is always cached (the cache is a closed tree)
             parent_hash = root_hash(parent) if is_root(parent) else self._hash_of[parent]
             self._hash_of[block_id] = block_hash(parent_hash, key[1])
+            self._root_of[block_id] = parent if is_root(parent) else self._root_of[parent]
         return True
 
     def remove(self, block_id: int) -> list[int]:
@@ -137,7 +148,7 @@ class PrefixCache:
                 stack.extend(self._children.pop(block, ()))
         if self._hash_of is not None:  # only now: a child's entry read its parent's hash
             for entry in removed:
-                del self._hash_of[entry.block_id]
+                del self._hash_of[entry.block_id], self._root_of[entry.block_id]
         return removed
 
     def entry(self, block_id: int) -> RemovedBlock:
@@ -146,7 +157,7 @@ class PrefixCache:
         if self._hash_of is None:
             return RemovedBlock(block_id, key, None, None)
         parent_hash = root_hash(key[0]) if is_root(key[0]) else self._hash_of[key[0]]
-        return RemovedBlock(block_id, key, self._hash_of[block_id], parent_hash)
+        return RemovedBlock(block_id, key, self._hash_of[block_id], parent_hash, self._root_of[block_id])
 
     def _forget(self, block_id: int) -> RemovedBlock:
         removed = self.entry(block_id)

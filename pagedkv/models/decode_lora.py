@@ -1,14 +1,15 @@
 """The C decode stack's forms of the LoRA ops (:class:`~pagedkv.models.ops.LoRAProject`,
 :class:`~pagedkv.models.ops.LoRAGateUp`), and the step's rows they read.
 
-A LoRA op lowers to its base projection's records, then one ``LORA`` record that adds each
-row's adapter output for the projection's input to its output, by the kernel
-:meth:`~pagedkv.models.ops.LoRARows.add` calls on the CPU (``lora_bgmv``): the hidden states
-are the program's bit for bit. A gate/up op's product is the plain paired one, the adapters'
-outputs join it, then the separate activation follows, as the program runs them. The records
-read the step's rows' slots and the slots' scalings from buffers the stack holds
-(:class:`LoRARowBuffers`), filled before each call, so a step of any mix of adapters runs the
-same records.
+A LoRA op lowers to its base projection's records, then one ``LORA`` record (slot tensors) or
+``LORA_PAGED`` record (the adapters' rows in the KV cache's pages, through the projection's
+offset table) that adds each row's adapter output for the projection's input to its output, by
+the kernel :meth:`~pagedkv.models.ops.LoRARows.add` calls on the CPU (``lora_bgmv`` or
+``lora_bgmv_paged``): the hidden states are the program's bit for bit. A gate/up op's product
+is the plain paired one, the adapters' outputs join it, then the separate activation follows,
+as the program runs them. The records read the step's rows' slots and the slots' scalings from
+buffers the stack holds (:class:`LoRARowBuffers`), filled before each call, so a step of any mix
+of adapters runs the same records.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from pagedkv.kernels.signatures import DecodeCode, DecodeOp
 from pagedkv.models.linear import BUFFER_ROWS, GateUpLinear
+from pagedkv.models.lora_weights import PagedWeights
 from pagedkv.models.ops import GateUpAct, LoRAGateUp, LoRAProject, LoRARows, Op, Project
 from pagedkv.models.quantized import QuantizedLinear
 
@@ -42,16 +44,29 @@ class Lowering(Protocol):
 
 def _adapters(op: LoRAProject | LoRAGateUp, src: int, low: Lowering) -> str | None:
     """The record adding each row's adapter output for the buffer ``src`` (the projection's
-    input) to ``current`` (its output)."""
-    a, b = op.a, op.b
+    input) to ``current`` (its output): ``LORA`` on slot tensors, ``LORA_PAGED`` on the
+    adapters' rows in the KV cache's pages."""
+    weights = op.weights
+    slot, scaling = low.lora_rows
+    fields = {"lora_columns": weights.columns.data_ptr(), "lora_slot": slot, "lora_scaling": scaling}
+    fields |= {"lora_slots": weights.slots, "lora_shards": weights.columns.shape[0] - 1}
+    if isinstance(weights, PagedWeights):
+        base, offsets = weights.base, weights.offsets
+        if base.dtype != low.dtype or base.device.type != "cpu" or not offsets.is_contiguous():
+            return "LoRA pages in a KV cache of another dtype"
+        fields |= {"weight": base.data_ptr(), "lora_b": offsets.data_ptr(), "lora_rank": weights.rank}
+        fields |= {"n_in": weights.n_in, "n_out": weights.bounds[-1]}
+        low.records.append(DecodeOp(code=DecodeCode.LORA_PAGED, src=src, dst=low.current, **fields))
+        return None
+    a, b = weights.a, weights.b
     if any(t.dtype != low.dtype or t.device.type != "cpu" or not t.is_contiguous() for t in (a, b)):
         return "LoRA slot tensors of another dtype"
-    slots, rows, n_in = a.shape
-    shards = op.columns.shape[0] - 1
-    slot, scaling = low.lora_rows
-    fields = {"weight": a.data_ptr(), "lora_b": b.data_ptr(), "lora_columns": op.columns.data_ptr()}
-    fields |= {"lora_slot": slot, "lora_scaling": scaling, "n_in": n_in, "n_out": b.shape[2]}
-    fields |= {"lora_slots": slots, "lora_rank": rows // shards, "lora_shards": shards}
+    fields |= {
+        "weight": a.data_ptr(),
+        "lora_b": b.data_ptr(),
+        "lora_rank": a.shape[1] // fields["lora_shards"],
+    }
+    fields |= {"n_in": a.shape[2], "n_out": b.shape[2]}
     low.records.append(DecodeOp(code=DecodeCode.LORA, src=src, dst=low.current, **fields))
     return None
 
@@ -95,7 +110,7 @@ class LoRARowBuffers:
     (float32), where a stack's LoRA records read them; empty for an op list without LoRA ops."""
 
     def __init__(self, ops: tuple[Op, ...]) -> None:
-        slots = [op.a.shape[0] for op in ops if isinstance(op, (LoRAProject, LoRAGateUp))]
+        slots = [op.weights.slots for op in ops if isinstance(op, (LoRAProject, LoRAGateUp))]
         self.slot = torch.full((BUFFER_ROWS if slots else 0,), -1, dtype=torch.int32)
         self.scaling = torch.zeros(max(slots, default=0), dtype=torch.float32)
 

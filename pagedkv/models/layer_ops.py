@@ -60,8 +60,10 @@ class TorchOps:
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(rmsnorm(x + residual) * weight, x + residual)``; may overwrite both inputs."""
-        residual = x.add_(residual)  # x is a sublayer's fresh output; x + r == r + x exactly
+        """``(rmsnorm(x + residual) * weight, x + residual)``, the sum written into ``residual``
+        (as the fused C op writes it): the residual stays in its own tensor, never in a
+        projection's kept output."""
+        residual = residual.add_(x)  # r + x == x + r exactly
         return self.rms_norm(residual, weight, eps), residual
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

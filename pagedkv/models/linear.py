@@ -64,29 +64,51 @@ BUFFER_ROWS = 64
 
 
 class OutputBuffer:
-    """One step-program projection's output, kept from call to call for batches of at most
-    :data:`BUFFER_ROWS` rows.
+    """A step-program projection's output, kept from call to call for batches of at most
+    :data:`BUFFER_ROWS` rows: one ``[BUFFER_ROWS, width]`` tensor per width and dtype asked for.
 
     A new output every call is a tensor allocation whose lines the kernel then writes cold; a
     kept one is warm and costs nothing to make (the LM head keeps none: logits leave the step).
     Safe because in the step program a projection's output is dead before the same projection
     runs again (the next step): the layer consumes it, and the program hands back a copy of the
-    only one it returns (:meth:`pagedkv.models.step_program.StepProgram.run`)."""
+    only one it returns (:meth:`pagedkv.models.step_program.StepProgram.run`).
+
+    Buffers that :meth:`share` hold one set of tensors: the same op of every layer (and every
+    expert of a mixture) writes into one output, dead by the time the next layer's op runs
+    (:meth:`~pagedkv.models.ops.DecoderOps.share_outputs`), so a model keeps one layer's outputs,
+    not one per layer, and the next layer finds them warm."""
 
     def __init__(self) -> None:
-        self.base: torch.Tensor | None = None  # [BUFFER_ROWS, width]
-        self.views: dict[int, torch.Tensor] = {}  # rows -> base[:rows]
+        #: (rows, width, dtype) -> the first ``rows`` rows of the width's tensor
+        self._views: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        #: every buffer holding these tensors (this one included)
+        self._sharing: list[OutputBuffer] = [self]
+
+    def share(self, other: OutputBuffer) -> None:
+        """Hold ``other``'s tensors from now on, with every buffer that shared this one's
+        (whose own tensors are dropped)."""
+        if other._views is self._views:
+            return
+        joining = self._sharing
+        for buffer in joining:
+            buffer._views, buffer._sharing = other._views, other._sharing
+        other._sharing.extend(joining)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors kept (one per width and dtype asked for so far)."""
+        return [view for (rows, _, _), view in self._views.items() if rows == BUFFER_ROWS]
 
     def get(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The kept ``[rows, width]`` output, or None for a larger batch (the kernel then makes
         one). ``width`` is the projection's own; ``dtype`` changes only if the model is cast."""
         if rows > BUFFER_ROWS:
             return None
-        view = self.views.get(rows)
-        if view is None or view.dtype is not dtype:
-            if self.base is None or self.base.dtype is not dtype or self.base.shape[1] != width:
-                self.base, self.views = torch.empty((BUFFER_ROWS, width), dtype=dtype), {}
-            view = self.views[rows] = self.base[:rows]
+        view = self._views.get((rows, width, dtype))
+        if view is None:
+            whole = (BUFFER_ROWS, width, dtype)
+            if whole not in self._views:
+                self._views[whole] = torch.empty((BUFFER_ROWS, width), dtype=dtype)
+            view = self._views[(rows, width, dtype)] = self._views[whole][:rows]
         return view
 
 
@@ -105,11 +127,13 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
-    def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def as_function(self, output: OutputBuffer | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
         """This layer's forward as a plain function of ``x``, without the module call: what
-        a :class:`~pagedkv.models.ops.Project` op runs. It reads the weight from the module's parameter
+        a :class:`~pagedkv.models.ops.Project` op runs, writing small batches into ``output``
+        (None: a buffer of its own). It reads the weight from the module's parameter
         table at each call, so it stays right after :meth:`pack` replaces the weight."""
-        params, buffer, width = self._parameters, OutputBuffer(), self.out_features
+        params, width = self._parameters, self.out_features
+        buffer = OutputBuffer() if output is None else output
 
         def project(x: torch.Tensor) -> torch.Tensor:
             weight = params["weight"]
@@ -200,15 +224,20 @@ class GateUpLinear(PackedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(x, self.weight, self.bias)
 
-    def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def as_function(self, output: OutputBuffer | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The packed product (a new tensor each call: only the fused activation keeps its output)."""
         params = self._parameters
         return lambda x: self._product(x, params["weight"], params["bias"])
 
-    def act_function(self) -> Callable[[torch.Tensor, TorchOps], torch.Tensor]:
+    def act_function(
+        self, output: OutputBuffer | None = None
+    ) -> Callable[[torch.Tensor, TorchOps], torch.Tensor]:
         """``silu(gate) * up`` of ``x`` as a plain function of ``(x, ops)``: fused where the
-        weight is paired and of ``x``'s dtype, else the product followed by ``ops.silu_and_mul``.
+        weight is paired and of ``x``'s dtype (small batches written into ``output``, None: a
+        buffer of its own), else the product followed by ``ops.silu_and_mul``.
         Reads the weight at each call, like :meth:`as_function`."""
-        params, buffer, width = self._parameters, OutputBuffer(), self.out_features // 2
+        params, width = self._parameters, self.out_features // 2
+        buffer = OutputBuffer() if output is None else output
 
         def act(x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
             weight = params["weight"]

@@ -49,7 +49,7 @@ from pagedkv.models.rope import RotaryEmbedding
 from pagedkv.models.step_program import StepProgram
 
 if TYPE_CHECKING:
-    from pagedkv.models.lora import LoRASlots
+    from pagedkv.models.lora import LoRAModules
 
 
 class RMSNorm(nn.Module):
@@ -196,9 +196,10 @@ class LlamaForCausalLM(nn.Module):
         #: the op list as one flat loop (:mod:`pagedkv.models.step_program`), built by the first
         #: forward (after loading and packing: a tensor-parallel shard's layers are in by then)
         self.step_program: StepProgram | None = None
-        #: the resident LoRA adapters' slot tensors (:mod:`pagedkv.models.lora`), set before
-        #: the first forward; None: no adapters
-        self.lora: LoRASlots | None = None
+        #: the LoRA adapters' slots (:mod:`pagedkv.models.lora`: slot tensors, or offsets into
+        #: their pages, :mod:`pagedkv.models.lora_paged`), set before the first forward; None:
+        #: no adapters
+        self.lora: LoRAModules | None = None
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the checkpoint ties them."""
@@ -223,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[T, hidden]`` for packed ``input_ids``/``positions`` ``[T]``, or
         ``[R, hidden]`` of the rows ``output_rows [R]`` (increasing), which saves the last
         layer's projections for the others (see :class:`ForwardBatch`); ``lora``: the rows'
-        adapters (:attr:`lora`'s :meth:`~pagedkv.models.lora.LoRASlots.rows`)."""
+        adapters (:attr:`lora`'s :meth:`~pagedkv.models.lora.LoRAModules.rows`)."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and positions must be 1-D and equally long, got {tuple(input_ids.shape)} "

@@ -25,16 +25,19 @@ query and key head's rows (:func:`~pagedkv.models.rope.rotary_row_order`); ``B``
 put in the same order (:func:`b_rows`), so the adapter's output adds to the rows it was trained
 for.
 
-:meth:`LoRASlots.wrap` turns a model's op list into the one with adapters: each adaptable
+:meth:`LoRAModules.wrap` turns a model's op list into the one with adapters: each adaptable
 projection's op becomes a :class:`~pagedkv.models.ops.LoRAProject` or
-:class:`~pagedkv.models.ops.LoRAGateUp` holding its slot tensors, and a step without adapter
-rows runs exactly the base ops. Loading reads one PEFT folder (checked by
-:mod:`pagedkv.models.lora_checkpoint`) into one slot.
+:class:`~pagedkv.models.ops.LoRAGateUp` holding its weights (:mod:`pagedkv.models.lora_weights`),
+and a step without adapter rows runs exactly the base ops. Loading reads one PEFT folder
+(checked by :mod:`pagedkv.models.lora_checkpoint`) into one slot. :class:`LoRAModules` is what
+the slots share with the paged form (:mod:`pagedkv.models.lora_paged`), which holds no weights
+of its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -42,11 +45,15 @@ from torch import nn
 
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.lora_checkpoint import FUSED, TARGETS, AdapterSpec, model_targets, projection_shapes
+from pagedkv.models.lora_weights import LoRAWeights, SlotWeights
 from pagedkv.models.ops import GateUpAct, GateUpGelu, LoRAGateUp, LoRAProject, LoRARows, Op, Project
 from pagedkv.models.rope import rotary_row_order
 
 #: the packed modules adapters adapt
 _MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+#: each target's ``(in_features, out_features)``; a packed module's targets
+Shapes = dict[str, tuple[int, int]]
+Shards = tuple[str, ...]
 #: the activation method of the step's ops each gate/up op applies
 _ACTIVATIONS: dict[type, str] = {GateUpAct: "silu_and_mul", GateUpGelu: "gelu_tanh_and_mul"}
 
@@ -83,18 +90,31 @@ def b_rows(
     return None if torch.equal(index, torch.arange(offset)) else index
 
 
+def module_places(shapes: Shapes, shards: Shards) -> tuple[dict[str, tuple[int, int, int]], torch.Tensor]:
+    """Where each target of a packed module sits: ``shard -> (block index, first output column,
+    columns)`` (a fused target is the module's one block, over all its columns), and the bounds
+    of each block's output columns (block ``p`` writes ``columns[p]:columns[p + 1]``, int64
+    ``[shards + 1]``)."""
+    places: dict[str, tuple[int, int, int]] = {}
+    column = 0
+    for block, name in enumerate(shards):
+        width = shapes[name][1]
+        places[name] = (block, column, width)
+        column += width
+    return places, torch.tensor([place[1] for place in places.values()] + [column])
+
+
 class ModuleSlots:
-    """One packed projection's slot tensors, and where each of its targets sits: ``shard ->
-    (block index, first output column, columns)`` (a fused target is the module's one block, over
-    all its columns). ``linear`` (the projection) says which part of each adapter matrix the
+    """One packed projection's slot tensors, and where each of its targets sits
+    (:func:`module_places`). ``linear`` (the projection) says which part of each adapter matrix the
     slots hold: a tensor-parallel shard's (:meth:`put` cuts it), or all of it (any other layer,
     or None); ``checkpoint`` is the whole model's config (None: a whole full-rotary model's
     layer, whose ``B`` rows the slots hold in order)."""
 
     def __init__(
         self,
-        shapes: dict[str, tuple[int, int]],
-        shards: tuple[str, ...],
+        shapes: Shapes,
+        shards: Shards,
         slots: int,
         rank: int,
         like: torch.Tensor,
@@ -117,19 +137,13 @@ class ModuleSlots:
         #: a row-parallel shard's ``(first column, columns)`` of ``A`` (its input features)
         first = getattr(linear, "first_column", None)
         self.a_columns = None if first is None else (first, linear.in_features)
-        self.places: dict[str, tuple[int, int, int]] = {}
-        column = 0
-        for block, name in enumerate(shards):
-            width = shapes[name][1]
-            self.places[name] = (block, column, width)
-            column += width
-        #: the bounds of each block's output columns (block p writes ``columns[p]:columns[p + 1]``),
-        #: on the slots' device, where the kernels read them
-        bounds = [place[1] for place in self.places.values()] + [column]
-        self.columns = torch.tensor(bounds, device=like.device)
+        self.places, columns = module_places(shapes, shards)
+        #: the bounds of each block's output columns, on the slots' device, where the kernels read them
+        self.columns = columns.to(like.device)
         rows = len(shards) * rank
         self.a = torch.zeros((slots, rows, in_features), dtype=like.dtype, device=like.device)
-        self.b = torch.zeros((slots, rows, column), dtype=like.dtype, device=like.device)
+        self.b = torch.zeros((slots, rows, int(self.columns[-1])), dtype=like.dtype, device=like.device)
+        self.weights = SlotWeights(self.a, self.b, self.columns)
 
     def put(self, slot: int, shard: str, a: torch.Tensor, b: torch.Tensor) -> None:
         """Adapter matrices ``a [r, in]`` and ``b [out, r]`` of target ``shard`` (the whole
@@ -146,11 +160,13 @@ class ModuleSlots:
         self.b[slot, first : first + r, column : column + width].copy_(b.t())
 
 
-class LoRASlots:
-    """``max_loras`` adapter slots over every layer of ``model`` (a Llama-family or Gemma
-    model, or a tensor-parallel rank's shard of one), in the dtype and on the device of its
-    norms. ``checkpoint``: the whole model's config when ``model`` is a shard (its own config is
-    the shard's); adapters are checked against it (:attr:`config`)."""
+class LoRAModules:
+    """What both adapter forms keep per model: ``max_loras`` slots (the distinct adapters one
+    step may run), each slot's scaling, and one entry per adaptable projection of every layer
+    (:meth:`module`, in :attr:`modules` by ``(layer, packed module name)``), each with the
+    ``weights`` its LoRA op reads. ``checkpoint``: the whole model's config when ``model`` is a
+    tensor-parallel shard (its own config is the shard's); adapters are checked against it
+    (:attr:`config`)."""
 
     def __init__(
         self, model: nn.Module, max_loras: int, max_rank: int, checkpoint: ModelConfig | None = None
@@ -161,19 +177,73 @@ class LoRASlots:
         like = model.model.norm.weight
         shapes = projection_shapes(config)
         self.max_loras, self.max_rank = max_loras, max_rank
-        #: (layer, packed module name) -> its slots; the module object -> the same slots
-        self.modules: dict[tuple[int, str], ModuleSlots] = {}
-        self._by_module: dict[int, ModuleSlots] = {}
+        #: (layer, packed module name) -> its entry; the module object's id -> the same entry
+        self.modules: dict[tuple[int, str], Any] = {}
+        self._by_module: dict[int, Any] = {}
         for index, layer in enumerate(model.model.layers):
             owners = {"qkv_proj": layer.self_attn, "o_proj": layer.self_attn}
             owners |= {"gate_up_proj": layer.mlp, "down_proj": layer.mlp}
             for name, shards in module_shards(config).items():
                 linear = getattr(owners[name], name)
-                slots = ModuleSlots(shapes, shards, max_loras, max_rank, like, linear, self.config)
-                self.modules[index, name] = slots
-                self._by_module[id(linear)] = slots
+                entry = self.module(shapes, shards, linear, like)
+                self.modules[index, name] = entry
+                self._by_module[id(linear)] = entry
         #: each slot's scaling (``lora_alpha / r``; 0 for an empty slot)
         self.scaling = torch.zeros(max_loras, dtype=torch.float32, device=like.device)
+
+    def module(self, shapes: Shapes, shards: Shards, linear: nn.Module, like: torch.Tensor) -> Any:
+        """The entry of one packed projection (its ``weights``: a :data:`LoRAWeights`);
+        ``like``: a tensor of the model's dtype and device."""
+        raise NotImplementedError
+
+    def rows(self, row_slots: Sequence[int], output_rows: torch.Tensor | None) -> LoRARows | None:
+        """The step's :class:`LoRARows` for each row's slot (-1: base), or None when every row
+        is a base row (the step runs the base ops, C decode stack and graphs included)."""
+        adapters = sorted({slot for slot in row_slots if slot >= 0})
+        if not adapters:
+            return None
+        self.check(adapters)
+        device = self.scaling.device
+        slot = torch.tensor(row_slots, dtype=torch.int32).to(device)
+        kept = None if output_rows is None else slot.index_select(0, output_rows)
+        return LoRARows(slot, self.scaling, kept, torch.tensor(adapters, dtype=torch.long).to(device))
+
+    def check(self, adapters: list[int]) -> None:
+        """Raise if a step's slots cannot be run (the slots hold whatever was loaded: no check)."""
+
+    def wrap(self, ops: Sequence[Op]) -> tuple[Op, ...]:
+        """``ops`` with every adaptable projection's op applying the step's adapters."""
+        wrapped: list[Op] = []
+        adapted = 0
+        for op in ops:
+            if isinstance(op, Project) and id(op.linear) in self._by_module:
+                weights: LoRAWeights = self._by_module[id(op.linear)].weights
+                linear = op.linear
+                if getattr(linear, "reduce", False):  # a row-parallel shard: add before its all-reduce
+                    op = LoRAProject(op, weights, linear.partial_function(), linear.tp.all_reduce)
+                else:
+                    op = LoRAProject(op, weights)
+            elif type(op) in _ACTIVATIONS and id(op.gate_up) in self._by_module:
+                weights = self._by_module[id(op.gate_up)].weights
+                op = LoRAGateUp(op, op.gate_up, _ACTIVATIONS[type(op)], weights)
+            adapted += isinstance(op, (LoRAProject, LoRAGateUp))
+            wrapped.append(op)
+        if adapted != len(self._by_module):
+            raise ValueError(
+                f"this model's op list runs {adapted} of its {len(self._by_module)} adaptable projections"
+            )
+        return tuple(wrapped)
+
+
+class LoRASlots(LoRAModules):
+    """``max_loras`` adapter slots over every layer of ``model`` (a Llama-family or Gemma
+    model, or a tensor-parallel rank's shard of one), in the dtype and on the device of its
+    norms: :class:`ModuleSlots` per projection."""
+
+    modules: dict[tuple[int, str], ModuleSlots]
+
+    def module(self, shapes: Shapes, shards: Shards, linear: nn.Module, like: torch.Tensor) -> ModuleSlots:
+        return ModuleSlots(shapes, shards, self.max_loras, self.max_rank, like, linear, self.config)
 
     def load(self, slot: int, spec: AdapterSpec) -> None:
         """Adapter ``spec`` into ``slot``, replacing what the slot held (untargeted projections
@@ -193,35 +263,3 @@ class LoRASlots:
             slots.a[slot].zero_()
             slots.b[slot].zero_()
         self.scaling[slot] = 0
-
-    def rows(self, row_slots: Sequence[int], output_rows: torch.Tensor | None) -> LoRARows | None:
-        """The step's :class:`LoRARows` for each row's slot (-1: base), or None when every row
-        is a base row (the step runs the base ops, C decode stack and graphs included)."""
-        if all(slot < 0 for slot in row_slots):
-            return None
-        slot = torch.tensor(row_slots, dtype=torch.int32).to(self.scaling.device)
-        kept = None if output_rows is None else slot.index_select(0, output_rows)
-        return LoRARows(slot, self.scaling, kept)
-
-    def wrap(self, ops: Sequence[Op]) -> tuple[Op, ...]:
-        """``ops`` with every adaptable projection's op applying the step's adapters."""
-        wrapped: list[Op] = []
-        adapted = 0
-        for op in ops:
-            if isinstance(op, Project) and id(op.linear) in self._by_module:
-                slots, linear = self._by_module[id(op.linear)], op.linear
-                if getattr(linear, "reduce", False):  # a row-parallel shard: add before its all-reduce
-                    partial, reduce = linear.partial_function(), linear.tp.all_reduce
-                    op = LoRAProject(op, slots.a, slots.b, slots.columns, partial, reduce)
-                else:
-                    op = LoRAProject(op, slots.a, slots.b, slots.columns)
-            elif type(op) in _ACTIVATIONS and id(op.gate_up) in self._by_module:
-                slots = self._by_module[id(op.gate_up)]
-                op = LoRAGateUp(op, op.gate_up, _ACTIVATIONS[type(op)], slots.a, slots.b, slots.columns)
-            adapted += isinstance(op, (LoRAProject, LoRAGateUp))
-            wrapped.append(op)
-        if adapted != len(self._by_module):
-            raise ValueError(
-                f"this model's op list runs {adapted} of its {len(self._by_module)} adaptable projections"
-            )
-        return tuple(wrapped)

@@ -100,6 +100,18 @@ def projection_shapes(config: Any) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def layer_shapes(spec: AdapterSpec, config: Any) -> list[dict[str, tuple[tuple[int, int], tuple[int, int]]]]:
+    """Per layer of a model of ``config``, each projection ``spec`` adapts and its ``A`` and ``B``
+    shapes (``[r, in]``, ``[out, r]``), in the order of :attr:`AdapterSpec.tensors` -- the order
+    unified paging lays them out in an adapter's pages."""
+    shapes = projection_shapes(config)
+    layers: list[dict[str, tuple[tuple[int, int], tuple[int, int]]]] = [{} for _ in range(config.num_layers)]
+    for layer, shard in spec.tensors:
+        in_features, out_features = shapes[shard]
+        layers[layer][shard] = ((spec.rank, in_features), (out_features, spec.rank))
+    return layers
+
+
 def read_adapter(folder: str | Path, config: Any, max_rank: int) -> AdapterSpec:
     """The :class:`AdapterSpec` of the PEFT folder ``folder`` for a model of ``config``, or a
     :class:`LoRAAdapterError` naming what does not fit."""

@@ -46,7 +46,7 @@ from torch import nn
 
 from pagedkv.kernels.signatures import DecodeCode
 from pagedkv.models.config import ModelConfig
-from pagedkv.models.linear import GateUpLinear, Linear
+from pagedkv.models.linear import GateUpLinear, Linear, OutputBuffer
 from pagedkv.models.llama import MLP, Attention, LlamaForCausalLM, LlamaModel, RMSNorm, attention_ops
 from pagedkv.models.moe_config import MoeConfig
 from pagedkv.models.moe_native import expert_rows, flags, native_experts, weight_table
@@ -145,6 +145,18 @@ class RouteExperts(Op):
             shared = Project(block.shared_expert_gate), block.shared_expert.ops()
         object.__setattr__(self, "shared", shared)
         object.__setattr__(self, "all_reduce", block.all_reduce)
+        # the experts run one after another, each one's output weighted into a new tensor
+        # before the next starts: one gate/up and one down output serve them all
+        first_act, first_down = self.experts[0]
+        for act, down in [*self.experts[1:], *([shared[1]] if shared else [])]:
+            act.output.share(first_act.output)
+            down.output.share(first_down.output)
+
+    def kept_outputs(self) -> tuple[OutputBuffer, ...]:
+        """The router's output, the experts' shared gate/up and down outputs, the shared
+        expert's gate's."""
+        gate = () if self.shared is None else (self.shared[0].output,)
+        return (self.router.output, self.experts[0][0].output, self.experts[0][1].output, *gate)
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         out = native_experts(x, self.block, self.moe)  # the routed and the shared experts, in C

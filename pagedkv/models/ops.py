@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from pagedkv.attention import AttentionMetadata, AttentionOptions, Backend, KVCache, attend
-from pagedkv.kernels import lora_bgmv, triton_kernels
 from pagedkv.models.layer_ops import QKVLayout, TorchOps
+from pagedkv.models.linear import OutputBuffer
+from pagedkv.models.lora_weights import LoRAWeights
 
 #: the residual stream between two ops: ``(x, residual)``
 Stream = tuple[torch.Tensor, torch.Tensor | None]
@@ -59,37 +60,26 @@ class ForwardBatch:
 @dataclass(frozen=True)
 class LoRARows:
     """Which adapter slot each row of a step runs with: ``slot [T]`` (int32, -1 for a base row),
-    ``kept`` the same for the rows :class:`KeepRows` keeps (None when it keeps all), and each
-    slot's factor ``scaling [slots]`` (float32: the adapter's ``lora_alpha / r``).
+    ``kept`` the same for the rows :class:`KeepRows` keeps (None when it keeps all), each slot's
+    factor ``scaling [slots]`` (float32: the adapter's ``lora_alpha / r``) and ``adapters``, the
+    step's distinct slots (int64, increasing).
 
     :meth:`add` is Punica's BGMV: each row times its own slot's ``A``, scaled, times its
-    ``B``, added to the row's output; a base row gets exactly nothing. On the CPU it is one call
-    of the C kernel (:mod:`pagedkv.kernels.lora_bgmv`), whose work is the rows' own adapters'
-    products -- the C decode stack calls the same kernel on the same data; on CUDA the Triton
-    shrink/expand pair of the same contract (:mod:`pagedkv.kernels.triton_lora`). Elsewhere
-    (no triton, another device or dtype) it is two dense products over every slot, each row's
-    products of other slots zeroed by its scale (no host synchronisation, whatever the mix)."""
+    ``B``, added to the row's output; a base row gets exactly nothing. The projection's weights
+    say where the adapters are and how the product runs (:mod:`pagedkv.models.lora_weights`):
+    on the CPU one call of the C kernel, whose work is the rows' own adapters' products -- the C
+    decode stack calls the same kernel on the same data."""
 
     slot: torch.Tensor
     scaling: torch.Tensor
     kept: torch.Tensor | None = None
+    adapters: torch.Tensor | None = None
 
-    def add(
-        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, columns: torch.Tensor, out: torch.Tensor
-    ) -> torch.Tensor:
+    def add(self, x: torch.Tensor, weights: LoRAWeights, out: torch.Tensor) -> torch.Tensor:
         """``out [T, out]`` plus the rows' adapter outputs for ``x [T, in]`` (in place where it
-        can), from a projection's slot tensors ``a [slots, shards * r, in]`` and ``b [slots,
-        shards * r, out]``, block ``p`` writing the columns ``columns[p]:columns[p + 1]``."""
+        can), from a projection's adapter ``weights``."""
         slot = self.slot if x.shape[0] == self.slot.shape[0] or self.kept is None else self.kept
-        if out.is_contiguous():
-            kernel = lora_bgmv if x.device.type == "cpu" else triton_kernels("triton_lora")
-            if kernel is not None and kernel.takes(x, a):
-                return kernel.lora_bgmv(x, a, b, slot, self.scaling, columns, out)
-        slots, rank = a.shape[0], a.shape[1]
-        every = torch.arange(slots, device=slot.device)
-        scale = (slot.unsqueeze(1) == every).to(x.dtype).mul_(self.scaling.to(x.dtype)).unsqueeze(2)
-        low = torch.mm(x, a.reshape(slots * rank, -1).t()).view(-1, slots, rank).mul_(scale)
-        return out.add_(torch.mm(low.view(-1, slots * rank), b.reshape(slots * rank, -1)))
+        return weights.add(x, slot, self.scaling, self.adapters, out)
 
 
 class Op:
@@ -97,6 +87,12 @@ class Op:
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         raise NotImplementedError
+
+    def kept_outputs(self) -> tuple[OutputBuffer, ...]:
+        """The outputs this op keeps between calls (:class:`~pagedkv.models.linear.OutputBuffer`),
+        in a fixed order: the same op of another layer shares them
+        (:meth:`DecoderOps.share_outputs`)."""
+        return ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,13 +115,17 @@ class Project(Op):
     (a tensor-parallel shard's all-reduces there)."""
 
     linear: nn.Module
+    output: OutputBuffer = field(default_factory=OutputBuffer, repr=False)
     project: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "project", self.linear.as_function())
+        object.__setattr__(self, "project", self.linear.as_function(self.output))
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         return self.project(x), residual
+
+    def kept_outputs(self) -> tuple[OutputBuffer, ...]:
+        return (self.output,)
 
 
 @dataclass(frozen=True, eq=False)
@@ -179,13 +179,14 @@ class GateUpAct(Op):
     its product, then the step's ``silu_and_mul``."""
 
     gate_up: nn.Module
+    output: OutputBuffer = field(default_factory=OutputBuffer, repr=False)
     act: Callable[[torch.Tensor, TorchOps], torch.Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if hasattr(self.gate_up, "act_function"):
-            act = self.gate_up.act_function()
+            act = self.gate_up.act_function(self.output)
         else:
-            project = self.gate_up.as_function()
+            project = self.gate_up.as_function(self.output)
 
             def act(x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
                 return ops.silu_and_mul(project(x))
@@ -194,6 +195,9 @@ class GateUpAct(Op):
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         return self.act(x, batch.ops), residual
+
+    def kept_outputs(self) -> tuple[OutputBuffer, ...]:
+        return (self.output,)
 
 
 @dataclass(frozen=True, eq=False)
@@ -223,20 +227,23 @@ class GateUpGelu(Op):
     ``gelu_pytorch_tanh``): the packed product, then the step's ``gelu_tanh_and_mul``."""
 
     gate_up: nn.Module
+    output: OutputBuffer = field(default_factory=OutputBuffer, repr=False)
     project: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "project", self.gate_up.as_function())
+        object.__setattr__(self, "project", self.gate_up.as_function(self.output))
 
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         return batch.ops.gelu_tanh_and_mul(self.project(x)), residual
+
+    def kept_outputs(self) -> tuple[OutputBuffer, ...]:
+        return (self.output,)
 
 
 @dataclass(frozen=True, eq=False)
 class LoRAProject(Op):
     """``base`` (a :class:`Project`), plus each row's adapter output when the step has adapter
-    rows; ``a``/``b`` are the projection's slot tensors, ``columns`` the bounds of each block's
-    output columns (:class:`LoRARows`).
+    rows; ``weights``: the projection's adapters (slot tensors or pages, :class:`LoRARows`).
 
     A row-parallel tensor-parallel shard gives ``partial`` (its product, not all-reduced) and
     ``reduce`` (the all-reduce): its slots hold ``A``'s columns of the rank's input features,
@@ -244,9 +251,7 @@ class LoRAProject(Op):
     sum over the ranks is the whole adapter output."""
 
     base: Project
-    a: torch.Tensor
-    b: torch.Tensor
-    columns: torch.Tensor
+    weights: LoRAWeights
     partial: Callable[[torch.Tensor], torch.Tensor] | None = None
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
@@ -255,8 +260,8 @@ class LoRAProject(Op):
             return self.base.run(x, residual, batch)
         if self.partial is None or self.reduce is None:
             out, residual = self.base.run(x, residual, batch)
-            return batch.lora.add(x, self.a, self.b, self.columns, out), residual
-        return self.reduce(batch.lora.add(x, self.a, self.b, self.columns, self.partial(x))), residual
+            return batch.lora.add(x, self.weights, out), residual
+        return self.reduce(batch.lora.add(x, self.weights, self.partial(x))), residual
 
 
 @dataclass(frozen=True, eq=False)
@@ -268,9 +273,7 @@ class LoRAGateUp(Op):
     base: Op
     gate_up: nn.Module
     activation: str
-    a: torch.Tensor
-    b: torch.Tensor
-    columns: torch.Tensor
+    weights: LoRAWeights
     project: Callable[[torch.Tensor], torch.Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -279,7 +282,7 @@ class LoRAGateUp(Op):
     def run(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch) -> Stream:
         if batch.lora is None:
             return self.base.run(x, residual, batch)
-        product = batch.lora.add(x, self.a, self.b, self.columns, self.project(x))
+        product = batch.lora.add(x, self.weights, self.project(x))
         return getattr(batch.ops, self.activation)(product), residual
 
 
@@ -292,9 +295,29 @@ class DecoderOps:
 
     def sequence(self) -> tuple[Op, ...]:
         """Every op in order, with :class:`KeepRows` after the last layer's last attention
-        (the layers' end when it has none)."""
+        (the layers' end when it has none); the layers' kept outputs shared
+        (:meth:`share_outputs`)."""
+        self.share_outputs()
         *body, last = self.layers
         attends = [i for i, op in enumerate(last) if isinstance(op, Attend)]
         cut = attends[-1] + 1 if attends else len(last)
         flat = [op for layer in body for op in layer]
         return (*flat, *last[:cut], KeepRows(), *last[cut:], *self.final)
+
+    def share_outputs(self) -> None:
+        """Op ``j`` of every layer keeps its outputs in op ``j`` of the first layer of its kind
+        (same op type, as many kept outputs): one layer's outputs for the whole model.
+
+        Safe because a kept output never outlives its layer's next op of the same position:
+        each op's output is read by the ops after it in the same layer (the last one's by the
+        next layer's first norm), and the residual is never a kept output -- the norms add into
+        the residual, which is the embedding's tensor (:class:`AddNorm`), or a fresh norm's
+        output (:class:`OffsetNorm`)."""
+        first: dict[tuple[int, type, int], Op] = {}
+        for layer in self.layers:
+            for j, op in enumerate(layer):
+                kept = op.kept_outputs()
+                owner = first.setdefault((j, type(op), len(kept)), op)
+                for mine, theirs in zip(kept, owner.kept_outputs(), strict=True):
+                    if mine is not theirs:
+                        mine.share(theirs)

@@ -56,7 +56,7 @@ from torch import nn
 from pagedkv.attention import Backend
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.families import model_class
-from pagedkv.models.linear import GateUpLinear, Linear, PackedLinear
+from pagedkv.models.linear import GateUpLinear, Linear, OutputBuffer, PackedLinear
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quantization.blocks import QuantizedWeight
 from pagedkv.models.quantized import QuantizedLinear
@@ -286,8 +286,8 @@ class _Reduced:
         out = super().forward(x)
         return self.tp.all_reduce(out) if self.reduce else out
 
-    def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        local = super().as_function()
+    def as_function(self, output: OutputBuffer | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        local = super().as_function(output)
         return (lambda x: self.tp.all_reduce(local(x))) if self.reduce else local
 
     def partial_function(self) -> Callable[[torch.Tensor], torch.Tensor]:

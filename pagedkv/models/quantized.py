@@ -171,11 +171,12 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x)
 
-    def as_function(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def as_function(self, output: OutputBuffer | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
         """The product as a plain function of ``x`` (what a :class:`~pagedkv.models.ops.Project`
-        runs), a small 2-D batch written into an output kept between calls
-        (:class:`~pagedkv.models.linear.OutputBuffer`)."""
-        buffer, width = OutputBuffer(), self.out_features
+        runs), a small 2-D batch written into ``output``, kept between calls
+        (:class:`~pagedkv.models.linear.OutputBuffer`; None: a buffer of its own)."""
+        width = self.out_features
+        buffer = OutputBuffer() if output is None else output
 
         def project(x: torch.Tensor) -> torch.Tensor:
             out = buffer.get(x.shape[0], width, x.dtype) if x.dim() == 2 and self.native(x) else None

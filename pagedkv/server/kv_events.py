@@ -29,7 +29,9 @@ from an unsalted prefix's; their events keep vLLM's format: a first block's
 published). A LoRA adapter's blocks hash under a root of their own too (the prefix cache never
 shares them across adapters), and their ``BlockStored`` events name the adapter (``lora_id``,
 ``lora_name``): the engine's ``lora_roots`` says which adapter a root is, and a block inherits
-its parent's. A second tier's events name none.
+its parent's. A second tier's ``BlockStored`` events name it the same way: a block keeps the root
+of its chain when it moves there (:class:`~pagedkv.memory.TierEvent` ``root``). An adapter's own
+weights spilled to the tier are not KV blocks and announce nothing.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ class ZmqKVEventPublisher:
         if item[0] != "tier":
             event = self._event(item)
             return [] if event is None else [event]
-        return [_tier_event(change, self.block_size) for change in item[1]]
+        return [_tier_event(change, self.block_size, self.lora_roots) for change in item[1]]
 
     def _event(self, item: tuple) -> dict | None:
         kind = item[0]
@@ -193,19 +195,21 @@ class ZmqKVEventPublisher:
         self._socket.close()
 
 
-def _tier_event(change: TierEvent, block_size: int) -> dict:
-    """A second tier's change as vLLM's event, with the tier's medium."""
+def _tier_event(change: TierEvent, block_size: int, lora_roots: Mapping[int, LoRARequest]) -> dict:
+    """A second tier's change as vLLM's event, with the tier's medium (and the adapter whose
+    request made the block, named by its chain's root)."""
     if change.removed:
         return {"type": "BlockRemoved", "block_hashes": list(change.block_hashes), "medium": change.medium}
+    lora = None if change.root is None else lora_roots.get(change.root)
     return {
         "type": "BlockStored",
         "block_hashes": list(change.block_hashes),
         "parent_block_hash": _announced_parent(change.parent_hash),
         "token_ids": list(change.token_ids),
         "block_size": block_size,
-        "lora_id": None,
+        "lora_id": None if lora is None else lora.lora_int_id,
         "medium": change.medium,
-        "lora_name": None,
+        "lora_name": None if lora is None else lora.lora_name,
     }
 
 

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -260,18 +261,25 @@ def split_auto_pool(engine: EngineConfig, num_replicas: int) -> tuple[EngineConf
     """``engine`` with the block count of an "auto" pool sized once for ``num_replicas``
     replicas on this machine: they draw on the same memory, so they split it as the ranks of
     one machine do (:func:`~pagedkv.engine.worker.executor.rank.size_rank_pools`), and a replica
-    restarted while the others hold theirs gets the same pool. A model folder that cannot be
+    restarted while the others hold theirs gets the same pool. Its blocks are those each replica
+    pages by: a KV group's layers deep where the model has sliding-window layers (hybrid
+    paging), every layer's otherwise. A model folder that cannot be
     read is left to the replicas, which fail with the reason (sizing None)."""
+    from pagedkv.engine.worker.executor.hybrid import engine_kv_groups
     from pagedkv.engine.worker.executor.rank import size_rank_pools
     from pagedkv.models import ModelConfig, builtin_model_path
 
-    path = engine.model if engine.model is not None else builtin_model_path()
+    path = Path(engine.model) if engine.model is not None else builtin_model_path()
     try:
         model_config = ModelConfig.from_pretrained(path)
     except (OSError, ValueError):
         return engine, None
     settings = engine.resolve()
-    sizing = size_rank_pools(settings, model_config, num_replicas * settings.parallel.tensor_parallel_size)
+    kv_groups, _ = engine_kv_groups(
+        settings, model_config
+    )  # a block of a group's layers, as each replica pages
+    ranks = num_replicas * settings.parallel.tensor_parallel_size
+    sizing = size_rank_pools(settings, model_config, path, ranks, kv_groups)
     return dataclasses.replace(engine, num_kv_blocks=sizing.num_blocks), sizing
 
 

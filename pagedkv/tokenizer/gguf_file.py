@@ -3,9 +3,10 @@ memory-mapped, and its metadata read as Python values.
 
 A GGUF model is one ``.gguf`` file, or a split model ``name-00001-of-0000N.gguf`` ... whose first
 part holds the metadata and every part some of the tensors; naming any part, or a folder
-holding one model's parts (and no config.json), opens all of them. ``gguf.GGUFReader`` maps each
-file (copy-on-write, so arrays are writable and nothing is copied until written) and reads only
-its header: tensor data stays on disk until a weight is converted.
+holding one model's parts (and no config.json), opens all of them. Each file is mapped
+copy-on-write (arrays are writable and nothing is copied until written) and only its header is
+read (:class:`~pagedkv.tokenizer.gguf_reader.GGUFFile`): tensor data stays on disk until a
+weight is converted, and a metadata value becomes Python objects only when it is asked for.
 
 Every way a file can fail to open -- not a GGUF file, cut short, a damaged header -- is one
 :class:`GGUFError` naming the file and the problem, never a decoding error deep in numpy.
@@ -18,11 +19,12 @@ from __future__ import annotations
 
 import functools
 import re
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gguf import GGUFReader
+    from pagedkv.tokenizer.gguf_reader import GGUFFile
 
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
@@ -78,31 +80,14 @@ def _split_parts(file: Path) -> list[Path]:
     return parts
 
 
-def open_gguf(file: Path) -> GGUFReader:
+def open_gguf(file: Path) -> GGUFFile:
     """``file`` opened memory-mapped; a :class:`GGUFError` naming it when it is not a whole GGUF file.
 
-    The config, the tokenizer and the loader each open the model: parsing a header with a large
-    vocabulary takes seconds, so the last few readers are kept, each under the file's identity
-    (path, size, modification time) -- a rewritten file is parsed anew."""
+    The config, the tokenizer and the loader each open the model, so the last few readers are
+    kept (the header is walked once), each under the file's identity (path, size, modification
+    time) -- a rewritten file is read anew."""
     stat = Path(file).stat()
     return _open(Path(file).resolve(), stat.st_size, stat.st_mtime_ns)
-
-
-@functools.cache
-def _reader_class() -> type[GGUFReader]:
-    """``GGUFReader`` slicing a plain array view of its mapping: a vocabulary's 100,000 strings
-    are 200,000 slices, each several times slower on ``np.memmap`` than on its base class. The
-    view shares the mapping; should the reader's parsing step be renamed, this only does nothing.
-    Made on first use, so that importing pagedkv does not import gguf."""
-    import numpy as np
-    from gguf import GGUFReader
-
-    class PlainViewReader(GGUFReader):
-        def _build_fields(self, offs: int, count: int) -> int:
-            self.data = self.data.view(np.ndarray)
-            return super()._build_fields(offs, count)
-
-    return PlainViewReader
 
 
 def release_readers() -> None:
@@ -112,36 +97,29 @@ def release_readers() -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def _open(file: Path, size: int, mtime_ns: int) -> GGUFReader:
+def _open(file: Path, size: int, mtime_ns: int) -> GGUFFile:
     with open(file, "rb") as f:
         head = f.read(len(MAGIC))
     if head != MAGIC:
         raise GGUFError(f"{file} is not a GGUF file: it starts with {head!r}, not {MAGIC!r}")
+    from pagedkv.tokenizer.gguf_reader import GGUFFile  # numpy and gguf on first use only
+
     try:
-        return _reader_class()(file, "c")
-    except (ValueError, IndexError, KeyError, OverflowError, TypeError) as err:
-        # the reader slices its header and every tensor out of the mapping: a file cut short
-        # fails there, as an index or reshape error
+        return GGUFFile(file)
+    except (ValueError, IndexError, OverflowError, struct.error) as err:
+        # the reader walks its header and slices every tensor out of the mapping: a file cut
+        # short fails there, reading past the end
         raise GGUFError(f"{file} is truncated or damaged ({size} bytes): {err}") from None
 
 
-def field(reader: GGUFReader, key: str, default: Any = _UNSET, file: Path | None = None) -> Any:
+def field(reader: GGUFFile, key: str, default: Any = _UNSET, file: Path | None = None) -> Any:
     """The value of metadata ``key`` (a number, a string, or a list of them); ``default`` when
     absent, or a :class:`GGUFError` naming ``file`` and the key when there is no default."""
-    entry = reader.fields.get(key)
-    if entry is None:
+    if key not in reader.fields:
         if default is _UNSET:
             raise GGUFError(f"{file or 'the GGUF file'} lacks the metadata key {key!r}")
         return default
     try:
-        value = entry.contents()
+        return reader.value(key)
     except UnicodeDecodeError as err:
         raise GGUFError(f"{file or 'the GGUF file'}: metadata {key!r} is not valid UTF-8 ({err})") from None
-    from gguf import GGUFValueType
-
-    if entry.types == [GGUFValueType.FLOAT32]:
-        import numpy as np
-
-        # the shortest decimal that is this float32: the value the writer meant (1e-05, not 9.9999997e-06)
-        return float(str(np.float32(value)))
-    return value

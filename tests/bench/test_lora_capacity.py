@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.bench.lora_capacity import Comparison, LoraBudget
-from pagedkv.memory.adapter_layout import AdapterLayout, slab_elements
+from pagedkv.memory.adapter_layout import AdapterLayout, chunk_elements
 
 # SmolLM2-135M's shapes in bfloat16: 30 layers, hidden 576, 9 query heads and 3 KV heads of 64,
 # intermediate 1536; blocks of 16 tokens.
@@ -23,18 +23,20 @@ DIMS = {
 
 def layout(rank: int) -> AdapterLayout:
     layer = {t: ((rank, d_in), (d_out, rank)) for t, (d_in, d_out) in DIMS.items()}
-    return AdapterLayout.of([layer] * LAYERS)
+    return AdapterLayout.of([layer] * LAYERS, chunk_elements(BLOCK, 3, 64))
 
 
 def test_one_gib_with_rank_16_adapters_against_8_slots_of_rank_64():
     # One layer of a rank-16 adapter: q, o 2*(16*576 + 576*16); k, v 2*(16*576 + 192*16);
-    # gate, up, down 3*(16*576 + 1536*16) = 36864 + 24576 + 101376 = 162816 elements.
+    # gate, up, down 3*(16*576 + 1536*16) = 36864 + 24576 + 101376 = 162816 elements. A chunk
+    # (one block's keys or values in a layer) is 16 * 3 * 64 = 3072 elements: rows of 1536 go
+    # two to a chunk, of 576 five (192 left, which rows of 192 fill), so no chunk has a gap:
+    # ceil(162816 / 3072) = 53 chunks, two to a block, 27 pages.
     assert layout(16).layer_elements(0) == 162816
-    # A block is 2 * 16 * 3 * 64 = 6144 elements per layer: ceil(162816 / 6144) = 27 pages.
-    assert slab_elements(BLOCK, 3, 64) == 6144
-    pages = layout(16).pages(6144)
+    assert chunk_elements(BLOCK, 3, 64) == 3072
+    pages = layout(16).pages
     assert pages == 27
-    block_bytes = LAYERS * 6144 * 2  # 368640
+    block_bytes = LAYERS * 2 * 3072 * 2  # 368640
     slot_bytes = LAYERS * layout(64).layer_elements(0) * 2  # rank 64: 4 * 162816 elements a layer
     assert slot_bytes == 39_075_840
     budget = LoraBudget(1 << 30, block_bytes, BLOCK, pages, slot_bytes, max_loras=8)

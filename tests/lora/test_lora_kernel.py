@@ -95,7 +95,7 @@ def test_the_dense_product_off_the_kernel_gives_the_same_rows(name):
     x = torch.randn(len(ROW_SLOTS), slots.a.shape[2], generator=gen).half()
     y = torch.randn(len(ROW_SLOTS), slots.b.shape[2], generator=gen).half()
     rows = LoRARows(torch.tensor(ROW_SLOTS, dtype=torch.int32), SCALING)
-    got = rows.add(x, slots.a, slots.b, slots.columns, y.clone())
+    got = rows.add(x, slots.weights, y.clone())
     torch.testing.assert_close(got.double(), _reference(x, y, slots), rtol=1e-2, atol=1e-2)
     base = [row for row, slot in enumerate(ROW_SLOTS) if slot < 0]
     assert torch.equal(got[base], y[base])

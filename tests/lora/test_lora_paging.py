@@ -1,14 +1,19 @@
 """Unified paging: adapters' weights in pages of the KV block pool. More adapters than the pool
 holds at once take turns and give PEFT's tokens; an adapter evicted for KV blocks or other
 adapters is read again and gives the same tokens; at every step each block's refcount is its
-block tables' holders plus one for an adapter's page, and every block comes back."""
+block tables' holders plus one for an adapter's page, and every block comes back. The forward
+pass reads each adapter in its pages (no slot tensors), at its latest pages after an eviction;
+a model whose rows do not fit a KV chunk computes from slots filled from the pages."""
 
 from collections import Counter
 
 import pytest
+import torch
 
 from pagedkv import LLM, LoRARequest, SamplingParams
 from pagedkv.engine import InvalidRequestError
+from pagedkv.models.lora import LoRASlots
+from pagedkv.models.lora_paged import ModuleRows, PagedLoRA
 from tests.checkpoints import make_checkpoint
 from tests.lora_adapters import make_adapter, peft_greedy
 from tests.server.helpers import assert_pool_whole
@@ -218,3 +223,77 @@ def test_with_a_second_tier_an_adapter_load_spills_the_cached_blocks_it_takes(ca
         _run(engine, [("again", long_prompt, None)])
         assert engine.last_step is not None and engine.stats().tier.hit_tokens > 0
         assert_pool_whole(engine)
+
+
+def test_the_forward_reads_adapters_in_their_pages_and_the_model_holds_no_slot_tensors(case):
+    """Unified paging: an adapter's weights exist once, in its pages; the model keeps per
+    projection only a table of offsets into the KV cache (and a scaling per slot)."""
+    base, loras, expected = case
+    options = dict(dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=4, num_kv_blocks=16)
+    with LLM(str(base), **options) as llm:
+        runner = llm.engine.executor.runner
+        lora = runner.model.lora
+        assert isinstance(lora, PagedLoRA) and all(isinstance(m, ModuleRows) for m in lora.modules.values())
+        cache = runner.kv_cache.data
+        for module in lora.modules.values():
+            weights = module.weights
+            assert weights.base.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+            assert weights.offsets.dtype == torch.int64
+        floats = [t for t in vars(lora).values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        assert [t.numel() for t in floats] == [cache.numel(), 4]  # the cache itself; the scalings
+        out = llm.generate([PROMPTS[0]] * 2, GREEDY, lora_request=[loras[0], None], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == [expected[loras[0].lora_int_id][0], expected[None][0]]
+
+
+def test_an_adapter_written_into_other_pages_is_read_there(case):
+    """An idle adapter keeps its slot while KV blocks take its pages; its next request writes it
+    into other pages, and its slot's offsets are rebuilt from that write, never left stale."""
+    base, loras, expected = case
+    first = loras[0]
+    options = dict(dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=4, num_kv_blocks=12)
+    with LLM(str(base), **options) as llm:
+        engine = llm.engine
+        paged, slots = engine.scheduler.paged_adapters, engine.scheduler.adapters
+        _run(engine, [("a", PROMPTS[0], first)])
+        old = set(paged.pages.block_ids(first.lora_int_id))
+        _run(engine, [("base", list(range(4, 4 + 16 * 8 + 1)), None)])  # 9 blocks: one of its pages
+        assert not paged.pages.is_resident(first.lora_int_id)
+        placed = slots.loads
+        again = _run(engine, [("a2", PROMPTS[0], first)])
+        assert slots.loads == placed and slots.slot_of(first.lora_int_id) is not None  # no slot load
+        assert set(paged.pages.block_ids(first.lora_int_id)) != old
+        assert again["a2"] == expected[first.lora_int_id][0]
+        assert_pool_whole(engine)
+
+
+def test_rows_wider_than_a_kv_chunk_are_computed_from_slots_filled_from_the_pages(tmp_path, caplog):
+    """MLP rows of 640 elements do not fit a chunk of 16 tokens * 2 heads * 16 = 512: the pages
+    still hold the adapter, and slots filled from them compute it, with PEFT's tokens."""
+    base = make_checkpoint(tmp_path, "llama", intermediate_size=640)
+    lora = LoRARequest("wide", 1, str(make_adapter(tmp_path / "wide", base, seed=3)))
+    expected = peft_greedy(base, lora.lora_path, PROMPTS, MAX_NEW)
+    options = dict(dtype="float32", enable_lora=True, max_lora_rank=4, num_kv_blocks=24)
+    with caplog.at_level("WARNING"), LLM(str(base), **options) as llm:
+        assert isinstance(llm.engine.executor.runner.model.lora, LoRASlots)
+        out = llm.generate(PROMPTS, GREEDY, lora_request=lora, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == expected
+        assert llm.engine.scheduler.paged_adapters.pages.is_resident(1)
+    assert "rows of 640 elements do not fit a KV chunk of 512 elements" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_pages_and_slots_give_the_same_tokens(case, dtype):
+    """Three adapters and the base model mixed: in bfloat16 the paged and the slot kernels sum
+    in one order (the same bits); float16 runs the torch form, which gathers the step's adapters'
+    rows out of the pages (the engine's path off the C kernel, as on CUDA)."""
+    base, loras, _ = case
+    prompts = [PROMPTS[k % 2] for k in range(8)]
+    requests = [loras[k % 3] if k % 4 else None for k in range(8)]
+    tokens = {}
+    for paging in ("unified", "slots"):
+        options = dict(dtype=dtype, enable_lora=True, max_loras=3, max_lora_rank=4, num_kv_blocks=64)
+        with LLM(str(base), lora_paging=paging, **options) as llm:
+            out = llm.generate(prompts, GREEDY, lora_request=requests, use_tqdm=False)
+            tokens[paging] = [o.outputs[0].token_ids for o in out]
+    assert tokens["unified"] == tokens["slots"]
+    assert len({tuple(t) for t in tokens["unified"]}) > 2  # the adapters change the tokens

@@ -12,9 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.kernels import triton_lora
+from pagedkv.models.lora_weights import PagedWeights, SlotWeights
 from pagedkv.models.ops import LoRARows
 from tests.devices import TEST_DEVICE
 from tests.lora.test_lora_kernel import ROW_SLOTS, SCALING, _module, _reference
+from tests.lora.test_lora_pages_forward import _both_forms
 
 DEVICE = torch.device(TEST_DEVICE)
 #: the rounding each dtype's output is compared to the reference with (one rounding to it)
@@ -57,15 +59,23 @@ def test_each_row_gets_its_own_adapter_and_a_base_row_nothing(name, rank, dtype)
         assert torch.equal(alone.cpu()[0], got[row])
 
 
-def test_the_lora_op_runs_the_kernel_on_cuda():
-    """:meth:`LoRARows.add` on DEVICE: the Triton pair's rows bit for bit on CUDA; on the CPU
-    (float32, the C kernel) the same rows to rounding."""
-    slots = _module("qkv_proj", 8, torch.float32)
+@pytest.mark.parametrize("form", ["slots", "pages"])
+def test_the_lora_op_runs_the_kernel_on_cuda(form):
+    """:meth:`LoRARows.add` on DEVICE, adapters in slot tensors or in their pages: on CUDA the
+    Triton pair's rows bit for bit; on the CPU (float32: the C kernels) the same rows to
+    rounding."""
+    slots, paged = _both_forms("qkv_proj", 8, torch.float32)
     a, b, columns = slots.a.to(DEVICE), slots.b.to(DEVICE), slots.columns.to(DEVICE)
+    if form == "slots":
+        weights = SlotWeights(a, b, columns)
+    else:
+        pages = paged.weights
+        weights = PagedWeights(pages.base.to(DEVICE), pages.offsets.to(DEVICE), pages.columns, pages.n_in)
     x = torch.randn(len(ROW_SLOTS), a.shape[2], device=DEVICE)
     y = torch.randn(len(ROW_SLOTS), b.shape[2], device=DEVICE)
     row_slot = torch.tensor(ROW_SLOTS, dtype=torch.int32, device=DEVICE)
-    got = LoRARows(row_slot, SCALING.to(DEVICE)).add(x, a, b, columns, y.clone())
+    step = torch.tensor(sorted({s for s in ROW_SLOTS if s >= 0}), device=DEVICE)
+    got = LoRARows(row_slot, SCALING.to(DEVICE), adapters=step).add(x, weights, y.clone())
     kernel = triton_lora.lora_bgmv(x, a, b, row_slot, SCALING.to(DEVICE), columns, y.clone())
     if DEVICE.type == "cuda":
         assert torch.equal(got, kernel)
@@ -118,3 +128,29 @@ def test_any_packing_of_blocks_gives_each_row_its_own_product(widths, rank, n_in
                 (x[row].double() @ a[slot].double().t()) @ b[slot].double()
             )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["qkv_proj", "down_proj"])
+def test_paged_adapters_gathered_as_slots_give_each_row_its_own_adapter(name):
+    """Adapters in their pages of the KV cache, as the Triton pair takes them on CUDA: only the
+    step's adapters (slots 0 and 2; slot 3 points at stale KV, NaN) gathered into slot tensors,
+    each row's slot renumbered to its adapter's place among them."""
+    slots, paged = _both_forms(name, 16, torch.float32)
+    paged.weights.offsets[3].fill_(0)  # the cache's first elements: NaN
+    row_slots = [-1, 2, 0, 2, -1, 0]
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(len(row_slots), slots.a.shape[2], generator=gen)
+    y = torch.randn(len(row_slots), slots.b.shape[2], generator=gen)
+    step = torch.tensor([0, 2])
+    a, b, renumbered, scales = paged.weights.slot_form(
+        torch.tensor(row_slots, dtype=torch.int32), SCALING, step
+    )
+    assert renumbered.tolist() == [-1, 1, 0, 1, -1, 0] and a.shape[0] == 2
+    args = [t.to(DEVICE) for t in (x, a, b, renumbered, scales, paged.weights.columns)]
+    got = triton_lora.lora_bgmv(*args, y.to(DEVICE, copy=True)).cpu().double()
+    want = y.double()
+    for row, slot in enumerate(row_slots):
+        if slot >= 0:
+            product = (x[row].double() @ slots.a[slot].double().t()) @ slots.b[slot].double()
+            want[row] += SCALING[slot].double() * product
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -320,6 +320,18 @@ def test_an_output_buffer_is_kept_for_small_batches_only():
     assert buffer.get(3, 7, torch.bfloat16).dtype == torch.bfloat16  # a cast model: a new buffer
 
 
+def test_buffers_that_share_write_into_one_tensor_and_sharing_joins_whole_groups():
+    a, b, c, d = (OutputBuffer() for _ in range(4))
+    own = c.get(2, 7, torch.float32)  # held here, so its memory is not handed out again
+    b.share(a)
+    c.share(d)  # c's own tensor is dropped
+    c.share(b)  # c and d join a and b
+    ptrs = {buffer.get(2, 7, torch.float32).data_ptr() for buffer in (a, b, c, d)}
+    assert len(ptrs) == 1 and own.data_ptr() not in ptrs
+    assert a.get(2, 9, torch.float32).data_ptr() == d.get(2, 9, torch.float32).data_ptr()  # every width
+    assert a.get(2, 9, torch.float32).data_ptr() not in ptrs  # a width of its own
+
+
 def test_a_forward_pass_leaves_the_previous_ones_hidden_states_alone(tmp_path):
     """The step program's projections write small batches into kept buffers (OutputBuffer); what
     a forward pass returns must not be one of them, or the next pass would overwrite it."""

@@ -96,6 +96,18 @@ def test_the_c_stack_runs_the_experts(references):
     assert describe(load_model(references["qwen2moe-shared-dense-layer"][0])) == "C stack"
 
 
+def test_every_expert_of_every_layer_writes_into_one_set_of_outputs(references):
+    """The experts run one after another (and the layers too): the gate/up and down outputs
+    small batches are written into are one pair for the model, not one per expert and layer."""
+    model = load_model(references["qwen2moe-shared-dense-layer"][0], dtype=torch.float32)
+    blocks = [op for op in model.decoder_ops().sequence() if isinstance(op, RouteExperts)]
+    mlps = [mlp for block in blocks for mlp in (*block.experts, block.shared[1])]
+    assert len(blocks) > 1 and len(mlps) > 2 * len(blocks)
+    for position in (0, 1):  # the gate/up output, the down output
+        ptrs = {mlp[position].output.get(2, 8, torch.float32).data_ptr() for mlp in mlps}
+        assert len(ptrs) == 1
+
+
 def test_the_checkpoints_store_each_expert_under_its_family_names(references):
     names = {}
     for case in ("mixtral", "qwen2moe-shared-dense-layer"):

@@ -37,6 +37,30 @@ def test_each_family_lists_its_switches_in_the_ops(tmp_path, arch, overrides):
     assert attend.options.sliding_window == overrides.get("sliding_window")
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_every_layer_writes_into_one_layers_kept_outputs(tmp_path, arch):
+    """Steps in the interpreter: op j of every layer writes its output into the tensor of op j
+    of the first layer, so the model keeps one layer's outputs, not one per layer; and the
+    hidden states are those of a model whose layers keep their own (an output is dead by the
+    time the next layer's op writes it)."""
+    path = make_checkpoint(tmp_path, arch)
+    shared, apart = (load_model(path, dtype=torch.float32, linear_kernel="tiled") for _ in range(2))
+    for model in (shared, apart):
+        ops = model.decoder_ops()
+        flat = ops.sequence() if model is shared else tuple(op for layer in ops.layers for op in layer)
+        model.step_program = StepProgram(flat if model is shared else (*flat, *ops.final))
+    a, b = PagedBatch(shared, 24, 3), PagedBatch(apart, 24, 3)
+    for step in [PROMPTS, *DECODES]:
+        assert torch.equal(a.forward(step)[0], b.forward(step)[0])
+
+    def kept(model) -> set[int]:
+        outputs = [out for op in model.step_program.ops for out in op.kept_outputs()]
+        return {tensor.data_ptr() for out in outputs for tensor in out.tensors()}
+
+    layers = shared.config.num_layers
+    assert layers > 1 and len(kept(apart)) == layers * len(kept(shared)) > 0
+
+
 def _recorded(stack) -> list[bool]:
     """The stack's runs: True for a step it took, False for one it left to the interpreter."""
     taken: list[bool] = []

@@ -12,8 +12,9 @@ from pagedkv.config.lora import LoRAConfig
 from pagedkv.engine.core.adapter_paging import PagedAdapters
 from pagedkv.engine.core.scheduler_output import SchedulerOutput
 from pagedkv.engine.core.sequence import Sequence
-from pagedkv.memory import KVCacheManager
+from pagedkv.memory import KVCacheManager, TieredKVCacheManager
 from pagedkv.memory.adapters import AdapterResidency
+from pagedkv.memory.tier.adapter_entries import AdapterTierCopies
 
 
 class Scheduling(Protocol):
@@ -29,10 +30,14 @@ def adapter_parts(
     config: LoRAConfig | None, kv_manager: KVCacheManager
 ) -> tuple[AdapterResidency | None, PagedAdapters | None]:
     """The adapter slots and, under unified paging, the adapter pages a scheduler of ``config``
-    keeps (None, None without LoRA)."""
+    keeps (None, None without LoRA); with a second KV tier behind ``kv_manager``, evicted
+    adapters' pages are kept there."""
     if config is None:
         return None, None
-    paged = PagedAdapters(kv_manager.pool) if config.unified_paging else None
+    paged = None
+    if config.unified_paging:
+        tier = AdapterTierCopies(kv_manager) if isinstance(kv_manager, TieredKVCacheManager) else None
+        paged = PagedAdapters(kv_manager.pool, tier)
     return AdapterResidency(config.max_loras), paged
 
 
@@ -86,7 +91,7 @@ def place_adapter(adapters: AdapterResidency, seq: Sequence, running: Iterable[S
 
 
 def record_adapters(out: SchedulerOutput, adapters: AdapterResidency, paged: PagedAdapters | None) -> None:
-    """The step's adapter placements into ``out``: slot loads (filled from the adapters' pages
+    """The step's adapter placements into ``out``: slot loads (pointed at the adapters' pages
     under unified paging), every resident adapter's slot, and the pages to write and evicted."""
     out.lora_loads = adapters.take_loads()
     out.lora_slots = adapters.slots()

@@ -13,8 +13,9 @@ shape.
 A decode step replays a CUDA graph when the runner has them (:mod:`pagedkv.engine.worker.cuda_graphs`);
 every other step runs the model eagerly, as does every step with LoRA adapter rows: the plan's
 adapters are written into their pages of the KV cache (unified paging,
-:mod:`pagedkv.engine.worker.lora_pages`) after the block moves and copies, then read into their
-slots, and each row's slot goes to the model as its :class:`~pagedkv.models.ops.LoRARows`.
+:mod:`pagedkv.engine.worker.lora_pages`) after the block moves and copies, their slots pointed
+at those pages (or, without unified paging, read from their folders), and each row's slot goes
+to the model as its :class:`~pagedkv.models.ops.LoRARows`.
 """
 
 from __future__ import annotations
@@ -95,16 +96,17 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _load_adapters(self, plan: StepPlan) -> None:
-        """The plan's LoRA adapters into their pages (the folder read now, and checked), then
-        into their slots: from their pages, or from the folder without unified paging."""
+        """The plan's LoRA adapters into their pages (the folder read now, and checked, unless
+        the tier's loads brought them back), then their slots: pointed at their pages, or read
+        from the folder without unified paging."""
         for page_write in plan.lora_page_writes:
             if self.adapter_pages is None:
                 raise RuntimeError("a plan writes LoRA adapter pages, but this runner does not page adapters")
-            self.adapter_pages.write(page_write)
+            self.adapter_pages.write(page_write, self.tier)
         slots = self.model.lora
         for load in plan.lora_loads:
             if load.pages and self.adapter_pages is not None:
-                self.adapter_pages.fill_slot(slots, load)
+                self.adapter_pages.place(load)
             else:
                 slots.load(load.slot, read_adapter(load.path, slots.config, slots.max_rank))
 

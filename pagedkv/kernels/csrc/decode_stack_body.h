@@ -76,6 +76,13 @@ int SUFFIX(decode_stack)(const DecodeOp *ops, int64_t num_ops, void *const *buff
             if (status) return status;
             break;
         }
+        case DECODE_LORA_PAGED: {
+            const int status = SUFFIX(lora_bgmv_paged)(src, op->weight, op->lora_b, op->lora_slot, op->lora_scaling,
+                                                       op->lora_columns, dst, tokens, op->n_in, op->n_out,
+                                                       op->lora_slots, op->lora_rank, op->lora_shards);
+            if (status) return status;
+            break;
+        }
         default:
             return 2;
         }

@@ -210,6 +210,20 @@ int64_t paged_attention_prefill_lanes(void);
              int64_t rank, int64_t shards)
 LORA_BGMV(lora_bgmv_f32, float);
 LORA_BGMV(lora_bgmv_bf16, uint16_t);
+/*   lora_bgmv_paged_<f32|bf16>(x, base, offsets, row_slot, scaling, columns, y, rows, n_in, n_out,
+ *       slots, rank, shards) -> as lora_bgmv's, the adapters read where they live, in pages of
+ *       the KV cache: offsets [slots, 2, shards * rank] int64, the element offsets from base of
+ *       each slot's A rows (n_in elements each) then its B rows (B transposed: block p's rows are
+ *       columns[p + 1] - columns[p] elements, from its first column); a rank row whose A or B
+ *       offset is negative is a zero row (a smaller rank's padding, never read). Bit for bit
+ *       lora_bgmv's on slot tensors holding the same rows.
+ */
+#define LORA_BGMV_PAGED(name, T)                                                                          \
+    int name(const T *x, const T *base, const int64_t *offsets, const int32_t *row_slot,                 \
+             const float *scaling, const int64_t *columns, T *y, int64_t rows, int64_t n_in, int64_t n_out, \
+             int64_t slots, int64_t rank, int64_t shards)
+LORA_BGMV_PAGED(lora_bgmv_paged_f32, float);
+LORA_BGMV_PAGED(lora_bgmv_paged_bf16, uint16_t);
 
 /* ---- decode_stack.c: a decode step's decoder layers in one call ------------------------- *
  * The stack runs a list of DecodeOp records, lowered in Python from the model's op list
@@ -247,6 +261,8 @@ LORA_BGMV(lora_bgmv_bf16, uint16_t);
  *                          projection's input, dst: its output): weight = a, lora_b = b,
  *                          lora_columns, lora_slots, lora_rank, lora_shards as lora_bgmv's; the
  *                          step's row_slot and scaling at lora_slot / lora_scaling  lora_bgmv_<S>
+ *   DECODE_LORA_PAGED      DECODE_LORA with the adapters in the KV cache's pages: weight = base,
+ *                          lora_b = offsets as lora_bgmv_paged's          lora_bgmv_paged_<S>
  * DECODE_ROTARY_WRITE_KV's offset says its q/k norms are Gemma's, rope which rotary table
  * (cos / sin) it reads; a KV record's group, the KV group whose slots and tables it reads.
  * Weights are the model's dtype, projections in the tiled layout or GGUF blocks; NULL for no
@@ -268,6 +284,7 @@ typedef enum {
     DECODE_GELU_TANH_AND_MUL,
     DECODE_MOE_EXPERTS,
     DECODE_LORA,
+    DECODE_LORA_PAGED,
 } DecodeCode;
 
 /* the buffers every stack has: the embedded tokens (read only), the residual stream and the
@@ -287,7 +304,7 @@ typedef struct {
     int64_t n_in, n_out, heads, kv_heads, head_dim, block_size, window, split, qtype, column, columns;
     int64_t group, offset, rope;
     int64_t experts, top_k, expert_rows, shared_rows, moe_flags;
-    const void *lora_b, *lora_columns, *lora_slot, *lora_scaling; /* DECODE_LORA's */
+    const void *lora_b, *lora_columns, *lora_slot, *lora_scaling; /* DECODE_LORA(_PAGED)'s */
     int64_t lora_slots, lora_rank, lora_shards;
 } DecodeOp;
 

@@ -10,6 +10,12 @@
  * expand reads only those, so a packed product costs what its separate ones would. A rank below
  * the slots' is zero-padded; a zero rank row's expand is skipped (it adds nothing).
  *
+ * The paged form (S-LoRA's unified paging) reads the same rows where an adapter's one copy
+ * lives, in its pages of the KV cache: a table of element offsets from the cache's base gives
+ * each slot's A rows and B rows (block p's B row holds only its own columns), a negative offset a
+ * padded rank's zero row, which is neither read nor computed. Both forms hand the row bodies one
+ * pointer per rank row, so a row's sums are the same, in the same order, from either.
+ *
  * For each adapted row r of slot s: low = scaling[s] * (x_r . A_s^T) into float32 (the shrink,
  * `shards * rank` dot products over `in`), then y_r[c] += sum_j low[j] * B_s[j][c] over the rank
  * rows j of c's block (the expand), in float32, rounded to the storage dtype once when added to

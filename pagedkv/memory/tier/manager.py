@@ -60,7 +60,7 @@ class _Inbound:
 
     swap: bool
     what: object
-    seq_id: SeqId
+    seq_id: SeqId | None  # None: a load of an adapter's page
     index: int
 
 
@@ -95,6 +95,8 @@ class TieredKVCacheManager(KVCacheManager):
         self._loading: dict[int, list[_Inbound]] = {}
         self._swapped: dict[SeqId, _SwapRecord] = {}
         self._load_failures: dict[SeqId, int] = {}
+        #: hashes of loads into no sequence's blocks (adapter pages) that failed their check
+        self._page_load_failures: list[int] = []
         #: copy-on-write copies handed out since the last plan, destination -> source: a
         #: swap-out of a destination reads the source, as the copy runs after swap-outs
         self._copy_source: dict[int, int] = {}
@@ -220,14 +222,36 @@ class TieredKVCacheManager(KVCacheManager):
         """The pool evicts these cached-free blocks: copy each into the tier (if new there)."""
         for entry in evicted:
             assert entry.block_hash is not None  # the pool hashes its blocks
-            tokens = entry.key[1]
-            slot = self.tier.store(entry.block_hash, entry.parent_hash, tokens)
-            if slot is None:
-                continue
-            spill = BlockSpill(entry.block_id, slot, entry.block_hash, entry.parent_hash, tokens)
-            self._planned.spills.append(spill)
-            self._storing[slot] = ("spill", entry.block_hash)
-            self.blocks_spilled += 1
+            self.plan_spill(entry.block_id, entry.block_hash, entry.parent_hash, entry.key[1], entry.root)
+
+    def plan_spill(
+        self,
+        block_id: int,
+        digest: int,
+        parent_hash: int | None,
+        token_ids: tuple[int, ...],
+        root: int | None = None,
+    ) -> bool:
+        """Copy pool block ``block_id``, whose contents are about to be reused, into the tier as
+        ``digest``; False when the tier holds it already (now more recently used) or has no
+        slot. The copy reads the block before anything of this step writes it."""
+        slot = self.tier.store(digest, parent_hash, token_ids, root)
+        if slot is None:
+            return False
+        self._planned.spills.append(BlockSpill(block_id, slot, digest, parent_hash, token_ids))
+        self._storing[slot] = ("spill", digest)
+        self.blocks_spilled += 1
+        return True
+
+    def plan_loads(self, entries: list[TierBlock], block_ids: Sequence[int]) -> None:
+        """Copy readable tier ``entries`` into pool blocks ``block_ids`` (owned by no sequence:
+        an adapter's pages) before this step's forward pass. A load that fails its check is
+        reported by :meth:`take_page_load_failures`, not as a sequence's."""
+        self.tier.pin(entries)
+        for index, (entry, block) in enumerate(zip(entries, block_ids, strict=True)):
+            self._planned.loads.append(BlockLoad(entry.slot, block, entry.block_hash))
+            self._loading.setdefault(entry.slot, []).append(_Inbound(False, entry.block_hash, None, index))
+            self.blocks_loaded += 1
 
     def preempt(
         self, seq_id: SeqId, token_ids: Sequence[int], num_computed: int, allow_swap: bool = True
@@ -325,7 +349,9 @@ class TieredKVCacheManager(KVCacheManager):
                 self.tier.release_swap([move.what])  # type: ignore[list-item]
             else:
                 self.tier.unpin(move.what, slot, ok)  # type: ignore[arg-type]
-            if not ok:
+            if not ok and move.seq_id is None:
+                self._page_load_failures.append(move.what)  # type: ignore[arg-type]
+            elif not ok:
                 valid = move.index * self.block_size
                 self._load_failures[move.seq_id] = min(valid, self._load_failures.get(move.seq_id, valid))
 
@@ -333,6 +359,12 @@ class TieredKVCacheManager(KVCacheManager):
         """Sequences some of whose loads failed, and how many of their tokens are still valid:
         their computed count must fall back to it before their blocks are cached."""
         failures, self._load_failures = self._load_failures, {}
+        return failures
+
+    def take_page_load_failures(self) -> list[int]:
+        """The hashes whose :meth:`plan_loads` failed their check since the last call (the tier
+        has forgotten them)."""
+        failures, self._page_load_failures = self._page_load_failures, []
         return failures
 
     def transfers_in_flight(self) -> int:

@@ -10,6 +10,11 @@ A slot holds one of two kinds of contents:
 * a **swap slot** -- one block of a preempted sequence, keyed by (sequence id, block index)
   because its last block is partial and never hashed; it stays until swapped in or dropped.
 
+A hashed block may also be one page of an idle LoRA adapter evicted from the pool
+(:mod:`pagedkv.memory.tier.adapter_entries`): its parent hash is :data:`ADAPTER_PAGE_PARENT`,
+which no KV block has, so a prompt never matches it; it is stored, evicted and counted as any
+block is, but announces no KV event (it holds weights, not keys and values).
+
 A hashed block is **storing** from the moment a spill is planned until the executor reports the
 copy complete (a disk write may outlive the step that planned it); only then is it readable.
 A readable block with loads in flight is **pinned**: never evicted, since a load still reads
@@ -28,10 +33,15 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from pagedkv.memory.block_hash import block_hash
+from pagedkv.memory.prefix_cache import root_of_hash
 
 #: vLLM's KV event medium of the device pool, and those of the second tier (host RAM, disk).
 POOL_MEDIUM = "GPU"
 TIER_MEDIUMS = ("CPU", "DISK")
+
+#: The parent hash of an adapter page's entry: -1 is neither a block's hash (those are
+#: non-negative) nor a salted root (those are -2 or less) nor None (an unsalted first block).
+ADAPTER_PAGE_PARENT = -1
 
 #: (sequence id, index of the block in its table)
 SwapKey = tuple[Hashable, int]
@@ -40,7 +50,9 @@ SwapKey = tuple[Hashable, int]
 @dataclass
 class TierBlock:
     """A hashed block's entry. ``storing``: the copy in is not complete, so it is not readable;
-    ``pins``: loads in flight reading its slot; ``dropped``: forgotten while busy."""
+    ``pins``: loads in flight reading its slot; ``dropped``: forgotten while busy; ``root``: the
+    prefix cache's root of its chain (a salted or LoRA adapter's root names its tenant), None
+    when unknown."""
 
     slot: int
     block_hash: int
@@ -49,6 +61,12 @@ class TierBlock:
     storing: bool = True
     pins: int = 0
     dropped: bool = False
+    root: int | None = None
+
+    @property
+    def announced(self) -> bool:
+        """KV events publish it: a KV block, not an adapter's page."""
+        return self.parent_hash != ADAPTER_PAGE_PARENT
 
     @property
     def readable(self) -> bool:
@@ -73,13 +91,15 @@ class SwapSlot:
 @dataclass(frozen=True)
 class TierEvent:
     """A change a KV-event listener publishes: a block became readable in the tier (``removed``
-    False, with its parent hash and tokens) or blocks left it."""
+    False, with its parent hash, tokens and its chain's root, by which the listener names the
+    LoRA adapter whose request made it) or blocks left it."""
 
     removed: bool
     block_hashes: tuple[int, ...]
     medium: str
     parent_hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    root: int | None = None
 
 
 class KVTier:
@@ -163,16 +183,19 @@ class KVTier:
             parent_hash = entry.block_hash
         return chain
 
-    def store(self, digest: int, parent_hash: int | None, token_ids: Sequence[int]) -> int | None:
-        """Take a slot for a spill of block ``digest``: its slot, or None to skip (already here,
-        or every slot busy). The block is storing until :meth:`stored`."""
+    def store(
+        self, digest: int, parent_hash: int | None, token_ids: Sequence[int], root: int | None = None
+    ) -> int | None:
+        """Take a slot for a spill of block ``digest`` (of the chain under ``root``): its slot,
+        or None to skip (already here, or every slot busy). The block is storing until
+        :meth:`stored`."""
         if digest in self._blocks:
             self.touch([digest])
             return None
         slot = self._take_slot()
         if slot is None:
             return None
-        self._blocks[digest] = TierBlock(slot, digest, parent_hash, tuple(token_ids))
+        self._blocks[digest] = TierBlock(slot, digest, parent_hash, tuple(token_ids), root=root)
         return slot
 
     def stored(self, digest: int, slot: int, ok: bool = True) -> None:
@@ -185,7 +208,7 @@ class KVTier:
             self._release(entry, announce=False)
             return
         self._lru[digest] = None
-        self._events.append(TierEvent(False, (digest,), self.medium, entry.parent_hash, entry.token_ids))
+        self._announce_stored(entry)
 
     def pin(self, entries: Iterable[TierBlock]) -> None:
         """A load of each entry is planned: keep its slot until :meth:`unpin`."""
@@ -226,19 +249,43 @@ class KVTier:
             entry = TierBlock(self._free.pop(), digest, parent_hash, tuple(token_ids), storing=False)
             self._blocks[digest] = entry
             self._lru[digest] = None
-            self._events.append(TierEvent(False, (digest,), self.medium, parent_hash, entry.token_ids))
             slots[digest] = entry.slot
+        for digest in slots:
+            entry = self._blocks[digest]
+            entry.root = self._restored_root(entry)
+            self._announce_stored(entry)
         return slots
 
-    def clear(self) -> int:
-        """Forget every hashed block (their contents are no longer valid); busy ones are
-        dropped and free their slots when their transfers end. Swap slots stay."""
-        forgotten = list(self._blocks.values())
-        for entry in forgotten:
+    def _restored_root(self, entry: TierBlock) -> int | None:
+        """A restored block's chain root: a first block's from its parent hash, else its
+        parent's in the tier (None when a parent is missing)."""
+        chain = []
+        while entry.root is None and entry.parent_hash is not None and entry.parent_hash >= 0:
+            chain.append(entry)
+            if (entry := self._blocks.get(entry.parent_hash)) is None:
+                return None
+        root = entry.root if entry.root is not None else root_of_hash(entry.parent_hash)
+        for child in chain:
+            child.root = root
+        return root
+
+    def forget(self, digests: Iterable[int]) -> None:
+        """Forget these hashed blocks (absent ones are skipped); busy ones are dropped and free
+        their slots when their transfers end."""
+        for digest in digests:
+            entry = self._blocks.get(digest)
+            if entry is None:
+                continue
             if entry.busy:
                 self._drop(entry)
             else:
                 self._release(entry, announce=True)
+
+    def clear(self) -> int:
+        """Forget every KV block (their contents are no longer valid); busy ones are dropped
+        and free their slots when their transfers end. Swap slots and adapters' pages stay."""
+        forgotten = [digest for digest, entry in self._blocks.items() if entry.announced]
+        self.forget(forgotten)
         return len(forgotten)
 
     # -- swap slots -------------------------------------------------------------------------
@@ -331,7 +378,7 @@ class KVTier:
         self._lru.pop(entry.block_hash, None)
         self._dropped[entry.slot] = entry
         self._forgotten.append(entry.block_hash)
-        if readable:
+        if readable and entry.announced:
             self._events.append(TierEvent(True, (entry.block_hash,), self.medium))
 
     def _release(self, entry: TierBlock, announce: bool) -> None:
@@ -342,5 +389,10 @@ class KVTier:
             self._lru.pop(entry.block_hash, None)
             self._forgotten.append(entry.block_hash)
         self._free.append(entry.slot)
-        if announce:
+        if announce and entry.announced:
             self._events.append(TierEvent(True, (entry.block_hash,), self.medium))
+
+    def _announce_stored(self, entry: TierBlock) -> None:
+        if entry.announced:
+            digests, parent, tokens = (entry.block_hash,), entry.parent_hash, entry.token_ids
+            self._events.append(TierEvent(False, digests, self.medium, parent, tokens, entry.root))

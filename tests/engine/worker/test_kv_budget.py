@@ -4,14 +4,26 @@ the start-up line says which."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.attention import resolve_backend
 from pagedkv.cli import main
 from pagedkv.engine import EngineConfig
-from pagedkv.memory.pool_sizing import AUTO_KV_SHARE
+from pagedkv.engine.worker.executor.rank import size_rank_pools
+from pagedkv.memory.pool_sizing import AUTO_KV_SHARE, PoolSizing
+from pagedkv.models import ModelConfig, load_model
+from pagedkv.models.weight_bytes import loaded_weight_bytes
 from pagedkv.server.replicas import ReplicaSet, split_auto_pool
 from tests.checkpoints import make_checkpoint
+from tests.gguf_files import write_gguf
+from tests.quant_checkpoints import Variant, quantized_checkpoint
+
+Q = GGMLQuantizationType
 
 #: the built-in model with limits that make its cap small: 4 sequences of 256 tokens
 SMALL = dict(dtype="float32", max_model_len=256, max_num_seqs=4)
@@ -113,3 +125,85 @@ def test_replicas_on_one_machine_share_one_auto_sizing():
 def test_a_bad_kv_cache_memory_is_refused_before_anything_loads(bad):
     with pytest.raises(ValueError):
         EngineConfig(kv_cache_memory=bad)
+
+
+def _fixed_free_memory(device: str) -> int:
+    """What the tests below pretend every device has free: sizings compared side by side must
+    start from the same figure, which the machine's own memory (changing by the second) is not."""
+    return 4 * 2**30
+
+
+def _sizing(path, local_ranks: int, **options) -> PoolSizing:
+    """An "auto" pool for ``local_ranks`` ranks of the model at ``path``, sized as the executors
+    and replicas size it before loading; the cap far above the share, so the share decides."""
+    options = dict(dtype="float32", max_model_len=64, max_num_seqs=10**6, **options)
+    settings = EngineConfig(model=str(path), **options).resolve()
+    config = ModelConfig.from_pretrained(path)
+    return size_rank_pools(settings, config, Path(path), local_ranks, free_memory=_fixed_free_memory)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_auto_sizing_counts_quantized_weights_by_their_blocks(tmp_path, ranks):
+    """A Q8_0 GGUF and its F32 twin, sized with the same free memory before loading (tensor
+    parallelism, replicas): the quantized model's weights are counted by their blocks, so its
+    pool starts from more bytes, by what the blocks save (each rank its share of it), and holds
+    as many more blocks as the auto share of those bytes fills."""
+    folder = make_checkpoint(tmp_path, "llama")
+    q8, f32 = (write_gguf(folder, tmp_path / f"{q.name}.gguf", q) for q in (Q.Q8_0, Q.F32))
+    saved = sum(
+        t.n_elements * 4 - t.n_bytes
+        for t in GGUFReader(q8).tensors
+        if t.tensor_type == Q.Q8_0 and len(t.shape) > 1
+    )
+    options = dict(tensor_parallel_size=ranks)
+    quantized, dense = _sizing(q8, ranks, **options), _sizing(f32, ranks, **options)
+    assert quantized.block_bytes == dense.block_bytes and saved > 0
+    assert quantized.available - dense.available == ranks * (saved // ranks)
+    extra = AUTO_KV_SHARE * ranks * (saved // ranks) / ranks / dense.block_bytes
+    assert abs(quantized.num_blocks - dense.num_blocks - extra) <= 1
+    # the F32 twin is counted as the Hugging Face folder it was written from
+    assert dense.available == _sizing(folder, ranks, **options).available
+
+
+@pytest.mark.parametrize("source", ["gguf", "on the fly", "gptq", "awq", "compressed-tensors w8"])
+def test_the_counted_weights_are_the_loaded_ones(tmp_path, source):
+    """What the sizing counts before loading is what the loaded model holds: its parameters and
+    its quantized blocks, byte for byte (Q8_0 GGUF; Q4_K on the fly; GPTQ symmetric as Q4_0, AWQ
+    with zero points as Q4_1, compressed-tensors 8-bit as Q8_0)."""
+    quantization = "q4_k" if source == "on the fly" else None
+    if source in ("gguf", "on the fly"):
+        folder = make_checkpoint(tmp_path, "llama")
+        path = write_gguf(folder, tmp_path / "q.gguf", Q.Q8_0) if source == "gguf" else folder
+    else:
+        variant = {
+            "gptq": Variant("gptq"),
+            "awq": Variant("awq", symmetric=False),
+            "compressed-tensors w8": Variant("compressed-tensors", bits=8),
+        }[source]
+        path, _ = quantized_checkpoint(tmp_path, variant)
+    model = load_model(path, dtype=torch.float32, quantization=quantization)
+    blocks = [b for b in model.buffers() if b.dtype == torch.uint8]  # quantized weights' blocks
+    tensors = {t.data_ptr(): t.nbytes for t in [*model.parameters(), *blocks]}  # a tied one once
+    config = ModelConfig.from_pretrained(path)
+    backend = resolve_backend(None, torch.device("cpu"))
+    counted = loaded_weight_bytes(path, config, torch.float32, backend, True, quantization)
+    assert counted == sum(tensors.values())
+    assert counted < loaded_weight_bytes(path, config, torch.float32, backend, False, quantization)
+
+
+def test_replicas_of_a_hybrid_model_are_sized_in_the_blocks_they_page_by(tmp_path):
+    """Gemma 2 of four layers, two sliding: each replica pages by two KV groups of two layers,
+    so a block is two layers deep, and the pool sized for the replicas counts such blocks (not
+    blocks of every layer, twice the bytes): the block a replica builds is the one it was
+    sized in."""
+    layout = dict(sliding_window=8, query_pre_attn_scalar=24, num_hidden_layers=4)
+    path = make_checkpoint(tmp_path, "gemma2", **layout)
+    options = dict(model=str(path), dtype="float32", max_model_len=64, max_num_seqs=2)
+    engine, grouped = split_auto_pool(EngineConfig(**options), 2)
+    _, flat = split_auto_pool(EngineConfig(**options, disable_hybrid_kv_cache_manager=True), 2)
+    assert grouped.source == flat.source == "auto"
+    assert flat.block_bytes == 2 * grouped.block_bytes
+    with LLM(**{**options, "num_kv_blocks": engine.num_kv_blocks}) as replica:
+        assert replica.engine.kv_sizing.block_bytes == grouped.block_bytes
+        assert replica.kv_stats()["kv_cache_bytes"] == grouped.nbytes
+        assert "2 KV groups of 2 layers" in replica.engine.describe()

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 
 from pagedkv.engine.config import EngineSettings
+from pagedkv.engine.worker.cuda_graphs import eager_reason
 from pagedkv.memory.kv_bytes import KVSpec
 from pagedkv.memory.kv_groups import KVGroups, plan_kv_groups
 from pagedkv.models import ModelConfig
@@ -43,6 +44,15 @@ def hybrid_kv_groups(
         return None, f"off ({reason})"
     logger.info("hybrid KV paging: %s", groups.describe())
     return groups, groups.describe()
+
+
+def engine_kv_groups(config: EngineSettings, model_config: ModelConfig) -> tuple[KVGroups | None, str]:
+    """:func:`hybrid_kv_groups` of an engine of ``config``, known before it starts: a second tier
+    when ``kv_offload`` is on, decode graphs unless :func:`eager_reason` gives a reason. What
+    sizes a pool for engines it does not run (replicas) pages it as they will."""
+    options = config.model
+    graphs = eager_reason(options.device, options.enforce_eager, config.parallel.tensor_parallel_size) is None
+    return hybrid_kv_groups(config, model_config, config.tier.kind is not None, graphs)
 
 
 def pool_spec(spec: KVSpec, groups: KVGroups | None) -> KVSpec:

@@ -15,10 +15,11 @@ from pagedkv.engine.worker.executor.base import Executor, ExecutorError, KVMemor
 from pagedkv.engine.worker.executor.hybrid import hybrid_kv_groups, pool_spec
 from pagedkv.engine.worker.executor.kv_budget import available_memory, size_pool
 from pagedkv.engine.worker.executor.tier_io import RankTier, plan_tier
-from pagedkv.engine.worker.lora_pages import PagedAdapterWeights
+from pagedkv.engine.worker.lora_pages import PagedAdapterWeights, reads_pages
 from pagedkv.engine.worker.model_runner import ModelRunner
 from pagedkv.models import ModelConfig, load_model
 from pagedkv.models.lora import LoRASlots
+from pagedkv.models.lora_paged import PagedLoRA
 
 
 class InProcessExecutor(Executor):
@@ -47,10 +48,16 @@ class InProcessExecutor(Executor):
             load_format=options.load_format,
             quantization=options.quantization,
         )
-        if config.lora is not None:  # before the first forward pass builds the op list
-            model.lora = LoRASlots(model, config.lora.max_loras, config.lora.max_lora_rank)
         dtype = model.config.dtype
         spec = model_config.kv_spec()
+        lora = config.lora
+        in_pages = (
+            lora is not None
+            and lora.unified_paging
+            and reads_pages(model, spec.num_kv_heads, spec.head_dim, config.cache.block_size)
+        )
+        if lora is not None and not in_pages:  # before the pool is sized, and the first forward pass
+            model.lora = LoRASlots(model, lora.max_loras, lora.max_lora_rank)
         kv_dtype = config.cache.kv_cache_dtype
         max_model_len = options.max_model_len or model_config.max_position_embeddings
         eager = eager_reason(options.device, options.enforce_eager, config.parallel.tensor_parallel_size)
@@ -73,14 +80,17 @@ class InProcessExecutor(Executor):
             kv_dtype,
             self.kv_groups,
         )
+        if in_pages:  # the adapters' one copy is in the pages (no slot tensors); before any forward pass
+            model.lora = PagedLoRA(model, lora.max_loras, lora.max_lora_rank, kv_cache.data)
         self.num_kv_blocks = blocks
         self.kv_memory = KVMemory(kv_dtype, kv_cache.spec.bytes_per_token, kv_cache.nbytes)
         self.runner: ModelRunner | None = ModelRunner(model, kv_cache, graphs)
         self.runtime = runtime_of(model) | {"cuda graphs": eager or graphs.describe(), "hybrid kv": hybrid}
         if self.tier is not None:
             self.runner.tier = RankTier(self.tier, kv_cache)
-        if config.lora is not None and config.lora.unified_paging:  # a quantized cache is refused
-            self.runner.adapter_pages = PagedAdapterWeights(kv_cache, model.config, config.lora.max_lora_rank)
+        if lora is not None and lora.unified_paging:  # a quantized cache is refused
+            pages = PagedAdapterWeights(kv_cache, model.config, lora.max_lora_rank, model.lora)
+            self.runner.adapter_pages = pages
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         if self.runner is None:

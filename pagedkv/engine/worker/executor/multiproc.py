@@ -42,7 +42,7 @@ from pagedkv.engine.core.plan import StepPlan
 from pagedkv.engine.worker.cuda_graphs import eager_reason
 from pagedkv.engine.worker.executor import launch
 from pagedkv.engine.worker.executor.base import Executor, ExecutorError, KVMemory, runtime_of
-from pagedkv.engine.worker.executor.hybrid import hybrid_kv_groups
+from pagedkv.engine.worker.executor.hybrid import engine_kv_groups
 from pagedkv.engine.worker.executor.rank import RankSpec, build_runner, size_rank_pools
 from pagedkv.engine.worker.executor.tier_io import plan_tier
 from pagedkv.memory.pool_sizing import AUTO, PoolSizing
@@ -67,11 +67,10 @@ def rank_spec(
     local_ranks = len(rendezvous.spawn_ranks) + (1 if rendezvous.runs_engine else 0)
     threads = config.parallel.threads_per_rank or max(1, torch.get_num_threads() // max(1, local_ranks))
     tier = plan_tier(config, model_path, model_config)
-    graphs = eager_reason(config.model.device, config.model.enforce_eager, rendezvous.world_size) is None
-    kv_groups, hybrid = hybrid_kv_groups(config, model_config, tier is not None, graphs)
+    kv_groups, hybrid = engine_kv_groups(config, model_config)  # world size == tensor parallel size
     # the ranks of this machine share its memory; torchrun starts each in a process of its own
     machine_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if rendezvous.external else local_ranks
-    sizing = size_rank_pools(config, model_config, max(1, machine_ranks), kv_groups)
+    sizing = size_rank_pools(config, model_config, model_path, max(1, machine_ranks), kv_groups)
     auto = sizing.source == AUTO
     spec = RankSpec(config, model_path, rendezvous, sizing.num_blocks, threads, tier, auto, kv_groups, hybrid)
     return spec, sizing

@@ -9,9 +9,9 @@ leaves its error in the rendezvous store for rank 0 to report, and exits.
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +29,9 @@ from pagedkv.memory.kv_groups import KVGroups
 from pagedkv.memory.pool_sizing import PoolSizing
 from pagedkv.models import ModelConfig, load_model
 from pagedkv.models.dtypes import resolve_dtype
-from pagedkv.models.families import model_class
 from pagedkv.models.lora import LoRASlots
 from pagedkv.models.parallel import TensorParallel, shard_config
+from pagedkv.models.weight_bytes import loaded_weight_bytes
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,12 @@ class RankSpec:
 
 
 def size_rank_pools(
-    config: EngineSettings, model_config: ModelConfig, local_ranks: int, kv_groups: KVGroups | None = None
+    config: EngineSettings,
+    model_config: ModelConfig,
+    model_path: Path,
+    local_ranks: int,
+    kv_groups: KVGroups | None = None,
+    free_memory: Callable[[str], int] = available_memory,
 ) -> PoolSizing:
     """Every rank's pool (all the same): ``num_kv_blocks``, else as many blocks as
     ``kv_cache_memory`` holds on each rank, else ("auto") sized from what this machine has left
@@ -63,10 +68,11 @@ def size_rank_pools(
     block (1/N of them, at least one), so the same memory per rank holds up to N times the
     blocks of one rank (vLLM sizes each worker's cache from that worker's memory too).
 
-    It is sized before any rank loads, so "auto" takes the memory free now less the weights'
-    bytes (a rank's shard, counted on the meta device): on the CPU the ranks of this machine
-    share the host's memory and split the share; on CUDA each rank has a device of its own.
-    With ``kv_groups`` a block spans one group's layers, not every layer."""
+    It is sized before any rank loads, so "auto" takes the memory free now (``free_memory`` of
+    a device) less the weights' bytes: a rank's shard of the model at ``model_path``, quantized
+    weights by their blocks' bytes (:func:`rank_weight_bytes`). On the CPU the ranks of this
+    machine share the host's memory and split the share; on CUDA each rank has a device of its
+    own. With ``kv_groups`` a block spans one group's layers, not every layer."""
     options = config.model
     dtype = resolve_dtype(options.dtype, default=model_config.dtype, device=options.device)
     shard = shard_config(model_config, config.parallel.tensor_parallel_size)
@@ -77,23 +83,26 @@ def size_rank_pools(
     on_cuda = options.device.startswith("cuda")
 
     def available() -> int:
-        weights = shard_weight_bytes(shard, dtype, config)
+        weights = rank_weight_bytes(config, model_path, shard, dtype)
         if on_cuda:
             devices = {device_of(config, rank) for rank in range(local_ranks)}
-            return max(0, min(available_memory(device) for device in devices) - weights)
-        return max(0, available_memory(options.device) - local_ranks * weights)
+            return max(0, min(free_memory(device) for device in devices) - weights)
+        return max(0, free_memory(options.device) - local_ranks * weights)
 
     return size_pool(config, block_bytes, max_model_len, available, 1 if on_cuda else local_ranks)
 
 
-def shard_weight_bytes(shard: ModelConfig, dtype: torch.dtype, config: EngineSettings) -> int:
-    """Bytes of one rank's weights in ``dtype``: its shard's parameters, counted on the meta
-    device (nothing is allocated)."""
-    backend = resolve_backend(config.model.attention_backend, torch.device(config.model.device))
-    with torch.device("meta"):
-        model = model_class(shard.architecture)(dataclasses.replace(shard, dtype=dtype), backend)
-    model.tie_weights()
-    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+def rank_weight_bytes(
+    config: EngineSettings, model_path: Path, shard: ModelConfig, dtype: torch.dtype
+) -> int:
+    """Bytes of one rank's weights once loaded (``shard``: its part of the model at
+    ``model_path``), nothing allocated: :func:`~pagedkv.models.weight_bytes.loaded_weight_bytes`,
+    quantized weights kept in their blocks where the loader keeps them (on the CPU)."""
+    options = config.model
+    backend = resolve_backend(options.attention_backend, torch.device(options.device))
+    keep = torch.device(options.device).type == "cpu"
+    ranks = config.parallel.tensor_parallel_size
+    return loaded_weight_bytes(model_path, shard, dtype, backend, keep, options.quantization, ranks)
 
 
 def device_of(config: EngineSettings, rank: int) -> str:

@@ -84,10 +84,13 @@ class RankTier:
             self.disk = DiskKVTier(spec.folder, layout)
             self.mover = DiskTierMover(self.disk)
         self._loaded: list[tuple[int, bool]] = []
+        #: the last step's inbound moves: destination block -> its entry in ``_loaded``
+        self._inbound: dict[int, int] = {}
         self._seconds_out = self._seconds_in = 0.0
 
     def move(self, kv_cache: KVCache, plan: StepPlan) -> None:
         """The step's moves around its copy-on-write copies, in the executor's order."""
+        self._inbound = {}
         transfers = plan.kv_transfers
         if transfers is None or transfers.is_empty:
             copy_blocks(kv_cache, plan.block_copies)
@@ -97,14 +100,29 @@ class RankTier:
         stored = time.perf_counter()
         copy_blocks(kv_cache, plan.block_copies)
         copied = time.perf_counter()
+        start = len(self._loaded)
         self._loaded += self.mover.load(kv_cache, transfers)
+        self._inbound = {block: start + i for i, (_, block) in enumerate(transfers.inbound())}
         self._seconds_out += stored - started
         self._seconds_in += time.perf_counter() - copied
+
+    def loaded(self, block_ids: tuple[int, ...]) -> bool:
+        """Every one of these blocks was loaded by this step's moves and passed the tier's check."""
+        return all(b in self._inbound and self._loaded[self._inbound[b]][1] for b in block_ids)
+
+    def reject(self, block_ids: tuple[int, ...]) -> None:
+        """This step's loads into these blocks brought wrong bytes (a check after the tier's own
+        failed): they are reported failed, so the tier forgets those copies."""
+        for block in block_ids:
+            if block in self._inbound:
+                slot, _ = self._loaded[self._inbound[block]]
+                self._loaded[self._inbound[block]] = (slot, False)
 
     def report(self) -> TransferReport:
         """What ended since the last call: outbound writes, inbound loads, the time they took."""
         report = TransferReport(self.mover.take_stored(), self._loaded, self._seconds_out, self._seconds_in)
         self._loaded, self._seconds_out, self._seconds_in = [], 0.0, 0.0
+        self._inbound = {}
         return report
 
     def found(self) -> list[tuple[int, int | None, tuple[int, ...]]]:
