@@ -120,12 +120,10 @@ def lora_bgmv(
     columns: torch.Tensor,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """``out [T, out]`` (contiguous) plus each row's adapter output, in place: ``scaling[s] *
-    B_s (A_s x_r)`` for row ``r`` of slot ``s = row_slot[r]`` (int32; -1: none, left as it is).
-    ``x [T, in]``; ``a [slots, shards * rank, in]``, ``b [slots, shards * rank, out]``; block
-    ``p`` of ``rank`` rows writes the columns ``columns[p]:columns[p + 1]`` (int64, ``[shards
-    + 1]``, moved to the rows' device when it is elsewhere); ``scaling [slots]`` float32. A slot
-    outside ``[-1, slots)`` is not checked (that would wait for the device)."""
+    """:func:`pagedkv.kernels.lora_bgmv.lora_bgmv`'s contract (``out += scaling[s] * B_s (A_s
+    x_r)`` per row of a slot, a slot tensor's block ``p`` writing ``columns[p]:columns[p + 1]``)
+    on any device, ``columns`` moved to the rows' device when it is elsewhere. A slot outside
+    ``[-1, slots)`` is not checked (that would wait for the device)."""
     slots, rows_per_slot, n_in = a.shape
     shards = columns.shape[0] - 1
     rows, n_out = out.shape
