@@ -6,7 +6,9 @@
 #   2. CUDA graphs: captured for every batch size, the same tokens as enforce_eager through forks,
 #      beams and preemption, and no host-device sync inside a step (torch's sync debug mode);
 #   3. the Triton split-KV decode and its merge kernel, compiled (the engine tests' contexts are
-#      too short to split);
+#      too short to split); then the Triton GGUF products (every block type, dequantization bit
+#      for bit gguf-py's) and the LoRA BGMV pair compiled, and a quantized model on CUDA keeping
+#      its blocks with the CPU's greedy tokens;
 #   4. exactness on CUDA: float32 greedy tokens equal transformers'; bfloat16 within the documented
 #      agreement criterion (tests/engine/test_bf16_agreement.py);
 #   5. bench throughput on Llama-3.2-1B's shape (seeded random weights drawn on the GPU): mixed,
@@ -16,7 +18,9 @@
 #   6. the same decode figures on Llama-3.1-8B's shape;
 #   7. tests/attention with every paged case on the GPU (backends torch and triton);
 #   8. the Triton decode kernel alone: against contiguous SDPA, on quantized blocks, and where a
-#      call's time goes (GPU time per kernel, the split merge among them, vs wall and host time).
+#      call's time goes (GPU time per kernel, the split merge among them, vs wall and host time);
+#   9. the Triton GGUF product on Llama-3.2-1B's projections (Q4_K, Q8_0; 1 and 64 rows) against
+#      dequantize + F.linear and F.linear on a dense bfloat16 weight.
 # Every section runs under its own time limit and the script's budget ($GPU_CHECK_BUDGET_S, default
 # 480 s, which sections 1-6 fit in; 900 runs all): a section that would start past it is skipped
 # and says so; a failing section is reported and the next one runs. The exit status is 1 when any
@@ -186,6 +190,50 @@ for batch, ctx in [(1, 128), (1, 4096), (32, 1024), (32, 4096), (64, 4096), (256
 PY
 }
 
+# the Triton GGUF product against dequantizing per call (what a quantized layer on CUDA did
+# before it) and against a dense bfloat16 weight, on Llama-3.2-1B's projections, CUDA events
+quant_benchmarks() {
+    "$PY" - <<'PY'
+import torch
+import torch.nn.functional as F
+from pagedkv.kernels import triton_quant
+from pagedkv.kernels.quant_gemm import BLOCKS
+from tests.quant_blocks import Q, random_blocks
+
+dev = torch.device("cuda")
+shapes = {"qkv_proj": (3072, 2048), "o_proj": (2048, 2048), "gate_up_proj": (16384, 2048), "down_proj": (2048, 8192)}
+
+
+def micros(call, repeats=50):
+    for _ in range(3):
+        call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / repeats
+
+
+print("us per call (GB/s of the weight's bytes read), bfloat16 activations, CUDA events over 50 calls")
+for qtype in (Q.Q4_K, Q.Q8_0):
+    for name, (n, k) in shapes.items():
+        blocks = torch.from_numpy(random_blocks(qtype, n, k, seed=n + k)).to(dev)
+        dense = triton_quant.dequantize(blocks, int(qtype), k, torch.bfloat16)
+        for rows in (1, 64):
+            x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+            out = torch.empty(rows, n, device=dev, dtype=torch.bfloat16)
+            fused = micros(lambda: triton_quant.quant_linear(x, blocks, int(qtype), None, out))
+            per_call = micros(lambda: F.linear(x, triton_quant.dequantize(blocks, int(qtype), k, torch.bfloat16)))
+            floor = micros(lambda: F.linear(x, dense))
+            gbs = blocks.numel() / fused / 1e3
+            torch.testing.assert_close(out.float(), F.linear(x, dense).float(), rtol=0.02, atol=0.02 * k**0.5)
+            print(f"{qtype.name} {name:>12} [{n}, {k}] rows {rows:2d}: triton {fused:7.1f} us ({gbs:5.0f} GB/s), "
+                  f"dequantize + F.linear {per_call:7.1f} us, dense bf16 F.linear {floor:7.1f} us")
+PY
+}
+
 # the figures of every bench JSON, one line each
 figures() {
     "$PY" - <<'PY'
@@ -211,7 +259,7 @@ for path in sorted(Path(os.environ["RESULTS"]).glob("bench-*.json")):
 PY
 }
 
-export -f preflight bench kernel_benchmarks
+export -f preflight bench kernel_benchmarks quant_benchmarks
 
 main() {
     echo "== preflight (at most 90 s) =="
@@ -228,6 +276,9 @@ main() {
         "${pytest[@]}" --confcutdir=tests/engine tests/engine/worker/test_cuda_graphs.py
     section "Triton split-KV decode and its merge kernel, compiled" 90 \
         "${pytest[@]}" --confcutdir=tests/attention tests/attention/test_attention_triton.py
+    section "Triton GGUF products and LoRA BGMV on CUDA; quantized models keep their blocks" 180 \
+        "${pytest[@]}" --confcutdir=tests/kernels tests/kernels/test_triton_quant.py \
+        tests/lora/test_triton_lora.py tests/models/test_quantized_cuda.py
     section "exactness on CUDA: float32 greedy = transformers, bfloat16 agreement" 240 \
         "${pytest[@]}" --confcutdir=tests/engine tests/engine/test_engine_exactness.py \
         tests/engine/test_bf16_agreement.py
@@ -239,6 +290,8 @@ main() {
         "${pytest[@]}" --confcutdir=tests/attention tests/attention
     if [ -z "$DRY_RUN" ]; then
         section "the Triton decode kernel alone: vs SDPA, quantized blocks, time per kernel" 150 kernel_benchmarks
+        section "the Triton GGUF product on Llama-3.2-1B's projections vs dequantize + F.linear" 90 \
+            quant_benchmarks
     fi
     echo >>"$SUMMARY"
     figures >>"$SUMMARY" || STATUS=1

@@ -1,4 +1,4 @@
-"""pagedkv's kernels: the CPU kernels in C, and the Triton attention kernel for CUDA.
+"""pagedkv's kernels: the CPU kernels in C, and the Triton kernels for CUDA.
 
 - ``csrc/``: the C sources and their headers, compiled together into one shared library on
   first use for the machine at hand (:mod:`.library`; see :mod:`pagedkv.cbuild` for the cache):
@@ -14,16 +14,34 @@
   (``csrc/quant_types.h``, ``csrc/quant_gemm.c``).
 - :mod:`.paged_attention`: the CPU paged-attention entry points, by dtype.
 - :mod:`.triton_attention`: the Triton paged-attention kernel (imports triton).
+- :mod:`.triton_quant` (with :mod:`.triton_quant_blocks`): products and dequantization of GGUF
+  blocks on CUDA; :mod:`.triton_lora`: the LoRA BGMV on CUDA (both import triton).
+- :mod:`.triton_launch`: how every Triton kernel is launched, compiled or interpreted.
 
 The fused layer ops (``layer_ops.c``) and the decode stack (``decode_stack.c``) are called from
 :mod:`pagedkv.models.layer_ops` and :mod:`pagedkv.models.decode_stack`, which decide when a
 model's layers can take them. This package imports nothing else of pagedkv but
 :mod:`pagedkv.cbuild`: ``attention/`` and ``models/`` sit above it. This module itself imports
-nothing, so the names below are free to read from the command line.
+only the standard library (a Triton module at its first :func:`triton_kernels` call), so the
+names below are free to read from the command line.
 """
+
+import functools
+import importlib
+import importlib.util
+from types import ModuleType
 
 #: The GEMM kernels a linear layer can run on (``EngineConfig.linear_kernel``,
 #: ``--linear-kernel``): auto (the first of tiled, onednn, torch that runs the model's device and
 #: dtype), tiled (pagedkv's, :mod:`.tiled_gemm`), onednn (oneDNN on packed weights) or torch
 #: (``F.linear``).
 LINEAR_KERNELS: tuple[str, ...] = ("auto", "tiled", "onednn", "torch")
+
+
+@functools.cache
+def triton_kernels(name: str) -> ModuleType | None:
+    """The module ``pagedkv.kernels.<name>`` of Triton kernels, or None where triton is not
+    installed (its callers then run torch). Imported at the first call, not before."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    return importlib.import_module(f"{__name__}.{name}")

@@ -31,18 +31,17 @@ whose results must match SDPA to 1e-5, and for bfloat16 under the interpreter, w
 mishandles bfloat16.
 
 This module imports triton; :mod:`pagedkv.attention.backends.triton_backend` imports it lazily.
-The kernel bodies are plain functions, decorated at first use: for CUDA tensors with
-``triton.jit``, for CPU tensors with Triton's interpreter (what ``TRITON_INTERPRET=1`` does),
-whatever the environment said when triton was imported.
+The kernel bodies are plain functions, jitted for CUDA tensors and interpreted for CPU ones at
+first use (:mod:`pagedkv.kernels.triton_launch`).
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from pagedkv.kernels.triton_launch import jitted, launch
 
 
 @triton.jit
@@ -231,66 +230,24 @@ def merge_splits(
     contiguous) into ``[T, Hq, D]`` in ``dtype``, with one launch of :func:`merge_splits_kernel`."""
     splits, tokens, heads, dim = acc.shape
     out = torch.empty((tokens, heads, dim), dtype=dtype, device=acc.device)
-    interpret = acc.device.type != "cuda"
     block_s = min(16, 1 << max(0, (splits - 1).bit_length()))
-    scope = interpreted_device_calls() if interpret else contextlib.nullcontext()
-    with scope:
-        jitted(merge_splits_kernel, interpret)[(tokens * heads,)](
-            acc,
-            maxima,
-            sums,
-            out,
-            splits,
-            tokens * heads,
-            HEAD_DIM=dim,
-            BLOCK_S=block_s,
-            BLOCK_D=max(16, 1 << max(0, (dim - 1).bit_length())),
-        )
+    launch(
+        merge_splits_kernel,
+        (tokens * heads,),
+        acc.device,
+        acc,
+        maxima,
+        sums,
+        out,
+        splits,
+        tokens * heads,
+        HEAD_DIM=dim,
+        BLOCK_S=block_s,
+        BLOCK_D=max(16, 1 << max(0, (dim - 1).bit_length())),
+    )
     return out
-
-
-_compiled: dict[tuple[str, bool], object] = {}
-
-
-def jitted(kernel, interpret: bool):
-    """``kernel`` (a plain function of this module), jitted for a GPU or wrapped in Triton's CPU
-    interpreter; made once per kernel and mode."""
-    key = (kernel.__name__, interpret)
-    if key not in _compiled:
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _compiled[key] = InterpretedFunction(kernel)
-        else:
-            _compiled[key] = triton.jit(kernel)
-    return _compiled[key]
 
 
 def kernel_for(interpret: bool):
     """The paged-attention kernel, jitted for a GPU or wrapped in Triton's CPU interpreter."""
     return jitted(paged_attention_kernel, interpret)
-
-
-@contextlib.contextmanager
-def interpreted_device_calls():
-    """Let an interpreted kernel call ``triton.language``'s own ``@jit`` helpers (``tl.max``,
-    ``tl.sum``, ...). Triton decides at import time whether those helpers are compiled or
-    interpreted (``TRITON_INTERPRET``); when triton was imported without it, this routes their
-    calls through the interpreter for the duration of one launch, which is what importing
-    under ``TRITON_INTERPRET=1`` would have done. A no-op when they are interpreted already."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    original = JITFunction.__call__
-    wrapped: dict[int, InterpretedFunction] = {}
-
-    def call(self, *args, **kwargs):
-        if id(self) not in wrapped:
-            wrapped[id(self)] = InterpretedFunction(self.fn)
-        return wrapped[id(self)](*args, **kwargs)
-
-    JITFunction.__call__ = call
-    try:
-        yield
-    finally:
-        JITFunction.__call__ = original

@@ -37,7 +37,7 @@ from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.quantization.blocks import QuantizedWeight
 from pagedkv.models.quantization.hf_groups import QuantizedLayers, checkpoint_scheme
 from pagedkv.models.quantization.hf_scheme import QuantScheme
-from pagedkv.models.quantization.install import install_quantized
+from pagedkv.models.quantization.install import blocks_to, install_quantized, keeps_blocks
 from pagedkv.models.quantization.on_the_fly import quantize_linears
 from pagedkv.models.rope import rotary_row_order
 from pagedkv.tokenizer.gguf_file import SUFFIX, gguf_parts
@@ -138,8 +138,8 @@ def load_model(
     kernel = choose_linear_kernel(linear_kernel, torch.device(device), dtype)
     cfg = dataclasses.replace(cfg, dtype=dtype)  # model.config describes the model as loaded
     family = model_class(cfg.architecture)
-    # quantized weights stay in their blocks where the CPU kernels run them (a rank: its slice)
-    keep = torch.device(device).type == "cpu"
+    # quantized weights stay in their blocks where kernels run them (a rank: its slice)
+    keep = keeps_blocks(torch.device(device), tensor_parallel is None)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -165,6 +165,8 @@ def load_model(
     if quantization is not None:
         held = quantize_linears(model, quantization, keep)
         model.quantization = f"{quantization} on load, {held}"
+    if keep:
+        blocks_to(model, torch.device(device))
     model.requires_grad_(False)
     model.linear_kernel = pack_linears(model, kernel, batch_hint)
     return_freed_heap()

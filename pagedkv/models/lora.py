@@ -161,7 +161,9 @@ class ModuleSlots:
         in_features = shapes[shards[0]][0]
         self.rank = rank
         self.cut = ShardCut(shards, linear, checkpoint)
-        self.places, self.columns = module_places(shapes, shards)
+        self.places, columns = module_places(shapes, shards)
+        #: the bounds of each block's output columns, on the slots' device, where the kernels read them
+        self.columns = columns.to(like.device)
         rows = len(shards) * rank
         self.a = torch.zeros((slots, rows, in_features), dtype=like.dtype, device=like.device)
         self.b = torch.zeros((slots, rows, int(self.columns[-1])), dtype=like.dtype, device=like.device)

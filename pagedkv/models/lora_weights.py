@@ -12,20 +12,23 @@ Two forms, one per residency design:
   into its pages (:mod:`pagedkv.models.lora_paged`, unified paging).
 
 On the CPU both are one call of the C kernel (:mod:`pagedkv.kernels.lora_bgmv`), the same sums in
-the same order. Elsewhere (CUDA, float16, no kernels library) the slots are two dense products
-over every slot, each row's products of other slots zeroed by its scale; the pages are first
-gathered, only the step's adapters' rows, into transient tensors, then the same products. No
-path synchronises with the device.
+the same order. On CUDA both are the Triton shrink/expand pair of the slot form's contract
+(:mod:`pagedkv.kernels.triton_lora`): the pages are first gathered, only the step's adapters'
+rows, into transient slot tensors, each row's slot renumbered to its adapter's place among them.
+Elsewhere (float16 on the CPU, no kernels library, no triton) the slots are two dense products
+over every slot, each row's products of other slots zeroed by its scale; the pages are gathered
+as on CUDA, then the same products. No path synchronises with the device.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from pagedkv.kernels import lora_bgmv
+from pagedkv.kernels import lora_bgmv, triton_kernels
 
 
 def _scale(
@@ -34,6 +37,15 @@ def _scale(
     """``[T, len(adapters), 1]``: each row's scaling at its own adapter's index, zero elsewhere."""
     scale = (slot.unsqueeze(1) == adapters).to(dtype).mul_(scaling.index_select(0, adapters).to(dtype))
     return scale.unsqueeze(2)
+
+
+def _kernel(x: Tensor, held: Tensor, out: Tensor) -> ModuleType | None:
+    """The BGMV kernels that run rows ``x`` on adapter weights held in ``held`` (slot tensors or
+    the KV cache): the C kernel on the CPU, the Triton pair on CUDA; None: torch."""
+    if not out.is_contiguous():
+        return None
+    kernel = lora_bgmv if x.device.type == "cpu" else triton_kernels("triton_lora")
+    return kernel if kernel is not None and kernel.takes(x, held) else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,8 +65,9 @@ class SlotWeights:
         """``out [T, out]`` plus each row's adapter output for ``x [T, in]`` (in place where it
         can); ``slot [T]`` each row's slot (-1: none), ``scaling [slots]``."""
         a, b = self.a, self.b
-        if lora_bgmv.takes(x, a) and out.is_contiguous():
-            return lora_bgmv.lora_bgmv(x, a, b, slot, scaling, self.columns, out)
+        kernel = _kernel(x, a, out)
+        if kernel is not None:
+            return kernel.lora_bgmv(x, a, b, slot, scaling, self.columns, out)
         slots, rank = a.shape[0], a.shape[1]
         every = torch.arange(slots, device=slot.device)
         low = torch.mm(x, a.reshape(slots * rank, -1).t()).view(-1, slots, rank)
@@ -74,9 +87,12 @@ class PagedWeights:
     columns: torch.Tensor
     n_in: int
     bounds: tuple[int, ...] = field(init=False, repr=False)
+    #: ``columns`` on the cache's device, where the Triton kernels read them
+    device_columns: torch.Tensor = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bounds", tuple(int(c) for c in self.columns))
+        object.__setattr__(self, "device_columns", self.columns.to(self.base.device))
 
     @property
     def slots(self) -> int:
@@ -93,10 +109,13 @@ class PagedWeights:
     def add(self, x: Tensor, slot: Tensor, scaling: Tensor, adapters: Tensor | None, out: Tensor) -> Tensor:
         """As :meth:`SlotWeights.add`; ``adapters``: the step's distinct slots (int64), which
         the torch form gathers (every other slot's offsets may point at reused pages)."""
-        if lora_bgmv.takes(x, self.base) and out.is_contiguous():
+        kernel = _kernel(x, self.base, out)
+        if kernel is lora_bgmv:
             return lora_bgmv.lora_bgmv_paged(x, self.base, self.offsets, slot, scaling, self.columns, out)
         if adapters is None:
             raise ValueError("paged LoRA weights off the C kernel need the step's adapters")
+        if kernel is not None:  # the Triton pair, on the step's adapters gathered as slots
+            return kernel.lora_bgmv(x, *self.slot_form(slot, scaling, adapters), self.device_columns, out)
         flat, rank = self.base.view(-1), self.rank
         table = self.offsets.index_select(0, adapters)
         n = adapters.shape[0]
@@ -109,6 +128,25 @@ class PagedWeights:
             delta = torch.mm(low[:, :, p * rank : (p + 1) * rank].reshape(-1, n * rank), b.view(n * rank, -1))
             out[:, first:end].add_(delta)
         return out
+
+    def slot_form(
+        self, slot: Tensor, scaling: Tensor, adapters: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The step's ``adapters`` (int64, increasing) as the slot form's arguments: ``a [n,
+        shards * rank, in]`` and ``b [n, shards * rank, out]`` gathered from the pages (slot ``i``
+        holding ``adapters[i]``, ``B`` zero outside each block's columns), each row's ``slot``
+        renumbered to its adapter's place (int32, -1 kept) and those slots' scalings."""
+        flat, rank, n = self.base.view(-1), self.rank, adapters.shape[0]
+        table = self.offsets.index_select(0, adapters)
+        a = _gathered(flat, table[:, 0], self.n_in)
+        b = a.new_zeros((n, a.shape[1], self.bounds[-1]))
+        for p in range(self.shards):
+            first, end = self.bounds[p], self.bounds[p + 1]
+            b[:, p * rank : (p + 1) * rank, first:end] = _gathered(
+                flat, table[:, 1, p * rank : (p + 1) * rank], end - first
+            )
+        renumbered = torch.where(slot >= 0, torch.searchsorted(adapters, slot.long()), -1).int()
+        return a, b, renumbered, scaling.index_select(0, adapters)
 
 
 def _gathered(flat: torch.Tensor, offsets: torch.Tensor, width: int) -> torch.Tensor:

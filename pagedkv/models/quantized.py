@@ -12,21 +12,24 @@ writes its columns of the shared output in place. Nothing is requantized.
 
 On the CPU in float32 or bfloat16 the product is the C kernel's
 (:func:`~pagedkv.kernels.quant_gemm.quant_linear`: dequantized on the fly, float32 sums), which
-the C decode stack calls too (``DECODE_QUANT_LINEAR``); elsewhere -- another device or dtype, no
-kernels library -- the weight is dequantized to the activation's dtype for each call and
-multiplied by ``F.linear`` (correct, and as slow as that sounds: for tests and odd setups).
+the C decode stack calls too (``DECODE_QUANT_LINEAR``); on CUDA (float32, bfloat16, float16) the
+Triton kernel's of the same contract (:func:`~pagedkv.kernels.triton_quant.quant_linear`: the
+blocks read in place). Elsewhere -- another device or dtype, no kernels library, no triton --
+the weight is dequantized to the activation's dtype for each call and multiplied by
+``F.linear`` (correct, and as slow as that sounds: for tests and odd setups).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.kernels import library, quant_gemm
+from pagedkv.kernels import library, quant_gemm, triton_kernels
 from pagedkv.models.linear import OutputBuffer
 
 
@@ -123,7 +126,8 @@ class QuantizedLinear(nn.Module):
 
     def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dequantized ``[out, in]`` weight in ``dtype`` on the blocks' device (a new tensor):
-        the C dequantizer where it runs, else gguf-py's (the reference the C equals)."""
+        the C dequantizer where it runs, on CUDA the Triton one, else gguf-py's (the reference both
+        equal)."""
         return torch.cat(
             [_dequantize(blocks, qtype, self.in_features, dtype) for _, _, qtype, blocks in self.columns()]
         )
@@ -138,21 +142,30 @@ class QuantizedLinear(nn.Module):
             and library.why_unavailable() is None
         )
 
+    def kernel(self, x: torch.Tensor) -> ModuleType | None:
+        """The kernels module whose ``quant_linear`` multiplies ``x`` by the blocks in place:
+        :mod:`~pagedkv.kernels.quant_gemm` (C, :meth:`native`), on CUDA
+        :mod:`~pagedkv.kernels.triton_quant`; None: the dense fallback."""
+        if self.native(x):
+            return quant_gemm
+        triton_quant = triton_kernels("triton_quant") if x.device.type == "cuda" else None
+        return triton_quant if triton_quant is not None and triton_quant.takes(x, self.part0) else None
+
     def product(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W.T + bias`` for ``x [..., in]``; on the C path into ``out`` (``[rows, out]``)
-        when given."""
+        """``x @ W.T + bias`` for ``x [..., in]``; on a kernel's path into ``out`` (``[rows,
+        out]``) when given."""
         rows = x.reshape(-1, self.in_features)
-        if not self.native(rows):
-            bias = None if self.bias is None else self.bias.to(x.dtype)
+        kernel = self.kernel(rows)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if kernel is None:
             y = F.linear(rows, self.dense_weight(x.dtype).to(x.device), bias)
             return y.view(*x.shape[:-1], self.out_features)
         rows = rows.contiguous()
         if out is None:
-            out = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
+            out = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype, device=x.device)
         for column, width, qtype, blocks in self.columns():
             part_bias = None if bias is None else bias[column : column + width]
-            quant_gemm.quant_linear(rows, blocks, qtype, part_bias, out[:, column : column + width])
+            kernel.quant_linear(rows, blocks, qtype, part_bias, out[:, column : column + width])
         return out.view(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -176,9 +189,13 @@ class QuantizedLinear(nn.Module):
 
 
 def _dequantize(blocks: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
-    """``blocks`` dequantized to ``[rows, in_features]`` of ``dtype`` on their device."""
+    """``blocks`` dequantized to ``[rows, in_features]`` of ``dtype`` on their device: by the C
+    kernel, on CUDA by the Triton one, else by gguf-py on the CPU."""
     if blocks.device.type == "cpu" and dtype in quant_gemm.DTYPES and library.why_unavailable() is None:
         return quant_gemm.dequantize(blocks, qtype, in_features, dtype)
+    triton_quant = triton_kernels("triton_quant") if blocks.device.type == "cuda" else None
+    if triton_quant is not None and dtype.is_floating_point:
+        return triton_quant.dequantize(blocks, qtype, in_features, dtype)
     from gguf.quants import dequantize  # the reference, for where the C cannot run
 
     dense = torch.from_numpy(dequantize(blocks.cpu().numpy(), qtype))

@@ -27,6 +27,18 @@ MERGE_VARIANTS = {
     "merge-fp32-128": ("*fp32", 128),
     "merge-fp16-80": ("*fp16", 80),
 }
+#: the GGUF product: decode rows (no tl.dot) on every type, batches (tl.dot) on a legacy type and
+#: each super-block layout, in bfloat16, float32 (ieee tl.dot) and float16
+QUANT_TYPES = {"q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "q4_k": 12, "q5_k": 13, "q6_k": 14}
+QUANT_VARIANTS = {  # name -> (qtype, rows, activation dtype)
+    **{f"quant-{name}-gemv-bf16": (qtype, 1, "bf16") for name, qtype in QUANT_TYPES.items()},
+    "quant-q4_0-dot-bf16": (2, 40, "bf16"),
+    "quant-q4_k-dot-fp32": (12, 40, "fp32"),
+    "quant-q6_k-dot-fp16": (14, 17, "fp16"),
+    "quant-q8_0-gemv4-fp16": (8, 4, "fp16"),
+}
+DEQUANTIZE_VARIANTS = {"dequantize-q4_0-bf16": (2, "bf16"), "dequantize-q6_k-fp32": (14, "fp32")}
+LORA_VARIANTS = {"lora-bf16": "bf16", "lora-fp32": "fp32"}
 
 
 def compile_all() -> dict[str, str]:
@@ -35,13 +47,14 @@ def compile_all() -> dict[str, str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from pagedkv.kernels import triton_attention
+    from pagedkv.kernels import triton_attention, triton_lora, triton_quant
 
-    def compile_one(kernel, signature: dict, constexprs: dict) -> str:
+    def compile_one(kernel, signature: dict, constexprs: dict, num_warps: int = 4) -> str:
         signature = signature | dict.fromkeys(constexprs, "constexpr")
         source = ASTSource(triton.jit(kernel), signature=signature, constexprs=constexprs)
         try:
-            cubin = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["cubin"]
+            options = {"num_warps": num_warps}
+            cubin = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
         except Exception as err:  # the message is the result
             return f"{type(err).__name__}: {err}"
         return "ok" if cubin else "empty cubin"
@@ -68,6 +81,35 @@ def compile_all() -> dict[str, str]:
         signature |= {"num_splits": "i32", "num_rows": "i32"}
         constexprs = dict(HEAD_DIM=dim, BLOCK_S=16, BLOCK_D=1 << (dim - 1).bit_length())
         results[name] = compile_one(triton_attention.merge_splits_kernel, signature, constexprs)
+    sizes = dict.fromkeys(("num_rows", "N", "K", "stride_x", "stride_out", "stride_w"), "i32")
+    for name, (qtype, rows, dtype) in QUANT_VARIANTS.items():
+        tile = triton_quant.tiles(qtype, rows)
+        warps = tile.pop("num_warps")
+        signature = dict.fromkeys(("x_ptr", "bias_ptr", "out_ptr"), f"*{dtype}") | {"w_ptr": "*u8"} | sizes
+        constexprs = tile | dict(DOT_IEEE=dtype == "fp32", HAS_BIAS=True)
+        results[name] = compile_one(triton_quant.quant_matmul_kernel, signature, constexprs, warps)
+    for name, (qtype, dtype) in DEQUANTIZE_VARIANTS.items():
+        tile = triton_quant.tiles(qtype, 1)
+        constexprs = {key: tile[key] for key in ("QTYPE", "BLOCK_ELEMENTS", "BLOCK_BYTES", "SUB", "SUB_LEN")}
+        signature = {"w_ptr": "*u8", "out_ptr": f"*{dtype}", "N": "i32", "K": "i32", "stride_w": "i32"}
+        results[name] = compile_one(triton_quant.dequantize_kernel, signature, constexprs | dict(BLOCK_N=16))
+    for name, dtype in LORA_VARIANTS.items():
+        counts = dict.fromkeys(("n_in", "rank", "rows_per_slot", "stride_x"), "i32")
+        signature = {
+            "x_ptr": f"*{dtype}",
+            "a_ptr": f"*{dtype}",
+            "row_slot_ptr": "*i32",
+            "scaling_ptr": "*fp32",
+        }
+        signature |= {"low_ptr": "*fp32"} | counts
+        shrink = compile_one(triton_lora.lora_shrink_kernel, signature, dict(BLOCK_R=16, BLOCK_K=256))
+        counts = dict.fromkeys(("n_out", "rank", "rows_per_slot", "shards", "stride_out"), "i32")
+        signature = {"low_ptr": "*fp32", "b_ptr": f"*{dtype}", "row_slot_ptr": "*i32", "columns_ptr": "*i64"}
+        signature |= {"out_ptr": f"*{dtype}"} | counts
+        expand = compile_one(
+            triton_lora.lora_expand_kernel, signature, dict(BLOCK_N=128, BLOCK_R=16, BLOCK_S=2)
+        )
+        results[name] = shrink if shrink != "ok" else expand
     return results
 
 
@@ -85,7 +127,10 @@ def compiled() -> dict[str, str]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("variant", [*ATTENTION_VARIANTS, *MERGE_VARIANTS])
+VARIANTS = [*ATTENTION_VARIANTS, *MERGE_VARIANTS, *QUANT_VARIANTS, *DEQUANTIZE_VARIANTS, *LORA_VARIANTS]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_the_kernel_compiles_for_a_hopper_gpu(compiled, variant):
     assert compiled[variant] == "ok"
 

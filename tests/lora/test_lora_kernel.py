@@ -88,7 +88,7 @@ def test_each_row_gets_its_own_adapter(name, rank, dtype):
 
 @pytest.mark.parametrize("name", list(MODULES))
 def test_the_dense_product_off_the_kernel_gives_the_same_rows(name):
-    """Where the kernel does not run (float16 here, CUDA in the engine), :meth:`LoRARows.add`
+    """Where the kernel does not run (float16 on the CPU; CUDA without triton), :meth:`LoRARows.add`
     is the dense product over every slot, each row masked to its own."""
     slots = _module(name, 16, torch.float16)
     gen = torch.Generator().manual_seed(2)

@@ -43,7 +43,7 @@ def num_splits(programs: int, longest: int, multiprocessors: int | None) -> int:
 
 def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: AttentionOptions) -> Tensor:
     try:
-        from pagedkv.kernels import triton_attention
+        from pagedkv.kernels import triton_attention, triton_launch
     except ImportError as exc:  # pragma: no cover - triton is a declared test dependency
         raise RuntimeError("the triton attention backend needs `pip install triton`") from exc
     interpret = q.device.type != "cuda"
@@ -87,7 +87,7 @@ def prefill(q: Tensor, layer: LayerKV, metadata: AttentionMetadata, options: Att
         out = torch.empty_like(q)
         maxima = sums = out  # unused
     grid = (m_tiles * splits, num_seqs, layer.num_kv_heads)
-    scope = triton_attention.interpreted_device_calls() if interpret else contextlib.nullcontext()
+    scope = triton_launch.interpreted_device_calls() if interpret else contextlib.nullcontext()
     with scope:
         kernel[grid](
             q,

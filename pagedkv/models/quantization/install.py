@@ -12,9 +12,13 @@ blocks). A tensor-parallel shard's projection holds the blocks of its rows or of
 blocks of input columns (:mod:`pagedkv.models.parallel`), in its all-reduce where it has one
 (:meth:`~pagedkv.models.linear.Linear.holding_blocks`); its embedding and LM head their
 vocabulary rows (:mod:`pagedkv.models.vocab_parallel`). Anything else -- a packed projection
-with a dense part; a type without a kernel; a model that is not kept quantized (off the CPU) --
-is dequantized into its dense parameter with the ``gguf`` package's reference (``d * q`` or
-``d * q + m`` in float32, cast to the model's dtype).
+with a dense part; a type without a kernel; a model that is not kept quantized (no kernel reads
+blocks on its device) -- is dequantized into its dense parameter with the ``gguf`` package's
+reference (``d * q`` or ``d * q + m`` in float32, cast to the model's dtype).
+
+Blocks are kept where kernels read them (:func:`keeps_blocks`): on the CPU (C), and on one CUDA
+device with triton installed (:mod:`pagedkv.kernels.triton_quant`); they are read on the CPU
+and then moved to the model's device once (:func:`blocks_to`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from gguf.quants import dequantize
 from torch import nn
 
-from pagedkv.kernels import quant_gemm
+from pagedkv.kernels import quant_gemm, triton_kernels
 from pagedkv.models.linear import Linear, PackedLinear
 from pagedkv.models.quantization.blocks import QuantizedWeight
 from pagedkv.models.quantized import QuantizedEmbedding, QuantizedLinear
@@ -33,6 +37,27 @@ KEPT = "kept in GGUF blocks"
 DEQUANTIZED = "dequantized into dense weights"
 #: the checkpoint name of the token embedding
 EMBEDDING = "model.embed_tokens.weight"
+
+
+def keeps_blocks(device: torch.device, whole: bool) -> bool:
+    """Whether a model on ``device`` keeps quantized weights in their blocks: on the CPU, and on
+    CUDA where triton imports and the model is ``whole`` (not a tensor-parallel rank's shard)."""
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and whole and triton_kernels("triton_quant") is not None
+
+
+def blocks_to(model: nn.Module, device: torch.device) -> None:
+    """Every quantized layer's blocks moved to ``device``, a tensor shared by several layers (an
+    embedding and the LM head tied to it) moved once and still shared."""
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)):
+            for name, blocks in module._buffers.items():
+                if blocks is not None and blocks.device != device:
+                    if id(blocks) not in moved:
+                        moved[id(blocks)] = blocks.to(device)
+                    module._buffers[name] = moved[id(blocks)]
 
 
 def install_quantized(
