@@ -27,3 +27,11 @@ nothing, so the names below are free to read from the command line.
 #: dtype), tiled (pagedkv's, :mod:`.tiled_gemm`), onednn (oneDNN on packed weights) or torch
 #: (``F.linear``).
 LINEAR_KERNELS: tuple[str, ...] = ("auto", "tiled", "onednn", "torch")
+
+#: The arithmetic of products with GGUF-block weights (``EngineConfig.quantized_activations``,
+#: ``--quantized-activations``): float (the activations as they are, the weights exactly as
+#: dequantized, float32 sums); q8 (a product of a few rows -- a small decode step -- rounds each
+#: activation row to 8-bit blocks and sums integer products, llama.cpp's arithmetic, where it is
+#: the faster; more rows stay float); q8-all (every product in llama.cpp's arithmetic, prefill
+#: too: what llama.cpp computes, for comparing with it). See :mod:`.quant_gemm`.
+QUANTIZED_ACTIVATIONS: tuple[str, ...] = ("float", "q8", "q8-all")

@@ -46,6 +46,7 @@ class InProcessExecutor(Executor):
             batch_hint=config.scheduler.max_num_batched_tokens,
             load_format=options.load_format,
             quantization=options.quantization,
+            quantized_activations=options.quantized_activations,
         )
         if config.lora is not None:  # before the first forward pass builds the op list
             model.lora = LoRASlots(model, config.lora.max_loras, config.lora.max_lora_rank)

@@ -117,6 +117,7 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
         tensor_parallel=tp,
         load_format=spec.config.model.load_format,
         quantization=spec.config.model.quantization,
+        quantized_activations=spec.config.model.quantized_activations,
     )
     lora = spec.config.lora
     if lora is not None:  # adapters are read whole and cut to this rank's shard
