@@ -197,8 +197,8 @@ def use_quantized_activations(model: nn.Module, mode: str) -> str | None:
         return None
     if mode == "float" or library.why_unavailable() is not None:
         return "float activations, float32 sums"
-    rows = f"products of up to {quant_gemm.Q8_DECODE_ROWS} rows" if mode == "q8" else "every product"
-    return f"{rows} on 8-bit activations, integer dot products ({quant_gemm.dot_instructions()})"
+    arithmetic = f"8-bit activations, integer dot products ({quant_gemm.dot_instructions()})"
+    return f"up to {quant_gemm.Q8_DECODE_ROWS} rows: {arithmetic}" if mode == "q8" else arithmetic
 
 
 def _dequantize(blocks: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:
