@@ -98,20 +98,15 @@ static const Q8Kind kind_q4_0 = SMALL(q4_0), kind_q4_1 = SMALL(q4_1), kind_q5_0 
                     kind_q5_1 = SMALL(q5_1), kind_q8_0 = SMALL(q8_0), kind_q4_k = K_TYPE(q4_k_q8_columns),
                     kind_q5_k = K_TYPE(q5_k_q8_columns), kind_q6_k = K_TYPE(q6_k_q8_columns);
 
+/* the weight type's entries, by its ggml code; NULL for a type not here or a K that is not a whole
+ * number of activation blocks */
+static const Q8Kind *const q8_kinds[QUANT_Q6_K + 1] = {
+    [QUANT_Q4_0] = &kind_q4_0, [QUANT_Q4_1] = &kind_q4_1, [QUANT_Q5_0] = &kind_q5_0, [QUANT_Q5_1] = &kind_q5_1,
+    [QUANT_Q8_0] = &kind_q8_0, [QUANT_Q4_K] = &kind_q4_k, [QUANT_Q5_K] = &kind_q5_k, [QUANT_Q6_K] = &kind_q6_k,
+};
 static const Q8Kind *q8_kind(int64_t type, int64_t K) {
-    const Q8Kind *kind = NULL;
-    switch (type) {
-    case QUANT_Q4_0: kind = &kind_q4_0; break;
-    case QUANT_Q4_1: kind = &kind_q4_1; break;
-    case QUANT_Q5_0: kind = &kind_q5_0; break;
-    case QUANT_Q5_1: kind = &kind_q5_1; break;
-    case QUANT_Q8_0: kind = &kind_q8_0; break;
-    case QUANT_Q4_K: kind = &kind_q4_k; break;
-    case QUANT_Q5_K: kind = &kind_q5_k; break;
-    case QUANT_Q6_K: kind = &kind_q6_k; break;
-    default: return NULL;
-    }
-    return K > 0 && K % kind->elements == 0 ? kind : NULL;
+    const Q8Kind *kind = type >= 0 && type <= QUANT_Q6_K ? q8_kinds[type] : NULL;
+    return kind != NULL && K > 0 && K % kind->elements == 0 ? kind : NULL;
 }
 
 /* x [M, K] (float32, or bfloat16 widened) rounded into shared's blocks of kind's format, unless
