@@ -11,7 +11,8 @@
   cannot run here (no C compiler...), and each caller then falls back to torch.
 - :mod:`.tiled_gemm`: the tiled layout of linear weights and the GEMM on it.
 - :mod:`.quant_gemm`: products and dequantization of weights kept in GGUF's quantized blocks
-  (``csrc/quant_types.h``, ``csrc/quant_gemm.c``).
+  (``csrc/quant_types.h``, ``csrc/quant_gemm.c``), and the same products in llama.cpp's 8-bit
+  arithmetic (``csrc/quant_dot.c``).
 - :mod:`.paged_attention`: the CPU paged-attention entry points, by dtype.
 - :mod:`.triton_attention`: the Triton paged-attention kernel (imports triton).
 
