@@ -131,7 +131,7 @@ def load_model(
     checkpoint (GPTQ, AWQ, compressed-tensors) loads through GGUF blocks
     (:mod:`pagedkv.models.quantization`); ``quantization`` ("q8_0", "q4_k", ...) quantizes the
     decoder layers' projections of a 16/32-bit one the way llama.cpp does; ``quantized_activations``
-    ("float", "q8") is the arithmetic of quantized layers' decode products
+    ("float", "q8", "q8-all") is the arithmetic of the quantized layers' products
     (:func:`~pagedkv.models.quantized.use_quantized_activations`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {list(LOAD_FORMATS)}")

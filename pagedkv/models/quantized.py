@@ -14,10 +14,10 @@ On the CPU in float32 or bfloat16 the product is the C kernel's
 (:func:`~pagedkv.kernels.quant_gemm.quant_linear`: dequantized on the fly, float32 sums), which
 the C decode stack calls too (``DECODE_QUANT_LINEAR``). A product of at most ``q8_rows`` rows
 (set for the whole model by :func:`use_quantized_activations`; 0 by default) rounds the
-activations to 8-bit blocks and sums integer products as llama.cpp does, in the stack too;
-elsewhere -- another device or dtype, no
-kernels library -- the weight is dequantized to the activation's dtype for each call and
-multiplied by ``F.linear`` (correct, and as slow as that sounds: for tests and odd setups).
+activations to 8-bit blocks and sums integer products as llama.cpp does, in the stack too.
+Elsewhere -- another device or dtype, no kernels library -- the weight is dequantized to the
+activation's dtype for each call and multiplied by ``F.linear`` (correct, and as slow as that
+sounds: for tests and odd setups).
 """
 
 from __future__ import annotations
