@@ -29,7 +29,7 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.core.kv_policy import POLICY_NAMES
 from pagedkv.engine.structured.config import StructuredOutputsConfig
 from pagedkv.engine.validation import RequestLimits
-from pagedkv.kernels import LINEAR_KERNELS
+from pagedkv.kernels import LINEAR_KERNELS, QUANTIZED_ACTIVATIONS
 from pagedkv.memory.kv_bytes import KV_CACHE_DTYPE_NAMES
 
 ENGINE_GROUP = "engine"
@@ -236,6 +236,13 @@ ENGINE_OPTIONS = (
         "quantize the decoder's projections of a 16/32-bit checkpoint when loading it, to this llama.cpp "
         "type (a GPTQ, AWQ or compressed-tensors checkpoint loads quantized without it; default: off)",
         choices=QUANTIZATION_NAMES,
+    ),
+    EngineOption(
+        "quantized_activations",
+        "how products with GGUF-block weights treat the activations: float (as they are, float32 sums), "
+        "q8 (a decode step of a few rows rounds them to 8-bit blocks and sums integer products, "
+        f"llama.cpp's arithmetic; more rows stay float) or q8-all (every product so, prefill too) {DEFAULT}",
+        choices=QUANTIZED_ACTIVATIONS,
     ),
     EngineOption(
         "speculative_config",

@@ -167,7 +167,7 @@ QUALITY = Bench(
     config=QualityConfig,
     run=run_quality,
     report=print_quality,
-    engine_fields=(*MODEL_FIELDS, "threads"),
+    engine_fields=(*MODEL_FIELDS, "quantized_activations", "threads"),
 )
 
 

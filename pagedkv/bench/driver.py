@@ -97,6 +97,7 @@ class EngineOptions:
     enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
     kv_cache_dtype: str = EngineConfig.kv_cache_dtype
     decode_headroom: float = EngineConfig.decode_headroom
+    quantized_activations: str = EngineConfig.quantized_activations
     scale: int = option(
         1, "divide every length, the budget and the block size by this, for a quick run", group="run"
     )
@@ -143,6 +144,7 @@ class EngineOptions:
             watermark=0.0,
             decode_headroom=self.decode_headroom,
             kv_policy=kv_policy,
+            quantized_activations=self.quantized_activations,
         )
 
 

@@ -317,7 +317,8 @@ def print_quality(result: QualityResult, console: Console) -> None:
     source = f"{result.heldout_files} stdlib files never trained on" if config.text is None else config.text
     console.print(
         f"[bold]KV cache dtype vs quality[/] -- {BUILTIN_NOTE if engine.model is None else engine.model}; "
-        f"model dtype {engine.dtype}.\nPerplexity: {result.scored_tokens:,} held-out tokens "
+        f"model dtype {engine.dtype}, quantized activations {engine.quantized_activations}.\n"
+        f"Perplexity: {result.scored_tokens:,} held-out tokens "
         f"({source}, {windows}). Logits error: the first "
         f"{result.logits_rows:,} rows of those windows vs auto. Greedy: {result.num_prompts} held-out "
         f"prompts of {config.prompt_len} tokens, {config.gen_tokens} tokens each, vs auto."

@@ -21,6 +21,7 @@ from pathlib import Path
 from pagedkv.bench.options import check_options, option, require_positive
 from pagedkv.cli_report import DEFAULT_OUT
 from pagedkv.engine.config import EngineConfig
+from pagedkv.kernels import QUANTIZED_ACTIVATIONS
 
 #: Engine names in table order, and how tables title them. ``pagedkv-eager`` is pagedkv with
 #: ``enforce_eager`` (no CUDA graphs): beside pagedkv on a GPU, it shows what the graphs buy.
@@ -217,6 +218,13 @@ class ThroughputConfig:
         "instead of --model: a GGUF file that pagedkv and llama.cpp both load, its weights kept in "
         "their blocks (--dtypes: the compute dtype)",
         metavar="FILE",
+        group="engines",
+    )
+    quantized_activations: str = option(
+        "float",
+        "pagedkv's arithmetic on GGUF-block weights: float (exact), q8 (small decode steps on 8-bit "
+        "activations and integer dot products, as llama.cpp) or q8-all (every product so)",
+        choices=QUANTIZED_ACTIVATIONS,
         group="engines",
     )
     llamacpp_kv: str = option(

@@ -52,6 +52,8 @@ class LoadSpec:
     device: str = "cpu"
     #: "auto", or "dummy": seeded random weights drawn on the device (a ``--model-shape``)
     load_format: str = "auto"
+    #: pagedkv's arithmetic on GGUF-block weights (``EngineConfig.quantized_activations``)
+    quantized_activations: str = "float"
 
 
 class Engine(Protocol):
@@ -87,6 +89,7 @@ class PagedkvEngine:
             enable_prefix_caching=False,
             skip_tokenizer_init=True,
             enforce_eager=enforce_eager,
+            quantized_activations=spec.quantized_activations,
         )
         self.info = {
             "engine": "pagedkv-eager" if enforce_eager else "pagedkv",
@@ -303,6 +306,7 @@ def _run_dtype(result, dtype: str) -> None:
         max_total_len=max(w.max_total_len for w in workloads),
         device=config.device,
         load_format=config.load_format,
+        quantized_activations=config.quantized_activations,
     )
     status, engines = result.status.setdefault(dtype, {}), {}
     for name in config.engines:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagedkv.config.checks import optional_positive_int
-from pagedkv.kernels import LINEAR_KERNELS
+from pagedkv.kernels import LINEAR_KERNELS, QUANTIZED_ACTIVATIONS
 
 if TYPE_CHECKING:
     import torch
@@ -58,6 +58,9 @@ class ModelOptions:
     #: A name of :data:`QUANTIZATION_NAMES`: the decoder's projections quantized when loaded;
     #: None: the checkpoint's own weights (quantized ones included).
     quantization: str | None
+    #: A name of ``pagedkv.kernels.QUANTIZED_ACTIVATIONS``: how a decode step multiplies
+    #: activations by GGUF-block weights ("float" exact, "q8" llama.cpp's 8-bit arithmetic).
+    quantized_activations: str
 
     def __post_init__(self) -> None:
         if self.dtype is not None and str(self.dtype).removeprefix("torch.") not in DTYPE_NAMES:
@@ -71,6 +74,11 @@ class ModelOptions:
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(
                 f"unknown linear kernel {self.linear_kernel!r}; choose one of {list(LINEAR_KERNELS)}"
+            )
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise ValueError(
+                f"unknown quantized_activations {self.quantized_activations!r}; "
+                f"choose one of {list(QUANTIZED_ACTIVATIONS)}"
             )
         optional_positive_int("max_model_len", self.max_model_len)
 

@@ -110,6 +110,12 @@ class EngineConfig:
     #: (pagedkv.models.quantization.on_the_fly); None: the checkpoint's weights as they are. A
     #: GPTQ, AWQ or compressed-tensors checkpoint loads quantized without it.
     quantization: str | None = None
+    #: How products with weights kept in GGUF blocks treat the activations: "float" (as they
+    #: are: the products equal the dequantized model's); "q8" (a decode step of a few rows
+    #: rounds each activation row to 8-bit blocks and sums integer products, as llama.cpp
+    #: does: faster, the logits move by about what llama.cpp's do; more rows stay float);
+    #: "q8-all" (every product so, prefill too: llama.cpp's arithmetic throughout).
+    quantized_activations: str = "float"
     #: "paged", or "contiguous" / "contiguous-oracle" to measure the reservation it replaces.
     kv_policy: str | KVPolicy = "paged"
     #: The most one request may ask for (samples, beams, tokens); an unset token budget

@@ -11,7 +11,8 @@
   cannot run here (no C compiler...), and each caller then falls back to torch.
 - :mod:`.tiled_gemm`: the tiled layout of linear weights and the GEMM on it.
 - :mod:`.quant_gemm`: products and dequantization of weights kept in GGUF's quantized blocks
-  (``csrc/quant_types.h``, ``csrc/quant_gemm.c``).
+  (``csrc/quant_types.h``, ``csrc/quant_gemm.c``), and the same products in llama.cpp's 8-bit
+  arithmetic (``csrc/quant_dot.c``).
 - :mod:`.paged_attention`: the CPU paged-attention entry points, by dtype.
 - :mod:`.triton_attention`: the Triton paged-attention kernel (imports triton).
 - :mod:`.triton_quant` (with :mod:`.triton_quant_blocks`): products and dequantization of GGUF
@@ -36,6 +37,14 @@ from types import ModuleType
 #: dtype), tiled (pagedkv's, :mod:`.tiled_gemm`), onednn (oneDNN on packed weights) or torch
 #: (``F.linear``).
 LINEAR_KERNELS: tuple[str, ...] = ("auto", "tiled", "onednn", "torch")
+
+#: The arithmetic of products with GGUF-block weights (``EngineConfig.quantized_activations``,
+#: ``--quantized-activations``): float (the activations as they are, the weights exactly as
+#: dequantized, float32 sums); q8 (a product of a few rows -- a small decode step -- rounds each
+#: activation row to 8-bit blocks and sums integer products, llama.cpp's arithmetic, where it is
+#: the faster; more rows stay float); q8-all (every product in llama.cpp's arithmetic, prefill
+#: too: what llama.cpp computes, for comparing with it). See :mod:`.quant_gemm`.
+QUANTIZED_ACTIVATIONS: tuple[str, ...] = ("float", "q8", "q8-all")
 
 
 @functools.cache

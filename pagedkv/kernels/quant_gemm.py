@@ -6,11 +6,14 @@ elements`` blocks each, plus its ggml type code (``gguf.GGMLQuantizationType``'s
 package imports no gguf). :func:`quant_linear` multiplies float32 or bfloat16 activations by it
 without a dense copy: up to a few rows (decode) each block is dequantized into registers inside
 the dot products; more rows (prefill) dequantize a tile of 64 weight rows at a time for the tiled
-GEMM's loop. :func:`dequantize` equals ``gguf.quants.dequantize`` bit for bit.
+GEMM's loop. :func:`dequantize` equals ``gguf.quants.dequantize`` bit for bit. With ``q8``
+the product is llama.cpp's instead (``csrc/quant_dot.c``): each activation row rounded to 8-bit
+blocks (:func:`quantize_activations`), integer dot products, one scale per block.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -33,6 +36,11 @@ BLOCKS: dict[int, tuple[int, int]] = {
 
 #: activation dtypes the C product takes
 DTYPES = (torch.float32, torch.bfloat16)
+#: rows up to which the "q8" products are the faster (each row costs them more than the float
+#: product, which dequantizes a block once for every row: past a few rows it wins)
+Q8_DECODE_ROWS = 4
+#: activation block formats of :func:`quantize_activations`, by ggml type code: (elements, bytes)
+ACTIVATION_BLOCKS: dict[int, tuple[int, int]] = {8: (32, 34), 15: (256, 292)}  # Q8_0, Q8_K
 
 
 def row_bytes(qtype: int, in_features: int) -> int:
@@ -67,12 +75,19 @@ def dequantize(
 
 
 def quant_linear(
-    x: torch.Tensor, blocks: torch.Tensor, qtype: int, bias: torch.Tensor | None, out: torch.Tensor
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    qtype: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    q8: bool = False,
 ) -> torch.Tensor:
     """``out = x @ W.T + bias`` for the weight ``W`` in CPU ``blocks`` of type ``qtype``: ``x``
     contiguous ``[M, K]`` float32 or bfloat16, ``out`` ``[M, N]`` of its dtype with unit column
     stride (a column slice of a wider output is written in place), ``bias`` ``[N]`` of its dtype
-    or None. Returns ``out``."""
+    or None. ``q8``: each row of ``x`` rounded to 8-bit blocks first and integer products summed,
+    as llama.cpp does (``csrc/quant_dot.c``); else ``x`` as it is, the weights exactly as
+    dequantized, float32 sums. Returns ``out``."""
     count, in_features = x.shape
     out_features = out.shape[1]
     if not x.is_contiguous() or out.stride(1) != 1 or out.dtype != x.dtype or out.shape[0] != count:
@@ -82,7 +97,8 @@ def quant_linear(
             f"{blocks.numel()} bytes are not {out_features} rows of {in_features} of type {qtype}"
         )
     if count:
-        status = _entry("quant_linear", x.dtype)(
+        name = "quant_linear_q8" if q8 else "quant_linear"
+        status = _entry(name, x.dtype)(
             x.data_ptr(),
             blocks.data_ptr(),
             qtype,
@@ -96,3 +112,26 @@ def quant_linear(
         if status:
             raise MemoryError("the quantized product could not allocate its workspace")
     return out
+
+
+def quantize_activations(x: torch.Tensor, fmt: int) -> torch.Tensor:
+    """The rows of float32 ``x`` ``[M, K]`` rounded to 8-bit blocks of ggml type ``fmt`` as the
+    ``q8`` product rounds them, as bytes ``[M, K / elements * bytes]``: Q8_0 (8) in GGUF's layout,
+    Q8_K (15) in ggml's ``block_q8_K`` (float scale, 256 quants, 16 sums of 16)."""
+    if fmt not in ACTIVATION_BLOCKS:
+        raise ValueError(f"no activation blocks of ggml type {fmt}")
+    elements, size = ACTIVATION_BLOCKS[fmt]
+    rows, in_features = x.shape
+    if in_features % elements or x.dtype != torch.float32:
+        raise ValueError(f"float32 rows of a multiple of {elements} elements, got {x.dtype} {in_features}")
+    x = x.contiguous()
+    out = torch.empty((rows, in_features // elements * size), dtype=torch.uint8)
+    if library.load().entry("quant_activations_f32")(x.data_ptr(), fmt, out.data_ptr(), rows, in_features):
+        raise MemoryError("rounding activations could not allocate its workspace")
+    return out
+
+
+def dot_instructions() -> str:
+    """The instruction set of the ``q8`` products' integer dot products here: "avx512-vnni",
+    "avx-vnni", "avx2" or "portable"."""
+    return ctypes.string_at(library.load().entry("quant_dot_isa")()).decode()

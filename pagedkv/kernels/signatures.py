@@ -62,6 +62,10 @@ _FAMILIES: tuple[tuple[str, tuple[str, ...], Signature], ...] = (
     # quant_gemm.c
     ("quant_dequantize", _TILED, Signature(INT, (ADDRESS, I64, ADDRESS, I64, I64))),
     ("quant_linear", _TILED, Signature(INT, (ADDRESS, ADDRESS, I64, ADDRESS, ADDRESS) + (I64,) * 4)),
+    # quant_dot.c
+    ("quant_linear_q8", _TILED, Signature(INT, (ADDRESS, ADDRESS, I64, ADDRESS, ADDRESS) + (I64,) * 4)),
+    ("quant_activations", ("f32",), Signature(INT, (ADDRESS, I64, ADDRESS, I64, I64))),
+    ("quant_dot_isa", (), Signature(ADDRESS, ())),
     # paged_attention.c
     (
         "paged_attention_rows",
@@ -138,3 +142,4 @@ class DecodeOp(ctypes.Structure):
     _fields_ += _fields(I64, "experts top_k expert_rows shared_rows moe_flags")
     _fields_ += _fields(ADDRESS, "lora_b lora_columns lora_slot lora_scaling")
     _fields_ += _fields(I64, "lora_slots lora_rank lora_shards")
+    _fields_ += _fields(I64, "q8_rows")

@@ -160,7 +160,7 @@ def _quantized(linear: QuantizedLinear, low: _Lowering) -> str | None:
     for column, width, qtype, blocks in linear.columns():
         bias_at = None if bias is None else bias.data_ptr() + column * bias.element_size()
         fields = {"weight": blocks.data_ptr(), "bias": bias_at, "n_in": linear.in_features}
-        fields |= {"qtype": qtype, "column": column, "columns": width}
+        fields |= {"qtype": qtype, "column": column, "columns": width, "q8_rows": linear.q8_rows}
         if dst is None:
             low.emit(DecodeCode.QUANT_LINEAR, linear.out_features, **fields)
             dst = low.current

@@ -193,6 +193,8 @@ class LlamaForCausalLM(nn.Module):
         self.linear_kernel = LinearKernel(TORCH, "not packed")
         #: how the loader quantized the weights ("gptq int4, ..."); None: dense, as stored
         self.quantization: str | None = None
+        #: the arithmetic of the quantized layers' products, set by the loader; None: no such layer
+        self.quantized_products: str | None = None
         #: the op list as one flat loop (:mod:`pagedkv.models.step_program`), built by the first
         #: forward (after loading and packing: a tensor-parallel shard's layers are in by then)
         self.step_program: StepProgram | None = None

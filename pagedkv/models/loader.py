@@ -39,6 +39,7 @@ from pagedkv.models.quantization.hf_groups import QuantizedLayers, checkpoint_sc
 from pagedkv.models.quantization.hf_scheme import QuantScheme
 from pagedkv.models.quantization.install import blocks_to, install_quantized, keeps_blocks
 from pagedkv.models.quantization.on_the_fly import quantize_linears
+from pagedkv.models.quantized import use_quantized_activations
 from pagedkv.models.rope import rotary_row_order
 from pagedkv.tokenizer.gguf_file import SUFFIX, gguf_parts
 
@@ -115,6 +116,7 @@ def load_model(
     tensor_parallel: TensorParallel | None = None,
     load_format: str = "auto",
     quantization: str | None = None,
+    quantized_activations: str = "float",
 ) -> LlamaForCausalLM:
     """The model of folder ``path`` in eval mode, weights cast to ``dtype`` (default: the
     checkpoint's own dtype; "auto": see :func:`~pagedkv.models.dtypes.resolve_dtype`) on
@@ -128,7 +130,9 @@ def load_model(
     (:mod:`pagedkv.models.dummy_weights`); ``path`` needs only its config.json. A quantized
     checkpoint (GPTQ, AWQ, compressed-tensors) loads through GGUF blocks
     (:mod:`pagedkv.models.quantization`); ``quantization`` ("q8_0", "q4_k", ...) quantizes the
-    decoder layers' projections of a 16/32-bit one the way llama.cpp does."""
+    decoder layers' projections of a 16/32-bit one the way llama.cpp does; ``quantized_activations``
+    ("float", "q8", "q8-all") is the arithmetic of the quantized layers' products
+    (:func:`~pagedkv.models.quantized.use_quantized_activations`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {list(LOAD_FORMATS)}")
     scheme = checkpoint_scheme(path, quantization)
@@ -169,6 +173,7 @@ def load_model(
         blocks_to(model, torch.device(device))
     model.requires_grad_(False)
     model.linear_kernel = pack_linears(model, kernel, batch_hint)
+    model.quantized_products = use_quantized_activations(model, quantized_activations)
     return_freed_heap()
     return model.eval()
 

@@ -12,11 +12,14 @@ writes its columns of the shared output in place. Nothing is requantized.
 
 On the CPU in float32 or bfloat16 the product is the C kernel's
 (:func:`~pagedkv.kernels.quant_gemm.quant_linear`: dequantized on the fly, float32 sums), which
-the C decode stack calls too (``DECODE_QUANT_LINEAR``); on CUDA (float32, bfloat16, float16) the
-Triton kernel's of the same contract (:func:`~pagedkv.kernels.triton_quant.quant_linear`: the
-blocks read in place). Elsewhere -- another device or dtype, no kernels library, no triton --
-the weight is dequantized to the activation's dtype for each call and multiplied by
-``F.linear`` (correct, and as slow as that sounds: for tests and odd setups).
+the C decode stack calls too (``DECODE_QUANT_LINEAR``). A product of at most ``q8_rows`` rows
+(set for the whole model by :func:`use_quantized_activations`; 0 by default) rounds the
+activations to 8-bit blocks and sums integer products as llama.cpp does, in the stack too. On
+CUDA (float32, bfloat16, float16) the product is the Triton kernel's of the same contract
+(:func:`~pagedkv.kernels.triton_quant.quant_linear`: the blocks read in place, float activations).
+Elsewhere -- another device or dtype, no kernels library, no triton -- the weight is dequantized
+to the activation's dtype for each call and multiplied by ``F.linear`` (correct, and as slow as
+that sounds: for tests and odd setups).
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class QuantizedLinear(nn.Module):
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"bias must be [{self.out_features}], got {tuple(bias.shape)}")
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        #: rows up to which the C product runs in llama.cpp's 8-bit arithmetic (0: never)
+        self.q8_rows = 0
 
     @classmethod
     def from_gguf(
@@ -163,9 +168,11 @@ class QuantizedLinear(nn.Module):
         rows = rows.contiguous()
         if out is None:
             out = torch.empty((rows.shape[0], self.out_features), dtype=x.dtype, device=x.device)
+        # llama.cpp's arithmetic (the C kernel's) for a product of few rows, where it was asked for
+        q8 = (rows.shape[0] <= self.q8_rows,) if kernel is quant_gemm else ()
         for column, width, qtype, blocks in self.columns():
             part_bias = None if bias is None else bias[column : column + width]
-            kernel.quant_linear(rows, blocks, qtype, part_bias, out[:, column : column + width])
+            kernel.quant_linear(rows, blocks, qtype, part_bias, out[:, column : column + width], *q8)
         return out.view(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,6 +193,27 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, qtypes={self.qtypes}"
+
+
+#: ``q8_rows`` of each ``quantized_activations`` mode (``pagedkv.kernels.QUANTIZED_ACTIVATIONS``)
+Q8_ROWS = {"float": 0, "q8": quant_gemm.Q8_DECODE_ROWS, "q8-all": 1 << 62}
+
+
+def use_quantized_activations(model: nn.Module, mode: str) -> str | None:
+    """Every quantized layer of ``model`` multiplies in ``mode``'s arithmetic (a name of
+    ``pagedkv.kernels.QUANTIZED_ACTIVATIONS``); what runs, for the runtime line, or None for a
+    model without quantized layers."""
+    if mode not in Q8_ROWS:
+        raise ValueError(f"unknown quantized_activations {mode!r}; choose one of {list(Q8_ROWS)}")
+    layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
+    for layer in layers:
+        layer.q8_rows = Q8_ROWS[mode]
+    if not layers:
+        return None
+    if mode == "float" or library.why_unavailable() is not None:
+        return "float activations, float32 sums"
+    arithmetic = f"8-bit activations, integer dot products ({quant_gemm.dot_instructions()})"
+    return f"up to {quant_gemm.Q8_DECODE_ROWS} rows: {arithmetic}" if mode == "q8" else arithmetic
 
 
 def _dequantize(blocks: torch.Tensor, qtype: int, in_features: int, dtype: torch.dtype) -> torch.Tensor:

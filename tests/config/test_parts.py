@@ -31,6 +31,10 @@ def _part(name: str, **changes):
         (lambda: _part("model", load_format="npz"), "unknown load_format 'npz'"),
         (lambda: _part("model", linear_kernel="mkl"), "unknown linear kernel 'mkl'"),
         (lambda: _part("model", quantization="q3_k"), "unknown quantization 'q3_k'"),
+        (
+            lambda: _part("model", quantized_activations="int4"),
+            "unknown quantized_activations 'int4'",
+        ),
         (lambda: _part("model", max_model_len=0), "max_model_len must be a positive integer, got 0"),
         (lambda: _part("cache", block_size=0), "block_size must be a positive integer, got 0"),
         (lambda: _part("cache", kv_cache_dtype="e5m2"), "unknown kv_cache_dtype 'e5m2'"),

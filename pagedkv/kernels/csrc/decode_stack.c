@@ -10,6 +10,8 @@
  * A kernel that cannot allocate its workspace makes the stack return 1 at once: nothing is
  * half-written that the step keeps, as the caller raises and the step is not committed.
  */
+#include <stdlib.h>
+
 #include "kernels.h"
 
 /* the entry point for each dtype: decode_stack_body.h */

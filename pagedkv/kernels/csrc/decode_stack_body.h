@@ -5,16 +5,18 @@
  * (rms_norm -> rms_norm_bf16), which also names the kernels it calls.
  */
 
-int SUFFIX(decode_stack)(const DecodeOp *ops, int64_t num_ops, void *const *buffers, int64_t tokens,
-                         const T *const *cos, const T *const *sin, const int64_t *const *slots,
-                         const int32_t *const *tables, const int64_t *max_blocks, const int32_t *row_seq,
-                         const int32_t *row_pos,
-                         const int64_t *chunks, const int64_t *threads) {
+/* the records in order; q8: the rounded input the DECODE_QUANT_LINEAR records in a row share
+ * (forgotten after any other record, which may write it) */
+static int SUFFIX(decode_ops)(const DecodeOp *ops, int64_t num_ops, void *const *buffers, int64_t tokens,
+                              const T *const *cos, const T *const *sin, const int64_t *const *slots,
+                              const int32_t *const *tables, const int64_t *max_blocks, const int32_t *row_seq,
+                              const int32_t *row_pos, const int64_t *chunks, const int64_t *threads, Q8Shared *q8) {
     T *residual = buffers[DECODE_RESIDUAL];
     for (int64_t i = 0; i < num_ops; i++) {
         const DecodeOp *op = &ops[i];
         const T *src = buffers[op->src];
         T *dst = buffers[op->dst];
+        if (op->code != DECODE_QUANT_LINEAR) q8->x = NULL;
         switch (op->code) {
         case DECODE_COPY:
             memcpy(dst, src, sizeof(T) * (size_t)(tokens * op->n_out));
@@ -44,8 +46,12 @@ int SUFFIX(decode_stack)(const DecodeOp *ops, int64_t num_ops, void *const *buff
             if (SUFFIX(tiled_gate_up)(src, op->weight, dst, tokens, op->n_in, op->n_out, 1)) return 1;
             break;
         case DECODE_QUANT_LINEAR: {
-            const int status = SUFFIX(quant_linear)(src, op->weight, op->qtype, op->bias, dst + op->column, tokens,
-                                                    op->n_in, op->columns, op->n_out);
+            const int status =
+                tokens <= op->q8_rows
+                    ? SUFFIX(quant_linear_q8_shared)(src, op->weight, op->qtype, op->bias, dst + op->column, tokens,
+                                                     op->n_in, op->columns, op->n_out, q8)
+                    : SUFFIX(quant_linear)(src, op->weight, op->qtype, op->bias, dst + op->column, tokens, op->n_in,
+                                           op->columns, op->n_out);
             if (status) return status;
             break;
         }
@@ -88,6 +94,17 @@ int SUFFIX(decode_stack)(const DecodeOp *ops, int64_t num_ops, void *const *buff
         }
     }
     return 0;
+}
+
+int SUFFIX(decode_stack)(const DecodeOp *ops, int64_t num_ops, void *const *buffers, int64_t tokens,
+                         const T *const *cos, const T *const *sin, const int64_t *const *slots,
+                         const int32_t *const *tables, const int64_t *max_blocks, const int32_t *row_seq,
+                         const int32_t *row_pos, const int64_t *chunks, const int64_t *threads) {
+    Q8Shared q8 = {0};
+    const int status = SUFFIX(decode_ops)(ops, num_ops, buffers, tokens, cos, sin, slots, tables, max_blocks,
+                                          row_seq, row_pos, chunks, threads, &q8);
+    free(q8.blocks);
+    return status;
 }
 
 

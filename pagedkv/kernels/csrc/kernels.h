@@ -152,6 +152,38 @@ int quant_linear_f32(const float *x, const void *w, int64_t type, const float *b
 int quant_linear_bf16(const uint16_t *x, const void *w, int64_t type, const uint16_t *bias, uint16_t *y, int64_t M,
                       int64_t K, int64_t N, int64_t ldy);
 
+/* ---- quant_dot.c: the same products in llama.cpp's arithmetic (8-bit activations) ----------- *
+ *   quant_linear_q8_<f32|bf16>(x, w, type, bias, y, M, K, N, ldy) -> 0, 1 or 2 as quant_linear's
+ *       y as quant_linear's, each row of x rounded to 8-bit blocks (Q8_0 for the 32-element
+ *       types, Q8_K for the K types) and multiplied by integer dot products
+ *   quant_activations_f32(x, format, out, rows, K) -> 0, 1, or 2 for a format or K it does not take
+ *       out = x [rows, K] rounded to blocks of ggml type `format` as the product rounds it:
+ *       Q8_0 (8: GGUF's 34-byte blocks) or Q8_K (15: ggml's block_q8_K, float d, 256 quants,
+ *       16 int16 sums of 16)
+ *   quant_dot_isa() -> the instruction set of the integer products ("avx512-vnni", "avx-vnni",
+ *       "avx2" or "portable")
+ * C callers: quant_linear_q8_shared_<f32|bf16>(..., shared) is quant_linear_q8 with the rounded
+ * rows kept in *shared (zeroed at first; its blocks freed by the caller): a call with the same
+ * x, rows and block format reuses them, so the caller sets shared->x to NULL once x may have
+ * been written (decode_stack.c: after every other record).
+ */
+typedef struct {
+    const void *x;                /* the input the blocks hold, or NULL */
+    int64_t elements, rows, K;    /* its block size, rows and width */
+    void *blocks;
+    size_t capacity;              /* bytes at blocks */
+} Q8Shared;
+int quant_linear_q8_f32(const float *x, const void *w, int64_t type, const float *bias, float *y, int64_t M,
+                        int64_t K, int64_t N, int64_t ldy);
+int quant_linear_q8_bf16(const uint16_t *x, const void *w, int64_t type, const uint16_t *bias, uint16_t *y,
+                         int64_t M, int64_t K, int64_t N, int64_t ldy);
+int quant_linear_q8_shared_f32(const float *x, const void *w, int64_t type, const float *bias, float *y, int64_t M,
+                               int64_t K, int64_t N, int64_t ldy, Q8Shared *shared);
+int quant_linear_q8_shared_bf16(const uint16_t *x, const void *w, int64_t type, const uint16_t *bias, uint16_t *y,
+                                int64_t M, int64_t K, int64_t N, int64_t ldy, Q8Shared *shared);
+int quant_activations_f32(const float *x, int64_t format, void *out, int64_t rows, int64_t K);
+const char *quant_dot_isa(void);
+
 /* ---- paged_attention.c: attention reading keys and values in place from the block pool ---- *
  * q/out [R, Hq, D]; key/value pools [num_blocks, block_size, Hkv, D]; their float32 scales
  * [num_blocks, block_size, Hkv] (quantized pools only, else NULL); block_tables [num_seqs,
@@ -246,6 +278,9 @@ LORA_BGMV_PAGED(lora_bgmv_paged_bf16, uint16_t);
  *   DECODE_QUANT_LINEAR    columns [column, column + columns) of dst [n_out] = src [n_in] .
  *                          weight^T + bias, weight in GGUF blocks of ggml type qtype (one part
  *                          of a packed projection; bias: the part's)    quant_linear_<S>
+ *                          a step of at most q8_rows rows rounds src to 8-bit blocks and sums
+ *                          integer products instead, src rounded once for the records in a row
+ *                          that read it                                   quant_linear_q8_<S>
  *   DECODE_SILU_AND_MUL    dst [n_out] = silu(src[:n_out]) * src[n_out:]  silu_and_mul_<S>
  *   DECODE_OFFSET_NORM     dst = rmsnorm(src) * (1 + weight)             offset_rms_norm_<S>
  *   DECODE_ADD_OFFSET_NORM residual += src; src = rmsnorm(residual) * (1 + weight), in place
@@ -306,6 +341,7 @@ typedef struct {
     int64_t experts, top_k, expert_rows, shared_rows, moe_flags;
     const void *lora_b, *lora_columns, *lora_slot, *lora_scaling; /* DECODE_LORA(_PAGED)'s */
     int64_t lora_slots, lora_rank, lora_shards;
+    int64_t q8_rows; /* DECODE_QUANT_LINEAR's */
 } DecodeOp;
 
 /*   decode_stack_<f32|bf16>(ops, num_ops, buffers, tokens, cos, sin, slots, tables, max_blocks,

@@ -82,11 +82,11 @@ static inline float lane_sum(const vf acc[SPLIT]) {
 
 /* every half float's value, by its bits (half_to_float's): a block's scale is then one load the
  * multiply broadcasts, not a conversion and a broadcast */
-static float half_values[1 << 16];
+float quant_half_values[1 << 16];
 __attribute__((constructor)) static void fill_half_values(void) {
-    for (uint32_t h = 0; h < 1u << 16; h++) half_values[h] = half_to_float((uint16_t)h);
+    for (uint32_t h = 0; h < 1u << 16; h++) quant_half_values[h] = half_to_float((uint16_t)h);
 }
-static inline float scale_of(uint16_t h) { return half_values[h]; }
+static inline float scale_of(uint16_t h) { return quant_half_values[h]; }
 /* the 4-bit quant of element c.. of a 32-element block packed as Q4_0/Q5_0: elements 0..15 the
  * low nibbles of qs, 16..31 the high ones (a vector never straddles the two: VL <= 16) */
 static inline vi nibbles(const uint8_t *qs, int c) { return (vload_u8_i32(qs + c % 16) >> (c / 16 * 4)) & 15; }

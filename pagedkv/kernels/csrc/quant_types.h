@@ -22,6 +22,7 @@ typedef enum {
     QUANT_Q4_K = 12,
     QUANT_Q5_K = 13,
     QUANT_Q6_K = 14,
+    QUANT_Q8_K = 15, /* activations only: quant_dot.c's blocks for the K types */
 } QuantType;
 
 #define QK_SMALL 32 /* elements per block of the legacy types (Q4_0 ... Q8_0) */
@@ -94,6 +95,10 @@ _Static_assert(sizeof(BlockQ8_0) == 34, "Q8_0 block");
 _Static_assert(sizeof(BlockQ4_K) == 144, "Q4_K block");
 _Static_assert(sizeof(BlockQ5_K) == 176, "Q5_K block");
 _Static_assert(sizeof(BlockQ6_K) == 210, "Q6_K block");
+
+/* every half float's value by its bits, half_to_float's (quant_gemm.c fills it when the library
+ * loads): a block's scale is one load */
+extern float quant_half_values[1 << 16];
 
 /* an IEEE half's bits to float32, exactly (subnormals, infinities and NaNs included): F16C's
  * one instruction where the target has it, else by the bits */

@@ -140,6 +140,8 @@ def runtime_of(model: torch.nn.Module) -> dict[str, str]:
     """``Executor.runtime`` of a loaded model: its dtype (and quantization, if the loader
     quantized it), linear kernel, attention backend and what runs its decode steps' layers."""
     quantized = {} if model.quantization is None else {"weights": model.quantization}
+    if model.quantized_products is not None:
+        quantized["quantized products"] = model.quantized_products
     return {
         "dtype": dtype_name(model.config.dtype),
         **quantized,

@@ -55,6 +55,7 @@ class DraftExecutor:
             options.attention_backend,
             options.linear_kernel,
             batch_hint=config.scheduler.max_num_batched_tokens,
+            quantized_activations=options.quantized_activations,
         )
         kv_cache = KVCache(
             model_config.kv_spec(), num_blocks, config.cache.block_size, loaded.config.dtype, options.device

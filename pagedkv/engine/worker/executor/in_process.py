@@ -47,6 +47,7 @@ class InProcessExecutor(Executor):
             batch_hint=config.scheduler.max_num_batched_tokens,
             load_format=options.load_format,
             quantization=options.quantization,
+            quantized_activations=options.quantized_activations,
         )
         dtype = model.config.dtype
         spec = model_config.kv_spec()

@@ -131,6 +131,7 @@ def build_runner(spec: RankSpec, rank: int, group: groups.Groups) -> tuple[Model
         tensor_parallel=tp,
         load_format=spec.config.model.load_format,
         quantization=spec.config.model.quantization,
+        quantized_activations=spec.config.model.quantized_activations,
     )
     lora = spec.config.lora
     whole = ModelConfig.from_pretrained(spec.model_path) if lora is not None else None
