@@ -58,6 +58,20 @@ def test_more_query_heads_per_kv_head_than_the_kernel_holds():
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+def test_every_group_size_the_kernel_holds_attends_as_the_reference(group):
+    """Each count of query heads per KV head up to what the kernel keeps in registers (3: SmolLM2,
+    Llama 3.2 3B) has its own compiled loop in both passes; head dimension 64 takes the value
+    pass's whole groups of vectors."""
+    case = make_case([9, 40, 130], 16, 2, 64, seed=group, device="cpu")
+    q = torch.randn(3, 2 * group, 64)
+    out = paged_decode_attention(q, case.layer, case.block_tables, case.context_lens, 0.125, backend="cpu")
+    expected = torch.stack(
+        [contiguous_attention(q[b : b + 1], case.keys[b], case.values[b], 0.125)[0] for b in range(3)]
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_long_rows_split_into_pieces_merge_exactly():
     """A single long sequence is split across threads (flash-decoding); the merge is exact."""
     case = make_case([cpu_rows.MAX_CHUNK * 2 + 5], 16, 2, 64, seed=7, device="cpu")

@@ -131,6 +131,8 @@ static void SUFFIX(attend_piece)(const Shape *s, const float *qf, const KT *key,
                 float *row = scores + (h * group + g0) * ld + i0;
                 if (gn == 2)
                     SUFFIX(keys)(k, ks, q0, row, h, i0, n, ld, D, vec_d, 2);
+                else if (gn == 3 && GROUPS >= 3) /* 3 query heads per KV head: SmolLM2, Llama 3.2 3B */
+                    SUFFIX(keys)(k, ks, q0, row, h, i0, n, ld, D, vec_d, 3);
                 else if (gn == GROUPS)
                     SUFFIX(keys)(k, ks, q0, row, h, i0, n, ld, D, vec_d, GROUPS);
                 else if (gn == 1)
@@ -199,6 +201,9 @@ static void SUFFIX(attend_piece)(const Shape *s, const float *qf, const KT *key,
                                        VDIMS, i0 == 0, next, lines, total, &owed, &pulled);
                     else if (nd == VDIMS && gj == 4)
                         SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 4,
+                                       VDIMS, i0 == 0, next, lines, total, &owed, &pulled);
+                    else if (nd == VDIMS && gj == 3)
+                        SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 3,
                                        VDIMS, i0 == 0, next, lines, total, &owed, &pulled);
                     else if (nd == 2 && gj == 2) /* D = 32 (small models) */
                         SUFFIX(values)(s, value, value_scale, slot0, i0, len, scores, ld, h, j0, dim0, o, D, 2,
