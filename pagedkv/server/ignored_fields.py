@@ -8,8 +8,9 @@ fields count, and only undeclared ones: a declared field is never "unknown", and
 field the request model refuses by name when set (vLLM's fields not implemented here, e.g.
 ``use_beam_search``), which a request may send unset.
 
-The names are the client's own strings, so they are escaped to printable ASCII before they
-reach a header or the log, and at most :data:`MAX_LISTED` are listed.
+The names are the client's own strings, so they are escaped to printable ASCII (JSON's escapes,
+and a space at either end of a name as ``\\u0020``: a header value may not begin or end with
+one) before they reach a header or the log, and at most :data:`MAX_LISTED` are listed.
 """
 
 from __future__ import annotations
@@ -35,8 +36,20 @@ def ignored_fields(body: BaseModel) -> list[str]:
     return sorted(name for name in body.model_extra or {} if name not in refused)
 
 
+def _escaped(name: str) -> str:
+    """``name`` as printable ASCII (JSON's escapes, and DEL's, which JSON leaves as it is); a space
+    at either end escaped too, since a header value may neither begin nor end with one (h11
+    refuses such a response outright)."""
+    text = json.dumps(name, ensure_ascii=True)[1:-1].replace("\x7f", "\\u007f")
+    core = text.strip(" ")
+    if not core:
+        return "\\u0020" * len(text)
+    head, tail = len(text) - len(text.lstrip(" ")), len(text) - len(text.rstrip(" "))
+    return "\\u0020" * head + core + "\\u0020" * tail
+
+
 def _listed(names: list[str]) -> str:
-    shown = [json.dumps(name, ensure_ascii=True)[1:-1] for name in names[:MAX_LISTED]]
+    shown = [_escaped(name) for name in names[:MAX_LISTED]]
     more = f", ... ({len(names) - MAX_LISTED} more)" if len(names) > MAX_LISTED else ""
     return ", ".join(shown) + more
 

@@ -179,3 +179,14 @@ def test_unknown_names_are_escaped_and_counted(client):
     )
     listed = raw.headers[HEADER]
     assert listed.startswith("bad\\nname, field00, ") and listed.endswith(", ... (5 more)")
+
+
+def test_names_with_spaces_at_their_ends_keep_the_header_legal(client):
+    """A header value may not begin or end with a space: such a name, listed as it is, made the
+    response impossible to send (the client saw the connection close without an answer)."""
+    unknown = {' ""': 1, "a b ": 2, " ": 3, "del\x7f": 4}
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="a", max_tokens=1, extra_body=unknown
+    )
+    assert raw.status_code == 200
+    assert raw.headers[HEADER] == '\\u0020, \\u0020\\"\\", a b\\u0020, del\\u007f'
