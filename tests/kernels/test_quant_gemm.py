@@ -1,6 +1,7 @@
 """The quantized kernels (csrc/quant_gemm.c) against gguf-py and dense products: dequantization
 bit for bit, products to float32 rounding, the prefill path bit for bit the tiled GEMM's on the
-dequantized weight, bfloat16 as float32 rounded once."""
+dequantized weight, bfloat16 as float32 rounded once (or, above the register path on AMX, the dense
+bfloat16 AMX product of the rounded weight, bit for bit)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from gguf.quants import dequantize as gguf_dequantize
 from pagedkv import cbuild
 from pagedkv.kernels import library, quant_gemm
 from pagedkv.kernels.library import KernelLibrary
-from pagedkv.kernels.tiled_gemm import tiled_linear, to_tiles
+from pagedkv.kernels.tiled_gemm import amx_rows, tiled_linear, to_tiles
 from tests.quant_blocks import K_TYPES, TYPES, random_blocks
 
-ROWS = (1, 3, 17, 64)  # the register path (up to GEMV_ROWS) and the tile path
+ROWS = (1, 3, 6, 17, 64, 45)  # the register path (up to GEMV_ROWS), the tile path, AMX from AMX_QUANT_ROWS
+AMX_QUANT_ROWS = 5  # quant_amx.h's
 GEMV_ROWS = 12  # quant_gemm.c's
 
 
@@ -63,15 +65,23 @@ def test_the_float32_product_is_the_dense_one_to_rounding(qtype, rows):
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_bfloat16_is_the_float32_product_of_the_widened_rows_rounded_once(qtype, rows):
+def test_bfloat16_is_the_float32_product_rounded_once_or_on_amx_the_dense_bfloat16_one(qtype, rows):
+    """Below AMX_QUANT_ROWS rows (and at any count without AMX) bfloat16 is the float32 product of
+    the widened rows rounded once; from there on AMX it is the dense AMX product of the weight
+    rounded to bfloat16, bit for bit (the weight as tile rows, the sums transposed back)."""
     blocks, dense = _weight(qtype, 77, seed=100 + rows)
     x = torch.randn(rows, dense.shape[1]).to(torch.bfloat16)
     bias = torch.randn(77).to(torch.bfloat16)
     got = quant_gemm.quant_linear(x, blocks, int(qtype), bias, torch.empty(rows, 77, dtype=torch.bfloat16))
-    wide = quant_gemm.quant_linear(x.float(), blocks, int(qtype), bias.float(), torch.empty(rows, 77))
-    assert torch.equal(got.view(torch.int16), wide.to(torch.bfloat16).view(torch.int16))
-    exact = x.double() @ dense.double().T + bias.double()
-    slack = _rounding_bound(x.float(), dense) + exact.abs() * 2.0**-8
+    if rows >= AMX_QUANT_ROWS and amx_rows():
+        expected = tiled_linear(x, to_tiles(dense.to(torch.bfloat16)), bias)
+        weight = dense.to(torch.bfloat16).float()
+    else:
+        wide = quant_gemm.quant_linear(x.float(), blocks, int(qtype), bias.float(), torch.empty(rows, 77))
+        expected, weight = wide.to(torch.bfloat16), dense
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    exact = x.double() @ weight.double().T + bias.double()
+    slack = _rounding_bound(x.float(), weight) + exact.abs() * 2.0**-8
     assert ((got.double() - exact).abs() <= slack).all()
 
 

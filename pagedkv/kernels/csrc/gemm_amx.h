@@ -17,42 +17,14 @@
  * for which loop sums in which order). Linux hands a process the AMX register state only when
  * asked (arch_prctl); where it refuses, every batch stays on that loop.
  */
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 
 #define AMX_ROWS 1 /* rows from which a bfloat16 product runs on AMX tiles */
-#define AMX_K 32   /* k per A tile row: 16 pairs of bfloat16, 64 bytes */
-#define AMX_N 16   /* columns per B tile */
-
-/* whether this process may use the AMX tiles: asked of the kernel once (arch_prctl's
- * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), the answer kept; PAGEDKV_TILED_AMX=0 in the
- * environment keeps every batch on the AVX512-BF16 loop (its bits, or an A/B of the two) */
-static int amx_usable(void) {
-    static int state = -1; /* -1: not asked yet; a race asks twice, with the same answer */
-    int usable = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-    if (usable < 0) {
-        const char *off = getenv("PAGEDKV_TILED_AMX");
-        usable = !(off != NULL && strcmp(off, "0") == 0) &&
-                 syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-        __atomic_store_n(&state, usable, __ATOMIC_RELEASE);
-    }
-    return usable;
-}
 
 static int amx_rows(int64_t M) { return M >= AMX_ROWS && amx_usable(); }
 
-/* every tile 16 rows of 64 bytes: tmm0-3 the sums, tmm4-5 x, tmm6-7 the weights */
-static void amx_configure(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } config = {.palette = 1};
-    for (int i = 0; i < 8; i++) config.colsb[i] = 64, config.rows[i] = 16;
-    _tile_loadconfig(&config);
-}
-
-/* x [M, K] as AMX A rows: [round_up(M, 16), kp] zero beyond M and K (NULL without memory) */
+/* Tiles here: tmm0-3 the sums, tmm4-5 x, tmm6-7 the weights.
+ * x [M, K] as AMX A rows: [round_up(M, 16), kp] zero beyond M and K (NULL without memory) */
 static uint16_t *amx_rows_of(const uint16_t *x, int64_t M, int64_t K, int64_t kp) {
     const int64_t mp = (M + 15) / 16 * 16;
     uint16_t *a = aligned_alloc(64, sizeof(uint16_t) * mp * kp);

@@ -28,7 +28,8 @@
  * ahead of the block it reads: a decode step streams every weight of the model from memory
  * once, and the hardware's own prefetch alone left the loop waiting on it. Threads split the output columns, as the tiled GEMM's
  * do. bfloat16 activations are widened to float32 once per call (exact) and the results rounded
- * to nearest even, after the bias, once. The vector code is simd.h's (GCC's vector extensions,
+ * to nearest even, after the bias, once; on AMX (quant_amx.h), from a few rows, bfloat16 is
+ * instead the dense bfloat16 product of the weight rounded to bfloat16, on the tiles. The vector code is simd.h's (GCC's vector extensions,
  * lowered to the target's AVX-512, AVX2 or SSE registers).
  */
 #include <stdlib.h>
@@ -465,10 +466,17 @@ int quant_linear_f32(const float *x, const void *w, int64_t type, const float *b
     return failed;
 }
 
+#if GEMM_AMX
+#include "quant_amx.h"
+#endif
+
 int quant_linear_bf16(const uint16_t *x, const void *w, int64_t type, const uint16_t *bias, uint16_t *y, int64_t M,
                       int64_t K, int64_t N, int64_t ldy) {
     const QuantKind *kind = kind_of(type, K);
     if (kind == NULL) return 2;
+#if GEMM_AMX
+    if (M >= AMX_QUANT_ROWS && amx_usable()) return quant_amx_linear_bf16(kind, x, w, bias, y, M, K, N, ldy);
+#endif
     const int64_t step = columns_per_item(M), items = (N + step - 1) / step;
     float *wide = malloc(sizeof(float) * (M * K > 0 ? M * K : 1));
     if (wide == NULL) return 1;
