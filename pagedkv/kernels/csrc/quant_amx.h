@@ -21,8 +21,9 @@
  */
 #include "amx_tiles.h"
 
-#define AMX_QUANT_ROWS 5 /* rows from which a bfloat16 product runs on the tiles */
-#define PANEL 32        /* weight rows per work item: two A tiles */
+#define AMX_QUANT_ROWS 5  /* rows from which a bfloat16 product runs on the tiles */
+#define PANEL 32          /* weight rows per work item: two A tiles */
+#define AHEAD_BYTES 4096  /* how far ahead of the row dequantized its bytes are asked for */
 
 /* x [M, K] as B tiles: [groups of 16 rows][K / 2 pairs][16 rows] 32-bit k pairs, zero beyond M;
  * NULL without memory */
@@ -48,9 +49,12 @@ static uint32_t *quant_amx_columns(const uint16_t *x, int64_t M, int64_t K) {
     return b;
 }
 
-/* panel [PANEL, K] bfloat16: weight rows n0 .. n0 + rows - 1 dequantized through `wide` (room for
- * K floats) and rounded, zero rows after them */
-static void quant_amx_panel(const QuantKind *kind, const void *w, int64_t K, int64_t n0, int64_t rows,
+/* panel [PANEL, K] bfloat16: weight rows n0 .. n0 + rows - 1 (of N) dequantized through `wide`
+ * (room for K floats) and rounded, zero rows after them. Each row first asks for a row's worth of
+ * bytes AHEAD_BYTES past its own start (into the next panel's at the end): a batch's step
+ * streams every weight from memory, and the hardware's prefetch alone left the dequantization
+ * waiting on it */
+static void quant_amx_panel(const QuantKind *kind, const void *w, int64_t K, int64_t N, int64_t n0, int64_t rows,
                             float *wide, uint16_t *panel) {
     const int64_t blocks = K / kind->elements, row_bytes = blocks * kind->bytes;
     for (int64_t r = 0; r < PANEL; r++) {
@@ -59,6 +63,10 @@ static void quant_amx_panel(const QuantKind *kind, const void *w, int64_t K, int
             memset(out, 0, sizeof(uint16_t) * K);
             continue;
         }
+        const int64_t from = (n0 + r) * row_bytes + AHEAD_BYTES, to = from + row_bytes < N * row_bytes
+                                                                        ? from + row_bytes
+                                                                        : N * row_bytes;
+        for (int64_t b = from; b < to; b += 64) _mm_prefetch((const char *)w + b, _MM_HINT_T0);
         kind->dequantize((const char *)w + (n0 + r) * row_bytes, wide, blocks);
         for (int64_t k = 0; k < K; k += 32) /* the second operand makes lanes 0-15 */
             _mm512_store_si512(out + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(wide + k + 16),
@@ -152,7 +160,7 @@ static int quant_amx_linear_bf16(const QuantKind *kind, const uint16_t *x, const
         for (int64_t t = 0; t < items; t++) {
             if (missing) continue;
             const int64_t n0 = t * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
-            quant_amx_panel(kind, w, K, n0, width, wide, panel);
+            quant_amx_panel(kind, w, K, N, n0, width, wide, panel);
             float b[PANEL] __attribute__((aligned(64)));
             for (int64_t i = 0; i < PANEL; i++) b[i] = bias != NULL && i < width ? bf16_to_f32(bias[n0 + i]) : 0.0f;
             for (int64_t m0 = 0; m0 < M; m0 += 32) {
