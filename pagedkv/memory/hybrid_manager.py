@@ -46,6 +46,31 @@ def group_root(cache_salt: str | None, group: int) -> int:
     return root
 
 
+def group_peak_blocks(
+    groups: KVGroups, block_size: int, max_chunk_tokens: int | None, admitted_tokens: int, final_tokens: int
+) -> int:
+    """The most blocks of ``groups`` one sequence holds at once, ``admitted_tokens`` allocated at
+    admission and ``final_tokens`` at its end (the null block aside). A full group holds what
+    admission allocates, then grows to the final tokens. A sliding group holds, once its prompt is computed, a window's blocks and the one a
+    boundary adds before the step's end hands the oldest back; while the prompt is computed
+    chunk by chunk (admission allocating the prompt only, as a paged policy does), a window
+    and a chunk of ``max_chunk_tokens`` at most, else what admission allocates."""
+    admitted, final = (blocks_for(n, block_size) for n in (admitted_tokens, final_tokens))
+    chunked = max_chunk_tokens is not None and admitted_tokens < final_tokens
+    peak = 0
+    for window in groups.windows:
+        if window is None:
+            peak += max(admitted, final)
+            continue
+        reach = min(final, blocks_for(window, block_size) + 2)
+        if chunked:
+            step = blocks_for(window + max_chunk_tokens, block_size) + 2
+            peak += max(reach, min(admitted, step))
+        else:
+            peak += max(admitted, reach)
+    return peak
+
+
 class HybridKVCacheManager(KVCacheManager):
     """:class:`KVCacheManager` with one table per KV group of ``groups`` (module docstring).
 
@@ -246,25 +271,10 @@ class HybridKVCacheManager(KVCacheManager):
         )
 
     def peak_blocks(self, admitted_tokens: int, final_tokens: int) -> int:
-        """A full group holds what admission allocates, then grows to the final tokens. A
-        sliding group holds, once its prompt is computed, a window's blocks and the one a
-        boundary adds before the step's end hands the oldest back; while the prompt is computed
-        chunk by chunk (admission allocating the prompt only, as a paged policy does), a window
-        and a chunk of ``max_chunk_tokens`` at most, else what admission allocates."""
-        admitted, final = (blocks_for(n, self.block_size) for n in (admitted_tokens, final_tokens))
-        chunked = self.max_chunk_tokens is not None and admitted_tokens < final_tokens
-        peak = 0
-        for window in self.groups.windows:
-            if window is None:
-                peak += max(admitted, final)
-                continue
-            reach = min(final, blocks_for(window, self.block_size) + 2)
-            if chunked:
-                step = blocks_for(window + self.max_chunk_tokens, self.block_size) + 2
-                peak += max(reach, min(admitted, step))
-            else:
-                peak += max(admitted, reach)
-        return peak
+        """:func:`group_peak_blocks` for this manager's groups, blocks and chunks."""
+        return group_peak_blocks(
+            self.groups, self.block_size, self.max_chunk_tokens, admitted_tokens, final_tokens
+        )
 
     def held_blocks(self, seq_id: SeqId) -> int:
         return len(self.grouped(seq_id).live_block_ids())

@@ -4,8 +4,8 @@ left once the weights are loaded.
 The rule, for each rank (:func:`auto_pool_blocks`)::
 
     share  = AUTO_KV_SHARE * available / ranks_sharing
-    cap    = max_num_seqs * ceil(max_model_len / block_size) blocks
-    floor  = ceil(max_model_len / block_size) blocks
+    cap    = max_num_seqs * request blocks
+    floor  = request blocks
     blocks = max(floor, min(cap, share // block_bytes))
 
 ``available`` is what the device can still hand out with the weights in place (the host's
@@ -14,7 +14,11 @@ memory). Half of it is left as headroom: for the step's activations, the server 
 tokenizer, and on the CPU for the OS and the other processes of the machine. The ranks of one
 machine that draw on the same memory (the CPU's) split the share between them.
 
-The cap is what ``max_num_seqs`` sequences at the full context can hold at once: a larger pool
+``request blocks`` is what one request at the full context holds at its peak:
+``ceil(max_model_len / block_size)``, or with KV groups the sum over the groups (a sliding group
+holds about its window) and the null block (the executors count it,
+:func:`~pagedkv.memory.hybrid_manager.group_peak_blocks`). The cap is what ``max_num_seqs``
+sequences at the full context can hold at once: a larger pool
 could only keep more finished prefixes cached, so a small model on a big machine takes what
 its batch can use, not half the machine. The floor is one request at the full context, so any
 request the engine admits fits; when even that is more than ``available``, the engine refuses
@@ -63,10 +67,12 @@ def auto_pool_blocks(
     max_model_len: int,
     max_num_seqs: int,
     ranks_sharing: int = 1,
+    request_blocks: int | None = None,
 ) -> int:
     """Blocks of one rank's pool by the module's rule, given the ``available`` bytes after the
-    weights, shared by ``ranks_sharing`` ranks, and ``block_bytes`` per block on that rank."""
-    full_context = blocks_for(max_model_len, block_size)
+    weights, shared by ``ranks_sharing`` ranks, and ``block_bytes`` per block on that rank;
+    ``request_blocks``: one full-context request's peak (None: its tokens' blocks)."""
+    full_context = request_blocks if request_blocks is not None else blocks_for(max_model_len, block_size)
     ranks = max(1, ranks_sharing)
     if full_context * block_bytes > available // ranks:
         shared = f" for {ranks} ranks" if ranks > 1 else ""

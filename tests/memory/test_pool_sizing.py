@@ -35,6 +35,13 @@ def test_a_tight_machine_still_gives_one_full_context():
     assert auto_pool_blocks(10 * MiB, **MODEL) == CONTEXT_BLOCKS
 
 
+def test_floor_and_cap_count_a_request_by_the_blocks_it_holds_at_its_peak():
+    """With KV groups one full-context request holds more blocks than its tokens fill (one table
+    per group): floor and cap count those."""
+    assert auto_pool_blocks(10 * MiB, **MODEL, request_blocks=300) == 300
+    assert auto_pool_blocks(2**40, **MODEL, request_blocks=300) == 64 * 300
+
+
 def test_less_than_one_context_refuses_to_start_naming_what_shrinks_it():
     with pytest.raises(ValueError, match="max_model_len 4096") as err:
         auto_pool_blocks(4 * MiB, **MODEL)

@@ -14,6 +14,7 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.attention import resolve_backend
 from pagedkv.cli import main
 from pagedkv.engine import EngineConfig
+from pagedkv.engine.worker.executor.kv_budget import request_blocks
 from pagedkv.engine.worker.executor.rank import size_rank_pools
 from pagedkv.memory.pool_sizing import AUTO_KV_SHARE, PoolSizing
 from pagedkv.models import ModelConfig, load_model
@@ -207,3 +208,23 @@ def test_replicas_of_a_hybrid_model_are_sized_in_the_blocks_they_page_by(tmp_pat
         assert replica.engine.kv_sizing.block_bytes == grouped.block_bytes
         assert replica.kv_stats()["kv_cache_bytes"] == grouped.nbytes
         assert "2 KV groups of 2 layers" in replica.engine.describe()
+
+
+def test_a_hybrid_model_sized_auto_holds_its_batch_at_the_full_context(tmp_path):
+    """Gemma 2 of four layers, two sliding (window 8): a request at the full context holds a
+    table in each KV group (and the pool a null block), so "auto" counts that request, not its
+    tokens' blocks once: every sequence of the batch reaches the full context together."""
+    layout = dict(sliding_window=8, query_pre_attn_scalar=24, num_hidden_layers=4)
+    path = make_checkpoint(tmp_path, "gemma2", **layout)
+    with LLM(model=str(path), dtype="float32", max_model_len=64, max_num_seqs=2) as llm:
+        sizing = llm.engine.kv_sizing
+        groups = llm.engine.executor.kv_groups
+        assert groups is not None and groups.num_groups == 2
+        request = request_blocks(llm.engine.settings, groups, 64)
+        assert request == 2 * 64 // 16 + 1  # a prompt computed whole fills the sliding group too
+        if AUTO_KV_SHARE * sizing.available >= 2 * request * sizing.block_bytes:  # any machine of today
+            assert sizing.num_blocks == 2 * request
+        prompts = [[5 + i] * 8 for i in range(2)]
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=56, ignore_eos=True), use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [56, 56]
+        assert llm.kv_stats()["preemptions"] == 0

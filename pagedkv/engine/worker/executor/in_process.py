@@ -67,7 +67,7 @@ class InProcessExecutor(Executor):
         block_bytes = KVCache.block_bytes(pool_spec(spec, self.kv_groups), block_size, dtype, kv_dtype)
         # measured now: the weights are in place, nothing of the pool is yet
         available = functools.partial(available_memory, options.device)  # probed only for "auto"
-        self.kv_sizing = size_pool(config, block_bytes, max_model_len, available)
+        self.kv_sizing = size_pool(config, block_bytes, max_model_len, available, 1, self.kv_groups)
         blocks = self.kv_sizing.num_blocks
         graphs = None
         if eager is None:

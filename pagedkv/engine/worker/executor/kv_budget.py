@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 
 from pagedkv.engine.config import EngineSettings
+from pagedkv.memory.hybrid_manager import group_peak_blocks
+from pagedkv.memory.kv_groups import KVGroups
 from pagedkv.memory.pool_sizing import AUTO, PoolSizing, auto_pool_blocks, available_host_memory
 
 
@@ -34,9 +36,11 @@ def size_pool(
     max_model_len: int,
     available: Callable[[], int],
     ranks_sharing: int = 1,
+    kv_groups: KVGroups | None = None,
 ) -> PoolSizing:
     """One rank's pool: ``block_bytes`` per block on that rank; ``available()`` the bytes left
-    after the weights, drawn on by ``ranks_sharing`` ranks (only called for "auto")."""
+    after the weights, drawn on by ``ranks_sharing`` ranks (only called for "auto"). With
+    ``kv_groups`` "auto" counts one full-context request in every group (:func:`request_blocks`)."""
     ranks, cache = config.parallel.tensor_parallel_size, config.cache
     if cache.num_kv_blocks is not None:
         return PoolSizing(cache.num_kv_blocks, cache.block_size, block_bytes, "num_kv_blocks", ranks=ranks)
@@ -51,6 +55,22 @@ def size_pool(
         return PoolSizing(blocks, cache.block_size, block_bytes, "kv_cache_memory", ranks=ranks)
     free = available()
     blocks = auto_pool_blocks(
-        free, block_bytes, cache.block_size, max_model_len, config.scheduler.max_num_seqs, ranks_sharing
+        free,
+        block_bytes,
+        cache.block_size,
+        max_model_len,
+        config.scheduler.max_num_seqs,
+        ranks_sharing,
+        request_blocks(config, kv_groups, max_model_len),
     )
     return PoolSizing(blocks, cache.block_size, block_bytes, AUTO, available=free, ranks=ranks)
+
+
+def request_blocks(config: EngineSettings, kv_groups: KVGroups | None, max_model_len: int) -> int | None:
+    """With KV groups, the blocks one request at the full context holds at its peak -- a prompt
+    one token short of it, chunked as the scheduler chunks prompts, the hybrid manager's own
+    count -- plus the null block; None without groups (the context's blocks)."""
+    if kv_groups is None:
+        return None
+    chunk, last = config.scheduler.max_num_batched_tokens, max(0, max_model_len - 1)
+    return group_peak_blocks(kv_groups, config.cache.block_size, chunk, last, max_model_len) + 1

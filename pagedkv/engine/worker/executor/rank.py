@@ -94,7 +94,7 @@ def size_rank_pools(
             return max(0, min(free_memory(device) for device in devices) - weights)
         return max(0, free_memory(options.device) - local_ranks * weights)
 
-    return size_pool(config, block_bytes, max_model_len, available, 1 if on_cuda else local_ranks)
+    return size_pool(config, block_bytes, max_model_len, available, 1 if on_cuda else local_ranks, kv_groups)
 
 
 def rank_weight_bytes(
