@@ -1,16 +1,16 @@
 """Products and dequantization of weights kept in GGUF's quantized blocks, on the CPU
 (``csrc/quant_gemm.c``, block layouts in ``csrc/quant_types.h``).
 
-A quantized weight ``[N, K]`` is a ``uint8`` tensor of GGUF's bytes, ``N`` rows of ``K /
-elements`` blocks each, plus its ggml type code (``gguf.GGMLQuantizationType``'s value: this
-package imports no gguf). :func:`quant_linear` multiplies float32 or bfloat16 activations by it
-without a dense copy: up to a few rows (decode) each block is dequantized into registers inside
-the dot products; more rows (prefill) dequantize a tile of 64 weight rows at a time for the tiled
-GEMM's loop. In bfloat16 on a CPU with AMX, from a few rows, the product is instead the dense
-bfloat16 one of the weight rounded to bfloat16: panels of weight rows are dequantized straight
-into AMX tile rows (``csrc/quant_amx.h``). :func:`dequantize` equals ``gguf.quants.dequantize`` bit for bit. With ``q8``
-the product is llama.cpp's instead (``csrc/quant_dot.c``): each activation row rounded to 8-bit
-blocks (:func:`quantize_activations`), integer dot products, one scale per block.
+A quantized weight ``[N, K]`` is a ``uint8`` tensor of GGUF's bytes, ``N`` rows of ``K / elements``
+blocks each, plus its ggml type code (``gguf.GGMLQuantizationType``'s value: this package imports no
+gguf). :func:`quant_linear` multiplies float32 or bfloat16 activations by it without a dense copy:
+up to a few rows (decode) each block is dequantized into registers inside the dot products; more
+rows (prefill) dequantize a tile of 64 weight rows at a time for the tiled GEMM's loop. In bfloat16
+on a CPU with AMX, from a few rows, the product is instead the dense bfloat16 one of the weight
+rounded to bfloat16: panels of weight rows are dequantized straight into AMX tile rows
+(``csrc/quant_amx.h``). :func:`dequantize` equals ``gguf.quants.dequantize`` bit for bit. With
+``q8`` the product is llama.cpp's instead (``csrc/quant_dot.c``): each activation row rounded to
+8-bit blocks (:func:`quantize_activations`), integer dot products, one scale per block.
 """
 
 from __future__ import annotations

@@ -49,12 +49,12 @@ def group_root(cache_salt: str | None, group: int) -> int:
 def group_peak_blocks(
     groups: KVGroups, block_size: int, max_chunk_tokens: int | None, admitted_tokens: int, final_tokens: int
 ) -> int:
-    """The most blocks of ``groups`` one sequence holds at once, ``admitted_tokens`` allocated at
-    admission and ``final_tokens`` at its end (the null block aside). A full group holds what
-    admission allocates, then grows to the final tokens. A sliding group holds, once its prompt is computed, a window's blocks and the one a
-    boundary adds before the step's end hands the oldest back; while the prompt is computed
-    chunk by chunk (admission allocating the prompt only, as a paged policy does), a window
-    and a chunk of ``max_chunk_tokens`` at most, else what admission allocates."""
+    """The most blocks of ``groups`` one sequence holds at once, ``admitted_tokens`` allocated at admission
+    and ``final_tokens`` at its end (the null block aside). A full group holds what admission
+    allocates, then grows to the final tokens. A sliding group holds, once its prompt is computed, a
+    window's blocks and the one a boundary adds before the step's end hands the oldest back; while
+    the prompt is computed chunk by chunk (admission allocating the prompt only, as a paged policy
+    does), a window and a chunk of ``max_chunk_tokens`` at most, else what admission allocates."""
     admitted, final = (blocks_for(n, block_size) for n in (admitted_tokens, final_tokens))
     chunked = max_chunk_tokens is not None and admitted_tokens < final_tokens
     peak = 0
