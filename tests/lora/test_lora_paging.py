@@ -5,8 +5,6 @@ block tables' holders plus one for an adapter's page, and every block comes back
 pass reads each adapter in its pages (no slot tensors), at its latest pages after an eviction;
 a model whose rows do not fit a KV chunk computes from slots filled from the pages."""
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -16,11 +14,10 @@ from pagedkv.models.lora import LoRASlots
 from pagedkv.models.lora_paged import ModuleRows, PagedLoRA
 from tests.checkpoints import make_checkpoint
 from tests.lora_adapters import make_adapter, peft_greedy
+from tests.lora_runs import GREEDY, MAX_NEW, run_checked
 from tests.server.helpers import assert_pool_whole
 
-MAX_NEW = 5
 PROMPTS = [[5, 9, 14], [7, 3, 22, 30, 11, 8]]
-GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -35,35 +32,6 @@ def case(tmp_path_factory):
     return base, loras, expected
 
 
-def _check_holders(engine) -> None:
-    """Each block's refcount is the tables holding it plus one if it is an adapter's page, and an
-    adapter's pins are the running sequences of it that hold a table."""
-    pool, paged = engine.kv_manager.pool, engine.scheduler.paged_adapters
-    holders = Counter(b for t in engine.kv_manager.snapshot().tables.values() for b in t.block_ids)
-    resident = paged.pages.resident()
-    pages = Counter(b for r in resident for b in r.block_ids)
-    assert all(n == 1 for n in pages.values()) and not set(pages) & set(holders)
-    assert [pool.refcount(b) for b in range(pool.num_blocks)] == [
-        holders[b] + pages[b] for b in range(pool.num_blocks)
-    ]
-    running = Counter(
-        s.request.lora_int_id for s in engine.scheduler.running if s.seq_id in engine.kv_manager
-    )
-    assert {r.adapter_id: r.pins for r in resident if r.pins} == {k: n for k, n in running.items() if k}
-
-
-def _run(engine, requests) -> dict[str, list[int]]:
-    for rid, prompt, lora in requests:
-        engine.add_request(rid, prompt, GREEDY, lora_request=lora)
-    tokens = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.outputs[0].token_ids
-        _check_holders(engine)
-    return tokens
-
-
 def test_more_adapters_than_the_pool_holds_take_turns_and_equal_peft(case):
     """16 blocks: four adapters of 4 pages cannot all be resident beside their KV blocks, though
     four slots could hold them; they take turns in the pool, idle ones evicted."""
@@ -75,7 +43,7 @@ def test_more_adapters_than_the_pool_holds_take_turns_and_equal_peft(case):
         engine = llm.engine
         order = [*loras, None, *loras]
         requests = [(f"{n}-{k}", p, lora) for n, lora in enumerate(order) for k, p in enumerate(PROMPTS)]
-        tokens = _run(engine, requests)
+        tokens = run_checked(engine, requests)
         paged = engine.scheduler.paged_adapters
         assert paged.pages.num_evictions > 0 and paged.pages.num_loads > len(loras)
         assert_pool_whole(engine)
@@ -91,12 +59,12 @@ def test_an_evicted_adapter_is_read_again_and_gives_the_same_tokens(case):
     with LLM(str(base), **options) as llm:
         engine = llm.engine
         paged = engine.scheduler.paged_adapters
-        before = _run(engine, [("x", PROMPTS[0], first)])
+        before = run_checked(engine, [("x", PROMPTS[0], first)])
         assert paged.pages.is_resident(first.lora_int_id)  # idle, kept for its next request
-        _run(engine, [("y", PROMPTS[1], loras[1]), ("z", PROMPTS[1], loras[2])])
+        run_checked(engine, [("y", PROMPTS[1], loras[1]), ("z", PROMPTS[1], loras[2])])
         assert not paged.pages.is_resident(first.lora_int_id)  # its pages went to the others
         loads = paged.pages.num_loads
-        again = _run(engine, [("x2", PROMPTS[0], first)])
+        again = run_checked(engine, [("x2", PROMPTS[0], first)])
         assert paged.pages.num_loads == loads + 1 and engine.last_step is not None
         assert before["x"] == again["x2"] == expected[first.lora_int_id][0]
         assert_pool_whole(engine)
@@ -110,12 +78,12 @@ def test_cached_kv_blocks_go_before_an_idle_adapter(case):
     with LLM(str(base), **options) as llm:
         engine = llm.engine
         paged = engine.scheduler.paged_adapters
-        _run(engine, [("a", PROMPTS[0], loras[0])])  # 4 pages; 8 tokens fill no block
+        run_checked(engine, [("a", PROMPTS[0], loras[0])])  # 4 pages; 8 tokens fill no block
         long_prompt = list(range(4, 4 + 16 * 6 + 1))  # 7 blocks: free ones, then cached-free ones
-        _run(engine, [("base", long_prompt, None)])
+        run_checked(engine, [("base", long_prompt, None)])
         assert paged.pages.is_resident(loras[0].lora_int_id)
         assert engine.kv_manager.pool.num_cached_free_blocks == 6
-        _run(engine, [("base2", [p + 1 for p in long_prompt] + [5] * 32, None)])  # 9 blocks: 1 more
+        run_checked(engine, [("base2", [p + 1 for p in long_prompt] + [5] * 32, None)])  # 9 blocks: 1 more
         assert not paged.pages.is_resident(loras[0].lora_int_id)
         assert engine.last_step.lora_adapters_resident == 0
         assert_pool_whole(engine)
@@ -215,12 +183,12 @@ def test_with_a_second_tier_an_adapter_load_spills_the_cached_blocks_it_takes(ca
     with LLM(str(base), kv_offload="host", kv_offload_memory="1MiB", **options) as llm:
         engine = llm.engine
         long_prompt = list(range(4, 4 + 16 * 5 + 1))  # 5 full blocks, cached once computed
-        _run(engine, [("base", long_prompt, None)])
+        run_checked(engine, [("base", long_prompt, None)])
         assert engine.kv_manager.pool.num_cached_free_blocks == 5
-        tokens = _run(engine, [("a", PROMPTS[1], loras[0])])  # 4 pages: some of the cached blocks
+        tokens = run_checked(engine, [("a", PROMPTS[1], loras[0])])  # 4 pages: some of the cached blocks
         assert tokens["a"] == expected[loras[0].lora_int_id][1]
         assert engine.kv_manager.pool.num_cached_free_blocks < 5
-        _run(engine, [("again", long_prompt, None)])
+        run_checked(engine, [("again", long_prompt, None)])
         assert engine.last_step is not None and engine.stats().tier.hit_tokens > 0
         assert_pool_whole(engine)
 
@@ -254,12 +222,12 @@ def test_an_adapter_written_into_other_pages_is_read_there(case):
     with LLM(str(base), **options) as llm:
         engine = llm.engine
         paged, slots = engine.scheduler.paged_adapters, engine.scheduler.adapters
-        _run(engine, [("a", PROMPTS[0], first)])
+        run_checked(engine, [("a", PROMPTS[0], first)])
         old = set(paged.pages.block_ids(first.lora_int_id))
-        _run(engine, [("base", list(range(4, 4 + 16 * 8 + 1)), None)])  # 9 blocks: one of its pages
+        run_checked(engine, [("base", list(range(4, 4 + 16 * 8 + 1)), None)])  # 9 blocks: one of its pages
         assert not paged.pages.is_resident(first.lora_int_id)
         placed = slots.loads
-        again = _run(engine, [("a2", PROMPTS[0], first)])
+        again = run_checked(engine, [("a2", PROMPTS[0], first)])
         assert slots.loads == placed and slots.slot_of(first.lora_int_id) is not None  # no slot load
         assert set(paged.pages.block_ids(first.lora_int_id)) != old
         assert again["a2"] == expected[first.lora_int_id][0]

@@ -27,9 +27,9 @@ from pagedkv.models.lora_paged import PagedLoRA
 from pagedkv.models.parallel import TensorParallel
 from pagedkv.models.shard_config import shard_config
 from tests.checkpoints import TEST_VOCAB_SIZE, make_checkpoint
-from tests.lora.test_lora_paging import MAX_NEW as RUN_MAX_NEW
-from tests.lora.test_lora_paging import _run
 from tests.lora_adapters import make_adapter, peft_greedy
+from tests.lora_runs import MAX_NEW as RUN_MAX_NEW
+from tests.lora_runs import run_checked
 from tests.server.helpers import assert_pool_whole
 
 MAX_NEW = 8
@@ -107,14 +107,14 @@ def test_a_small_pool_evicts_and_reloads_the_ranks_shards_alike(tmp_path):
     folders = [make_adapter(tmp_path / f"a{i}", base, seed=10 + i) for i in range(3)]
     loras = [LoRARequest(f"a{i}", i + 1, str(f)) for i, f in enumerate(folders)]
     expected = {lora.lora_int_id: peft_greedy(base, lora.lora_path, prompts, RUN_MAX_NEW) for lora in loras}
-    expected[None] = peft_greedy(base, None, prompts, RUN_MAX_NEW)  # what _run generates
+    expected[None] = peft_greedy(base, None, prompts, RUN_MAX_NEW)  # what run_checked generates
     options = OPTIONS | {"max_loras": 3, "max_lora_rank": 4, "num_kv_blocks": 16}
     with LLM(str(base), tensor_parallel_size=2, **options) as llm:
         engine = llm.engine
         paged = engine.scheduler.paged_adapters
         order = [*loras, None, *loras, loras[0]]
         requests = [(f"{n}-{k}", p, lora) for n, lora in enumerate(order) for k, p in enumerate(prompts)]
-        tokens = _run(engine, requests)  # checks every block's holders at every step
+        tokens = run_checked(engine, requests)  # checks every block's holders at every step
         assert {len(r.block_ids) for r in paged.snapshot()} == {6}
         assert paged.pages.num_evictions > 0 and paged.pages.num_loads > len(loras)
         assert_pool_whole(engine)
@@ -231,12 +231,12 @@ def test_with_a_host_tier_each_ranks_shard_comes_back_from_its_tier(tmp_path):
     tier = {"kv_offload": "host", "kv_offload_memory": "1MiB"}
     with LLM(str(base), tensor_parallel_size=2, **options, **tier) as llm:
         engine = llm.engine
-        first = _run(engine, [(f"x{n}", prompts[0], lora) for n, lora in enumerate(loras)])
+        first = run_checked(engine, [(f"x{n}", prompts[0], lora) for n, lora in enumerate(loras)])
         for folder in folders:  # from here on no rank can read a folder
             folder.rename(folder.with_name(f"gone-{folder.name}"))
         again, sources = {}, []
         for n, lora in enumerate(loras):  # each evicts another for the next
-            again |= _run(engine, [(f"y{n}", prompts[0], lora)])
+            again |= run_checked(engine, [(f"y{n}", prompts[0], lora)])
             resident = {a.lora_int_id: a.loaded_from for a in engine.kv_snapshot().adapters}
             sources.append(resident[lora.lora_int_id])  # idle now, still resident
         assert sources == ["tier"] * len(loras)

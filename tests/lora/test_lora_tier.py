@@ -19,8 +19,8 @@ from pagedkv.engine.lora_registry import weights_checksum
 from pagedkv.memory.tier.adapter_entries import page_entry
 from pagedkv.memory.tier.disk import block_file_name
 from tests.checkpoints import make_checkpoint
-from tests.lora.test_lora_paging import _check_holders
 from tests.lora_adapters import make_adapter, peft_greedy
+from tests.lora_runs import check_holders
 from tests.server.helpers import assert_pool_whole
 
 MAX_NEW = 5
@@ -63,7 +63,7 @@ def _run(engine, loras: list[LoRARequest], steps: Counter) -> list[list[int]]:
         for out in engine.step():
             if out.finished:
                 tokens[out.request_id] = out.outputs[0].token_ids
-        _check_holders(engine)
+        check_holders(engine)
         _check_tier(engine)
         step = engine.last_step
         for name in ("lora_page_tier_loads", "lora_page_file_reads", "lora_page_tier_fallbacks"):
