@@ -19,7 +19,7 @@ from pagedkv.kernels.library import KernelLibrary
 from pagedkv.kernels.tiled_gemm import amx_rows, tiled_linear, to_tiles
 from tests.quant_blocks import K_TYPES, TYPES, random_blocks
 
-ROWS = (1, 3, 6, 17, 64, 45)  # the register path (up to GEMV_ROWS), the tile path, AMX from AMX_QUANT_ROWS
+ROWS = (1, 3, 6, 17, 45, 64, 100)  # register path to GEMV_ROWS, batch path to 64, tile path; bf16 AMX from 5
 AMX_QUANT_ROWS = 5  # quant_amx.h's
 GEMV_ROWS = 12  # quant_gemm.c's
 

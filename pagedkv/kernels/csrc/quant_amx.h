@@ -20,6 +20,7 @@
  * outputs are transposed per 32 x 32 block of sums, far fewer elements than the weight's.
  */
 #include "amx_tiles.h"
+#include "transpose16.h"
 
 #define AMX_QUANT_ROWS 5  /* rows from which a bfloat16 product runs on the tiles */
 #define PANEL 32          /* weight rows per work item: two A tiles */
@@ -103,30 +104,6 @@ static inline void quant_amx_block(const uint16_t *panel, int64_t K, const uint3
     }
 }
 
-/* rows 0..15 of r become its columns: 4 x 4 blocks within each 128-bit lane (unpack, then
- * shuffle), then the lanes themselves (two rounds of 128-bit shuffles) */
-static inline void quant_amx_transpose16(__m512 r[16]) {
-    __m512 u[16];
-    for (int q = 0; q < 4; q++) { /* u[4 q + p], lane L: column 4 L + p of rows 4 q .. 4 q + 3 */
-        const __m512 lo01 = _mm512_unpacklo_ps(r[4 * q], r[4 * q + 1]), hi01 = _mm512_unpackhi_ps(r[4 * q], r[4 * q + 1]);
-        const __m512 lo23 = _mm512_unpacklo_ps(r[4 * q + 2], r[4 * q + 3]),
-                     hi23 = _mm512_unpackhi_ps(r[4 * q + 2], r[4 * q + 3]);
-        u[4 * q] = _mm512_shuffle_ps(lo01, lo23, 0x44);
-        u[4 * q + 1] = _mm512_shuffle_ps(lo01, lo23, 0xEE);
-        u[4 * q + 2] = _mm512_shuffle_ps(hi01, hi23, 0x44);
-        u[4 * q + 3] = _mm512_shuffle_ps(hi01, hi23, 0xEE);
-    }
-    for (int p = 0; p < 4; p++) { /* row 4 L + p: lane L of u[p], u[4 + p], u[8 + p], u[12 + p] */
-        const __m512 low_a = _mm512_shuffle_f32x4(u[p], u[4 + p], 0x44), low_b = _mm512_shuffle_f32x4(u[8 + p], u[12 + p], 0x44);
-        const __m512 high_a = _mm512_shuffle_f32x4(u[p], u[4 + p], 0xEE),
-                     high_b = _mm512_shuffle_f32x4(u[8 + p], u[12 + p], 0xEE);
-        r[p] = _mm512_shuffle_f32x4(low_a, low_b, 0x88);
-        r[4 + p] = _mm512_shuffle_f32x4(low_a, low_b, 0xDD);
-        r[8 + p] = _mm512_shuffle_f32x4(high_a, high_b, 0x88);
-        r[12 + p] = _mm512_shuffle_f32x4(high_a, high_b, 0xDD);
-    }
-}
-
 /* y[j, i] (row stride ldy) = bfloat16(sums[i][j] + bias[i]) for j < rows, i < width (both <= 16;
  * sums' row stride 32): the block transposed in registers, each row rounded by the instruction
  * the dense AMX product rounds with */
@@ -134,7 +111,7 @@ static inline void quant_amx_store(const float *sums, int64_t rows, int64_t widt
                                    int64_t ldy) {
     __m512 r[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_load_ps(sums + 32 * i);
-    quant_amx_transpose16(r);
+    transpose16(r);
     const __m512 b = _mm512_load_ps(bias);
     const __mmask16 mask = (__mmask16)((1u << width) - 1);
     for (int64_t j = 0; j < rows; j++)

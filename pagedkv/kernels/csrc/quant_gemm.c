@@ -18,13 +18,16 @@
  * path (dequantize_q4_k_lanes) skips them the same way. Q6_K on AVX-512BW
  * makes its 6-bit quants 64 at a time as bytes and scales each 16 by a broadcast operand.
  *
- * The product takes one of two paths by the row count M. Up to GEMV_ROWS rows (decode), each
+ * The product takes one of three paths by the row count M. Up to GEMV_ROWS rows (decode), each
  * block of a weight row is dequantized into registers and multiplied into every row's float32
  * lane accumulators: the weight is read once, as its quantized bytes. Above (prefill), each tile
  * of 64 weight rows is dequantized once into the tiled GEMM's layout and multiplied by the tiled
  * GEMM's own loop (tiled_tile_f32), so the rows' results are those of tiled_linear_f32 on the
- * dequantized weight, bit for bit. Both paths use the dequantized weights exactly; only the
- * order of the sums differs between them. The register path prefetches the weight a few KiB
+ * dequantized weight, bit for bit. Between them on AVX-512 (decode batches, quant_batch.h) panels
+ * of weight rows are dequantized as they lie and broadcast against x packed k-major: the same
+ * bits as the tile path without its per-step transpose of the weight. All paths use the
+ * dequantized weights exactly; only the order of the sums differs between the register path and
+ * the others. The register path prefetches the weight a few KiB
  * ahead of the block it reads: a decode step streams every weight of the model from memory
  * once, and the hardware's own prefetch alone left the loop waiting on it. Threads split the output columns, as the tiled GEMM's
  * do. bfloat16 activations are widened to float32 once per call (exact) and the results rounded
@@ -428,10 +431,53 @@ static void to_lane_order(const float *x, float *out, int64_t count) {
         for (int j = 0; j < 16; j++) out[c + j] = x[c + 4 * (j % 4) + j / 4];
 }
 
-/* output columns per work item, and the tile each thread dequantizes into (NULL: registers) */
-static int64_t columns_per_item(int64_t M) { return M <= GEMV_ROWS ? GEMV_COLUMNS : tiled_gemm_tile_width(); }
+#if GEMM_AVX512
+#include "quant_batch.h"
+#define BATCH_PATH_ROWS BATCH_ROWS
+#else
+#define BATCH_PATH_ROWS GEMV_ROWS /* no batch path: the tile path from GEMV_ROWS rows */
+#define PANEL_ROWS 0
+#endif
+
+/* Which path a product of M rows takes: the register path up to GEMV_ROWS, the batch path
+ * (quant_batch.h) up to BATCH_PATH_ROWS, the tile path above */
+static int batch_path(int64_t M) { return M > GEMV_ROWS && M <= BATCH_PATH_ROWS; }
+
+/* output columns per work item, and the workspace each thread dequantizes into (NULL: registers) */
+static int64_t columns_per_item(int64_t M) {
+    return M <= GEMV_ROWS ? GEMV_COLUMNS : batch_path(M) ? PANEL_ROWS : tiled_gemm_tile_width();
+}
 static float *tile_for(int64_t M, int64_t K) {
-    return M <= GEMV_ROWS ? NULL : aligned_alloc(64, sizeof(float) * ((tiled_gemm_tile_width() * K + 15) / 16 * 16));
+    const int64_t width = batch_path(M) ? PANEL_ROWS : tiled_gemm_tile_width();
+    return M <= GEMV_ROWS ? NULL : aligned_alloc(64, sizeof(float) * ((width * K + 15) / 16 * 16));
+}
+
+/* x packed for the batch path (batch_columns_of), or NULL on the other paths; *failed set when
+ * out of memory */
+static float *batch_x(const float *x, int64_t M, int64_t K, int *failed) {
+#if GEMM_AVX512
+    if (!batch_path(M)) return NULL;
+    float *xt = batch_columns_of(x, M, K);
+    if (xt == NULL) *failed = 1;
+    return xt;
+#else
+    (void)x, (void)M, (void)K, (void)failed;
+    return NULL;
+#endif
+}
+
+/* one work item's columns, out[m, j] = x[m] . W[n0 + j]: the batch path's when xt is not NULL */
+static void item_columns(const QuantKind *kind, const float *x, const float *xt, const void *w, int64_t K,
+                         int64_t M, int64_t n0, int64_t width, float *out, int64_t ld, float *tile) {
+#if GEMM_AVX512
+    if (xt != NULL) {
+        batch_columns(kind, xt, w, K, M, n0, width, out, ld, tile);
+        return;
+    }
+#else
+    (void)xt;
+#endif
+    kind->columns(x, w, K, M, n0, width, out, ld, tile);
 }
 
 int quant_linear_f32(const float *x, const void *w, int64_t type, const float *bias, float *y, int64_t M, int64_t K,
@@ -446,6 +492,11 @@ int quant_linear_f32(const float *x, const void *w, int64_t type, const float *b
         x = ordered;
     }
     int failed = 0;
+    float *xt = batch_x(x, M, K, &failed);
+    if (failed) {
+        free(ordered);
+        return 1;
+    }
 #pragma omp parallel
     {
         float *tile = tile_for(M, K);
@@ -455,7 +506,7 @@ int quant_linear_f32(const float *x, const void *w, int64_t type, const float *b
         for (int64_t t = 0; t < items; t++) {
             if (missing) continue;
             const int64_t n0 = t * step, width = N - n0 < step ? N - n0 : step;
-            kind->columns(x, w, K, M, n0, width, y + n0, ldy, tile);
+            item_columns(kind, x, xt, w, K, M, n0, width, y + n0, ldy, tile);
             if (bias != NULL) /* added after the sum, as the tiled GEMM adds it */
                 for (int64_t m = 0; m < M; m++)
                     for (int64_t j = 0; j < width; j++) y[m * ldy + n0 + j] += bias[n0 + j];
@@ -463,6 +514,7 @@ int quant_linear_f32(const float *x, const void *w, int64_t type, const float *b
         free(tile);
     }
     free(ordered);
+    free(xt);
     return failed;
 }
 
@@ -489,6 +541,11 @@ int quant_linear_bf16(const uint16_t *x, const void *w, int64_t type, const uint
         }
     }
     int failed = 0;
+    float *xt = batch_x(wide, M, K, &failed);
+    if (failed) {
+        free(wide);
+        return 1;
+    }
 #pragma omp parallel
     {
         float *tile = tile_for(M, K), *acc = malloc(sizeof(float) * (M * step > 0 ? M * step : 1));
@@ -498,7 +555,7 @@ int quant_linear_bf16(const uint16_t *x, const void *w, int64_t type, const uint
         for (int64_t t = 0; t < items; t++) {
             if (missing) continue;
             const int64_t n0 = t * step, width = N - n0 < step ? N - n0 : step;
-            kind->columns(wide, w, K, M, n0, width, acc, step, tile);
+            item_columns(kind, wide, xt, w, K, M, n0, width, acc, step, tile);
             for (int64_t m = 0; m < M; m++)
                 for (int64_t j = 0; j < width; j++) {
                     const float sum = acc[m * step + j];
@@ -509,5 +566,6 @@ int quant_linear_bf16(const uint16_t *x, const void *w, int64_t type, const uint
         free(acc);
     }
     free(wide);
+    free(xt);
     return failed;
 }
