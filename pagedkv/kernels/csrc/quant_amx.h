@@ -50,13 +50,12 @@ static uint32_t *quant_amx_columns(const uint16_t *x, int64_t M, int64_t K) {
     return b;
 }
 
-/* panel [PANEL, K] bfloat16: weight rows n0 .. n0 + rows - 1 (of N) dequantized through `wide`
- * (room for K floats) and rounded, zero rows after them. Each row first asks for a row's worth of
- * bytes AHEAD_BYTES past its own start (into the next panel's at the end): a batch's step
- * streams every weight from memory, and the hardware's prefetch alone left the dequantization
- * waiting on it */
+/* panel [PANEL, K] bfloat16: weight rows n0 .. n0 + rows - 1 (of N) dequantized and rounded, zero
+ * rows after them. Each row first asks for a row's worth of bytes AHEAD_BYTES past its own start
+ * (into the next panel's at the end): a batch's step streams every weight from memory, and the
+ * hardware's prefetch alone left the dequantization waiting on it */
 static void quant_amx_panel(const QuantKind *kind, const void *w, int64_t K, int64_t N, int64_t n0, int64_t rows,
-                            float *wide, uint16_t *panel) {
+                            uint16_t *panel) {
     const int64_t blocks = K / kind->elements, row_bytes = blocks * kind->bytes;
     for (int64_t r = 0; r < PANEL; r++) {
         uint16_t *out = panel + r * K;
@@ -68,10 +67,7 @@ static void quant_amx_panel(const QuantKind *kind, const void *w, int64_t K, int
                                                                         ? from + row_bytes
                                                                         : N * row_bytes;
         for (int64_t b = from; b < to; b += 64) _mm_prefetch((const char *)w + b, _MM_HINT_T0);
-        kind->dequantize((const char *)w + (n0 + r) * row_bytes, wide, blocks);
-        for (int64_t k = 0; k < K; k += 32) /* the second operand makes lanes 0-15 */
-            _mm512_store_si512(out + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(wide + k + 16),
-                                                                    _mm512_loadu_ps(wide + k)));
+        kind->dequantize_bf16((const char *)w + (n0 + r) * row_bytes, out, blocks);
     }
 }
 
@@ -128,8 +124,7 @@ static int quant_amx_linear_bf16(const QuantKind *kind, const uint16_t *x, const
 #pragma omp parallel
     {
         uint16_t *panel = aligned_alloc(64, sizeof(uint16_t) * PANEL * K);
-        float *wide = malloc(sizeof(float) * K);
-        const int missing = panel == NULL || wide == NULL;
+        const int missing = panel == NULL;
         if (missing) failed = 1;
         amx_configure();
         float sums[32 * 32] __attribute__((aligned(64)));
@@ -137,7 +132,7 @@ static int quant_amx_linear_bf16(const QuantKind *kind, const uint16_t *x, const
         for (int64_t t = 0; t < items; t++) {
             if (missing) continue;
             const int64_t n0 = t * PANEL, width = N - n0 < PANEL ? N - n0 : PANEL;
-            quant_amx_panel(kind, w, K, N, n0, width, wide, panel);
+            quant_amx_panel(kind, w, K, N, n0, width, panel);
             float b[PANEL] __attribute__((aligned(64)));
             for (int64_t i = 0; i < PANEL; i++) b[i] = bias != NULL && i < width ? bf16_to_f32(bias[n0 + i]) : 0.0f;
             for (int64_t m0 = 0; m0 < M; m0 += 32) {
@@ -152,7 +147,6 @@ static int quant_amx_linear_bf16(const QuantKind *kind, const uint16_t *x, const
         }
         _tile_release();
         free(panel);
-        free(wide);
     }
     free(columns);
     return failed;

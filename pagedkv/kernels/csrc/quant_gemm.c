@@ -311,13 +311,14 @@ static inline void dequantize_q6_k(const BlockQ6_K *b, float *out) {
 /* ---- the per-type products (quant_gemm_body.h) ---- */
 
 /* A type's entries: elements and bytes per block; `dequantize` turns `blocks` consecutive blocks
- * into float32; `columns` makes out[m, j] = x[m] . W[n0 + j] for j < width and all M rows of x
+ * into float32 (`dequantize_bf16`: into bfloat16, rounded); `columns` makes out[m, j] = x[m] . W[n0 + j] for j < width and all M rows of x
  * (float32, row stride K), into out (row stride ld): on the register path when tile is NULL,
  * else through tile, room for width * K floats. */
 typedef struct {
     int64_t elements, bytes;
     int lane_order; /* the register path reads x in LANE_ORDER */
     void (*dequantize)(const void *row, float *out, int64_t blocks);
+    void (*dequantize_bf16)(const void *row, uint16_t *out, int64_t blocks); /* AMX builds; else NULL */
     void (*columns)(const float *x, const void *w, int64_t K, int64_t M, int64_t n0, int64_t width, float *out,
                     int64_t ld, float *tile);
 } QuantKind;

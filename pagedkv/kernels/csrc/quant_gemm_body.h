@@ -23,6 +23,24 @@ static void SUFFIX(dequantize_row)(const void *row, float *out, int64_t blocks) 
     for (int64_t i = 0; i < blocks; i++) DEQUANTIZE(b + i, out + i * QK);
 }
 
+#if GEMM_AMX
+/* `blocks` consecutive blocks into bfloat16 rounded to nearest even (quant_amx.h's panel rows,
+ * 64-byte aligned): each block converted while it is still in registers or L1 */
+static void SUFFIX(dequantize_row_bf16)(const void *row, uint16_t *out, int64_t blocks) {
+    const BLOCK *b = row;
+    for (int64_t i = 0; i < blocks; i++) {
+        float wq[QK] __attribute__((aligned(64)));
+        DEQUANTIZE(b + i, wq);
+        for (int c = 0; c < QK; c += 32) /* the second operand makes lanes 0-15 */
+            _mm512_store_si512(out + i * QK + c,
+                               (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(wq + c + 16), _mm512_load_ps(wq + c)));
+    }
+}
+#define SUFFIX_ROW_BF16 SUFFIX(dequantize_row_bf16)
+#else
+#define SUFFIX_ROW_BF16 NULL
+#endif
+
 /* out[m, j] = x[m] . W[n0 + j] for j < width and M rows: each block of a weight row is
  * dequantized once into registers (a QK-float buffer the compiler keeps there), then multiplied
  * into every row's SPLIT lane accumulators, which are summed at the row's end. M a constant after
@@ -88,9 +106,11 @@ static void SUFFIX(columns)(const float *x, const void *w, int64_t K, int64_t M,
     }
 }
 
-static const QuantKind SUFFIX(kind) = {QK, sizeof(BLOCK), SUFFIX_LANE_ORDER, SUFFIX(dequantize_row), SUFFIX(columns)};
+static const QuantKind SUFFIX(kind) = {QK, sizeof(BLOCK), SUFFIX_LANE_ORDER, SUFFIX(dequantize_row), SUFFIX_ROW_BF16,
+                                        SUFFIX(columns)};
 
 #undef SUFFIX_LANE_ORDER
+#undef SUFFIX_ROW_BF16
 #undef GEMV_DEQUANTIZE
 #undef BLOCK
 #undef QK
