@@ -226,6 +226,9 @@ int64_t paged_attention_prefill_lanes(void) { return VL; }
 #define KT uint16_t
 #define KS bf16
 #define SCALED 0
+#if GEMM_AVX512_BF16
+#define PAIRS /* pass 1 on bfloat16 pairs, pass 2 reading pairs: paged_attention_pairs_body.h */
+#endif
 #include "paged_attention_body.h"
 
 #define SUFFIX(name) name##_f32_fp8
