@@ -299,3 +299,22 @@ def test_a_recomputed_sequence_attends_its_generated_tokens_as_decodes_did():
     assert cpu.tile_rows(q, case.layer, options) > 0
     assert torch.equal(again[:prompt_len], first)
     assert torch.equal(again[prompt_len:], torch.cat(decodes))
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("block_size", [16, 12])
+def test_bfloat16_rows_attend_as_float32_over_the_same_numbers(head_dim, block_size):
+    """bfloat16 queries over a bfloat16 pool, three query heads per KV head (SmolLM2's shape at
+    head dimension 64). With AVX512-BF16 and a head dimension that is a multiple of 32 the scores
+    are pair dot products and the value sums hold each chunk's even and odd elements apart until
+    the piece ends; every product is exact either way, so a row agrees with float32 attention
+    over the same bfloat16 numbers to the output's rounding: pieces that cut blocks (chunk 20),
+    contexts ending inside a block and shorter than one pass-1 step."""
+    lens = [1, 17, 45, 131]
+    case = make_case(lens, block_size, 3, head_dim, dtype=torch.bfloat16, seed=head_dim, device="cpu")
+    q = torch.randn(len(lens), 9, head_dim).to(torch.bfloat16)
+    out = _row_kernel(q, case, list(range(len(lens))), [n - 1 for n in lens], chunk=20)
+    for b in range(len(lens)):
+        keys, values = case.keys[b].float(), case.values[b].float()
+        expected = contiguous_attention(q[b : b + 1].float(), keys, values, head_dim**-0.5)[0]
+        torch.testing.assert_close(out[b].float(), expected, atol=2e-3, rtol=2**-7)

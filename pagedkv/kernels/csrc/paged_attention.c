@@ -25,6 +25,13 @@
  * and flag stores around its eight multiply-adds. None of this changes a sum's order: results are bit for bit
  * those of the plain loops.
  *
+ * bfloat16 queries over a bfloat16 pool, where the target has AVX512-BF16 and the head dimension
+ * is a multiple of 32, score on the instruction set's pair dot products instead
+ * (paged_attention_pairs_body.h): keys need no conversion, and 16 positions' sums are reduced
+ * by one tree where the float32 loop reduces every 4. Products are exact either way (a query
+ * is a bfloat16); the sums run in another order, so these scores agree with the float32 loop's
+ * to rounding, and every bfloat16 row the row kernel takes is scored this way.
+ *
  * Rows that come as a run -- 2 to MAX_RUN consecutive positions of one sequence and no other row
  * of it beside them, as speculative decoding's k + 1 verified rows do -- share their pieces: a
  * piece of a run is computed lanes across the run's query heads of one KV head (attend_lanes,
@@ -226,6 +233,9 @@ int64_t paged_attention_prefill_lanes(void) { return VL; }
 #define KT uint16_t
 #define KS bf16
 #define SCALED 0
+#if GEMM_AVX512_BF16
+#define PAIRS /* pass 1 on bfloat16 pairs, pass 2 reading pairs: paged_attention_pairs_body.h */
+#endif
 #include "paged_attention_body.h"
 
 #define SUFFIX(name) name##_f32_fp8

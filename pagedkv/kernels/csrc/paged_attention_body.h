@@ -24,6 +24,10 @@ static inline int64_t SUFFIX(slot)(const Shape *s, const int32_t *table, int64_t
     return (int64_t)table[t / s->block_size] * s->block_size + t % s->block_size;
 }
 
+#ifdef PAIRS
+#include "paged_attention_pairs_body.h"
+#endif
+
 /* Pass 1's inner step: the scores of TOKENS keys k[u] (KV head h) for gn query heads whose
  * float32 queries start at q (D apart), into rows[g * ld + u] for positions i0 + u < n. Each key
  * vector is loaded (and converted) once for all gn heads. Called with a constant gn where it
@@ -105,6 +109,11 @@ static void SUFFIX(attend_piece)(const Shape *s, const float *qf, const KT *key,
     /* pass 1: scores[j * ld + i] for position t0 + i, TOKENS positions at a time; each key
      * vector is loaded (and converted) once for up to GROUPS query heads of its KV head (heads
      * past the group repeat its last one; their sums are dropped) */
+#ifdef PAIRS
+    if (D % PAIR_DIMS == 0)
+        SUFFIX(pair_scores)(s, qf, key, table, t0, n, scores, ld);
+    else
+#endif
     for (int64_t i0 = 0; i0 < n; i0 += TOKENS) {
         const KT *k[TOKENS];
         const float *ks[TOKENS];
@@ -438,3 +447,4 @@ int SUFFIX(paged_attention_rows)(
 #undef KT
 #undef KS
 #undef SCALED
+#undef PAIRS
