@@ -35,7 +35,10 @@ static inline int64_t SUFFIX(slot)(const Shape *s, const int32_t *table, int64_t
 static inline __attribute__((always_inline)) void SUFFIX(keys)(
     const KT *const k[TOKENS], const float *const ks[TOKENS], const float *q, float *rows,
     int64_t h, int64_t i0, int64_t n, int64_t ld, int64_t D, int64_t vec_d, int64_t gn) {
-    vf acc_g[GROUPS][TOKENS] = {{{0}}};
+    vf acc_g[GROUPS][TOKENS]; /* only the gn heads' (a constant here): zeroing all would be a memset */
+    for (int g = 0; g < GROUPS; g++)
+        if (g < gn)
+            for (int u = 0; u < TOKENS; u++) acc_g[g][u] = (vf){0};
     for (int64_t d = 0; d < vec_d; d += VL) {
         vf kv[TOKENS];
         for (int u = 0; u < TOKENS; u++) kv[u] = KV_VLOAD(k[u] + h * D + d);
